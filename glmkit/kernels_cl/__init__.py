@@ -1,0 +1,1 @@
+"""OpenCL C kernels and their launchers (the OpenCL backend; see issue 4). Empty until that lands."""
