@@ -1,0 +1,79 @@
+"""Quantization presets: which bits and group size each tensor role gets.
+
+`bits=None` keeps the tensor in F32. Norms, biases and the router are always F32. int8 is per row;
+int4 and int2 use `group_size` (None = per row, which measurably hurts quality: DESIGN section 4).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from glmkit.errors import GlmkitError
+from glmkit.formats.packing import SUPPORTED_BITS, packed_row_bytes, scales_shape
+from glmkit.formats.schema import TensorSpec
+from glmkit.formats.writer import PlannedTensor
+
+QUANTIZABLE_ROLES = ("embed", "lm_head", "attention", "indexer", "dense_mlp", "shared_expert", "routed_expert",
+                     "mtp")
+DENSE_ROLES = ("attention", "dense_mlp", "shared_expert")
+DEFAULT_GROUP_SIZE = 64
+
+_Q4 = {"routed_expert": 4, "shared_expert": 4, "dense_mlp": 4, "attention": 4,
+       "embed": 8, "lm_head": 8, "indexer": 8, "mtp": 8}
+PRESETS: dict[str, dict[str, int]] = {
+    "f32": {},
+    "q8": dict.fromkeys(QUANTIZABLE_ROLES, 8),
+    "q4": _Q4,
+    "q2": {**_Q4, "routed_expert": 2},
+}
+
+
+@dataclass(frozen=True)
+class QuantPlan:
+    """Bits per role (absent = F32) and the group size for sub-8-bit weights."""
+
+    bits: dict[str, int]
+    group_size: int | None
+
+    @classmethod
+    def from_preset(cls, preset: str, expert_bits: int | None = None, dense_bits: int | None = None,
+                    embed_bits: int | None = None, group_size: int | None = DEFAULT_GROUP_SIZE) -> QuantPlan:
+        """A preset with per-class overrides; bits 32 means keep F32, group_size 0 or None means per row."""
+        if preset not in PRESETS:
+            raise GlmkitError(f"--preset: unknown preset {preset!r} (choose from {', '.join(PRESETS)})")
+        bits = dict(PRESETS[preset])
+        for roles, value, flag in ((("routed_expert",), expert_bits, "--expert-bits"),
+                                   (DENSE_ROLES, dense_bits, "--dense-bits"),
+                                   (("embed", "lm_head"), embed_bits, "--embed-bits")):
+            if value is None:
+                continue
+            if value != 32 and value not in SUPPORTED_BITS:
+                raise GlmkitError(f"{flag}: {value} is not one of 2, 4, 8 or 32 (F32)")
+            for role in roles:
+                if value == 32:
+                    bits.pop(role, None)
+                else:
+                    bits[role] = value
+        if group_size is not None and group_size < 0:
+            raise GlmkitError(f"--group-size: must be >= 0, got {group_size}")
+        return cls(bits, group_size or None)
+
+    def quant_for(self, spec: TensorSpec) -> tuple[int, int | None] | None:
+        """(bits, group_size) for this tensor, or None to store it as F32."""
+        bits = self.bits.get(spec.role)
+        if bits is None or len(spec.shape) != 2:
+            return None
+        return bits, (None if bits == 8 else self.group_size)
+
+    def stored(self, spec: TensorSpec) -> list[PlannedTensor]:
+        """The tensors this logical tensor becomes: one F32 tensor, or packed U8 + F32 `.qs` scales."""
+        quant = self.quant_for(spec)
+        if quant is None:
+            return [PlannedTensor(spec.name, "F32", spec.shape)]
+        bits, group = quant
+        out_features, in_features = spec.shape
+        return [PlannedTensor(spec.name, "U8", (out_features, packed_row_bytes(in_features, bits))),
+                PlannedTensor(spec.name + ".qs", "F32", scales_shape((out_features, in_features), group))]
+
+    def to_json(self) -> dict[str, object]:
+        return {"bits": dict(sorted(self.bits.items())), "group_size": self.group_size}
