@@ -11,6 +11,16 @@ from glmkit.convert.plan import DEFAULT_GROUP_SIZE, PRESETS, QuantPlan
 from glmkit.errors import GlmkitError
 
 
+def parse_size(text: str) -> int:
+    """'4G' / '500M' / '64K' / '1000' -> bytes (binary units)."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    scale = units.get(text[-1:].upper(), 1)
+    digits = text[:-1] if scale > 1 else text
+    if not digits.isdigit() or int(digits) < 1:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r} (e.g. 4G, 500M, 64K)")
+    return int(digits) * scale
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="glm-convert", description=__doc__)
     p.add_argument("source", help="local Hugging Face snapshot directory (config.json + *.safetensors)")
@@ -24,8 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--embed-bits", type=int, choices=(2, 4, 8, 32), help="override embed/lm_head bits (32 = F32)")
     p.add_argument("--group-size", type=int, default=DEFAULT_GROUP_SIZE,
                    help=f"scale group size for int4/int2 weights (default {DEFAULT_GROUP_SIZE}; 0 = per row)")
-    p.add_argument("--max-file-size", type=int, default=DEFAULT_FILE_BYTES // (1 << 20), metavar="MB",
-                   help="largest output data file in MB (default %(default)s)")
+    p.add_argument("--max-file-size", type=parse_size, default=DEFAULT_FILE_BYTES, metavar="SIZE",
+                   help="largest output data file, e.g. 4G, 500M, 64K (default 4G); one expert is never split")
     p.add_argument("--force", action="store_true", help="overwrite a non-empty OUT")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
@@ -34,13 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if args.max_file_size < 1:
-            raise GlmkitError("--max-file-size: must be at least 1 MB")
         plan = QuantPlan.from_preset(args.preset, args.expert_bits, args.dense_bits, args.embed_bits,
                                      args.group_size)
         start = time.perf_counter()
         result = convert(args.source, args.out, plan, args.preset, force=args.force,
-                         max_file_bytes=args.max_file_size << 20, progress=not args.quiet)
+                         max_file_bytes=args.max_file_size, progress=not args.quiet)
     except GlmkitError as e:
         print(f"glm-convert: error: {e}", file=sys.stderr)
         return 1

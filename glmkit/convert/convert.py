@@ -104,8 +104,7 @@ def _check_source(source: HFSnapshot) -> list[TensorSpec]:
               file=sys.stderr)
         specs = [s for s in specs if s not in mtp]
     for s in specs:
-        if not source.has(s.name):
-            raise GlmkitError(f"{source.directory}: tensor {s.name!r} is missing from the source")
+        source.check(s)
     return specs
 
 

@@ -71,6 +71,21 @@ class HFSnapshot:
     def has(self, name: str) -> bool:
         return name in self.tensors or self._fused(name) is not None
 
+    def check(self, spec: TensorSpec) -> None:
+        """Fail before converting anything if the tensor is missing or its header shape disagrees with config."""
+        if spec.name in self.tensors:
+            src, shape = self.tensors[spec.name], spec.shape
+        elif fused := self._fused(spec.name):
+            src = fused[0]
+            rows, cols = spec.shape
+            gate_up = "gate_up_proj" in fused[1]
+            shape = (self.config.n_routed_experts, 2 * rows if gate_up else rows, cols)
+        else:
+            raise GlmkitError(f"{self.directory}: tensor {spec.name!r} is missing from the source")
+        if src.info.shape != shape:
+            raise GlmkitError(f"{src.path}: tensor {src.info.name!r} has shape {list(src.info.shape)}, "
+                              f"config.json implies {list(shape)}")
+
     def file_digests(self) -> dict[str, dict[str, object]]:
         """sha256 and size of every source shard, read in 16 MB chunks."""
         digests: dict[str, dict[str, object]] = {}

@@ -1,0 +1,207 @@
+"""Compute backends: every heavy operation of the forward pass, behind one small interface.
+
+The model (`glmkit.runtime.model`) only calls the methods of `Backend`, so an OpenCL backend can
+replace `NumpyBackend` without the model changing. All activations are float32 NumPy arrays; a weight
+is either a float32 `[O, I]` array or a `QuantWeight` viewed in place from the container.
+
+`NumpyBackend` is the reference and the fallback. Its quantized matmul never dequantizes a whole
+matrix per call during decode: it walks the weight in row blocks, unpacks each block's codes into a
+small reusable buffer through a byte -> codes lookup table and multiplies it with BLAS. Prefill uses
+the same loop with blocks large enough that a typical matrix is dequantized once and hit by one GEMM.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from glmkit.formats.packing import dequantize
+from glmkit.formats.tensors import QuantWeight, Weight
+
+
+class Backend(Protocol):
+    """The operations the model needs; shapes use S = query rows, T = keys, nh = heads."""
+
+    def linear(self, x: np.ndarray, w: Weight) -> np.ndarray:
+        """`x [S, I] @ w[O, I]^T -> [S, O]`."""
+        ...
+
+    def head_matmul(self, x: np.ndarray, w: Weight, row_start: int, rows: int, transpose: bool) -> np.ndarray:
+        """Per-head products with row blocks of `w` (MLA's absorbed `kv_b`).
+
+        `w [nh * R, I]` holds nh blocks of R rows; head h uses `B_h = w[h*R + row_start : ... + rows]`
+        (`[rows, I]`). `x [S, nh, K]` -> `x[:, h] @ B_h^T` (K = I, result `[S, nh, rows]`), or with
+        `transpose` `x[:, h] @ B_h` (K = rows, result `[S, nh, I]`).
+        """
+        ...
+
+    def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+        """`weight * x / sqrt(mean(x^2) + eps)` over the last axis."""
+        ...
+
+    def layer_norm(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float) -> np.ndarray:
+        """`(x - mean) / sqrt(var + eps) * weight + bias` over the last axis (biased variance)."""
+        ...
+
+    def expert_mlp(self, x: np.ndarray, gate: Weight, up: Weight, down: Weight) -> np.ndarray:
+        """`x [n, H]` -> `down(silu(gate x) * up x)` `[n, H]`."""
+        ...
+
+    def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, allowed: np.ndarray,
+                  scale: float) -> np.ndarray:
+        """Masked softmax attention.
+
+        q `[S, nh, dk]`; k `[T, kh, dk]` and v `[T, kh, dv]` with kh = nh or kh = 1 (one key/value head
+        shared by all query heads); allowed `[S, T]` bool (every row has at least one True).
+        Returns `[S, nh, dv]` = `softmax(q.k * scale, masked) @ v` per head, in float32.
+        """
+        ...
+
+    def index_scores(self, q: np.ndarray, k: np.ndarray, weights: np.ndarray, scale: float) -> np.ndarray:
+        """DSA indexer scores: q `[S, nh, d]`, k `[T, d]`, weights `[S, nh]` ->
+        `I[s, t] = sum_h weights[s, h] * relu(q[s, h] . k[t] * scale)` `[S, T]`."""
+        ...
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x * sigmoid(x)
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    # exp(-x) overflows to inf for x < -88, which correctly gives 0; silence only that warning.
+    with np.errstate(over="ignore"):
+        return (1.0 / (1.0 + np.exp(-x))).astype(np.float32)
+
+
+def _code_table(bits: int) -> np.ndarray:
+    """Byte value -> the `8 // bits` signed codes it packs, as float32 `[256, 8 // bits]`."""
+    byte = np.arange(256, dtype=np.int16)
+    if bits == 8:
+        return byte.astype(np.uint8).view(np.int8).astype(np.float32)[:, None]
+    mask = (1 << bits) - 1
+    fields = [(byte >> (bits * k)) & mask for k in range(8 // bits)]
+    return (np.stack(fields, axis=1) - (1 << (bits - 1))).astype(np.float32)
+
+
+_CODE_TABLES = {bits: _code_table(bits) for bits in (2, 4, 8)}
+
+
+def dequantize_rows(w: Weight, start: int, stop: int) -> np.ndarray:
+    """Rows `[start, stop)` of a weight as float32 (a view for plain arrays, a small fresh array else)."""
+    if isinstance(w, QuantWeight):
+        return dequantize(w.packed[start:stop], w.scales[start:stop], w.bits, w.group_size, w.shape[1])
+    return w[start:stop]
+
+
+class NumpyBackend:
+    """Reference backend on NumPy + BLAS.
+
+    decode_rows: calls with at most this many input rows take the decode path (cache-sized blocks).
+    decode_block / prefill_block: float32 elements of one unpacked weight block on each path.
+    """
+
+    def __init__(self, decode_rows: int = 4, decode_block: int = 1 << 16, prefill_block: int = 1 << 24,
+                 query_block: int = 1 << 22) -> None:
+        self.decode_rows = decode_rows
+        self.decode_block = decode_block
+        self.prefill_block = prefill_block
+        self.query_block = query_block  # score elements [nh, rows, T] materialized at once in attention
+        self._scratch = np.empty(0, np.float32)
+
+    # ---- matmuls -------------------------------------------------------------------------------
+
+    def linear(self, x: np.ndarray, w: Weight) -> np.ndarray:
+        if not isinstance(w, QuantWeight):
+            return x @ w.T
+        block = self.decode_block if x.shape[0] <= self.decode_rows else self.prefill_block
+        return self._quant_linear(x, w, block)
+
+    def _quant_linear(self, x: np.ndarray, w: QuantWeight, block_elems: int) -> np.ndarray:
+        """`x @ dequant(w)^T`, unpacking `w` one row block at a time into a reused buffer."""
+        out_features, in_features = w.shape
+        table = _CODE_TABLES[w.bits]
+        per_byte = table.shape[1]
+        n_bytes = w.packed.shape[1]
+        width = n_bytes * per_byte  # codes per packed row, >= in_features (tail codes are padding)
+        # Zero-padding x makes the padding codes contribute nothing, so whole packed rows can be used.
+        x_pad = np.zeros((x.shape[0], width), np.float32)
+        x_pad[:, :in_features] = x
+        rows = max(1, min(out_features, block_elems // width))
+        if self._scratch.size < rows * width:
+            self._scratch = np.empty(rows * width, np.float32)
+        out = np.empty((x.shape[0], out_features), np.float32)
+        for r0 in range(0, out_features, rows):
+            r1 = min(out_features, r0 + rows)
+            lanes = self._scratch[: (r1 - r0) * width].reshape(r1 - r0, n_bytes, per_byte)
+            np.take(table, w.packed[r0:r1], axis=0, out=lanes, mode="clip")
+            codes = lanes.reshape(r1 - r0, width)
+            if w.group_size is None:
+                # Per-row scale: dot the integer codes first, scale the outputs.
+                out[:, r0:r1] = (x_pad @ codes.T) * w.scales[r0:r1]
+            else:
+                _scale_groups(codes, w.scales[r0:r1], w.group_size, in_features)
+                out[:, r0:r1] = x_pad @ codes.T
+        return out
+
+    def head_matmul(self, x: np.ndarray, w: Weight, row_start: int, rows: int, transpose: bool) -> np.ndarray:
+        heads = x.shape[1]
+        stride = w.shape[0] // heads
+        outs = []
+        for h in range(heads):
+            # One head's block at a time: quantized weights are dequantized per small block only.
+            block = dequantize_rows(w, h * stride + row_start, h * stride + row_start + rows)
+            outs.append(x[:, h] @ (block if transpose else block.T))
+        return np.stack(outs, axis=1)
+
+    # ---- norms and MLP -------------------------------------------------------------------------
+
+    def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+        variance = np.mean(x * x, axis=-1, keepdims=True)
+        return weight * (x * (1.0 / np.sqrt(variance + np.float32(eps))))
+
+    def layer_norm(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float) -> np.ndarray:
+        centered = x - np.mean(x, axis=-1, keepdims=True)
+        variance = np.mean(centered * centered, axis=-1, keepdims=True)
+        return centered / np.sqrt(variance + np.float32(eps)) * weight + bias
+
+    def expert_mlp(self, x: np.ndarray, gate: Weight, up: Weight, down: Weight) -> np.ndarray:
+        return self.linear(silu(self.linear(x, gate)) * self.linear(x, up), down)
+
+    # ---- attention -----------------------------------------------------------------------------
+
+    def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, allowed: np.ndarray,
+                  scale: float) -> np.ndarray:
+        seq, heads, _ = q.shape
+        q_heads = q.transpose(1, 0, 2)  # [nh, S, dk]
+        k_heads = k.transpose(1, 2, 0)  # [kh, dk, T]; kh = 1 broadcasts over the query heads
+        v_heads = v.transpose(1, 0, 2)  # [kh, T, dv]
+        out = np.empty((seq, heads, v.shape[2]), np.float32)
+        step = max(1, self.query_block // (heads * k.shape[0]))
+        for s0 in range(0, seq, step):
+            s1 = min(seq, s0 + step)
+            scores = (q_heads[:, s0:s1] @ k_heads) * np.float32(scale)  # [nh, s, T]
+            scores = np.where(allowed[s0:s1], scores, np.float32(-np.inf))
+            scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
+            probs = scores / scores.sum(axis=-1, keepdims=True)
+            out[s0:s1] = (probs @ v_heads).transpose(1, 0, 2)
+        return out
+
+    def index_scores(self, q: np.ndarray, k: np.ndarray, weights: np.ndarray, scale: float) -> np.ndarray:
+        seq, heads, _ = q.shape
+        out = np.empty((seq, k.shape[0]), np.float32)
+        step = max(1, self.query_block // (heads * k.shape[0]))
+        for s0 in range(0, seq, step):
+            s1 = min(seq, s0 + step)
+            per_head = np.maximum((q[s0:s1] @ k.T) * np.float32(scale), 0)  # [s, nh, T]
+            out[s0:s1] = (weights[s0:s1, None, :] @ per_head)[:, 0]
+        return out
+
+
+def _scale_groups(codes: np.ndarray, scales: np.ndarray, group_size: int, in_features: int) -> None:
+    """Multiply codes `[n, >= I]` in place by their group scales `[n, ceil(I / g)]` (columns < I only)."""
+    full = in_features // group_size
+    head = codes[:, : full * group_size].reshape(codes.shape[0], full, group_size)  # a view: splits one axis
+    head *= scales[:, :full, None]
+    if full * group_size < in_features:
+        codes[:, full * group_size: in_features] *= scales[:, full:full + 1]

@@ -1,0 +1,314 @@
+"""The GLM-5 (`glm_moe_dsa`) forward pass: MLA attention with the DSA indexer, noaux_tc MoE, MTP.
+
+Math follows DESIGN section 3 (transformers 5.23.0, float32). Rows are vectors and `W` is `[out, in]`:
+`y = x W^T`. The small pure functions below are the paper's equations; `GlmMoeDsaModel` wires them to
+a weight source (Hugging Face tensor names) and a `Backend` that does the heavy lifting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import numpy as np
+
+from glmkit.formats.config import ModelConfig
+from glmkit.formats.packing import dequantize
+from glmkit.formats.tensors import QuantWeight, Weight
+from glmkit.runtime.backend import Backend, NumpyBackend, sigmoid
+from glmkit.runtime.kv_cache import KVCache, LayerKV
+
+# q_a_layernorm, kv_a_layernorm and the indexer's k_norm are built with eps 1e-6 regardless of
+# rms_norm_eps (transformers' GlmMoeDsaRMSNorm default / nn.LayerNorm(eps=1e-6)).
+LATENT_NORM_EPS = 1e-6
+
+
+class WeightSource(Protocol):
+    """Tensors by Hugging Face name; f32 arrays are read-only views, 1-D tensors always f32 arrays."""
+
+    def weight(self, name: str) -> Weight: ...
+
+    def has(self, name: str) -> bool: ...
+
+
+RouteHook = Callable[[int, np.ndarray], None]
+"""Called as `hook(layer, expert_ids [S, k])` right after routing, before any expert runs."""
+
+
+# ---- pure functions ----------------------------------------------------------------------------
+
+def rope_cos_sin(positions: np.ndarray, dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin `[S, dim/2]` of angles `pos * theta^(-2i/dim)`, computed in float32 like transformers."""
+    inv_freq = np.float32(1.0) / (np.float32(theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)))
+    angles = positions.astype(np.float32)[:, None] * inv_freq[None, :]
+    return np.cos(angles), np.sin(angles)
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Rotate interleaved pairs (x0,x1),(x2,x3).. of `x [S, ..., d]` by the angles of row S.
+
+    The output is de-interleaved, `concat(e*cos - o*sin, o*cos + e*sin)` with `e = x[0::2]`,
+    `o = x[1::2]`: queries and keys get the same permutation, so their dot products are unchanged.
+    """
+    shape = (x.shape[0],) + (1,) * (x.ndim - 2) + (cos.shape[1],)
+    cos, sin = cos.reshape(shape), sin.reshape(shape)
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return np.concatenate([even * cos - odd * sin, odd * cos + even * sin], axis=-1)
+
+
+def causal_mask(start: int, seq: int, total: int) -> np.ndarray:
+    """`[S, T]` bool: query at position start+s may see keys 0..start+s."""
+    return np.arange(total)[None, :] <= (start + np.arange(seq))[:, None]
+
+
+def topk_mask(scores: np.ndarray, causal: np.ndarray, k: int) -> np.ndarray:
+    """DSA selection `[S, T]` bool: per query the `min(k, t+1)` largest scores among its causal keys."""
+    total = scores.shape[1]
+    if k >= total:
+        return causal
+    masked = np.where(causal, scores, np.float32(-np.inf))
+    # Non-causal keys are -inf, so they are only picked when a query has fewer than k causal keys;
+    # `& causal` removes them again.
+    picked = np.argpartition(-masked, k - 1, axis=-1)[:, :k]
+    selected = np.zeros_like(causal)
+    np.put_along_axis(selected, picked, True, axis=-1)
+    return selected & causal
+
+
+def route_noaux_tc(logits: np.ndarray, bias: np.ndarray, top_k: int, n_group: int, topk_group: int,
+                   norm_topk_prob: bool, scaling: float) -> tuple[np.ndarray, np.ndarray]:
+    """noaux_tc router: logits `[S, E]` -> (expert ids `[S, k]`, weights `[S, k]`).
+
+    Selection uses `sigmoid(logits) + bias`, restricted to the `topk_group` groups with the largest
+    top-2 sums (the other groups are -inf, not 0); the weights are the unbiased sigmoid scores.
+    """
+    seq, experts = logits.shape
+    scores = sigmoid(logits)
+    choice = scores + bias
+    grouped = choice.reshape(seq, n_group, experts // n_group)
+    group_scores = np.sort(grouped, axis=-1)[..., -2:].sum(axis=-1)  # [S, n_group]
+    best_groups = np.argpartition(-group_scores, topk_group - 1, axis=-1)[:, :topk_group]
+    group_keep = np.zeros((seq, n_group), bool)
+    np.put_along_axis(group_keep, best_groups, True, axis=-1)
+    expert_keep = np.repeat(group_keep, experts // n_group, axis=1)
+    choice = np.where(expert_keep, choice, np.float32(-np.inf))
+    ids = np.argpartition(-choice, top_k - 1, axis=-1)[:, :top_k]
+    weights = np.take_along_axis(scores, ids, axis=-1)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(axis=-1, keepdims=True) + np.float32(1e-20))
+    return ids, (weights * np.float32(scaling)).astype(np.float32)
+
+
+def moe_batch_union(x: np.ndarray, ids: np.ndarray, weights: np.ndarray,
+                    run_expert: Callable[[int, np.ndarray], np.ndarray]) -> np.ndarray:
+    """`sum_k weights[s,k] * E_{ids[s,k]}(x[s])` `[S, H]`, running each unique expert once on its rows.
+
+    Loading an expert's weights is the cost that matters (they stream from disk), so every expert
+    routed to by any row of the batch is called exactly once with all of its rows.
+    """
+    out = np.zeros_like(x)
+    for expert in np.unique(ids):
+        rows, slots = np.nonzero(ids == expert)  # a row picks an expert at most once: rows are unique
+        out[rows] += weights[rows, slots, None] * run_expert(int(expert), x[rows])
+    return out
+
+
+def mla_attend_full(backend: Backend, q_nope: np.ndarray, q_rot: np.ndarray, kv_lat: np.ndarray,
+                    k_rot: np.ndarray, kv_b: Weight, allowed: np.ndarray, scale: float) -> np.ndarray:
+    """MLA by reconstruction: `kv = kv_lat Wkv_b^T` per head `[k_nope | v]`; returns `[S, nh, v]`.
+
+    q_nope `[S, nh, nope]`, q_rot `[S, nh, rope]` (roped), kv_lat `[T, kvl]`, k_rot `[T, rope]` (roped).
+    """
+    total = kv_lat.shape[0]
+    heads, nope = q_nope.shape[1], q_nope.shape[2]
+    kv = backend.linear(kv_lat, kv_b).reshape(total, heads, -1)
+    keys = np.concatenate([kv[..., :nope], np.broadcast_to(k_rot[:, None, :], (total, heads, k_rot.shape[1]))],
+                          axis=-1)
+    return backend.attention(np.concatenate([q_nope, q_rot], axis=-1), keys, kv[..., nope:], allowed, scale)
+
+
+def mla_attend_absorbed(backend: Backend, q_nope: np.ndarray, q_rot: np.ndarray, kv_lat: np.ndarray,
+                        k_rot: np.ndarray, kv_b: Weight, allowed: np.ndarray, scale: float) -> np.ndarray:
+    """MLA with `kv_b` absorbed (same math as `mla_attend_full`, no per-key reconstruction).
+
+    `q_nope . (Wk_b kv_lat) = (q_nope Wk_b) . kv_lat`, so queries move into latent space and attend one
+    shared key head `[kv_lat | k_rot]`; the weighted sum of `kv_lat` is lifted by `Wv_b` afterwards.
+    """
+    nope = q_nope.shape[2]
+    v_dim = kv_b.shape[0] // q_nope.shape[1] - nope
+    q_lat = backend.head_matmul(q_nope, kv_b, 0, nope, transpose=True)  # [S, nh, kvl]
+    keys = np.concatenate([kv_lat, k_rot], axis=-1)[:, None, :]  # [T, 1, kvl + rope]
+    o_lat = backend.attention(np.concatenate([q_lat, q_rot], axis=-1), keys, kv_lat[:, None, :], allowed, scale)
+    return backend.head_matmul(o_lat, kv_b, nope, v_dim, transpose=False)  # [S, nh, v]
+
+
+def embed_rows(table: Weight, ids: np.ndarray) -> np.ndarray:
+    """Embedding rows `[S, H]` float32; a quantized table dequantizes only the gathered rows."""
+    if isinstance(table, QuantWeight):
+        return dequantize(table.packed[ids], table.scales[ids], table.bits, table.group_size, table.shape[1])
+    return np.asarray(table[ids], dtype=np.float32)
+
+
+# ---- the model ---------------------------------------------------------------------------------
+
+class GlmMoeDsaModel:
+    """GLM-5 forward over a weight source and a backend.
+
+    absorb_max_rows: calls appending at most this many tokens to a non-empty cache use the absorbed
+    MLA path (decode, MTP verification); others reconstruct keys and values (prefill).
+    route_hook: optional `hook(layer, expert_ids [S, k])` (hit/miss counting, prefetch).
+    """
+
+    def __init__(self, config: ModelConfig, weights: WeightSource, backend: Backend | None = None,
+                 absorb_max_rows: int = 4, route_hook: RouteHook | None = None) -> None:
+        self.config = config
+        self.weights = weights
+        self.backend = backend or NumpyBackend()
+        self.absorb_max_rows = absorb_max_rows
+        self.route_hook = route_hook
+
+    def _w(self, name: str) -> Weight:
+        return self.weights.weight(name)
+
+    def _has_indexer(self, layer: int) -> bool:
+        return self.weights.has(f"model.layers.{layer}.self_attn.indexer.wk.weight")
+
+    def new_cache(self) -> KVCache:
+        """An empty cache; indexer keys are kept on every layer that has indexer weights."""
+        layers = range(self.config.num_layers_with_mtp)
+        return KVCache(self.config, index_layers=[i for i in layers if self._has_indexer(i)])
+
+    # ---- entry points --------------------------------------------------------------------------
+
+    def forward(self, token_ids: np.ndarray, cache: KVCache, last_logits_only: bool = False
+                ) -> tuple[np.ndarray, np.ndarray]:
+        """Append `token_ids [S]` at positions `cache.length..` and run the main model.
+
+        Returns (logits `[S, V]`, or `[1, V]` for the last position with `last_logits_only`;
+        hidden `[S, H]` after the final norm, the input the MTP layer needs).
+        """
+        x = embed_rows(self._w("model.embed_tokens.weight"), np.asarray(token_ids))
+        allowed = None  # the most recent 'full' layer's DSA selection [S, T], reused by 'shared' layers
+        for layer in range(self.config.num_hidden_layers):
+            x, allowed = self._decoder_layer(layer, x, cache.layer(layer), allowed)
+        hidden = self.backend.rms_norm(x, self._w("model.norm.weight"), self.config.rms_norm_eps)
+        head_in = hidden[-1:] if last_logits_only else hidden
+        return self.backend.linear(head_in, self._w("lm_head.weight")), hidden
+
+    def mtp_forward(self, hidden: np.ndarray, next_token_ids: np.ndarray, cache: KVCache
+                    ) -> tuple[np.ndarray, np.ndarray]:
+        """Multi-token prediction: draft logits for the token after each `next_token_ids[i]`.
+
+        hidden `[S, H]`: the main model's post-final-norm states at positions p..p+S-1 (p = the MTP
+        layer's cache length); next_token_ids `[S]`: the tokens at positions p+1..p+S.
+        `h' = eh_proj([enorm(emb(t_{i+1})) ; hnorm(h_i)])` (embedding first), then the MTP decoder layer
+        at position i, `shared_head.norm` and the main `lm_head`.
+        Returns (logits `[S, V]`, the MTP layer's output `[S, H]` before `shared_head.norm`).
+        """
+        cfg, b = self.config, self.backend
+        layer = cfg.num_hidden_layers
+        prefix = f"model.layers.{layer}."
+        emb = embed_rows(self._w("model.embed_tokens.weight"), np.asarray(next_token_ids))
+        joined = np.concatenate([b.rms_norm(emb, self._w(prefix + "enorm.weight"), cfg.rms_norm_eps),
+                                 b.rms_norm(hidden, self._w(prefix + "hnorm.weight"), cfg.rms_norm_eps)], axis=-1)
+        x = b.linear(joined, self._w(prefix + "eh_proj.weight"))
+        x, _ = self._decoder_layer(layer, x, cache.layer(layer), None)
+        normed = b.rms_norm(x, self._w(prefix + "shared_head.norm.weight"), cfg.rms_norm_eps)
+        return b.linear(normed, self._w("lm_head.weight")), x
+
+    # ---- one decoder layer ---------------------------------------------------------------------
+
+    def _decoder_layer(self, layer: int, x: np.ndarray, kv: LayerKV, prev_allowed: np.ndarray | None
+                       ) -> tuple[np.ndarray, np.ndarray]:
+        """`h = x + Attn(RMSNorm(x))`; `x' = h + FFN(RMSNorm(h))`. Returns (x' `[S, H]`, DSA selection)."""
+        cfg, b = self.config, self.backend
+        prefix = f"model.layers.{layer}."
+        attn, allowed = self._attention(layer, b.rms_norm(x, self._w(prefix + "input_layernorm.weight"),
+                                                          cfg.rms_norm_eps), kv, prev_allowed)
+        h = x + attn
+        u = b.rms_norm(h, self._w(prefix + "post_attention_layernorm.weight"), cfg.rms_norm_eps)
+        ffn = self._moe(layer, u) if cfg.is_moe_layer(layer) else self._mlp(prefix + "mlp.", u)
+        return h + ffn, allowed
+
+    def _attention(self, layer: int, u: np.ndarray, kv: LayerKV, prev_allowed: np.ndarray | None
+                   ) -> tuple[np.ndarray, np.ndarray]:
+        """MLA + DSA on normed input `u [S, H]`; appends this layer's cache rows.
+
+        Returns (output `[S, H]`, the selection `[S, T]` this layer attended with).
+        """
+        cfg, b = self.config, self.backend
+        prefix = f"model.layers.{layer}.self_attn."
+        seq, start = u.shape[0], kv.length
+        heads, nope, rope_dim = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        cos, sin = rope_cos_sin(np.arange(start, start + seq), rope_dim, cfg.rope_theta)
+
+        q_lat = b.rms_norm(b.linear(u, self._w(prefix + "q_a_proj.weight")),
+                           self._w(prefix + "q_a_layernorm.weight"), LATENT_NORM_EPS)
+        q = b.linear(q_lat, self._w(prefix + "q_b_proj.weight")).reshape(seq, heads, nope + rope_dim)
+        q_nope, q_rot = q[..., :nope], apply_rope(q[..., nope:], cos, sin)  # main attention: LAST dims
+        compressed = b.linear(u, self._w(prefix + "kv_a_proj_with_mqa.weight"))
+        kv_lat = b.rms_norm(compressed[:, : cfg.kv_lora_rank], self._w(prefix + "kv_a_layernorm.weight"),
+                            LATENT_NORM_EPS)
+        k_rot = apply_rope(compressed[:, cfg.kv_lora_rank:], cos, sin)
+
+        # Main 'full' layers must have indexer weights; an MTP layer shipped without them attends densely.
+        indexed = cfg.indexer_type(layer) == "full" and (layer < cfg.num_hidden_layers or self._has_indexer(layer))
+        rows = {"kv_lat": kv_lat, "k_rot": k_rot}
+        if indexed:
+            rows["index_k"] = self._index_key(prefix, u, cos, sin)
+        kv.append(**rows)
+        causal = causal_mask(start, seq, kv.length)
+
+        if indexed:
+            allowed = self._index_select(prefix, u, q_lat, cos, sin, kv.index_k, causal)
+        elif cfg.indexer_type(layer) == "shared":
+            allowed = prev_allowed
+        else:
+            allowed = causal
+
+        scale = cfg.qk_head_dim ** -0.5
+        absorb = 0 < start and seq <= self.absorb_max_rows
+        attend = mla_attend_absorbed if absorb else mla_attend_full
+        out = attend(b, q_nope, q_rot, kv.kv_lat, kv.k_rot, self._w(prefix + "kv_b_proj.weight"), allowed, scale)
+        return b.linear(out.reshape(seq, heads * cfg.v_head_dim), self._w(prefix + "o_proj.weight")), allowed
+
+    def _index_key(self, prefix: str, u: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+        """Indexer key `[S, ihd]`: LayerNorm (with bias) of `u Wk^T`, rope on the FIRST rope dims."""
+        b, rope_dim = self.backend, self.config.qk_rope_head_dim
+        key = b.layer_norm(b.linear(u, self._w(prefix + "indexer.wk.weight")),
+                           self._w(prefix + "indexer.k_norm.weight"), self._w(prefix + "indexer.k_norm.bias"),
+                           LATENT_NORM_EPS)
+        return np.concatenate([apply_rope(key[:, :rope_dim], cos, sin), key[:, rope_dim:]], axis=-1)
+
+    def _index_select(self, prefix: str, u: np.ndarray, q_lat: np.ndarray, cos: np.ndarray, sin: np.ndarray,
+                      keys: np.ndarray, causal: np.ndarray) -> np.ndarray:
+        """DSA top-k selection `[S, T]` from the indexer scores against all cached indexer keys."""
+        cfg, b = self.config, self.backend
+        if keys.shape[0] <= cfg.index_topk:
+            return causal  # every query keeps all of its (at most index_topk) causal keys: scores unneeded
+        seq, heads, rope_dim = u.shape[0], cfg.index_n_heads, cfg.qk_rope_head_dim
+        q = b.linear(q_lat, self._w(prefix + "indexer.wq_b.weight")).reshape(seq, heads, cfg.index_head_dim)
+        q = np.concatenate([apply_rope(q[..., :rope_dim], cos, sin), q[..., rope_dim:]], axis=-1)
+        head_weights = b.linear(u, self._w(prefix + "indexer.weights_proj.weight")) * np.float32(heads ** -0.5)
+        scores = b.index_scores(q, keys, head_weights, cfg.index_head_dim ** -0.5)
+        return topk_mask(scores, causal, cfg.index_topk)
+
+    # ---- feed-forward --------------------------------------------------------------------------
+
+    def _mlp(self, prefix: str, u: np.ndarray) -> np.ndarray:
+        return self.backend.expert_mlp(u, self._w(prefix + "gate_proj.weight"), self._w(prefix + "up_proj.weight"),
+                                       self._w(prefix + "down_proj.weight"))
+
+    def _moe(self, layer: int, u: np.ndarray) -> np.ndarray:
+        """Routed experts (batch-union) plus the shared expert, on `u [S, H]`."""
+        cfg = self.config
+        prefix = f"model.layers.{layer}.mlp."
+        logits = self.backend.linear(u, self._w(prefix + "gate.weight"))
+        ids, weights = route_noaux_tc(logits, self._w(prefix + "gate.e_score_correction_bias"),
+                                      cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
+                                      cfg.norm_topk_prob, cfg.routed_scaling_factor)
+        if self.route_hook is not None:
+            self.route_hook(layer, ids)
+        routed = moe_batch_union(u, ids, weights,
+                                 lambda e, rows: self._mlp(f"{prefix}experts.{e}.", rows))
+        return routed + self._mlp(prefix + "shared_experts.", u)

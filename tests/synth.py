@@ -1,0 +1,121 @@
+"""Synthetic HF snapshots for converter tests (no torch): random weights written as real safetensors."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from glmkit.formats.config import ModelConfig
+from glmkit.formats.schema import model_tensors
+
+ST_DTYPES = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(ml_dtypes.bfloat16): "BF16",
+             np.dtype(ml_dtypes.float8_e4m3fn): "F8_E4M3"}
+
+TINY_CONFIG = {
+    "model_type": "glm_moe_dsa", "architectures": ["GlmMoeDsaForCausalLM"], "vocab_size": 96, "hidden_size": 32,
+    "num_hidden_layers": 3, "num_attention_heads": 2, "q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
+    "qk_rope_head_dim": 4, "v_head_dim": 8, "head_dim": 12, "intermediate_size": 136, "moe_intermediate_size": 24,
+    "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 2, "topk_group": 1,
+    "first_k_dense_replace": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True, "rms_norm_eps": 1e-5,
+    "rope_parameters": {"rope_theta": 5000.0, "rope_type": "default"}, "index_topk": 4, "index_n_heads": 2,
+    "index_head_dim": 8, "indexer_types": ["full", "shared", "full"], "num_nextn_predict_layers": 1,
+    "max_position_embeddings": 256, "eos_token_id": [1, 2],
+}
+
+
+def write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
+    header, pos = {}, 0
+    for name, a in tensors.items():
+        header[name] = {"dtype": ST_DTYPES[a.dtype], "shape": list(a.shape), "data_offsets": [pos, pos + a.nbytes]}
+        pos += a.nbytes
+    text = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        for a in tensors.values():
+            f.write(np.ascontiguousarray(a).tobytes())
+
+
+def fp8_quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float32 [O, I] -> (F8_E4M3 weight, weight_scale_inv [ceil(O/128), ceil(I/128)]) with 128x128 blocks."""
+    rows, cols = -(-w.shape[0] // 128), -(-w.shape[1] // 128)
+    scale = np.ones((rows, cols), np.float32)
+    q = np.empty(w.shape, ml_dtypes.float8_e4m3fn)
+    for r in range(rows):
+        for c in range(cols):
+            block = w[r * 128:(r + 1) * 128, c * 128:(c + 1) * 128]
+            scale[r, c] = max(float(np.abs(block).max()) / 448.0, 1e-12)
+            q[r * 128:(r + 1) * 128, c * 128:(c + 1) * 128] = (block / scale[r, c]).astype(ml_dtypes.float8_e4m3fn)
+    return q, scale
+
+
+def make_weights(config: dict, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random float32 weights for every tensor the config implies (HF names, per-expert)."""
+    rng = np.random.default_rng(seed)
+    cfg = ModelConfig.from_dict(config)
+    out = {}
+    for spec in model_tensors(cfg):
+        scale = 1.0 if len(spec.shape) == 1 else spec.shape[-1] ** -0.5
+        out[spec.name] = (rng.standard_normal(spec.shape) * scale).astype(np.float32)
+    return out
+
+
+def make_snapshot(directory: Path, config: dict | None = None, *, dtype: str = "BF16", shards: int = 1,
+                  fused: bool = False, fp8: bool = False, seed: int = 0, with_index: bool = True,
+                  weights: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """Write an HF-layout snapshot; returns the float32 weights it encodes (after BF16/FP8 rounding)."""
+    config = dict(config or TINY_CONFIG)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": config.get("eos_token_id")}))
+    weights = weights if weights is not None else make_weights(config, seed)
+    stored: dict[str, np.ndarray] = {}
+    exact: dict[str, np.ndarray] = {}
+    np_dtype = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32}[dtype]
+    for name, w in weights.items():
+        if name.endswith("e_score_correction_bias"):
+            stored[name] = w  # F32 in every release
+        elif fp8 and w.ndim == 2 and "embed" not in name and "lm_head" not in name and ".gate.weight" not in name:
+            q, s = fp8_quantize(w)
+            stored[name] = q
+            stored[name.removesuffix(".weight") + ".weight_scale_inv"] = s
+            full = np.repeat(np.repeat(s, 128, 0), 128, 1)[:w.shape[0], :w.shape[1]]
+            exact[name] = q.astype(np.float32) * full
+            continue
+        stored[name] = w.astype(np_dtype)
+        exact[name] = stored[name].astype(np.float32)
+    if fused:
+        stored = _fuse_experts(stored)
+    names = list(stored)
+    per_shard = -(-len(names) // shards)
+    weight_map = {}
+    for i in range(shards):
+        fname = "model.safetensors" if shards == 1 else f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        chunk = names[i * per_shard:(i + 1) * per_shard]
+        write_safetensors(directory / fname, {n: stored[n] for n in chunk})
+        weight_map.update(dict.fromkeys(chunk, fname))
+    if with_index and shards > 1:
+        (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return exact
+
+
+def _fuse_experts(stored: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Replace per-expert tensors by `mlp.experts.gate_up_proj [E, 2I, H]` and `down_proj [E, H, I]`."""
+    out: dict[str, np.ndarray] = {}
+    experts: dict[str, dict[int, dict[str, np.ndarray]]] = {}
+    for name, a in stored.items():
+        head, sep, tail = name.partition("mlp.experts.")
+        if not sep:
+            out[name] = a
+            continue
+        e, proj, _ = tail.split(".")
+        experts.setdefault(head, {}).setdefault(int(e), {})[proj] = a
+    for head, per in experts.items():
+        order = sorted(per)
+        out[head + "mlp.experts.gate_up_proj"] = np.stack(
+            [np.concatenate([per[e]["gate_proj"], per[e]["up_proj"]]) for e in order])
+        out[head + "mlp.experts.down_proj"] = np.stack([per[e]["down_proj"] for e in order])
+    return out

@@ -1,0 +1,179 @@
+import json
+
+import numpy as np
+import pytest
+from safetensors import safe_open
+
+from glmkit.convert.cli import main as convert_main
+from glmkit.formats.manifest import ALIGNMENT
+from glmkit.formats.packing import dequantize
+from glmkit.formats.reader import Container
+from glmkit.formats.safetensors_file import read_header
+from tests.synth import TINY_CONFIG, make_snapshot
+
+
+def convert(src, out, *args):
+    assert convert_main([str(src), str(out), "--quiet", *args]) == 0
+    return Container(out)
+
+
+@pytest.fixture(scope="module")
+def sharded_source(tmp_path_factory):
+    src = tmp_path_factory.mktemp("src") / "bf16"
+    exact = make_snapshot(src, shards=3)
+    return src, exact
+
+
+@pytest.mark.parametrize("preset", ["f32", "q8", "q4", "q2"])
+def test_stock_safetensors_reads_every_tensor(sharded_source, tmp_path, preset):
+    src, _ = sharded_source
+    c = convert(src, tmp_path / "out", "--preset", preset)
+    seen = set()
+    for fname in c.manifest.files:
+        with safe_open(str(tmp_path / "out" / fname), "np") as f:
+            for key in f.keys():
+                if key.startswith("__pad."):
+                    continue
+                seen.add(key)
+                np.testing.assert_array_equal(f.get_tensor(key).reshape(c.raw(key).shape), c.raw(key))
+    assert seen == set(c.manifest.tensors)
+
+
+def test_f32_preset_is_lossless(sharded_source, tmp_path):
+    src, exact = sharded_source
+    c = convert(src, tmp_path / "out", "--preset", "f32")
+    assert set(c.manifest.tensors) == set(exact)
+    for name, w in exact.items():
+        np.testing.assert_array_equal(c.weight(name), w)
+
+
+def test_q4_preset_classes(sharded_source, tmp_path):
+    src, exact = sharded_source
+    c = convert(src, tmp_path / "out")  # q4 is the default
+    t = c.manifest.tensors
+    expert = "model.layers.1.mlp.experts.2.up_proj.weight"
+    assert (t[expert].quant.bits, t[expert].quant.group_size) == (4, 64)
+    assert t[expert + ".qs"].shape == (24, 1)
+    assert (t["model.layers.0.self_attn.q_b_proj.weight"].quant.bits, t["model.layers.0.mlp.down_proj.weight"]
+            .quant.group_size) == (4, 64)
+    for int8 in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.0.self_attn.indexer.wk.weight",
+                 "model.layers.3.eh_proj.weight", "model.layers.3.self_attn.q_a_proj.weight"):
+        assert (t[int8].quant.bits, t[int8].quant.group_size) == (8, None), int8
+    for f32 in ("model.layers.1.mlp.gate.weight", "model.layers.1.mlp.gate.e_score_correction_bias",
+                "model.norm.weight", "model.layers.2.self_attn.kv_a_layernorm.weight"):
+        assert t[f32].quant is None and t[f32].dtype == "F32", f32
+    assert "model.layers.1.self_attn.indexer.wk.weight" not in t  # layer 1 is a shared indexer layer
+    w = c.weight(expert)
+    step = np.repeat(w.scales, 64, axis=1)[:, :32]
+    assert np.all(np.abs(w.dequantize() - exact[expert]) <= step / 2 + 1e-6)
+
+
+def test_q2_and_overrides(sharded_source, tmp_path):
+    src, _ = sharded_source
+    c = convert(src, tmp_path / "q2", "--preset", "q2")
+    assert c.manifest.tensors["model.layers.2.mlp.experts.0.gate_proj.weight"].quant.bits == 2
+    assert c.manifest.tensors["model.layers.2.mlp.shared_experts.gate_proj.weight"].quant.bits == 4
+    c = convert(src, tmp_path / "ovr", "--expert-bits", "8", "--dense-bits", "32", "--group-size", "0")
+    t = c.manifest.tensors
+    assert t["model.layers.2.mlp.experts.0.gate_proj.weight"].quant.bits == 8
+    assert t["model.layers.2.self_attn.o_proj.weight"].quant is None
+    c = convert(src, tmp_path / "perrow", "--group-size", "0")
+    q = c.manifest.tensors["model.layers.2.mlp.experts.0.gate_proj.weight"].quant
+    assert (q.bits, q.group_size) == (4, None)
+
+
+@pytest.mark.parametrize("preset", ["f32", "q4"])
+def test_alignment_and_expert_contiguity(sharded_source, tmp_path, preset):
+    src, _ = sharded_source
+    c = convert(src, tmp_path / "out", "--preset", preset)
+    for e in c.manifest.tensors.values():
+        assert e.offset % ALIGNMENT == 0, e.name
+        info = read_header(tmp_path / "out" / e.file)[e.name]  # the file's own header agrees
+        assert (info.start, info.nbytes) == (e.offset, e.nbytes)
+    cfg = c.config
+    moe_layers = [i for i in range(cfg.num_layers_with_mtp) if cfg.is_moe_layer(i)]
+    assert len(c.manifest.experts) == len(moe_layers) * cfg.n_routed_experts
+    for r in c.manifest.experts:
+        parts = [n for n, e in c.manifest.tensors.items() if f"layers.{r.layer}.mlp.experts.{r.expert}." in n]
+        assert len(parts) == (3 if preset == "f32" else 6)
+        spans = sorted((c.manifest.tensors[n].offset, c.manifest.tensors[n].nbytes) for n in parts)
+        assert spans[0][0] == r.offset and spans[-1][0] + spans[-1][1] == r.offset + r.nbytes
+        assert r.nbytes - sum(n for _, n in spans) < ALIGNMENT * len(spans)  # only alignment padding between
+        assert all(c.manifest.tensors[n].file == r.file for n in parts)
+
+
+def test_deterministic_output_and_hash(sharded_source, tmp_path):
+    src, _ = sharded_source
+    a = convert(src, tmp_path / "a")
+    b = convert(src, tmp_path / "b")
+    assert a.model_hash == b.model_hash
+    for fname in a.manifest.files:
+        assert (tmp_path / "a" / fname).read_bytes() == (tmp_path / "b" / fname).read_bytes()
+    c = convert(src, tmp_path / "c", "--preset", "q8")
+    assert c.model_hash != a.model_hash
+
+
+def test_small_output_files_never_split_an_expert(sharded_source, tmp_path):
+    src, _ = sharded_source
+    c = convert(src, tmp_path / "out", "--preset", "f32", "--max-file-size", "40K")
+    assert len(c.manifest.files) > 1
+    names = sorted(c.manifest.files)
+    assert names[0] == f"model-00001-of-{len(names):05d}.safetensors"
+    full = convert(src, tmp_path / "one", "--preset", "f32")
+    for name in full.manifest.tensors:
+        np.testing.assert_array_equal(c.weight(name), full.weight(name))
+
+
+def test_fused_experts_and_single_file_equal_per_expert(tmp_path):
+    per = make_snapshot(tmp_path / "per", shards=2)
+    make_snapshot(tmp_path / "fused", fused=True, shards=1)
+    a = convert(tmp_path / "per", tmp_path / "a")
+    b = convert(tmp_path / "fused", tmp_path / "b")
+    assert {n: e.sha256 for n, e in a.manifest.tensors.items()} == {n: e.sha256 for n, e in b.manifest.tensors.items()}
+    assert set(per) <= set(a.manifest.tensors)
+
+
+def test_fp8_source_dequantizes_blocks(tmp_path):
+    exact = make_snapshot(tmp_path / "fp8", fp8=True)
+    c = convert(tmp_path / "fp8", tmp_path / "out", "--preset", "f32")
+    # the 136-row dense MLP weights span two 128-row blocks
+    for name in ("model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.down_proj.weight",
+                 "model.layers.2.mlp.experts.3.down_proj.weight"):
+        np.testing.assert_array_equal(c.weight(name), exact[name])
+    assert c.manifest.tensors["model.layers.0.mlp.gate_proj.weight"].shape == (136, 32)
+
+
+def test_source_without_mtp_converts_without_it(tmp_path, capsys):
+    weights = {n: w for n, w in __import__("tests.synth", fromlist=["x"]).make_weights(TINY_CONFIG).items()
+               if not n.startswith("model.layers.3.")}
+    make_snapshot(tmp_path / "nomtp", weights=weights)
+    c = convert(tmp_path / "nomtp", tmp_path / "out")
+    assert not any(n.startswith("model.layers.3.") for n in c.manifest.tensors)
+    assert c.manifest.conversion["mtp"] is False
+    assert "no MTP" in capsys.readouterr().err
+
+
+def test_side_files_and_manifest_fields(sharded_source, tmp_path):
+    src, _ = sharded_source
+    c = convert(src, tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "config.json").read_text()) == TINY_CONFIG
+    assert (tmp_path / "out" / "generation_config.json").is_file()
+    m = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert m["format"] == "glmkit-container" and m["format_version"] == 1
+    assert len(m["source"]["files"]) == 3 and all(len(f["sha256"]) == 64 for f in m["source"]["files"].values())
+    assert m["conversion"]["preset"] == "q4" and m["conversion"]["group_size"] == 64
+    e = m["tensors"]["model.layers.2.mlp.experts.1.down_proj.weight"]
+    assert e["quant"] == {"bits": 4, "group_size": 64, "scales": "model.layers.2.mlp.experts.1.down_proj.weight.qs",
+                          "scheme": "symmetric"}
+    assert e["role"] == "routed_expert" and e["shape"] == [32, 24] and e["dtype"] == "U8"
+    assert not list((tmp_path / "out").glob("*.tmp"))
+    assert c.verify_data() == []
+
+
+def test_quantized_weight_matches_its_own_dequantization(sharded_source, tmp_path):
+    src, exact = sharded_source
+    c = convert(src, tmp_path / "out", "--preset", "q2")
+    name = "model.layers.2.mlp.experts.1.gate_proj.weight"
+    w = c.weight(name)
+    np.testing.assert_array_equal(w.dequantize(), dequantize(w.packed, w.scales, 2, 64, 32))
+    assert np.abs(w.dequantize() - exact[name]).max() < np.abs(exact[name]).max()

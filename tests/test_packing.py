@@ -1,0 +1,79 @@
+import ml_dtypes
+import numpy as np
+import pytest
+
+from glmkit.convert.source import dequantize_fp8_blocks
+from glmkit.errors import GlmkitError
+from glmkit.formats.packing import dequantize, pack, packed_row_bytes, qmax, quantize, unpack
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("in_features", [1, 3, 7, 64, 130])
+def test_pack_unpack_round_trip(bits, in_features):
+    rng = np.random.default_rng(bits * 1000 + in_features)
+    codes = rng.integers(-qmax(bits) - 1, qmax(bits) + 1, size=(5, in_features)).astype(np.int8)
+    packed = pack(codes, bits)
+    assert packed.dtype == np.uint8 and packed.shape == (5, packed_row_bytes(in_features, bits))
+    np.testing.assert_array_equal(unpack(packed, bits, in_features), codes)
+
+
+def test_int4_layout_low_nibble_is_even_index():
+    packed = pack(np.array([[-8, 7, 0, -1]], np.int8), 4)
+    assert packed.tolist() == [[0x0 | (0xF << 4), 0x8 | (0x7 << 4)]]
+
+
+def test_int2_layout_element_k_at_bits_2k():
+    packed = pack(np.array([[-2, -1, 0, 1, 1]], np.int8), 2)
+    assert packed.tolist() == [[0 | 1 << 2 | 2 << 4 | 3 << 6, 3]]
+
+
+def test_int8_is_twos_complement():
+    assert pack(np.array([[-128, -1, 0, 127]], np.int8), 8).tolist() == [[128, 255, 0, 127]]
+
+
+@pytest.mark.parametrize("bits,group", [(8, None), (4, None), (4, 64), (4, 5), (2, 64), (2, 3)])
+def test_values_on_the_grid_are_exact(bits, group):
+    rng = np.random.default_rng(1)
+    rows, cols = 6, 133
+    ngroups = 1 if group is None else -(-cols // group)
+    scales = rng.uniform(0.01, 2.0, size=(rows, ngroups)).astype(np.float32)
+    # symmetric absmax never produces -qmax-1 (|w| <= amax), so the grid is [-qmax, qmax]
+    codes = rng.integers(-qmax(bits), qmax(bits) + 1, size=(rows, cols)).astype(np.int8)
+    # force each group's amax to hit qmax so absmax scaling recovers the scale exactly
+    for g in range(ngroups):
+        lo = 0 if group is None else g * group
+        codes[:, lo] = qmax(bits)
+    full = scales if group is None else np.repeat(scales, group, axis=1)[:, :cols]
+    w = codes.astype(np.float32) * full
+    got_codes, got_scales = quantize(w, bits, group)
+    np.testing.assert_array_equal(got_codes, codes)
+    np.testing.assert_allclose(dequantize(pack(got_codes, bits), got_scales, bits, group, cols), w, rtol=1e-6)
+
+
+def test_quantize_error_is_at_most_half_a_step():
+    w = np.random.default_rng(2).standard_normal((8, 200)).astype(np.float32)
+    codes, scales = quantize(w, 4, 64)
+    back = dequantize(pack(codes, 4), scales, 4, 64, 200)
+    step = np.repeat(scales, 64, axis=1)[:, :200]
+    assert np.all(np.abs(back - w) <= step / 2 + 1e-6)
+    assert scales.shape == (8, 4)
+
+
+def test_zero_rows_get_min_scale():
+    codes, scales = quantize(np.zeros((2, 4), np.float32), 4, None)
+    assert np.all(codes == 0) and np.all(scales == np.float32(1e-8))
+
+
+def test_fp8_block_dequant_matches_ml_dtypes_with_partial_edge_blocks():
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((200, 130)).astype(ml_dtypes.float8_e4m3fn)
+    scales = rng.uniform(0.1, 3, size=(2, 2)).astype(np.float32)
+    got = dequantize_fp8_blocks(w, scales)
+    ref = w.astype(np.float32)
+    ref[:128, :128] *= scales[0, 0]
+    ref[:128, 128:] *= scales[0, 1]
+    ref[128:, :128] *= scales[1, 0]
+    ref[128:, 128:] *= scales[1, 1]
+    np.testing.assert_array_equal(got, ref)
+    with pytest.raises(GlmkitError, match="weight_scale_inv"):
+        dequantize_fp8_blocks(w, scales[:1])
