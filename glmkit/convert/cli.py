@@ -9,16 +9,7 @@ import time
 from glmkit.convert.convert import DEFAULT_FILE_BYTES, convert
 from glmkit.convert.plan import DEFAULT_GROUP_SIZE, PRESETS, QuantPlan
 from glmkit.errors import GlmkitError
-
-
-def parse_size(text: str) -> int:
-    """'4G' / '500M' / '64K' / '1000' -> bytes (binary units)."""
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    scale = units.get(text[-1:].upper(), 1)
-    digits = text[:-1] if scale > 1 else text
-    if not digits.isdigit() or int(digits) < 1:
-        raise argparse.ArgumentTypeError(f"invalid size {text!r} (e.g. 4G, 500M, 64K)")
-    return int(digits) * scale
+from glmkit.units import parse_size
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.max_file_size < 1:
+            raise GlmkitError("--max-file-size: must be at least 1 byte")
         plan = QuantPlan.from_preset(args.preset, args.expert_bits, args.dense_bits, args.embed_bits,
                                      args.group_size)
         start = time.perf_counter()

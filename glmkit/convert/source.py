@@ -160,8 +160,15 @@ class HFSnapshot:
         if expert is None:
             scales = read_tensor(scale_src.path, scale_src.info).astype(np.float32)
             return dequantize_fp8_blocks(raw, scales, name)
-        scales = read_tensor(scale_src.path, scale_src.info, first=expert, count=1).astype(np.float32)
-        return dequantize_fp8_blocks(raw[0], scales[0], name)[None]
+        scales = read_tensor(scale_src.path, scale_src.info, first=expert, count=1).astype(np.float32)[0]
+        weight = raw[0]
+        half = weight.shape[0] // 2
+        if "gate_up_proj" in name and scales.shape[0] == 2 * -(-half // FP8_BLOCK):
+            # fused from per-expert FP8 matrices: gate and up each have their own block grid, stacked
+            rows = scales.shape[0] // 2
+            return np.concatenate([dequantize_fp8_blocks(weight[:half], scales[:rows], name),
+                                   dequantize_fp8_blocks(weight[half:], scales[rows:], name)])[None]
+        return dequantize_fp8_blocks(weight, scales, name)[None]
 
     def _fp8_scale_name(self, name: str) -> str | None:
         base = name.removesuffix(".weight")

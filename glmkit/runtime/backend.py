@@ -16,7 +16,6 @@ from typing import Protocol
 
 import numpy as np
 
-from glmkit.formats.packing import dequantize
 from glmkit.formats.tensors import QuantWeight, Weight
 
 
@@ -77,21 +76,12 @@ def sigmoid(x: np.ndarray) -> np.ndarray:
 def _code_table(bits: int) -> np.ndarray:
     """Byte value -> the `8 // bits` signed codes it packs, as float32 `[256, 8 // bits]`."""
     byte = np.arange(256, dtype=np.int16)
-    if bits == 8:
-        return byte.astype(np.uint8).view(np.int8).astype(np.float32)[:, None]
     mask = (1 << bits) - 1
     fields = [(byte >> (bits * k)) & mask for k in range(8 // bits)]
     return (np.stack(fields, axis=1) - (1 << (bits - 1))).astype(np.float32)
 
 
-_CODE_TABLES = {bits: _code_table(bits) for bits in (2, 4, 8)}
-
-
-def dequantize_rows(w: Weight, start: int, stop: int) -> np.ndarray:
-    """Rows `[start, stop)` of a weight as float32 (a view for plain arrays, a small fresh array else)."""
-    if isinstance(w, QuantWeight):
-        return dequantize(w.packed[start:stop], w.scales[start:stop], w.bits, w.group_size, w.shape[1])
-    return w[start:stop]
+_CODE_TABLES = {bits: _code_table(bits) for bits in (2, 4)}  # int8 bytes are their codes
 
 
 class NumpyBackend:
@@ -101,13 +91,13 @@ class NumpyBackend:
     decode_block / prefill_block: float32 elements of one unpacked weight block on each path.
     """
 
-    def __init__(self, decode_rows: int = 4, decode_block: int = 1 << 16, prefill_block: int = 1 << 24,
+    def __init__(self, decode_rows: int = 4, decode_block: int = 1 << 18, prefill_block: int = 1 << 24,
                  query_block: int = 1 << 22) -> None:
         self.decode_rows = decode_rows
         self.decode_block = decode_block
         self.prefill_block = prefill_block
         self.query_block = query_block  # score elements [nh, rows, T] materialized at once in attention
-        self._scratch = np.empty(0, np.float32)
+        self._scratch = np.empty(0, np.float32)  # unpacked weight blocks, reused across calls
 
     # ---- matmuls -------------------------------------------------------------------------------
 
@@ -120,22 +110,15 @@ class NumpyBackend:
     def _quant_linear(self, x: np.ndarray, w: QuantWeight, block_elems: int) -> np.ndarray:
         """`x @ dequant(w)^T`, unpacking `w` one row block at a time into a reused buffer."""
         out_features, in_features = w.shape
-        table = _CODE_TABLES[w.bits]
-        per_byte = table.shape[1]
-        n_bytes = w.packed.shape[1]
-        width = n_bytes * per_byte  # codes per packed row, >= in_features (tail codes are padding)
+        width = _code_width(w)
         # Zero-padding x makes the padding codes contribute nothing, so whole packed rows can be used.
         x_pad = np.zeros((x.shape[0], width), np.float32)
         x_pad[:, :in_features] = x
         rows = max(1, min(out_features, block_elems // width))
-        if self._scratch.size < rows * width:
-            self._scratch = np.empty(rows * width, np.float32)
         out = np.empty((x.shape[0], out_features), np.float32)
         for r0 in range(0, out_features, rows):
             r1 = min(out_features, r0 + rows)
-            lanes = self._scratch[: (r1 - r0) * width].reshape(r1 - r0, n_bytes, per_byte)
-            np.take(table, w.packed[r0:r1], axis=0, out=lanes, mode="clip")
-            codes = lanes.reshape(r1 - r0, width)
+            codes = self._unpack_rows(w, r0, r1)
             if w.group_size is None:
                 # Per-row scale: dot the integer codes first, scale the outputs.
                 out[:, r0:r1] = (x_pad @ codes.T) * w.scales[r0:r1]
@@ -144,13 +127,39 @@ class NumpyBackend:
                 out[:, r0:r1] = x_pad @ codes.T
         return out
 
+    def _unpack_rows(self, w: QuantWeight, start: int, stop: int) -> np.ndarray:
+        """Integer codes of rows `[start, stop)` as float32 `[n, width]` in the reused scratch buffer.
+
+        `width >= I`: a row's padding codes (from its last partial byte) come along; callers ignore them.
+        """
+        n, width = stop - start, _code_width(w)
+        if self._scratch.size < n * width:
+            self._scratch = np.empty(n * width, np.float32)
+        codes = self._scratch[: n * width].reshape(n, width)
+        if w.bits == 8:
+            np.copyto(codes, w.packed[start:stop].view(np.int8), casting="unsafe")
+        else:
+            # One gather through a byte -> codes table unpacks all fields of a byte at once.
+            table = _CODE_TABLES[w.bits]
+            lanes = codes.reshape(n, w.packed.shape[1], table.shape[1])
+            np.take(table, w.packed[start:stop], axis=0, out=lanes, mode="clip")
+        return codes
+
     def head_matmul(self, x: np.ndarray, w: Weight, row_start: int, rows: int, transpose: bool) -> np.ndarray:
-        heads = x.shape[1]
+        heads, in_features = x.shape[1], w.shape[1]
         stride = w.shape[0] // heads
         outs = []
         for h in range(heads):
-            # One head's block at a time: quantized weights are dequantized per small block only.
-            block = dequantize_rows(w, h * stride + row_start, h * stride + row_start + rows)
+            r0 = h * stride + row_start
+            if isinstance(w, QuantWeight):
+                # Dequantize one head's small block at a time in the scratch buffer.
+                block = self._unpack_rows(w, r0, r0 + rows)[:, :in_features]
+                if w.group_size is None:
+                    block *= w.scales[r0:r0 + rows, None]
+                else:
+                    _scale_groups(block, w.scales[r0:r0 + rows], w.group_size, in_features)
+            else:
+                block = w[r0:r0 + rows]
             outs.append(x[:, h] @ (block if transpose else block.T))
         return np.stack(outs, axis=1)
 
@@ -196,6 +205,11 @@ class NumpyBackend:
             per_head = np.maximum((q[s0:s1] @ k.T) * np.float32(scale), 0)  # [s, nh, T]
             out[s0:s1] = (weights[s0:s1, None, :] @ per_head)[:, 0]
         return out
+
+
+def _code_width(w: QuantWeight) -> int:
+    """Codes per packed row: `I` rounded up to whole bytes."""
+    return w.packed.shape[1] * (8 // w.bits)
 
 
 def _scale_groups(codes: np.ndarray, scales: np.ndarray, group_size: int, in_features: int) -> None:

@@ -12,6 +12,7 @@ from typing import Protocol
 
 import numpy as np
 
+from glmkit.errors import GlmkitError
 from glmkit.formats.config import ModelConfig
 from glmkit.formats.packing import dequantize
 from glmkit.formats.tensors import QuantWeight, Weight
@@ -31,8 +32,8 @@ class WeightSource(Protocol):
     def has(self, name: str) -> bool: ...
 
 
-RouteHook = Callable[[int, np.ndarray], None]
-"""Called as `hook(layer, expert_ids [S, k])` right after routing, before any expert runs."""
+RouteHook = Callable[[int, np.ndarray, np.ndarray], None]
+"""Called as `hook(layer, expert_ids [S, k], normed_input [S, H])` right after routing, before any expert runs."""
 
 
 # ---- pure functions ----------------------------------------------------------------------------
@@ -156,7 +157,7 @@ class GlmMoeDsaModel:
 
     absorb_max_rows: calls appending at most this many tokens to a non-empty cache use the absorbed
     MLA path (decode, MTP verification); others reconstruct keys and values (prefill).
-    route_hook: optional `hook(layer, expert_ids [S, k])` (hit/miss counting, prefetch).
+    route_hook: optional `hook(layer, expert_ids [S, k], u [S, H])` (hit/miss counting, prefetch).
     """
 
     def __init__(self, config: ModelConfig, weights: WeightSource, backend: Backend | None = None,
@@ -172,6 +173,12 @@ class GlmMoeDsaModel:
 
     def _has_indexer(self, layer: int) -> bool:
         return self.weights.has(f"model.layers.{layer}.self_attn.indexer.wk.weight")
+
+    @property
+    def has_mtp(self) -> bool:
+        """True when the weights include the MTP layer (index num_hidden_layers)."""
+        return self.config.num_nextn_predict_layers > 0 and self.weights.has(
+            f"model.layers.{self.config.num_hidden_layers}.eh_proj.weight")
 
     def new_cache(self) -> KVCache:
         """An empty cache; indexer keys are kept on every layer that has indexer weights."""
@@ -206,6 +213,8 @@ class GlmMoeDsaModel:
         Returns (logits `[S, V]`, the MTP layer's output `[S, H]` before `shared_head.norm`).
         """
         cfg, b = self.config, self.backend
+        if cfg.num_nextn_predict_layers == 0:
+            raise GlmkitError("this model has no MTP layer (num_nextn_predict_layers is 0)")
         layer = cfg.num_hidden_layers
         prefix = f"model.layers.{layer}."
         emb = embed_rows(self._w("model.embed_tokens.weight"), np.asarray(next_token_ids))
@@ -308,7 +317,7 @@ class GlmMoeDsaModel:
                                       cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
                                       cfg.norm_topk_prob, cfg.routed_scaling_factor)
         if self.route_hook is not None:
-            self.route_hook(layer, ids)
+            self.route_hook(layer, ids, u)
         routed = moe_batch_union(u, ids, weights,
                                  lambda e, rows: self._mlp(f"{prefix}experts.{e}.", rows))
         return routed + self._mlp(prefix + "shared_experts.", u)

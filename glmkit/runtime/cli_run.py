@@ -1,0 +1,173 @@
+"""`glm-run SNAPSHOT`: one-shot generation (`-p`) or interactive chat (`--chat`), streamed to stdout."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+from glmkit.errors import GlmkitError
+from glmkit.runtime.engine import Engine
+from glmkit.runtime.generate import GenerationStats, Generator
+from glmkit.runtime.kv_cache import KVCache
+from glmkit.runtime.sampling import Sampler, SamplingParams
+from glmkit.runtime.tokenizer import StreamDecoder
+from glmkit.units import parse_size
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="glm-run", description=__doc__)
+    p.add_argument("snapshot", help="converted container directory (from glm-convert)")
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument("-p", "--prompt", help="generate a reply to this prompt and exit")
+    mode.add_argument("--chat", action="store_true", help="interactive multi-turn chat (history kept; /exit quits)")
+    p.add_argument("--system", help="system prompt")
+    p.add_argument("--raw-prompt", action="store_true", help="feed -p as plain text, without the chat template")
+    p.add_argument("--no-think", action="store_true", help="render the chat template with enable_thinking=False")
+    p.add_argument("--max-tokens", type=int, default=256, help="new tokens per reply (default %(default)s)")
+    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
+    p.add_argument("--seed", type=int, help="sampling seed")
+    p.add_argument("--no-mtp", action="store_true", help="disable MTP speculative decoding")
+    p.add_argument("--device", default="auto", help="auto | numpy | opencl[:platform:device]")
+    p.add_argument("--ram-budget", type=parse_size, default=0, metavar="SIZE",
+                   help="pin the hottest routed experts in RAM up to SIZE (e.g. 8G); default 0 = page cache only")
+    p.add_argument("--no-prefetch", action="store_true", help="disable router-driven expert prefetch")
+    p.add_argument("--stats-json", type=Path, metavar="PATH", help="write timing/memory statistics here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        params = SamplingParams(args.temp, args.top_p, args.top_k, args.seed).check()
+        if args.max_tokens < 1:
+            raise GlmkitError(f"--max-tokens: must be >= 1, got {args.max_tokens}")
+        engine = Engine(args.snapshot, args.device, args.ram_budget, prefetch=not args.no_prefetch)
+        generator = Generator(engine.model, engine.eos_token_ids, use_mtp=not args.no_mtp)
+        if args.chat:
+            chat(engine, generator, params, args)
+            return 0
+        stats = one_shot(engine, generator, Sampler(params), args)
+    except GlmkitError as e:
+        print(f"glm-run: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    if args.stats_json:
+        write_stats(args.stats_json, stats, engine)
+    return 0
+
+
+def one_shot(engine: Engine, generator: Generator, sampler: Sampler, args: argparse.Namespace) -> GenerationStats:
+    if not args.prompt.strip():
+        raise GlmkitError("--prompt: the prompt is empty")
+    tok = engine.tokenizer
+    if args.raw_prompt:
+        ids = tok.encode(args.prompt)
+    else:
+        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        ids = tok.encode_chat(messages + [{"role": "user", "content": args.prompt}], not args.no_think)
+    check_context(engine, len(ids))
+    stream(engine, generator, ids, args.max_tokens, sampler, None)
+    print(flush=True)
+    return generator.stats
+
+
+def chat(engine: Engine, generator: Generator, params: SamplingParams, args: argparse.Namespace) -> None:
+    """Multi-turn chat: the KV cache keeps the conversation; each turn prefills only what changed."""
+    tok = engine.tokenizer
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    cache = engine.model.new_cache()
+    cached_ids: list[int] = []
+    sampler = Sampler(params)
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            print("> ", end="", flush=True)
+        line = sys.stdin.readline()
+        if not line or line.strip() in ("/exit", "/quit"):
+            return
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line.rstrip("\n")})
+        ids = tok.encode_chat(messages, not args.no_think)
+        check_context(engine, len(ids))
+        common = _common_prefix(cached_ids, ids)
+        cache.truncate(common)
+        reply = stream(engine, generator, ids, args.max_tokens, sampler, cache)
+        cached_ids = ids + reply[:-1]  # the last token was sampled but not yet fed to the model
+        messages.append({"role": "assistant", "content": tok.decode(_strip_eos(reply, engine.eos_token_ids))})
+        print(flush=True)
+
+
+def stream(engine: Engine, generator: Generator, ids: list[int], max_tokens: int, sampler: Sampler,
+           cache: KVCache | None) -> list[int]:
+    """Generate and print text as it becomes valid UTF-8; returns the generated ids."""
+    decoder = StreamDecoder(engine.tokenizer)
+    out: list[int] = []
+    for token in generator.generate(ids, max_tokens, sampler, cache):
+        out.append(token)
+        if token in engine.eos_token_ids:
+            break
+        sys.stdout.write(decoder.push(token))
+        sys.stdout.flush()
+    sys.stdout.write(decoder.flush())
+    return out
+
+
+def check_context(engine: Engine, n_tokens: int) -> None:
+    limit = engine.config.max_position_embeddings
+    if n_tokens >= limit:
+        raise GlmkitError(f"prompt is {n_tokens} tokens, the model's context is {limit}")
+
+
+def write_stats(path: Path, stats: GenerationStats, engine: Engine) -> None:
+    acceptance = stats.mtp_acceptance
+    tpf = stats.tokens_per_forward
+    record = {
+        "prompt_tokens": stats.prompt_tokens,
+        "cached_tokens": stats.cached_tokens,
+        "prefill_s": round(stats.prefill_s, 6),
+        "ttft_s": round(stats.ttft_s, 6),
+        "decode_tokens": stats.decode_tokens,
+        "decode_s": round(stats.decode_s, 6),
+        "prefill_tok_s": round((stats.prompt_tokens - stats.cached_tokens) / stats.prefill_s, 3)
+        if stats.prefill_s else None,
+        "decode_tok_s": round((stats.decode_tokens - 1) / stats.decode_s, 3)
+        if stats.decode_s and stats.decode_tokens > 1 else None,
+        "peak_rss_mb": round(peak_rss_mb(), 1),
+        "device": engine.device,
+        "mtp_acceptance": None if acceptance is None else round(acceptance, 4),
+        "tokens_per_forward": None if tpf is None else round(tpf, 4),
+        "stop_reason": stats.stop_reason,
+        **engine.experts.stats.to_json(),
+        "time": time.time(),
+    }
+    path.write_text(json.dumps(record, indent=1) + "\n")
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set size of this process in MB (ru_maxrss is in KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _strip_eos(ids: list[int], eos: tuple[int, ...]) -> list[int]:
+    return ids[:-1] if ids and ids[-1] in eos else ids
+
+
+if __name__ == "__main__":
+    sys.exit(main())

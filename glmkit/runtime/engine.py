@@ -1,0 +1,57 @@
+"""`Engine`: an opened snapshot ready to generate (container, expert streaming, model, tokenizer)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from glmkit.errors import GlmkitError
+from glmkit.formats.reader import Container
+from glmkit.runtime.backend import Backend, NumpyBackend
+from glmkit.runtime.experts import ExpertStreamer
+from glmkit.runtime.model import GlmMoeDsaModel
+from glmkit.runtime.tokenizer import ChatTokenizer
+
+
+def make_backend(device: str) -> tuple[Backend, str]:
+    """`numpy` or `auto` (the only backend until the OpenCL one lands). Returns (backend, its name)."""
+    if device in ("numpy", "auto", "cpu"):
+        return NumpyBackend(), "numpy"
+    if device.startswith("opencl"):
+        print(f"glm-run: notice: --device {device}: the OpenCL backend is not available yet; using numpy",
+              file=sys.stderr)
+        return NumpyBackend(), "numpy"
+    raise GlmkitError(f"--device: unknown device {device!r} (numpy, auto, opencl[:P:D])")
+
+
+class Engine:
+    def __init__(self, snapshot: str | Path, device: str = "auto", ram_budget_bytes: int = 0,
+                 prefetch: bool = True, load_tokenizer: bool = True):
+        self.container = Container(snapshot)
+        self.config = self.container.config
+        self.backend, self.device = make_backend(device)
+        self.experts = ExpertStreamer(self.container, ram_budget_bytes, prefetch)
+        self.model = GlmMoeDsaModel(self.config, self.experts, self.backend, route_hook=self.experts.on_route)
+        self.tokenizer = ChatTokenizer(snapshot) if load_tokenizer else None
+        self.eos_token_ids = _eos_ids(Path(snapshot), self.config.eos_token_ids)
+
+    @property
+    def model_hash(self) -> str:
+        return self.container.model_hash
+
+
+def _eos_ids(snapshot: Path, from_config: tuple[int, ...]) -> tuple[int, ...]:
+    """Every eos id from config.json and generation_config.json."""
+    ids = set(from_config)
+    path = snapshot / "generation_config.json"
+    if path.is_file():
+        try:
+            eos = json.loads(path.read_text()).get("eos_token_id")
+        except (json.JSONDecodeError, AttributeError):
+            raise GlmkitError(f"{path}: not a valid JSON object") from None
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, list):
+            ids.update(i for i in eos if isinstance(i, int))
+    return tuple(sorted(ids))

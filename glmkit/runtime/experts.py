@@ -1,0 +1,133 @@
+"""Routed experts streamed from the mapping: residency counting, router-driven prefetch, RAM pinning.
+
+The OS page cache is the expert cache. `ExpertStreamer` sits between the container and the model:
+- it counts, per routed expert used, whether its bytes were already resident (`mincore`) - a hit -
+  or had to come from disk - a miss;
+- after each MoE layer routes, it applies the NEXT layer's router to the same normed hidden state
+  and `madvise(WILLNEED)`s the experts that router would pick, so their reads overlap compute;
+- with a RAM budget it copies the most-used experts into anonymous memory (pinned: the page cache
+  cannot evict them) once it has seen enough routing to know which are hot.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from glmkit.formats.reader import Container
+from glmkit.formats.schema import EXPERT_PROJECTIONS, expert_weight_name
+from glmkit.formats.tensors import QuantWeight, Weight
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+
+
+def resident_fraction(view: np.ndarray) -> float:
+    """Fraction of the pages under this mapped array that are in RAM (Linux mincore)."""
+    start = view.ctypes.data - view.ctypes.data % mmap.PAGESIZE
+    length = view.ctypes.data + view.nbytes - start
+    pages = -(-length // mmap.PAGESIZE)
+    vec = (ctypes.c_ubyte * pages)()
+    if _libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vec) != 0:
+        return 1.0  # not a mapping we can query: count as resident rather than invent misses
+    return sum(b & 1 for b in vec) / pages
+
+
+@dataclass
+class ExpertStats:
+    hits: int = 0
+    misses: int = 0
+    prefetched: int = 0
+    pinned: int = 0
+    pinned_bytes: int = 0
+    usage: Counter = field(default_factory=Counter)
+
+    def to_json(self) -> dict[str, int]:
+        return {"expert_hits": self.hits, "expert_misses": self.misses, "experts_prefetched": self.prefetched,
+                "experts_pinned": self.pinned, "pinned_mb": self.pinned_bytes >> 20}
+
+
+class ExpertStreamer:
+    """A weight source over a Container that tracks, prefetches and pins routed experts."""
+
+    def __init__(self, container: Container, ram_budget_bytes: int = 0, prefetch: bool = True,
+                 pin_after_tokens: int = 32):
+        self.container = container
+        self.config = container.config
+        self.ram_budget = ram_budget_bytes
+        self.prefetch = prefetch
+        self.pin_after_tokens = pin_after_tokens
+        self.stats = ExpertStats()
+        self._pinned: dict[str, Weight] = {}
+        self._routed_tokens = 0
+
+    # ---- the weight-source interface the model uses ----
+
+    def has(self, name: str) -> bool:
+        return self.container.has(name)
+
+    def weight(self, name: str) -> Weight:
+        pinned = self._pinned.get(name)
+        return pinned if pinned is not None else self.container.weight(name)
+
+    # ---- the model's route hook ----
+
+    def on_route(self, layer: int, expert_ids: np.ndarray, normed: np.ndarray | None = None) -> None:
+        """Called after layer `layer` routed its tokens: `expert_ids [S, k]`, `normed [S, H]` its input."""
+        for expert in np.unique(expert_ids).tolist():
+            self.stats.usage[(layer, expert)] += 1
+            if self._is_resident(layer, expert):
+                self.stats.hits += 1
+            else:
+                self.stats.misses += 1
+        if layer == self.config.first_k_dense_replace:
+            self._routed_tokens += len(expert_ids)
+        if self.prefetch and normed is not None:
+            self._prefetch_next(layer, normed)
+        if self.ram_budget and not self.stats.pinned and self._routed_tokens >= self.pin_after_tokens:
+            self.pin_hottest()
+
+    def _is_resident(self, layer: int, expert: int) -> bool:
+        name = expert_weight_name(layer, expert, "gate_proj")
+        if name in self._pinned:
+            return True
+        w = self.container.weight(name)
+        return resident_fraction(w.packed if isinstance(w, QuantWeight) else w) == 1.0
+
+    def _prefetch_next(self, layer: int, normed: np.ndarray) -> None:
+        nxt = layer + 1
+        if nxt >= self.config.num_hidden_layers or not self.config.is_moe_layer(nxt):
+            return
+        router = self.container.weight(f"model.layers.{nxt}.mlp.gate.weight")
+        bias = self.container.weight(f"model.layers.{nxt}.mlp.gate.e_score_correction_bias")
+        # the next router's selection scores on this layer's input: a cheap, usually close prediction
+        scores = 1.0 / (1.0 + np.exp(-(normed @ np.asarray(router).T))) + bias
+        k = self.config.num_experts_per_tok
+        likely = np.unique(np.argpartition(-scores, k - 1, axis=1)[:, :k]).tolist()
+        likely = [e for e in likely if expert_weight_name(nxt, e, "gate_proj") not in self._pinned]
+        self.container.advise_experts(nxt, likely, mmap.MADV_WILLNEED)
+        self.stats.prefetched += len(likely)
+
+    def pin_hottest(self) -> None:
+        """Copy the most-used experts into RAM until the budget is spent."""
+        used = 0
+        for (layer, expert), _ in self.stats.usage.most_common():
+            r = self.container.expert_range(layer, expert)
+            if used + r.nbytes > self.ram_budget:
+                break
+            for proj in EXPERT_PROJECTIONS:
+                name = expert_weight_name(layer, expert, proj)
+                self._pinned[name] = _copy_weight(self.container.weight(name))
+            used += r.nbytes
+            self.stats.pinned += 1
+        self.stats.pinned_bytes = used
+
+
+def _copy_weight(w: Weight) -> Weight:
+    if isinstance(w, QuantWeight):
+        return QuantWeight(w.packed.copy(), w.scales.copy(), w.bits, w.group_size, w.shape)
+    return w.copy()

@@ -1,0 +1,16 @@
+"""Parsing human-friendly sizes on the command line."""
+
+from __future__ import annotations
+
+import argparse
+
+_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """'4G' / '500M' / '64K' / '1000' -> bytes (binary units). For argparse `type=`."""
+    scale = _UNITS.get(text[-1:].upper(), 1)
+    digits = text[:-1] if scale > 1 else text
+    if not digits.isdigit():
+        raise argparse.ArgumentTypeError(f"invalid size {text!r} (e.g. 4G, 500M, 64K)")
+    return int(digits) * scale

@@ -1,0 +1,343 @@
+"""Unit tests of the forward-pass math (NumPy only; the transformers comparison is
+tools/check_model_vs_transformers.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from glmkit.formats.config import ModelConfig
+from glmkit.formats.packing import pack, quantize
+from glmkit.formats.tensors import QuantWeight, Weight
+from glmkit.runtime.backend import NumpyBackend, silu
+from glmkit.runtime.kv_cache import KVCache
+from glmkit.runtime.model import (
+    GlmMoeDsaModel,
+    apply_rope,
+    causal_mask,
+    embed_rows,
+    mla_attend_absorbed,
+    mla_attend_full,
+    moe_batch_union,
+    rope_cos_sin,
+    route_noaux_tc,
+    topk_mask,
+)
+
+
+def quant(w: np.ndarray, bits: int, group: int | None) -> QuantWeight:
+    codes, scales = quantize(w, bits, group)
+    return QuantWeight(pack(codes, bits), scales, bits, group, w.shape)
+
+
+def rand(rng: np.random.Generator, *shape: int) -> np.ndarray:
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+# ---- rope --------------------------------------------------------------------------------------
+
+def test_rope_rotates_each_interleaved_pair_by_pos_times_inv_freq() -> None:
+    dim, theta, pos = 8, 10000.0, 5
+    cos, sin = rope_cos_sin(np.array([pos]), dim, theta)
+    for pair in range(dim // 2):
+        x = np.zeros((1, dim), np.float32)
+        x[0, 2 * pair] = 1.0  # (e, o) = (1, 0): output (cos a, sin a), de-interleaved
+        out = apply_rope(x, cos, sin)[0]
+        angle = pos * theta ** (-2 * pair / dim)
+        expected = np.zeros(dim)
+        expected[pair], expected[dim // 2 + pair] = np.cos(angle), np.sin(angle)
+        np.testing.assert_allclose(out, expected, atol=1e-6)
+
+
+def test_rope_preserves_norms_and_scores_depend_on_relative_position() -> None:
+    rng = np.random.default_rng(0)
+    q, k = rand(rng, 1, 3, 16), rand(rng, 1, 16)
+    rot = [apply_rope(q, *rope_cos_sin(np.array([p]), 16, 500.0)) for p in (3, 10)]
+    rot_k = [apply_rope(k, *rope_cos_sin(np.array([p]), 16, 500.0)) for p in (0, 7)]
+    np.testing.assert_allclose(np.linalg.norm(rot[0], axis=-1), np.linalg.norm(q, axis=-1), rtol=1e-6)
+    # positions (3, 0) and (10, 7) are both 3 apart: identical scores
+    np.testing.assert_allclose(rot[0][0] @ rot_k[0][0], rot[1][0] @ rot_k[1][0], rtol=1e-5)
+
+
+# ---- DSA selection -----------------------------------------------------------------------------
+
+def test_topk_mask_keeps_min_k_t_plus_1_best_causal_keys() -> None:
+    scores = np.array([[5, 9, 9, 9], [1, 3, 9, 9], [4, 1, 2, 9], [0, 3, 1, 2]], np.float32)
+    causal = causal_mask(0, 4, 4)
+    selected = topk_mask(scores, causal, 2)
+    expected = [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [0, 1, 0, 1]]
+    np.testing.assert_array_equal(selected, np.array(expected, bool))
+    np.testing.assert_array_equal(topk_mask(scores, causal, 4), causal)  # k >= T: dense causal
+
+
+def test_causal_mask_with_offset() -> None:
+    np.testing.assert_array_equal(causal_mask(2, 2, 4), [[1, 1, 1, 0], [1, 1, 1, 1]])
+
+
+# ---- router ------------------------------------------------------------------------------------
+
+def test_router_follows_group_rule_and_returns_unbiased_weights() -> None:
+    # 8 experts in 4 groups of 2; keep 2 groups, pick 2 experts.
+    probs = np.array([[0.95, 0.05, 0.6, 0.6, 0.7, 0.6, 0.1, 0.1]], np.float32)
+    logits = np.log(probs / (1 - probs))
+    bias = np.zeros(8, np.float32)
+    bias[6] = 0.9  # expert 6 is the best biased choice, but group 3's top-2 sum (1.1) still loses
+    ids, weights = route_noaux_tc(logits, bias, top_k=2, n_group=4, topk_group=2, norm_topk_prob=True,
+                                  scaling=2.5)
+    # group sums: g0 1.0, g1 1.2, g2 1.3, g3 1.1 -> groups 1 and 2; best experts there: 4 (0.7), then 2 or 3
+    order = np.argsort(ids[0])
+    assert ids[0][order][-1] == 4 and ids[0][order][0] in (2, 3)
+    expected = np.array([0.6, 0.7]) / 1.3 * 2.5  # sigmoid scores without the bias, normalized, scaled
+    np.testing.assert_allclose(weights[0][order], expected, rtol=1e-5)
+
+    bias[7] = 0.9  # now g3 sums to 2.0 and wins; its two experts take both slots
+    ids, weights = route_noaux_tc(logits, bias, 2, 4, 2, norm_topk_prob=False, scaling=1.0)
+    assert sorted(ids[0]) == [6, 7]
+    np.testing.assert_allclose(weights[0], [0.1, 0.1], rtol=1e-5)
+
+
+def test_moe_batch_union_equals_per_token_loop_and_calls_each_expert_once() -> None:
+    rng = np.random.default_rng(1)
+    x = rand(rng, 6, 8)
+    ids = np.array([[0, 3], [3, 1], [2, 0], [3, 2], [1, 0], [2, 3]])
+    weights = rand(rng, 6, 2)
+    mats = [rand(rng, 8, 8) for _ in range(4)]
+    calls: list[int] = []
+
+    def run(e: int, rows: np.ndarray) -> np.ndarray:
+        calls.append(e)
+        return np.tanh(rows @ mats[e])
+
+    out = moe_batch_union(x, ids, weights, run)
+    loop = np.stack([sum(weights[s, k] * np.tanh(x[s] @ mats[ids[s, k]]) for k in range(2)) for s in range(6)])
+    np.testing.assert_allclose(out, loop, rtol=1e-5, atol=1e-6)
+    assert sorted(calls) == [0, 1, 2, 3]
+
+
+# ---- backend -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("group", [None, 16, 7])
+@pytest.mark.parametrize("rows", [1, 7])
+def test_quantized_linear_matches_dequantize_then_matmul(bits: int, group: int | None, rows: int) -> None:
+    rng = np.random.default_rng(bits * 100 + rows)
+    w = quant(rand(rng, 29, 53), bits, group)  # odd in-features: partial bytes and a partial last group
+    x = rand(rng, rows, 53)
+    expected = x @ w.dequantize().T
+    # Tiny blocks force the blockwise loop over many row blocks on both paths.
+    for backend in (NumpyBackend(), NumpyBackend(decode_block=100, prefill_block=300)):
+        np.testing.assert_allclose(backend.linear(x, w), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_head_matmul_matches_dense_per_head_products() -> None:
+    rng = np.random.default_rng(2)
+    heads, stride, width = 3, 10, 12
+    dense = rand(rng, heads * stride, width)
+    x, y = rand(rng, 2, heads, width), rand(rng, 2, heads, 6)
+    for w in (dense, quant(dense, 4, 4)):
+        full = w if isinstance(w, np.ndarray) else w.dequantize()
+        b = full.reshape(heads, stride, width)[:, 4:10]  # rows 4..9 of each head
+        backend = NumpyBackend()
+        np.testing.assert_allclose(backend.head_matmul(x, w, 4, 6, transpose=False),
+                                   np.einsum("shi,hri->shr", x, b), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(backend.head_matmul(y, w, 4, 6, transpose=True),
+                                   np.einsum("shr,hri->shi", y, b), rtol=1e-5, atol=1e-5)
+
+
+def test_norms_on_hand_values() -> None:
+    backend = NumpyBackend()
+    x = np.array([[3.0, 4.0]], np.float32)
+    np.testing.assert_allclose(backend.rms_norm(x, np.array([1.0, 2.0], np.float32), 0.0),
+                               [[3 / np.sqrt(12.5), 8 / np.sqrt(12.5)]], rtol=1e-6)
+    np.testing.assert_allclose(backend.layer_norm(x, np.array([1.0, 2.0], np.float32),
+                                                  np.array([0.5, 0.0], np.float32), 0.0), [[-0.5, 2.0]], rtol=1e-6)
+
+
+def test_attention_shared_key_head_equals_repeated_heads() -> None:
+    rng = np.random.default_rng(3)
+    q, k, v = rand(rng, 3, 4, 8), rand(rng, 5, 1, 8), rand(rng, 5, 1, 6)
+    allowed = causal_mask(2, 3, 5)
+    backend = NumpyBackend()
+    shared = backend.attention(q, k, v, allowed, 0.3)
+    repeated = backend.attention(q, np.repeat(k, 4, axis=1), np.repeat(v, 4, axis=1), allowed, 0.3)
+    np.testing.assert_allclose(shared, repeated, rtol=1e-5, atol=1e-6)
+    # query 0 (position 2) sees keys 0..2 only
+    scores = q[0] @ k[:3, 0].T * 0.3
+    probs = np.exp(scores - scores.max(1, keepdims=True))
+    probs /= probs.sum(1, keepdims=True)
+    np.testing.assert_allclose(shared[0], probs @ v[:3, 0], rtol=1e-5, atol=1e-6)
+
+
+def test_index_scores_weighted_relu_sum() -> None:
+    rng = np.random.default_rng(4)
+    q, k, w = rand(rng, 2, 3, 4), rand(rng, 5, 4), rand(rng, 2, 3)
+    expected = np.einsum("sh,sht->st", w, np.maximum(np.einsum("shd,td->sht", q, k) * 0.5, 0))
+    np.testing.assert_allclose(NumpyBackend().index_scores(q, k, w, 0.5), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_expert_mlp_is_down_of_silu_gate_times_up() -> None:
+    rng = np.random.default_rng(5)
+    x, g, u, d = rand(rng, 2, 6), rand(rng, 4, 6), rand(rng, 4, 6), rand(rng, 6, 4)
+    expected = (silu(x @ g.T) * (x @ u.T)) @ d.T
+    np.testing.assert_allclose(NumpyBackend().expert_mlp(x, g, u, d), expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(silu(np.array([-200.0, 0.0, 1.0], np.float32)),
+                               [0.0, 0.0, 1 / (1 + np.exp(-1))], rtol=1e-6)
+
+
+# ---- MLA ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_absorbed_mla_equals_full_reconstruction(quantized: bool) -> None:
+    rng = np.random.default_rng(6)
+    heads, nope, rope, v_dim, kvl, seq, total = 4, 16, 8, 12, 32, 3, 9
+    kv_b: Weight = rand(rng, heads * (nope + v_dim), kvl) * 0.3
+    if quantized:
+        kv_b = quant(kv_b, 4, 8)
+    q_nope, q_rot = rand(rng, seq, heads, nope), rand(rng, seq, heads, rope)
+    kv_lat, k_rot = rand(rng, total, kvl), rand(rng, total, rope)
+    allowed = causal_mask(total - seq, seq, total)
+    allowed[2, 3] = False  # a sparse selection hole
+    backend = NumpyBackend()
+    full = mla_attend_full(backend, q_nope, q_rot, kv_lat, k_rot, kv_b, allowed, 0.2)
+    absorbed = mla_attend_absorbed(backend, q_nope, q_rot, kv_lat, k_rot, kv_b, allowed, 0.2)
+    assert full.shape == (seq, heads, v_dim)
+    np.testing.assert_allclose(absorbed, full, rtol=1e-4, atol=1e-5)
+
+
+# ---- KV cache ----------------------------------------------------------------------------------
+
+def tiny_config(**overrides: object) -> ModelConfig:
+    raw = dict(model_type="glm_moe_dsa", vocab_size=64, hidden_size=32, num_hidden_layers=3,
+               num_attention_heads=2, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+               v_head_dim=8, intermediate_size=48, moe_intermediate_size=16, n_routed_experts=8,
+               num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1,
+               routed_scaling_factor=2.5, index_topk=4, index_n_heads=2, index_head_dim=8,
+               indexer_types=["full", "shared", "full"], num_nextn_predict_layers=1, rms_norm_eps=1e-5)
+    return ModelConfig.from_dict(raw | overrides)
+
+
+def test_kv_cache_grows_truncates_and_round_trips() -> None:
+    config = tiny_config()
+    rng = np.random.default_rng(7)
+    cache = KVCache(config)
+    assert [layer.has_index for layer in cache.layers] == [True, False, True, True]
+    rows = {}
+    for _ in range(300):  # past the initial capacity
+        for i, layer in enumerate(cache.layers):
+            fields = {"kv_lat": rand(rng, 1, 16), "k_rot": rand(rng, 1, 4)}
+            if layer.has_index:
+                fields["index_k"] = rand(rng, 1, 8)
+            layer.append(**fields)
+            for name, value in fields.items():
+                rows.setdefault(f"layers.{i}.{name}", []).append(value)
+    assert cache.length == 300
+    full = {name: np.concatenate(parts) for name, parts in rows.items()}
+    exported = cache.export_rows()
+    assert exported.keys() == full.keys()
+    for name in full:
+        np.testing.assert_array_equal(exported[name], full[name])
+
+    cache.truncate(120)
+    assert cache.length == 120
+    restored = KVCache(config)
+    restored.import_rows(cache.export_rows())
+    restored.import_rows({name: value[120:] for name, value in full.items()})
+    for name, value in restored.export_rows().items():
+        np.testing.assert_array_equal(value, full[name])
+    np.testing.assert_array_equal(restored.export_rows(start=299)["layers.2.index_k"], full["layers.2.index_k"][299:])
+
+
+# ---- whole model (self-consistency; exactness vs transformers is the tools/ check) -----------------
+
+class DictWeights:
+    def __init__(self, tensors: dict[str, Weight]) -> None:
+        self.tensors = tensors
+
+    def weight(self, name: str) -> Weight:
+        return self.tensors[name]
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+
+def random_weights(config: ModelConfig, rng: np.random.Generator) -> dict[str, Weight]:
+    """All tensors of a random model (indexer head pairs negated so index scores cannot tie at 0)."""
+    h, c = config.hidden_size, config
+    t: dict[str, Weight] = {"model.embed_tokens.weight": rand(rng, c.vocab_size, h),
+                            "lm_head.weight": rand(rng, c.vocab_size, h) / np.sqrt(h),
+                            "model.norm.weight": 1 + 0.2 * rand(rng, h)}
+
+    def mat(name: str, out: int, inp: int) -> None:
+        t[name] = rand(rng, out, inp) * np.float32(1.5 / np.sqrt(inp))
+
+    def mlp(prefix: str, width: int) -> None:
+        mat(prefix + "gate_proj.weight", width, h)
+        mat(prefix + "up_proj.weight", width, h)
+        mat(prefix + "down_proj.weight", h, width)
+
+    for layer in range(c.num_layers_with_mtp):
+        p = f"model.layers.{layer}."
+        for norm in ("input_layernorm", "post_attention_layernorm", "self_attn.q_a_layernorm"):
+            t[p + norm + ".weight"] = 1 + 0.2 * rand(rng, c.q_lora_rank if "q_a" in norm else h)
+        t[p + "self_attn.kv_a_layernorm.weight"] = 1 + 0.2 * rand(rng, c.kv_lora_rank)
+        mat(p + "self_attn.q_a_proj.weight", c.q_lora_rank, h)
+        mat(p + "self_attn.q_b_proj.weight", c.num_attention_heads * c.qk_head_dim, c.q_lora_rank)
+        mat(p + "self_attn.kv_a_proj_with_mqa.weight", c.kv_lora_rank + c.qk_rope_head_dim, h)
+        mat(p + "self_attn.kv_b_proj.weight", c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim),
+            c.kv_lora_rank)
+        mat(p + "self_attn.o_proj.weight", h, c.num_attention_heads * c.v_head_dim)
+        if c.indexer_type(layer) == "full":
+            mat(p + "self_attn.indexer.wq_b.weight", c.index_n_heads * c.index_head_dim, c.q_lora_rank)
+            heads = t[p + "self_attn.indexer.wq_b.weight"].reshape(c.index_n_heads, c.index_head_dim, -1)
+            heads[1::2] = -heads[0::2]
+            mat(p + "self_attn.indexer.wk.weight", c.index_head_dim, h)
+            mat(p + "self_attn.indexer.weights_proj.weight", c.index_n_heads, h)
+            t[p + "self_attn.indexer.k_norm.weight"] = 1 + 0.2 * rand(rng, c.index_head_dim)
+            t[p + "self_attn.indexer.k_norm.bias"] = 0.2 * rand(rng, c.index_head_dim)
+        if not c.is_moe_layer(layer):
+            mlp(p + "mlp.", c.intermediate_size)
+            continue
+        mat(p + "mlp.gate.weight", c.n_routed_experts, h)
+        t[p + "mlp.gate.e_score_correction_bias"] = 0.1 * rand(rng, c.n_routed_experts)
+        mlp(p + "mlp.shared_experts.", c.moe_intermediate_size * c.n_shared_experts)
+        for e in range(c.n_routed_experts):
+            mlp(f"{p}mlp.experts.{e}.", c.moe_intermediate_size)
+    n = c.num_hidden_layers
+    mat(f"model.layers.{n}.eh_proj.weight", h, 2 * h)
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        t[f"model.layers.{n}.{norm}.weight"] = 1 + 0.2 * rand(rng, h)
+    return t
+
+
+def test_prefill_decode_and_chunked_forward_agree_and_report_routes() -> None:
+    config = tiny_config()
+    weights = random_weights(config, np.random.default_rng(8))
+    routes: list[tuple[int, np.ndarray]] = []
+    model = GlmMoeDsaModel(config, DictWeights(weights), route_hook=lambda layer, ids: routes.append((layer, ids)))
+    ids = np.random.default_rng(9).integers(0, config.vocab_size, 12)
+
+    cache = model.new_cache()
+    logits, hidden = model.forward(ids, cache)
+    assert logits.shape == (12, config.vocab_size) and hidden.shape == (12, config.hidden_size)
+    assert [layer for layer, _ in routes] == [1, 2] and routes[0][1].shape == (12, config.num_experts_per_tok)
+    last, _ = model.forward(ids, model.new_cache(), last_logits_only=True)
+    np.testing.assert_allclose(last, logits[-1:], rtol=1e-5, atol=1e-5)
+
+    for chunk in (1, 3, 5):
+        cache_c = model.new_cache()
+        parts = [model.forward(ids[:4], cache_c)[0]]
+        parts += [model.forward(ids[s: s + chunk], cache_c)[0] for s in range(4, 12, chunk)]
+        np.testing.assert_allclose(np.concatenate(parts), logits, rtol=1e-4, atol=1e-4 * np.abs(logits).max())
+
+    # MTP: all positions at once == one position at a time
+    mtp_all, _ = model.mtp_forward(hidden[:-1], ids[1:], cache)
+    cache.layer(config.num_hidden_layers).truncate(0)
+    steps = [model.mtp_forward(hidden[i: i + 1], ids[i + 1: i + 2], cache)[0] for i in range(11)]
+    np.testing.assert_allclose(np.concatenate(steps), mtp_all, rtol=1e-4, atol=1e-4 * np.abs(mtp_all).max())
+
+
+def test_quantized_embedding_gathers_and_dequantizes_rows() -> None:
+    rng = np.random.default_rng(10)
+    table = quant(rand(rng, 20, 12), 4, 8)
+    ids = np.array([3, 0, 3, 19])
+    np.testing.assert_allclose(embed_rows(table, ids), table.dequantize()[ids], rtol=1e-6)
