@@ -313,7 +313,7 @@ def test_prefill_decode_and_chunked_forward_agree_and_report_routes() -> None:
     config = tiny_config()
     weights = random_weights(config, np.random.default_rng(8))
     routes: list[tuple[int, np.ndarray]] = []
-    model = GlmMoeDsaModel(config, DictWeights(weights), route_hook=lambda layer, ids: routes.append((layer, ids)))
+    model = GlmMoeDsaModel(config, DictWeights(weights), route_hook=lambda layer, ids, u: routes.append((layer, ids)))
     ids = np.random.default_rng(9).integers(0, config.vocab_size, 12)
 
     cache = model.new_cache()
