@@ -8,7 +8,7 @@ import pytest
 from glmkit.convert.cli import main as convert_main
 from glmkit.errors import GlmkitError
 from glmkit.formats.reader import Container
-from tests.synth import make_snapshot
+from tools.synth import make_snapshot
 
 
 @pytest.fixture()
