@@ -53,6 +53,7 @@ def convert(source_dir: str | Path, out_dir: str | Path, plan: QuantPlan, preset
     total = sum(source.source_bytes(s) for s in specs)
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=not progress, file=sys.stderr)
     writer: DataFileWriter | None = None
+    done = 0
     try:
         for layout in layouts:
             writer = DataFileWriter(out, layout)
@@ -61,6 +62,8 @@ def convert(source_dir: str | Path, out_dir: str | Path, plan: QuantPlan, preset
                 if spec is None:
                     continue  # a `.qs` scales tensor, written together with its weight
                 entries.update(_write_tensor(writer, source, plan, spec))
+                done += 1
+                bar.set_postfix_str(f"{done}/{len(specs)} tensors", refresh=False)
                 bar.update(source.source_bytes(spec))
             files[layout.name] = writer.finish()
             writer = None

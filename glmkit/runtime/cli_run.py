@@ -6,7 +6,6 @@ import argparse
 import json
 import resource
 import sys
-import time
 from pathlib import Path
 
 from glmkit.errors import GlmkitError
@@ -146,7 +145,6 @@ def write_stats(path: Path, stats: GenerationStats, engine: Engine) -> None:
         "tokens_per_forward": None if tpf is None else round(tpf, 4),
         "stop_reason": stats.stop_reason,
         **engine.experts.stats.to_json(),
-        "time": time.time(),
     }
     path.write_text(json.dumps(record, indent=1) + "\n")
 
