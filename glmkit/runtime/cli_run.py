@@ -7,6 +7,7 @@ import json
 import resource
 import sys
 from pathlib import Path
+from typing import Any
 
 from glmkit.errors import GlmkitError
 from glmkit.runtime.engine import Engine
@@ -49,16 +50,16 @@ def main(argv: list[str] | None = None) -> int:
         engine = Engine(args.snapshot, args.device, args.ram_budget, prefetch=not args.no_prefetch)
         generator = Generator(engine.model, engine.eos_token_ids, use_mtp=not args.no_mtp)
         if args.chat:
-            chat(engine, generator, params, args)
-            return 0
-        stats = one_shot(engine, generator, Sampler(params), args)
+            turns = chat(engine, generator, params, args)
+        else:
+            turns = [one_shot(engine, generator, Sampler(params), args)]
+        if args.stats_json:
+            write_stats(args.stats_json, turns, engine, per_turn=args.chat)
     except GlmkitError as e:
         print(f"glm-run: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
-    if args.stats_json:
-        write_stats(args.stats_json, stats, engine)
     return 0
 
 
@@ -77,20 +78,25 @@ def one_shot(engine: Engine, generator: Generator, sampler: Sampler, args: argpa
     return generator.stats
 
 
-def chat(engine: Engine, generator: Generator, params: SamplingParams, args: argparse.Namespace) -> None:
-    """Multi-turn chat: the KV cache keeps the conversation; each turn prefills only what changed."""
+def chat(engine: Engine, generator: Generator, params: SamplingParams, args: argparse.Namespace
+         ) -> list[GenerationStats]:
+    """Multi-turn chat: the KV cache keeps the conversation; each turn prefills only what changed.
+
+    Returns the statistics of every turn.
+    """
     tok = engine.tokenizer
     messages = [{"role": "system", "content": args.system}] if args.system else []
     cache = engine.model.new_cache()
     cached_ids: list[int] = []
     sampler = Sampler(params)
     interactive = sys.stdin.isatty()
+    turns: list[GenerationStats] = []
     while True:
         if interactive:
             print("> ", end="", flush=True)
         line = sys.stdin.readline()
         if not line or line.strip() in ("/exit", "/quit"):
-            return
+            return turns
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line.rstrip("\n")})
@@ -99,6 +105,7 @@ def chat(engine: Engine, generator: Generator, params: SamplingParams, args: arg
         common = _common_prefix(cached_ids, ids)
         cache.truncate(common)
         reply = stream(engine, generator, ids, args.max_tokens, sampler, cache)
+        turns.append(generator.stats)
         cached_ids = ids + reply[:-1]  # the last token was sampled but not yet fed to the model
         messages.append({"role": "assistant", "content": tok.decode(_strip_eos(reply, engine.eos_token_ids))})
         print(flush=True)
@@ -125,10 +132,27 @@ def check_context(engine: Engine, n_tokens: int) -> None:
         raise GlmkitError(f"prompt is {n_tokens} tokens, the model's context is {limit}")
 
 
-def write_stats(path: Path, stats: GenerationStats, engine: Engine) -> None:
+def write_stats(path: Path, turns: list[GenerationStats], engine: Engine, per_turn: bool = False) -> None:
+    """One JSON record: the (last) generation's numbers, process-wide ones, and with `per_turn` a
+    `turns` list holding every chat turn's numbers (e.g. `cached_tokens`: history reused from the KV cache)."""
+    record = {
+        **_turn_record(turns[-1] if turns else GenerationStats()),
+        "peak_rss_mb": round(peak_rss_mb(), 1),
+        "device": engine.device,
+        **engine.experts.stats.to_json(),
+    }
+    if per_turn:
+        record["turns"] = [_turn_record(stats) for stats in turns]
+    try:
+        path.write_text(json.dumps(record, indent=1) + "\n")
+    except OSError as e:
+        raise GlmkitError(f"--stats-json: cannot write {path} ({e.strerror or e})") from None
+
+
+def _turn_record(stats: GenerationStats) -> dict[str, Any]:
     acceptance = stats.mtp_acceptance
     tpf = stats.tokens_per_forward
-    record = {
+    return {
         "prompt_tokens": stats.prompt_tokens,
         "cached_tokens": stats.cached_tokens,
         "prefill_s": round(stats.prefill_s, 6),
@@ -139,14 +163,10 @@ def write_stats(path: Path, stats: GenerationStats, engine: Engine) -> None:
         if stats.prefill_s else None,
         "decode_tok_s": round((stats.decode_tokens - 1) / stats.decode_s, 3)
         if stats.decode_s and stats.decode_tokens > 1 else None,
-        "peak_rss_mb": round(peak_rss_mb(), 1),
-        "device": engine.device,
         "mtp_acceptance": None if acceptance is None else round(acceptance, 4),
         "tokens_per_forward": None if tpf is None else round(tpf, 4),
         "stop_reason": stats.stop_reason,
-        **engine.experts.stats.to_json(),
     }
-    path.write_text(json.dumps(record, indent=1) + "\n")
 
 
 def peak_rss_mb() -> float:

@@ -52,18 +52,43 @@ def load_oracle(path: Path, vocab_size: int) -> dict[str, Any]:
     if not isinstance(oracle, dict):
         raise GlmkitError(f"{path}: oracle must be a JSON object")
     for key in ("prompt_ids", "full_ids", "tf_pred"):
-        ids = oracle.get(key)
-        if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and 0 <= i < vocab_size for i in ids):
-            raise GlmkitError(f"{path}: {key!r} must be a non-empty list of token ids below {vocab_size}")
+        _check_ids(path, key, oracle.get(key), vocab_size)
     full, prompt = oracle["full_ids"], oracle["prompt_ids"]
     if full[:len(prompt)] != prompt or len(oracle["tf_pred"]) != len(full):
         raise GlmkitError(f"{path}: full_ids must start with prompt_ids and tf_pred must cover every position")
-    logits = oracle.get("tf_logits")
-    if logits is not None:
-        shape = np.shape(logits)
-        if shape != (len(full), vocab_size):
-            raise GlmkitError(f"{path}: tf_logits has shape {list(shape)}, expected {[len(full), vocab_size]}")
+    if oracle.get("tf_logits") is not None:
+        oracle["tf_logits"] = _float_matrix(path, "tf_logits", oracle["tf_logits"], (len(full), vocab_size))
+    mtp = oracle.get("mtp")
+    if mtp is not None:
+        # row i uses h_i and full_ids[i+1] and predicts full_ids[i+2]: one row per position but the last
+        if not isinstance(mtp, dict) or "pred" not in mtp:
+            raise GlmkitError(f"{path}: 'mtp' must be an object with a 'pred' list")
+        _check_ids(path, "mtp.pred", mtp["pred"], vocab_size, length=len(full) - 1)
+        if mtp.get("logits") is not None:
+            mtp["logits"] = _float_matrix(path, "mtp.logits", mtp["logits"], (len(full) - 1, vocab_size))
     return oracle
+
+
+def _check_ids(path: Path, key: str, ids: Any, vocab_size: int, length: int | None = None) -> None:
+    """A non-empty list of token ids (ints, not bools) below vocab_size, of `length` items if given."""
+    valid = isinstance(ids, list) and len(ids) > 0 and all(type(i) is int and 0 <= i < vocab_size for i in ids)
+    if not valid:
+        raise GlmkitError(f"{path}: {key!r} must be a non-empty list of token ids below {vocab_size}")
+    if length is not None and len(ids) != length:
+        raise GlmkitError(f"{path}: {key!r} has {len(ids)} entries, expected {length}")
+
+
+def _float_matrix(path: Path, key: str, rows: Any, shape: tuple[int, int]) -> np.ndarray:
+    """A finite float32 array of exactly `shape` from nested JSON lists."""
+    try:
+        array = np.asarray(rows, dtype=np.float32)
+    except (TypeError, ValueError):  # ragged rows or non-numbers
+        raise GlmkitError(f"{path}: {key!r} must be a {shape[0]} x {shape[1]} matrix of numbers") from None
+    if array.shape != shape:
+        raise GlmkitError(f"{path}: {key!r} has shape {list(array.shape)}, expected {list(shape)}")
+    if not np.isfinite(array).all():
+        raise GlmkitError(f"{path}: {key!r} holds non-finite values")
+    return array
 
 
 def validate(engine: Engine, oracle: dict[str, Any], use_mtp: bool) -> dict[str, Any]:
@@ -92,9 +117,9 @@ def validate(engine: Engine, oracle: dict[str, Any], use_mtp: bool) -> dict[str,
     if model.has_mtp and isinstance(mtp_ref, dict) and "pred" in mtp_ref:
         mtp_logits, _ = model.mtp_forward(hidden[:-1], full[1:], model.new_cache())
         mtp_pred = mtp_logits.argmax(axis=1)
-        ref_pred = np.asarray(mtp_ref["pred"])[: len(mtp_pred)]
+        ref_pred = np.asarray(mtp_ref["pred"])
         result["mtp"] = {"match": int((mtp_pred == ref_pred).sum()), "total": len(ref_pred)}
-        if "logits" in mtp_ref:
+        if mtp_ref.get("logits") is not None:
             ref = np.asarray(mtp_ref["logits"], dtype=np.float32)
             result["mtp"]["max_abs_logit_diff"] = float(np.abs(mtp_logits - ref).max())
             result["mtp"]["logit_scale"] = float(np.abs(ref).max())

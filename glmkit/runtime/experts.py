@@ -28,6 +28,8 @@ _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 
 def resident_fraction(view: np.ndarray) -> float:
     """Fraction of the pages under this mapped array that are in RAM (Linux mincore)."""
+    if view.nbytes == 0:
+        return 1.0  # no pages to read
     start = view.ctypes.data - view.ctypes.data % mmap.PAGESIZE
     length = view.ctypes.data + view.nbytes - start
     pages = -(-length // mmap.PAGESIZE)
@@ -64,6 +66,7 @@ class ExpertStreamer:
         self.stats = ExpertStats()
         self._pinned: dict[str, Weight] = {}
         self._routed_tokens = 0
+        self._pin_done = False  # pinning runs once, even when the budget holds no expert
 
     # ---- the weight-source interface the model uses ----
 
@@ -88,7 +91,7 @@ class ExpertStreamer:
             self._routed_tokens += len(expert_ids)
         if self.prefetch and normed is not None:
             self._prefetch_next(layer, normed)
-        if self.ram_budget and not self.stats.pinned and self._routed_tokens >= self.pin_after_tokens:
+        if self.ram_budget and not self._pin_done and self._routed_tokens >= self.pin_after_tokens:
             self.pin_hottest()
 
     def _is_resident(self, layer: int, expert: int) -> bool:
@@ -114,6 +117,7 @@ class ExpertStreamer:
 
     def pin_hottest(self) -> None:
         """Copy the most-used experts into RAM until the budget is spent."""
+        self._pin_done = True
         used = 0
         for (layer, expert), _ in self.stats.usage.most_common():
             r = self.container.expert_range(layer, expert)

@@ -81,12 +81,11 @@ class Generator:
             draft = self._mtp_catch_up(prompt_ids, hidden, token, cache)
         emitted = 0
         while True:
-            yield token
+            # stats are final before each yield: a consumer may stop iterating at an eos token
             emitted += 1
-            stats.decode_tokens = emitted
-            stats.decode_s = time.perf_counter() - decode_start
+            self._count(stats, emitted, token, decode_start)
+            yield token
             if token in self.eos:
-                stats.stop_reason = "eos"
                 return
             if emitted >= max_tokens:
                 stats.stop_reason = "length"
@@ -105,10 +104,13 @@ class Generator:
             stats.main_forwards += 1
             stats.mtp_drafts += 1
             nxt = sampler(logits[0])
-            if nxt == draft and emitted + 1 < max_tokens and nxt not in self.eos:
+            # accepting also emits `after`, the token for position base + 2: it must fit the limits too
+            room = emitted + 1 < max_tokens and base + 2 < self.model.config.max_position_embeddings
+            if nxt == draft and room and nxt not in self.eos:
                 stats.mtp_accepted += 1
-                yield nxt
                 emitted += 1
+                self._count(stats, emitted, nxt, decode_start)
+                yield nxt
                 after = sampler(logits[1])
                 draft = self._mtp_step(hidden, [nxt, after], cache)
                 token = after
@@ -118,6 +120,12 @@ class Generator:
                 cache.truncate(base + 1)  # drop the draft's row
                 draft = self._mtp_step(hidden[:1], [nxt], cache)
                 token = nxt
+
+    def _count(self, stats: GenerationStats, emitted: int, token: int, decode_start: float) -> None:
+        stats.decode_tokens = emitted
+        stats.decode_s = time.perf_counter() - decode_start
+        if token in self.eos:
+            stats.stop_reason = "eos"
 
     def _mtp_catch_up(self, prompt_ids: list[int], hidden: np.ndarray, token: int, cache: KVCache) -> int | None:
         """Feed the MTP layer the prompt positions it has not seen; returns the first draft.

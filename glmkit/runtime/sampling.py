@@ -25,6 +25,8 @@ class SamplingParams:
             raise GlmkitError(f"--top-p: must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise GlmkitError(f"--top-k: must be >= 0, got {self.top_k}")
+        if self.seed is not None and self.seed < 0:
+            raise GlmkitError(f"--seed: must be >= 0, got {self.seed}")
         return self
 
 

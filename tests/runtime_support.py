@@ -1,0 +1,53 @@
+"""Shared helpers for the runtime tests: the two oracle fixtures, converted once per test module."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import shutil
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from glmkit.convert.cli import main as convert_main
+
+FIXTURES = Path(__file__).parent / "fixtures"
+VARIANTS = ("tiny-bf16", "tiny-fp8")
+
+
+@cache
+def oracle(variant: str) -> dict[str, Any]:
+    return json.loads((FIXTURES / variant / "oracle.json").read_text())
+
+
+def convert(source: Path, out: Path, preset: str = "f32") -> Path:
+    with contextlib.redirect_stdout(io.StringIO()):  # its one-line summary would pollute captured output
+        assert convert_main([str(source), str(out), "--preset", preset, "--quiet"]) == 0
+    return out
+
+
+def copy_with_config(variant: str, dest: Path, **config_changes: Any) -> Path:
+    """A copy of a fixture's HF snapshot with edited config.json keys (convert it to run it)."""
+    shutil.copytree(FIXTURES / variant, dest)
+    config = json.loads((dest / "config.json").read_text())
+    config.update(config_changes)
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    return dest
+
+
+class Snapshots:
+    """Converted fixtures, made on first use and kept for the module: `snapshots(variant, preset)`."""
+
+    def __init__(self, factory: pytest.TempPathFactory):
+        self.factory = factory
+        self.made: dict[tuple[str, str], Path] = {}
+
+    def __call__(self, variant: str, preset: str = "f32") -> Path:
+        key = (variant, preset)
+        if key not in self.made:
+            out = self.factory.mktemp(f"{variant}-{preset}") / "snapshot"
+            self.made[key] = convert(FIXTURES / variant, out, preset)
+        return self.made[key]

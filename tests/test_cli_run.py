@@ -1,0 +1,230 @@
+"""`glm-run`: one-shot and chat generation, --stats-json, and its one-line errors."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from glmkit.runtime.cli_run import main as run_main
+from glmkit.runtime.engine import Engine
+from glmkit.runtime.generate import Generator
+from glmkit.runtime.sampling import Sampler, SamplingParams
+from tests.runtime_support import FIXTURES, Snapshots, convert, copy_with_config
+
+STATS_KEYS = {"prompt_tokens", "cached_tokens", "prefill_s", "ttft_s", "decode_tokens", "decode_s", "peak_rss_mb",
+              "device", "mtp_acceptance"}
+
+
+@pytest.fixture(scope="module")
+def snapshot(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return Snapshots(tmp_path_factory)("tiny-bf16", "f32")
+
+
+@pytest.fixture(scope="module")
+def engine(snapshot) -> Engine:
+    return Engine(snapshot)
+
+
+@pytest.fixture(scope="module")
+def small_context(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny-fp8 with a 24-token context (config.json edits must go through a reconversion)."""
+    root = tmp_path_factory.mktemp("small-context")
+    source = copy_with_config("tiny-fp8", root / "source", max_position_embeddings=24)
+    return convert(source, root / "snapshot")
+
+
+def reply(engine: Engine, ids: list[int], max_tokens: int) -> tuple[list[int], str]:
+    """Greedy reply without MTP, as glm-run prints it: (tokens, text without the eos token)."""
+    tokens = list(Generator(engine.model, engine.eos_token_ids, use_mtp=False).generate(
+        ids, max_tokens, Sampler(SamplingParams())))
+    shown = tokens[:-1] if tokens and tokens[-1] in engine.eos_token_ids else tokens
+    return tokens, engine.tokenizer.decode(shown)
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    rc = run_main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def user(text: str) -> dict[str, str]:
+    return {"role": "user", "content": text}
+
+
+# ---- one shot ------------------------------------------------------------------------------------
+
+def test_prompt_prints_the_greedy_reply_and_writes_stats(snapshot, engine, capsys, tmp_path):
+    stats_path = tmp_path / "stats.json"
+    rc, out, err = run(capsys, snapshot, "-p", "Hello", "--max-tokens", 8, "--stats-json", stats_path)
+    assert rc == 0 and err == ""
+    ids = engine.tokenizer.encode_chat([user("Hello")], enable_thinking=True)
+    tokens, text = reply(engine, ids, 8)
+    assert out == text + "\n"
+
+    stats = json.loads(stats_path.read_text())
+    assert STATS_KEYS <= set(stats)
+    assert stats["prompt_tokens"] == len(ids) and stats["cached_tokens"] == 0
+    assert stats["decode_tokens"] == len(tokens) and 1 <= stats["decode_tokens"] <= 8
+    assert 0 < stats["ttft_s"] < 60 and 0 < stats["prefill_s"] <= stats["ttft_s"]
+    assert 0 <= stats["decode_s"] < 60
+    assert 10 < stats["peak_rss_mb"] < 100_000
+    assert stats["device"] == "numpy"
+    assert stats["mtp_acceptance"] is None or 0 <= stats["mtp_acceptance"] <= 1
+    assert stats["stop_reason"] in ("length", "eos")
+    assert "turns" not in stats
+
+
+def test_no_mtp_gives_the_same_text(snapshot, capsys, tmp_path):
+    outputs = {}
+    for flags in ([], ["--no-mtp"]):
+        stats_path = tmp_path / f"stats{len(flags)}.json"
+        rc, out, _ = run(capsys, snapshot, "-p", "Hello", "--max-tokens", 24, "--stats-json", stats_path, *flags)
+        assert rc == 0
+        outputs[bool(flags)] = (out, json.loads(stats_path.read_text()))
+    assert outputs[True][0] == outputs[False][0]
+    assert outputs[True][1]["mtp_acceptance"] is None and outputs[True][1]["tokens_per_forward"] == 1.0
+    with_mtp = outputs[False][1]
+    assert with_mtp["mtp_acceptance"] is not None and with_mtp["tokens_per_forward"] >= 1
+
+
+def test_raw_prompt_skips_the_chat_template(snapshot, engine, capsys, tmp_path):
+    stats_path = tmp_path / "stats.json"
+    rc, out, _ = run(capsys, snapshot, "-p", "def main():", "--raw-prompt", "--max-tokens", 6,
+                     "--stats-json", stats_path)
+    assert rc == 0
+    ids = engine.tokenizer.encode("def main():")
+    assert json.loads(stats_path.read_text())["prompt_tokens"] == len(ids)
+    assert out == reply(engine, ids, 6)[1] + "\n"
+
+
+def test_system_prompt_and_no_think_change_the_prompt(snapshot, engine, capsys, tmp_path):
+    stats_path = tmp_path / "stats.json"
+    rc, out, _ = run(capsys, snapshot, "-p", "Hello", "--system", "Be brief.", "--no-think", "--max-tokens", 5,
+                     "--stats-json", stats_path)
+    assert rc == 0
+    ids = engine.tokenizer.encode_chat([{"role": "system", "content": "Be brief."}, user("Hello")],
+                                       enable_thinking=False)
+    assert json.loads(stats_path.read_text())["prompt_tokens"] == len(ids)
+    assert out == reply(engine, ids, 5)[1] + "\n"
+
+
+def test_seeded_sampling_is_reproducible(snapshot, capsys):
+    args = (snapshot, "-p", "Hello", "--max-tokens", 16, "--temp", "1.0", "--top-p", "0.9", "--top-k", "50")
+    first = run(capsys, *args, "--seed", 7)
+    assert first[0] == 0
+    assert run(capsys, *args, "--seed", 7) == first
+
+
+def test_generation_stops_at_the_context(small_context, capsys, tmp_path):
+    stats_path = tmp_path / "stats.json"
+    rc, _, _ = run(capsys, small_context, "-p", "Hi", "--no-think", "--max-tokens", 100, "--stats-json", stats_path)
+    assert rc == 0
+    stats = json.loads(stats_path.read_text())
+    assert stats["stop_reason"] == "context"  # this greedy reply meets no eos token
+    assert stats["prompt_tokens"] + stats["decode_tokens"] == 24
+
+
+def test_pinning_and_no_prefetch_options(snapshot, capsys, tmp_path):
+    outputs = []
+    for flags in ([], ["--ram-budget", "1G", "--no-prefetch"]):
+        stats_path = tmp_path / f"stats{len(flags)}.json"
+        rc, out, _ = run(capsys, snapshot, "-p", "Hello " * 12, "--max-tokens", 6, "--stats-json", stats_path,
+                         *flags)
+        assert rc == 0
+        outputs.append((out, json.loads(stats_path.read_text())))
+    assert outputs[0][0] == outputs[1][0]
+    plain, pinned = outputs[0][1], outputs[1][1]
+    assert plain["experts_pinned"] == 0 and plain["experts_prefetched"] > 0
+    assert pinned["experts_pinned"] > 0 and pinned["experts_prefetched"] == 0
+    for stats in (plain, pinned):
+        assert stats["expert_hits"] + stats["expert_misses"] > 0
+
+
+# ---- chat ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("flags", [[], ["--no-mtp"]], ids=["mtp", "no-mtp"])
+def test_chat_two_turns_reuse_the_cache(snapshot, engine, capsys, monkeypatch, tmp_path, flags):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hello\n\nHow are you?\n"))
+    stats_path = tmp_path / "stats.json"
+    rc, out, err = run(capsys, snapshot, "--chat", "--max-tokens", 10, "--stats-json", stats_path, *flags)
+    assert rc == 0 and err == ""
+
+    # the same conversation computed from scratch, each turn without any cache
+    tok = engine.tokenizer
+    ids1 = tok.encode_chat([user("Hello")])
+    tokens1, text1 = reply(engine, ids1, 10)
+    ids2 = tok.encode_chat([user("Hello"), {"role": "assistant", "content": text1}, user("How are you?")])
+    tokens2, text2 = reply(engine, ids2, 10)
+    assert out == text1 + "\n" + text2 + "\n"  # no "> " prompts: stdin is not a terminal
+
+    stats = json.loads(stats_path.read_text())
+    first, second = stats["turns"]
+    assert (first["prompt_tokens"], first["cached_tokens"]) == (len(ids1), 0)
+    assert second["prompt_tokens"] == len(ids2)
+    assert 0 < second["cached_tokens"] < len(ids2)
+    # at least the first turn's prompt is reused (the rendered history may re-tokenize the reply)
+    assert second["cached_tokens"] >= len(ids1)
+    assert (first["decode_tokens"], second["decode_tokens"]) == (len(tokens1), len(tokens2))
+    assert stats["cached_tokens"] == second["cached_tokens"]  # top level: the last turn
+
+
+def test_chat_exit_command_and_empty_input(snapshot, capsys, monkeypatch, tmp_path):
+    stats_path = tmp_path / "stats.json"
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hello\n/exit\nNever read\n"))
+    rc, out, _ = run(capsys, snapshot, "--chat", "--max-tokens", 3, "--stats-json", stats_path)
+    assert rc == 0 and len(json.loads(stats_path.read_text())["turns"]) == 1
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    rc, out, _ = run(capsys, snapshot, "--chat", "--stats-json", stats_path)
+    assert rc == 0 and out == "" and json.loads(stats_path.read_text())["turns"] == []
+
+
+# ---- errors: exit 1 and one line -----------------------------------------------------------------
+
+ERROR_CASES = {
+    "missing snapshot": lambda snap, tmp: [tmp / "nope", "-p", "Hello"],
+    "not a container": lambda snap, tmp: [tmp, "-p", "Hello"],
+    "unconverted HF snapshot": lambda snap, tmp: [FIXTURES / "tiny-bf16", "-p", "Hello"],
+    "empty prompt": lambda snap, tmp: [snap, "-p", "   "],
+    "prompt longer than the context": lambda snap, tmp: [snap, "-p", " ".join(str(i) for i in range(1500))],
+    "negative temperature": lambda snap, tmp: [snap, "-p", "Hello", "--temp", "-1"],
+    "nan temperature": lambda snap, tmp: [snap, "-p", "Hello", "--temp", "nan"],
+    "top-p zero": lambda snap, tmp: [snap, "-p", "Hello", "--top-p", "0"],
+    "top-p above one": lambda snap, tmp: [snap, "-p", "Hello", "--top-p", "1.5"],
+    "negative top-k": lambda snap, tmp: [snap, "-p", "Hello", "--top-k", "-3"],
+    "negative seed": lambda snap, tmp: [snap, "-p", "Hello", "--seed", "-1", "--temp", "1"],
+    "max-tokens zero": lambda snap, tmp: [snap, "-p", "Hello", "--max-tokens", "0"],
+    "unknown device": lambda snap, tmp: [snap, "-p", "Hello", "--device", "tpu"],
+    "stats path unwritable": lambda snap, tmp: [snap, "-p", "Hello", "--max-tokens", "2",
+                                                "--stats-json", tmp / "no" / "dir" / "stats.json"],
+}
+
+
+@pytest.mark.parametrize("case", list(ERROR_CASES))
+def test_bad_input_is_one_error_line(snapshot, capsys, tmp_path, case):
+    rc, out, err = run(capsys, *ERROR_CASES[case](snapshot, tmp_path))
+    assert rc == 1, (case, out, err)
+    assert len(err.splitlines()) == 1 and err.startswith("glm-run: error: "), err
+
+
+def test_prompt_longer_than_a_small_context(small_context, capsys, monkeypatch):
+    rc, _, err = run(capsys, small_context, "-p", "Hello there, how are you doing today my friend?")
+    assert rc == 1 and err.startswith("glm-run: error: prompt is ") and "context is 24" in err
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hello there, how are you doing today my friend?\n"))
+    rc, _, err = run(capsys, small_context, "--chat")
+    assert rc == 1 and len(err.splitlines()) == 1 and err.startswith("glm-run: error: prompt is ")
+
+
+def test_edited_config_is_detected(snapshot, capsys, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(snapshot, copy)
+    config = json.loads((copy / "config.json").read_text())
+    config["max_position_embeddings"] = 16
+    (copy / "config.json").write_text(json.dumps(config))
+    rc, _, err = run(capsys, copy, "-p", "Hello")
+    assert rc == 1 and err.startswith("glm-run: error: ") and "manifest" in err
