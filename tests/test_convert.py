@@ -9,7 +9,7 @@ from glmkit.formats.manifest import ALIGNMENT
 from glmkit.formats.packing import dequantize
 from glmkit.formats.reader import Container
 from glmkit.formats.safetensors_file import read_header
-from tools.synth import TINY_CONFIG, make_snapshot
+from tools.synth import TINY_CONFIG, make_snapshot, make_weights
 
 
 def convert(src, out, *args):
@@ -144,7 +144,7 @@ def test_fp8_source_dequantizes_blocks(tmp_path):
 
 
 def test_source_without_mtp_converts_without_it(tmp_path, capsys):
-    weights = {n: w for n, w in __import__("tools.synth", fromlist=["x"]).make_weights(TINY_CONFIG).items()
+    weights = {n: w for n, w in make_weights(TINY_CONFIG).items()
                if not n.startswith("model.layers.3.")}
     make_snapshot(tmp_path / "nomtp", weights=weights)
     c = convert(tmp_path / "nomtp", tmp_path / "out")
