@@ -132,8 +132,8 @@ def test_pinning_and_no_prefetch_options(snapshot, capsys, tmp_path):
     outputs = []
     for flags in ([], ["--ram-budget", "1G", "--no-prefetch"]):
         stats_path = tmp_path / f"stats{len(flags)}.json"
-        rc, out, _ = run(capsys, snapshot, "-p", "Hello " * 12, "--max-tokens", 6, "--stats-json", stats_path,
-                         *flags)
+        rc, out, _ = run(capsys, snapshot, "-p", "Hello " * 12, "--max-tokens", 6, "--no-cache",
+                         "--stats-json", stats_path, *flags)
         assert rc == 0
         outputs.append((out, json.loads(stats_path.read_text())))
     assert outputs[0][0] == outputs[1][0]

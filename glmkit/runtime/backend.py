@@ -20,7 +20,13 @@ from glmkit.formats.tensors import QuantWeight, Weight
 
 
 class Backend(Protocol):
-    """The operations the model needs; shapes use S = query rows, T = keys, nh = heads."""
+    """The operations the model needs; shapes use S = query rows, T = keys, nh = heads.
+
+    `numerics` names the kernels' arithmetic: KV rows computed under one value are only reused (prefix
+    cache) under the same value, so it must change whenever a kernel change can change KV values.
+    """
+
+    numerics: str
 
     def linear(self, x: np.ndarray, w: Weight) -> np.ndarray:
         """`x [S, I] @ w[O, I]^T -> [S, O]`."""
@@ -90,6 +96,8 @@ class NumpyBackend:
     decode_rows: calls with at most this many input rows take the decode path (cache-sized blocks).
     decode_block / prefill_block: float32 elements of one unpacked weight block on each path.
     """
+
+    numerics = "numpy-f32-v1"
 
     def __init__(self, decode_rows: int = 4, decode_block: int = 1 << 18, prefill_block: int = 1 << 24,
                  query_block: int = 1 << 22) -> None:

@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import sqlite3
 import sys
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +16,9 @@ from glmkit.errors import GlmkitError
 from glmkit.runtime.engine import Engine
 from glmkit.runtime.generate import GenerationStats, Generator
 from glmkit.runtime.kv_cache import KVCache
+from glmkit.runtime.prefix_cache import DEFAULT_CHUNK_TOKENS, DEFAULT_MAX_BYTES, PrefixCache, default_cache_dir
 from glmkit.runtime.sampling import Sampler, SamplingParams
+from glmkit.runtime.session import ReuseStats, Session, load_messages, save_messages, session_path
 from glmkit.runtime.tokenizer import StreamDecoder
 from glmkit.units import parse_size
 
@@ -38,6 +43,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pin the hottest routed experts in RAM up to SIZE (e.g. 8G); default 0 = page cache only")
     p.add_argument("--no-prefetch", action="store_true", help="disable router-driven expert prefetch")
     p.add_argument("--stats-json", type=Path, metavar="PATH", help="write timing/memory statistics here")
+    cache = p.add_argument_group("prefill cache (exact prefix reuse across requests and processes)")
+    cache.add_argument("--cache-dir", type=Path, help=f"where KV blobs live (default {default_cache_dir()})")
+    cache.add_argument("--no-cache", action="store_true", help="neither read nor write the prefill cache")
+    cache.add_argument("--cache-max-gb", type=float, default=DEFAULT_MAX_BYTES / (1 << 30),
+                       help="evict least-recently-used entries beyond this size (default %(default).0f)")
+    cache.add_argument("--chunk-tokens", type=int, default=DEFAULT_CHUNK_TOKENS,
+                       help="cache boundary every N tokens (default %(default)s); request ends are stored too")
+    cache.add_argument("--session", metavar="NAME",
+                       help="with --chat: save the conversation under NAME and resume it on the next run")
     return p
 
 
@@ -47,12 +61,17 @@ def main(argv: list[str] | None = None) -> int:
         params = SamplingParams(args.temp, args.top_p, args.top_k, args.seed).check()
         if args.max_tokens < 1:
             raise GlmkitError(f"--max-tokens: must be >= 1, got {args.max_tokens}")
+        if args.chunk_tokens < 1 or args.cache_max_gb < 0:
+            raise GlmkitError("--chunk-tokens must be >= 1 and --cache-max-gb >= 0")
+        if args.session and not args.chat:
+            raise GlmkitError("--session: only with --chat")
         engine = Engine(args.snapshot, args.device, args.ram_budget, prefetch=not args.no_prefetch)
         generator = Generator(engine.model, engine.eos_token_ids, use_mtp=not args.no_mtp)
+        session = Session(engine.model, open_prefix_cache(engine, args))
         if args.chat:
-            turns = chat(engine, generator, params, args)
+            turns = chat(engine, generator, session, params, args)
         else:
-            turns = [one_shot(engine, generator, Sampler(params), args)]
+            turns = [one_shot(engine, generator, session, Sampler(params), args)]
         if args.stats_json:
             write_stats(args.stats_json, turns, engine, per_turn=args.chat)
     except GlmkitError as e:
@@ -63,7 +82,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def one_shot(engine: Engine, generator: Generator, sampler: Sampler, args: argparse.Namespace) -> GenerationStats:
+def open_prefix_cache(engine: Engine, args: argparse.Namespace) -> PrefixCache | None:
+    if args.no_cache:
+        return None
+    directory = args.cache_dir or default_cache_dir()
+    try:
+        return PrefixCache.for_model(engine.model, engine.model_hash, directory, not args.no_mtp,
+                                     args.chunk_tokens, int(args.cache_max_gb * (1 << 30)))
+    except (OSError, sqlite3.Error) as e:
+        raise GlmkitError(f"--cache-dir: cannot use {directory} ({e})") from None
+
+
+def one_shot(engine: Engine, generator: Generator, session: Session, sampler: Sampler,
+             args: argparse.Namespace) -> TurnStats:
     if not args.prompt.strip():
         raise GlmkitError("--prompt: the prompt is empty")
     tok = engine.tokenizer
@@ -73,24 +104,31 @@ def one_shot(engine: Engine, generator: Generator, sampler: Sampler, args: argpa
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         ids = tok.encode_chat(messages + [{"role": "user", "content": args.prompt}], not args.no_think)
     check_context(engine, len(ids))
-    stream(engine, generator, ids, args.max_tokens, sampler, None)
+    kv, restore_s = prepare(session, ids)
+    reply = stream(engine, generator, ids, args.max_tokens, sampler, kv)
+    session.commit(ids, reply)
     print(flush=True)
-    return generator.stats
+    return TurnStats(generator.stats, session.last_reuse, restore_s)
 
 
-def chat(engine: Engine, generator: Generator, params: SamplingParams, args: argparse.Namespace
-         ) -> list[GenerationStats]:
-    """Multi-turn chat: the KV cache keeps the conversation; each turn prefills only what changed.
+def chat(engine: Engine, generator: Generator, session: Session, params: SamplingParams,
+         args: argparse.Namespace) -> list[TurnStats]:
+    """Multi-turn chat: each turn reuses the conversation's KV rows and prefills only what changed.
 
-    Returns the statistics of every turn.
+    With --session the messages are saved after every turn and reloaded on the next run; the prefix
+    cache then restores the conversation's KV rows from disk. Returns the statistics of every turn.
     """
     tok = engine.tokenizer
-    messages = [{"role": "system", "content": args.system}] if args.system else []
-    cache = engine.model.new_cache()
-    cached_ids: list[int] = []
+    saved = session_path(args.cache_dir or default_cache_dir(), engine.model_hash, args.session) \
+        if args.session else None
+    messages = load_messages(saved) if saved else []
+    if not messages and args.system:
+        messages = [{"role": "system", "content": args.system}]
     sampler = Sampler(params)
     interactive = sys.stdin.isatty()
-    turns: list[GenerationStats] = []
+    if saved and len(messages) > 1 and interactive:
+        print(f"(resumed session {args.session!r}: {len(messages)} messages)", file=sys.stderr)
+    turns: list[TurnStats] = []
     while True:
         if interactive:
             print("> ", end="", flush=True)
@@ -102,12 +140,13 @@ def chat(engine: Engine, generator: Generator, params: SamplingParams, args: arg
         messages.append({"role": "user", "content": line.rstrip("\n")})
         ids = tok.encode_chat(messages, not args.no_think)
         check_context(engine, len(ids))
-        common = _common_prefix(cached_ids, ids)
-        cache.truncate(common)
-        reply = stream(engine, generator, ids, args.max_tokens, sampler, cache)
-        turns.append(generator.stats)
-        cached_ids = ids + reply[:-1]  # the last token was sampled but not yet fed to the model
+        kv, restore_s = prepare(session, ids)
+        reply = stream(engine, generator, ids, args.max_tokens, sampler, kv)
+        session.commit(ids, reply)
+        turns.append(TurnStats(generator.stats, session.last_reuse, restore_s))
         messages.append({"role": "assistant", "content": tok.decode(_strip_eos(reply, engine.eos_token_ids))})
+        if saved:
+            save_messages(saved, messages)
         print(flush=True)
 
 
@@ -132,11 +171,24 @@ def check_context(engine: Engine, n_tokens: int) -> None:
         raise GlmkitError(f"prompt is {n_tokens} tokens, the model's context is {limit}")
 
 
-def write_stats(path: Path, turns: list[GenerationStats], engine: Engine, per_turn: bool = False) -> None:
+@dataclass
+class TurnStats:
+    generation: GenerationStats = field(default_factory=GenerationStats)
+    reuse: ReuseStats = field(default_factory=ReuseStats)
+    restore_s: float = 0.0  # finding and loading cached KV rows, before the prefill
+
+
+def prepare(session: Session, ids: list[int]) -> tuple[KVCache, float]:
+    start = time.perf_counter()
+    kv = session.prepare(ids)
+    return kv, time.perf_counter() - start
+
+
+def write_stats(path: Path, turns: list[TurnStats], engine: Engine, per_turn: bool = False) -> None:
     """One JSON record: the (last) generation's numbers, process-wide ones, and with `per_turn` a
     `turns` list holding every chat turn's numbers (e.g. `cached_tokens`: history reused from the KV cache)."""
     record = {
-        **_turn_record(turns[-1] if turns else GenerationStats()),
+        **_turn_record(turns[-1] if turns else TurnStats()),
         "peak_rss_mb": round(peak_rss_mb(), 1),
         "device": engine.device,
         **engine.experts.stats.to_json(),
@@ -149,14 +201,17 @@ def write_stats(path: Path, turns: list[GenerationStats], engine: Engine, per_tu
         raise GlmkitError(f"--stats-json: cannot write {path} ({e.strerror or e})") from None
 
 
-def _turn_record(stats: GenerationStats) -> dict[str, Any]:
+def _turn_record(turn: TurnStats) -> dict[str, Any]:
+    stats = turn.generation
     acceptance = stats.mtp_acceptance
     tpf = stats.tokens_per_forward
     return {
         "prompt_tokens": stats.prompt_tokens,
         "cached_tokens": stats.cached_tokens,
+        "cached_from": turn.reuse.to_json(),
+        "restore_s": round(turn.restore_s, 6),
         "prefill_s": round(stats.prefill_s, 6),
-        "ttft_s": round(stats.ttft_s, 6),
+        "ttft_s": round(turn.restore_s + stats.ttft_s, 6),
         "decode_tokens": stats.decode_tokens,
         "decode_s": round(stats.decode_s, 6),
         "prefill_tok_s": round((stats.prompt_tokens - stats.cached_tokens) / stats.prefill_s, 3)
@@ -172,15 +227,6 @@ def _turn_record(stats: GenerationStats) -> dict[str, Any]:
 def peak_rss_mb() -> float:
     """Peak resident set size of this process in MB (ru_maxrss is in KiB on Linux)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _strip_eos(ids: list[int], eos: tuple[int, ...]) -> list[int]:

@@ -31,10 +31,11 @@ import zstandard
 
 from glmkit.formats.config import ModelConfig
 from glmkit.runtime.kv_cache import KVCache
+from glmkit.runtime.model import GlmMoeDsaModel
 
 MAGIC = b"GLMKVC\x00\x01"
 BLOB_VERSION = 1
-DEFAULT_CHUNK_TOKENS = 64
+DEFAULT_CHUNK_TOKENS = 32
 DEFAULT_MAX_BYTES = 20 << 30
 MAX_HEADER_BYTES = 1 << 20
 RAM_TIER_BYTES = 512 << 20
@@ -106,6 +107,14 @@ class PrefixCache:
         self._ram_bytes = 0
         self.directory.mkdir(parents=True, exist_ok=True)
         self.db = open_index(self.directory)
+
+    @classmethod
+    def for_model(cls, model: GlmMoeDsaModel, model_hash: str, directory: str | Path, use_mtp: bool,
+                  chunk_tokens: int = DEFAULT_CHUNK_TOKENS, max_bytes: int = DEFAULT_MAX_BYTES) -> PrefixCache:
+        """The cache for a model as it runs: its backend's numerics, whether MTP rows are kept."""
+        index_layers = [i for i, layer in enumerate(model.new_cache().layers) if layer.has_index]
+        return cls(directory, model_hash, model.config, model.backend.numerics, use_mtp and model.has_mtp,
+                   index_layers, chunk_tokens, max_bytes)
 
     # ---- layout of one chunk's arrays ----
 
