@@ -68,6 +68,13 @@ class Chunk:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays.values())
 
+    def prefix(self, n: int, mtp_layer: int) -> Chunk:
+        """The first `n` tokens' rows (MTP rows sit one position earlier: one fewer when start == 0)."""
+        mtp_rows = n - (1 if self.start == 0 else 0)
+        arrays = {name: a[:mtp_rows if int(name.split(".")[0]) >= mtp_layer else n]
+                  for name, a in self.arrays.items()}
+        return Chunk(self.key, self.parent, self.start, self.tokens[:n], arrays)
+
 
 @dataclass
 class RestoreResult:
@@ -105,6 +112,7 @@ class PrefixCache:
         self.counters = CacheCounters()
         self._ram: OrderedDict[str, Chunk] = OrderedDict()
         self._ram_bytes = 0
+        self._loaded_from_disk: set[str] = set()  # keys `_load` just read from disk (for the counters)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.db = open_index(self.directory)
 
@@ -137,13 +145,13 @@ class PrefixCache:
     # ---- lookup and restore ----
 
     def restore(self, kv: KVCache, tokens: list[int]) -> RestoreResult:
-        """Append to an EMPTY `kv` the longest cached prefix of `tokens` (at most len(tokens) - 1 tokens,
-        so the caller always computes the last one). With MTP, the main layers are cut back one token so
-        that recomputing it yields the hidden state the MTP layer needs next."""
+        """Append to an EMPTY `kv` the longest cached prefix of `tokens`, leaving at least the last token
+        for the caller to compute (it needs its logits). With MTP the main layers are cut back one token
+        behind the MTP rows, so recomputing that token also yields the hidden state the MTP layer needs."""
         assert kv.length == 0
         self.counters.lookups += 1
         result = RestoreResult()
-        limit = len(tokens) - 1
+        limit = len(tokens) if self.has_mtp else len(tokens) - 1
         parent, pos = self.root, 0
         chunks: list[Chunk] = []
         while pos + self.chunk_tokens <= limit:
@@ -151,6 +159,7 @@ class PrefixCache:
             chunk = self._load(key, pos, self.chunk_tokens, result)
             if chunk is None:
                 break
+            self._count(result, key, self.chunk_tokens)
             chunks.append(chunk)
             parent, pos = key, pos + self.chunk_tokens
         tail = self._best_tail(parent, pos, tokens[pos:limit], result)
@@ -165,16 +174,24 @@ class PrefixCache:
         return result
 
     def _best_tail(self, parent: str, pos: int, remaining: list[int], result: RestoreResult) -> Chunk | None:
-        """The longest stored tail chunk under `parent` whose tokens are a prefix of `remaining`."""
-        rows = self.db.execute("SELECT key, n_tokens FROM entries WHERE parent = ? AND model_hash = ? "
-                               "AND n_tokens <= ? ORDER BY n_tokens DESC", (parent, self.model_hash, len(remaining)))
-        for key, n in rows.fetchall():
-            if chunk_key(parent, remaining[:n]) != key:
-                continue
-            chunk = self._load(key, pos, n, result)
-            if chunk is not None:
-                return chunk
-        return None
+        """The stored chunk under `parent` sharing the longest prefix with `remaining`, cut to that prefix.
+
+        KV rows of position i depend only on tokens <= i, so the first n rows of a longer chunk are exact.
+        """
+        best, best_n = None, 0
+        for key, blob in self.db.execute("SELECT key, tokens FROM entries WHERE parent = ? AND model_hash = ?",
+                                         (parent, self.model_hash)).fetchall():
+            n = common_prefix(np.frombuffer(blob, dtype="<i8").tolist(), remaining)
+            if n > best_n:
+                best, best_n = key, n
+        if best is None:
+            return None
+        row = self.db.execute("SELECT n_tokens FROM entries WHERE key = ?", (best,)).fetchone()
+        chunk = self._load(best, pos, row[0], result) if row else None
+        if chunk is None:
+            return None
+        self._count(result, best, best_n)
+        return chunk.prefix(best_n, self.config.num_hidden_layers)
 
     def _append_rows(self, kv: KVCache, chunk: Chunk) -> None:
         by_layer: dict[int, dict[str, np.ndarray]] = {}
@@ -189,7 +206,6 @@ class PrefixCache:
         chunk = self._ram.get(key)
         if chunk is not None:
             self._ram.move_to_end(key)
-            result.from_ram += n_tokens
             self._touch(key)
             return chunk
         row = self.db.execute("SELECT file FROM entries WHERE key = ?", (key,)).fetchone()
@@ -206,10 +222,17 @@ class PrefixCache:
             self._forget(key, path)
             result.discarded += 1
             return None
-        result.from_disk += n_tokens
+        self._loaded_from_disk.add(key)
         self._touch(key)
         self._remember(chunk)
         return chunk
+
+    def _count(self, result: RestoreResult, key: str, n_tokens: int) -> None:
+        if key in self._loaded_from_disk:
+            self._loaded_from_disk.discard(key)
+            result.from_disk += n_tokens
+        else:
+            result.from_ram += n_tokens
 
     # ---- store ----
 
@@ -251,10 +274,10 @@ class PrefixCache:
         nbytes = write_blob(path, chunk, self.model_hash, self.numerics)
         now = time.time()
         with self.db:
-            self.db.execute("INSERT OR REPLACE INTO entries(key, model_hash, parent, start, n_tokens, file, nbytes, "
-                            "created, last_access, hits) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 0)",
-                            (chunk.key, self.model_hash, chunk.parent, chunk.start, len(chunk.tokens), rel,
-                             nbytes, now, now))
+            self.db.execute("INSERT OR REPLACE INTO entries(key, model_hash, parent, start, n_tokens, tokens, file, "
+                            "nbytes, created, last_access, hits) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0)",
+                            (chunk.key, self.model_hash, chunk.parent, chunk.start, len(chunk.tokens),
+                             np.asarray(chunk.tokens, dtype="<i8").tobytes(), rel, nbytes, now, now))
         self.counters.stored_chunks += 1
         self.counters.stored_bytes += nbytes
         self._remember(chunk)
@@ -285,15 +308,25 @@ class PrefixCache:
         return prune(self.db, self.directory, self.max_bytes)
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 # ---- the sqlite index, shared by every model and process ----
 
 def open_index(directory: Path) -> sqlite3.Connection:
     db = sqlite3.connect(directory / "index.sqlite", timeout=30, isolation_level=None)
     db.execute("PRAGMA journal_mode=WAL")
     db.execute("PRAGMA busy_timeout=30000")
-    db.execute("CREATE TABLE IF NOT EXISTS entries (key TEXT PRIMARY KEY, model_hash TEXT NOT NULL, parent TEXT NOT "
-               "NULL, start INTEGER, n_tokens INTEGER, file TEXT NOT NULL, nbytes INTEGER, created REAL, "
-               "last_access REAL, hits INTEGER)")
+    db.execute("CREATE TABLE IF NOT EXISTS entries (key TEXT PRIMARY KEY, model_hash TEXT NOT NULL, "
+               "parent TEXT NOT NULL, start INTEGER, n_tokens INTEGER, tokens BLOB NOT NULL, file TEXT NOT NULL, "
+               "nbytes INTEGER, created REAL, last_access REAL, hits INTEGER)")
     db.execute("CREATE INDEX IF NOT EXISTS by_parent ON entries(parent)")
     db.isolation_level = "DEFERRED"
     return db

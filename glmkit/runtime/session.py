@@ -17,7 +17,7 @@ from typing import Any
 from glmkit.errors import GlmkitError
 from glmkit.runtime.kv_cache import KVCache
 from glmkit.runtime.model import GlmMoeDsaModel
-from glmkit.runtime.prefix_cache import PrefixCache
+from glmkit.runtime.prefix_cache import PrefixCache, common_prefix
 
 
 @dataclass
@@ -42,7 +42,7 @@ class Session:
 
     def prepare(self, prompt_ids: list[int]) -> KVCache:
         """A KV cache holding the longest reusable prefix of `prompt_ids` (never all of it)."""
-        keep = _common_prefix(self.ids, prompt_ids)
+        keep = common_prefix(self.ids, prompt_ids)
         self.kv.truncate(keep)
         self.ids = self.ids[:self.kv.length]
         self.last_reuse = ReuseStats(process=self.kv.length)
@@ -61,15 +61,6 @@ class Session:
         self.ids = (list(prompt_ids) + list(generated[:-1]))[:self.kv.length]
         if self.prefix_cache is not None:
             self.prefix_cache.store(self.kv, self.ids)
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def session_path(cache_dir: Path, model_hash: str, name: str) -> Path:
