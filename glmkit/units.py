@@ -14,3 +14,12 @@ def parse_size(text: str) -> int:
     if not digits.isdigit():
         raise argparse.ArgumentTypeError(f"invalid size {text!r} (e.g. 4G, 500M, 64K)")
     return int(digits) * scale
+
+
+def format_size(nbytes: float) -> str:
+    """Bytes -> '1.2 GB' (decimal units, like download tools and `df -H`)."""
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(nbytes) < 1000:
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1000
+    return f"{nbytes:.1f} TB"

@@ -119,3 +119,92 @@ def _fuse_experts(stored: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
             [np.concatenate([per[e]["gate_proj"], per[e]["up_proj"]]) for e in order])
         out[head + "mlp.experts.down_proj"] = np.stack([per[e]["down_proj"] for e in order])
     return out
+
+
+def write_snapshot_streaming(directory: Path, config: dict, *, shards: int = 8, fp8: bool = False,
+                             seed: int = 0) -> int:
+    """Write a large random HF snapshot one tensor at a time (memory: one tensor); returns the bytes written.
+
+    Same layout rules as `make_snapshot` (BF16, or FP8 with 128x128 `weight_scale_inv` for 2-D weights other
+    than embeddings, lm_head and the router; `e_score_correction_bias` F32; per-expert names), but the
+    weights are not returned and tensors are balanced over `shards` files by size. Tensor `i` is drawn from
+    `default_rng([seed, i])`, so the content does not depend on the shard count.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": config.get("eos_token_id")}))
+    specs = model_tensors(ModelConfig.from_dict(config))
+
+    def is_fp8(name: str, shape: tuple[int, ...]) -> bool:
+        return (fp8 and len(shape) == 2 and "embed" not in name and "lm_head" not in name
+                and ".gate.weight" not in name)
+
+    # (spec index, stored name, dtype, shape) in write order; an FP8 weight's scales follow it
+    stored: list[tuple[int, str, str, tuple[int, ...]]] = []
+    for i, spec in enumerate(specs):
+        if spec.name.endswith("e_score_correction_bias"):
+            stored.append((i, spec.name, "F32", spec.shape))
+        elif is_fp8(spec.name, spec.shape):
+            rows, cols = -(-spec.shape[0] // 128), -(-spec.shape[1] // 128)
+            stored.append((i, spec.name, "F8_E4M3", spec.shape))
+            stored.append((i, spec.name.removesuffix(".weight") + ".weight_scale_inv", "F32", (rows, cols)))
+        else:
+            stored.append((i, spec.name, "BF16", spec.shape))
+    itemsize = {"F32": 4, "BF16": 2, "F8_E4M3": 1}
+    nbytes = [int(np.prod(s)) * itemsize[d] for _, _, d, s in stored]
+    target = sum(nbytes) / shards
+    groups: list[list[int]] = [[]]
+    acc = 0
+    for k, n in enumerate(nbytes):
+        # never separate an FP8 weight from its scales (they are generated together)
+        follows_weight = k > 0 and stored[k - 1][0] == stored[k][0]
+        if groups[-1] and acc >= target * len(groups) and len(groups) < shards and not follows_weight:
+            groups.append([])
+        groups[-1].append(k)
+        acc += n
+    weight_map: dict[str, str] = {}
+    total = 0
+    for g, members in enumerate(groups):
+        fname = f"model-{g + 1:05d}-of-{len(groups):05d}.safetensors"
+        header, pos = {}, 0
+        for k in members:
+            _, name, dtype, shape = stored[k]
+            header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [pos, pos + nbytes[k]]}
+            pos += nbytes[k]
+            weight_map[name] = fname
+        text = json.dumps(header).encode()
+        with open(directory / fname, "wb") as f:
+            f.write(struct.pack("<Q", len(text)) + text)
+            pending_scale = None
+            for k in members:
+                i, name, dtype, shape = stored[k]
+                if name.endswith(".weight_scale_inv"):
+                    assert pending_scale is not None
+                    f.write(pending_scale.tobytes())
+                    pending_scale = None
+                    continue
+                rng = np.random.default_rng([seed, i])
+                scale = 1.0 if len(shape) == 1 else shape[-1] ** -0.5
+                w = rng.standard_normal(shape, dtype=np.float32) * np.float32(scale)
+                if dtype == "F8_E4M3":
+                    q, pending_scale = _fp8_quantize_blocks(w)
+                    f.write(q.tobytes())
+                elif dtype == "F32":
+                    f.write(w.tobytes())
+                else:
+                    f.write(w.astype(ml_dtypes.bfloat16).tobytes())
+        total += 8 + len(text) + pos
+    (directory / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": sum(nbytes)}, "weight_map": weight_map}))
+    return total
+
+
+def _fp8_quantize_blocks(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Vectorized `fp8_quantize`: same 128x128 blocks and scales, without a Python loop over blocks."""
+    rows, cols = -(-w.shape[0] // 128), -(-w.shape[1] // 128)
+    padded = np.zeros((rows * 128, cols * 128), np.float32)
+    padded[:w.shape[0], :w.shape[1]] = np.abs(w)
+    amax = padded.reshape(rows, 128, cols, 128).max(axis=(1, 3))
+    scale = np.maximum(amax / np.float32(448.0), np.float32(1e-12)).astype(np.float32)
+    full = np.repeat(np.repeat(scale, 128, 0), 128, 1)[:w.shape[0], :w.shape[1]]
+    return (w / full).astype(ml_dtypes.float8_e4m3fn), scale

@@ -1,4 +1,4 @@
-"""`glm-convert SOURCE OUT`: convert a local Hugging Face snapshot into a glmkit container."""
+"""`glm-convert SOURCE OUT`: convert a Hugging Face checkpoint (Hub repo or local snapshot) into a glmkit container."""
 
 from __future__ import annotations
 
@@ -6,16 +6,18 @@ import argparse
 import sys
 import time
 
-from glmkit.convert.convert import DEFAULT_FILE_BYTES, convert
+from glmkit.convert.convert import DEFAULT_FILE_BYTES, DEFAULT_INFLIGHT_BYTES, convert, dry_run_report
 from glmkit.convert.plan import DEFAULT_GROUP_SIZE, PRESETS, QuantPlan
 from glmkit.errors import GlmkitError
-from glmkit.units import parse_size
+from glmkit.units import format_size, parse_size
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="glm-convert", description=__doc__)
-    p.add_argument("source", help="local Hugging Face snapshot directory (config.json + *.safetensors)")
-    p.add_argument("out", help="output container directory (must be empty or absent, unless --force)")
+    p.add_argument("source", help="Hub repo id (zai-org/GLM-5.1-FP8), local snapshot directory (config.json + "
+                                  "*.safetensors) or Hugging Face cache directory (models--org--name)")
+    p.add_argument("out", help="output container directory (empty or absent, unless --force; an unfinished "
+                               "conversion of the same inputs there is resumed)")
     p.add_argument("--preset", default="q4", choices=list(PRESETS),
                    help="f32 (lossless), q8 (int8 per row), q4 (default: int4 g64, int8 embed/lm_head/indexer/"
                         "MTP), q2 (routed experts int2 g64, rest as q4)")
@@ -27,8 +29,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"scale group size for int4/int2 weights (default {DEFAULT_GROUP_SIZE}; 0 = per row)")
     p.add_argument("--max-file-size", type=parse_size, default=DEFAULT_FILE_BYTES, metavar="SIZE",
                    help="largest output data file, e.g. 4G, 500M, 64K (default 4G); one expert is never split")
-    p.add_argument("--force", action="store_true", help="overwrite a non-empty OUT")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--revision", help="Hub branch, tag or commit (default main); for an HF cache dir: a ref or commit")
+    p.add_argument("--endpoint", help="Hub endpoint (default: $HF_ENDPOINT or https://huggingface.co)")
+    p.add_argument("--max-inflight", type=parse_size, default=DEFAULT_INFLIGHT_BYTES, metavar="SIZE",
+                   help="Hub: downloaded shards kept ahead of the converter, at most (default 16G; 0 = one at a "
+                        "time); a shard the next tensor needs is always fetched")
+    p.add_argument("--keep-source", action="store_true",
+                   help="Hub: download into the Hugging Face cache and keep the shards (default: into OUT, deleting "
+                        "each one once converted)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="list the files, download size, output size per preset and disk needed, then exit")
+    p.add_argument("--force", action="store_true",
+                   help="overwrite a non-empty OUT (or an unfinished conversion of other inputs); skip the free-space "
+                        "check")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p
 
 
@@ -39,15 +53,27 @@ def main(argv: list[str] | None = None) -> int:
             raise GlmkitError("--max-file-size: must be at least 1 byte")
         plan = QuantPlan.from_preset(args.preset, args.expert_bits, args.dense_bits, args.embed_bits,
                                      args.group_size)
+        options = {"revision": args.revision, "endpoint": args.endpoint, "keep_source": args.keep_source,
+                   "max_inflight": args.max_inflight}
+        if args.dry_run:
+            print(dry_run_report(args.source, args.out, plan, args.preset, args.max_file_size, **options))
+            return 0
         start = time.perf_counter()
         result = convert(args.source, args.out, plan, args.preset, force=args.force,
-                         max_file_bytes=args.max_file_size, progress=not args.quiet)
+                         max_file_bytes=args.max_file_size, progress=not args.quiet, **options)
     except GlmkitError as e:
         print(f"glm-convert: error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("glm-convert: interrupted; run the same command again to resume", file=sys.stderr)
+        return 130
     seconds = time.perf_counter() - start
+    resumed = f" (resumed after {result.resumed_files} complete data files)" if result.resumed_files else ""
+    staged = (f"; at most {format_size(result.peak_source_bytes)} of downloaded shards on disk"
+              if result.peak_source_bytes else "")
     print(f"{result.out}: {result.tensors} tensors, {result.output_bytes / 1e6:.1f} MB from "
-          f"{result.source_bytes / 1e6:.1f} MB source in {seconds:.1f} s; model hash {result.model_hash[:16]}")
+          f"{result.source_bytes / 1e6:.1f} MB source in {seconds:.1f} s{resumed}{staged}; "
+          f"model hash {result.model_hash[:16]}")
     return 0
 
 

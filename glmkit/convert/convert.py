@@ -2,7 +2,9 @@
 
 Only one source tensor (plus its quantized form) is in memory at a time. Data files are written under
 `*.tmp` names and renamed when complete; manifest.json is written last, so an interrupted or failed
-conversion never leaves a valid-looking container.
+conversion never leaves a valid-looking container. The source is a local snapshot or a Hub repo; for a
+Hub repo the `ShardFetcher` keeps on disk only the shards the next tensors read (fetch.py). Progress is
+recorded in OUT (resume.py): re-running the same command continues after the last complete data file.
 """
 
 from __future__ import annotations
@@ -12,19 +14,26 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
 import glmkit
-from glmkit.convert.plan import QuantPlan
-from glmkit.convert.source import SIDE_FILES, HFSnapshot
+from glmkit.convert.fetch import peak_alive_bytes
+from glmkit.convert.plan import PRESETS, QuantPlan
+from glmkit.convert.resume import STATE_DIR, ConversionState, DoneFile, differences
+from glmkit.convert.source import SIDE_FILES, HFSnapshot, Source, open_source
 from glmkit.errors import GlmkitError
-from glmkit.formats.manifest import MANIFEST_NAME, ExpertRange, Manifest, Quant, TensorEntry
+from glmkit.formats.manifest import FORMAT_VERSION, MANIFEST_NAME, ExpertRange, Manifest, Quant, TensorEntry
 from glmkit.formats.packing import pack, quantize
 from glmkit.formats.schema import TensorSpec, model_tensors
-from glmkit.formats.writer import DataFileWriter, PlannedTensor, layout_files
+from glmkit.formats.writer import DataFileWriter, FileLayout, PlannedTensor, layout_files
+from glmkit.units import format_size
 
 DEFAULT_FILE_BYTES = 4 << 30
+DEFAULT_INFLIGHT_BYTES = 16 << 30
+# manifest.json and the progress log grow by well under this per stored tensor
+STATE_BYTES_PER_TENSOR = 1024
 
 
 @dataclass(frozen=True)
@@ -34,66 +43,269 @@ class ConvertResult:
     source_bytes: int
     output_bytes: int
     tensors: int
+    resumed_files: int = 0  # data files an earlier, interrupted run had completed
+    peak_source_bytes: int = 0  # most bytes of downloaded shards on OUT's disk at once
 
 
-def convert(source_dir: str | Path, out_dir: str | Path, plan: QuantPlan, preset: str,
-            force: bool = False, max_file_bytes: int = DEFAULT_FILE_BYTES, progress: bool = True) -> ConvertResult:
-    """Convert a local HF snapshot into a container at `out_dir`."""
-    source = HFSnapshot(source_dir)
-    cfg = source.config
-    specs = _check_source(source)
-    units = _units(specs, plan)
-    layouts = layout_files([[p for _, p in unit] for unit in units], max_file_bytes)
+@dataclass
+class Job:
+    """A planned conversion: what to read, what to write, and the identity a resume must match."""
 
-    out = Path(out_dir)
-    _prepare_out(out, force)
-    by_name = {s.name: s for s in specs}
+    source: Source
+    plan: QuantPlan
+    preset: str
+    specs: list[TensorSpec]
+    layouts: list[FileLayout]
+    identity: dict[str, Any]
+    max_file_bytes: int
+
+    @classmethod
+    def create(cls, source: Source, plan: QuantPlan, preset: str, max_file_bytes: int) -> Job:
+        specs = _check_source(source.snapshot)
+        layouts = _layouts(specs, plan, max_file_bytes)
+        layout_digest = hashlib.sha256(b"".join(layout.header for layout in layouts)).hexdigest()
+        identity = {"source": source.identity, "conversion": _conversion_record(source.snapshot, specs, plan, preset),
+                    "max_file_bytes": max_file_bytes, "glmkit_version": glmkit.__version__,
+                    "format_version": FORMAT_VERSION, "layout_sha256": layout_digest}
+        return cls(source, plan, preset, specs, layouts, identity, max_file_bytes)
+
+    def steps(self, layouts: list[FileLayout]) -> tuple[list[TensorSpec], list[set[str]]]:
+        """The logical tensors the given files hold, in write order, and the shards each one reads."""
+        by_name = {s.name: s for s in self.specs}
+        specs = [by_name[p.name] for layout in layouts for p, _ in layout.tensors if p.name in by_name]
+        return specs, [self.source.snapshot.files_for(s) for s in specs]
+
+    def disk_needed(self, layouts: list[FileLayout], budget: int) -> tuple[int, int]:
+        """(output bytes, peak downloaded source bytes) that writing `layouts` adds to OUT's file system."""
+        _, steps = self.steps(layouts)
+        sizes = self.source.download_bytes()
+        stored = sum(len(layout.tensors) for layout in layouts)
+        output = sum(layout.size for layout in layouts) + STATE_BYTES_PER_TENSOR * stored
+        needed = {name for step in steps for name in step}
+        in_flight = min(max(peak_alive_bytes(steps, sizes), budget), sum(sizes[n] for n in needed))
+        return output, in_flight
+
+
+def convert(source: str | Path | Source, out_dir: str | Path, plan: QuantPlan, preset: str, force: bool = False,
+            max_file_bytes: int = DEFAULT_FILE_BYTES, progress: bool = True, *, revision: str | None = None,
+            endpoint: str | None = None, keep_source: bool = False,
+            max_inflight: int = DEFAULT_INFLIGHT_BYTES) -> ConvertResult:
+    """Convert SOURCE (local snapshot, HF cache directory or Hub repo id) into a container at `out_dir`."""
+    src = source if isinstance(source, Source) else open_source(
+        str(source), revision=revision, endpoint=endpoint, keep_source=keep_source, progress=progress)
+    try:
+        job = Job.create(src, plan, preset, max_file_bytes)
+        return _run(job, Path(out_dir), force, progress, max_inflight)
+    finally:
+        src.close()
+
+
+def _run(job: Job, out: Path, force: bool, progress: bool, budget: int) -> ConvertResult:
+    state = ConversionState(out)
+    done = _open_output(job, out, state, force, budget)
+    snapshot = job.source.snapshot
+    todo = job.layouts[len(done):]
+    specs, steps = job.steps(todo)
     entries: dict[str, TensorEntry] = {}
     files: dict[str, dict[str, object]] = {}
-    total = sum(source.source_bytes(s) for s in specs)
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=not progress, file=sys.stderr)
+    for name, finished in done.items():
+        files[name] = finished.record
+        entries.update({t: TensorEntry.from_json(t, e) for t, e in finished.tensors.items()})
+    to_download = sum(size for name, size in job.source.download_bytes().items()
+                      if any(name in step for step in steps))
+    down_bar = tqdm(total=to_download, unit="B", unit_scale=True, desc="download", position=0, file=sys.stderr,
+                    disable=not progress or not job.source.remote or not to_download)
+    bar = tqdm(total=sum(snapshot.source_bytes(s) for s in specs), unit="B", unit_scale=True, desc="convert",
+               position=1 if job.source.remote else 0, disable=not progress, file=sys.stderr)
+    fetcher = job.source.fetcher(steps, state.staging, budget, down_bar)
     writer: DataFileWriter | None = None
-    done = 0
+    spec_names = {s.name for s in job.specs}
+    step = 0
     try:
-        for layout in layouts:
+        for layout in todo:
             writer = DataFileWriter(out, layout)
+            written: dict[str, TensorEntry] = {}
             for planned, _ in layout.tensors:
-                spec = by_name.get(planned.name)
-                if spec is None:
+                if planned.name not in spec_names:
                     continue  # a `.qs` scales tensor, written together with its weight
-                entries.update(_write_tensor(writer, source, plan, spec))
-                done += 1
-                bar.set_postfix_str(f"{done}/{len(specs)} tensors", refresh=False)
-                bar.update(source.source_bytes(spec))
+                spec = specs[step]
+                fetcher.acquire(step)
+                written.update(_write_tensor(writer, snapshot, job.plan, spec))
+                fetcher.release(step)
+                step += 1
+                bar.set_postfix_str(f"{len(entries) + len(written)} stored tensors", refresh=False)
+                bar.update(snapshot.source_bytes(spec))
             files[layout.name] = writer.finish()
             writer = None
+            entries.update(written)
+            state.record(layout.name, files[layout.name], {n: e.to_json() for n, e in written.items()})
+        fetcher.close()
+        down_bar.close()
         bar.close()
         for name in SIDE_FILES:
-            if (source.directory / name).is_file():
+            if (job.source.side_dir / name).is_file():
                 tmp = out / (name + ".tmp")
-                shutil.copyfile(source.directory / name, tmp)
+                shutil.copyfile(job.source.side_dir / name, tmp)
                 tmp.replace(out / name)
         manifest = Manifest(
             model_hash="",
-            source={"kind": "local", "files": source.file_digests()},
-            conversion={"preset": preset, **plan.to_json(), "mtp": any(s.layer == cfg.num_hidden_layers
-                                                                        for s in specs)},
-            files=files,
+            source={"files": job.source.digests(), "origin": job.source.origin},
+            conversion=job.identity["conversion"],
+            files={layout.name: files[layout.name] for layout in job.layouts},
             tensors=entries,
-            experts=_expert_ranges(specs, entries),
+            experts=_expert_ranges(job.specs, entries),
             config_sha256=_sha256_file(out / "config.json"),
-            created_by={"tool": "glm-convert", "glmkit_version": glmkit.__version__,
-                        "source_path": str(source.directory.resolve())},
+            created_by={"tool": "glm-convert", "glmkit_version": glmkit.__version__},
         )
         manifest.model_hash = manifest.compute_hash()
         manifest.write(out)
+        state.finish()
     except BaseException:
+        fetcher.close()
+        down_bar.close()
         bar.close()
         if writer is not None:
             writer.abort()
+        state.unlock()
         raise
-    return ConvertResult(out, manifest.model_hash, total, sum(int(f["nbytes"]) for f in files.values()),
-                         len(entries))
+    return ConvertResult(out, manifest.model_hash, sum(snapshot.source_bytes(s) for s in job.specs),
+                         sum(int(f["nbytes"]) for f in files.values()), len(entries), len(done),
+                         fetcher.peak_bytes)
+
+
+def _open_output(job: Job, out: Path, state: ConversionState, force: bool, budget: int) -> dict[str, DoneFile]:
+    """Lock OUT and decide: resume (same identity), refuse (another conversion), or start afresh."""
+    if out.exists() and not out.is_dir():
+        raise GlmkitError(f"{out}: exists and is not a directory")
+    created = not out.exists()
+    if (not force and not state.exists() and out.is_dir()
+            and any(p.name != STATE_DIR for p in out.iterdir())):
+        raise GlmkitError(f"{out}: output directory is not empty (use --force to overwrite)")
+    state.lock()
+    try:
+        then = state.identity()
+        resume = then == job.identity
+        if then is not None and not resume and not force:
+            raise GlmkitError(f"{out}: holds an unfinished conversion with other inputs "
+                              f"({'; '.join(differences(then, job.identity))}): rerun that command to finish it, "
+                              "or use --force to start over")
+        done = _completed_prefix(job, out, state) if resume else {}
+        if not force:
+            _check_disk(job, out, state, done, budget, reuse_staged=resume)
+        if resume:
+            state.clean_partial_downloads()
+            if done:
+                print(f"glm-convert: resuming {out}: {len(done)} of {len(job.layouts)} data files already "
+                      "converted", file=sys.stderr)
+            return done
+        (out / MANIFEST_NAME).unlink(missing_ok=True)
+        for old in out.glob("model-*.safetensors*"):
+            old.unlink()
+        state.start(job.identity)
+        return {}
+    except BaseException:
+        if state.identity() is None:  # nothing of ours to resume: leave OUT as it was
+            state.finish()
+            if created and out.is_dir() and not any(out.iterdir()):
+                out.rmdir()
+        state.unlock()
+        raise
+
+
+def _completed_prefix(job: Job, out: Path, state: ConversionState) -> dict[str, DoneFile]:
+    """The data files, in layout order, that a previous run recorded complete and that are still intact."""
+    recorded = state.done()
+    done: dict[str, DoneFile] = {}
+    for layout in job.layouts:
+        finished = recorded.get(layout.name)
+        path = out / layout.name
+        if (finished is None or finished.record.get("nbytes") != layout.size or not path.is_file()
+                or path.stat().st_size != layout.size):
+            break
+        done[layout.name] = finished
+    return done
+
+
+def free_bytes(path: Path) -> int:
+    """Free bytes on the file system holding `path` (or its nearest existing parent)."""
+    return shutil.disk_usage(_existing_dir(path)).free
+
+
+def _existing_dir(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def _check_disk(job: Job, out: Path, state: ConversionState, done: dict[str, DoneFile], budget: int,
+                reuse_staged: bool) -> None:
+    """Refuse to start when OUT's file system cannot hold the rest of the output plus the shards in flight."""
+    todo = job.layouts[len(done):]
+    output, in_flight = job.disk_needed(todo, budget)
+    reclaimable = sum(p.stat().st_size for p in out.glob("model-*.safetensors*") if p.name not in done
+                      ) if out.is_dir() else 0
+    reclaimable += state.staged_bytes() if reuse_staged else 0
+    available = free_bytes(out) + reclaimable
+    cache, cache_dir = job.source.cache_bytes(), job.source.cache_dir
+    same_fs = bool(cache) and _existing_dir(cache_dir).stat().st_dev == _existing_dir(out).stat().st_dev
+    needed = output + in_flight + (cache if same_fs else 0)
+    if needed > available:
+        parts = [f"{format_size(output)} output", f"{format_size(in_flight)} downloaded shards in flight"]
+        if same_fs:
+            parts.append(f"{format_size(cache)} kept in the HF cache (--keep-source)")
+        raise GlmkitError(f"{out}: not enough disk space: needs {format_size(needed)} ({' + '.join(parts)}) but "
+                          f"its file system has {format_size(available)} available; free some space, lower "
+                          "--max-inflight, or use --force to try anyway")
+    if cache and not same_fs and cache > free_bytes(cache_dir):
+        raise GlmkitError(f"{cache_dir}: not enough disk space for --keep-source: the HF cache needs "
+                          f"{format_size(cache)}, its file system has {format_size(free_bytes(cache_dir))}; "
+                          "drop --keep-source, or use --force to try anyway")
+
+
+def dry_run_report(source: str | Path | Source, out_dir: str | Path, plan: QuantPlan, preset: str,
+                   max_file_bytes: int = DEFAULT_FILE_BYTES, *, revision: str | None = None,
+                   endpoint: str | None = None, keep_source: bool = False,
+                   max_inflight: int = DEFAULT_INFLIGHT_BYTES) -> str:
+    """What a conversion would download and write, and the disk it needs; touches neither OUT nor weights."""
+    src = source if isinstance(source, Source) else open_source(
+        str(source), revision=revision, endpoint=endpoint, keep_source=keep_source, progress=False)
+    try:
+        job = Job.create(src, plan, preset, max_file_bytes)
+        snapshot = src.snapshot
+        origin = src.origin
+        lines = [f"source: {origin.get('repo') or origin.get('path')}"
+                 + (f" @ {origin['revision']}" if "revision" in origin else "")
+                 + (f" (revision {origin['requested_revision']!r}, {origin['endpoint']})" if src.remote else "")]
+        lines.append(f"shards: {len(snapshot.shard_bytes)}, {format_size(sum(snapshot.shard_bytes.values()))}")
+        for name, size in snapshot.shard_bytes.items():
+            where = "local" if not src.remote else "in the HF cache" if name in src.cached else "download"
+            lines.append(f"  {name}  {format_size(size)}  {where}")
+        if src.remote:
+            download = sum(s for n, s in snapshot.shard_bytes.items() if n not in src.cached)
+            lines.append(f"download: {format_size(download)}")
+        lines.append("expected output size per preset:")
+        for name in PRESETS:
+            if name == preset:
+                size = sum(layout.size for layout in job.layouts)
+                mark = "  <- selected" + ("" if plan == QuantPlan.from_preset(name, group_size=plan.group_size or 0)
+                                          else " (with your overrides)")
+            else:
+                other = QuantPlan.from_preset(name, group_size=plan.group_size or 0)
+                size = sum(layout.size for layout in _layouts(job.specs, other, max_file_bytes))
+                mark = ""
+            lines.append(f"  {name:4s} {format_size(size):>10s}{mark}")
+        output, in_flight = job.disk_needed(job.layouts, max_inflight)
+        need = f"disk needed in {out_dir}: {format_size(output + in_flight)} ({format_size(output)} output"
+        if src.remote and not keep_source:
+            need += f" + {format_size(in_flight)} shards in flight, --max-inflight {format_size(max_inflight)}"
+        need += f"); available: {format_size(free_bytes(Path(out_dir)))}"
+        lines.append(need)
+        if src.remote and keep_source:
+            lines.append(f"HF cache ({src.cache_dir}) grows by {format_size(src.cache_bytes())} (--keep-source)")
+        return "\n".join(lines)
+    finally:
+        src.close()
 
 
 def _check_source(source: HFSnapshot) -> list[TensorSpec]:
@@ -103,7 +315,7 @@ def _check_source(source: HFSnapshot) -> list[TensorSpec]:
     mtp = [s for s in specs if s.layer is not None and s.layer >= cfg.num_hidden_layers]
     present = [s for s in mtp if source.has(s.name)]
     if mtp and not present:
-        print(f"glm-convert: note: {source.directory} has no MTP layer tensors; converting without MTP",
+        print(f"glm-convert: note: {source.label} has no MTP layer tensors; converting without MTP",
               file=sys.stderr)
         specs = [s for s in specs if s not in mtp]
     for s in specs:
@@ -124,6 +336,16 @@ def _units(specs: list[TensorSpec], plan: QuantPlan) -> list[list[tuple[TensorSp
             units.append(stored)
         last_expert = key
     return units
+
+
+def _layouts(specs: list[TensorSpec], plan: QuantPlan, max_file_bytes: int) -> list[FileLayout]:
+    return layout_files([[p for _, p in unit] for unit in _units(specs, plan)], max_file_bytes)
+
+
+def _conversion_record(snapshot: HFSnapshot, specs: list[TensorSpec], plan: QuantPlan, preset: str
+                       ) -> dict[str, Any]:
+    mtp = any(s.layer == snapshot.config.num_hidden_layers for s in specs)
+    return {"preset": preset, **plan.to_json(), "mtp": mtp}
 
 
 def _write_tensor(writer: DataFileWriter, source: HFSnapshot, plan: QuantPlan, spec: TensorSpec
@@ -165,19 +387,6 @@ def _expert_ranges(specs: list[TensorSpec], entries: dict[str, TensorEntry]) -> 
         end = max(p.offset + p.nbytes for p in parts)
         ranges.append(ExpertRange(layer, expert, parts[0].file, start, end - start))
     return ranges
-
-
-def _prepare_out(out: Path, force: bool) -> None:
-    """Refuse a non-empty OUT unless forced; never leave an old manifest that would look valid."""
-    if out.exists() and not out.is_dir():
-        raise GlmkitError(f"{out}: exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()):
-        if not force:
-            raise GlmkitError(f"{out}: output directory is not empty (use --force to overwrite)")
-        (out / MANIFEST_NAME).unlink(missing_ok=True)
-        for old in out.glob("model-*.safetensors*"):
-            old.unlink()
-    out.mkdir(parents=True, exist_ok=True)
 
 
 def _sha256_file(path: Path) -> str:

@@ -1,4 +1,4 @@
-"""`HFSnapshot`: a local Hugging Face snapshot of a glm_moe_dsa model, read tensor by tensor.
+"""`HFSnapshot`: a Hugging Face snapshot of a glm_moe_dsa model (local, or on the Hub), read tensor by tensor.
 
 Accepts one or many safetensors shards (with or without `model.safetensors.index.json`), source
 dtypes F32/F16/BF16 and FP8-E4M3 with 128x128-block `weight_scale_inv`, per-expert or fused
@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -30,33 +32,66 @@ SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokeni
 
 @dataclass(frozen=True)
 class SourceTensor:
-    path: Path
-    info: TensorInfo
+    file: str  # shard name
+    info: TensorInfo  # `start` is absolute once the shard is attached (on disk); before that, relative
 
 
 class HFSnapshot:
-    """Headers of every shard, parsed and checked; tensors read on demand with pread."""
+    """The tensor catalog of a snapshot (every tensor's shard and header entry) and on-demand reads.
+
+    `HFSnapshot(directory)` opens a local snapshot: every shard's header is parsed and every shard is
+    attached. `HFSnapshot.from_headers(...)` builds the catalog from headers read remotely (Hub): nothing
+    is on disk yet, shards are `attach`ed as they arrive (their local header must agree) and `detach`ed
+    when deleted. `load(spec)` needs the shards `files_for(spec)` names to be attached.
+    """
 
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
         if not self.directory.is_dir():
             raise GlmkitError(f"{self.directory}: source snapshot directory not found")
-        self.config = ModelConfig.from_file(self.directory / "config.json")
-        self.files = self._shard_files()
+        config = ModelConfig.from_file(self.directory / "config.json")
+        files = self._shard_files()
+        self._setup(config, {path.name: read_header(path) for path in files},
+                    {path.name: path.stat().st_size for path in files}, str(self.directory))
+        self.paths = {path.name: path for path in files}
+
+    @classmethod
+    def from_headers(cls, config: ModelConfig, headers: dict[str, dict[str, TensorInfo]],
+                     shard_bytes: dict[str, int], label: str) -> HFSnapshot:
+        """A catalog whose shards are not on disk yet (`attach` each before reading from it)."""
+        snapshot = cls.__new__(cls)
+        snapshot._setup(config, headers, shard_bytes, label)
+        return snapshot
+
+    def _setup(self, config: ModelConfig, headers: dict[str, dict[str, TensorInfo]], shard_bytes: dict[str, int],
+               label: str) -> None:
+        self.config = config
+        self.label = label
+        self.shard_bytes = dict(shard_bytes)
+        self.headers = headers
+        self.paths: dict[str, Path] = {}
         self.tensors: dict[str, SourceTensor] = {}
-        for path in self.files:
-            for name, info in read_header(path).items():
+        for file, header in headers.items():
+            for name, info in header.items():
                 if name in self.tensors:
-                    raise GlmkitError(f"{path}: tensor {name!r} also appears in {self.tensors[name].path.name}")
-                self.tensors[name] = SourceTensor(path, info)
+                    raise GlmkitError(f"{self._where(file)}: tensor {name!r} also appears in "
+                                      f"{self.tensors[name].file}")
+                self.tensors[name] = SourceTensor(file, info)
+
+    @property
+    def files(self) -> list[Path]:
+        """Paths of the attached shards (all of them for a local snapshot)."""
+        return list(self.paths.values())
+
+    def _where(self, file: str) -> str:
+        return str(self.paths[file]) if file in self.paths else f"{self.label}/{file}"
 
     def _shard_files(self) -> list[Path]:
         index = self.directory / INDEX_NAME
         if index.is_file():
             try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-                names = sorted(set(weight_map.values()))
-            except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+                names = shard_names_from_index(json.loads(index.read_text()))
+            except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
                 raise GlmkitError(f"{index}: not a valid safetensors index (needs a 'weight_map' object)") from None
             files = [self.directory / n for n in names]
             for f in files:
@@ -68,8 +103,40 @@ class HFSnapshot:
             raise GlmkitError(f"{self.directory}: no *.safetensors files")
         return files
 
+    def attach(self, file: str, path: Path) -> None:
+        """A shard arrived on disk: its header must match the catalog's; reads then go to `path`."""
+        header = read_header(path)
+        planned = self.headers[file]
+        for name in sorted(set(header) ^ set(planned)):
+            where = "on disk" if name in header else "in the header read before downloading"
+            raise GlmkitError(f"{path}: tensor {name!r} is only {where}: the file changed since its header was read")
+        for name, info in header.items():
+            was = planned[name]
+            if (info.dtype, info.shape, info.nbytes) != (was.dtype, was.shape, was.nbytes):
+                raise GlmkitError(f"{path}: tensor {name!r} is {info.dtype}{list(info.shape)} on disk but was "
+                                  f"{was.dtype}{list(was.shape)} in the header read before downloading")
+            self.tensors[name] = SourceTensor(file, info)
+        self.headers[file] = header
+        self.paths[file] = path
+
+    def detach(self, file: str) -> None:
+        self.paths.pop(file, None)
+
     def has(self, name: str) -> bool:
         return name in self.tensors or self._fused(name) is not None
+
+    def files_for(self, spec: TensorSpec) -> set[str]:
+        """The shards `load(spec)` reads: the tensor (or the fused tensor holding it) and its FP8 scales."""
+        if spec.name in self.tensors:
+            name, src = spec.name, self.tensors[spec.name]
+        elif fused := self._fused(spec.name):
+            src, name = fused
+        else:
+            raise GlmkitError(f"{self.label}: tensor {spec.name!r} is missing from the source")
+        files = {src.file}
+        if src.info.dtype == "F8_E4M3" and (scale := self._fp8_scale_name(name)) is not None:
+            files.add(self.tensors[scale].file)
+        return files
 
     def check(self, spec: TensorSpec) -> None:
         """Fail before converting anything if the tensor is missing or its header shape disagrees with config."""
@@ -81,20 +148,16 @@ class HFSnapshot:
             gate_up = "gate_up_proj" in fused[1]
             shape = (self.config.n_routed_experts, 2 * rows if gate_up else rows, cols)
         else:
-            raise GlmkitError(f"{self.directory}: tensor {spec.name!r} is missing from the source")
+            raise GlmkitError(f"{self.label}: tensor {spec.name!r} is missing from the source")
         if src.info.shape != shape:
-            raise GlmkitError(f"{src.path}: tensor {src.info.name!r} has shape {list(src.info.shape)}, "
+            raise GlmkitError(f"{self._where(src.file)}: tensor {src.info.name!r} has shape {list(src.info.shape)}, "
                               f"config.json implies {list(shape)}")
 
     def file_digests(self) -> dict[str, dict[str, object]]:
-        """sha256 and size of every source shard, read in 16 MB chunks."""
+        """sha256 and size of every (local) source shard, read in 16 MB chunks."""
         digests: dict[str, dict[str, object]] = {}
-        for path in self.files:
-            h = hashlib.sha256()
-            with open(path, "rb") as f:
-                while chunk := f.read(16 << 20):
-                    h.update(chunk)
-            digests[path.name] = {"nbytes": path.stat().st_size, "sha256": h.hexdigest()}
+        for name, path in self.paths.items():
+            digests[name] = {"nbytes": path.stat().st_size, "sha256": sha256_file(path)}
         return digests
 
     def source_bytes(self, spec: TensorSpec) -> int:
@@ -110,17 +173,23 @@ class HFSnapshot:
         """The tensor as float32 with the logical shape `spec.shape` (shape checked)."""
         if spec.name in self.tensors:
             src = self.tensors[spec.name]
-            array = self._to_float32(spec.name, src, read_tensor(src.path, src.info))
+            array = self._to_float32(spec.name, src, self._read(src))
         else:
             fused = self._fused(spec.name)
             if fused is None:
-                raise GlmkitError(f"{self.directory}: tensor {spec.name!r} is missing from the source")
+                raise GlmkitError(f"{self.label}: tensor {spec.name!r} is missing from the source")
             array = self._load_fused(spec, *fused)
         if tuple(array.shape) != spec.shape:
-            where = self.tensors[spec.name].path.name if spec.name in self.tensors else "fused expert tensor"
+            where = self.tensors[spec.name].file if spec.name in self.tensors else "fused expert tensor"
             raise GlmkitError(f"{where}: tensor {spec.name!r} has shape {list(array.shape)}, config.json implies "
                               f"{list(spec.shape)}")
         return array
+
+    def _read(self, src: SourceTensor, first: int = 0, count: int | None = None) -> np.ndarray:
+        path = self.paths.get(src.file)
+        if path is None:
+            raise GlmkitError(f"{self.label}/{src.file}: shard is not on disk (internal error: read before attach)")
+        return read_tensor(path, src.info, first=first, count=count)
 
     def _fused(self, name: str) -> tuple[SourceTensor, str] | None:
         """For a per-expert name missing from the source, the fused tensor that holds it."""
@@ -136,14 +205,14 @@ class HFSnapshot:
         _, expert, proj = _split_expert_name(spec.name)  # type: ignore[misc]
         shape = src.info.shape
         if len(shape) != 3 or expert >= shape[0]:
-            raise GlmkitError(f"{src.path.name}: fused tensor {fused_name!r} has shape {list(shape)}, "
+            raise GlmkitError(f"{src.file}: fused tensor {fused_name!r} has shape {list(shape)}, "
                               f"which does not hold expert {expert}")
-        raw = read_tensor(src.path, src.info, first=expert, count=1)
+        raw = self._read(src, first=expert, count=1)
         block = self._to_float32(fused_name, src, raw, expert=expert)[0]
         if proj == "down_proj":
             return block
         if block.shape[0] % 2:
-            raise GlmkitError(f"{src.path.name}: fused {fused_name!r} has an odd gate/up row count")
+            raise GlmkitError(f"{src.file}: fused {fused_name!r} has an odd gate/up row count")
         half = block.shape[0] // 2
         return block[:half] if proj == "gate_proj" else block[half:]
 
@@ -152,15 +221,15 @@ class HFSnapshot:
         if dtype in FLOAT_DTYPES:
             return raw.astype(np.float32)
         if dtype != "F8_E4M3":
-            raise GlmkitError(f"{src.path.name}: tensor {name!r} has dtype {dtype}, not a float weight")
+            raise GlmkitError(f"{src.file}: tensor {name!r} has dtype {dtype}, not a float weight")
         scale_name = self._fp8_scale_name(name)
         if scale_name is None:
-            raise GlmkitError(f"{src.path.name}: FP8 tensor {name!r} has no weight_scale_inv")
+            raise GlmkitError(f"{src.file}: FP8 tensor {name!r} has no weight_scale_inv")
         scale_src = self.tensors[scale_name]
         if expert is None:
-            scales = read_tensor(scale_src.path, scale_src.info).astype(np.float32)
+            scales = self._read(scale_src).astype(np.float32)
             return dequantize_fp8_blocks(raw, scales, name)
-        scales = read_tensor(scale_src.path, scale_src.info, first=expert, count=1).astype(np.float32)[0]
+        scales = self._read(scale_src, first=expert, count=1).astype(np.float32)[0]
         weight = raw[0]
         half = weight.shape[0] // 2
         if "gate_up_proj" in name and scales.shape[0] == 2 * -(-half // FP8_BLOCK):
@@ -176,6 +245,26 @@ class HFSnapshot:
             if candidate in self.tensors:
                 return candidate
         return None
+
+
+def shard_names_from_index(index: object) -> list[str]:
+    """The shard names a `model.safetensors.index.json` document refers to, sorted (ValueError if malformed)."""
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ValueError("not a safetensors index")
+    names = sorted(set(weight_map.values()))
+    for name in names:
+        if "/" in name or name.startswith("."):
+            raise ValueError(f"shard name {name!r} is not a plain file name")
+    return names
+
+
+def sha256_file(path: Path, chunk: int = 16 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while data := f.read(chunk):
+            h.update(data)
+    return h.hexdigest()
 
 
 def _split_expert_name(name: str) -> tuple[str, int, str] | None:
@@ -199,3 +288,100 @@ def dequantize_fp8_blocks(weight: np.ndarray, scale_inv: np.ndarray, name: str =
                           f"for 128x128 blocks of a {[out_features, in_features]} weight")
     full = np.repeat(np.repeat(scale_inv, FP8_BLOCK, axis=0), FP8_BLOCK, axis=1)
     return weight.astype(np.float32) * full[:out_features, :in_features]
+
+
+# --- where a snapshot comes from --------------------------------------------------------------------------
+
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+
+
+class Source:
+    """A snapshot plus how its shards get onto disk and how it is recorded (local directory; see hub.py)."""
+
+    snapshot: HFSnapshot
+    side_dir: Path  # holds config.json, tokenizer files, ... (copied into the container)
+    origin: dict[str, Any]  # manifest `source.origin`: provenance, not part of the model hash
+    identity: dict[str, Any]  # what a resumed conversion must match
+    remote = False
+    cached: dict[str, Path] = {}  # shards already in the local HF cache (Hub sources)
+    cache_dir: Path = Path(".")  # where --keep-source downloads go (Hub sources)
+
+    def download_bytes(self) -> dict[str, int]:
+        """Per shard, the bytes fetching it puts on OUT's file system (0: already local)."""
+        return dict.fromkeys(self.snapshot.shard_bytes, 0)
+
+    def cache_bytes(self) -> int:
+        """Bytes the conversion adds to the HF cache (--keep-source)."""
+        return 0
+
+    def fetcher(self, steps: list[set[str]], staging: Path, budget: int, bar: Any) -> Any:
+        from glmkit.convert.fetch import LocalShards
+
+        return LocalShards()
+
+    def digests(self) -> dict[str, dict[str, object]]:
+        return self.snapshot.file_digests()
+
+    def close(self) -> None:
+        pass
+
+
+class LocalSource(Source):
+    """A local snapshot directory, or a Hugging Face cache (`models--org--name` or one of its snapshots)."""
+
+    def __init__(self, directory: Path, revision: str | None):
+        snapshot_dir, repo, commit = _resolve_cache_dir(directory, revision)
+        if repo is None and revision is not None:
+            raise GlmkitError(f"{directory}: --revision applies to a Hub repo id or a Hugging Face cache directory, "
+                              "not to a plain snapshot directory")
+        self.snapshot = HFSnapshot(snapshot_dir)
+        self.side_dir = snapshot_dir
+        path = str(snapshot_dir.resolve())
+        if repo is None:
+            self.origin = {"kind": "local", "path": path}
+        else:
+            self.origin = {"kind": "hf-cache", "repo": repo, "revision": commit, "path": path}
+        self.identity = {**self.origin,
+                         "files": {name: size for name, size in sorted(self.snapshot.shard_bytes.items())}}
+
+
+def _resolve_cache_dir(directory: Path, revision: str | None) -> tuple[Path, str | None, str | None]:
+    """(snapshot dir, repo id, commit) for an HF cache dir; (directory, None, None) for anything else."""
+    if directory.parent.name == "snapshots" and directory.parent.parent.name.startswith("models--"):
+        repo = directory.parent.parent.name.removeprefix("models--").replace("--", "/", 1)
+        if revision is not None and revision != directory.name:
+            raise GlmkitError(f"{directory}: is the cache snapshot of commit {directory.name}, not --revision "
+                              f"{revision}")
+        return directory, repo, directory.name
+    if not (directory.name.startswith("models--") and (directory / "snapshots").is_dir()):
+        return directory, None, None
+    repo = directory.name.removeprefix("models--").replace("--", "/", 1)
+    wanted = revision or "main"
+    if _COMMIT.fullmatch(wanted):
+        commit = wanted
+    else:
+        ref = directory / "refs" / wanted
+        if not ref.is_file():
+            known = sorted(p.name for p in (directory / "refs").glob("*")) if (directory / "refs").is_dir() else []
+            raise GlmkitError(f"{directory}: Hugging Face cache has no ref {wanted!r} (refs: "
+                              f"{', '.join(known) or 'none'}); pass --revision with a branch or a commit under "
+                              "snapshots/")
+        commit = ref.read_text().strip()
+    snapshot = directory / "snapshots" / commit
+    if not snapshot.is_dir():
+        raise GlmkitError(f"{directory}: Hugging Face cache has no snapshot {commit}")
+    return snapshot, repo, commit
+
+
+def open_source(text: str, *, revision: str | None = None, endpoint: str | None = None, keep_source: bool = False,
+                progress: bool = True) -> Source:
+    """SOURCE on the command line: an existing directory (snapshot or HF cache), else a Hub repo id."""
+    path = Path(text).expanduser()
+    if path.exists() or not _REPO_ID.fullmatch(text):
+        if not path.is_dir():
+            raise GlmkitError(f"{path}: source snapshot directory not found")
+        return LocalSource(path, revision)
+    from glmkit.convert.hub import HubSource  # imports huggingface_hub only when needed
+
+    return HubSource(text, revision=revision, endpoint=endpoint, keep_source=keep_source, progress=progress)

@@ -2,8 +2,9 @@
 
 It names every tensor's file, absolute byte offset, size, logical shape, storage dtype, quantization
 and role, every routed expert's contiguous byte range, the source and the conversion parameters.
-The model hash is the sha256 of the canonical JSON of everything except the hash itself and
-`created_by`, so identical content gives an identical hash whatever tool version wrote it.
+The model hash is the sha256 of the canonical JSON of everything except the hash itself, `created_by`
+and `source.origin` (where the weights came from: Hub repo and commit, or a local path), so identical
+content gives an identical hash whatever tool version wrote it and wherever the source was read from.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 ALIGNMENT = 64
 MAX_MANIFEST_BYTES = 512 << 20
+# Provenance inside `source` that the model hash does not cover (the shard digests next to it are covered).
+UNHASHED_SOURCE_KEYS = ("origin",)
 
 ROLES = ("embed", "lm_head", "norm", "router", "attention", "indexer", "dense_mlp", "shared_expert",
          "routed_expert", "mtp", "scales")
@@ -49,6 +52,13 @@ class TensorEntry:
     role: str
     sha256: str
     quant: Quant | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return _entry_json(self)
+
+    @classmethod
+    def from_json(cls, name: str, d: dict[str, Any]) -> TensorEntry:
+        return _entry_from_json(name, d)
 
 
 @dataclass(frozen=True)
@@ -92,6 +102,8 @@ class Manifest:
     def compute_hash(self) -> str:
         body = self.to_json()
         del body["model_hash"], body["created_by"]
+        if isinstance(body["source"], dict):
+            body["source"] = {k: v for k, v in body["source"].items() if k not in UNHASHED_SOURCE_KEYS}
         return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
     def write(self, directory: Path) -> None:

@@ -74,13 +74,16 @@ def read_header(path: str | Path) -> dict[str, TensorInfo]:
     if not isinstance(header, dict):
         raise GlmkitError(f"{path}: safetensors header is not a JSON object")
 
-    data_start = 8 + header_len
-    data_len = file_size - data_start
+    return check_header(path, header, 8 + header_len, file_size - 8 - header_len)
+
+
+def check_header(path: str | Path, header: dict, data_start: int, data_len: int) -> dict[str, TensorInfo]:
+    """Check a decoded header against a data section of `data_len` bytes starting at `data_start`."""
     tensors: dict[str, TensorInfo] = {}
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        tensors[name] = _check_entry(path, name, entry, data_start, data_len)
+        tensors[name] = _check_entry(Path(path), name, entry, data_start, data_len)
     spans = sorted((t.start, t.start + t.nbytes, t.name) for t in tensors.values())
     for (_, end, a), (begin, _, b) in zip(spans, spans[1:], strict=False):
         if begin < end:
