@@ -92,7 +92,7 @@ def convert(source: str | Path | Source, out_dir: str | Path, plan: QuantPlan, p
             max_inflight: int = DEFAULT_INFLIGHT_BYTES) -> ConvertResult:
     """Convert SOURCE (local snapshot, HF cache directory or Hub repo id) into a container at `out_dir`."""
     src = source if isinstance(source, Source) else open_source(
-        str(source), revision=revision, endpoint=endpoint, keep_source=keep_source, progress=progress)
+        str(source), revision=revision, endpoint=endpoint, keep_source=keep_source)
     try:
         job = Job.create(src, plan, preset, max_file_bytes)
         return _run(job, Path(out_dir), force, progress, max_inflight)
@@ -111,17 +111,18 @@ def _run(job: Job, out: Path, force: bool, progress: bool, budget: int) -> Conve
     for name, finished in done.items():
         files[name] = finished.record
         entries.update({t: TensorEntry.from_json(t, e) for t, e in finished.tensors.items()})
-    to_download = sum(size for name, size in job.source.download_bytes().items()
-                      if any(name in step for step in steps))
+    needed = set().union(*steps)
+    to_download = sum(size for name, size in job.source.download_bytes().items() if name in needed)
     down_bar = tqdm(total=to_download, unit="B", unit_scale=True, desc="download", position=0, file=sys.stderr,
-                    disable=not progress or not job.source.remote or not to_download)
+                    disable=not progress or not to_download)
     bar = tqdm(total=sum(snapshot.source_bytes(s) for s in specs), unit="B", unit_scale=True, desc="convert",
-               position=1 if job.source.remote else 0, disable=not progress, file=sys.stderr)
-    fetcher = job.source.fetcher(steps, state.staging, budget, down_bar)
-    writer: DataFileWriter | None = None
+               position=1 if to_download else 0, disable=not progress, file=sys.stderr)
     spec_names = {s.name for s in job.specs}
-    step = 0
+    writer: DataFileWriter | None = None
+    fetcher = None
     try:
+        fetcher = job.source.fetcher(steps, state.staging, budget, down_bar)
+        step = 0
         for layout in todo:
             writer = DataFileWriter(out, layout)
             written: dict[str, TensorEntry] = {}
@@ -133,7 +134,7 @@ def _run(job: Job, out: Path, force: bool, progress: bool, budget: int) -> Conve
                 written.update(_write_tensor(writer, snapshot, job.plan, spec))
                 fetcher.release(step)
                 step += 1
-                bar.set_postfix_str(f"{len(entries) + len(written)} stored tensors", refresh=False)
+                bar.set_postfix_str(f"{len(job.specs) - len(specs) + step}/{len(job.specs)} tensors", refresh=False)
                 bar.update(snapshot.source_bytes(spec))
             files[layout.name] = writer.finish()
             writer = None
@@ -161,7 +162,8 @@ def _run(job: Job, out: Path, force: bool, progress: bool, budget: int) -> Conve
         manifest.write(out)
         state.finish()
     except BaseException:
-        fetcher.close()
+        if fetcher is not None:
+            fetcher.close()
         down_bar.close()
         bar.close()
         if writer is not None:
@@ -186,8 +188,11 @@ def _open_output(job: Job, out: Path, state: ConversionState, force: bool, budge
         then = state.identity()
         resume = then == job.identity
         if then is not None and not resume and not force:
+            old_revision = then.get("source", {}).get("revision")
+            pin = (f" (with --revision {old_revision})" if old_revision
+                   and old_revision != job.identity["source"].get("revision") else "")
             raise GlmkitError(f"{out}: holds an unfinished conversion with other inputs "
-                              f"({'; '.join(differences(then, job.identity))}): rerun that command to finish it, "
+                              f"({'; '.join(differences(then, job.identity))}): rerun that command{pin} to finish it, "
                               "or use --force to start over")
         done = _completed_prefix(job, out, state) if resume else {}
         if not force:
@@ -204,7 +209,7 @@ def _open_output(job: Job, out: Path, state: ConversionState, force: bool, budge
         state.start(job.identity)
         return {}
     except BaseException:
-        if state.identity() is None:  # nothing of ours to resume: leave OUT as it was
+        if state.locked and state.identity() is None:  # nothing to resume: leave OUT as it was
             state.finish()
             if created and out.is_dir() and not any(out.iterdir()):
                 out.rmdir()
@@ -269,7 +274,7 @@ def dry_run_report(source: str | Path | Source, out_dir: str | Path, plan: Quant
                    max_inflight: int = DEFAULT_INFLIGHT_BYTES) -> str:
     """What a conversion would download and write, and the disk it needs; touches neither OUT nor weights."""
     src = source if isinstance(source, Source) else open_source(
-        str(source), revision=revision, endpoint=endpoint, keep_source=keep_source, progress=False)
+        str(source), revision=revision, endpoint=endpoint, keep_source=keep_source)
     try:
         job = Job.create(src, plan, preset, max_file_bytes)
         snapshot = src.snapshot
@@ -299,8 +304,10 @@ def dry_run_report(source: str | Path | Source, out_dir: str | Path, plan: Quant
         need = f"disk needed in {out_dir}: {format_size(output + in_flight)} ({format_size(output)} output"
         if src.remote and not keep_source:
             need += f" + {format_size(in_flight)} shards in flight, --max-inflight {format_size(max_inflight)}"
-        need += f"); available: {format_size(free_bytes(Path(out_dir)))}"
-        lines.append(need)
+        free = free_bytes(Path(out_dir))
+        need += f"); available: {format_size(free)}"
+        lines.append(need + (" - enough" if output + in_flight <= free else
+                             " - NOT enough: free some space or lower --max-inflight"))
         if src.remote and keep_source:
             lines.append(f"HF cache ({src.cache_dir}) grows by {format_size(src.cache_bytes())} (--keep-source)")
         return "\n".join(lines)

@@ -374,8 +374,8 @@ def _resolve_cache_dir(directory: Path, revision: str | None) -> tuple[Path, str
     return snapshot, repo, commit
 
 
-def open_source(text: str, *, revision: str | None = None, endpoint: str | None = None, keep_source: bool = False,
-                progress: bool = True) -> Source:
+def open_source(text: str, *, revision: str | None = None, endpoint: str | None = None,
+                keep_source: bool = False) -> Source:
     """SOURCE on the command line: an existing directory (snapshot or HF cache), else a Hub repo id."""
     path = Path(text).expanduser()
     if path.exists() or not _REPO_ID.fullmatch(text):
@@ -384,4 +384,4 @@ def open_source(text: str, *, revision: str | None = None, endpoint: str | None 
         return LocalSource(path, revision)
     from glmkit.convert.hub import HubSource  # imports huggingface_hub only when needed
 
-    return HubSource(text, revision=revision, endpoint=endpoint, keep_source=keep_source, progress=progress)
+    return HubSource(text, revision=revision, endpoint=endpoint, keep_source=keep_source)
