@@ -1,0 +1,41 @@
+"""The benchmark-size model (issue 4's spec): a random GLM-5-shaped checkpoint, converted once and reused.
+
+About 0.45B parameters: vocab 8192, hidden 1024, 8 layers (2 dense), 8 heads, q_lora 384, kv_lora 128,
+nope 64, rope 32, v 64, 32 experts top-8 + 1 shared, moe_intermediate 512, intermediate 2816, DSA top-k 256
+with 8 heads of 64, an MTP layer. Random weights: speed and memory only, never quality.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from pathlib import Path
+
+from glmkit.convert.cli import main as convert_main
+from tools.synth import write_snapshot_streaming
+
+DEFAULT_WORK = Path("/tmp/glmkit-bench-model")
+
+BENCH_CONFIG = {
+    "model_type": "glm_moe_dsa", "architectures": ["GlmMoeDsaForCausalLM"], "vocab_size": 8192,
+    "hidden_size": 1024, "num_hidden_layers": 8, "first_k_dense_replace": 2, "num_attention_heads": 8,
+    "q_lora_rank": 384, "kv_lora_rank": 128, "qk_nope_head_dim": 64, "qk_rope_head_dim": 32, "v_head_dim": 64,
+    "intermediate_size": 2816, "moe_intermediate_size": 512, "n_routed_experts": 32, "num_experts_per_tok": 8,
+    "n_shared_experts": 1, "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+    "rms_norm_eps": 1e-5, "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
+    "index_topk": 256, "index_n_heads": 8, "index_head_dim": 64, "index_topk_freq": 2,
+    "index_skip_topk_offset": 2, "num_nextn_predict_layers": 1, "max_position_embeddings": 8192,
+    "eos_token_id": [8190, 8191],
+}
+
+
+def ensure_bench_snapshot(preset: str = "q4", work: Path = DEFAULT_WORK) -> Path:
+    """The converted benchmark model for `preset` (built on first use under `work`)."""
+    source = work / "source"
+    if not (source / "config.json").is_file():
+        write_snapshot_streaming(source, BENCH_CONFIG, shards=4)
+    out = work / preset
+    if not (out / "manifest.json").is_file():
+        with contextlib.redirect_stdout(io.StringIO()):
+            assert convert_main([str(source), str(out), "--preset", preset, "--quiet", "--force"]) == 0
+    return out
