@@ -146,6 +146,8 @@ def test_prefetch_advises_the_next_layers_predicted_experts(snapshots, monkeypat
         original(layer, experts, advice)  # the real madvise runs and must not fail
 
     monkeypatch.setattr(streamer.container, "advise_experts", spy)
+    # the freshly written container is fully in the page cache: pretend it is not, so every prediction is advised
+    monkeypatch.setattr("glmkit.runtime.experts.resident_fraction", lambda view: 0.0)
     run(model, with_mtp=False)
     config = streamer.config
     # every MoE layer but the first is prefetched for, once per forward, by its predecessor
@@ -159,6 +161,11 @@ def test_prefetch_advises_the_next_layers_predicted_experts(snapshots, monkeypat
     model, streamer = streamed_model(snapshot, prefetch=False)
     run(model)
     assert streamer.stats.prefetched == 0
+
+    monkeypatch.undo()
+    model, streamer = streamed_model(snapshot)
+    run(model)
+    assert streamer.stats.prefetched == 0  # everything is resident: nothing to advise
 
 
 def test_advise_every_expert_range(snapshots):

@@ -80,6 +80,11 @@ class Container:
     def expert_range(self, layer: int, expert: int) -> ExpertRange:
         return self._experts[(layer, expert)]
 
+    def expert_bytes(self, layer: int, expert: int) -> np.ndarray:
+        """The expert's whole contiguous byte range as a read-only uint8 view."""
+        r = self._experts[(layer, expert)]
+        return np.frombuffer(self._maps[r.file], dtype=np.uint8, count=r.nbytes, offset=r.offset)
+
     def advise_experts(self, layer: int, experts: list[int], advice: int = mmap.MADV_WILLNEED) -> None:
         """madvise the byte ranges of these experts (e.g. WILLNEED to prefetch them)."""
         for expert in experts:

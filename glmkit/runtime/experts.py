@@ -36,7 +36,7 @@ def resident_fraction(view: np.ndarray) -> float:
     vec = (ctypes.c_ubyte * pages)()
     if _libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vec) != 0:
         return 1.0  # not a mapping we can query: count as resident rather than invent misses
-    return sum(b & 1 for b in vec) / pages
+    return np.count_nonzero(np.frombuffer(vec, np.uint8) & 1) / pages
 
 
 @dataclass
@@ -95,11 +95,10 @@ class ExpertStreamer:
             self.pin_hottest()
 
     def _is_resident(self, layer: int, expert: int) -> bool:
-        name = expert_weight_name(layer, expert, "gate_proj")
-        if name in self._pinned:
+        """Pinned, or every page of the expert's byte range (gate, up, down and scales) is in RAM."""
+        if expert_weight_name(layer, expert, "gate_proj") in self._pinned:
             return True
-        w = self.container.weight(name)
-        return resident_fraction(w.packed if isinstance(w, QuantWeight) else w) == 1.0
+        return resident_fraction(self.container.expert_bytes(layer, expert)) == 1.0
 
     def _prefetch_next(self, layer: int, normed: np.ndarray) -> None:
         nxt = layer + 1
@@ -111,8 +110,9 @@ class ExpertStreamer:
         scores = 1.0 / (1.0 + np.exp(-(normed @ np.asarray(router).T))) + bias
         k = self.config.num_experts_per_tok
         likely = np.unique(np.argpartition(-scores, k - 1, axis=1)[:, :k]).tolist()
-        likely = [e for e in likely if expert_weight_name(nxt, e, "gate_proj") not in self._pinned]
-        self.container.advise_experts(nxt, likely, mmap.MADV_WILLNEED)
+        likely = [e for e in likely if not self._is_resident(nxt, e)]  # advising resident pages is wasted time
+        if likely:
+            self.container.advise_experts(nxt, likely, mmap.MADV_WILLNEED)
         self.stats.prefetched += len(likely)
 
     def pin_hottest(self) -> None:
