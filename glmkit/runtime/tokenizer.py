@@ -38,23 +38,35 @@ class ChatTokenizer:
         return self.tokenizer.token_to_id(token)
 
     def render_chat(self, messages: list[dict[str, Any]], enable_thinking: bool = True,
-                    add_generation_prompt: bool = True) -> str:
+                    add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None,
+                    **template_kwargs: Any) -> str:
+        """`tools` (OpenAI function schemas) and `template_kwargs` are template variables, as in transformers."""
         if self.chat_template is None:
             raise GlmkitError("this snapshot has no chat template (tokenizer_config.json 'chat_template')")
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                           extensions=["jinja2.ext.loopcontrols"])
         env.globals["raise_exception"] = _raise_template_error
+        env.filters["tojson"] = _tojson  # transformers' version: GLM templates call tojson(ensure_ascii=False)
+        variables = {**template_kwargs, "messages": messages, "add_generation_prompt": add_generation_prompt,
+                     "enable_thinking": enable_thinking, "tools": tools}
         try:
-            return env.from_string(self.chat_template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking)
+            return env.from_string(self.chat_template).render(**variables)
         except jinja2.TemplateError as e:
             raise GlmkitError(f"chat template failed: {e}") from None
+        except (TypeError, ValueError, KeyError, AttributeError) as e:  # e.g. a filter given the wrong type
+            raise GlmkitError(f"chat template failed: {type(e).__name__}: {e}") from None
 
-    def encode_chat(self, messages: list[dict[str, Any]], enable_thinking: bool = True) -> list[int]:
-        return self.encode(self.render_chat(messages, enable_thinking))
+    def encode_chat(self, messages: list[dict[str, Any]], enable_thinking: bool = True, **kwargs: Any) -> list[int]:
+        return self.encode(self.render_chat(messages, enable_thinking, **kwargs))
 
 
 def _raise_template_error(message: str) -> None:
     raise jinja2.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _load_chat_template(directory: Path) -> str | None:

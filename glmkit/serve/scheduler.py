@@ -1,0 +1,359 @@
+"""The generation worker: one thread runs every request's steps round-robin over a pool of Sessions.
+
+A step is one unit of work of one request: restoring its cached prefix, one chunk of its prefill
+(`prefill_chunk` tokens), or one decode step (`next()` on its `Generator`, one forward or an
+already verified MTP token). Every pass over the active requests gives each of them one step, so a
+long prompt does not stall the other conversations' decoding for more than one chunk, and a request
+that is cancelled (its client went away) stops at its next step. Decode steps of different requests
+are not batched into one forward: the runtime's forward takes one sequence.
+
+Every request goes through `Session.prepare` / `Session.commit` exactly like `glm-run --chat`: a
+request takes the idle Session whose KV rows share the longest prefix with its prompt (so a
+conversation's follow-up turn finds its own history in process memory), and the on-disk prefix cache
+covers everything else (another Session's conversation, an earlier process). All model, Session and
+prefix-cache work happens on the worker thread (the sqlite index is opened there too).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from glmkit.runtime.engine import Engine
+from glmkit.runtime.generate import Generator
+from glmkit.runtime.prefix_cache import PrefixCache, common_prefix
+from glmkit.runtime.sampling import Sampler, SamplingParams
+from glmkit.runtime.session import ReuseStats, Session
+from glmkit.runtime.tokenizer import StreamDecoder
+
+log = logging.getLogger("glmkit.serve")
+
+RECENT = 256  # finished requests kept for /stats
+
+
+@dataclass
+class GenRequest:
+    prompt_ids: list[int]
+    max_tokens: int
+    params: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    request_id: str = ""
+
+
+@dataclass
+class Text:
+    """New generated text (valid UTF-8 up to here, stop sequences held back)."""
+
+    text: str
+
+
+@dataclass
+class Done:
+    """The request ended: `finish_reason` is stop | length | cancelled | error."""
+
+    finish_reason: str
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    cached_from: dict[str, int]
+    queue_s: float
+    ttft_s: float | None  # from submission to the first token
+    prefill_s: float | None  # from leaving the queue to the first token
+    decode_s: float
+    restore_s: float = 0.0  # finding and loading the cached prefix (Session.prepare), part of prefill_s
+    error: str = ""
+
+    def record(self, request_id: str) -> dict[str, Any]:
+        rounded = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
+        return {"id": request_id, **rounded}
+
+
+class QueueFull(Exception):
+    pass
+
+
+class Job:
+    def __init__(self, request: GenRequest, emit: Callable[[Text | Done], None]):
+        self.request = request
+        self.emit = emit
+        self.cancelled = False  # set from any thread; the worker checks it before every step
+        self.submitted = time.perf_counter()
+        # worker-only state
+        self.session: Session | None = None
+        self.generator: Generator | None = None
+        self.iterator: Any = None
+        self.decoder: StreamDecoder | None = None
+        self.tokens: list[int] = []
+        self.text = ""
+        self.sent = 0  # characters of `text` emitted
+        self.cached = 0
+        self.reuse = ReuseStats()
+        self.restore_s = 0.0
+        self.started = 0.0
+        self.first_token = 0.0
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, *, prefix_cache: Callable[[], PrefixCache | None] | None = None,
+                 use_mtp: bool = True, reuse: bool = True, max_active: int = 4, max_queue: int = 64,
+                 prefill_chunk: int = 512):
+        """prefix_cache: opens the on-disk cache (called on the worker thread; None = no disk cache).
+        reuse: False = every request prefills its whole prompt (no Session reuse, no disk cache)."""
+        self.engine = engine
+        self.use_mtp = use_mtp and engine.model.has_mtp
+        self.reuse = reuse
+        self.max_active = max(1, max_active)
+        self.max_queue = max_queue
+        self.prefill_chunk = max(1, prefill_chunk)
+        self._open_cache = prefix_cache if reuse else None
+        self.prefix_cache: PrefixCache | None = None
+        self._cv = threading.Condition()
+        self._queue: collections.deque[Job] = collections.deque()
+        self._active: list[Job] = []
+        self._sessions: list[Session] = []
+        self._idle: list[Session] = []  # least recently used first
+        self._prompt_len: dict[Session, int] = {}  # idle Session -> length of the prompt it last served
+        self._stopping = False
+        self._ready = threading.Event()
+        self._startup_error: BaseException | None = None
+        self.counters = {"requests": 0, "completed": 0, "cancelled": 0, "failed": 0, "rejected": 0,
+                         "prompt_tokens": 0, "cached_tokens": 0, "prefill_tokens": 0, "completion_tokens": 0,
+                         "steps": 0, "max_active_seen": 0}
+        self.recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=RECENT)
+        self._thread = threading.Thread(target=self._run, name="glm-serve-worker", daemon=True)
+
+    # ---- any thread ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the worker; raises what opening the prefix cache raised."""
+        self._thread.start()
+        self._ready.wait()
+        if self._startup_error is not None:
+            raise self._startup_error
+
+    def submit(self, request: GenRequest, emit: Callable[[Text | Done], None]) -> Job:
+        job = Job(request, emit)
+        with self._cv:
+            if len(self._queue) + len(self._active) >= self.max_active + self.max_queue:
+                self.counters["rejected"] += 1
+                raise QueueFull(f"{len(self._active)} requests running and {len(self._queue)} waiting")
+            self.counters["requests"] += 1
+            self._queue.append(job)
+            self._cv.notify()
+        return job
+
+    def cancel(self, job: Job) -> None:
+        job.cancelled = True
+        with self._cv:
+            self._cv.notify()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
+
+    def stats(self) -> dict[str, Any]:
+        with self._cv:
+            return {**self.counters, "active": len(self._active), "queued": len(self._queue),
+                    "sessions": len(self._sessions), "max_active": self.max_active,
+                    "recent": list(self.recent)}
+
+    # ---- worker thread ---------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self.prefix_cache = self._open_cache() if self._open_cache else None
+        except BaseException as e:  # reported by start()
+            self._startup_error = e
+            self._ready.set()
+            return
+        self._ready.set()
+        while True:
+            with self._cv:
+                while not self._stopping and not self._active and not self._queue:
+                    self._cv.wait()
+                if self._stopping:
+                    break
+                while self._queue and len(self._active) < self.max_active:
+                    job = self._queue.popleft()
+                    job.session = self._acquire(job.request.prompt_ids)
+                    job.started = time.perf_counter()
+                    self._active.append(job)
+                self.counters["max_active_seen"] = max(self.counters["max_active_seen"], len(self._active))
+                jobs = list(self._active)
+            for job in jobs:  # round robin: one step each
+                self._step(job)
+        for job in list(self._active) + list(self._queue):
+            job.cancelled = True
+            self._finish(job, "cancelled")
+
+    def _acquire(self, prompt_ids: list[int]) -> Session:
+        """A Session for a new request (called under the lock).
+
+        1. The idle Session whose last prompt is a prefix of this one: the same conversation, one turn
+           on (its reply may have been re-rendered differently, so only its prompt has to match).
+        2. Else a new Session while the pool has room, so other conversations keep their KV rows.
+        3. Else the idle Session sharing the longest prefix (the least recently used one on ties).
+        The prefix cache restores what the chosen Session lacks.
+        """
+        if not self.reuse:
+            return Session(self.engine.model, None)
+        shared = [(common_prefix(session.ids, prompt_ids), session) for session in self._idle]
+        same = [(n, s) for n, s in shared if 0 < self._prompt_len.get(s, -1) <= n]
+        if same:
+            best = max(same, key=lambda item: item[0])[1]
+        elif len(self._sessions) < self.max_active:
+            best = Session(self.engine.model, self.prefix_cache)
+            self._sessions.append(best)
+            return best
+        else:
+            best = max(shared, key=lambda item: item[0])[1]  # max() keeps the first (least recent) on ties
+        self._idle.remove(best)
+        return best
+
+    def _release(self, job: Job, broken: bool) -> None:
+        session, job.session = job.session, None
+        if session is None or not self.reuse:
+            return
+        with self._cv:
+            self._prompt_len.pop(session, None)
+            if broken:  # its KV rows may be half-written: start it over
+                index = self._sessions.index(session)
+                session = self._sessions[index] = Session(self.engine.model, self.prefix_cache)
+            elif job.decoder is not None:  # prepared and committed: it now holds this prompt
+                self._prompt_len[session] = len(job.request.prompt_ids)
+            self._idle.append(session)
+
+    def _step(self, job: Job) -> None:
+        if job.cancelled:
+            self._finish(job, "cancelled")
+            return
+        self.counters["steps"] += 1
+        try:
+            if job.iterator is None:
+                self._prefill_step(job)
+            else:
+                self._decode_step(job)
+        except Exception as e:  # a bug or an I/O error: fail this request, keep serving
+            log.exception("request %s failed", job.request.request_id)
+            self._finish(job, "error", error=f"{type(e).__name__}: {e}")
+
+    def _prefill_step(self, job: Job) -> None:
+        """The first step restores the cached prefix; later ones prefill one chunk each until at most
+        `prefill_chunk` tokens are left, which the Generator's own prefill takes (with the first token)."""
+        ids, session = job.request.prompt_ids, job.session
+        assert session is not None
+        model = self.engine.model
+        if job.decoder is None:
+            start = time.perf_counter()
+            kv = session.prepare(ids)
+            job.restore_s = time.perf_counter() - start
+            # the last prompt token is always computed (its logits pick the first new token)
+            job.cached, job.reuse = min(kv.length, len(ids) - 1), session.last_reuse
+            job.decoder = StreamDecoder(self.engine.tokenizer)
+        kv = session.kv
+        start = kv.length
+        if len(ids) - start > self.prefill_chunk:
+            end = start + self.prefill_chunk
+            _, hidden = model.forward(np.asarray(ids[start:end], dtype=np.int64), kv, last_logits_only=True)
+            mtp = kv.layer(model.config.num_hidden_layers)
+            if self.use_mtp and mtp.length == start:  # keep the MTP rows in step, so drafting works later
+                model.mtp_forward(hidden, np.asarray(ids[start + 1:end + 1], dtype=np.int64), kv)
+            return
+        request = job.request
+        eos = () if request.ignore_eos else self.engine.eos_token_ids
+        job.generator = Generator(model, eos, use_mtp=self.use_mtp)
+        job.iterator = job.generator.generate(ids, request.max_tokens, Sampler(request.params), kv)
+        self._decode_step(job)
+
+    def _decode_step(self, job: Job) -> None:
+        assert job.generator is not None and job.decoder is not None
+        try:
+            token = next(job.iterator)
+        except StopIteration:
+            self._finish(job, "length")  # max_tokens or the model's context
+            return
+        if not job.tokens:
+            job.first_token = time.perf_counter()
+        job.tokens.append(token)
+        if token in job.generator.eos:
+            self._finish(job, "stop")
+            return
+        if self._push_text(job, job.decoder.push(token)):
+            self._finish(job, "stop", flush=False)
+        elif len(job.tokens) >= job.request.max_tokens:
+            self._finish(job, "length")
+
+    def _push_text(self, job: Job, piece: str) -> bool:
+        """Add generated text and emit what is safe to show; True when a stop sequence was reached."""
+        if not piece:
+            return False
+        job.text += piece
+        stops = job.request.stop
+        hit = min((i for i in (job.text.find(s, job.sent) for s in stops) if i >= 0), default=-1)
+        if hit >= 0:
+            self._emit_upto(job, hit)
+            return True
+        hold = max((k for s in stops for k in range(1, len(s)) if job.text.endswith(s[:k])), default=0)
+        self._emit_upto(job, len(job.text) - hold)
+        return False
+
+    def _emit_upto(self, job: Job, end: int) -> None:
+        if end > job.sent:
+            text, job.sent = job.text[job.sent:end], end
+            self._send(job, Text(text))
+
+    def _send(self, job: Job, event: Text | Done) -> None:
+        try:
+            job.emit(event)
+        except Exception:  # the receiving side is gone (event loop closed): nobody is listening
+            job.cancelled = True
+
+    def _finish(self, job: Job, reason: str, flush: bool = True, error: str = "") -> None:
+        if reason in ("stop", "length") and flush and job.decoder is not None:
+            if self._push_text(job, job.decoder.flush()):
+                reason = "stop"
+            self._emit_upto(job, len(job.text))  # held-back text that never became a stop sequence
+        if job.iterator is not None:
+            job.iterator.close()
+        broken = reason == "error"
+        if job.session is not None and job.decoder is not None and not broken:  # prepared: its KV is this prompt's
+            try:
+                job.session.commit(job.request.prompt_ids, job.tokens)
+            except Exception:
+                log.exception("request %s: storing its prefill failed", job.request.request_id)
+                broken = True
+        self._release(job, broken)
+        now = time.perf_counter()
+        started = job.started or now
+        done = Done(reason, len(job.request.prompt_ids), job.cached, len(job.tokens), job.reuse.to_json(),
+                    queue_s=started - job.submitted,
+                    ttft_s=job.first_token - job.submitted if job.first_token else None,
+                    prefill_s=job.first_token - started if job.first_token else None,
+                    decode_s=now - job.first_token if job.first_token else 0.0, restore_s=job.restore_s,
+                    error=error)
+        with self._cv:
+            if job in self._active:
+                self._active.remove(job)
+            c = self.counters
+            c[{"cancelled": "cancelled", "error": "failed"}.get(reason, "completed")] += 1
+            c["prompt_tokens"] += done.prompt_tokens
+            c["cached_tokens"] += done.cached_tokens
+            if job.decoder is not None:
+                c["prefill_tokens"] += done.prompt_tokens - done.cached_tokens
+            c["completion_tokens"] += done.completion_tokens
+            self.recent.append(done.record(job.request.request_id))
+        log.info("%s: %s, prompt %d tokens (%d cached), %d generated%s", job.request.request_id, reason,
+                 done.prompt_tokens, done.cached_tokens, done.completion_tokens,
+                 f", ttft {done.ttft_s:.3f}s" if done.ttft_s is not None else "")
+        self._send(job, done)
