@@ -18,7 +18,16 @@ from glmkit.runtime.generate import GenerationStats, Generator
 from glmkit.runtime.kv_cache import KVCache
 from glmkit.runtime.prefix_cache import DEFAULT_CHUNK_TOKENS, DEFAULT_MAX_BYTES, PrefixCache, default_cache_dir
 from glmkit.runtime.sampling import Sampler, SamplingParams
-from glmkit.runtime.session import ReuseStats, Session, load_messages, save_messages, session_path
+from glmkit.runtime.session import (
+    DEFAULT_RECOMPUTE_RATIO,
+    DEFAULT_SIMILARITY,
+    ApproxPolicy,
+    ReuseStats,
+    Session,
+    load_messages,
+    save_messages,
+    session_path,
+)
 from glmkit.runtime.tokenizer import StreamDecoder
 from glmkit.units import parse_size
 
@@ -38,7 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
     p.add_argument("--seed", type=int, help="sampling seed")
     p.add_argument("--no-mtp", action="store_true", help="disable MTP speculative decoding")
-    p.add_argument("--device", default="auto", help="auto | numpy | opencl[:platform:device]")
+    p.add_argument("--device", default="auto",
+                   help="auto (a GPU if any, else the fastest CPU path measured) | numpy | opencl[:platform:device]")
+    p.add_argument("--list-devices", action="store_true",
+                   help="list OpenCL platforms and devices with memory and measured bandwidths, then exit "
+                        "(use alone: glm-run --list-devices)")
     p.add_argument("--ram-budget", type=parse_size, default=0, metavar="SIZE",
                    help="pin the hottest routed experts in RAM up to SIZE (e.g. 8G); default 0 = page cache only")
     p.add_argument("--no-prefetch", action="store_true", help="disable router-driven expert prefetch")
@@ -52,10 +65,24 @@ def build_parser() -> argparse.ArgumentParser:
                        help="cache boundary every N tokens (default %(default)s); request ends are stored too")
     cache.add_argument("--session", metavar="NAME",
                        help="with --chat: save the conversation under NAME and resume it on the next run")
+    cache.add_argument("--reuse", choices=("exact", "approximate"), default="exact",
+                       help="exact (default): reuse only an identical prefix, bit-exact; approximate: also reuse "
+                            "chunks stored at other positions (re-rotated, partly recomputed; changes the output)")
+    cache.add_argument("--reuse-threshold", type=float, default=DEFAULT_SIMILARITY, metavar="COS",
+                       help="approximate: cosine similarity a similar, non-identical chunk needs (default "
+                            "%(default)s; above 1 = identical chunks only)")
+    cache.add_argument("--recompute-ratio", type=float, default=DEFAULT_RECOMPUTE_RATIO, metavar="R",
+                       help="approximate: fraction of each reused span recomputed, from its start "
+                            "(default %(default)s)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    if "--list-devices" in (sys.argv[1:] if argv is None else argv):
+        from glmkit.runtime.devices import list_devices_report
+
+        print(list_devices_report())
+        return 0
     args = build_parser().parse_args(argv)
     try:
         params = SamplingParams(args.temp, args.top_p, args.top_k, args.seed).check()
@@ -65,9 +92,10 @@ def main(argv: list[str] | None = None) -> int:
             raise GlmkitError("--chunk-tokens must be >= 1 and --cache-max-gb >= 0")
         if args.session and not args.chat:
             raise GlmkitError("--session: only with --chat")
+        policy = approx_policy(args)
         engine = Engine(args.snapshot, args.device, args.ram_budget, prefetch=not args.no_prefetch)
         generator = Generator(engine.model, engine.eos_token_ids, use_mtp=not args.no_mtp)
-        session = Session(engine.model, open_prefix_cache(engine, args))
+        session = Session(engine.model, open_prefix_cache(engine, args), policy)
         if args.chat:
             turns = chat(engine, generator, session, params, args)
         else:
@@ -80,6 +108,24 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     return 0
+
+
+def approx_policy(args: argparse.Namespace) -> ApproxPolicy | None:
+    """The approximate-reuse settings of `--reuse approximate`, or None for exact reuse only."""
+    if args.reuse == "exact":
+        return None
+    if args.no_cache:
+        raise GlmkitError("--reuse approximate: needs the prefill cache (drop --no-cache)")
+    if not 0 <= args.recompute_ratio <= 1:
+        raise GlmkitError(f"--recompute-ratio: must be within [0, 1], got {args.recompute_ratio}")
+    if not -1 <= args.reuse_threshold:
+        raise GlmkitError(f"--reuse-threshold: must be >= -1, got {args.reuse_threshold}")
+    try:
+        import hnswlib  # noqa: F401
+    except ImportError:
+        raise GlmkitError("--reuse approximate: needs hnswlib (pip install hnswlib)") from None
+    return ApproxPolicy(threshold=args.reuse_threshold, recompute_ratio=args.recompute_ratio,
+                        similar=args.reuse_threshold <= 1)
 
 
 def open_prefix_cache(engine: Engine, args: argparse.Namespace) -> PrefixCache | None:
@@ -202,20 +248,30 @@ def write_stats(path: Path, turns: list[TurnStats], engine: Engine, per_turn: bo
 
 
 def _turn_record(turn: TurnStats) -> dict[str, Any]:
-    stats = turn.generation
+    stats, reuse = turn.generation, turn.reuse
     acceptance = stats.mtp_acceptance
     tpf = stats.tokens_per_forward
+    # Session.prepare may compute part of the prompt itself (approximate reuse): that time is prefill, not
+    # restore, and those rows are not "cached". Exact reuse: reused_exact == cached_tokens, the rest is 0.
+    reused_exact = min(reuse.exact, stats.cached_tokens)
+    reused_approx = min(reuse.approx, stats.cached_tokens - reused_exact)
+    cached = reused_exact + reused_approx
+    prefill_s = stats.prefill_s + reuse.compute_s
     return {
         "prompt_tokens": stats.prompt_tokens,
-        "cached_tokens": stats.cached_tokens,
-        "cached_from": turn.reuse.to_json(),
-        "restore_s": round(turn.restore_s, 6),
-        "prefill_s": round(stats.prefill_s, 6),
+        "cached_tokens": cached,
+        "cached_from": reuse.to_json(),
+        "reused_exact": reused_exact,
+        "reused_approx": reused_approx,
+        "recomputed": stats.prompt_tokens - cached,
+        "approx": {"runs": reuse.runs, "similar_runs": reuse.similar_runs,
+                   "recomputed_in_runs": reuse.blend_recomputed},
+        "restore_s": round(max(turn.restore_s - reuse.compute_s, 0.0), 6),
+        "prefill_s": round(prefill_s, 6),
         "ttft_s": round(turn.restore_s + stats.ttft_s, 6),
         "decode_tokens": stats.decode_tokens,
         "decode_s": round(stats.decode_s, 6),
-        "prefill_tok_s": round((stats.prompt_tokens - stats.cached_tokens) / stats.prefill_s, 3)
-        if stats.prefill_s else None,
+        "prefill_tok_s": round((stats.prompt_tokens - cached) / prefill_s, 3) if prefill_s else None,
         "decode_tok_s": round((stats.decode_tokens - 1) / stats.decode_s, 3)
         if stats.decode_s and stats.decode_tokens > 1 else None,
         "mtp_acceptance": None if acceptance is None else round(acceptance, 4),

@@ -12,10 +12,23 @@ position i pairs h_i with token i+1, so it belongs with the chunk holding token 
 Blob file: `MAGIC | u32 version | u32 header length | header JSON | zstd payload | sha256 of all before`.
 Written to a temp name, fsynced, renamed; only then recorded in the sqlite index. Anything that fails
 a check (magic, version, checksum, model, numerics, dims) is discarded and recomputed, never used.
+
+Exact reuse already extends to the first token that differs from anything stored, not just to the last
+chunk boundary before it (`_best_tail`), so explicit "anchor" boundaries at chat-turn starts would add
+nothing: a history rewritten after turn k reuses every token before the first changed one.
+
+Approximate (non-prefix) reuse, opt-in: the index also records each chunk's position-free content hash,
+its chain root and the mean of its layer-0 `kv_lat` (the embedding `chunk_index` searches). `find_runs`
+locates spans of a new prompt whose tokens were stored at OTHER positions: identical chunks by content
+hash (then extended token by token through the stored chain, backwards and forwards), and similar chunks
+through the hnswlib index, aligned token by token so a row is only ever used for the same token id.
+The caller (`Session`) imports those rows re-rotated to their new positions (`rerotate`); they are
+approximate (computed in another context) and are never stored back.
 """
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import os
@@ -23,6 +36,7 @@ import sqlite3
 import struct
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,6 +66,61 @@ def default_cache_dir() -> Path:
 
 def chunk_key(parent: str, tokens: list[int]) -> str:
     return hashlib.sha256(parent.encode() + np.asarray(tokens, dtype="<i8").tobytes()).hexdigest()
+
+
+def content_hash(tokens: list[int] | np.ndarray) -> str:
+    """Position- and prefix-free hash of a chunk's token ids (finds the same tokens stored elsewhere)."""
+    return hashlib.sha256(b"glmkit-content|" + np.asarray(tokens, dtype="<i8").tobytes()).hexdigest()
+
+
+def rope_angles(positions: np.ndarray, dim: int, theta: float) -> np.ndarray:
+    """`[S, dim/2]` float32 angles, computed exactly like `model.rope_cos_sin`."""
+    inv_freq = np.float32(1.0) / (np.float32(theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)))
+    return np.asarray(positions).astype(np.float32)[:, None] * inv_freq[None, :]
+
+
+def rerotate(x: np.ndarray, old_start: int, new_start: int, theta: float) -> np.ndarray:
+    """Move roped rows `x [n, d]` (de-interleaved `apply_rope` output) from positions old_start.. to new_start...
+
+    The rotation is by the difference of the two float32 angles, taken in float64, so the result is the
+    row roped directly at the new position up to float32 rounding. Same positions: returned unchanged.
+    """
+    if old_start == new_start or len(x) == 0:
+        return x
+    n, dim = x.shape
+    old = rope_angles(np.arange(old_start, old_start + n), dim, theta).astype(np.float64)
+    new = rope_angles(np.arange(new_start, new_start + n), dim, theta).astype(np.float64)
+    cos, sin = np.cos(new - old), np.sin(new - old)
+    even, odd = x[:, : dim // 2].astype(np.float64), x[:, dim // 2:].astype(np.float64)
+    return np.concatenate([even * cos - odd * sin, odd * cos + even * sin], axis=-1).astype(np.float32)
+
+
+@dataclass
+class Piece:
+    """Rows [offset, offset + count) of the stored chunk `key` (which starts at `chunk_start`)."""
+
+    key: str
+    chunk_start: int
+    chunk_tokens: int
+    offset: int
+    count: int
+
+
+@dataclass
+class Run:
+    """A span [start, start + length) of a new prompt whose tokens sit, in order, in stored chunks."""
+
+    start: int
+    pieces: list[Piece]
+    kind: str  # "content": identical tokens found by content hash; "similar": via the hnswlib index
+
+    @property
+    def length(self) -> int:
+        return sum(p.count for p in self.pieces)
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
 
 
 @dataclass
@@ -115,6 +184,7 @@ class PrefixCache:
         self._loaded_from_disk: set[str] = set()  # keys `_load` just read from disk (for the counters)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.db = open_index(self.directory)
+        self.ann = None  # chunk_index.ChunkIndex, opened by `open_similar_index` (approximate reuse only)
 
     @classmethod
     def for_model(cls, model: GlmMoeDsaModel, model_hash: str, directory: str | Path, use_mtp: bool,
@@ -273,14 +343,20 @@ class PrefixCache:
         path = self.directory / rel
         nbytes = write_blob(path, chunk, self.model_hash, self.numerics)
         now = time.time()
+        # full chunks get an embedding (mean layer-0 kv_lat: see chunk_index) for the similar-chunk search
+        emb = chunk.arrays["0.kv_lat"].mean(axis=0).astype("<f4") if len(chunk.tokens) == self.chunk_tokens else None
         with self.db:
             self.db.execute("INSERT OR REPLACE INTO entries(key, model_hash, parent, start, n_tokens, tokens, file, "
-                            "nbytes, created, last_access, hits) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0)",
+                            "nbytes, created, last_access, hits, content, root, emb) "
+                            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?, ?, ?)",
                             (chunk.key, self.model_hash, chunk.parent, chunk.start, len(chunk.tokens),
-                             np.asarray(chunk.tokens, dtype="<i8").tobytes(), rel, nbytes, now, now))
+                             np.asarray(chunk.tokens, dtype="<i8").tobytes(), rel, nbytes, now, now,
+                             content_hash(chunk.tokens), self.root, None if emb is None else emb.tobytes()))
         self.counters.stored_chunks += 1
         self.counters.stored_bytes += nbytes
         self._remember(chunk)
+        if emb is not None and self.ann is not None:
+            self.ann.add(chunk.key, emb)
 
     # ---- bookkeeping ----
 
@@ -295,6 +371,8 @@ class PrefixCache:
         with self.db:
             self.db.execute("DELETE FROM entries WHERE key = ?", (key,))
         path.unlink(missing_ok=True)
+        if self.ann is not None:
+            self.ann.remove([key])
 
     def _remember(self, chunk: Chunk) -> None:
         self._ram[chunk.key] = chunk
@@ -305,7 +383,165 @@ class PrefixCache:
 
     def evict(self) -> int:
         """Delete least-recently-used entries (all models) until the directory is under `max_bytes`."""
-        return prune(self.db, self.directory, self.max_bytes)
+        removed: list[str] = []
+        count = prune(self.db, self.directory, self.max_bytes, removed_keys=removed)
+        for key in removed:
+            if (chunk := self._ram.pop(key, None)) is not None:
+                self._ram_bytes -= chunk.nbytes
+        if self.ann is not None and removed:
+            self.ann.remove(removed)
+        return count
+
+    # ---- approximate (non-prefix) reuse ----
+
+    def open_similar_index(self, center: np.ndarray, max_elements: int | None = None):
+        """Open (load, or rebuild from the sqlite index) this chain's hnswlib index; see `chunk_index`."""
+        from glmkit.runtime.chunk_index import DEFAULT_MAX_ELEMENTS, ChunkIndex
+
+        if self.ann is None:
+            self.ann = ChunkIndex(self.db, self.directory, self.root, center, max_elements or DEFAULT_MAX_ELEMENTS)
+        return self.ann
+
+    def save_similar_index(self) -> None:
+        if self.ann is not None:
+            try:
+                self.ann.save()
+            except OSError:
+                pass  # a derived file: rebuilt from the sqlite index next time
+
+    def load_piece(self, piece: Piece) -> dict[str, np.ndarray] | None:
+        """The main layers' rows of `piece` (no MTP rows), or None when the entry is gone or damaged."""
+        chunk = self._load(piece.key, piece.chunk_start, piece.chunk_tokens, RestoreResult())
+        if chunk is None:
+            return None
+        self._loaded_from_disk.discard(piece.key)
+        mtp = self.config.num_hidden_layers
+        return {name: a[piece.offset:piece.offset + piece.count] for name, a in chunk.arrays.items()
+                if int(name.split(".")[0]) < mtp}
+
+    def find_runs(self, tokens: list[int], begin: int, end: int,
+                  embed: Callable[[list[list[int]]], np.ndarray] | None = None,
+                  threshold: float = 0.5, min_block: int = 4) -> list[Run]:
+        """Spans of `tokens[begin:end]` whose tokens were stored at other positions, in order, not overlapping.
+
+        1. Every window of `chunk_tokens` tokens is hashed; a window equal to a stored full chunk of this chain
+           seeds a run, which is then extended token by token through the stored chain: backwards into the
+           chunk's parent (as far as the tokens agree) and forwards into the child sharing the longest prefix.
+        2. With `embed` (and an open similar-chunk index), the gaps left are cut into windows of
+           `chunk_tokens`; a stored chunk whose embedding has cosine similarity >= `threshold` with a window
+           is aligned to it (difflib), and every block of at least `min_block` identical tokens becomes a run.
+        """
+        c = self.chunk_tokens
+        runs: list[Run] = []
+        arr = np.asarray(tokens, dtype="<i8")
+        if end - begin >= c:
+            hashes = [content_hash(arr[q:q + c]) for q in range(begin, end - c + 1)]
+            found = self._by_content(set(hashes))
+            q = lo = begin
+            while q + c <= end:
+                hit = found.get(hashes[q - begin])
+                if hit is None:
+                    q += 1
+                    continue
+                key, start = hit
+                back = self._extend_back(key, tokens, q, lo)
+                ahead = self._extend_forward(key, tokens, q + c, end)
+                pieces = back + [Piece(key, start, c, 0, c)] + ahead
+                run = Run(q - sum(p.count for p in back), pieces, "content")
+                runs.append(run)
+                q = lo = run.end
+        if embed is not None and self.ann is not None and len(self.ann):
+            runs += self._similar_runs(tokens, begin, end, runs, embed, threshold, min_block)
+        return sorted(runs, key=lambda r: r.start)
+
+    def _by_content(self, hashes: set[str]) -> dict[str, tuple[str, int]]:
+        found: dict[str, tuple[str, int]] = {}
+        items = sorted(hashes)
+        for i in range(0, len(items), 500):
+            batch = items[i:i + 500]
+            marks = ",".join("?" * len(batch))
+            for content, key, start in self.db.execute(
+                    f"SELECT content, key, start FROM entries WHERE root = ? AND n_tokens = ? AND content IN ({marks}) "
+                    "ORDER BY last_access", (self.root, self.chunk_tokens, *batch)):
+                found[content] = (key, start)  # the most recently used copy wins
+        return found
+
+    def _entry(self, key: str) -> tuple[str, int, int, list[int]] | None:
+        row = self.db.execute("SELECT parent, start, n_tokens, tokens FROM entries WHERE key = ?", (key,)).fetchone()
+        return None if row is None else (row[0], row[1], row[2], np.frombuffer(row[3], dtype="<i8").tolist())
+
+    def _extend_back(self, key: str, tokens: list[int], q: int, lo: int) -> list[Piece]:
+        """Pieces (in order) of the chunks before `key` in its chain whose trailing tokens equal tokens[..q)."""
+        pieces: list[Piece] = []
+        entry = self._entry(key)
+        while entry is not None and q > lo and entry[0] != self.root:
+            parent = self._entry(entry[0])
+            if parent is None:
+                break
+            ptokens = parent[3]
+            n = 0
+            while n < len(ptokens) and q - n - 1 >= lo and ptokens[-1 - n] == tokens[q - n - 1]:
+                n += 1
+            if n == 0:
+                break
+            pieces.insert(0, Piece(entry[0], parent[1], parent[2], parent[2] - n, n))
+            if n < len(ptokens):
+                break
+            q -= n
+            entry = (parent[0], parent[1], parent[2], ptokens)
+        return pieces
+
+    def _extend_forward(self, key: str, tokens: list[int], q: int, end: int) -> list[Piece]:
+        """Pieces of the chunks after `key` in stored chains whose leading tokens equal tokens[q:end]."""
+        pieces: list[Piece] = []
+        while q < end:
+            best, best_n = None, 0
+            for child, start, n_tokens, blob in self.db.execute(
+                    "SELECT key, start, n_tokens, tokens FROM entries WHERE parent = ?", (key,)).fetchall():
+                n = common_prefix(np.frombuffer(blob, dtype="<i8").tolist(), tokens[q:end])
+                if n > best_n:
+                    best, best_n = (child, start, n_tokens), n
+            if best is None:
+                break
+            pieces.append(Piece(best[0], best[1], best[2], 0, best_n))
+            if best_n < best[2] or best[2] < self.chunk_tokens:
+                break
+            key, q = best[0], q + best_n
+        return pieces
+
+    def _similar_runs(self, tokens: list[int], begin: int, end: int, runs: list[Run],
+                      embed: Callable[[list[list[int]]], np.ndarray], threshold: float, min_block: int) -> list[Run]:
+        c = self.chunk_tokens
+        gaps, pos = [], begin
+        for run in sorted(runs, key=lambda r: r.start) + [Run(end, [], "")]:
+            if run.start - pos >= c:
+                gaps.append((pos, run.start))
+            pos = max(pos, run.end)
+        windows = [w for a, b in gaps for w in range(a, b - c + 1, c)]
+        if not windows:
+            return []
+        candidates = self.ann.query(embed([tokens[w:w + c] for w in windows]))
+        out = []
+        for w, hits in zip(windows, candidates, strict=True):
+            window = tokens[w:w + c]
+            best, best_score = None, 0
+            for key, similarity in hits:
+                if similarity < threshold:
+                    continue
+                entry = self._entry(key)
+                if entry is None:
+                    self.ann.remove([key])  # evicted by another process
+                    continue
+                blocks = [b for b in difflib.SequenceMatcher(None, window, entry[3], autojunk=False)
+                          .get_matching_blocks() if b.size >= min_block]
+                score = sum(b.size for b in blocks)
+                if score > best_score:
+                    best, best_score = (key, entry, blocks), score
+            if best is not None:
+                key, entry, blocks = best
+                self.ann.touch(key)  # recently matched chunks are the last to drop out of the bounded index
+                out += [Run(w + b.a, [Piece(key, entry[1], entry[2], b.b, b.size)], "similar") for b in blocks]
+        return out
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -320,20 +556,34 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 # ---- the sqlite index, shared by every model and process ----
 
+# columns added for approximate reuse: position-free content hash, chain root, layer-0 embedding (f32 bytes)
+_ADDED_COLUMNS = (("content", "TEXT"), ("root", "TEXT"), ("emb", "BLOB"))
+
+
 def open_index(directory: Path) -> sqlite3.Connection:
     db = sqlite3.connect(directory / "index.sqlite", timeout=30, isolation_level=None)
     db.execute("PRAGMA journal_mode=WAL")
     db.execute("PRAGMA busy_timeout=30000")
     db.execute("CREATE TABLE IF NOT EXISTS entries (key TEXT PRIMARY KEY, model_hash TEXT NOT NULL, "
                "parent TEXT NOT NULL, start INTEGER, n_tokens INTEGER, tokens BLOB NOT NULL, file TEXT NOT NULL, "
-               "nbytes INTEGER, created REAL, last_access REAL, hits INTEGER)")
+               "nbytes INTEGER, created REAL, last_access REAL, hits INTEGER, content TEXT, root TEXT, emb BLOB)")
+    have = {row[1] for row in db.execute("PRAGMA table_info(entries)")}
+    for name, kind in _ADDED_COLUMNS:  # an index made before these columns existed: add them (rows stay NULL)
+        if name not in have:
+            try:
+                db.execute(f"ALTER TABLE entries ADD COLUMN {name} {kind}")
+            except sqlite3.OperationalError:  # another process added it first
+                pass
     db.execute("CREATE INDEX IF NOT EXISTS by_parent ON entries(parent)")
+    db.execute("CREATE INDEX IF NOT EXISTS by_content ON entries(root, content)")
     db.isolation_level = "DEFERRED"
     return db
 
 
-def prune(db: sqlite3.Connection, directory: Path, max_bytes: int, model_hash: str | None = None) -> int:
-    """Evict LRU entries (of one model, or all) until the total is <= max_bytes; returns entries removed."""
+def prune(db: sqlite3.Connection, directory: Path, max_bytes: int, model_hash: str | None = None,
+          removed_keys: list[str] | None = None) -> int:
+    """Evict LRU entries (of one model, or all) until the total is <= max_bytes; returns entries removed
+    (and appends their keys to `removed_keys`)."""
     where, args = ("WHERE model_hash = ?", (model_hash,)) if model_hash else ("", ())
     total = db.execute(f"SELECT COALESCE(SUM(nbytes), 0) FROM entries {where}", args).fetchone()[0]
     removed = 0
@@ -346,6 +596,8 @@ def prune(db: sqlite3.Connection, directory: Path, max_bytes: int, model_hash: s
         (directory / rel).unlink(missing_ok=True)
         total -= nbytes
         removed += 1
+        if removed_keys is not None:
+            removed_keys.append(key)
     return removed
 
 
