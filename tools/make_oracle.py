@@ -667,6 +667,10 @@ class MtpLayer(GlmMoeDsaDecoderLayer):
     @torch.no_grad()
     def logits(self, model: GlmMoeDsaForCausalLM, ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """ids [1, N], hidden [1, N, H] (post-final-norm) -> logits [1, N-1, V]; row i predicts ids[i+2]."""
+        return self.forward_logits(model, ids, hidden)
+
+    def forward_logits(self, model: GlmMoeDsaForCausalLM, ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """`logits` with autograd (tools/train_tiny.py trains the MTP head through it); ids [B, N]."""
         emb = model.model.embed_tokens(ids[:, 1:])
         x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(hidden[:, :-1])], dim=-1))
         seq = x.shape[1]

@@ -7,8 +7,10 @@ import sys
 import time
 
 from glmkit.convert.convert import DEFAULT_FILE_BYTES, DEFAULT_INFLIGHT_BYTES, convert, dry_run_report
-from glmkit.convert.plan import DEFAULT_GROUP_SIZE, PRESETS, QuantPlan
+from glmkit.convert.plan import DEFAULT_GROUP_SIZE, DEFAULT_QUANTIZER, PRESETS, QuantPlan
+from glmkit.convert.quantizers import QUANTIZERS
 from glmkit.errors import GlmkitError
+from glmkit.formats.imatrix import read_imatrix
 from glmkit.units import format_size, parse_size
 
 
@@ -27,6 +29,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--embed-bits", type=int, choices=(2, 4, 8, 32), help="override embed/lm_head bits (32 = F32)")
     p.add_argument("--group-size", type=int, default=DEFAULT_GROUP_SIZE,
                    help=f"scale group size for int4/int2 weights (default {DEFAULT_GROUP_SIZE}; 0 = per row)")
+    p.add_argument("--quantizer", choices=QUANTIZERS, default=DEFAULT_QUANTIZER,
+                   help=f"how scales are chosen: mse searches each group's error-minimising scale (default "
+                        f"{DEFAULT_QUANTIZER}), absmax takes amax/qmax (faster)")
+    p.add_argument("--imatrix", metavar="FILE",
+                   help="importance matrix from glm-calibrate: weight the mse quantizer's error by each input "
+                        "column's activation energy")
     p.add_argument("--max-file-size", type=parse_size, default=DEFAULT_FILE_BYTES, metavar="SIZE",
                    help="largest output data file, e.g. 4G, 500M, 64K (default 4G); one expert is never split")
     p.add_argument("--revision", help="Hub branch, tag or commit (default main); for an HF cache dir: a ref or commit")
@@ -52,9 +60,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.max_file_size < 1:
             raise GlmkitError("--max-file-size: must be at least 1 byte")
         plan = QuantPlan.from_preset(args.preset, args.expert_bits, args.dense_bits, args.embed_bits,
-                                     args.group_size)
+                                     args.group_size, args.quantizer)
         options = {"revision": args.revision, "endpoint": args.endpoint, "keep_source": args.keep_source,
-                   "max_inflight": args.max_inflight}
+                   "max_inflight": args.max_inflight,
+                   "imatrix": read_imatrix(args.imatrix) if args.imatrix is not None else None}
         if args.dry_run:
             print(dry_run_report(args.source, args.out, plan, args.preset, args.max_file_size, **options))
             return 0

@@ -16,14 +16,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from tqdm import tqdm
 
 import glmkit
 from glmkit.convert.fetch import peak_alive_bytes
 from glmkit.convert.plan import PRESETS, QuantPlan
+from glmkit.convert.quantizers import choose_scales, normalized_importance
 from glmkit.convert.resume import STATE_DIR, ConversionState, DoneFile, differences
 from glmkit.convert.source import SIDE_FILES, HFSnapshot, Source, open_source
 from glmkit.errors import GlmkitError
+from glmkit.formats.imatrix import Imatrix
 from glmkit.formats.manifest import FORMAT_VERSION, MANIFEST_NAME, ExpertRange, Manifest, Quant, TensorEntry
 from glmkit.formats.packing import pack, quantize
 from glmkit.formats.schema import TensorSpec, model_tensors
@@ -58,16 +61,20 @@ class Job:
     layouts: list[FileLayout]
     identity: dict[str, Any]
     max_file_bytes: int
+    importance: Importance
 
     @classmethod
-    def create(cls, source: Source, plan: QuantPlan, preset: str, max_file_bytes: int) -> Job:
+    def create(cls, source: Source, plan: QuantPlan, preset: str, max_file_bytes: int,
+               imatrix: Imatrix | None = None) -> Job:
         specs = _check_source(source.snapshot)
+        importance = Importance(imatrix, specs, plan)
         layouts = _layouts(specs, plan, max_file_bytes)
         layout_digest = hashlib.sha256(b"".join(layout.header for layout in layouts)).hexdigest()
-        identity = {"source": source.identity, "conversion": _conversion_record(source.snapshot, specs, plan, preset),
+        conversion = _conversion_record(source.snapshot, specs, plan, preset, imatrix)
+        identity = {"source": source.identity, "conversion": conversion,
                     "max_file_bytes": max_file_bytes, "glmkit_version": glmkit.__version__,
                     "format_version": FORMAT_VERSION, "layout_sha256": layout_digest}
-        return cls(source, plan, preset, specs, layouts, identity, max_file_bytes)
+        return cls(source, plan, preset, specs, layouts, identity, max_file_bytes, importance)
 
     def steps(self, layouts: list[FileLayout]) -> tuple[list[TensorSpec], list[set[str]]]:
         """The logical tensors the given files hold, in write order, and the shards each one reads."""
@@ -89,12 +96,15 @@ class Job:
 def convert(source: str | Path | Source, out_dir: str | Path, plan: QuantPlan, preset: str, force: bool = False,
             max_file_bytes: int = DEFAULT_FILE_BYTES, progress: bool = True, *, revision: str | None = None,
             endpoint: str | None = None, keep_source: bool = False,
-            max_inflight: int = DEFAULT_INFLIGHT_BYTES) -> ConvertResult:
-    """Convert SOURCE (local snapshot, HF cache directory or Hub repo id) into a container at `out_dir`."""
+            max_inflight: int = DEFAULT_INFLIGHT_BYTES, imatrix: Imatrix | None = None) -> ConvertResult:
+    """Convert SOURCE (local snapshot, HF cache directory or Hub repo id) into a container at `out_dir`.
+
+    imatrix: per-column activation energies (glm-calibrate) weighting the `mse` quantizer's error.
+    """
     src = source if isinstance(source, Source) else open_source(
         str(source), revision=revision, endpoint=endpoint, keep_source=keep_source)
     try:
-        job = Job.create(src, plan, preset, max_file_bytes)
+        job = Job.create(src, plan, preset, max_file_bytes, imatrix)
         return _run(job, Path(out_dir), force, progress, max_inflight)
     finally:
         src.close()
@@ -131,7 +141,7 @@ def _run(job: Job, out: Path, force: bool, progress: bool, budget: int) -> Conve
                     continue  # a `.qs` scales tensor, written together with its weight
                 spec = specs[step]
                 fetcher.acquire(step)
-                written.update(_write_tensor(writer, snapshot, job.plan, spec))
+                written.update(_write_tensor(writer, snapshot, job.plan, spec, job.importance))
                 fetcher.release(step)
                 step += 1
                 bar.set_postfix_str(f"{len(job.specs) - len(specs) + step}/{len(job.specs)} tensors", refresh=False)
@@ -271,12 +281,12 @@ def _check_disk(job: Job, out: Path, state: ConversionState, done: dict[str, Don
 def dry_run_report(source: str | Path | Source, out_dir: str | Path, plan: QuantPlan, preset: str,
                    max_file_bytes: int = DEFAULT_FILE_BYTES, *, revision: str | None = None,
                    endpoint: str | None = None, keep_source: bool = False,
-                   max_inflight: int = DEFAULT_INFLIGHT_BYTES) -> str:
+                   max_inflight: int = DEFAULT_INFLIGHT_BYTES, imatrix: Imatrix | None = None) -> str:
     """What a conversion would download and write, and the disk it needs; touches neither OUT nor weights."""
     src = source if isinstance(source, Source) else open_source(
         str(source), revision=revision, endpoint=endpoint, keep_source=keep_source)
     try:
-        job = Job.create(src, plan, preset, max_file_bytes)
+        job = Job.create(src, plan, preset, max_file_bytes, imatrix)
         snapshot = src.snapshot
         origin = src.origin
         lines = [f"source: {origin.get('repo') or origin.get('path')}"
@@ -293,10 +303,10 @@ def dry_run_report(source: str | Path | Source, out_dir: str | Path, plan: Quant
         for name in PRESETS:
             if name == preset:
                 size = sum(layout.size for layout in job.layouts)
-                mark = "  <- selected" + ("" if plan == QuantPlan.from_preset(name, group_size=plan.group_size or 0)
-                                          else " (with your overrides)")
+                default = QuantPlan.from_preset(name, group_size=plan.group_size or 0, quantizer=plan.quantizer)
+                mark = "  <- selected" + ("" if plan == default else " (with your overrides)")
             else:
-                other = QuantPlan.from_preset(name, group_size=plan.group_size or 0)
+                other = QuantPlan.from_preset(name, group_size=plan.group_size or 0, quantizer=plan.quantizer)
                 size = sum(layout.size for layout in _layouts(job.specs, other, max_file_bytes))
                 mark = ""
             lines.append(f"  {name:4s} {format_size(size):>10s}{mark}")
@@ -349,14 +359,67 @@ def _layouts(specs: list[TensorSpec], plan: QuantPlan, max_file_bytes: int) -> l
     return layout_files([[p for _, p in unit] for unit in _units(specs, plan)], max_file_bytes)
 
 
-def _conversion_record(snapshot: HFSnapshot, specs: list[TensorSpec], plan: QuantPlan, preset: str
-                       ) -> dict[str, Any]:
+def _conversion_record(snapshot: HFSnapshot, specs: list[TensorSpec], plan: QuantPlan, preset: str,
+                       imatrix: Imatrix | None = None) -> dict[str, Any]:
     mtp = any(s.layer == snapshot.config.num_hidden_layers for s in specs)
-    return {"preset": preset, **plan.to_json(), "mtp": mtp}
+    record = {"preset": preset, **plan.to_json(), "mtp": mtp}
+    if imatrix is not None:
+        record["imatrix"] = {"sha256": imatrix.sha256, "model_hash": imatrix.model_hash, "tokens": imatrix.tokens}
+    return record
 
 
-def _write_tensor(writer: DataFileWriter, source: HFSnapshot, plan: QuantPlan, spec: TensorSpec
-                  ) -> dict[str, TensorEntry]:
+class Importance:
+    """Per-tensor input-column importance for the `mse` quantizer, from an imatrix (None: uniform).
+
+    A routed expert the calibration text never reached has no statistics of its own: it gets the mean of
+    its layer's other experts' (same projection). Tensors with no linear input (the embedding) are uniform.
+    """
+
+    def __init__(self, imatrix: Imatrix | None, specs: list[TensorSpec], plan: QuantPlan):
+        self.imatrix = imatrix
+        self._fallback: dict[str, np.ndarray | None] = {}
+        if imatrix is None:
+            return
+        if plan.quantizer != "mse":
+            raise GlmkitError("--imatrix: weights the error of the mse quantizer; it cannot be used with "
+                              f"--quantizer {plan.quantizer}")
+        shapes = {s.name: s.shape for s in specs}
+        for name, v in imatrix.values.items():
+            shape = shapes.get(name)
+            if shape is None:
+                continue  # e.g. the router (kept F32) or an MTP layer this conversion leaves out
+            if len(shape) != 2 or v.shape != (shape[1],):
+                raise GlmkitError(f"--imatrix: {name} has {v.shape[0]} input columns there but {list(shape)} in "
+                                  "this source: the imatrix was collected on another model")
+        quantized = [s for s in specs if plan.quant_for(s) is not None]
+        if not quantized:
+            raise GlmkitError("--imatrix: this preset quantizes nothing (f32)")
+        if not any(s.name in imatrix.values for s in quantized):
+            raise GlmkitError("--imatrix: names none of this model's quantized weights: collected on another model")
+
+    def __call__(self, spec: TensorSpec) -> np.ndarray | None:
+        if self.imatrix is None:
+            return None
+        values = self.imatrix.values.get(spec.name)
+        if values is None and spec.expert is not None:
+            values = self._expert_mean(spec)
+        return None if values is None else normalized_importance(values)
+
+    def _expert_mean(self, spec: TensorSpec) -> np.ndarray | None:
+        prefix, _, tail = spec.name.partition(f"mlp.experts.{spec.expert}.")
+        key = prefix + tail
+        if key not in self._fallback:
+            assert self.imatrix is not None
+            pattern = f"{prefix}mlp.experts."
+            seen = [(v, self.imatrix.counts.get(n, 0)) for n, v in self.imatrix.values.items()
+                    if n.startswith(pattern) and n.endswith("." + tail) and v.shape == (spec.shape[1],)]
+            total = sum(c for _, c in seen)
+            self._fallback[key] = (sum(v.astype(np.float64) * c for v, c in seen) / total) if total else None
+        return self._fallback[key]
+
+
+def _write_tensor(writer: DataFileWriter, source: HFSnapshot, plan: QuantPlan, spec: TensorSpec,
+                  importance: Importance | None = None) -> dict[str, TensorEntry]:
     weights = source.load(spec)
     quant = plan.quant_for(spec)
     file = writer.layout.name
@@ -365,7 +428,9 @@ def _write_tensor(writer: DataFileWriter, source: HFSnapshot, plan: QuantPlan, s
         return {spec.name: TensorEntry(spec.name, file, offset, weights.nbytes, spec.shape, "F32", spec.role,
                                        digest)}
     bits, group = quant
-    codes, scales = quantize(weights, bits, group)
+    weights_importance = importance(spec) if importance is not None else None
+    scales = choose_scales(weights, bits, group, plan.quantizer, weights_importance)
+    codes, scales = quantize(weights, bits, group, scales)
     del weights
     packed = pack(codes, bits)
     del codes

@@ -1,13 +1,15 @@
-"""Quantization presets: which bits and group size each tensor role gets.
+"""Quantization presets: which bits and group size each tensor role gets, and how scales are chosen.
 
 `bits=None` keeps the tensor in F32. Norms, biases and the router are always F32. int8 is per row;
 int4 and int2 use `group_size` (None = per row, which measurably hurts quality: DESIGN section 4).
+`quantizer` picks the scales (quantizers.py): `absmax`, or `mse` (error-minimising search).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from glmkit.convert.quantizers import QUANTIZERS
 from glmkit.errors import GlmkitError
 from glmkit.formats.packing import SUPPORTED_BITS, packed_row_bytes, scales_shape
 from glmkit.formats.schema import TensorSpec
@@ -17,6 +19,7 @@ QUANTIZABLE_ROLES = ("embed", "lm_head", "attention", "indexer", "dense_mlp", "s
                      "mtp")
 DENSE_ROLES = ("attention", "dense_mlp", "shared_expert")
 DEFAULT_GROUP_SIZE = 64
+DEFAULT_QUANTIZER = "mse"
 
 _Q4 = {"routed_expert": 4, "shared_expert": 4, "dense_mlp": 4, "attention": 4,
        "embed": 8, "lm_head": 8, "indexer": 8, "mtp": 8}
@@ -30,14 +33,16 @@ PRESETS: dict[str, dict[str, int]] = {
 
 @dataclass(frozen=True)
 class QuantPlan:
-    """Bits per role (absent = F32) and the group size for sub-8-bit weights."""
+    """Bits per role (absent = F32), the group size for sub-8-bit weights and the scale quantizer."""
 
     bits: dict[str, int]
     group_size: int | None
+    quantizer: str = DEFAULT_QUANTIZER
 
     @classmethod
     def from_preset(cls, preset: str, expert_bits: int | None = None, dense_bits: int | None = None,
-                    embed_bits: int | None = None, group_size: int | None = DEFAULT_GROUP_SIZE) -> QuantPlan:
+                    embed_bits: int | None = None, group_size: int | None = DEFAULT_GROUP_SIZE,
+                    quantizer: str = DEFAULT_QUANTIZER) -> QuantPlan:
         """A preset with per-class overrides; bits 32 means keep F32, group_size 0 or None means per row."""
         if preset not in PRESETS:
             raise GlmkitError(f"--preset: unknown preset {preset!r} (choose from {', '.join(PRESETS)})")
@@ -56,7 +61,9 @@ class QuantPlan:
                     bits[role] = value
         if group_size is not None and group_size < 0:
             raise GlmkitError(f"--group-size: must be >= 0, got {group_size}")
-        return cls(bits, group_size or None)
+        if quantizer not in QUANTIZERS:
+            raise GlmkitError(f"--quantizer: unknown quantizer {quantizer!r} (choose from {', '.join(QUANTIZERS)})")
+        return cls(bits, group_size or None, quantizer)
 
     def quant_for(self, spec: TensorSpec) -> tuple[int, int | None] | None:
         """(bits, group_size) for this tensor, or None to store it as F32."""
@@ -76,4 +83,4 @@ class QuantPlan:
                 PlannedTensor(spec.name + ".qs", "F32", scales_shape((out_features, in_features), group))]
 
     def to_json(self) -> dict[str, object]:
-        return {"bits": dict(sorted(self.bits.items())), "group_size": self.group_size}
+        return {"bits": dict(sorted(self.bits.items())), "group_size": self.group_size, "quantizer": self.quantizer}

@@ -2,7 +2,8 @@
 
 A weight `W [O, I]` is quantized per row (`group_size=None`, scales `[O]`) or per group of
 `group_size` input columns (scales `[O, ceil(I/g)]`, the last group may be partial):
-`qmax = 2^(bits-1) - 1`, `s = max(amax / qmax, 1e-8)`, `q = clip(rint(w / s), -qmax-1, qmax)`.
+`qmax = 2^(bits-1) - 1`, `q = clip(rint(w / s), -qmax-1, qmax)`, with the absmax scale `s = max(amax / qmax, 1e-8)`
+unless the caller passes scales (the converter's `mse` quantizer searches them: glmkit/convert/quantizers.py).
 Each row is packed on its own into `ceil(I * bits / 8)` bytes:
   int8: two's-complement bytes; int4: `q + 8`, the even column in the low nibble;
   int2: `q + 2`, column `4j + k` at bits `2k` of byte `j`.

@@ -135,3 +135,17 @@ def read_tensor(path: str | Path, info: TensorInfo, first: int = 0, count: int |
     finally:
         os.close(fd)
     return out
+
+
+def read_metadata(path: str | Path) -> dict[str, str]:
+    """The header's `__metadata__` (string to string); call `read_header` first to validate the file."""
+    try:
+        with open(path, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(header_len))
+    except (OSError, struct.error, UnicodeDecodeError, json.JSONDecodeError):
+        raise GlmkitError(f"{path}: cannot read the safetensors header") from None
+    meta = header.get("__metadata__", {}) if isinstance(header, dict) else None
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise GlmkitError(f"{path}: safetensors __metadata__ must map strings to strings")
+    return meta
