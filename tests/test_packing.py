@@ -77,3 +77,15 @@ def test_fp8_block_dequant_matches_ml_dtypes_with_partial_edge_blocks():
     np.testing.assert_array_equal(got, ref)
     with pytest.raises(GlmkitError, match="weight_scale_inv"):
         dequantize_fp8_blocks(w, scales[:1])
+
+
+@pytest.mark.parametrize("bits,group", [(8, None), (4, 64), (2, 3)])
+def test_row_blocked_quantization_equals_one_block(monkeypatch, bits, group):
+    from glmkit.formats import packing
+
+    w = np.random.default_rng(4).standard_normal((37, 130)).astype(np.float32)
+    whole = quantize(w, bits, group)
+    monkeypatch.setattr(packing, "ROW_BLOCK_ELEMENTS", 3 * 130)  # 3 rows per block, a partial last block
+    blocked = quantize(w, bits, group)
+    np.testing.assert_array_equal(blocked[0], whole[0])
+    np.testing.assert_array_equal(blocked[1], whole[1])

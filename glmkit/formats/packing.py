@@ -15,6 +15,7 @@ import numpy as np
 
 SUPPORTED_BITS = (2, 4, 8)
 MIN_SCALE = 1e-8
+ROW_BLOCK_ELEMENTS = 1 << 22  # float32 temporaries of quantize(): 16 MB at a time
 
 
 def qmax(bits: int) -> int:
@@ -55,20 +56,34 @@ def quantize(w: np.ndarray, bits: int, group_size: int | None, scales: np.ndarra
     top = qmax(bits)
     if scales is None:
         scales = absmax_scales(w, bits, group_size)
-    full = expand_scales(scales, in_features, group_size)
-    codes = np.clip(np.rint(w / full), -top - 1, top).astype(np.int8)
+    codes = np.empty(w.shape, np.int8)
+    for rows in _row_blocks(w.shape):  # temporaries stay at one block, not the whole matrix
+        block = w[rows] / expand_scales(scales[rows], in_features, group_size)
+        np.rint(block, out=block)
+        np.clip(block, -top - 1, top, out=block)
+        codes[rows] = block
     return codes, scales.astype(np.float32)
+
+
+def _row_blocks(shape: tuple[int, int]) -> list[slice]:
+    step = max(1, ROW_BLOCK_ELEMENTS // max(shape[1], 1))
+    return [slice(r, r + step) for r in range(0, shape[0], step)]
 
 
 def absmax_scales(w: np.ndarray, bits: int, group_size: int | None) -> np.ndarray:
     out_features, in_features = w.shape
     if group_size is None:
-        amax = np.abs(w).max(axis=1) if in_features else np.zeros(out_features, np.float32)
+        amax = np.zeros(out_features, np.float32)
+        if in_features:
+            for rows in _row_blocks(w.shape):
+                amax[rows] = np.abs(w[rows]).max(axis=1)
     else:
         groups = num_groups(in_features, group_size)
-        padded = np.zeros((out_features, groups * group_size), np.float32)
-        padded[:, :in_features] = np.abs(w)
-        amax = padded.reshape(out_features, groups, group_size).max(axis=2)
+        amax = np.empty((out_features, groups), np.float32)
+        for rows in _row_blocks(w.shape):
+            padded = np.zeros((len(w[rows]), groups * group_size), np.float32)
+            np.abs(w[rows], out=padded[:, :in_features])
+            amax[rows] = padded.reshape(len(padded), groups, group_size).max(axis=2)
     return np.maximum(amax.astype(np.float32) / qmax(bits), np.float32(MIN_SCALE)).astype(np.float32)
 
 
