@@ -12,11 +12,15 @@ the same loop with blocks large enough that a typical matrix is dequantized once
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
 
 from glmkit.formats.tensors import QuantWeight, Weight
+
+ExpertFn = Callable[[int], tuple[Weight, Weight, Weight]]
+"""`expert(e)` -> routed expert e's (gate, up, down) weights."""
 
 
 class Backend(Protocol):
@@ -66,6 +70,25 @@ class Backend(Protocol):
     def index_scores(self, q: np.ndarray, k: np.ndarray, weights: np.ndarray, scale: float) -> np.ndarray:
         """DSA indexer scores: q `[S, nh, d]`, k `[T, d]`, weights `[S, nh]` ->
         `I[s, t] = sum_h weights[s, h] * relu(q[s, h] . k[t] * scale)` `[S, T]`."""
+        ...
+
+    def index_topk(self, q: np.ndarray, k: np.ndarray, weights: np.ndarray, scale: float, causal: np.ndarray,
+                   topk: int) -> np.ndarray:
+        """DSA selection `[S, T]` bool: per query the `min(topk, allowed)` largest `index_scores` among its
+        `causal` keys (`topk_mask` of the scores)."""
+        ...
+
+    def rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+        """RoPE over the whole last axis of `x [S, ..., d]` with the angles of row S (`apply_rope`)."""
+        ...
+
+    def moe(self, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, expert: ExpertFn,
+            shared: tuple[Weight, Weight, Weight] | None) -> np.ndarray:
+        """Routed experts plus the shared expert on `x [S, H]`.
+
+        `sum_k weights[s, k] * E_{ids[s, k]}(x[s]) + Shared(x[s])`; `expert(e)` gives expert e's (gate, up,
+        down). Every routed expert is fetched and run once per call, on all of its rows (batch-union).
+        """
         ...
 
 
@@ -213,6 +236,25 @@ class NumpyBackend:
             per_head = np.maximum((q[s0:s1] @ k.T) * np.float32(scale), 0)  # [s, nh, T]
             out[s0:s1] = (weights[s0:s1, None, :] @ per_head)[:, 0]
         return out
+
+    def index_topk(self, q: np.ndarray, k: np.ndarray, weights: np.ndarray, scale: float, causal: np.ndarray,
+                   topk: int) -> np.ndarray:
+        from glmkit.runtime.model import topk_mask  # the model's pure functions (model imports this module)
+
+        return topk_mask(self.index_scores(q, k, weights, scale), causal, topk)
+
+    def rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+        from glmkit.runtime.model import apply_rope
+
+        return apply_rope(x, cos, sin)
+
+    def moe(self, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, expert: ExpertFn,
+            shared: tuple[Weight, Weight, Weight] | None) -> np.ndarray:
+        from glmkit.runtime.model import moe_batch_union
+
+        out = moe_batch_union(x, ids, weights, lambda e, rows: self.expert_mlp(rows, *expert(e)))
+        return out if shared is None else out + self.expert_mlp(x, *shared)
+
 
 
 def _code_width(w: QuantWeight) -> int:

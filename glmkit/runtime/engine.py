@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 from glmkit.errors import GlmkitError
@@ -14,23 +13,24 @@ from glmkit.runtime.model import GlmMoeDsaModel
 from glmkit.runtime.tokenizer import ChatTokenizer
 
 
-def make_backend(device: str) -> tuple[Backend, str]:
-    """`numpy` or `auto` (the only backend until the OpenCL one lands). Returns (backend, its name)."""
-    if device in ("numpy", "auto", "cpu"):
+def make_backend(device: str, container: Container | None = None) -> tuple[Backend, str]:
+    """`numpy`, `opencl[:P:D]` or `auto` (glmkit.runtime.devices). Returns (backend, its name)."""
+    if device in ("numpy", "cpu"):
         return NumpyBackend(), "numpy"
-    if device.startswith("opencl"):
-        print(f"glm-run: notice: --device {device}: the OpenCL backend is not available yet; using numpy",
-              file=sys.stderr)
-        return NumpyBackend(), "numpy"
-    raise GlmkitError(f"--device: unknown device {device!r} (numpy, auto, opencl[:P:D])")
+    from glmkit.runtime.devices import make_backend as select  # imports pyopencl: only when OpenCL may be used
+
+    return select(device, container)
 
 
 class Engine:
-    def __init__(self, snapshot: str | Path, device: str = "auto", ram_budget_bytes: int = 0,
+    """device: `numpy` (the library default: scripts and benchmarks get the reference unless they ask),
+    `auto` (the CLIs' default: measured placement) or `opencl[:P:D]` (see glmkit.runtime.devices)."""
+
+    def __init__(self, snapshot: str | Path, device: str = "numpy", ram_budget_bytes: int = 0,
                  prefetch: bool = True, load_tokenizer: bool = True):
         self.container = Container(snapshot)
         self.config = self.container.config
-        self.backend, self.device = make_backend(device)
+        self.backend, self.device = make_backend(device, self.container)
         self.experts = ExpertStreamer(self.container, ram_budget_bytes, prefetch)
         self.model = GlmMoeDsaModel(self.config, self.experts, self.backend, route_hook=self.experts.on_route)
         self.tokenizer = ChatTokenizer(snapshot) if load_tokenizer else None

@@ -45,6 +45,7 @@ def rope_cos_sin(positions: np.ndarray, dim: int, theta: float) -> tuple[np.ndar
     return np.cos(angles), np.sin(angles)
 
 
+
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     """Rotate interleaved pairs (x0,x1),(x2,x3).. of `x [S, ..., d]` by the angles of row S.
 
@@ -60,6 +61,7 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 def causal_mask(start: int, seq: int, total: int) -> np.ndarray:
     """`[S, T]` bool: query at position start+s may see keys 0..start+s."""
     return np.arange(total)[None, :] <= (start + np.arange(seq))[:, None]
+
 
 
 def topk_mask(scores: np.ndarray, causal: np.ndarray, k: int) -> np.ndarray:
@@ -98,6 +100,7 @@ def route_noaux_tc(logits: np.ndarray, bias: np.ndarray, top_k: int, n_group: in
     if norm_topk_prob:
         weights = weights / (weights.sum(axis=-1, keepdims=True) + np.float32(1e-20))
     return ids, (weights * np.float32(scaling)).astype(np.float32)
+
 
 
 def moe_batch_union(x: np.ndarray, ids: np.ndarray, weights: np.ndarray,
@@ -254,11 +257,11 @@ class GlmMoeDsaModel:
         q_lat = b.rms_norm(b.linear(u, self._w(prefix + "q_a_proj.weight")),
                            self._w(prefix + "q_a_layernorm.weight"), LATENT_NORM_EPS)
         q = b.linear(q_lat, self._w(prefix + "q_b_proj.weight")).reshape(seq, heads, nope + rope_dim)
-        q_nope, q_rot = q[..., :nope], apply_rope(q[..., nope:], cos, sin)  # main attention: LAST dims
+        q_nope, q_rot = q[..., :nope], b.rope(q[..., nope:], cos, sin)  # main attention: LAST dims
         compressed = b.linear(u, self._w(prefix + "kv_a_proj_with_mqa.weight"))
         kv_lat = b.rms_norm(compressed[:, : cfg.kv_lora_rank], self._w(prefix + "kv_a_layernorm.weight"),
                             LATENT_NORM_EPS)
-        k_rot = apply_rope(compressed[:, cfg.kv_lora_rank:], cos, sin)
+        k_rot = b.rope(compressed[:, cfg.kv_lora_rank:], cos, sin)
 
         # Main 'full' layers must have indexer weights; an MTP layer shipped without them attends densely.
         indexed = cfg.indexer_type(layer) == "full" and (layer < cfg.num_hidden_layers or self._has_indexer(layer))
@@ -287,7 +290,7 @@ class GlmMoeDsaModel:
         key = b.layer_norm(b.linear(u, self._w(prefix + "indexer.wk.weight")),
                            self._w(prefix + "indexer.k_norm.weight"), self._w(prefix + "indexer.k_norm.bias"),
                            LATENT_NORM_EPS)
-        return np.concatenate([apply_rope(key[:, :rope_dim], cos, sin), key[:, rope_dim:]], axis=-1)
+        return np.concatenate([b.rope(key[:, :rope_dim], cos, sin), key[:, rope_dim:]], axis=-1)
 
     def _index_select(self, prefix: str, u: np.ndarray, q_lat: np.ndarray, cos: np.ndarray, sin: np.ndarray,
                       keys: np.ndarray, causal: np.ndarray) -> np.ndarray:
@@ -297,16 +300,18 @@ class GlmMoeDsaModel:
             return causal  # every query keeps all of its (at most index_topk) causal keys: scores unneeded
         seq, heads, rope_dim = u.shape[0], cfg.index_n_heads, cfg.qk_rope_head_dim
         q = b.linear(q_lat, self._w(prefix + "indexer.wq_b.weight")).reshape(seq, heads, cfg.index_head_dim)
-        q = np.concatenate([apply_rope(q[..., :rope_dim], cos, sin), q[..., rope_dim:]], axis=-1)
+        q = np.concatenate([b.rope(q[..., :rope_dim], cos, sin), q[..., rope_dim:]], axis=-1)
         head_weights = b.linear(u, self._w(prefix + "indexer.weights_proj.weight")) * np.float32(heads ** -0.5)
-        scores = b.index_scores(q, keys, head_weights, cfg.index_head_dim ** -0.5)
-        return topk_mask(scores, causal, cfg.index_topk)
+        return b.index_topk(q, keys, head_weights, cfg.index_head_dim ** -0.5, causal, cfg.index_topk)
 
     # ---- feed-forward --------------------------------------------------------------------------
 
+    def _mlp_weights(self, prefix: str) -> tuple[Weight, Weight, Weight]:
+        return (self._w(prefix + "gate_proj.weight"), self._w(prefix + "up_proj.weight"),
+                self._w(prefix + "down_proj.weight"))
+
     def _mlp(self, prefix: str, u: np.ndarray) -> np.ndarray:
-        return self.backend.expert_mlp(u, self._w(prefix + "gate_proj.weight"), self._w(prefix + "up_proj.weight"),
-                                       self._w(prefix + "down_proj.weight"))
+        return self.backend.expert_mlp(u, *self._mlp_weights(prefix))
 
     def _moe(self, layer: int, u: np.ndarray) -> np.ndarray:
         """Routed experts (batch-union) plus the shared expert, on `u [S, H]`."""
@@ -318,6 +323,5 @@ class GlmMoeDsaModel:
                                       cfg.norm_topk_prob, cfg.routed_scaling_factor)
         if self.route_hook is not None:
             self.route_hook(layer, ids, u)
-        routed = moe_batch_union(u, ids, weights,
-                                 lambda e, rows: self._mlp(f"{prefix}experts.{e}.", rows))
-        return routed + self._mlp(prefix + "shared_experts.", u)
+        return self.backend.moe(u, ids, weights, lambda e: self._mlp_weights(f"{prefix}experts.{e}."),
+                                self._mlp_weights(prefix + "shared_experts."))

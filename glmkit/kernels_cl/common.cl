@@ -1,0 +1,187 @@
+/* glmkit OpenCL kernels: shared helpers (plain OpenCL C 1.2).
+ *
+ * Weights are addressed as (buffer, byte offset): a buffer is a whole mapped data file (CPU and
+ * unified-memory devices use it in place) or an upload arena (discrete GPUs). A weight row of a
+ * quantized matrix is `row_bytes` packed bytes; its scales (float) are one per row (group == 0) or one
+ * per `group` columns (`n_groups` per row). Packing (docs/FORMAT.md): int8 two's complement; int4 code+8,
+ * even column in the low nibble; int2 code+2, column 4j+k at bits 2k of byte j. bits == 32: float rows.
+ *
+ * Compile-time knobs: LANES (work-items cooperating on one matvec row: 1 on CPUs, a warp on GPUs),
+ * ROWS (matvec rows per work-item, sharing each loaded chunk of x: 4 on CPUs, 1 on GPUs),
+ * RED_LANES (work-group size of the row-reduction kernels: norms, attention, softmax).
+ */
+
+/* PoCL does not inline small helpers, not even builtins such as vload16 or mad (each would be a call with a
+ * vzeroupper in the innermost loop): helpers are forced inline, and on CPU devices (CPU_LOADS) vector loads
+ * go through packed structs (plain unaligned loads, OpenCL C 6.11.1) instead of the vloadn builtins. */
+#define INLINE static inline __attribute__((always_inline))
+#ifdef CPU_LOADS
+typedef struct __attribute__((packed)) { uchar16 v; } uchar16_u;
+typedef struct __attribute__((packed)) { float8 v; } float8_u;
+typedef struct __attribute__((packed)) { float4 v; } float4_u;
+#define LOAD_U16(i, p) (((const __global uchar16_u*)(p))[i].v)
+#define LOAD_F8(i, p) (((const __global float8_u*)(p))[i].v)
+#define LOAD_F4(i, p) (((const __global float4_u*)(p))[i].v)
+#else
+#define LOAD_U16(i, p) vload16((i), (p))
+#define LOAD_F8(i, p) vload8((i), (p))
+#define LOAD_F4(i, p) vload4((i), (p))
+#endif
+
+INLINE uint umin_(uint a, uint b) {
+    return a < b ? a : b;
+}
+
+INLINE float fmax_(float a, float b) {  /* no NaN here; -inf is ordered */
+    return a > b ? a : b;
+}
+
+#ifndef LANES
+#define LANES 1
+#endif
+#ifndef RED_LANES
+#define RED_LANES 16
+#endif
+#ifndef ROWS
+#define ROWS (LANES > 1 ? 1 : 4)
+#endif
+
+/* Codes in one 16-element storage chunk: 16 floats, 16 int8, 32 int4 or 64 int2 codes. */
+INLINE uint chunk_codes(const int bits) {
+    return bits == 32 ? 16u : (bits == 8 ? 16u : (bits == 4 ? 32u : 64u));
+}
+
+/* The x values of storage chunk c arranged like the codes that `codes_dot` unpacks (x starts at the row's
+ * column 0): f32/int8: 2 vectors; int4: even and odd columns of each 16-code half; int2: the 4 bit fields of
+ * each 32-code half. Returns the chunk's bias term: int4/int2 codes are stored with +8/+2, so
+ * `sum (stored - 8) * x = sum stored * x - 8 * sum x`, and that second part is shared by every row.
+ * Vectors are at most 8 floats wide (an AVX2 register) so that no target splits them. */
+INLINE float8 load_x(const int bits, const __global float* x, uint c, float8* xv) {
+    if (bits == 32 || bits == 8) {
+        xv[0] = LOAD_F8(2 * c, x);
+        xv[1] = LOAD_F8(2 * c + 1, x);
+        return (float8)(0.0f);
+    }
+    if (bits == 4) {
+        const __global float* xp = x + c * 32u;
+        const float8 a0 = LOAD_F8(0, xp), a1 = LOAD_F8(1, xp), a2 = LOAD_F8(2, xp), a3 = LOAD_F8(3, xp);
+        xv[0] = (float8)(a0.even, a1.even);
+        xv[1] = (float8)(a0.odd, a1.odd);
+        xv[2] = (float8)(a2.even, a3.even);
+        xv[3] = (float8)(a2.odd, a3.odd);
+        return 8.0f * ((a0 + a1) + (a2 + a3));
+    }
+    const __global float* xp = x + c * 64u;
+    float8 sum = (float8)(0.0f);
+    for (uint h = 0; h < 2; h++) {
+        const float8 a0 = LOAD_F8(4 * h, xp), a1 = LOAD_F8(4 * h + 1, xp);
+        const float8 a2 = LOAD_F8(4 * h + 2, xp), a3 = LOAD_F8(4 * h + 3, xp);
+        xv[4 * h] = (float8)(a0.s04, a1.s04, a2.s04, a3.s04);
+        xv[4 * h + 1] = (float8)(a0.s15, a1.s15, a2.s15, a3.s15);
+        xv[4 * h + 2] = (float8)(a0.s26, a1.s26, a2.s26, a3.s26);
+        xv[4 * h + 3] = (float8)(a0.s37, a1.s37, a2.s37, a3.s37);
+        sum += (a0 + a1) + (a2 + a3);
+    }
+    return 2.0f * sum;
+}
+
+/* Products of the stored codes of chunk c of one row with the arranged x, as 8 partial sums (subtract the
+ * bias from `load_x` to get the true products): one 16-byte (f32: 64-byte) load, codes unpacked in registers. */
+INLINE float8 codes_dot(const int bits, const __global uchar* row, uint c, const float8* xv) {
+    if (bits == 32) {
+        const __global float* w = (const __global float*)row;
+        return LOAD_F8(2 * c, w) * xv[0] + LOAD_F8(2 * c + 1, w) * xv[1];
+    }
+    const uchar16 b = LOAD_U16(c, row);
+    if (bits == 8) {
+        const char16 q = as_char16(b);
+        return convert_float8(q.lo) * xv[0] + convert_float8(q.hi) * xv[1];
+    }
+    if (bits == 4) {
+        return convert_float8(b.lo & (uchar8)15) * xv[0] + convert_float8(b.lo >> (uchar8)4) * xv[1]
+             + convert_float8(b.hi & (uchar8)15) * xv[2] + convert_float8(b.hi >> (uchar8)4) * xv[3];
+    }
+    float8 acc = (float8)(0.0f);
+    for (uint h = 0; h < 2; h++) {
+        const uchar8 q = h ? b.hi : b.lo;
+        acc += convert_float8(q & (uchar8)3) * xv[4 * h];
+        acc += convert_float8((q >> (uchar8)2) & (uchar8)3) * xv[4 * h + 1];
+        acc += convert_float8((q >> (uchar8)4) & (uchar8)3) * xv[4 * h + 2];
+        acc += convert_float8(q >> (uchar8)6) * xv[4 * h + 3];
+    }
+    return acc;
+}
+
+/* The integer code (or float value) of column i of a row. */
+INLINE float code_at(const int bits, const __global uchar* row, uint i) {
+    if (bits == 32) return ((const __global float*)row)[i];
+    if (bits == 8) return (float)as_char(row[i]);
+    if (bits == 4) return (float)((row[i >> 1] >> ((i & 1u) * 4u)) & 15u) - 8.0f;
+    return (float)((row[i >> 2] >> ((i & 3u) * 2u)) & 3u) - 2.0f;
+}
+
+/* The dequantized value of column i of a row whose scales start at sc. */
+INLINE float weight_at(const int bits, const __global uchar* row, const __global float* sc, uint i, uint group) {
+    float w = code_at(bits, row, i);
+    if (bits == 32) return w;
+    return w * (group ? sc[i / group] : sc[0]);
+}
+
+INLINE float hsum8(float8 v) {
+    const float4 b = v.lo + v.hi;
+    const float2 c = b.lo + b.hi;
+    return c.x + c.y;
+}
+
+/* This lane's part of `out[k] = sum_i W[row k, i] * x[i]` for the `nrows` (<= ROWS) consecutive rows at
+ * `row` (stride row_bytes; scales at sc, stride n_groups) over n columns. Lanes stride over the chunks; each
+ * chunk's x is arranged once and reused by every row. */
+INLINE void rows_dot(const int bits, const __global uchar* row, uint row_bytes, const __global float* sc,
+                     uint n_groups, uint nrows, uint n, uint group, const __global float* x, uint lane, float* out) {
+    const uint cw = chunk_codes(bits);
+    /* rows past nrows repeat the last row (valid memory, results dropped): no branch in the inner loop */
+    const __global uchar* rk[ROWS];
+    const __global float* sk[ROWS];
+    float8 acc[ROWS];
+    for (uint k = 0; k < ROWS; k++) {
+        const uint kk = umin_(k, nrows - 1);
+        rk[k] = row + kk * row_bytes;
+        sk[k] = sc + kk * n_groups;
+        acc[k] = (float8)(0.0f);
+    }
+    uint vec_end = 0;
+    if (bits == 32 || group == 0) {
+        const uint chunks = n / cw;
+        vec_end = chunks * cw;
+        for (uint c = lane; c < chunks; c += LANES) {
+            float8 xv[8];
+            const float8 bias = load_x(bits, x, c, xv);
+            for (uint k = 0; k < ROWS; k++) acc[k] += codes_dot(bits, rk[k], c, xv) - bias;
+        }
+    } else if (group % cw == 0) {
+        const uint chunks = n / cw, per = group / cw;
+        vec_end = chunks * cw;
+        for (uint c = lane; c < chunks; c += LANES) {
+            float8 xv[8];
+            const float8 bias = load_x(bits, x, c, xv);
+            const uint gi = c / per;  /* one division per chunk, shared by the rows */
+            for (uint k = 0; k < ROWS; k++) acc[k] += (codes_dot(bits, rk[k], c, xv) - bias) * sk[k][gi];
+        }
+    }
+    for (uint k = 0; k < ROWS; k++) {
+        if (k >= nrows) break;
+        float s = hsum8(acc[k]);
+        for (uint i = vec_end + lane; i < n; i += LANES) {
+            float w = code_at(bits, rk[k], i);
+            if (bits != 32 && group) w *= sk[k][i / group];
+            s += w * x[i];
+        }
+        if (bits != 32 && group == 0) s *= sk[k][0];
+        out[k] = s;
+    }
+}
+
+/* silu(g) = g * sigmoid(g); exp(-g) overflowing to inf gives 0, as in NumPy. */
+INLINE float silu(float g) {
+    return g * (1.0f / (1.0f + exp(-g)));
+}

@@ -1,0 +1,61 @@
+/* DSA indexer: scores and top-k selection.
+ * out[s, t] = sum_h w[s, h] * relu(q[s, h] . k[t] * scale); q [S, nh, d], k [T, d], w [S, nh].
+ * Global (T, S). */
+__kernel void index_scores(__global const float* q, __global const float* k, __global const float* w,
+                           __global float* out, uint nh, uint d, uint n_keys, float scale) {
+    const uint t = get_global_id(0), s = get_global_id(1);
+    if (t >= n_keys) return;
+    const __global float* kt = k + (ulong)t * d;
+    const uint d4 = d / 4;
+    float total = 0.0f;
+    for (uint h = 0; h < nh; h++) {
+        const __global float* qh = q + ((ulong)s * nh + h) * d;
+        float4 acc = (float4)(0.0f);
+        for (uint j = 0; j < d4; j++) acc += LOAD_F4(j, qh) * LOAD_F4(j, kt);
+        float dot_ = (acc.x + acc.y) + (acc.z + acc.w);
+        for (uint j = d4 * 4; j < d; j++) dot_ += qh[j] * kt[j];
+        total += (w[s * nh + h]) * (fmax_(dot_ * scale, 0.0f));
+    }
+    out[(ulong)s * n_keys + t] = total;
+}
+
+/* Order-preserving map of a float to uint (larger float -> larger key); NaN never occurs here. */
+INLINE uint float_key(float f) {
+    const uint b = as_uint(f);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+/* selected[s, t] = 1 for the k largest scores among the allowed keys of row s (all of them when fewer
+ * than k are allowed); ties at the threshold go to the lowest indices. A radix select over the 32 key
+ * bits finds the k-th largest key, then one pass marks. One work-item per row. Global (S). */
+__kernel void topk_select(__global const float* scores, __global const uchar* allowed, __global uchar* selected,
+                          uint n_keys, uint k, uint n_rows) {
+    const uint s = get_global_id(0);
+    if (s >= n_rows) return;
+    const __global float* sc = scores + (ulong)s * n_keys;
+    const __global uchar* al = allowed + (ulong)s * n_keys;
+    __global uchar* sel = selected + (ulong)s * n_keys;
+    uint n_allowed = 0;
+    for (uint t = 0; t < n_keys; t++) n_allowed += al[t] ? 1u : 0u;
+    if (n_allowed <= k) {
+        for (uint t = 0; t < n_keys; t++) sel[t] = al[t] ? 1 : 0;
+        return;
+    }
+    uint prefix = 0;  /* the k-th largest key, built from the top bit down */
+    for (int bit = 31; bit >= 0; bit--) {
+        const uint cand = prefix | (1u << bit);
+        uint count = 0;
+        for (uint t = 0; t < n_keys; t++) count += (al[t] && float_key(sc[t]) >= cand) ? 1u : 0u;
+        if (count >= k) prefix = cand;
+    }
+    uint above = 0;
+    for (uint t = 0; t < n_keys; t++) above += (al[t] && float_key(sc[t]) > prefix) ? 1u : 0u;
+    uint ties = k - above;
+    for (uint t = 0; t < n_keys; t++) {
+        const uint key = float_key(sc[t]);
+        uchar take = 0;
+        if (al[t] && key > prefix) take = 1;
+        else if (al[t] && key == prefix && ties > 0) { take = 1; ties--; }
+        sel[t] = take;
+    }
+}

@@ -1,0 +1,70 @@
+/* Row reductions and the norms: one work-group of RED_LANES items per row. */
+
+INLINE float group_sum(float v, __local float* red) {
+    const uint l = get_local_id(0);
+    red[l] = v;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (uint w = RED_LANES / 2; w > 0; w >>= 1) {
+        if (l < w) red[l] += red[l + w];
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }
+    const float r = red[0];
+    barrier(CLK_LOCAL_MEM_FENCE);
+    return r;
+}
+
+INLINE float group_max(float v, __local float* red) {
+    const uint l = get_local_id(0);
+    red[l] = v;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (uint w = RED_LANES / 2; w > 0; w >>= 1) {
+        if (l < w) red[l] = fmax_(red[l], red[l + w]);
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }
+    const float r = red[0];
+    barrier(CLK_LOCAL_MEM_FENCE);
+    return r;
+}
+
+/* y = w * (x * (1 / sqrt(mean(x^2) + eps))) per row of n. Global (rows * RED_LANES). */
+__kernel void rms_norm(__global const float* x, __global const float* w, __global float* y, uint n, float eps) {
+    __local float red[RED_LANES];
+    const uint l = get_local_id(0);
+    const ulong base = (ulong)get_group_id(0) * n;
+    float s = 0.0f;
+    for (uint i = l; i < n; i += RED_LANES) s += x[base + i] * x[base + i];
+    const float inv = 1.0f / sqrt(group_sum(s, red) / (float)n + eps);
+    for (uint i = l; i < n; i += RED_LANES) y[base + i] = w[i] * (x[base + i] * inv);
+}
+
+/* y = (x - mean) / sqrt(var + eps) * w + b per row of n (biased variance). Global (rows * RED_LANES). */
+__kernel void layer_norm(__global const float* x, __global const float* w, __global const float* b,
+                         __global float* y, uint n, float eps) {
+    __local float red[RED_LANES];
+    const uint l = get_local_id(0);
+    const ulong base = (ulong)get_group_id(0) * n;
+    float s = 0.0f;
+    for (uint i = l; i < n; i += RED_LANES) s += x[base + i];
+    const float mean = group_sum(s, red) / (float)n;
+    float v = 0.0f;
+    for (uint i = l; i < n; i += RED_LANES) {
+        const float c = x[base + i] - mean;
+        v += c * c;
+    }
+    const float den = sqrt(group_sum(v, red) / (float)n + eps);
+    for (uint i = l; i < n; i += RED_LANES) y[base + i] = (x[base + i] - mean) / den * w[i] + b[i];
+}
+
+/* Softmax over each row of n; -inf entries get probability 0. Global (rows * RED_LANES). */
+__kernel void softmax_rows(__global const float* x, __global float* y, uint n) {
+    __local float red[RED_LANES];
+    const uint l = get_local_id(0);
+    const ulong base = (ulong)get_group_id(0) * n;
+    float m = -INFINITY;
+    for (uint i = l; i < n; i += RED_LANES) m = fmax_(m, x[base + i]);
+    m = group_max(m, red);
+    float s = 0.0f;
+    for (uint i = l; i < n; i += RED_LANES) s += exp(x[base + i] - m);
+    s = group_sum(s, red);
+    for (uint i = l; i < n; i += RED_LANES) y[base + i] = exp(x[base + i] - m) / s;
+}

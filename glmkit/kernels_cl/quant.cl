@@ -1,0 +1,238 @@
+/* Quantized matrix products: decode matvec (one pass over the packed weight), transposed per-head
+ * matvec (MLA absorption), tiled prefill matmul, dequantization, and the fused routed-expert MLP.
+ * Each is stamped out for f32 (bits 32), int8, int4 and int2 weights by the macros at the end.
+ *
+ * Weight argument block (WARGS): wbuf + w_off: the packed rows (byte offset of row 0); sbuf + s_off: the
+ * float scales; n_in: columns; row_bytes: bytes per packed row; group: scale group (0 = per row);
+ * n_groups: scales per row.
+ */
+
+#define WARGS __global const uchar* wbuf, ulong w_off, __global const uchar* sbuf, ulong s_off, \
+              uint n_in, uint row_bytes, uint group, uint n_groups
+
+#define ROW_PTR(r) (wbuf + w_off + (ulong)(r) * row_bytes)
+#define SCALE_PTR(r) ((const __global float*)(sbuf + s_off) + (ulong)(r) * n_groups)
+
+#if LANES > 1
+#define LANE_SUM(v, red, lane) do { \
+        red[lane] = (v); barrier(CLK_LOCAL_MEM_FENCE); \
+        for (uint w_ = LANES / 2; w_ > 0; w_ >>= 1) { \
+            if ((lane) < w_) red[lane] += red[(lane) + w_]; \
+            barrier(CLK_LOCAL_MEM_FENCE); \
+        } \
+        (v) = red[0]; barrier(CLK_LOCAL_MEM_FENCE); \
+    } while (0)
+#else
+#define LANE_SUM(v, red, lane) do { } while (0)
+#endif
+
+/* y[s, h, r] = sum_i x[s, h, i] * W[h * head_rows + row_start + r, i] for r < rows, s < n_s.
+ * Global (ceil(rows / ROWS) * LANES, heads): a work-item owns ROWS consecutive rows (each chunk of x is
+ * arranged once for all of them); each weight row is read from memory once, later inputs hit the cache. */
+INLINE void matvec(const int bits, WARGS, __global const float* x, uint n_s, uint x_s, uint x_h,
+                   __global float* y, uint y_s, uint y_h, uint rows, uint head_rows, uint row_start,
+                   __local float* red) {
+    const uint lane = LANES > 1 ? get_local_id(0) : 0;
+    const uint r0 = (get_global_id(0) / LANES) * ROWS, h = get_global_id(1);
+    const uint nrows = r0 < rows ? umin_(ROWS, rows - r0) : 0;
+    const ulong wr = (ulong)h * head_rows + row_start + (nrows ? r0 : 0);
+    for (uint s = 0; s < n_s; s++) {
+        float v[ROWS];
+        if (nrows) rows_dot(bits, ROW_PTR(wr), row_bytes, SCALE_PTR(wr), n_groups, nrows, n_in, group,
+                            x + s * x_s + h * x_h, lane, v);
+        for (uint k = 0; k < ROWS; k++) {
+            float vk = k < nrows ? v[k] : 0.0f;
+            LANE_SUM(vk, red, lane);
+            if (k < nrows && lane == 0) y[s * y_s + h * y_h + r0 + k] = vk;
+        }
+    }
+}
+
+/* The 8 dequantized values of columns 8j .. 8j+7 of a row (group % 8 == 0 or per-row scales). */
+INLINE float8 weights8(const int bits, const __global uchar* row, const __global float* sc, uint j, uint group) {
+    float8 w;
+    if (bits == 32) return LOAD_F8(j, (const __global float*)row);
+    if (bits == 8) {
+        const __global char* p = (const __global char*)row + 8 * j;
+        w = (float8)((float)p[0], (float)p[1], (float)p[2], (float)p[3], (float)p[4], (float)p[5], (float)p[6],
+                     (float)p[7]);
+    } else if (bits == 4) {
+        const uchar4 b = (uchar4)(row[4 * j], row[4 * j + 1], row[4 * j + 2], row[4 * j + 3]);
+        const uchar8 q = (uchar8)(b.x & 15, b.x >> 4, b.y & 15, b.y >> 4, b.z & 15, b.z >> 4, b.w & 15, b.w >> 4);
+        w = convert_float8(q) - 8.0f;
+    } else {
+        const uchar b0 = row[2 * j], b1 = row[2 * j + 1];
+        const uchar8 q = (uchar8)(b0 & 3, (b0 >> 2) & 3, (b0 >> 4) & 3, b0 >> 6, b1 & 3, (b1 >> 2) & 3, (b1 >> 4) & 3,
+                                  b1 >> 6);
+        w = convert_float8(q) - 2.0f;
+    }
+    return w * (group ? sc[(8 * j) / group] : sc[0]);
+}
+
+/* The transposed product: y[s, h, i] = sum_r x[s, h, r] * W[h * head_rows + row_start + r, i], r < rows.
+ * Global (ceil(n_in / 8), heads): a work-item owns 8 consecutive columns (one scale group when group % 8 == 0)
+ * and walks the rows of its head's block (MLA's kv_b blocks are small). */
+INLINE void matvec_t(const int bits, WARGS, __global const float* x, uint n_s, uint x_s, uint x_h,
+                     __global float* y, uint y_s, uint y_h, uint rows, uint head_rows, uint row_start) {
+    const uint j = get_global_id(0), h = get_global_id(1);
+    const uint i0 = 8 * j;
+    if (i0 >= n_in) return;
+    const bool vec = i0 + 8 <= n_in && (bits == 32 || group % 8 == 0);
+    for (uint s = 0; s < n_s; s++) {
+        const __global float* xs = x + s * x_s + h * x_h;
+        float8 acc = (float8)(0.0f);
+        for (uint r = 0; r < rows; r++) {
+            const ulong wr = (ulong)h * head_rows + row_start + r;
+            if (vec) {
+                acc += xs[r] * weights8(bits, ROW_PTR(wr), SCALE_PTR(wr), j, group);
+            } else {
+                float part[8];
+                for (uint k = 0; k < 8; k++)
+                    part[k] = i0 + k < n_in ? xs[r] * weight_at(bits, ROW_PTR(wr), SCALE_PTR(wr), i0 + k, group) : 0.0f;
+                acc += (float8)(part[0], part[1], part[2], part[3], part[4], part[5], part[6], part[7]);
+            }
+        }
+        const float out[8] = {acc.s0, acc.s1, acc.s2, acc.s3, acc.s4, acc.s5, acc.s6, acc.s7};
+        for (uint k = 0; k < 8 && i0 + k < n_in; k++) y[s * y_s + h * y_h + i0 + k] = out[k];
+    }
+}
+
+/* Prefill: Y[s, o] = sum_i X[s, i] W[o, i], tiled for reuse. A work-group (8 x 8 items) owns a 32 x 32
+ * output tile; each K step dequantizes a 32 x 32 weight tile once into local memory (k-major, so items
+ * with consecutive o read consecutive words) and every item accumulates a 4 x 4 register block. */
+#define MM_T 32
+#define MM_K 32
+INLINE void matmul(const int bits, WARGS, __global const float* x, uint n_s, uint x_s,
+                   __global float* y, uint y_s, uint rows, __local float* xt, __local float* wt) {
+    const uint lo = get_local_id(0), ls = get_local_id(1), tid = ls * 8 + lo;
+    const uint o0 = get_group_id(0) * MM_T, s0 = get_group_id(1) * MM_T;
+    float acc[4][4];
+    for (uint a = 0; a < 4; a++)
+        for (uint b = 0; b < 4; b++) acc[a][b] = 0.0f;
+    for (uint k0 = 0; k0 < n_in; k0 += MM_K) {
+        for (uint e = tid; e < MM_T * MM_K; e += 64) {
+            const uint rr = e / MM_K, kk = e % MM_K, k = k0 + kk;
+            const uint s = s0 + rr, o = o0 + rr;
+            xt[kk * MM_T + rr] = (s < n_s && k < n_in) ? x[s * x_s + k] : 0.0f;
+            wt[kk * MM_T + rr] = (o < rows && k < n_in) ? weight_at(bits, ROW_PTR(o), SCALE_PTR(o), k, group) : 0.0f;
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);
+        for (uint kk = 0; kk < MM_K; kk++) {
+            float xv[4], wv[4];
+            for (uint a = 0; a < 4; a++) xv[a] = xt[kk * MM_T + ls + 8 * a];
+            for (uint b = 0; b < 4; b++) wv[b] = wt[kk * MM_T + lo + 8 * b];
+            for (uint a = 0; a < 4; a++)
+                for (uint b = 0; b < 4; b++) acc[a][b] += xv[a] * wv[b];
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }
+    for (uint a = 0; a < 4; a++) {
+        const uint s = s0 + ls + 8 * a;
+        for (uint b = 0; b < 4; b++) {
+            const uint o = o0 + lo + 8 * b;
+            if (s < n_s && o < rows) y[s * y_s + o] = acc[a][b];
+        }
+    }
+}
+
+/* out[r, i] = W[row_start + r, i] as float (prefill: dequantize once, then a BLAS GEMM). Global (n_in, rows). */
+INLINE void dequant(const int bits, WARGS, __global float* out, uint rows, uint row_start) {
+    const uint i = get_global_id(0), r = get_global_id(1);
+    if (i >= n_in || r >= rows) return;
+    const ulong wr = (ulong)row_start + r;
+    out[(ulong)r * n_in + i] = weight_at(bits, ROW_PTR(wr), SCALE_PTR(wr), i, group);
+}
+
+/* Fused expert MLP, part 1, over "slots" (one slot = one token routed to one expert):
+ * hid[slot, r] = silu(gate_e[r] . x[tok]) * (up_e[r] . x[tok]). offs holds 6 byte offsets per slot into
+ * wbuf: gate, gate scales, up, up scales, down, down scales. Global (ceil(inter / ROWS) * LANES, slots). */
+INLINE void expert_gate_up(const int bits, __global const uchar* wbuf, __global const ulong* offs,
+                           __global const uint* slot_tok, uint n_in, uint row_bytes, uint group, uint n_groups,
+                           __global const float* x, uint x_s, __global float* hid, uint inter, __local float* red) {
+    const uint lane = LANES > 1 ? get_local_id(0) : 0;
+    const uint r0 = (get_global_id(0) / LANES) * ROWS, slot = get_global_id(1);
+    const uint nrows = r0 < inter ? umin_(ROWS, inter - r0) : 0;
+    __global const ulong* o = offs + slot * 6;
+    const __global float* xs = x + slot_tok[slot] * x_s;
+    float g[ROWS], u[ROWS];
+    if (nrows) {
+        const ulong first = (ulong)r0;
+        rows_dot(bits, wbuf + o[0] + first * row_bytes, row_bytes,
+                 (const __global float*)(wbuf + o[1]) + first * n_groups, n_groups, nrows, n_in, group, xs, lane, g);
+        rows_dot(bits, wbuf + o[2] + first * row_bytes, row_bytes,
+                 (const __global float*)(wbuf + o[3]) + first * n_groups, n_groups, nrows, n_in, group, xs, lane, u);
+    }
+    for (uint k = 0; k < ROWS; k++) {
+        float gk = k < nrows ? g[k] : 0.0f, uk = k < nrows ? u[k] : 0.0f;
+        LANE_SUM(gk, red, lane);
+        LANE_SUM(uk, red, lane);
+        if (k < nrows && lane == 0) hid[slot * inter + r0 + k] = silu(gk) * uk;
+    }
+}
+
+/* Part 2: y[t, o] = sum over the slots of token t (slots tok_start[t] .. tok_start[t+1]) of
+ * slot_w[slot] * (down_e[o] . hid[slot]). Global (ceil(rows / ROWS) * LANES, tokens). */
+INLINE void expert_down(const int bits, __global const uchar* wbuf, __global const ulong* offs,
+                        __global const uint* tok_start, __global const float* slot_w, uint n_in, uint row_bytes,
+                        uint group, uint n_groups, __global const float* hid, __global float* y, uint y_s, uint rows,
+                        __local float* red) {
+    const uint lane = LANES > 1 ? get_local_id(0) : 0;
+    const uint r0 = (get_global_id(0) / LANES) * ROWS, t = get_global_id(1);
+    const uint nrows = r0 < rows ? umin_(ROWS, rows - r0) : 0;
+    float acc[ROWS];
+    for (uint k = 0; k < ROWS; k++) acc[k] = 0.0f;
+    for (uint slot = tok_start[t]; slot < tok_start[t + 1]; slot++) {
+        __global const ulong* o = offs + slot * 6;
+        float v[ROWS];
+        if (nrows) rows_dot(bits, wbuf + o[4] + (ulong)r0 * row_bytes, row_bytes,
+                            (const __global float*)(wbuf + o[5]) + (ulong)r0 * n_groups, n_groups, nrows, n_in, group,
+                            hid + slot * n_in, lane, v);
+        for (uint k = 0; k < ROWS; k++) {
+            float vk = k < nrows ? v[k] : 0.0f;
+            LANE_SUM(vk, red, lane);
+            acc[k] += slot_w[slot] * vk;
+        }
+    }
+    for (uint k = 0; k < nrows; k++) {
+        if (lane == 0) y[t * y_s + r0 + k] = acc[k];
+    }
+}
+
+#define QUANT_KERNELS(SUFFIX, BITS) \
+__kernel void mv_##SUFFIX(WARGS, __global const float* x, uint n_s, uint x_s, uint x_h, __global float* y, \
+                          uint y_s, uint y_h, uint rows, uint head_rows, uint row_start) { \
+    __local float red[LANES]; \
+    matvec(BITS, wbuf, w_off, sbuf, s_off, n_in, row_bytes, group, n_groups, x, n_s, x_s, x_h, y, y_s, y_h, \
+           rows, head_rows, row_start, red); \
+} \
+__kernel void mvt_##SUFFIX(WARGS, __global const float* x, uint n_s, uint x_s, uint x_h, __global float* y, \
+                           uint y_s, uint y_h, uint rows, uint head_rows, uint row_start) { \
+    matvec_t(BITS, wbuf, w_off, sbuf, s_off, n_in, row_bytes, group, n_groups, x, n_s, x_s, x_h, y, y_s, y_h, \
+             rows, head_rows, row_start); \
+} \
+__kernel __attribute__((reqd_work_group_size(8, 8, 1))) \
+void mm_##SUFFIX(WARGS, __global const float* x, uint n_s, uint x_s, __global float* y, uint y_s, uint rows) { \
+    __local float xt[MM_K * MM_T]; \
+    __local float wt[MM_K * MM_T]; \
+    matmul(BITS, wbuf, w_off, sbuf, s_off, n_in, row_bytes, group, n_groups, x, n_s, x_s, y, y_s, rows, xt, wt); \
+} \
+__kernel void dq_##SUFFIX(WARGS, __global float* out, uint rows, uint row_start) { \
+    dequant(BITS, wbuf, w_off, sbuf, s_off, n_in, row_bytes, group, n_groups, out, rows, row_start); \
+} \
+__kernel void eg_##SUFFIX(__global const uchar* wbuf, __global const ulong* offs, __global const uint* slot_tok, \
+                          uint n_in, uint row_bytes, uint group, uint n_groups, __global const float* x, uint x_s, \
+                          __global float* hid, uint inter) { \
+    __local float red[LANES]; \
+    expert_gate_up(BITS, wbuf, offs, slot_tok, n_in, row_bytes, group, n_groups, x, x_s, hid, inter, red); \
+} \
+__kernel void ed_##SUFFIX(__global const uchar* wbuf, __global const ulong* offs, __global const uint* tok_start, \
+                          __global const float* slot_w, uint n_in, uint row_bytes, uint group, uint n_groups, \
+                          __global const float* hid, __global float* y, uint y_s, uint rows) { \
+    __local float red[LANES]; \
+    expert_down(BITS, wbuf, offs, tok_start, slot_w, n_in, row_bytes, group, n_groups, hid, y, y_s, rows, red); \
+}
+
+QUANT_KERNELS(f32, 32)
+QUANT_KERNELS(q8, 8)
+QUANT_KERNELS(q4, 4)
+QUANT_KERNELS(q2, 2)

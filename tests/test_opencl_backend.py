@@ -1,0 +1,212 @@
+"""The OpenCL backend end to end (PoCL's CPU device in CI): glm-validate verdicts, the hybrid/discrete memory
+path, device selection and its fallbacks, the measured placement profile and `glm-run --list-devices`."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from glmkit.errors import GlmkitError
+from glmkit.kernels_cl import launch
+from glmkit.kernels_cl.launch import Kernels, list_devices
+from glmkit.runtime import cli_run, cli_validate, devices
+from glmkit.runtime.backend import NumpyBackend
+from glmkit.runtime.engine import Engine
+from glmkit.runtime.model import GlmMoeDsaModel
+from glmkit.runtime.opencl_backend import OpenCLBackend, Placement
+from tests.runtime_support import FIXTURES, VARIANTS, Snapshots
+
+
+@pytest.fixture(scope="module")
+def snapshots(tmp_path_factory):
+    return Snapshots(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def device():
+    found = [d for d in list_devices() if d.kind == "cpu"] or list_devices()
+    if not found:
+        pytest.fail("no OpenCL device found (pyopencl with the pocl extra should provide PoCL's CPU device)")
+    return found[0]
+
+
+@pytest.fixture(scope="module")
+def kernels(device):
+    return Kernels(device)
+
+
+def with_backend(engine: Engine, backend) -> GlmMoeDsaModel:
+    return GlmMoeDsaModel(engine.config, engine.experts, backend, route_hook=engine.experts.on_route)
+
+
+def logits_of(model: GlmMoeDsaModel, ids: np.ndarray) -> np.ndarray:
+    """Prefill of all but the last two ids, then two single-token decode steps (the absorbed MLA path)."""
+    cache = model.new_cache()
+    out = [model.forward(ids[:-2], cache)[0]]
+    for token in ids[-2:]:
+        out.append(model.forward(np.array([token]), cache)[0])
+    return np.concatenate(out)
+
+
+# ---- glm-validate: the same verdict on every oracle fixture ----------------------------------------
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_validate_same_verdict_as_numpy(snapshots, variant, capsys):
+    snap = snapshots(variant, "f32")
+    oracle = FIXTURES / variant / "oracle.json"
+    verdicts = {}
+    for dev in ("numpy", "opencl"):
+        rc = cli_validate.main([str(snap), str(oracle), "--device", dev, "--json"])
+        out, err = capsys.readouterr()
+        assert err == ""
+        result = json.loads(out)
+        verdicts[dev] = (rc, result["passed"], result["teacher_forcing"]["match"], result["greedy"]["match"])
+        tf = result["teacher_forcing"]
+        assert tf["max_abs_logit_diff"] <= 1e-4 * tf["logit_scale"]
+    assert verdicts["opencl"] == verdicts["numpy"]
+    assert verdicts["numpy"][:2] == (0, True)
+    assert Engine(snap, "opencl", load_tokenizer=False).device.startswith("opencl:")
+
+
+def test_every_operation_as_a_kernel_matches_numpy_quantized(snapshots, kernels):
+    """q4 weights (int4 g64 products, int8 head/indexer) through every kernel, prefill and decode."""
+    engine = Engine(snapshots("tiny-bf16", "q4"), "numpy", load_tokenizer=False)
+    ids = np.array(json.loads((FIXTURES / "tiny-bf16" / "oracle.json").read_text())["full_ids"][:30])
+    want = logits_of(engine.model, ids)
+    for placement in (Placement.all_cl(True), Placement(matmul="cl")):  # dequant + BLAS / the tiled kernel
+        backend = OpenCLBackend(kernels, placement)
+        got = logits_of(with_backend(engine, backend), ids)
+        assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+        assert backend.memory._own == {}  # every weight was used in place from the mapping: no copy
+        assert backend.numerics.startswith("opencl-") and backend.numerics != engine.backend.numerics
+
+
+def test_discrete_memory_budget_is_hybrid(snapshots, device):
+    """A device without host-unified memory: weights uploaded once within the budget, the experts that do
+    not fit computed on the host; the result is the same forward pass."""
+    engine = Engine(snapshots("tiny-bf16", "q4"), "numpy", load_tokenizer=False)
+    ids = np.array(json.loads((FIXTURES / "tiny-bf16" / "oracle.json").read_text())["full_ids"][:24])
+    want = logits_of(engine.model, ids)
+    k = Kernels(device, direct=False)  # transfers instead of direct host access, as on a discrete GPU
+    budget = 60_000
+    backend = OpenCLBackend(k, Placement.all_cl(False), budget=budget, unified=False,
+                            model_bytes=engine.container.nbytes)
+    got = logits_of(with_backend(engine, backend), ids)
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+    assert 0 < backend.memory.used <= budget
+    refs = list(backend._experts.values())
+    assert any(r is None for r in refs) and any(r is not None for r in refs)  # some on the device, some not
+    again = OpenCLBackend(k, Placement.all_cl(False), budget=budget, unified=False,
+                          model_bytes=engine.container.nbytes)
+    assert again.numerics != backend.numerics  # expert placement depends on history: rows stay per process
+
+    # streaming: experts over the budget are uploaded per decode step and run on the device, not the host
+    streaming = Placement(matmul="cl", stream_experts=True)
+    backend = OpenCLBackend(k, streaming, budget=budget, unified=False, model_bytes=engine.container.nbytes)
+    host_mlp = backend.host.expert_mlp
+    backend.host.expert_mlp = lambda *a: pytest.fail("a routed expert ran on the host")
+    got = logits_of(with_backend(engine, backend), ids)
+    backend.host.expert_mlp = host_mlp
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+    assert backend.memory.used <= budget
+    same = OpenCLBackend(k, streaming, budget=budget, unified=False, model_bytes=engine.container.nbytes)
+    assert same.numerics == backend.numerics  # every expert on the device: the arithmetic is fixed
+
+
+# ---- device selection and fallbacks ------------------------------------------------------------------
+
+def test_no_platform_means_numpy_with_one_line_notice(snapshots, monkeypatch, capsys):
+    snap = snapshots("tiny-bf16", "f32")
+    monkeypatch.setattr(launch, "cl", None)  # as if pyopencl (or every ICD) were missing
+    assert list_devices() == []
+    engine = Engine(snap, "opencl", load_tokenizer=False)
+    assert isinstance(engine.backend, NumpyBackend) and engine.device == "numpy"
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no OpenCL platform" in err
+    engine = Engine(snap, "auto", load_tokenizer=False)
+    assert isinstance(engine.backend, NumpyBackend) and capsys.readouterr().err == ""
+    assert "no OpenCL platform" in devices.list_devices_report()
+
+
+def test_platform_query_errors_are_no_platform(monkeypatch):
+    class Broken:
+        @staticmethod
+        def get_platforms():
+            raise RuntimeError("clGetPlatformIDs failed: PLATFORM_NOT_FOUND_KHR")
+
+    monkeypatch.setattr(launch, "cl", Broken)
+    assert list_devices() == []
+
+
+def test_cli_falls_back_and_generates(snapshots, monkeypatch, capsys):
+    snap = snapshots("tiny-bf16", "f32")
+    monkeypatch.setattr(launch, "cl", None)
+    assert cli_run.main([str(snap), "-p", "Hello", "--max-tokens", "3", "--device", "opencl:0:0", "--no-cache"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() and err.count("\n") == 1 and "using numpy" in err
+
+
+def test_device_specs(device):
+    assert devices.parse_device("opencl:1:2") == ("opencl", 1, 2)
+    assert devices.parse_device("cpu") == ("numpy", None, None)
+    for bad in ("cuda", "opencl:1", "opencl:a:b"):
+        with pytest.raises(GlmkitError):
+            devices.parse_device(bad)
+    with pytest.raises(GlmkitError, match="no such OpenCL device"):
+        devices.pick([device], 7, 7)
+
+
+def test_kernel_build_failure_is_a_notice(snapshots, monkeypatch, capsys):
+    def fail(*args, **kwargs):
+        raise RuntimeError("clBuildProgram failed: BUILD_PROGRAM_FAILURE\nlong log")
+
+    monkeypatch.setattr(devices, "Kernels", fail)
+    engine = Engine(snapshots("tiny-bf16", "f32"), "opencl", load_tokenizer=False)
+    assert isinstance(engine.backend, NumpyBackend)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "BUILD_PROGRAM_FAILURE" in err
+
+
+# ---- the measured placement --------------------------------------------------------------------------
+
+def test_tiny_models_stay_numpy_without_measuring(snapshots, monkeypatch):
+    monkeypatch.setattr(devices, "measure", lambda *a, **k: pytest.fail("measured a tiny model"))
+    for preset in ("f32", "q4"):
+        engine = Engine(snapshots("tiny-bf16", preset), "auto", load_tokenizer=False)
+        assert engine.device == "numpy"
+        assert devices.decode_bytes_per_token(engine.container) < devices.AUTO_MIN_DECODE_BYTES
+
+
+def test_auto_measures_once_and_stores_the_profile(snapshots, device, tmp_path, monkeypatch):
+    monkeypatch.delenv("GLMKIT_DEVICE_CACHE_DIR")
+    monkeypatch.setenv("GLMKIT_CACHE_DIR", str(tmp_path / "prefix"))  # profiles go next to the prefill cache
+    monkeypatch.setattr(devices, "AUTO_MIN_DECODE_BYTES", 0)  # measure even this tiny model
+    snap = snapshots("tiny-bf16", "q4")
+    first = Engine(snap, "auto", load_tokenizer=False)
+    files = list((tmp_path / "devices").glob("*.json"))
+    assert len(files) == 1
+    profile = json.loads(files[0].read_text())
+    assert profile["key"] == device.key and profile["device"]["name"] == device.name
+    assert profile["bandwidth"]["device_read_gbs"] > 0 and profile["bandwidth"]["host_read_gbs"] > 0
+    (entry,) = profile["models"].values()
+    assert {"matvec", "matmul", "experts", "attention", "index", "vector"} <= set(entry["placement"])
+    assert {"experts", "attention", "vector", "matmul"} <= set(entry["timings_ms"])
+    measured = Placement.from_json(entry["placement"])
+    assert first.device == ("opencl:0:0+auto" if measured.uses_cl() else "numpy").replace("0:0", device.spec[7:])
+
+    monkeypatch.setattr(devices, "measure", lambda *a, **k: pytest.fail("measured twice"))
+    assert Engine(snap, "auto", load_tokenizer=False).device == first.device
+
+    # a stored placement that favours the kernels is used as stored
+    entry["placement"] = Placement(matvec="cl", matvec_host_bits=(8,)).to_json()
+    files[0].write_text(json.dumps(profile))
+    engine = Engine(snap, "auto", load_tokenizer=False)
+    assert engine.device.endswith("+auto") and engine.backend.placement.matvec_host_bits == (8,)
+
+
+def test_list_devices(device, capsys):
+    assert cli_run.main(["--list-devices"]) == 0
+    out = capsys.readouterr().out
+    assert device.spec in out and device.name in out and "bandwidth GB/s" in out and "GiB" in out

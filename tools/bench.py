@@ -1,0 +1,386 @@
+#!/usr/bin/env python3
+"""Backend benchmark: NumPy vs OpenCL (every operation a kernel) vs auto (measured placement) vs transformers.
+
+    PYTHONPATH=. python tools/bench.py --model bench --preset q4 --devices numpy,opencl   # table + JSON
+    PYTHONPATH=. python tools/bench.py --runs 3 --json /tmp/bench.json --md /tmp/bench.md # the documented run
+
+The model is the benchmark-size random checkpoint of tools/bench_model.py (converted on first use). Per
+device and preset, each run is one child process (`--worker`), runs go round-robin over the devices (so
+a change in machine load hits every device alike) and the table shows medians over `--runs`:
+- prefill tok/s at 256 and 1,024 tokens: `model.forward(ids, new cache, last_logits_only=True)` (after a
+  short warm-up generation with and without MTP, so kernel builds and first page faults are not counted);
+- TTFT: a 256-token prompt through `Generator` until its first token;
+- decode tok/s over 64 tokens after that prompt, MTP off and on (greedy, no EOS: always 64 tokens; the
+  random model's MTP head rarely agrees, so MTP on mostly costs);
+- peak RSS during decode (VmHWM reset through /proc/self/clear_refs right before decoding) next to the
+  process's RSS before the snapshot was opened (interpreter, NumPy, OpenCL runtime and built kernels):
+  the decode target is `peak - baseline < container bytes + KV cache bytes` (the mapping is never copied);
+- the bandwidth ceiling: bytes of weights one decoded token reads (every non-expert tensor of the main
+  layers, the lm_head, `num_experts_per_tok` routed experts per MoE layer; MTP off) divided by the best
+  memory read bandwidth measured in the run (NumPy on one thread, an OpenCL kernel on every core).
+Devices: `numpy@N` = NumPy with N OpenBLAS threads (`numpy` = --blas-threads), `opencl[:P:D]` = every
+operation as an OpenCL kernel, `auto` = the measured placement (glmkit.runtime.devices), `transformers` =
+GlmMoeDsaForCausalLM (transformers 5.23.0, float32, eager attention) on the same BF16 source weights
+(needs the `oracle` extra; skipped with a note otherwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+PREFILL = (256, 1024)
+PROMPT = 256
+DECODE = 64
+
+
+# ---- child side ---------------------------------------------------------------------------------
+
+def proc_status() -> dict[str, int]:
+    out = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "RssAnon", "RssFile", "VmHWM"):
+            out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def reset_peak_rss() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def token_ids(n: int, vocab: int, seed: int = 0) -> list[int]:
+    import numpy as np
+
+    return np.random.default_rng(seed).integers(0, vocab - 2, n).tolist()  # the last ids are the eos ids
+
+
+def worker_glmkit(spec: dict) -> dict:
+    import numpy as np
+
+    from glmkit.runtime.engine import Engine
+    from glmkit.runtime.generate import Generator
+    from glmkit.runtime.sampling import Sampler, SamplingParams
+
+    device = spec["device"]
+    if device.startswith("opencl") or device == "auto":
+        from glmkit.kernels_cl.launch import Kernels, list_devices
+        from glmkit.runtime.devices import parse_device, pick
+
+        _, p, d = parse_device("opencl" if device == "auto" else device)
+        found = list_devices()
+        if found:
+            Kernels(pick(found, p, d))  # the OpenCL runtime and a built program belong to the baseline
+    baseline = proc_status()["VmRSS"]
+    t = time.perf_counter()
+    engine = Engine(spec["snapshot"], device.split("@")[0], load_tokenizer=False)
+    open_s = time.perf_counter() - t
+    model, vocab = engine.model, engine.config.vocab_size
+    result: dict = {"device": engine.device, "numerics": engine.backend.numerics, "open_s": open_s,
+                    "baseline_rss": baseline}
+    # warm-up: every kernel is built on its first launch (PoCL caches the builds on disk), not while timed
+    for mtp in (False, True):
+        list(Generator(model, (), use_mtp=mtp).generate(token_ids(8, vocab, 9), 3, Sampler(SamplingParams())))
+    for n in spec["prefill"]:
+        ids = np.array(token_ids(n, vocab))
+        t = time.perf_counter()
+        model.forward(ids, model.new_cache(), last_logits_only=True)
+        result[f"prefill_{n}_tok_s"] = n / (time.perf_counter() - t)
+    prompt = token_ids(spec["prompt"], vocab)
+    for mtp in (False, True):
+        gen = Generator(model, (), use_mtp=mtp)
+        cache = model.new_cache()
+        reset_peak_rss()
+        tokens = list(gen.generate(prompt, spec["decode"] + 1, Sampler(SamplingParams()), cache))
+        key = "mtp_on" if mtp else "mtp_off"
+        stats = gen.stats
+        result[f"decode_tok_s_{key}"] = (len(tokens) - 1) / stats.decode_s
+        result[f"ttft_s_{key}"] = stats.ttft_s
+        result[f"peak_rss_decode_{key}"] = proc_status()["VmHWM"]
+        if mtp:
+            result["mtp_acceptance"] = stats.mtp_acceptance
+        kv = sum(a.nbytes for layer in cache.layers for a in layer._data.values())
+        result[f"kv_bytes_{key}"] = kv
+    result["status_end"] = proc_status()
+    result["cpu_s"] = time.process_time()
+    return result
+
+
+def worker_transformers(spec: dict) -> dict:
+    import torch
+    from transformers import GenerationConfig, GlmMoeDsaForCausalLM
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    torch.set_num_threads(spec["threads"])
+    baseline = proc_status()["VmRSS"]
+    t = time.perf_counter()
+    # the bench config omits num_key_value_heads (glmkit does not use it); transformers' default (64) is wrong
+    model = GlmMoeDsaForCausalLM.from_pretrained(spec["source"], dtype=torch.float32, attn_implementation="eager",
+                                                 num_key_value_heads=spec["heads"]).eval()
+    result: dict = {"device": f"transformers (fp32, eager attention, {spec['threads']} threads)",
+                    "open_s": time.perf_counter() - t, "baseline_rss": baseline}
+    vocab = model.config.vocab_size
+    with torch.no_grad():
+        model(torch.tensor([token_ids(8, vocab, 9)]), use_cache=False, logits_to_keep=1)  # warm-up
+        for n in spec["prefill"]:
+            ids = torch.tensor([token_ids(n, vocab)])
+            t = time.perf_counter()
+            model(ids, use_cache=False, logits_to_keep=1)
+            result[f"prefill_{n}_tok_s"] = n / (time.perf_counter() - t)
+        prompt = torch.tensor([token_ids(spec["prompt"], vocab)])
+
+        def generate(n: int) -> float:
+            cfg = GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=None,
+                                   pad_token_id=0)
+            t = time.perf_counter()
+            model.generate(prompt, attention_mask=torch.ones_like(prompt), generation_config=cfg)
+            return time.perf_counter() - t
+
+        ttft = generate(1)
+        reset_peak_rss()
+        total = generate(spec["decode"] + 1)
+        result["peak_rss_decode_mtp_off"] = proc_status()["VmHWM"]
+    result["ttft_s_mtp_off"] = ttft
+    result["decode_tok_s_mtp_off"] = spec["decode"] / max(total - ttft, 1e-9)
+    result["status_end"] = proc_status()
+    return result
+
+
+def worker(spec: dict) -> dict:
+    if spec["device"] == "transformers":
+        return worker_transformers(spec)
+    return worker_glmkit(spec)
+
+
+# ---- parent side --------------------------------------------------------------------------------
+
+def decode_bytes_per_token(snapshot: Path) -> int:
+    """Weight bytes one decoded token reads (MTP off): see the module docstring."""
+    from glmkit.formats.reader import Container
+    from glmkit.runtime.devices import decode_bytes_per_token as count
+
+    c = Container(snapshot)
+    try:
+        return count(c)
+    finally:
+        c.close()
+
+
+def measure_bandwidth(nbytes: int = 512 << 20) -> dict[str, float]:
+    """Best memory read bandwidth in GB/s: NumPy on one thread and an OpenCL kernel on every core."""
+    import numpy as np
+
+    data = np.ones(nbytes // 4, np.float32)
+    out = {}
+    times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        data.sum(dtype=np.float64)
+        times.append(time.perf_counter() - t)
+    out["numpy_read_gbs"] = nbytes / min(times) / 1e9
+    try:
+        from glmkit.kernels_cl.launch import Kernels, list_devices
+        from glmkit.runtime.opencl_backend import OpenCLBackend, Placement
+
+        found = [d for d in list_devices() if d.kind == "cpu"]
+        if found:
+            k = Kernels(found[0])
+            backend = OpenCLBackend(k, Placement.all_cl(k.direct))
+            matrix = data.reshape(8192, -1)
+            cw = backend._cw(matrix)
+            x = np.ones((1, matrix.shape[1]), np.float32)
+            times = []
+            for _ in range(5):
+                t = time.perf_counter()
+                k.matvec(cw, x)
+                times.append(time.perf_counter() - t)
+            out["opencl_read_gbs"] = nbytes / min(times) / 1e9
+    except Exception as e:  # noqa: BLE001 - the ceiling then rests on NumPy's number alone
+        out["opencl_error"] = str(e)[:200]
+    return out
+
+
+def run_child(spec: dict, blas_threads: int, timeout: float) -> dict:
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": str(blas_threads), "OMP_NUM_THREADS": str(blas_threads),
+           "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+    if proc.returncode != 0:
+        return {"error": (proc.stderr.strip().splitlines() or ["?"])[-1][:300]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def median(runs: list[dict], key: str) -> float | None:
+    values = [r[key] for r in runs if isinstance(r.get(key), (int, float))]
+    return statistics.median(values) if values else None
+
+
+def summarize(results: dict[str, list[dict]], bytes_per_token: int, bandwidth: float, container: int
+              ) -> dict[str, dict]:
+    table = {}
+    for name, runs in results.items():
+        ok = [r for r in runs if "error" not in r]
+        row = {"runs": len(ok), "errors": [r["error"] for r in runs if "error" in r]}
+        if ok:
+            row["device"] = ok[0]["device"]
+            for key in ("prefill_256_tok_s", "prefill_1024_tok_s", "ttft_s_mtp_off", "decode_tok_s_mtp_off",
+                        "decode_tok_s_mtp_on", "mtp_acceptance", "peak_rss_decode_mtp_off", "baseline_rss",
+                        "kv_bytes_mtp_off"):
+                row[key] = median(ok, key)
+            row["all_decode_tok_s_mtp_off"] = [round(r["decode_tok_s_mtp_off"], 2) for r in ok]
+            ceiling = bandwidth * 1e9 / bytes_per_token
+            if row["decode_tok_s_mtp_off"]:
+                row["ceiling_fraction"] = row["decode_tok_s_mtp_off"] / ceiling
+            if row.get("peak_rss_decode_mtp_off") and row.get("baseline_rss") is not None:
+                row["decode_rss_over_baseline"] = row["peak_rss_decode_mtp_off"] - row["baseline_rss"]
+                row["rss_limit"] = container + (row.get("kv_bytes_mtp_off") or 0)
+        table[name] = row
+    return table
+
+
+def fmt(v, digits=1, scale=1.0) -> str:
+    return "-" if v is None else f"{v * scale:.{digits}f}"
+
+
+def markdown(table: dict[str, dict], meta: dict) -> str:
+    lines = [
+        f"Model: benchmark-size random GLM-5 (`tools/bench_model.py`), preset {meta['preset']}, container "
+        f"{meta['container_bytes'] / 1e6:.0f} MB; {meta['cpu']}, {meta['cores']} cores, load average at start "
+        f"{meta['load_start']}. Medians of {meta['runs']} runs (round-robin over the devices).",
+        f"Bandwidth ceiling: {meta['bytes_per_token'] / 1e6:.1f} MB of weights per decoded token / "
+        f"{meta['bandwidth_gbs']:.1f} GB/s best measured read bandwidth = {meta['ceiling_tok_s']:.0f} tok/s.",
+        "",
+        "| device | prefill 256 tok/s | prefill 1024 tok/s | TTFT 256 s | decode tok/s MTP off | decode tok/s MTP on "
+        "(acceptance) | % of BW ceiling | decode peak RSS MB (over baseline) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, row in table.items():
+        if not row.get("runs"):
+            lines.append(f"| {name} | failed: {'; '.join(row['errors'])[:120]} |||||||")
+            continue
+        mtp = fmt(row.get("decode_tok_s_mtp_on"), 2)
+        if row.get("mtp_acceptance") is not None:
+            mtp += f" ({row['mtp_acceptance']:.2f})"
+        rss = fmt(row.get("peak_rss_decode_mtp_off"), 0, 1e-6)
+        if row.get("decode_rss_over_baseline") is not None:
+            rss += f" ({row['decode_rss_over_baseline'] / 1e6:.0f})"
+        lines.append(f"| {name}: {row['device']} | {fmt(row.get('prefill_256_tok_s'))} | "
+                     f"{fmt(row.get('prefill_1024_tok_s'))} | {fmt(row.get('ttft_s_mtp_off'), 2)} | "
+                     f"{fmt(row.get('decode_tok_s_mtp_off'), 2)} | {mtp} | {fmt(row.get('ceiling_fraction'), 1, 100)} "
+                     f"| {rss} |")
+    return "\n".join(lines)
+
+
+def ratios(table: dict[str, dict]) -> list[str]:
+    def best(prefix: str, key: str) -> tuple[str, float] | None:
+        rows = [(n, r[key]) for n, r in table.items() if n.startswith(prefix) and r.get(key)]
+        return max(rows, key=lambda x: x[1]) if rows else None
+
+    out = []
+    tf_dec, tf_pre = best("transformers", "decode_tok_s_mtp_off"), best("transformers", "prefill_1024_tok_s")
+    np_dec = best("numpy", "decode_tok_s_mtp_off")
+    for name in [n for n in table if n.startswith(("opencl", "auto"))]:
+        row = table[name]
+        dec = row.get("decode_tok_s_mtp_off")
+        if not dec:
+            continue
+        parts = [f"{name}: decode"]
+        if tf_dec:
+            parts.append(f"{dec / tf_dec[1]:.1f}x transformers (target >= 6)")
+        if np_dec:
+            parts.append(f"{dec / np_dec[1]:.2f}x {np_dec[0]} (target >= 2.5)")
+        if row.get("ceiling_fraction") is not None:
+            parts.append(f"{row['ceiling_fraction'] * 100:.0f}% of the ceiling (target >= 40%)")
+        if tf_pre and row.get("prefill_1024_tok_s"):
+            parts.append(f"prefill 1024 {row['prefill_1024_tok_s'] / tf_pre[1]:.2f}x transformers (target >= 1.0)")
+        if row.get("decode_rss_over_baseline") is not None:
+            parts.append(f"decode RSS over baseline {row['decode_rss_over_baseline'] / 1e6:.0f} MB vs container + KV "
+                         f"{row['rss_limit'] / 1e6:.0f} MB")
+        out.append(", ".join(parts))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--model", default="bench", choices=["bench"], help="the benchmark-size model (bench_model.py)")
+    p.add_argument("--preset", default="q4", help="conversion preset (default %(default)s)")
+    p.add_argument("--devices", default="numpy@1,numpy@2,opencl,auto,transformers",
+                   help="comma-separated: numpy[@BLAS_THREADS], opencl[:P:D], auto, transformers")
+    p.add_argument("--runs", type=int, default=3, help="runs per device, round-robin (default %(default)s)")
+    p.add_argument("--blas-threads", type=int, default=2, help="OpenBLAS threads of `numpy` rows (default 2)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads for transformers (default 2)")
+    p.add_argument("--work", type=Path, help="where the bench model lives (default tools/bench_model.DEFAULT_WORK)")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per child run")
+    p.add_argument("--json", type=Path, help="write every run and the summary here")
+    p.add_argument("--md", type=Path, help="write the markdown table here")
+    args = p.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(json.loads(args.worker))))
+        return 0
+
+    from tools.bench_model import DEFAULT_WORK, ensure_bench_snapshot
+
+    work = args.work or DEFAULT_WORK
+    snapshot = ensure_bench_snapshot(args.preset, work)
+    source = work / "source"
+    container = sum(f.stat().st_size for f in snapshot.glob("*.safetensors"))
+    bytes_per_token = decode_bytes_per_token(snapshot)
+    load_start = os.getloadavg()[0]
+    bw = measure_bandwidth()
+    bandwidth = max(v for k, v in bw.items() if k.endswith("_gbs"))
+    devices = [d.strip() for d in args.devices.split(",") if d.strip()]
+    if "transformers" in devices:
+        try:
+            import torch  # noqa: F401
+            import transformers  # noqa: F401
+        except ImportError:
+            print("transformers/torch not installed (pip install -e '.[oracle]'): skipping that row", file=sys.stderr)
+            devices.remove("transformers")
+    base = {"snapshot": str(snapshot), "source": str(source), "prefill": list(PREFILL), "prompt": PROMPT,
+            "decode": DECODE, "threads": args.threads, "heads": json.loads((source / "config.json").read_text())[
+                "num_attention_heads"]}
+    results: dict[str, list[dict]] = {d: [] for d in devices}
+    for run in range(args.runs):
+        for device in devices:
+            threads = int(device.split("@")[1]) if "@" in device else args.blas_threads
+            t = time.perf_counter()
+            r = run_child({**base, "device": device}, threads, args.timeout)
+            r["wall_s"] = time.perf_counter() - t
+            results[device].append(r)
+            print(f"run {run + 1}/{args.runs} {device}: "
+                  + (r["error"] if "error" in r else f"decode {r['decode_tok_s_mtp_off']:.2f} tok/s, "
+                     f"prefill 1024 {r['prefill_1024_tok_s']:.1f} tok/s ({r['wall_s']:.0f} s)"), file=sys.stderr)
+    table = summarize(results, bytes_per_token, bandwidth, container)
+    meta = {"preset": args.preset, "container_bytes": container, "bytes_per_token": bytes_per_token,
+            "bandwidth": bw, "bandwidth_gbs": bandwidth, "ceiling_tok_s": bandwidth * 1e9 / bytes_per_token,
+            "runs": args.runs, "cores": os.cpu_count(), "cpu": platform.processor() or platform.machine(),
+            "load_start": round(load_start, 1), "load_end": round(os.getloadavg()[0], 1),
+            "command": "python tools/bench.py " + " ".join(sys.argv[1:])}
+    text = markdown(table, meta) + "\n\n" + "\n".join(f"- {line}" for line in ratios(table))
+    print(text)
+    if args.md:
+        args.md.write_text(text + "\n")
+    if args.json:
+        args.json.write_text(json.dumps({"meta": meta, "summary": table, "runs": results}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
