@@ -40,21 +40,14 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from tools.bench_run import proc_status  # noqa: E402
+
 PREFILL = (256, 1024)
 PROMPT = 256
 DECODE = 64
 
 
 # ---- child side ---------------------------------------------------------------------------------
-
-def proc_status() -> dict[str, int]:
-    out = {}
-    for line in Path("/proc/self/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "RssAnon", "RssFile", "VmHWM"):
-            out[key] = int(value.split()[0]) * 1024
-    return out
-
 
 def reset_peak_rss() -> bool:
     try:
