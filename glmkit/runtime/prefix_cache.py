@@ -571,10 +571,32 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 _ADDED_COLUMNS = (("content", "TEXT"), ("root", "TEXT"), ("emb", "BLOB"))
 
 
-def open_index(directory: Path) -> sqlite3.Connection:
+def open_index(directory: Path, wait_s: float = 30.0) -> sqlite3.Connection:
+    """Open (creating if needed) the shared index. Two processes creating it at once can get SQLITE_BUSY
+    from the journal-mode switch without sqlite's busy handler ever running, so setup is retried."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return _open_index(directory)
+        except sqlite3.OperationalError as e:
+            if ("locked" not in str(e) and "busy" not in str(e)) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def _open_index(directory: Path) -> sqlite3.Connection:
     db = sqlite3.connect(directory / "index.sqlite", timeout=30, isolation_level=None)
-    db.execute("PRAGMA journal_mode=WAL")
+    try:
+        _create_schema(db)
+    except sqlite3.Error:
+        db.close()
+        raise
+    return db
+
+
+def _create_schema(db: sqlite3.Connection) -> None:
     db.execute("PRAGMA busy_timeout=30000")
+    db.execute("PRAGMA journal_mode=WAL")
     db.execute("CREATE TABLE IF NOT EXISTS entries (key TEXT PRIMARY KEY, model_hash TEXT NOT NULL, "
                "parent TEXT NOT NULL, start INTEGER, n_tokens INTEGER, tokens BLOB NOT NULL, file TEXT NOT NULL, "
                "nbytes INTEGER, created REAL, last_access REAL, hits INTEGER, content TEXT, root TEXT, emb BLOB)")
@@ -588,7 +610,6 @@ def open_index(directory: Path) -> sqlite3.Connection:
     db.execute("CREATE INDEX IF NOT EXISTS by_parent ON entries(parent)")
     db.execute("CREATE INDEX IF NOT EXISTS by_content ON entries(root, content)")
     db.isolation_level = "DEFERRED"
-    return db
 
 
 def prune(db: sqlite3.Connection, directory: Path, max_bytes: int, model_hash: str | None = None,
