@@ -487,7 +487,8 @@ class ClientGone(Exception):
 
 
 async def collect(request: Request, scheduler: Scheduler, job: Job, channel: Channel) -> tuple[str, Done]:
-    """All of a request's text (non-streaming); cancels the job when the client disconnects."""
+    """All of a request's text (non-streaming); cancels the job when the client disconnects (ClientGone)
+    and raises the OpenAI-shaped 500 when generation failed."""
     parts: list[str] = []
     checked = time.monotonic()
     try:
@@ -503,6 +504,8 @@ async def collect(request: Request, scheduler: Scheduler, job: Job, channel: Cha
             if event is None:
                 continue
             if isinstance(event, Done):
+                if event.finish_reason == "error":
+                    raise _failure(event)
                 return "".join(parts), event
             parts.append(event.text)
     finally:
@@ -655,8 +658,6 @@ async def chat_completions(request: Request) -> Response:
             text, done = await collect(request, loaded.scheduler, job, channel)
         except ClientGone:
             return Response(status_code=499)
-        if done.finish_reason == "error":
-            raise _failure(done)
         pieces = router.push(text)
         rest, tool_text = router.finish()
         content, calls = _chat_parts(pieces + rest, tool_text, tools)
@@ -762,8 +763,6 @@ async def completions(request: Request) -> Response:
             text, done = await collect(request, loaded.scheduler, job, channel)
         except ClientGone:
             return Response(status_code=499)
-        if done.finish_reason == "error":
-            raise _failure(done)
         return JSONResponse({**base, "choices": [choice(text, done.finish_reason)], "usage": usage(done),
                              "timings": timings(done)})
 
