@@ -44,7 +44,7 @@ def imatrix(snapshots, tmp_path_factory):
     path = tmp_path_factory.mktemp("imatrix") / "imatrix.safetensors"
     code, out, _ = run(calibrate_main, snapshots("tiny-trained", "f32"), "--tokens", CALIB, "--max-windows", "4",
                        "-o", path, "--quiet")
-    assert code == 0 and "weights from 512 tokens" in out
+    assert code == 0 and "250 weights (58 with Hessians, 32 distinct) from 512 tokens" in out
     values = read_imatrix(path).values
     assert {"model.layers.4.eh_proj.weight", "model.layers.4.mlp.experts.3.down_proj.weight",  # MTP layer too
             "model.layers.1.self_attn.indexer.wq_b.weight", "lm_head.weight"} <= set(values)
@@ -96,11 +96,12 @@ def test_perplexity_json_fields_and_self_comparison(snapshots, base):
     assert same["kld_mean"] == 0 and same["kld_p99"] == 0 and same["top1_agreement"] == 1 and same["ppl_ratio"] == 1
 
 
-def test_quantized_kl_and_mse_beats_absmax(base, tmp_path):
+def test_quantized_kl_and_mse_beats_absmax_and_gptq_beats_mse(base, imatrix, tmp_path):
     path, f32 = base
     results = {}
-    for quantizer in ("absmax", "mse"):
-        snap = convert(tmp_path / quantizer, "--preset", "q4", "--quantizer", quantizer)
+    for quantizer in ("absmax", "mse", "gptq"):
+        extra = ("--imatrix", imatrix) if quantizer == "gptq" else ()
+        snap = convert(tmp_path / quantizer, "--preset", "q4", "--quantizer", quantizer, *extra)
         code, out, _ = run(perplexity_main, snap, "--tokens", EVAL, "--max-windows", "6", "--kl-base", path,
                            "--json", "--quiet")
         assert code == 0
@@ -108,6 +109,7 @@ def test_quantized_kl_and_mse_beats_absmax(base, tmp_path):
         assert set(r) == KL_FIELDS and r["kld_mean"] > 0 and r["kld_p99"] >= r["kld_mean"]
         assert 0.5 < r["top1_agreement"] < 1 and r["ppl"] / f32["ppl"] == pytest.approx(r["ppl_ratio"])
     assert results["mse"]["kld_mean"] < results["absmax"]["kld_mean"]
+    assert results["gptq"]["kld_mean"] < 0.85 * results["mse"]["kld_mean"]  # docs/QUALITY.md: -32% on all windows
     # human output names the comparison
     code, out, _ = run(perplexity_main, tmp_path / "mse", "--tokens", EVAL, "--max-windows", "6", "--kl-base", path,
                        "--quiet")
@@ -185,3 +187,100 @@ def test_imatrix_misuse_is_refused(imatrix, tmp_path):
     (tmp_path / "bogus.st").write_bytes(b"\x02\x00\x00\x00\x00\x00\x00\x00{}")
     code, _, err = run(convert_main, TRAINED, tmp_path / "c", "--imatrix", tmp_path / "bogus.st", "--quiet")
     assert code == 1 and "not a glmkit imatrix" in err
+
+
+def test_imatrix_hessians(imatrix):
+    im = read_imatrix(imatrix)
+    layer = "model.layers.1."
+    shared_input = [layer + "self_attn.q_a_proj.weight", layer + "self_attn.kv_a_proj_with_mqa.weight"]
+    assert im.hessians[shared_input[0]] == im.hessians[shared_input[1]]  # the same input rows: one Hessian
+    gate, up = (f"model.layers.2.mlp.shared_experts.{p}_proj.weight" for p in ("gate", "up"))
+    assert im.hessians[gate] == im.hessians[up] != im.hessians[shared_input[0]]
+    assert not any(".mlp.experts." in n for n in im.hessians)  # --hessians dense: not the routed experts
+    assert {"lm_head.weight", "model.layers.4.eh_proj.weight", layer + "self_attn.o_proj.weight"} <= set(im.hessians)
+    for name in (shared_input[0], gate, "lm_head.weight", layer + "self_attn.indexer.wq_b.weight"):
+        h = im.hessian(name)
+        assert h is not None and h.shape == (im.values[name].shape[0],) * 2
+        np.testing.assert_allclose(np.diag(h), im.values[name], rtol=1e-5)  # its diagonal is the imatrix
+        np.testing.assert_allclose(h, h.T, rtol=1e-5, atol=1e-6)
+        assert np.linalg.eigvalsh(h.astype(np.float64)).min() > -1e-4 * np.abs(h).max()
+    assert im.hessian(f"{layer}mlp.gate_proj.weight") is None or layer == "model.layers.1."
+
+
+def test_calibrate_hessian_choices(snapshots):
+    from glmkit.runtime.calibrate import collect
+    from glmkit.runtime.engine import Engine
+
+    engine = Engine(snapshots("tiny-trained", "f32"), "numpy", load_tokenizer=False)
+    windows = json.loads(CALIB.read_text())[:2]
+    full = collect(engine, windows, hessians="all")
+    gate, up, down = (f"model.layers.2.mlp.experts.5.{p}_proj.weight" for p in ("gate", "up", "down"))
+    assert full.hessians[gate] == full.hessians[up] != full.hessians[down]
+    assert full.hessian_data[full.hessians[down]].shape == (96, 96)
+    none = collect(engine, windows, hessians="none")
+    assert none.hessians == {} and none.hessian_data == {}
+    np.testing.assert_array_equal(none.values[gate], full.values[gate])
+    narrow = collect(engine, windows, hessians="dense", max_hessian_dim=100)
+    assert narrow.hessians and all(full.values[n].shape[0] <= 100 for n in narrow.hessians)
+    assert any(v.shape[0] > 100 for v in narrow.values.values())
+
+
+def test_imatrix_hostile_files(imatrix, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    from glmkit.formats.safetensors_file import read_metadata
+
+    tensors = load_file(str(imatrix))
+    meta = read_metadata(imatrix)
+    hessians = json.loads(meta["hessians"])
+    name = "lm_head.weight"
+    cases = {
+        "missing": ({k: v for k, v in tensors.items() if k != hessians[name]}, meta),
+        "width": ({**tensors, hessians[name]: np.eye(5, dtype=np.float32)}, meta),
+        "notsquare": ({**tensors, hessians[name]: np.zeros((5, 6), np.float32)}, meta),
+        "badmeta": (tensors, {**meta, "hessians": "[1, 2]"}),
+        "version": (tensors, {**meta, "format_version": "3"}),
+    }
+    for label, (t, m) in cases.items():
+        path = tmp_path / f"{label}.st"
+        save_file(t, str(path), metadata=m)
+        code, out, err = run(convert_main, TRAINED, tmp_path / label, "--quantizer", "gptq", "--imatrix", path,
+                             "--quiet")
+        assert code == 1 and err.startswith("glm-convert: error: ") and err.count("\n") == 1, (label, err)
+        assert not (tmp_path / label).exists()
+    v1 = tmp_path / "v1.st"  # version 1 (no Hessians) still reads: mse uses it, gptq says what is missing
+    save_file({k: v for k, v in tensors.items() if not k.startswith("hessian.")}, str(v1),
+              metadata={**{k: v for k, v in meta.items() if k != "hessians"}, "format_version": "1"})
+    assert read_imatrix(v1).hessians == {}
+    code, _, err = run(convert_main, TRAINED, tmp_path / "v1out", "--quantizer", "gptq", "--imatrix", v1, "--quiet")
+    assert code == 1 and "no Hessians" in err
+    nonfinite = dict(tensors)
+    nonfinite[hessians[name]] = tensors[hessians[name]].copy()
+    nonfinite[hessians[name]][0, 1] = np.inf
+    save_file(nonfinite, str(tmp_path / "inf.st"), metadata=meta)
+    code, _, err = run(convert_main, TRAINED, tmp_path / "inf", "--quantizer", "gptq", "--imatrix",
+                       tmp_path / "inf.st", "--quiet")
+    assert code == 1 and "non-finite" in err and "glm-convert: error: " in err
+
+
+def test_convert_calibrate_in_one_command(imatrix, tmp_path):
+    """--calibrate = glm-calibrate on a temporary conversion + --quantizer gptq --imatrix: the same container."""
+    two_step = Container(convert(tmp_path / "two", "--preset", "q4", "--quantizer", "gptq", "--imatrix", imatrix))
+    one = Container(convert(tmp_path / "one", "--preset", "q4", "--calibrate", CALIB, "--calibrate-preset", "f32",
+                            "--calibrate-windows", "4"))
+    assert one.manifest.conversion["quantizer"] == "gptq" and one.manifest.conversion["imatrix"]["tokens"] == 512
+    assert one.model_hash == two_step.model_hash
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["one", "two"]  # the temporary container is gone
+    text = tmp_path / "sample.py"
+    text.write_text("".join(f"def f{i}(x):\n    return x * {i} + 1\n\n" for i in range(200)))
+    from_text = Container(convert(tmp_path / "text", "--preset", "q2", "--calibrate", text))  # q8 temporary model
+    assert from_text.manifest.conversion["quantizer"] == "gptq" and from_text.manifest.conversion["imatrix"]["tokens"]
+    for args, message in (((), "--calibrate and --imatrix"), (("--quantizer", "mse"), "--calibrate and --imatrix")):
+        code, _, err = run(convert_main, TRAINED, tmp_path / "bad", "--calibrate", CALIB, "--imatrix", imatrix,
+                           *args, "--quiet")
+        assert code == 1 and message in err
+    code, _, err = run(convert_main, TRAINED, tmp_path / "bad", "--quantizer", "gptq", "--quiet")
+    assert code == 1 and "--calibrate" in err and err.count("\n") == 1
+    code, _, err = run(convert_main, TRAINED, tmp_path / "bad", "--calibrate", tmp_path / "missing.txt", "--quiet")
+    assert code == 1 and "missing.txt" in err and err.count("\n") == 1
+    assert not (tmp_path / "bad").exists() and not list(tmp_path.glob(".glmkit-calibrate-*"))

@@ -1,4 +1,4 @@
-"""The `mse` scale search: never worse than absmax in weighted squared error, deterministic, format v1."""
+"""The `mse` scale search (never worse than absmax in weighted squared error) and GPTQ: deterministic, format v1."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from glmkit.convert.plan import QuantPlan
-from glmkit.convert.quantizers import choose_scales, normalized_importance, search_scales, weighted_error
+from glmkit.convert.quantizers import choose_scales, gptq_quantize, normalized_importance, search_scales, weighted_error
 from glmkit.errors import GlmkitError
-from glmkit.formats.packing import absmax_scales, dequantize, pack, quantize, scales_shape
+from glmkit.formats.packing import absmax_scales, dequantize, expand_scales, pack, quantize, scales_shape
 
 
 def _weights(seed: int, rows: int = 48, cols: int = 200) -> np.ndarray:
@@ -79,8 +79,9 @@ def test_normalized_importance():
 def test_plan_records_the_quantizer():
     assert QuantPlan.from_preset("q4").to_json()["quantizer"] == "mse"
     assert QuantPlan.from_preset("q4", quantizer="absmax").to_json()["quantizer"] == "absmax"
+    assert QuantPlan.from_preset("q4", quantizer="gptq").to_json()["quantizer"] == "gptq"
     with pytest.raises(GlmkitError, match="--quantizer"):
-        QuantPlan.from_preset("q4", quantizer="gptq")
+        QuantPlan.from_preset("q4", quantizer="awq")
 
 
 def test_imatrix_importance_and_unseen_expert_fallback():
@@ -110,3 +111,65 @@ def test_imatrix_importance_and_unseen_expert_fallback():
         Importance(Imatrix({name(0): np.ones(64, np.float32)}, {name(0): 1}), specs, QuantPlan.from_preset("q4"))
     with pytest.raises(GlmkitError, match="mse"):
         Importance(imatrix, specs, QuantPlan.from_preset("q4", quantizer="absmax"))
+    with pytest.raises(GlmkitError, match="no Hessians"):
+        Importance(imatrix, specs, QuantPlan.from_preset("q4", quantizer="gptq"))
+    with pytest.raises(GlmkitError, match="--calibrate"):
+        Importance(None, specs, QuantPlan.from_preset("q4", quantizer="gptq"))
+
+
+def _correlated_inputs(seed: int, cols: int, rows: int = 2000) -> np.ndarray:
+    """Activations whose columns are strongly correlated (low-rank plus noise, uneven scales), as in LLMs."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, 12)) @ rng.standard_normal((12, cols)) + 0.3 * rng.standard_normal((rows, cols))
+    return (x * rng.gamma(1.0, size=cols)).astype(np.float32)
+
+
+def _output_error(w: np.ndarray, codes: np.ndarray, scales: np.ndarray, group: int | None, h: np.ndarray) -> float:
+    """Mean squared output error `tr(dW H dW^T)` of a quantization, H = mean x x^T."""
+    dw = (w - codes * expand_scales(scales, w.shape[1], group)).astype(np.float64)
+    return float(np.einsum("oi,ij,oj->", dw, h, dw))
+
+
+@pytest.mark.parametrize("bits,group", [(4, 64), (2, 64), (8, None), (4, None)])
+def test_gptq_cuts_output_error_on_correlated_inputs(bits, group):
+    w = _weights(bits, rows=40, cols=150)
+    x = _correlated_inputs(bits, 150)
+    h = x.T.astype(np.float64) @ x / len(x)
+    codes, scales = gptq_quantize(w, h, bits, group)
+    assert codes.dtype == np.int8 and scales.dtype == np.float32 and scales.shape == scales_shape(w.shape, group)
+    top = (1 << (bits - 1)) - 1
+    assert codes.min() >= -top - 1 and codes.max() <= top
+    rtn = quantize(w, bits, group, search_scales(w, bits, group, normalized_importance(np.diag(h))))
+    assert _output_error(w, codes, scales, group, h) < 0.7 * _output_error(w, *rtn, group, h)
+    again = gptq_quantize(w, h, bits, group, threads=3)
+    np.testing.assert_array_equal(codes, again[0])  # deterministic, whatever the threading
+    np.testing.assert_array_equal(scales, again[1])
+    back = dequantize(pack(codes, bits), scales, bits, group, w.shape[1])  # plain format v1
+    np.testing.assert_allclose(back, codes * expand_scales(scales, w.shape[1], group), rtol=1e-6)
+
+
+def test_gptq_with_uncorrelated_inputs_is_the_weighted_search():
+    """A diagonal H carries no error across columns: GPTQ's codes are then exactly the mse search's."""
+    w = _weights(5, cols=128)  # whole groups: a partial last group's search sums in another order (1 ulp)
+    diag = np.random.default_rng(5).gamma(0.7, size=128)
+    codes, scales = gptq_quantize(w, np.diag(diag), 4, 64)
+    expected = quantize(w, 4, 64, search_scales(w, 4, 64, normalized_importance(diag)))
+    np.testing.assert_array_equal(scales, expected[1])
+    np.testing.assert_array_equal(codes, expected[0])
+
+
+def test_gptq_dead_columns_and_bad_hessians():
+    w = _weights(6, cols=100)
+    x = _correlated_inputs(6, 100)
+    x[:, 10:20] = 0.0  # columns calibration never reached
+    codes, scales = gptq_quantize(w, x.T @ x / len(x), 4, 64)
+    assert np.isfinite(scales).all() and (scales > 0).all()
+    rounded = quantize(w, 4, 64, scales)[0]
+    np.testing.assert_array_equal(codes[:, 0], rounded[:, 0])  # nothing to correct before the first column
+    np.testing.assert_array_equal(codes[:, 10:20], rounded[:, 10:20])  # dead columns take and pass no error
+    with pytest.raises(ValueError, match="shape"):
+        gptq_quantize(w, np.eye(99), 4, 64)
+    bad = np.eye(100)
+    bad[3, 4] = np.nan
+    with pytest.raises(ValueError, match="non-finite"):
+        gptq_quantize(w, bad, 4, 64)

@@ -9,13 +9,14 @@ parameters), perplexity and KL divergence against the f32 conversion's log-proba
 windows (eval_tokens.json; what `glm-perplexity --kl-base` computes), top-1 agreement, and the MTP draft
 acceptance: during greedy generation (Generator stats; prompts: the first 64 tokens of each held-out window,
 64 new tokens) and along the held-out text itself (`mtp_acceptance_on_text`).
-The imatrix variants use `glm-calibrate` statistics of the f32 model over calib_tokens.json (training text,
-not the evaluation windows). Same commands by hand:
+The imatrix and gptq variants use `glm-calibrate` statistics of the f32 model over calib_tokens.json (training
+text, not the evaluation windows), with Hessians for every weight (`--hessians all`) or all but the routed
+experts (`dense`, the default). Same commands by hand:
 
     glm-convert tests/fixtures/tiny-trained /tmp/f32 --preset f32
     glm-perplexity /tmp/f32 --tokens tests/fixtures/tiny-trained/eval_tokens.json --save-logits /tmp/base.st
-    glm-calibrate /tmp/f32 --tokens tests/fixtures/tiny-trained/calib_tokens.json -o /tmp/imatrix.st
-    glm-convert tests/fixtures/tiny-trained /tmp/q4 --preset q4 --imatrix /tmp/imatrix.st
+    glm-calibrate /tmp/f32 --tokens tests/fixtures/tiny-trained/calib_tokens.json -o /tmp/imatrix.st --hessians all
+    glm-convert tests/fixtures/tiny-trained /tmp/q4 --preset q4 --quantizer gptq --imatrix /tmp/imatrix.st
     glm-perplexity /tmp/q4 --tokens tests/fixtures/tiny-trained/eval_tokens.json --kl-base /tmp/base.st --json
 """
 
@@ -44,19 +45,24 @@ from glmkit.runtime.generate import Generator  # noqa: E402
 from glmkit.runtime.logits_file import LogitsBase, LogitsWriter  # noqa: E402
 from glmkit.runtime.sampling import Sampler, SamplingParams  # noqa: E402
 
-# (label, preset, group size (0 = per row), quantizer, imatrix)
-VARIANTS: list[tuple[str, str, int, str, bool]] = [
-    ("f32", "f32", 64, "absmax", False),
-    ("q8 absmax", "q8", 64, "absmax", False),
-    ("q8 mse", "q8", 64, "mse", False),
-    ("q4 absmax", "q4", 64, "absmax", False),
-    ("q4 mse", "q4", 64, "mse", False),
-    ("q4 mse+imatrix", "q4", 64, "mse", True),
-    ("q4 per-row absmax", "q4", 0, "absmax", False),
-    ("q4 per-row mse+imatrix", "q4", 0, "mse", True),
-    ("q2 absmax", "q2", 64, "absmax", False),
-    ("q2 mse", "q2", 64, "mse", False),
-    ("q2 mse+imatrix", "q2", 64, "mse", True),
+# (label, preset, group size (0 = per row), quantizer, calibration statistics: None, "all" or "dense" Hessians)
+VARIANTS: list[tuple[str, str, int, str, str | None]] = [
+    ("f32", "f32", 64, "absmax", None),
+    ("q8 absmax", "q8", 64, "absmax", None),
+    ("q8 mse", "q8", 64, "mse", None),
+    ("q8 gptq", "q8", 64, "gptq", "all"),
+    ("q4 absmax", "q4", 64, "absmax", None),
+    ("q4 mse", "q4", 64, "mse", None),
+    ("q4 mse+imatrix", "q4", 64, "mse", "all"),
+    ("q4 gptq", "q4", 64, "gptq", "all"),
+    ("q4 gptq, dense Hessians", "q4", 64, "gptq", "dense"),
+    ("q4 per-row absmax", "q4", 0, "absmax", None),
+    ("q4 per-row mse+imatrix", "q4", 0, "mse", "all"),
+    ("q4 per-row gptq", "q4", 0, "gptq", "all"),
+    ("q2 absmax", "q2", 64, "absmax", None),
+    ("q2 mse", "q2", 64, "mse", None),
+    ("q2 mse+imatrix", "q2", 64, "mse", "all"),
+    ("q2 gptq", "q2", 64, "gptq", "all"),
 ]
 MTP_PROMPTS = 32
 MTP_PROMPT_TOKENS = 64
@@ -97,14 +103,13 @@ def run(fixture: Path, work: Path, only: list[str] | None) -> list[dict[str, Any
     windows = json.loads((fixture / "eval_tokens.json").read_text())
     calib = json.loads((fixture / "calib_tokens.json").read_text())
     base_path = work / "base.safetensors"
-    imatrix_path = work / "imatrix.safetensors"
     rows: list[dict[str, Any]] = []
-    for label, preset, group, quantizer, use_imatrix in VARIANTS:
+    for label, preset, group, quantizer, hessians in VARIANTS:
         if only and label not in only and label != "f32":
             continue
-        out = work / label.replace(" ", "_").replace("+", "_")
+        out = work / label.replace(" ", "_").replace("+", "_").replace(",", "")
         plan = QuantPlan.from_preset(preset, group_size=group, quantizer=quantizer)
-        imatrix = read_imatrix(imatrix_path) if use_imatrix else None
+        imatrix = read_imatrix(work / f"imatrix-{hessians}.safetensors") if hessians else None
         t0 = time.perf_counter()
         convert(fixture, out, plan, preset, force=True, progress=False, imatrix=imatrix)
         seconds = time.perf_counter() - t0
@@ -113,11 +118,12 @@ def run(fixture: Path, work: Path, only: list[str] | None) -> list[dict[str, Any
             writer = LogitsWriter(base_path, engine.model_hash, windows, engine.config.vocab_size)
             metrics = evaluate(engine, windows, save=writer)
             writer.close()
-            collect(engine, calib).write(imatrix_path)
+            for kind in ("all", "dense"):
+                collect(engine, calib, hessians=kind).write(work / f"imatrix-{kind}.safetensors")
         else:
             metrics = evaluate(engine, windows, LogitsBase(base_path))
         row = {"variant": label, "preset": preset, "group_size": group or None, "quantizer": quantizer,
-               "imatrix": use_imatrix, "bytes": engine.container.nbytes,
+               "hessians": hessians, "bytes": engine.container.nbytes,
                "bpw": engine.container.nbytes * 8 / logical_params(engine), "convert_s": seconds, **metrics,
                **mtp_acceptance(engine, windows), "mtp_acceptance_text": mtp_acceptance_on_text(engine, windows)}
         rows.append(row)

@@ -1,16 +1,25 @@
-"""`glm-convert SOURCE OUT`: convert a Hugging Face checkpoint (Hub repo or local snapshot) into a glmkit container."""
+"""`glm-convert SOURCE OUT`: convert a Hugging Face checkpoint (Hub repo or local snapshot) into a glmkit container.
+
+`--calibrate FILE` is the one place a CLI runs both layers: it converts a temporary q8 (or f32) container,
+runs the runtime's calibration over FILE on it, deletes it, then converts with those statistics (`gptq`).
+The converter library itself never imports the runtime.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import shutil
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 from glmkit.convert.convert import DEFAULT_FILE_BYTES, DEFAULT_INFLIGHT_BYTES, convert, dry_run_report
 from glmkit.convert.plan import DEFAULT_GROUP_SIZE, DEFAULT_QUANTIZER, PRESETS, QuantPlan
 from glmkit.convert.quantizers import QUANTIZERS
 from glmkit.errors import GlmkitError
-from glmkit.formats.imatrix import read_imatrix
+from glmkit.formats.imatrix import Imatrix, read_imatrix
 from glmkit.units import format_size, parse_size
 
 
@@ -29,12 +38,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--embed-bits", type=int, choices=(2, 4, 8, 32), help="override embed/lm_head bits (32 = F32)")
     p.add_argument("--group-size", type=int, default=DEFAULT_GROUP_SIZE,
                    help=f"scale group size for int4/int2 weights (default {DEFAULT_GROUP_SIZE}; 0 = per row)")
-    p.add_argument("--quantizer", choices=QUANTIZERS, default=DEFAULT_QUANTIZER,
-                   help=f"how scales are chosen: mse searches each group's error-minimising scale (default "
-                        f"{DEFAULT_QUANTIZER}), absmax takes amax/qmax (faster)")
+    p.add_argument("--quantizer", choices=QUANTIZERS,
+                   help=f"how codes and scales are chosen: mse searches each group's error-minimising scale "
+                        f"(default {DEFAULT_QUANTIZER}), absmax takes amax/qmax (faster), gptq corrects rounding "
+                        "errors across columns with calibration Hessians (default with --calibrate; needs "
+                        "--imatrix or --calibrate)")
     p.add_argument("--imatrix", metavar="FILE",
-                   help="importance matrix from glm-calibrate: weight the mse quantizer's error by each input "
-                        "column's activation energy")
+                   help="statistics from glm-calibrate: weight the mse quantizer's error by each input column's "
+                        "activation energy; gptq uses its Hessians")
+    p.add_argument("--calibrate", type=Path, metavar="FILE",
+                   help="calibrate first: UTF-8 sample text (or a .json list of token-id lists) run through a "
+                        "temporary --calibrate-preset conversion; implies --quantizer gptq")
+    p.add_argument("--calibrate-preset", choices=("q8", "f32"), default="q8",
+                   help="the temporary container --calibrate runs (default q8: a quarter of f32's disk)")
+    p.add_argument("--calibrate-windows", type=int, default=64, metavar="N",
+                   help="--calibrate: at most N windows of 512 tokens (default 64)")
     p.add_argument("--max-file-size", type=parse_size, default=DEFAULT_FILE_BYTES, metavar="SIZE",
                    help="largest output data file, e.g. 4G, 500M, 64K (default 4G); one expert is never split")
     p.add_argument("--revision", help="Hub branch, tag or commit (default main); for an HF cache dir: a ref or commit")
@@ -59,17 +77,26 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.max_file_size < 1:
             raise GlmkitError("--max-file-size: must be at least 1 byte")
+        if args.calibrate is not None and args.imatrix is not None:
+            raise GlmkitError("--calibrate and --imatrix: give one (--calibrate computes what --imatrix reads)")
+        quantizer = args.quantizer or ("gptq" if args.calibrate is not None else DEFAULT_QUANTIZER)
         plan = QuantPlan.from_preset(args.preset, args.expert_bits, args.dense_bits, args.embed_bits,
-                                     args.group_size, args.quantizer)
+                                     args.group_size, quantizer)
         options = {"revision": args.revision, "endpoint": args.endpoint, "keep_source": args.keep_source,
-                   "max_inflight": args.max_inflight,
-                   "imatrix": read_imatrix(args.imatrix) if args.imatrix is not None else None}
+                   "max_inflight": args.max_inflight}
+        imatrix = read_imatrix(args.imatrix) if args.imatrix is not None else None
         if args.dry_run:
-            print(dry_run_report(args.source, args.out, plan, args.preset, args.max_file_size, **options))
+            print(dry_run_report(args.source, args.out, plan, args.preset, args.max_file_size, imatrix=imatrix,
+                                 **options))
             return 0
         start = time.perf_counter()
-        result = convert(args.source, args.out, plan, args.preset, force=args.force,
-                         max_file_bytes=args.max_file_size, progress=not args.quiet, **options)
+        scratch = (tempfile.TemporaryDirectory(prefix=".glmkit-calibrate-", dir=_parent(args.out))
+                   if args.calibrate is not None else contextlib.nullcontext(None))
+        with scratch as scratch_dir:
+            if scratch_dir is not None:
+                imatrix = _calibrate(args, Path(scratch_dir), options)
+            result = convert(args.source, args.out, plan, args.preset, force=args.force,
+                             max_file_bytes=args.max_file_size, progress=not args.quiet, imatrix=imatrix, **options)
     except GlmkitError as e:
         print(f"glm-convert: error: {e}", file=sys.stderr)
         return 1
@@ -84,6 +111,37 @@ def main(argv: list[str] | None = None) -> int:
           f"{result.source_bytes / 1e6:.1f} MB source in {seconds:.1f} s{resumed}{staged}; "
           f"model hash {result.model_hash[:16]}")
     return 0
+
+
+def _parent(out: str) -> Path:
+    """An existing directory next to OUT for scratch files (same file system, so the disk check holds)."""
+    parent = Path(out).resolve().parent
+    while not parent.is_dir():
+        parent = parent.parent
+    return parent
+
+
+def _calibrate(args: argparse.Namespace, scratch: Path, options: dict[str, object]) -> Imatrix:
+    """Convert a temporary container, collect calibration statistics (Hessians for all but routed experts) on
+    it over --calibrate's text, and return them; the temporary container is deleted."""
+    from glmkit.runtime.calibrate import calibration_windows, collect
+    from glmkit.runtime.engine import Engine
+
+    if args.calibrate_windows < 1:
+        raise GlmkitError(f"--calibrate-windows: must be at least 1, got {args.calibrate_windows}")
+    model_dir = scratch / "model"
+    plan = QuantPlan.from_preset(args.calibrate_preset)
+    if not args.quiet:
+        print(f"calibrate: converting a temporary {args.calibrate_preset} container", file=sys.stderr)
+    convert(args.source, model_dir, plan, args.calibrate_preset, progress=not args.quiet, **options)  # type: ignore[arg-type]
+    engine = Engine(model_dir, "numpy", load_tokenizer=args.calibrate.suffix != ".json")
+    windows = calibration_windows(engine, args.calibrate)[:args.calibrate_windows]
+    statistics = collect(engine, windows, progress=not args.quiet)
+    del engine
+    shutil.rmtree(model_dir)
+    path = scratch / "imatrix.safetensors"
+    statistics.write(path)
+    return read_imatrix(path)  # as --imatrix would read it: its sha256 goes into the manifest
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from tqdm import tqdm
 import glmkit
 from glmkit.convert.fetch import peak_alive_bytes
 from glmkit.convert.plan import PRESETS, QuantPlan
-from glmkit.convert.quantizers import choose_scales, normalized_importance
+from glmkit.convert.quantizers import choose_scales, gptq_quantize, normalized_importance
 from glmkit.convert.resume import STATE_DIR, ConversionState, DoneFile, differences
 from glmkit.convert.source import SIDE_FILES, HFSnapshot, Source, open_source
 from glmkit.errors import GlmkitError
@@ -369,7 +369,8 @@ def _conversion_record(snapshot: HFSnapshot, specs: list[TensorSpec], plan: Quan
 
 
 class Importance:
-    """Per-tensor input-column importance for the `mse` quantizer, from an imatrix (None: uniform).
+    """Per-tensor input-column importance for the `mse` quantizer, and Hessians for `gptq`, from an imatrix
+    (None: uniform; `gptq` needs one).
 
     A routed expert the calibration text never reached has no statistics of its own: it gets the mean of
     its layer's other experts' (same projection). Tensors with no linear input (the embedding) are uniform.
@@ -379,10 +380,13 @@ class Importance:
         self.imatrix = imatrix
         self._fallback: dict[str, np.ndarray | None] = {}
         if imatrix is None:
+            if plan.quantizer == "gptq":
+                raise GlmkitError("--quantizer gptq: needs calibration statistics: --imatrix FILE (glm-calibrate) "
+                                  "or --calibrate TEXT")
             return
-        if plan.quantizer != "mse":
-            raise GlmkitError("--imatrix: weights the error of the mse quantizer; it cannot be used with "
-                              f"--quantizer {plan.quantizer}")
+        if plan.quantizer == "absmax":
+            raise GlmkitError("--imatrix: weights the error of the mse and gptq quantizers; it cannot be used "
+                              "with --quantizer absmax")
         shapes = {s.name: s.shape for s in specs}
         for name, v in imatrix.values.items():
             shape = shapes.get(name)
@@ -396,6 +400,13 @@ class Importance:
             raise GlmkitError("--imatrix: this preset quantizes nothing (f32)")
         if not any(s.name in imatrix.values for s in quantized):
             raise GlmkitError("--imatrix: names none of this model's quantized weights: collected on another model")
+        if plan.quantizer == "gptq" and not any(s.name in imatrix.hessians for s in quantized):
+            raise GlmkitError("--quantizer gptq: the imatrix holds no Hessians for this model's quantized weights "
+                              "(collect them with glm-calibrate --hessians dense)")
+
+    def hessian(self, spec: TensorSpec) -> np.ndarray | None:
+        """`[I, I]` mean `x x^T` of this weight's inputs, when calibration recorded it."""
+        return None if self.imatrix is None else self.imatrix.hessian(spec.name)
 
     def __call__(self, spec: TensorSpec) -> np.ndarray | None:
         if self.imatrix is None:
@@ -428,9 +439,13 @@ def _write_tensor(writer: DataFileWriter, source: HFSnapshot, plan: QuantPlan, s
         return {spec.name: TensorEntry(spec.name, file, offset, weights.nbytes, spec.shape, "F32", spec.role,
                                        digest)}
     bits, group = quant
-    weights_importance = importance(spec) if importance is not None else None
-    scales = choose_scales(weights, bits, group, plan.quantizer, weights_importance)
-    codes, scales = quantize(weights, bits, group, scales)
+    hessian = importance.hessian(spec) if importance is not None and plan.quantizer == "gptq" else None
+    if hessian is not None:
+        codes, scales = gptq_quantize(weights, hessian, bits, group)
+    else:
+        weights_importance = importance(spec) if importance is not None else None
+        scales = choose_scales(weights, bits, group, plan.quantizer, weights_importance)
+        codes, scales = quantize(weights, bits, group, scales)
     del weights
     packed = pack(codes, bits)
     del codes

@@ -15,6 +15,13 @@ more, as in llama.cpp's quantizers (measured on the trained fixture: q2 mean KLD
 per input column, `[I]`) is 1 by default; with an imatrix (`glm-calibrate`) it is the mean square of that
 column's input activation (normalised to mean 1), so the columns the model actually drives get the accuracy:
 for `y = x W^T` the expected output error is `sum_j E[x_j^2] dW_j^2` when inputs are uncorrelated.
+
+- `gptq`: inputs are correlated, and the output error of a whole row is `dw H dw^T` with `H = E[x x^T]`
+  (the calibration Hessian, `glm-calibrate`). GPTQ (Frantar et al. 2022) quantizes the columns in order and
+  after each one moves its rounding error onto the columns not yet quantized, along `H^-1` (the optimal
+  correction for that error), so later columns absorb what earlier ones lost. Each group's scale is the
+  `mse` search over the group's weights as they stand when the group is reached (per row: over the original
+  row, importance = `diag H`). Codes and scales are format v1's; only which codes are chosen differs.
 """
 
 from __future__ import annotations
@@ -24,9 +31,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from glmkit.formats.packing import MIN_SCALE, absmax_scales, expand_scales, num_groups, qmax
+from glmkit.formats.packing import MIN_SCALE, absmax_scales, expand_scales, num_groups, qmax, scales_shape
 
-QUANTIZERS = ("absmax", "mse")
+QUANTIZERS = ("absmax", "mse", "gptq")
 # Candidate clip factors f (scale = amax / (qmax f)); low bit widths gain from clipping far more.
 _GRIDS = {
     8: np.linspace(1.0, 1.5, 8),
@@ -46,7 +53,7 @@ def choose_scales(w: np.ndarray, bits: int, group_size: int | None, quantizer: s
     """Scales for `w [O, I]` (`[O]` per row, `[O, ceil(I/g)]` grouped) by the named quantizer."""
     if quantizer == "absmax":
         return absmax_scales(np.asarray(w, np.float32), bits, group_size)
-    if quantizer == "mse":
+    if quantizer in ("mse", "gptq"):  # gptq without a Hessian for this weight falls back to the search
         return search_scales(w, bits, group_size, importance, threads)
     raise ValueError(f"unknown quantizer {quantizer!r}")
 
@@ -177,3 +184,90 @@ def weighted_error(w: np.ndarray, scales: np.ndarray, bits: int, group_size: int
     diff = np.zeros((out_features, width), np.float64)
     diff[:, :in_features] = w.astype(np.float64) - q * full
     return float((e.reshape(out_features, width) * diff * diff).sum())
+
+
+GPTQ_DAMPING = 0.01  # added to H's diagonal, relative to its mean: keeps H invertible, as in the GPTQ paper
+GPTQ_BLOCK = 128  # columns corrected eagerly; the rest of the matrix is updated once per block (one GEMM)
+
+
+def gptq_quantize(w: np.ndarray, hessian: np.ndarray, bits: int, group_size: int | None,
+                  threads: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """GPTQ codes and scales for `w [O, I]` given `hessian [I, I]` (mean `x x^T` of its inputs).
+
+    Returns (codes int8 `[O, I]`, scales float32 `[O]` or `[O, G]`), exactly what `packing.quantize` returns.
+    Rows are independent given `H`, so they run in blocks (bounded memory, threads), deterministically.
+    """
+    w = np.asarray(w, np.float32)
+    out_features, in_features = w.shape
+    if hessian.shape != (in_features, in_features):
+        raise ValueError(f"Hessian has shape {hessian.shape}, expected ({in_features}, {in_features})")
+    upper = _inverse_cholesky(hessian)
+    diag = np.diag(hessian).astype(np.float64)
+    importance = normalized_importance(diag)
+    codes = np.empty(w.shape, np.int8)
+    scales = np.empty(scales_shape(w.shape, group_size), np.float32)
+    rows = max(1, _BLOCK_ELEMS // max(in_features, 1))
+    blocks = [slice(r, min(out_features, r + rows)) for r in range(0, out_features, rows)]
+
+    def run(block: slice) -> None:
+        codes[block], scales[block] = _gptq_rows(w[block], upper, importance, bits, group_size)
+
+    workers = min(threads or default_threads(), len(blocks))
+    if workers <= 1:
+        for b in blocks:
+            run(b)
+    else:
+        with ThreadPoolExecutor(workers) as pool:
+            list(pool.map(run, blocks))
+    return codes, scales
+
+
+def _inverse_cholesky(hessian: np.ndarray) -> np.ndarray:
+    """Upper Cholesky factor `U` of `H^-1` (`H^-1 = U^T U`), float32, after damping and fixing dead columns.
+
+    A column no calibration input ever reached (`H_jj = 0`) gets a unit diagonal: it is rounded like any other
+    and passes no error on (there is no evidence of how it interacts with the rest).
+    """
+    h = np.array(hessian, np.float64)
+    if not np.isfinite(h).all():
+        raise ValueError("Hessian holds non-finite values")
+    diag = np.diag(h).copy()
+    mean = diag[diag > 0].mean() if (diag > 0).any() else 1.0
+    dead = diag <= 0
+    h[dead, :] = 0.0
+    h[:, dead] = 0.0
+    h[np.diag_indices_from(h)] = np.where(dead, mean, diag) + GPTQ_DAMPING * mean
+    inverse = np.linalg.inv(h)
+    return np.linalg.cholesky((inverse + inverse.T) / 2).T.astype(np.float32)
+
+
+def _gptq_rows(w: np.ndarray, upper: np.ndarray, importance: np.ndarray, bits: int,
+               group_size: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """GPTQ over a block of rows `w [n, I]` with the upper inverse-Cholesky factor `[I, I]`."""
+    n, in_features = w.shape
+    top = qmax(bits)
+    lo, hi = np.float32(-top - 1), np.float32(top)
+    work = w.copy()
+    codes = np.empty((n, in_features), np.int8)
+    scales = np.empty(scales_shape((n, in_features), group_size), np.float32)
+    if group_size is None:
+        scales[:] = search_scales(w, bits, None, importance, threads=1)
+    for b0 in range(0, in_features, GPTQ_BLOCK):
+        b1 = min(in_features, b0 + GPTQ_BLOCK)
+        errors = np.empty((n, b1 - b0), np.float32)
+        for j in range(b0, b1):
+            if group_size is None:
+                s = scales
+            else:
+                g, start = divmod(j, group_size)
+                if start == 0:  # entering a group: its scale from the weights as corrected so far
+                    end = min(in_features, j + group_size)
+                    scales[:, g] = search_scales(work[:, j:end], bits, end - j, importance[j:end], threads=1)[:, 0]
+                s = scales[:, g]
+            q = np.clip(np.rint(work[:, j] / s), lo, hi)
+            codes[:, j] = q
+            err = (work[:, j] - q * s) / upper[j, j]
+            work[:, j + 1:b1] -= np.outer(err, upper[j, j + 1:b1])
+            errors[:, j - b0] = err
+        work[:, b1:] -= errors @ upper[b0:b1, b1:]
+    return codes, scales

@@ -4,13 +4,18 @@ Runs the converted model (best: the f32 conversion, or q8 for a model too big fo
 and records, for every linear weight, the mean square of each input column (`mean x_j^2` over the rows
 that went through it; per routed expert only its tokens; the MTP layer included). `glm-convert --imatrix`
 then weights each weight's quantization error by it (imatrix-style, DESIGN section 4 is unchanged: only
-the choice of scales differs). The runtime collects, the converter only reads a file: convert never
-imports runtime.
+the choice of scales differs). With `--hessians` it also records the full second moment `mean x x^T`
+`[I, I]` for the `gptq` quantizer: `dense` (default) for every weight but the routed experts, `all` for
+those too (GLM-5 has ~20,000 of them at 151 MB each: small models only), `none` for the diagonal only;
+inputs wider than `--max-hessian-dim` keep only the diagonal. Weights fed the very same input rows (q_a and
+kv_a, an expert's gate and up) share one Hessian. The runtime collects, the converter only reads a file:
+convert never imports runtime.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import sys
 from pathlib import Path
 from typing import Any
@@ -47,14 +52,48 @@ class _NamedWeights:
         self.names.clear()
 
 
-class _RecordingBackend:
-    """Delegates to a backend; `linear` also adds `sum x^2` per input column under the weight's name."""
+HESSIAN_CHOICES = ("dense", "all", "none")
+DEFAULT_MAX_HESSIAN_DIM = 8192
 
-    def __init__(self, inner: Backend, weights: _NamedWeights):
+
+class _RecordingBackend:
+    """Delegates to a backend; `linear` also adds `sum x^2` per input column under the weight's name, and
+    `sum x x^T` under the name of the first weight that saw the same input rows (`owner`)."""
+
+    def __init__(self, inner: Backend, weights: _NamedWeights, hessians: str = "dense",
+                 max_hessian_dim: int = DEFAULT_MAX_HESSIAN_DIM):
         self.inner = inner
         self.weights = weights
         self.sums: dict[str, np.ndarray] = {}
         self.counts: dict[str, int] = {}
+        self.hessians = hessians
+        self.max_hessian_dim = max_hessian_dim
+        self.products: dict[str, np.ndarray] = {}  # owner weight -> sum x x^T, float64 [I, I]
+        self.owner: dict[str, str] = {}  # weight -> the owner of its Hessian
+        self.seen: dict[bytes, str] = {}  # digest of an input -> owner that accumulated it, this window
+
+    def wants_hessian(self, name: str, in_features: int) -> bool:
+        if self.hessians == "none" or in_features > self.max_hessian_dim:
+            return False
+        return self.hessians == "all" or ".mlp.experts." not in name
+
+    def record_hessian(self, name: str, x: np.ndarray) -> None:
+        x = np.ascontiguousarray(x, np.float32)
+        digest = hashlib.blake2b(x.tobytes(), digest_size=16).digest() + str(x.shape).encode()
+        owner = self.owner.setdefault(name, self.seen.get(digest, name))
+        if owner != name:
+            if self.seen.get(digest) != owner:  # the sharing seen before does not hold: a model-order bug
+                raise GlmkitError(f"calibration: {name} no longer shares the inputs of {owner}")
+            return
+        self.seen[digest] = name
+        product = x.T.astype(np.float64) @ x
+        if name in self.products:
+            self.products[name] += product
+        else:
+            self.products[name] = product
+
+    def new_window(self) -> None:
+        self.seen.clear()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -69,6 +108,8 @@ class _RecordingBackend:
             else:
                 self.sums[name] = energy
             self.counts[name] = self.counts.get(name, 0) + x.shape[0]
+            if self.wants_hessian(name, x.shape[1]):
+                self.record_hessian(name, x)
         return self.inner.linear(x, w)
 
     # Composite operations run here, on top of `linear`, so every weight they use is recorded (a backend's own
@@ -82,10 +123,13 @@ class _RecordingBackend:
         return NumpyBackend.moe(self, x, ids, weights, expert, shared)  # type: ignore[arg-type]
 
 
-def collect(engine: Engine, windows: list[list[int]], progress: bool = False) -> Imatrix:
-    """Run every window through the main model and the MTP layer, recording linear-input energies."""
+def collect(engine: Engine, windows: list[list[int]], progress: bool = False, hessians: str = "dense",
+            max_hessian_dim: int = DEFAULT_MAX_HESSIAN_DIM) -> Imatrix:
+    """Run every window through the main model and the MTP layer, recording linear-input statistics."""
+    if hessians not in HESSIAN_CHOICES:
+        raise GlmkitError(f"--hessians: {hessians!r} is not one of {', '.join(HESSIAN_CHOICES)}")
     weights = _NamedWeights(engine.experts)
-    backend = _RecordingBackend(engine.backend, weights)
+    backend = _RecordingBackend(engine.backend, weights, hessians, max_hessian_dim)
     model = GlmMoeDsaModel(engine.config, weights, backend)  # type: ignore[arg-type]
     limit = engine.config.max_position_embeddings
     bar = tqdm(total=sum(len(w) for w in windows), unit="tok", desc="calibrate", file=sys.stderr,
@@ -95,6 +139,7 @@ def collect(engine: Engine, windows: list[list[int]], progress: bool = False) ->
             if len(w) > limit:
                 raise GlmkitError(f"window {i} has {len(w)} tokens, more than the model's {limit} positions")
             ids = np.asarray(w, dtype=np.int64)
+            backend.new_window()
             cache = model.new_cache()
             _, hidden = model.forward(ids, cache)
             if model.has_mtp and len(ids) > 1:
@@ -104,8 +149,17 @@ def collect(engine: Engine, windows: list[list[int]], progress: bool = False) ->
     finally:
         bar.close()
     values = {n: (s / backend.counts[n]).astype(np.float32) for n, s in backend.sums.items()}
+    tensors = {owner: f"hessian.{i}" for i, owner in enumerate(sorted(backend.products))}
+    data = {tensors[o]: (p / backend.counts[o]).astype(np.float32) for o, p in backend.products.items()}
     return Imatrix(values, dict(backend.counts), engine.model_hash, sum(len(w) for w in windows),
-                   tokens_digest(windows))
+                   tokens_digest(windows), {w: tensors[o] for w, o in backend.owner.items()}, data)
+
+
+def calibration_windows(engine: Engine, path: Path, ctx: int = DEFAULT_CTX) -> list[list[int]]:
+    """Windows from a `.json` list of token-id lists, or from UTF-8 text cut into `ctx`-token windows."""
+    if path.suffix == ".json":
+        return token_windows(path, engine.config.vocab_size)
+    return text_windows(engine, path, min(ctx, engine.config.max_position_embeddings))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -118,6 +172,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ctx", type=int, default=DEFAULT_CTX, help=f"window length for --text (default {DEFAULT_CTX})")
     p.add_argument("--max-windows", type=int, metavar="N", help="use only the first N windows")
     p.add_argument("-o", "--output", type=Path, required=True, metavar="IMATRIX", help="imatrix file to write")
+    p.add_argument("--hessians", choices=HESSIAN_CHOICES, default="dense",
+                   help="record mean x x^T for glm-convert --quantizer gptq: dense (default: all but routed "
+                        "experts), all, none (diagonal only)")
+    p.add_argument("--max-hessian-dim", type=int, default=DEFAULT_MAX_HESSIAN_DIM, metavar="N",
+                   help=f"inputs wider than N keep only the diagonal (default {DEFAULT_MAX_HESSIAN_DIM}: "
+                        f"{DEFAULT_MAX_HESSIAN_DIM ** 2 * 4 >> 20} MiB per Hessian)")
     p.add_argument("--device", default="auto", help="auto | numpy | opencl[:platform:device]")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
@@ -132,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         windows = (text_windows(engine, args.text, args.ctx) if args.text is not None
                    else token_windows(args.tokens, engine.config.vocab_size))
         windows = windows[:args.max_windows]
-        imatrix = collect(engine, windows, progress=not args.quiet)
+        imatrix = collect(engine, windows, progress=not args.quiet, hessians=args.hessians,
+                          max_hessian_dim=args.max_hessian_dim)
         imatrix.write(args.output)
     except GlmkitError as e:
         print(f"glm-calibrate: error: {e}", file=sys.stderr)
@@ -140,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("glm-calibrate: interrupted", file=sys.stderr)
         return 130
-    print(f"{args.output}: {len(imatrix.values)} weights from {imatrix.tokens} tokens in {len(windows)} windows")
+    print(f"{args.output}: {len(imatrix.values)} weights ({len(imatrix.hessians)} with Hessians, "
+          f"{len(imatrix.hessian_data)} distinct) from {imatrix.tokens} tokens in {len(windows)} windows")
     return 0
 
 
