@@ -6,7 +6,14 @@ import numpy as np
 import pytest
 
 from glmkit.convert.plan import QuantPlan
-from glmkit.convert.quantizers import choose_scales, gptq_quantize, normalized_importance, search_scales, weighted_error
+from glmkit.convert.quantizers import (
+    HessianFactor,
+    choose_scales,
+    gptq_quantize,
+    normalized_importance,
+    search_scales,
+    weighted_error,
+)
 from glmkit.errors import GlmkitError
 from glmkit.formats.packing import absmax_scales, dequantize, expand_scales, pack, quantize, scales_shape
 
@@ -135,13 +142,13 @@ def test_gptq_cuts_output_error_on_correlated_inputs(bits, group):
     w = _weights(bits, rows=40, cols=150)
     x = _correlated_inputs(bits, 150)
     h = x.T.astype(np.float64) @ x / len(x)
-    codes, scales = gptq_quantize(w, h, bits, group)
+    codes, scales = gptq_quantize(w, HessianFactor.from_hessian(h), bits, group)
     assert codes.dtype == np.int8 and scales.dtype == np.float32 and scales.shape == scales_shape(w.shape, group)
     top = (1 << (bits - 1)) - 1
     assert codes.min() >= -top - 1 and codes.max() <= top
     rtn = quantize(w, bits, group, search_scales(w, bits, group, normalized_importance(np.diag(h))))
     assert _output_error(w, codes, scales, group, h) < 0.7 * _output_error(w, *rtn, group, h)
-    again = gptq_quantize(w, h, bits, group, threads=3)
+    again = gptq_quantize(w, HessianFactor.from_hessian(h), bits, group, threads=3)
     np.testing.assert_array_equal(codes, again[0])  # deterministic, whatever the threading
     np.testing.assert_array_equal(scales, again[1])
     back = dequantize(pack(codes, bits), scales, bits, group, w.shape[1])  # plain format v1
@@ -152,7 +159,7 @@ def test_gptq_with_uncorrelated_inputs_is_the_weighted_search():
     """A diagonal H carries no error across columns: GPTQ's codes are then exactly the mse search's."""
     w = _weights(5, cols=128)  # whole groups: a partial last group's search sums in another order (1 ulp)
     diag = np.random.default_rng(5).gamma(0.7, size=128)
-    codes, scales = gptq_quantize(w, np.diag(diag), 4, 64)
+    codes, scales = gptq_quantize(w, HessianFactor.from_hessian(np.diag(diag)), 4, 64)
     expected = quantize(w, 4, 64, search_scales(w, 4, 64, normalized_importance(diag)))
     np.testing.assert_array_equal(scales, expected[1])
     np.testing.assert_array_equal(codes, expected[0])
@@ -162,14 +169,16 @@ def test_gptq_dead_columns_and_bad_hessians():
     w = _weights(6, cols=100)
     x = _correlated_inputs(6, 100)
     x[:, 10:20] = 0.0  # columns calibration never reached
-    codes, scales = gptq_quantize(w, x.T @ x / len(x), 4, 64)
+    codes, scales = gptq_quantize(w, HessianFactor.from_hessian(x.T @ x / len(x)), 4, 64)
     assert np.isfinite(scales).all() and (scales > 0).all()
     rounded = quantize(w, 4, 64, scales)[0]
     np.testing.assert_array_equal(codes[:, 0], rounded[:, 0])  # nothing to correct before the first column
     np.testing.assert_array_equal(codes[:, 10:20], rounded[:, 10:20])  # dead columns take and pass no error
     with pytest.raises(ValueError, match="shape"):
-        gptq_quantize(w, np.eye(99), 4, 64)
+        gptq_quantize(w, HessianFactor.from_hessian(np.eye(99)), 4, 64)
+    with pytest.raises(ValueError, match="square"):
+        HessianFactor.from_hessian(np.ones((4, 5)))
     bad = np.eye(100)
     bad[3, 4] = np.nan
     with pytest.raises(ValueError, match="non-finite"):
-        gptq_quantize(w, bad, 4, 64)
+        HessianFactor.from_hessian(bad)

@@ -22,7 +22,7 @@ from tqdm import tqdm
 import glmkit
 from glmkit.convert.fetch import peak_alive_bytes
 from glmkit.convert.plan import PRESETS, QuantPlan
-from glmkit.convert.quantizers import choose_scales, gptq_quantize, normalized_importance
+from glmkit.convert.quantizers import HessianFactor, choose_scales, gptq_quantize, normalized_importance
 from glmkit.convert.resume import STATE_DIR, ConversionState, DoneFile, differences
 from glmkit.convert.source import SIDE_FILES, HFSnapshot, Source, open_source
 from glmkit.errors import GlmkitError
@@ -368,6 +368,9 @@ def _conversion_record(snapshot: HFSnapshot, specs: list[TensorSpec], plan: Quan
     return record
 
 
+FACTOR_CACHE = 3  # GPTQ factors kept (GLM-5: 151 MB each for 6144 inputs)
+
+
 class Importance:
     """Per-tensor input-column importance for the `mse` quantizer, and Hessians for `gptq`, from an imatrix
     (None: uniform; `gptq` needs one).
@@ -379,6 +382,7 @@ class Importance:
     def __init__(self, imatrix: Imatrix | None, specs: list[TensorSpec], plan: QuantPlan):
         self.imatrix = imatrix
         self._fallback: dict[str, np.ndarray | None] = {}
+        self._factors: dict[str, HessianFactor] = {}  # Hessian tensor name -> factor, oldest first
         if imatrix is None:
             if plan.quantizer == "gptq":
                 raise GlmkitError("--quantizer gptq: needs calibration statistics: --imatrix FILE (glm-calibrate) "
@@ -404,9 +408,21 @@ class Importance:
             raise GlmkitError("--quantizer gptq: the imatrix holds no Hessians for this model's quantized weights "
                               "(collect them with glm-calibrate --hessians dense)")
 
-    def hessian(self, spec: TensorSpec) -> np.ndarray | None:
-        """`[I, I]` mean `x x^T` of this weight's inputs, when calibration recorded it."""
-        return None if self.imatrix is None else self.imatrix.hessian(spec.name)
+    def hessian(self, spec: TensorSpec) -> HessianFactor | None:
+        """GPTQ's factor of this weight's input Hessian, when calibration recorded one. Weights sharing an input
+        are written near each other (q_a/kv_a, gate/up), so the last few factors are kept."""
+        if self.imatrix is None or (tensor := self.imatrix.hessians.get(spec.name)) is None:
+            return None
+        if tensor not in self._factors:
+            hessian = self.imatrix.hessian(spec.name)
+            assert hessian is not None
+            try:
+                self._factors[tensor] = HessianFactor.from_hessian(hessian)
+            except np.linalg.LinAlgError:
+                raise GlmkitError(f"--imatrix: the Hessian of {spec.name} is not positive definite") from None
+            while len(self._factors) > FACTOR_CACHE:
+                del self._factors[next(iter(self._factors))]
+        return self._factors[tensor]
 
     def __call__(self, spec: TensorSpec) -> np.ndarray | None:
         if self.imatrix is None:

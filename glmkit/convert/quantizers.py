@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -188,31 +189,60 @@ def weighted_error(w: np.ndarray, scales: np.ndarray, bits: int, group_size: int
 
 GPTQ_DAMPING = 0.01  # added to H's diagonal, relative to its mean: keeps H invertible, as in the GPTQ paper
 GPTQ_BLOCK = 128  # columns corrected eagerly; the rest of the matrix is updated once per block (one GEMM)
+GPTQ_BLOCK_ELEMS = 1 << 24  # largest row block (64 MB of float32 working copy)
 
 
-def gptq_quantize(w: np.ndarray, hessian: np.ndarray, bits: int, group_size: int | None,
+@dataclass(frozen=True)
+class HessianFactor:
+    """What GPTQ needs of a Hessian `H [I, I]`, computed once per distinct input (weights sharing an input
+    share it): `upper`, the upper Cholesky factor of `H^-1` (`H^-1 = U^T U`), and the per-column importance
+    (`diag H`, normalised) for the scale search."""
+
+    upper: np.ndarray  # [I, I] float32
+    importance: np.ndarray  # [I] float32
+
+    @classmethod
+    def from_hessian(cls, hessian: np.ndarray) -> HessianFactor:
+        """Damped and with dead columns fixed: a column no calibration input ever reached (`H_jj = 0`) gets a
+        unit diagonal, so it is rounded like any other and passes no error on (no evidence how it interacts)."""
+        h = np.array(hessian, np.float64)
+        if h.ndim != 2 or h.shape[0] != h.shape[1]:
+            raise ValueError(f"Hessian has shape {h.shape}, expected a square matrix")
+        if not np.isfinite(h).all():
+            raise ValueError("Hessian holds non-finite values")
+        diag = np.diag(h).copy()
+        mean = diag[diag > 0].mean() if (diag > 0).any() else 1.0
+        dead = diag <= 0
+        h[dead, :] = 0.0
+        h[:, dead] = 0.0
+        h[np.diag_indices_from(h)] = np.where(dead, mean, diag) + GPTQ_DAMPING * mean
+        inverse = np.linalg.inv(h)
+        upper = np.linalg.cholesky((inverse + inverse.T) / 2).T.astype(np.float32)
+        return cls(upper, normalized_importance(diag))
+
+
+def gptq_quantize(w: np.ndarray, factor: HessianFactor, bits: int, group_size: int | None,
                   threads: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """GPTQ codes and scales for `w [O, I]` given `hessian [I, I]` (mean `x x^T` of its inputs).
+    """GPTQ codes and scales for `w [O, I]` given its inputs' `HessianFactor` (`I` columns).
 
     Returns (codes int8 `[O, I]`, scales float32 `[O]` or `[O, G]`), exactly what `packing.quantize` returns.
     Rows are independent given `H`, so they run in blocks (bounded memory, threads), deterministically.
     """
     w = np.asarray(w, np.float32)
     out_features, in_features = w.shape
-    if hessian.shape != (in_features, in_features):
-        raise ValueError(f"Hessian has shape {hessian.shape}, expected ({in_features}, {in_features})")
-    upper = _inverse_cholesky(hessian)
-    diag = np.diag(hessian).astype(np.float64)
-    importance = normalized_importance(diag)
+    if factor.upper.shape != (in_features, in_features):
+        raise ValueError(f"Hessian has shape {factor.upper.shape}, expected ({in_features}, {in_features})")
     codes = np.empty(w.shape, np.int8)
     scales = np.empty(scales_shape(w.shape, group_size), np.float32)
-    rows = max(1, _BLOCK_ELEMS // max(in_features, 1))
+    workers = threads or default_threads()
+    # big blocks: the per-column loop costs the same for 1 row or 1,000
+    rows = max(1, min(-(-out_features // workers), GPTQ_BLOCK_ELEMS // max(in_features, 1)))
     blocks = [slice(r, min(out_features, r + rows)) for r in range(0, out_features, rows)]
 
     def run(block: slice) -> None:
-        codes[block], scales[block] = _gptq_rows(w[block], upper, importance, bits, group_size)
+        codes[block], scales[block] = _gptq_rows(w[block], factor.upper, factor.importance, bits, group_size)
 
-    workers = min(threads or default_threads(), len(blocks))
+    workers = min(workers, len(blocks))
     if workers <= 1:
         for b in blocks:
             run(b)
@@ -220,25 +250,6 @@ def gptq_quantize(w: np.ndarray, hessian: np.ndarray, bits: int, group_size: int
         with ThreadPoolExecutor(workers) as pool:
             list(pool.map(run, blocks))
     return codes, scales
-
-
-def _inverse_cholesky(hessian: np.ndarray) -> np.ndarray:
-    """Upper Cholesky factor `U` of `H^-1` (`H^-1 = U^T U`), float32, after damping and fixing dead columns.
-
-    A column no calibration input ever reached (`H_jj = 0`) gets a unit diagonal: it is rounded like any other
-    and passes no error on (there is no evidence of how it interacts with the rest).
-    """
-    h = np.array(hessian, np.float64)
-    if not np.isfinite(h).all():
-        raise ValueError("Hessian holds non-finite values")
-    diag = np.diag(h).copy()
-    mean = diag[diag > 0].mean() if (diag > 0).any() else 1.0
-    dead = diag <= 0
-    h[dead, :] = 0.0
-    h[:, dead] = 0.0
-    h[np.diag_indices_from(h)] = np.where(dead, mean, diag) + GPTQ_DAMPING * mean
-    inverse = np.linalg.inv(h)
-    return np.linalg.cholesky((inverse + inverse.T) / 2).T.astype(np.float32)
 
 
 def _gptq_rows(w: np.ndarray, upper: np.ndarray, importance: np.ndarray, bits: int,
