@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from glmkit.formats.packing import MIN_SCALE, absmax_scales, expand_scales, num_groups, qmax, scales_shape
 
@@ -190,6 +191,7 @@ def weighted_error(w: np.ndarray, scales: np.ndarray, bits: int, group_size: int
 GPTQ_DAMPING = 0.01  # added to H's diagonal, relative to its mean: keeps H invertible, as in the GPTQ paper
 GPTQ_BLOCK = 128  # columns corrected eagerly; the rest of the matrix is updated once per block (one GEMM)
 GPTQ_BLOCK_ELEMS = 1 << 24  # largest row block (64 MB of float32 working copy)
+BLAS_THREADS_FROM = 1024  # Hessians this wide are factored with OpenBLAS's threads; smaller ones lose by them
 
 
 @dataclass(frozen=True)
@@ -216,8 +218,9 @@ class HessianFactor:
         h[dead, :] = 0.0
         h[:, dead] = 0.0
         h[np.diag_indices_from(h)] = np.where(dead, mean, diag) + GPTQ_DAMPING * mean
-        inverse = np.linalg.inv(h)
-        upper = np.linalg.cholesky((inverse + inverse.T) / 2).T.astype(np.float32)
+        with threadpool_limits(1 if len(h) < BLAS_THREADS_FROM else None, user_api="blas"):
+            inverse = np.linalg.inv(h)
+            upper = np.linalg.cholesky((inverse + inverse.T) / 2).T.astype(np.float32)
         return cls(upper, normalized_importance(diag))
 
 
@@ -243,12 +246,13 @@ def gptq_quantize(w: np.ndarray, factor: HessianFactor, bits: int, group_size: i
         codes[block], scales[block] = _gptq_rows(w[block], factor.upper, factor.importance, bits, group_size)
 
     workers = min(workers, len(blocks))
-    if workers <= 1:
-        for b in blocks:
-            run(b)
-    else:
-        with ThreadPoolExecutor(workers) as pool:
-            list(pool.map(run, blocks))
+    with threadpool_limits(1, user_api="blas"):  # the row blocks are the parallelism
+        if workers <= 1:
+            for b in blocks:
+                run(b)
+        else:
+            with ThreadPoolExecutor(workers) as pool:
+                list(pool.map(run, blocks))
     return codes, scales
 
 
