@@ -207,6 +207,21 @@ def test_imatrix_hessians(imatrix):
     assert im.hessian(f"{layer}mlp.gate_proj.weight") is None or layer == "model.layers.1."
 
 
+def test_imatrix_digest_is_of_content(imatrix, tmp_path):
+    """Saved again (safetensors writes its metadata in hash-map order), the digest and the statistics stay."""
+    first = read_imatrix(imatrix)
+    first.write(tmp_path / "again.st")
+    second = read_imatrix(tmp_path / "again.st")
+    assert second.sha256 == first.sha256 and second.hessians == first.hessians and second.counts == first.counts
+    assert all(np.array_equal(second.values[n], v) for n, v in first.values.items())
+    name = "lm_head.weight"
+    np.testing.assert_array_equal(second.hessian(name), first.hessian(name))
+    changed = read_imatrix(tmp_path / "again.st")
+    changed.values[name] = changed.values[name] * 2
+    changed.write(tmp_path / "changed.st")
+    assert read_imatrix(tmp_path / "changed.st").sha256 != first.sha256
+
+
 def test_calibrate_hessian_choices(snapshots):
     from glmkit.runtime.calibrate import collect
     from glmkit.runtime.engine import Engine

@@ -64,7 +64,9 @@ class Imatrix:
                 "counts": json.dumps(dict(sorted(self.counts.items())), separators=(",", ":")),
                 "hessians": json.dumps(dict(sorted(self.hessians.items())), separators=(",", ":"))}
         tensors = {n: np.ascontiguousarray(v, np.float32) for n, v in sorted(self.values.items())}
-        tensors.update((n, np.ascontiguousarray(h, np.float32)) for n, h in sorted(self.hessian_data.items()))
+        for weight, name in sorted(self.hessians.items()):  # read ones stay in their file until now
+            if name not in tensors:
+                tensors[name] = np.ascontiguousarray(self.hessian(weight), np.float32)
         tmp = path.with_name(path.name + ".tmp")
         try:
             save_file(tensors, str(tmp), metadata=meta)
