@@ -341,3 +341,58 @@ def test_quantized_embedding_gathers_and_dequantizes_rows() -> None:
     table = quant(rand(rng, 20, 12), 4, 8)
     ids = np.array([3, 0, 3, 19])
     np.testing.assert_allclose(embed_rows(table, ids), table.dequantize()[ids], rtol=1e-6)
+
+
+# ---- worker pool (prefill-sized calls split over threads) -------------------------------------
+
+def reference_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, allowed: np.ndarray, scale: float) -> np.ndarray:
+    """Per query row and head: softmax over every key (masked to -inf), in float64."""
+    heads = q.shape[1]
+    k = np.broadcast_to(k, (k.shape[0], heads, k.shape[2])).astype(np.float64)
+    v = np.broadcast_to(v, (v.shape[0], heads, v.shape[2])).astype(np.float64)
+    scores = np.einsum("shd,thd->hst", q.astype(np.float64), k) * scale
+    scores = np.where(allowed, scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    return np.einsum("hst,thd->shd", probs, v)
+
+
+@pytest.mark.parametrize("key_heads", [1, 5])
+def test_attention_blocks_heads_and_skipped_keys_match_reference(key_heads: int) -> None:
+    rng = np.random.default_rng(11)
+    seq, total, heads = 37, 45, 5
+    q, k, v = rand(rng, seq, heads, 12), rand(rng, total, key_heads, 12), rand(rng, total, key_heads, 7)
+    allowed = causal_mask(3, seq, total)  # the last keys are nobody's: the blocks leave them out
+    allowed[10:20, 2:9] = False  # sparse-selection holes
+    expected = reference_attention(q, k, v, allowed, 0.3)
+    serial = NumpyBackend(query_block=heads * total * 8).attention(q, k, v, allowed, 0.3)  # blocks of 8 rows
+    pooled = NumpyBackend(query_block=heads * total * 8, workers=3).attention(q, k, v, allowed, 0.3)
+    np.testing.assert_allclose(serial, expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(pooled, serial, rtol=1e-5, atol=1e-6)
+
+
+def test_workers_give_the_same_products_indexer_and_moe() -> None:
+    """Split calls agree with unsplit ones to float rounding (BLAS rounds a GEMM's edge columns differently)."""
+    rng = np.random.default_rng(12)
+    serial, pooled = NumpyBackend(prefill_block=200), NumpyBackend(prefill_block=200, workers=3)
+    x = rand(rng, 23, 53)
+    for w in (quant(rand(rng, 29, 53), 4, 16), quant(rand(rng, 29, 53), 8, None), rand(rng, 29, 53)):
+        np.testing.assert_allclose(pooled.linear(x, w), serial.linear(x, w), rtol=1e-5, atol=1e-5)
+    q, k, hw = rand(rng, 23, 3, 8), rand(rng, 30, 8), rand(rng, 23, 3)
+    causal = causal_mask(7, 23, 30)
+    for backend in (serial, pooled):
+        backend.query_block = 3 * 30 * 4  # blocks of 4 query rows
+    np.testing.assert_allclose(pooled.index_scores(q, k, hw, 0.5), serial.index_scores(q, k, hw, 0.5),
+                               rtol=1e-5, atol=1e-5)
+    expected = np.einsum("sh,sht->st", hw, np.maximum(np.einsum("shd,td->sht", q, k) * 0.5, 0))
+    np.testing.assert_allclose(serial.index_scores(q, k, hw, 0.5), expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(pooled.index_topk(q, k, hw, 0.5, causal, 6),
+                                  topk_mask(expected, causal, 6))
+    experts = {e: tuple(quant(rand(rng, *shape), 4, 16) for shape in ((16, 53), (16, 53), (53, 16)))
+               for e in range(6)}
+    shared = tuple(rand(rng, *shape) for shape in ((16, 53), (16, 53), (53, 16)))
+    ids = np.stack([rng.permutation(6)[:2] for _ in range(23)])
+    gates = rand(rng, 23, 2)
+    np.testing.assert_allclose(pooled.moe(x, ids, gates, experts.__getitem__, shared),
+                               serial.moe(x, ids, gates, experts.__getitem__, shared), rtol=1e-5, atol=1e-5)
+    assert pooled.numerics != serial.numerics  # rows computed with another split are not reused as identical

@@ -16,6 +16,7 @@ Memory:
 
 from __future__ import annotations
 
+import math
 import mmap
 import warnings
 from dataclasses import dataclass
@@ -170,6 +171,7 @@ class Kernels:
             self.program = cl.Program(self.ctx, source()).build(options=options)
         self._kernels: dict[str, object] = {}
         self._slots: dict[str, tuple[np.ndarray | None, object, int]] = {}
+        self._large_slots = False  # whether a slot over KEEP_SLOT_BYTES exists (released after its operation)
         self.version = f"{kernel_version()}-l{self.lanes}r{self.red_lanes}w{self.rows_per_item}" + (
             "c" if self.cpu_loads else "")
 
@@ -196,6 +198,7 @@ class Kernels:
         else:
             host, buf = None, cl.Buffer(self.ctx, cl.mem_flags.READ_WRITE, size)
         self._slots[name] = (host, buf, size)
+        self._large_slots |= size > KEEP_SLOT_BYTES
         return host, buf
 
     def put(self, name: str, arr: np.ndarray, dtype=np.float32):
@@ -214,7 +217,7 @@ class Kernels:
     def get(self, name: str, shape: tuple[int, ...], event, dtype=np.float32, copy: bool = True) -> np.ndarray:
         """The result in slot `name` once `event` (the last kernel writing it) has completed (a copy, or with
         copy=False on direct devices the staging memory itself, valid until the slot is reused)."""
-        count = int(np.prod(shape))
+        count = math.prod(shape)
         if self.direct:
             event.wait()
             host = self._slots[name][0]
@@ -229,8 +232,9 @@ class Kernels:
 
     def _release_large(self) -> None:
         """Drop staging buffers over KEEP_SLOT_BYTES (the operation that used them has completed)."""
-        if any(size > KEEP_SLOT_BYTES for _, _, size in self._slots.values()):
+        if self._large_slots:
             self._slots = {k: v for k, v in self._slots.items() if v[2] <= KEEP_SLOT_BYTES}
+            self._large_slots = False
 
     def finish(self) -> None:
         self.queue.finish()

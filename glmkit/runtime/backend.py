@@ -8,12 +8,21 @@ is either a float32 `[O, I]` array or a `QuantWeight` viewed in place from the c
 matrix per call during decode: it walks the weight in row blocks, unpacks each block's codes into a
 small reusable buffer through a byte -> codes lookup table and multiplies it with BLAS. Prefill uses
 the same loop with blocks large enough that a typical matrix is dequantized once and hit by one GEMM.
+
+With `workers > 1`, prefill-sized calls split into independent pieces (row blocks of a weight, routed
+experts, attention heads, query blocks of the indexer) that run on a thread pool, each piece with
+single-threaded BLAS: no piece shares a sum with another, so results only differ from the unsplit call by
+the rounding of a GEMM's edge tiles; dequantization and elementwise work run in parallel too (NumPy
+releases the GIL), and a core taken by another process slows the pool down instead of stalling it (multi-
+threaded BLAS spin-waits for its threads on every call: measured 10-50x slower under load here).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Protocol
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol, TypeVar
 
 import numpy as np
 
@@ -21,6 +30,19 @@ from glmkit.formats.tensors import QuantWeight, Weight
 
 ExpertFn = Callable[[int], tuple[Weight, Weight, Weight]]
 """`expert(e)` -> routed expert e's (gate, up, down) weights."""
+
+_Item = TypeVar("_Item")
+_Result = TypeVar("_Result")
+MIN_SPLIT_ROWS = 64  # output rows of one piece of a split product (narrower GEMMs lose BLAS efficiency)
+_POOL_THREAD = threading.local()  # `.active` in the worker pools' threads
+
+
+def _mark_pool_thread() -> None:
+    _POOL_THREAD.active = True
+
+
+def _in_pool() -> bool:
+    return getattr(_POOL_THREAD, "active", False)
 
 
 class Backend(Protocol):
@@ -118,44 +140,81 @@ class NumpyBackend:
 
     decode_rows: calls with at most this many input rows take the decode path (cache-sized blocks).
     decode_block / prefill_block: float32 elements of one unpacked weight block on each path.
+    query_block: score elements `[nh, rows, T]` materialized at once in attention and the indexer.
+    workers: threads that share the pieces of a prefill-sized call (1: the calling thread only); callers
+    with workers > 1 keep BLAS single-threaded.
     """
 
-    numerics = "numpy-f32-v1"
-
     def __init__(self, decode_rows: int = 4, decode_block: int = 1 << 18, prefill_block: int = 1 << 24,
-                 query_block: int = 1 << 22) -> None:
+                 query_block: int = 1 << 20, workers: int = 1) -> None:
+        self.numerics = "numpy-f32-v2" + (f"-w{workers}" if workers > 1 else "")  # the split changes rounding
         self.decode_rows = decode_rows
         self.decode_block = decode_block
         self.prefill_block = prefill_block
-        self.query_block = query_block  # score elements [nh, rows, T] materialized at once in attention
-        self._scratch = np.empty(0, np.float32)  # unpacked weight blocks, reused across calls
+        self.query_block = query_block
+        self.workers = workers
+        self._pool: ThreadPoolExecutor | None = None
+        self._local = threading.local()  # the calling thread's unpacked-weight scratch buffer
+
+    def _map(self, fn: Callable[[_Item], _Result], items: Sequence[_Item]) -> list[_Result]:
+        """`[fn(item) for item in items]`, on the worker pool when there is one and more than one item.
+
+        A call from inside a pool thread runs inline (a nested map must not wait on its own pool)."""
+        if self.workers <= 1 or len(items) < 2 or _in_pool():
+            return [fn(item) for item in items]
+        if self._pool is None:
+            # the pool holds no reference to this backend: it shuts down when the backend is collected
+            self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="glmkit-numpy",
+                                            initializer=_mark_pool_thread)
+        return list(self._pool.map(fn, items))
+
+    def _split(self, total: int, parallel: bool, min_size: int = 1) -> list[tuple[int, int]]:
+        """`[start, stop)` ranges covering `range(total)`: up to one per worker (of at least min_size) when
+        parallel and not already on a pool thread, else just one."""
+        parts = max(1, min(self.workers, total // min_size)) if parallel and not _in_pool() else 1
+        bounds = [total * i // parts for i in range(parts + 1)]
+        return list(zip(bounds[:-1], bounds[1:], strict=True))
 
     # ---- matmuls -------------------------------------------------------------------------------
 
     def linear(self, x: np.ndarray, w: Weight) -> np.ndarray:
+        prefill = x.shape[0] > self.decode_rows
         if not isinstance(w, QuantWeight):
-            return x @ w.T
-        block = self.decode_block if x.shape[0] <= self.decode_rows else self.prefill_block
-        return self._quant_linear(x, w, block)
+            if not prefill or self.workers <= 1:
+                return x @ w.T
+            out = np.empty((x.shape[0], w.shape[0]), np.float32)
 
-    def _quant_linear(self, x: np.ndarray, w: QuantWeight, block_elems: int) -> np.ndarray:
-        """`x @ dequant(w)^T`, unpacking `w` one row block at a time into a reused buffer."""
+            def part(span: tuple[int, int]) -> None:
+                out[:, span[0]:span[1]] = x @ w[span[0]:span[1]].T
+
+            self._map(part, self._split(w.shape[0], True, MIN_SPLIT_ROWS))
+            return out
+        return self._quant_linear(x, w, self.prefill_block if prefill else self.decode_block, prefill)
+
+    def _quant_linear(self, x: np.ndarray, w: QuantWeight, block_elems: int, parallel: bool = False) -> np.ndarray:
+        """`x @ dequant(w)^T`, unpacking `w` one row block at a time into a reused buffer (per worker)."""
         out_features, in_features = w.shape
         width = _code_width(w)
-        # Zero-padding x makes the padding codes contribute nothing, so whole packed rows can be used.
-        x_pad = np.zeros((x.shape[0], width), np.float32)
-        x_pad[:, :in_features] = x
+        if width != in_features:
+            # Zero-padding x makes the padding codes contribute nothing, so whole packed rows can be used.
+            x_pad = np.zeros((x.shape[0], width), np.float32)
+            x_pad[:, :in_features] = x
+            x = x_pad
         rows = max(1, min(out_features, block_elems // width))
         out = np.empty((x.shape[0], out_features), np.float32)
-        for r0 in range(0, out_features, rows):
-            r1 = min(out_features, r0 + rows)
-            codes = self._unpack_rows(w, r0, r1)
-            if w.group_size is None:
-                # Per-row scale: dot the integer codes first, scale the outputs.
-                out[:, r0:r1] = (x_pad @ codes.T) * w.scales[r0:r1]
-            else:
-                _scale_groups(codes, w.scales[r0:r1], w.group_size, in_features)
-                out[:, r0:r1] = x_pad @ codes.T
+
+        def part(span: tuple[int, int]) -> None:
+            for r0 in range(span[0], span[1], rows):
+                r1 = min(span[1], r0 + rows)
+                codes = self._unpack_rows(w, r0, r1)
+                if w.group_size is None:
+                    # Per-row scale: dot the integer codes first, scale the outputs.
+                    out[:, r0:r1] = (x @ codes.T) * w.scales[r0:r1]
+                else:
+                    _scale_groups(codes, w.scales[r0:r1], w.group_size, in_features)
+                    out[:, r0:r1] = x @ codes.T
+
+        self._map(part, self._split(out_features, parallel, MIN_SPLIT_ROWS))
         return out
 
     def _unpack_rows(self, w: QuantWeight, start: int, stop: int) -> np.ndarray:
@@ -164,9 +223,12 @@ class NumpyBackend:
         `width >= I`: a row's padding codes (from its last partial byte) come along; callers ignore them.
         """
         n, width = stop - start, _code_width(w)
-        if self._scratch.size < n * width:
-            self._scratch = np.empty(n * width, np.float32)
-        codes = self._scratch[: n * width].reshape(n, width)
+        scratch = getattr(self._local, "scratch", None)
+        if scratch is None or scratch.size < n * width:
+            scratch = np.empty(n * width, np.float32)
+            if not _in_pool():  # pool threads' blocks are freed after use: they would stay resident through decode
+                self._local.scratch = scratch
+        codes = scratch[: n * width].reshape(n, width)
         if w.bits == 8:
             np.copyto(codes, w.packed[start:stop].view(np.int8), casting="unsafe")
         else:
@@ -218,30 +280,54 @@ class NumpyBackend:
         v_heads = v.transpose(1, 0, 2)  # [kh, T, dv]
         out = np.empty((seq, heads, v.shape[2]), np.float32)
         step = max(1, self.query_block // (heads * k.shape[0]))
-        for s0 in range(0, seq, step):
-            s1 = min(seq, s0 + step)
-            scores = (q_heads[:, s0:s1] @ k_heads) * np.float32(scale)  # [nh, s, T]
-            scores = np.where(allowed[s0:s1], scores, np.float32(-np.inf))
-            scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
-            probs = scores / scores.sum(axis=-1, keepdims=True)
-            out[s0:s1] = (probs @ v_heads).transpose(1, 0, 2)
+        blocks = [(s0, min(seq, s0 + step)) for s0 in range(0, seq, step)]
+        shared_key = k.shape[1] == 1
+        spans = [(0, heads)] if shared_key or seq <= self.decode_rows else self._split(heads, True)
+
+        def part(job: tuple[tuple[int, int], tuple[int, int]]) -> None:
+            (h0, h1), (s0, s1) = job
+            mask = allowed[s0:s1]
+            total = _allowed_end(mask)  # keys after the block's last allowed one would get probability 0
+            kv_heads = slice(None) if shared_key else slice(h0, h1)
+            scores = q_heads[h0:h1, s0:s1] @ k_heads[kv_heads, :, :total]  # [h, s, t]
+            scores *= np.float32(scale)
+            np.copyto(scores, np.float32(-np.inf), where=~mask[:, :total])
+            scores -= scores.max(axis=-1, keepdims=True)
+            np.exp(scores, out=scores)
+            scores /= scores.sum(axis=-1, keepdims=True)
+            out[s0:s1, h0:h1] = (scores @ v_heads[kv_heads, :total]).transpose(1, 0, 2)
+
+        self._map(part, [(span, block) for span in spans for block in blocks])
         return out
 
     def index_scores(self, q: np.ndarray, k: np.ndarray, weights: np.ndarray, scale: float) -> np.ndarray:
+        return self._index_scores(q, k, weights, scale, None)
+
+    def _index_scores(self, q: np.ndarray, k: np.ndarray, weights: np.ndarray, scale: float,
+                      causal: np.ndarray | None) -> np.ndarray:
+        """`index_scores`; with `causal [S, T]` the keys after a query block's last causal key are skipped
+        (their scores are left 0: a top-k over causal keys never reads them)."""
         seq, heads, _ = q.shape
-        out = np.empty((seq, k.shape[0]), np.float32)
+        out = np.empty((seq, k.shape[0]), np.float32) if causal is None else np.zeros((seq, k.shape[0]), np.float32)
         step = max(1, self.query_block // (heads * k.shape[0]))
-        for s0 in range(0, seq, step):
+
+        def part(s0: int) -> None:
             s1 = min(seq, s0 + step)
-            per_head = np.maximum((q[s0:s1] @ k.T) * np.float32(scale), 0)  # [s, nh, T]
-            out[s0:s1] = (weights[s0:s1, None, :] @ per_head)[:, 0]
+            total = k.shape[0] if causal is None else _allowed_end(causal[s0:s1])
+            per_head = q[s0:s1].transpose(1, 0, 2) @ k[:total].T  # [nh, s, t]: one GEMM per head
+            per_head *= np.float32(scale)
+            np.maximum(per_head, 0, out=per_head)
+            per_head *= weights[s0:s1].T[:, :, None]
+            per_head.sum(axis=0, out=out[s0:s1, :total])
+
+        self._map(part, range(0, seq, step))
         return out
 
     def index_topk(self, q: np.ndarray, k: np.ndarray, weights: np.ndarray, scale: float, causal: np.ndarray,
                    topk: int) -> np.ndarray:
         from glmkit.runtime.model import topk_mask  # the model's pure functions (model imports this module)
 
-        return topk_mask(self.index_scores(q, k, weights, scale), causal, topk)
+        return topk_mask(self._index_scores(q, k, weights, scale, causal), causal, topk)
 
     def rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
         from glmkit.runtime.model import apply_rope
@@ -252,14 +338,25 @@ class NumpyBackend:
             shared: tuple[Weight, Weight, Weight] | None) -> np.ndarray:
         from glmkit.runtime.model import moe_batch_union
 
-        out = moe_batch_union(x, ids, weights, lambda e, rows: self.expert_mlp(rows, *expert(e)))
-        return out if shared is None else out + self.expert_mlp(x, *shared)
+        # Prefill: several experts (each dequantized once for all of its rows) at a time on the worker pool.
+        # Other backends that borrow this loop (calibration's recording wrapper) run it serially, in order.
+        pooled = isinstance(self, NumpyBackend) and x.shape[0] > self.decode_rows and self.workers > 1
+        out = moe_batch_union(x, ids, weights, lambda e, rows: self.expert_mlp(rows, *expert(e)),
+                              self._map if pooled else None, 4 * self.workers if pooled else 1)
+        if shared is not None:
+            out += self.expert_mlp(x, *shared)
+        return out
 
 
 
 def _code_width(w: QuantWeight) -> int:
     """Codes per packed row: `I` rounded up to whole bytes."""
     return w.packed.shape[1] * (8 // w.bits)
+
+
+def _allowed_end(allowed: np.ndarray) -> int:
+    """One past the last key any row of `allowed [s, T]` may see (every row allows at least one key)."""
+    return int(np.flatnonzero(allowed.any(axis=0))[-1]) + 1
 
 
 def _scale_groups(codes: np.ndarray, scales: np.ndarray, group_size: int, in_features: int) -> None:

@@ -37,7 +37,7 @@ from glmkit.formats.tensors import QuantWeight
 from glmkit.kernels_cl import kernel_version
 from glmkit.kernels_cl.launch import DeviceInfo, Kernels, list_devices
 from glmkit.runtime.backend import Backend, NumpyBackend
-from glmkit.runtime.opencl_backend import OpenCLBackend, Placement, set_blas_threads
+from glmkit.runtime.opencl_backend import OpenCLBackend, Placement, initial_blas_threads, set_blas_threads
 
 PROFILE_VERSION = 1
 PREFILL_ROWS = 256  # rows of the prefill measurements
@@ -117,7 +117,7 @@ def make_backend(spec: str, container: Any = None) -> tuple[Backend, str]:
         return NumpyBackend(), "numpy"
     if kind == "opencl" or container is None:
         return OpenCLBackend(kernels, Placement.all_cl(kernels.direct), model_bytes=model_bytes), info.spec
-    blas_threads = blas_thread_count()
+    blas_threads = initial_blas_threads()
     placement = load_or_measure(kernels, container)
     if not placement.uses_cl():
         if blas_threads:
@@ -260,7 +260,7 @@ def measure(kernels: Kernels, container: Any, bandwidth: dict[str, float] | None
     """Time every operation on both paths with the model's real shapes; the faster path wins."""
     cfg = container.config
     rng = np.random.default_rng(0)
-    host = NumpyBackend()
+    host = OpenCLBackend(kernels, Placement.all_host()).host  # the host path as the backend runs it (its workers)
     cl_backend = OpenCLBackend(kernels, Placement.all_cl(kernels.direct))
     w = container.weight
     layer = _moe_layer(cfg)
@@ -403,14 +403,6 @@ def list_devices_report(measure_missing: bool = True) -> str:
             lines.append(f"      placements measured for {len(models)} model shape(s) in {profile_path(d)}")
     lines.append(f"--device auto: {pick(devices).spec} for the operations measured faster there, numpy for the rest")
     return "\n".join(lines)
-
-
-def blas_thread_count() -> int | None:
-    """NumPy's current OpenBLAS thread count (None when it cannot be read)."""
-    before = set_blas_threads(1)
-    if before is not None:
-        set_blas_threads(before)
-    return before
 
 
 def decode_bytes_per_token(container: Any) -> int:

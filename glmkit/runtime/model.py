@@ -104,16 +104,25 @@ def route_noaux_tc(logits: np.ndarray, bias: np.ndarray, top_k: int, n_group: in
 
 
 def moe_batch_union(x: np.ndarray, ids: np.ndarray, weights: np.ndarray,
-                    run_expert: Callable[[int, np.ndarray], np.ndarray]) -> np.ndarray:
+                    run_expert: Callable[[int, np.ndarray], np.ndarray],
+                    parallel_map: Callable[[Callable, list], list] | None = None, chunk: int = 1) -> np.ndarray:
     """`sum_k weights[s,k] * E_{ids[s,k]}(x[s])` `[S, H]`, running each unique expert once on its rows.
 
     Loading an expert's weights is the cost that matters (they stream from disk), so every expert
     routed to by any row of the batch is called exactly once with all of its rows.
+    parallel_map: `map(fn, items) -> list` that may run `chunk` experts at a time (on a thread pool); their
+    outputs are summed in expert order either way, so the result does not depend on it.
     """
     out = np.zeros_like(x)
-    for expert in np.unique(ids):
-        rows, slots = np.nonzero(ids == expert)  # a row picks an expert at most once: rows are unique
-        out[rows] += weights[rows, slots, None] * run_expert(int(expert), x[rows])
+    picks = [(int(e), *np.nonzero(ids == e)) for e in np.unique(ids)]  # a row picks an expert at most once
+    for c0 in range(0, len(picks), chunk):
+        group = picks[c0:c0 + chunk]
+        if parallel_map is None:
+            results = [run_expert(e, x[rows]) for e, rows, _ in group]
+        else:
+            results = parallel_map(lambda pick: run_expert(pick[0], x[pick[1]]), group)
+        for (_, rows, slots), y in zip(group, results, strict=True):
+            out[rows] += weights[rows, slots, None] * y
     return out
 
 

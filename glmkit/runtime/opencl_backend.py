@@ -13,8 +13,7 @@ than the host's compute.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
+import functools
 import hashlib
 import json
 import os
@@ -22,6 +21,7 @@ import uuid
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
+from threadpoolctl import ThreadpoolController
 
 from glmkit.formats.tensors import QuantWeight, Weight
 from glmkit.kernels_cl.launch import ClWeight, Kernels, WeightMemory, address
@@ -106,19 +106,22 @@ class OpenCLBackend:
     def __init__(self, kernels: Kernels, placement: Placement | None = None, budget: int | None = None,
                  model_bytes: int = 0, unified: bool | None = None) -> None:
         self.k = kernels
-        self.host = NumpyBackend()
+        workers = 1
+        if kernels.info.kind == "cpu":
+            # OpenBLAS threads spin while they wait for work and take the cores the OpenCL CPU workers need
+            # (measured: host GEMMs 10x slower next to PoCL); host BLAS runs on the calling thread instead, and
+            # prefill-sized host work is shared by as many NumPy workers as BLAS had threads
+            workers = initial_blas_threads() or 1
+            set_blas_threads(1)
+        self.host = NumpyBackend(decode_rows=DECODE_ROWS, workers=workers)
         self.placement = placement or Placement.all_cl(kernels.direct)
         unified = kernels.info.unified if unified is None else unified
         if budget is None:
             budget = 1 << 62 if unified else int(kernels.info.global_mem * 0.8)
         self.memory = WeightMemory(kernels, unified, budget)
         self.device = kernels.info.spec
-        if kernels.info.kind == "cpu":
-            # OpenBLAS threads spin while they wait for work and take the cores the OpenCL CPU workers need
-            # (measured: host GEMMs 10x slower next to PoCL); host BLAS runs on the calling thread instead
-            set_blas_threads(1)
         tag = {"device": kernels.info.key, "kernels": kernels.version, "placement": self.placement.to_json(),
-               "unified": unified}
+               "unified": unified, "host": self.host.numerics}
         if not unified and budget < model_bytes and not self.placement.stream_experts:
             # which experts end up on the device depends on the order they were first used: the arithmetic of a
             # row is then only reproducible within this process, so its prefill-cache entries stay its own
@@ -237,7 +240,10 @@ class OpenCLBackend:
 
     def moe(self, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, expert: ExpertFn,
             shared: tuple[Weight, Weight, Weight] | None) -> np.ndarray:
-        if x.shape[0] > DECODE_ROWS or self.placement.experts != "cl":
+        p = self.placement
+        if x.shape[0] > DECODE_ROWS and p.matmul == "host" and p.vector_prefill == "host":
+            return self.host.moe(x, ids, weights, expert, shared)  # every product on the host: its worker pool
+        if x.shape[0] > DECODE_ROWS or p.experts != "cl":
             return NumpyBackend.moe(self, x, ids, weights, expert, shared)  # type: ignore[arg-type]
         # Decode: every (token, expert) pair is a slot carrying its expert's offsets; slots whose weights share
         # a buffer and a scheme (usually all of them, the shared expert included) run in one fused launch pair.
@@ -341,29 +347,22 @@ class OpenCLBackend:
 
 
 def set_blas_threads(n: int) -> int | None:
-    """Set NumPy's OpenBLAS thread count (its spin-waiting threads fight OpenCL CPU workers for the cores).
+    """Set NumPy's BLAS thread count (OpenBLAS's spin-waiting threads fight OpenCL CPU workers for the cores).
 
-    Returns the previous count, or None when no OpenBLAS with these entry points is loaded (nothing done)."""
-    for path in _loaded_libraries():
-        if "openblas" not in path.lower():
-            continue
-        with contextlib.suppress(OSError):
-            lib = ctypes.CDLL(path)
-            for prefix in ("scipy_openblas", "openblas"):
-                for suffix in ("64_", ""):
-                    setter = getattr(lib, f"{prefix}_set_num_threads{suffix}", None)
-                    getter = getattr(lib, f"{prefix}_get_num_threads{suffix}", None)
-                    if setter is not None and getter is not None:
-                        getter.restype = ctypes.c_int
-                        before = int(getter())
-                        setter(ctypes.c_int(n))
-                        return before
-    return None
+    Returns the previous count, or None when no BLAS library is loaded (nothing done)."""
+    blas = ThreadpoolController().select(user_api="blas")
+    if not blas.lib_controllers:
+        return None
+    before = max(c.num_threads for c in blas.lib_controllers)
+    blas.limit(limits=n)
+    return before
 
 
-def _loaded_libraries() -> list[str]:
-    try:
-        with open("/proc/self/maps") as f:
-            return sorted({line.split()[-1] for line in f if ".so" in line})
-    except OSError:
-        return []
+@functools.cache
+def initial_blas_threads() -> int | None:
+    """NumPy's OpenBLAS thread count as the process first had it (before any backend pinned it to one thread);
+    None when it cannot be read."""
+    before = set_blas_threads(1)
+    if before is not None:
+        set_blas_threads(before)
+    return before
