@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from glmkit.runtime.kv_cache import KVCache, LayerKV
-from glmkit.runtime.model import LATENT_NORM_EPS, GlmMoeDsaModel, apply_rope, embed_rows, mla_attend_full, rope_cos_sin
+from glmkit.runtime.model import LATENT_NORM_EPS, GlmMoeDsaModel, embed_rows, mla_attend_full, rope_cos_sin
 
 
 def forward_at(model: GlmMoeDsaModel, token_ids: np.ndarray, positions: np.ndarray, cache: KVCache) -> np.ndarray:
@@ -85,30 +85,24 @@ def _attention_at(model: GlmMoeDsaModel, layer: int, u: np.ndarray, positions: n
     cfg, b, w = model.config, model.backend, model.weights.weight
     prefix = f"model.layers.{layer}.self_attn."
     seq = u.shape[0]
-    heads, nope, rope_dim = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
-    cos, sin = rope_cos_sin(positions, rope_dim, cfg.rope_theta)
-
-    q_lat = b.rms_norm(b.linear(u, w(prefix + "q_a_proj.weight")), w(prefix + "q_a_layernorm.weight"),
-                       LATENT_NORM_EPS)
-    q = b.linear(q_lat, w(prefix + "q_b_proj.weight")).reshape(seq, heads, nope + rope_dim)
-    q_nope, q_rot = q[..., :nope], apply_rope(q[..., nope:], cos, sin)
-    compressed = b.linear(u, w(prefix + "kv_a_proj_with_mqa.weight"))
-    kv.rows("kv_lat")[positions] = b.rms_norm(compressed[:, :cfg.kv_lora_rank], w(prefix + "kv_a_layernorm.weight"),
-                                              LATENT_NORM_EPS)
-    kv.rows("k_rot")[positions] = apply_rope(compressed[:, cfg.kv_lora_rank:], cos, sin)
+    cos, sin = rope_cos_sin(positions, cfg.qk_rope_head_dim, cfg.rope_theta)
     indexed = cfg.indexer_type(layer) == "full"
+    scored = indexed and kv.length > cfg.index_topk
+    a = model.attention_inputs(prefix, u, cos, sin, indexed, scored)
+    kv.rows("kv_lat")[positions] = a.kv_lat
+    kv.rows("k_rot")[positions] = a.k_rot
     if indexed:
-        kv.rows("index_k")[positions] = model._index_key(prefix, u, cos, sin)
+        kv.rows("index_k")[positions] = a.index_k
     causal = np.arange(kv.length)[None, :] <= positions[:, None]
-    if indexed:
-        allowed = model._index_select(prefix, u, q_lat, cos, sin, kv.index_k, causal)
+    if scored:
+        allowed = model.index_select(a, kv.index_k, causal)
     elif cfg.indexer_type(layer) == "shared":
         allowed = prev_allowed
     else:
         allowed = causal
-    out = mla_attend_full(b, q_nope, q_rot, kv.kv_lat, kv.k_rot, w(prefix + "kv_b_proj.weight"), allowed,
+    out = mla_attend_full(b, a.q_nope, a.q_rot, kv.kv_lat, kv.k_rot, w(prefix + "kv_b_proj.weight"), allowed,
                           cfg.qk_head_dim ** -0.5)
-    return b.linear(out.reshape(seq, heads * cfg.v_head_dim), w(prefix + "o_proj.weight")), allowed
+    return b.linear(out.reshape(seq, -1), w(prefix + "o_proj.weight")), allowed
 
 
 def reserve(cache: KVCache, n: int) -> None:

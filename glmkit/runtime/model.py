@@ -8,6 +8,7 @@ a weight source (Hugging Face tensor names) and a `Backend` that does the heavy 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -164,6 +165,22 @@ def embed_rows(table: Weight, ids: np.ndarray) -> np.ndarray:
 
 # ---- the model ---------------------------------------------------------------------------------
 
+@dataclass
+class AttentionInputs:
+    """What one layer's attention computes from its normed input before it looks at the cache (S rows):
+    `q_nope [S, nh, nope]`, `q_rot [S, nh, rope]` (roped), `kv_lat [S, kv_lora]` (normed), `k_rot [S, rope]`
+    (roped); DSA layers: `index_k [S, ihd]`, and when scores are needed `index_q [S, inh, ihd]` and
+    `index_weights [S, inh]` (scaled by `inh^-1/2`)."""
+
+    q_nope: np.ndarray
+    q_rot: np.ndarray
+    kv_lat: np.ndarray
+    k_rot: np.ndarray
+    index_k: np.ndarray | None = None
+    index_q: np.ndarray | None = None
+    index_weights: np.ndarray | None = None
+
+
 class GlmMoeDsaModel:
     """GLM-5 forward over a weight source and a backend.
 
@@ -260,28 +277,19 @@ class GlmMoeDsaModel:
         cfg, b = self.config, self.backend
         prefix = f"model.layers.{layer}.self_attn."
         seq, start = u.shape[0], kv.length
-        heads, nope, rope_dim = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
-        cos, sin = rope_cos_sin(np.arange(start, start + seq), rope_dim, cfg.rope_theta)
-
-        q_lat = b.rms_norm(b.linear(u, self._w(prefix + "q_a_proj.weight")),
-                           self._w(prefix + "q_a_layernorm.weight"), LATENT_NORM_EPS)
-        q = b.linear(q_lat, self._w(prefix + "q_b_proj.weight")).reshape(seq, heads, nope + rope_dim)
-        q_nope, q_rot = q[..., :nope], b.rope(q[..., nope:], cos, sin)  # main attention: LAST dims
-        compressed = b.linear(u, self._w(prefix + "kv_a_proj_with_mqa.weight"))
-        kv_lat = b.rms_norm(compressed[:, : cfg.kv_lora_rank], self._w(prefix + "kv_a_layernorm.weight"),
-                            LATENT_NORM_EPS)
-        k_rot = b.rope(compressed[:, cfg.kv_lora_rank:], cos, sin)
+        cos, sin = rope_cos_sin(np.arange(start, start + seq), cfg.qk_rope_head_dim, cfg.rope_theta)
 
         # Main 'full' layers must have indexer weights; an MTP layer shipped without them attends densely.
         indexed = cfg.indexer_type(layer) == "full" and (layer < cfg.num_hidden_layers or self._has_indexer(layer))
-        rows = {"kv_lat": kv_lat, "k_rot": k_rot}
+        scored = indexed and start + seq > cfg.index_topk  # with at most index_topk keys, all are kept: no scores
+        a = self.attention_inputs(prefix, u, cos, sin, indexed, scored)
+        rows = {"kv_lat": a.kv_lat, "k_rot": a.k_rot}
         if indexed:
-            rows["index_k"] = self._index_key(prefix, u, cos, sin)
+            rows["index_k"] = a.index_k
         kv.append(**rows)
         causal = causal_mask(start, seq, kv.length)
-
-        if indexed:
-            allowed = self._index_select(prefix, u, q_lat, cos, sin, kv.index_k, causal)
+        if scored:
+            allowed = self.index_select(a, kv.index_k, causal)
         elif cfg.indexer_type(layer) == "shared":
             allowed = prev_allowed
         else:
@@ -290,28 +298,42 @@ class GlmMoeDsaModel:
         scale = cfg.qk_head_dim ** -0.5
         absorb = 0 < start and seq <= self.absorb_max_rows
         attend = mla_attend_absorbed if absorb else mla_attend_full
-        out = attend(b, q_nope, q_rot, kv.kv_lat, kv.k_rot, self._w(prefix + "kv_b_proj.weight"), allowed, scale)
-        return b.linear(out.reshape(seq, heads * cfg.v_head_dim), self._w(prefix + "o_proj.weight")), allowed
+        out = attend(b, a.q_nope, a.q_rot, kv.kv_lat, kv.k_rot, self._w(prefix + "kv_b_proj.weight"), allowed, scale)
+        return b.linear(out.reshape(seq, -1), self._w(prefix + "o_proj.weight")), allowed
 
-    def _index_key(self, prefix: str, u: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-        """Indexer key `[S, ihd]`: LayerNorm (with bias) of `u Wk^T`, rope on the FIRST rope dims."""
-        b, rope_dim = self.backend, self.config.qk_rope_head_dim
-        key = b.layer_norm(b.linear(u, self._w(prefix + "indexer.wk.weight")),
-                           self._w(prefix + "indexer.k_norm.weight"), self._w(prefix + "indexer.k_norm.bias"),
-                           LATENT_NORM_EPS)
-        return np.concatenate([b.rope(key[:, :rope_dim], cos, sin), key[:, rope_dim:]], axis=-1)
-
-    def _index_select(self, prefix: str, u: np.ndarray, q_lat: np.ndarray, cos: np.ndarray, sin: np.ndarray,
-                      keys: np.ndarray, causal: np.ndarray) -> np.ndarray:
-        """DSA top-k selection `[S, T]` from the indexer scores against all cached indexer keys."""
+    def attention_inputs(self, prefix: str, u: np.ndarray, cos: np.ndarray, sin: np.ndarray, indexed: bool,
+                         scored: bool) -> AttentionInputs:
+        """Every projection attention needs from its normed input `u [S, H]` (see `AttentionInputs`); the indexer
+        key when `indexed`, its queries and head weights when `scored`."""
         cfg, b = self.config, self.backend
-        if keys.shape[0] <= cfg.index_topk:
-            return causal  # every query keeps all of its (at most index_topk) causal keys: scores unneeded
-        seq, heads, rope_dim = u.shape[0], cfg.index_n_heads, cfg.qk_rope_head_dim
-        q = b.linear(q_lat, self._w(prefix + "indexer.wq_b.weight")).reshape(seq, heads, cfg.index_head_dim)
-        q = np.concatenate([b.rope(q[..., :rope_dim], cos, sin), q[..., rope_dim:]], axis=-1)
-        head_weights = b.linear(u, self._w(prefix + "indexer.weights_proj.weight")) * np.float32(heads ** -0.5)
-        return b.index_topk(q, keys, head_weights, cfg.index_head_dim ** -0.5, causal, cfg.index_topk)
+        seq, heads, nope, rope_dim = u.shape[0], cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        q_lat = b.rms_norm(b.linear(u, self._w(prefix + "q_a_proj.weight")),
+                           self._w(prefix + "q_a_layernorm.weight"), LATENT_NORM_EPS)
+        q = b.linear(q_lat, self._w(prefix + "q_b_proj.weight")).reshape(seq, heads, nope + rope_dim)
+        compressed = b.linear(u, self._w(prefix + "kv_a_proj_with_mqa.weight"))
+        kv_lat = b.rms_norm(compressed[:, : cfg.kv_lora_rank], self._w(prefix + "kv_a_layernorm.weight"),
+                            LATENT_NORM_EPS)
+        inputs = AttentionInputs(q[..., :nope], b.rope(q[..., nope:], cos, sin), kv_lat,  # main attention: LAST dims
+                                 b.rope(compressed[:, cfg.kv_lora_rank:], cos, sin))
+        if indexed:  # indexer: LayerNorm with bias on the key, rope on the FIRST rope dims
+            key = b.layer_norm(b.linear(u, self._w(prefix + "indexer.wk.weight")),
+                               self._w(prefix + "indexer.k_norm.weight"), self._w(prefix + "indexer.k_norm.bias"),
+                               LATENT_NORM_EPS)
+            inputs.index_k = np.concatenate([b.rope(key[:, :rope_dim], cos, sin), key[:, rope_dim:]], axis=-1)
+        if scored:
+            iq = b.linear(q_lat, self._w(prefix + "indexer.wq_b.weight")).reshape(seq, cfg.index_n_heads,
+                                                                                 cfg.index_head_dim)
+            inputs.index_q = np.concatenate([b.rope(iq[..., :rope_dim], cos, sin), iq[..., rope_dim:]], axis=-1)
+            head_weights = b.linear(u, self._w(prefix + "indexer.weights_proj.weight"))
+            inputs.index_weights = head_weights * np.float32(cfg.index_n_heads ** -0.5)
+        return inputs
+
+    def index_select(self, inputs: AttentionInputs, keys: np.ndarray, causal: np.ndarray) -> np.ndarray:
+        """DSA top-k selection `[S, T]`: the indexer scores of `inputs` against all cached indexer keys `[T, ihd]`."""
+        cfg = self.config
+        assert inputs.index_q is not None and inputs.index_weights is not None
+        return self.backend.index_topk(inputs.index_q, keys, inputs.index_weights, cfg.index_head_dim ** -0.5,
+                                       causal, cfg.index_topk)
 
     # ---- feed-forward --------------------------------------------------------------------------
 
