@@ -27,8 +27,10 @@ for `y = x W^T` the expected output error is `sum_j E[x_j^2] dW_j^2` when inputs
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 from threadpoolctl import threadpool_limits
@@ -36,6 +38,7 @@ from threadpoolctl import threadpool_limits
 from glmkit.formats.packing import MIN_SCALE, absmax_scales, expand_scales, num_groups, qmax, scales_shape
 
 QUANTIZERS = ("absmax", "mse", "gptq")
+_Block = TypeVar("_Block")
 # Candidate clip factors f (scale = amax / (qmax f)); low bit widths gain from clipping far more.
 _GRIDS = {
     8: np.linspace(1.0, 1.5, 8),
@@ -90,6 +93,12 @@ def search_scales(w: np.ndarray, bits: int, group_size: int | None, importance: 
         best = _search_block(padded.reshape(-1, group), e, bits)
         scales[r0:r1] = best.reshape(r1 - r0, groups)
 
+    run_blocks(run, blocks, threads)
+    return scales[:, 0].copy() if group_size is None else scales
+
+
+def run_blocks(run: Callable[[_Block], None], blocks: list[_Block], threads: int | None) -> None:
+    """`run` every row block, on up to `threads` threads (default: default_threads())."""
     workers = min(threads or default_threads(), len(blocks))
     if workers <= 1:
         for b in blocks:
@@ -97,7 +106,6 @@ def search_scales(w: np.ndarray, bits: int, group_size: int | None, importance: 
     else:
         with ThreadPoolExecutor(workers) as pool:
             list(pool.map(run, blocks))
-    return scales[:, 0].copy() if group_size is None else scales
 
 
 def _padded_importance(importance: np.ndarray | None, in_features: int, width: int) -> np.ndarray | None:
@@ -245,14 +253,8 @@ def gptq_quantize(w: np.ndarray, factor: HessianFactor, bits: int, group_size: i
     def run(block: slice) -> None:
         codes[block], scales[block] = _gptq_rows(w[block], factor.upper, factor.importance, bits, group_size)
 
-    workers = min(workers, len(blocks))
     with threadpool_limits(1, user_api="blas"):  # the row blocks are the parallelism
-        if workers <= 1:
-            for b in blocks:
-                run(b)
-        else:
-            with ThreadPoolExecutor(workers) as pool:
-                list(pool.map(run, blocks))
+        run_blocks(run, blocks, workers)
     return codes, scales
 
 
