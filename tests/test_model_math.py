@@ -396,3 +396,16 @@ def test_workers_give_the_same_products_indexer_and_moe() -> None:
     np.testing.assert_allclose(pooled.moe(x, ids, gates, experts.__getitem__, shared),
                                serial.moe(x, ids, gates, experts.__getitem__, shared), rtol=1e-5, atol=1e-5)
     assert pooled.numerics != serial.numerics  # rows computed with another split are not reused as identical
+
+
+@pytest.mark.parametrize("shape", [(64, 96), (700, 500)])  # below and above SMALL_GEMM_ELEMS
+def test_times_transposed_matches_the_product_for_every_row_count(shape):
+    from glmkit.runtime.backend import GEMV_ROWS, times_transposed
+
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal(shape).astype(np.float32)
+    for rows in range(1, GEMV_ROWS + 3):
+        x = rng.standard_normal((rows, shape[1])).astype(np.float32)
+        got = times_transposed(x, w)
+        assert got.shape == (rows, shape[0]) and got.dtype == np.float32
+        np.testing.assert_allclose(got, x.astype(np.float64) @ w.T.astype(np.float64), rtol=1e-4, atol=1e-4)
