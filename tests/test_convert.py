@@ -180,3 +180,27 @@ def test_quantized_weight_matches_its_own_dequantization(sharded_source, tmp_pat
     w = c.weight(name)
     np.testing.assert_array_equal(w.dequantize(), dequantize(w.packed, w.scales, 2, 64, 32))
     assert np.abs(w.dequantize() - exact[name]).max() < np.abs(exact[name]).max()
+
+
+def test_source_digests_run_beside_the_conversion_and_stop_on_request(tmp_path):
+    """Local shards are hashed on a background thread while tensors convert; the manifest gets the same digests,
+    and a stopped hashing (a failed conversion) ends at the next chunk."""
+    import hashlib
+    import threading
+
+    from glmkit.convert.source import BackgroundDigests, DigestsStopped, open_source, sha256_file
+
+    src = tmp_path / "src"
+    make_snapshot(src, TINY_CONFIG, shards=2, seed=3)
+    source = open_source(str(src))
+    background = BackgroundDigests(source).result()
+    assert background == source.digests() and len(background) == 2
+    for name, digest in background.items():
+        assert digest["sha256"] == hashlib.sha256((src / name).read_bytes()).hexdigest()
+    out = tmp_path / "out"
+    assert convert_main([str(src), str(out), "--preset", "q4", "--quiet"]) == 0
+    assert Container(out).manifest.source["files"] == background
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(DigestsStopped):
+        sha256_file(next(iter(src.glob("*.safetensors"))), stop=stop)

@@ -24,7 +24,7 @@ from glmkit.convert.fetch import peak_alive_bytes
 from glmkit.convert.plan import PRESETS, QuantPlan
 from glmkit.convert.quantizers import HessianFactor, choose_scales, gptq_quantize, normalized_importance
 from glmkit.convert.resume import STATE_DIR, ConversionState, DoneFile, differences
-from glmkit.convert.source import SIDE_FILES, HFSnapshot, Source, open_source
+from glmkit.convert.source import SIDE_FILES, BackgroundDigests, HFSnapshot, Source, open_source
 from glmkit.errors import GlmkitError
 from glmkit.formats.imatrix import Imatrix
 from glmkit.formats.manifest import FORMAT_VERSION, MANIFEST_NAME, ExpertRange, Manifest, Quant, TensorEntry
@@ -130,6 +130,7 @@ def _run(job: Job, out: Path, force: bool, progress: bool, budget: int) -> Conve
     spec_names = {s.name for s in job.specs}
     writer: DataFileWriter | None = None
     fetcher = None
+    hashing = BackgroundDigests(job.source)
     try:
         fetcher = job.source.fetcher(steps, state.staging, budget, down_bar)
         step = 0
@@ -160,7 +161,7 @@ def _run(job: Job, out: Path, force: bool, progress: bool, budget: int) -> Conve
                 tmp.replace(out / name)
         manifest = Manifest(
             model_hash="",
-            source={"files": job.source.digests(), "origin": job.source.origin},
+            source={"files": hashing.result(), "origin": job.source.origin},
             conversion=job.identity["conversion"],
             files={layout.name: files[layout.name] for layout in job.layouts},
             tensors=entries,
@@ -172,6 +173,7 @@ def _run(job: Job, out: Path, force: bool, progress: bool, budget: int) -> Conve
         manifest.write(out)
         state.finish()
     except BaseException:
+        hashing.cancel()
         if fetcher is not None:
             fetcher.close()
         down_bar.close()

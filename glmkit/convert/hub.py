@@ -16,6 +16,7 @@ import json
 import os
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -138,8 +139,8 @@ class HubSource(Source):
             return 0
         return sum(size for name, size in self.snapshot.shard_bytes.items() if name not in self.cached)
 
-    def digests(self) -> dict[str, dict[str, object]]:
-        """The Hub's digests of the shards (each one checked when it was downloaded)."""
+    def digests(self, stop: threading.Event | None = None) -> dict[str, dict[str, object]]:
+        """The Hub's digests of the shards (each one checked when it was downloaded): nothing to read."""
         out: dict[str, dict[str, object]] = {}
         for name in self.snapshot.shard_bytes:
             f = self.files[name]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -153,11 +154,11 @@ class HFSnapshot:
             raise GlmkitError(f"{self._where(src.file)}: tensor {src.info.name!r} has shape {list(src.info.shape)}, "
                               f"config.json implies {list(shape)}")
 
-    def file_digests(self) -> dict[str, dict[str, object]]:
-        """sha256 and size of every (local) source shard, read in 16 MB chunks."""
+    def file_digests(self, stop: threading.Event | None = None) -> dict[str, dict[str, object]]:
+        """sha256 and size of every (local) source shard, read in 16 MB chunks (`stop` set: DigestsStopped)."""
         digests: dict[str, dict[str, object]] = {}
         for name, path in self.paths.items():
-            digests[name] = {"nbytes": path.stat().st_size, "sha256": sha256_file(path)}
+            digests[name] = {"nbytes": path.stat().st_size, "sha256": sha256_file(path, stop=stop)}
         return digests
 
     def source_bytes(self, spec: TensorSpec) -> int:
@@ -259,12 +260,48 @@ def shard_names_from_index(index: object) -> list[str]:
     return names
 
 
-def sha256_file(path: Path, chunk: int = 16 << 20) -> str:
+class DigestsStopped(Exception):
+    """Hashing was stopped before it finished (the conversion it ran beside failed)."""
+
+
+def sha256_file(path: Path, chunk: int = 16 << 20, stop: threading.Event | None = None) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while data := f.read(chunk):
+            if stop is not None and stop.is_set():
+                raise DigestsStopped(str(path))
             h.update(data)
     return h.hexdigest()
+
+
+class BackgroundDigests:
+    """`source.digests()` computed on a daemon thread while the conversion runs: a local source's shards
+    are hashed in a pass of their own, overlapped with quantization (CPU-bound) instead of after it
+    (reads and sha256 release the GIL)."""
+
+    def __init__(self, source: Source):
+        self._stop = threading.Event()
+        self._digests: dict[str, dict[str, object]] | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(source,), name="glmkit-digests", daemon=True)
+        self._thread.start()
+
+    def _run(self, source: Source) -> None:
+        try:
+            self._digests = source.digests(self._stop)
+        except BaseException as e:  # handed to result()
+            self._error = e
+
+    def result(self) -> dict[str, dict[str, object]]:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._digests is not None
+        return self._digests
+
+    def cancel(self) -> None:
+        """Stop hashing at the next chunk; the daemon thread never holds up the process's exit."""
+        self._stop.set()
 
 
 def _split_expert_name(name: str) -> tuple[str, int, str] | None:
@@ -320,8 +357,9 @@ class Source:
 
         return LocalShards()
 
-    def digests(self) -> dict[str, dict[str, object]]:
-        return self.snapshot.file_digests()
+    def digests(self, stop: threading.Event | None = None) -> dict[str, dict[str, object]]:
+        """Manifest `source.files`: size and sha256 of every shard (`stop`: hashing ends early)."""
+        return self.snapshot.file_digests(stop)
 
     def close(self) -> None:
         pass
