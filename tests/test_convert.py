@@ -204,3 +204,22 @@ def test_source_digests_run_beside_the_conversion_and_stop_on_request(tmp_path):
     stop.set()
     with pytest.raises(DigestsStopped):
         sha256_file(next(iter(src.glob("*.safetensors"))), stop=stop)
+
+
+@pytest.mark.parametrize("variant", ["tiny-bf16", "tiny-fp8"])
+def test_row_block_streaming_writes_the_same_container(variant, tmp_path, monkeypatch):
+    """Big tensors go through in row blocks (FP8: whole 128-row scale blocks); the bytes and the hash are those
+    of converting each tensor at once, for F32 output and every scale quantizer."""
+    from glmkit.convert import convert as convert_module
+    from tests.runtime_support import FIXTURES
+
+    source = FIXTURES / variant
+    for args in (["--preset", "f32"], ["--preset", "q8"], ["--preset", "q4"],
+                 ["--preset", "q2", "--quantizer", "absmax"], ["--preset", "q4", "--group-size", "0"]):
+        monkeypatch.setattr(convert_module, "STREAM_ELEMS", 1 << 30)
+        whole = tmp_path / "whole"
+        assert convert_main([str(source), str(whole), "--quiet", "--force", *args]) == 0
+        monkeypatch.setattr(convert_module, "STREAM_ELEMS", 2000)  # 128-row blocks at most, most tensors split
+        blocks = tmp_path / "blocks"
+        assert convert_main([str(source), str(blocks), "--quiet", "--force", *args]) == 0
+        assert Container(blocks).model_hash == Container(whole).model_hash, args

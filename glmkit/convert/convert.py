@@ -10,8 +10,10 @@ recorded in OUT (resume.py): re-running the same command continues after the las
 from __future__ import annotations
 
 import hashlib
+import math
 import shutil
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +30,7 @@ from glmkit.convert.source import SIDE_FILES, BackgroundDigests, HFSnapshot, Sou
 from glmkit.errors import GlmkitError
 from glmkit.formats.imatrix import Imatrix
 from glmkit.formats.manifest import FORMAT_VERSION, MANIFEST_NAME, ExpertRange, Manifest, Quant, TensorEntry
-from glmkit.formats.packing import pack, quantize
+from glmkit.formats.packing import pack, packed_row_bytes, quantize
 from glmkit.formats.schema import TensorSpec, model_tensors
 from glmkit.formats.writer import DataFileWriter, FileLayout, PlannedTensor, layout_files
 from glmkit.units import format_size
@@ -447,33 +449,52 @@ class Importance:
         return self._fallback[key]
 
 
+STREAM_ELEMS = 1 << 22  # tensors with more elements are read, quantized and written in row blocks of this size
+
+
 def _write_tensor(writer: DataFileWriter, source: HFSnapshot, plan: QuantPlan, spec: TensorSpec,
                   importance: Importance | None = None) -> dict[str, TensorEntry]:
-    weights = source.load(spec)
+    """Convert one tensor. Every scheme is row-local (a row's scales and codes depend on that row alone, GPTQ
+    included), so a big stored tensor (embed, lm_head: GB at GLM-5 size) goes through in row blocks: the
+    converter's memory stays at one block, not the tensor."""
     quant = plan.quant_for(spec)
+    rows = max(1, STREAM_ELEMS // max(spec.shape[-1], 1))
+    if spec.name in source.tensors and len(spec.shape) == 2 and spec.shape[0] > rows:
+        blocks = source.row_blocks(spec, rows)
+    else:
+        blocks = iter([source.load(spec)])
     file = writer.layout.name
     if quant is None:
-        offset, digest = writer.write(spec.name, weights)
-        return {spec.name: TensorEntry(spec.name, file, offset, weights.nbytes, spec.shape, "F32", spec.role,
-                                       digest)}
+        offset, digest = writer.write_rows(spec.name, blocks)
+        return {spec.name: TensorEntry(spec.name, file, offset, 4 * math.prod(spec.shape), spec.shape, "F32",
+                                       spec.role, digest)}
     bits, group = quant
     hessian = importance.hessian(spec) if importance is not None and plan.quantizer == "gptq" else None
-    if hessian is not None:
-        codes, scales = gptq_quantize(weights, hessian, bits, group)
-    else:
-        weights_importance = importance(spec) if importance is not None else None
-        scales = choose_scales(weights, bits, group, plan.quantizer, weights_importance)
-        codes, scales = quantize(weights, bits, group, scales)
-    del weights
-    packed = pack(codes, bits)
-    del codes
-    offset, digest = writer.write(spec.name, packed)
-    s_offset, s_digest = writer.write(spec.name + ".qs", scales)
+    weights_importance = importance(spec) if importance is not None and hessian is None else None
+    scales: list[np.ndarray] = []
+
+    def packed_blocks() -> Iterator[np.ndarray]:
+        for weights in blocks:
+            if hessian is not None:
+                codes, block_scales = gptq_quantize(weights, hessian, bits, group)
+            else:
+                chosen = choose_scales(weights, bits, group, plan.quantizer, weights_importance)
+                codes, block_scales = quantize(weights, bits, group, chosen)
+            del weights
+            scales.append(block_scales)
+            packed = pack(codes, bits)
+            del codes
+            yield packed
+
+    offset, digest = writer.write_rows(spec.name, packed_blocks())
     qs = spec.name + ".qs"
+    s_offset, s_digest = writer.write_rows(qs, scales)
+    packed_bytes = spec.shape[0] * packed_row_bytes(spec.shape[1], bits)
+    scales_shape = (spec.shape[0], *scales[0].shape[1:])
     return {
-        spec.name: TensorEntry(spec.name, file, offset, packed.nbytes, spec.shape, "U8", spec.role, digest,
+        spec.name: TensorEntry(spec.name, file, offset, packed_bytes, spec.shape, "U8", spec.role, digest,
                                Quant(bits, group, qs)),
-        qs: TensorEntry(qs, file, s_offset, scales.nbytes, tuple(scales.shape), "F32", "scales", s_digest),
+        qs: TensorEntry(qs, file, s_offset, 4 * math.prod(scales_shape), scales_shape, "F32", "scales", s_digest),
     }
 
 

@@ -12,6 +12,7 @@ import hashlib
 import json
 import re
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -185,6 +186,33 @@ class HFSnapshot:
             raise GlmkitError(f"{where}: tensor {spec.name!r} has shape {list(array.shape)}, config.json implies "
                               f"{list(spec.shape)}")
         return array
+
+    def row_blocks(self, spec: TensorSpec, rows: int) -> Iterator[np.ndarray]:
+        """The tensor as float32 blocks of about `rows` rows, read one at a time (a stored tensor, not an expert
+        slice of a fused one; its shape was checked against config.json when the source was opened). FP8 blocks
+        are whole 128-row scale blocks."""
+        src = self.tensors[spec.name]
+        total = spec.shape[0]
+        step = max(FP8_BLOCK, rows - rows % FP8_BLOCK) if src.info.dtype == "F8_E4M3" else max(1, rows)
+        for first in range(0, total, step):
+            count = min(step, total - first)
+            raw = self._read(src, first, count)
+            if src.info.dtype != "F8_E4M3":
+                block = self._to_float32(spec.name, src, raw)
+                del raw  # only one block alive while the caller works on it
+                yield block
+                continue
+            scale_name = self._fp8_scale_name(spec.name)
+            if scale_name is None:
+                raise GlmkitError(f"{src.file}: FP8 tensor {spec.name!r} has no weight_scale_inv")
+            scale_src = self.tensors[scale_name]
+            if scale_src.info.shape != (-(-total // FP8_BLOCK), -(-spec.shape[1] // FP8_BLOCK)):
+                raise GlmkitError(f"{spec.name}: weight_scale_inv has shape {list(scale_src.info.shape)}, expected "
+                                  f"128x128 blocks of a {list(spec.shape)} weight")
+            scales = self._read(scale_src, first // FP8_BLOCK, -(-count // FP8_BLOCK)).astype(np.float32)
+            block = dequantize_fp8_blocks(raw, scales, spec.name)
+            del raw
+            yield block
 
     def _read(self, src: SourceTensor, first: int = 0, count: int | None = None) -> np.ndarray:
         path = self.paths.get(src.file)

@@ -12,7 +12,7 @@ import hashlib
 import json
 import math
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,18 +112,32 @@ class DataFileWriter:
 
     def write(self, name: str, array: np.ndarray) -> tuple[int, str]:
         """Write the next planned tensor; returns (absolute offset, sha256 of its bytes)."""
+        return self.write_rows(name, [array])
+
+    def write_rows(self, name: str, blocks: Iterable[np.ndarray]) -> tuple[int, str]:
+        """Write the next planned tensor from consecutive blocks of its rows (so only one block need exist at a
+        time); returns (absolute offset, sha256 of its bytes). The blocks must add up to the planned shape."""
         planned, offset = next(self._pending)
         if planned.name != name:
             raise GlmkitError(f"{self.path.name}: expected tensor {planned.name!r} next, got {name!r}")
-        array = np.ascontiguousarray(array)
-        if array.dtype != DTYPES[planned.dtype] or tuple(array.shape) != planned.shape:
-            raise GlmkitError(f"{self.path.name}: tensor {name!r} is {array.dtype}{list(array.shape)}, "
-                              f"planned {planned.dtype}{list(planned.shape)}")
         self._emit(b"\0" * (offset - self._pos))
-        data = memoryview(array.reshape(-1).view(np.uint8))
-        self._emit(data)
+        digest = hashlib.sha256()
+        rows = 0
+        for block in blocks:
+            block = np.ascontiguousarray(block)
+            if block.dtype != DTYPES[planned.dtype] or tuple(block.shape[1:]) != planned.shape[1:]:
+                raise GlmkitError(f"{self.path.name}: tensor {name!r} has a block {block.dtype}{list(block.shape)}, "
+                                  f"planned {planned.dtype}{list(planned.shape)}")
+            data = memoryview(block.reshape(-1).view(np.uint8))
+            self._emit(data)
+            digest.update(data)
+            rows += block.shape[0] if block.ndim else 1
+            del block, data  # not alive while the next block is made
+        if rows != (planned.shape[0] if planned.shape else 1):
+            raise GlmkitError(f"{self.path.name}: tensor {name!r} got {rows} rows, planned "
+                              f"{planned.dtype}{list(planned.shape)}")
         self._pos = offset + planned.nbytes
-        return offset, hashlib.sha256(data).hexdigest()
+        return offset, digest.hexdigest()
 
     def finish(self) -> dict[str, object]:
         """Close and rename into place; returns the file's manifest record."""
