@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         imatrix = read_imatrix(args.imatrix) if args.imatrix is not None else None
         if args.dry_run:
             print(dry_run_report(args.source, args.out, plan, args.preset, args.max_file_size, imatrix=imatrix,
-                                 **options))
+                                 calibrate_preset=args.calibrate_preset if args.calibrate else None, **options))
             return 0
         start = time.perf_counter()
         scratch = (tempfile.TemporaryDirectory(prefix=".glmkit-calibrate-", dir=_parent(args.out))

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 import glmkit
 from glmkit.convert.fetch import peak_alive_bytes
-from glmkit.convert.plan import PRESETS, QuantPlan
+from glmkit.convert.plan import DEFAULT_QUANTIZER, PRESETS, QuantPlan
 from glmkit.convert.quantizers import HessianFactor, choose_scales, gptq_quantize, normalized_importance
 from glmkit.convert.resume import STATE_DIR, ConversionState, DoneFile, differences
 from glmkit.convert.source import SIDE_FILES, BackgroundDigests, HFSnapshot, Source, open_source
@@ -285,11 +285,16 @@ def _check_disk(job: Job, out: Path, state: ConversionState, done: dict[str, Don
 def dry_run_report(source: str | Path | Source, out_dir: str | Path, plan: QuantPlan, preset: str,
                    max_file_bytes: int = DEFAULT_FILE_BYTES, *, revision: str | None = None,
                    endpoint: str | None = None, keep_source: bool = False,
-                   max_inflight: int = DEFAULT_INFLIGHT_BYTES, imatrix: Imatrix | None = None) -> str:
-    """What a conversion would download and write, and the disk it needs; touches neither OUT nor weights."""
+                   max_inflight: int = DEFAULT_INFLIGHT_BYTES, imatrix: Imatrix | None = None,
+                   calibrate_preset: str | None = None) -> str:
+    """What a conversion would download and write, and the disk it needs; touches neither OUT nor weights.
+
+    calibrate_preset: glm-convert --calibrate first converts a temporary container of this preset."""
     src = source if isinstance(source, Source) else open_source(
         str(source), revision=revision, endpoint=endpoint, keep_source=keep_source)
     try:
+        if calibrate_preset is not None and imatrix is None:  # statistics to come: plan the same layout
+            plan = QuantPlan(plan.bits, plan.group_size, DEFAULT_QUANTIZER)
         job = Job.create(src, plan, preset, max_file_bytes, imatrix)
         snapshot = src.snapshot
         origin = src.origin
@@ -315,12 +320,23 @@ def dry_run_report(source: str | Path | Source, out_dir: str | Path, plan: Quant
                 mark = ""
             lines.append(f"  {name:4s} {format_size(size):>10s}{mark}")
         output, in_flight = job.disk_needed(job.layouts, max_inflight)
-        need = f"disk needed in {out_dir}: {format_size(output + in_flight)} ({format_size(output)} output"
+        if calibrate_preset is not None:
+            temporary = sum(layout.size for layout in _layouts(job.specs, QuantPlan.from_preset(calibrate_preset),
+                                                                max_file_bytes))
+            lines.append(f"--calibrate: a temporary {calibrate_preset} container ({format_size(temporary)}) next to "
+                         "OUT, deleted before the conversion; the source is read twice"
+                         + (" (downloaded twice)" if src.remote and not keep_source else ""))
+        else:
+            temporary = 0
+        peak = max(output, temporary)
+        need = f"disk needed in {out_dir}: {format_size(peak + in_flight)} ({format_size(output)} output"
+        if temporary:
+            need += f", before it {format_size(temporary)} temporary"
         if src.remote and not keep_source:
             need += f" + {format_size(in_flight)} shards in flight, --max-inflight {format_size(max_inflight)}"
         free = free_bytes(Path(out_dir))
         need += f"); available: {format_size(free)}"
-        lines.append(need + (" - enough" if output + in_flight <= free else
+        lines.append(need + (" - enough" if peak + in_flight <= free else
                              " - NOT enough: free some space or lower --max-inflight"))
         if src.remote and keep_source:
             lines.append(f"HF cache ({src.cache_dir}) grows by {format_size(src.cache_bytes())} (--keep-source)")
