@@ -5,7 +5,7 @@ Random tiny models cannot measure quantization quality (DESIGN section 3: their 
 sit near ties); this one has real structure. Needs the ``oracle`` extra (torch 2.13.0, transformers 5.23.0);
 nothing in ``glmkit`` imports this file.
 
-    python tools/train_tiny.py --out tests/fixtures/tiny-trained     # ~715 CPU-seconds: ~6 minutes of 2 cores
+    python tools/train_tiny.py --out tests/fixtures/tiny-trained     # ~2,040 CPU-seconds: ~17 minutes of 2 cores
 
 What it builds (reusing tools/make_oracle.py: tokenizer, config, weight layout, MTP reference, oracle):
 
@@ -307,7 +307,7 @@ def build_oracle(config: Any, stored: dict[str, torch.Tensor], held: list[int], 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path("tests/fixtures/tiny-trained"))
-    ap.add_argument("--steps", type=int, default=240)
+    ap.add_argument("--steps", type=int, default=2400)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--lr", type=float, default=4e-3)
     ap.add_argument("--seed", type=int, default=0)
