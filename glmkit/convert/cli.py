@@ -79,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
             raise GlmkitError("--max-file-size: must be at least 1 byte")
         if args.calibrate is not None and args.imatrix is not None:
             raise GlmkitError("--calibrate and --imatrix: give one (--calibrate computes what --imatrix reads)")
+        if args.calibrate is not None and not args.calibrate.is_file():  # before hours of temporary conversion
+            raise GlmkitError(f"--calibrate: {args.calibrate}: file not found")
+        if args.calibrate_windows < 1:
+            raise GlmkitError(f"--calibrate-windows: must be at least 1, got {args.calibrate_windows}")
         quantizer = args.quantizer or ("gptq" if args.calibrate is not None else DEFAULT_QUANTIZER)
         plan = QuantPlan.from_preset(args.preset, args.expert_bits, args.dense_bits, args.embed_bits,
                                      args.group_size, quantizer)
@@ -127,8 +131,6 @@ def _calibrate(args: argparse.Namespace, scratch: Path, options: dict[str, objec
     from glmkit.runtime.calibrate import calibration_windows, collect
     from glmkit.runtime.engine import Engine
 
-    if args.calibrate_windows < 1:
-        raise GlmkitError(f"--calibrate-windows: must be at least 1, got {args.calibrate_windows}")
     model_dir = scratch / "model"
     plan = QuantPlan.from_preset(args.calibrate_preset)
     if not args.quiet:
