@@ -92,6 +92,29 @@ def test_other_model_or_numerics_never_sees_entries(engine, oracle, tmp_path):
     assert other_kernels.restore(kv, ids).tokens == 0
 
 
+def test_index_from_an_old_layout_starts_afresh(engine, oracle, tmp_path, capsys):
+    """An index written by an earlier glmkit without today's columns (here: no `tokens`) is rebuilt, its blobs
+    dropped, with a one-line notice, instead of failing every lookup."""
+    import sqlite3
+
+    db = sqlite3.connect(tmp_path / "index.sqlite")
+    db.execute("CREATE TABLE entries (key TEXT PRIMARY KEY, model_hash TEXT NOT NULL, parent TEXT NOT NULL, "
+               "start INTEGER, n_tokens INTEGER, file TEXT NOT NULL, nbytes INTEGER, created REAL, "
+               "last_access REAL, hits INTEGER)")
+    db.execute("INSERT INTO entries VALUES ('k', 'm', 'p', 0, 8, 'old/blob', 10, 0, 0, 0)")
+    db.commit()
+    db.close()
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "blob").write_bytes(b"x" * 10)
+    ids = oracle["full_ids"]
+    cache = make_cache(engine, tmp_path)
+    assert "old layout" in capsys.readouterr().err
+    assert not (tmp_path / "old").exists()
+    run_and_store(engine, cache, ids[:20])
+    assert make_cache(engine, tmp_path).restore(engine.model.new_cache(), ids).tokens >= 16
+    assert capsys.readouterr().err == ""  # the rebuilt index is current: no notice the second time
+
+
 def _blob_paths(directory):
     return sorted(Path(directory).glob("*/*/*.kvc"))
 

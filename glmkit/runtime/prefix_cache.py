@@ -32,8 +32,10 @@ import difflib
 import hashlib
 import json
 import os
+import shutil
 import sqlite3
 import struct
+import sys
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -587,20 +589,36 @@ def open_index(directory: Path, wait_s: float = 30.0) -> sqlite3.Connection:
 def _open_index(directory: Path) -> sqlite3.Connection:
     db = sqlite3.connect(directory / "index.sqlite", timeout=30, isolation_level=None)
     try:
-        _create_schema(db)
+        _create_schema(db, directory)
     except sqlite3.Error:
         db.close()
         raise
     return db
 
 
-def _create_schema(db: sqlite3.Connection) -> None:
+_CREATE_ENTRIES = ("CREATE TABLE IF NOT EXISTS entries (key TEXT PRIMARY KEY, model_hash TEXT NOT NULL, "
+                   "parent TEXT NOT NULL, start INTEGER, n_tokens INTEGER, tokens BLOB NOT NULL, file TEXT NOT NULL, "
+                   "nbytes INTEGER, created REAL, last_access REAL, hits INTEGER, content TEXT, root TEXT, emb BLOB)")
+_REQUIRED_COLUMNS = {"key", "model_hash", "parent", "start", "n_tokens", "tokens", "file", "nbytes", "created",
+                     "last_access", "hits"}
+
+
+def _create_schema(db: sqlite3.Connection, directory: Path) -> None:
     db.execute("PRAGMA busy_timeout=30000")
     db.execute("PRAGMA journal_mode=WAL")
-    db.execute("CREATE TABLE IF NOT EXISTS entries (key TEXT PRIMARY KEY, model_hash TEXT NOT NULL, "
-               "parent TEXT NOT NULL, start INTEGER, n_tokens INTEGER, tokens BLOB NOT NULL, file TEXT NOT NULL, "
-               "nbytes INTEGER, created REAL, last_access REAL, hits INTEGER, content TEXT, root TEXT, emb BLOB)")
+    db.execute(_CREATE_ENTRIES)
     have = {row[1] for row in db.execute("PRAGMA table_info(entries)")}
+    if not _REQUIRED_COLUMNS <= have:
+        # an index from an incompatible earlier layout: its entries cannot be matched, so it starts over, and the
+        # blobs only it referenced go with it (the per-model directories; nothing else lives in one)
+        print(f"glmkit: prefix cache index {directory / 'index.sqlite'} has an old layout; starting it afresh",
+              file=sys.stderr)
+        db.execute("DROP TABLE entries")
+        db.execute(_CREATE_ENTRIES)
+        for sub in directory.iterdir():
+            if sub.is_dir():
+                shutil.rmtree(sub, ignore_errors=True)
+        have = {row[1] for row in db.execute("PRAGMA table_info(entries)")}
     for name, kind in _ADDED_COLUMNS:  # an index made before these columns existed: add them (rows stay NULL)
         if name not in have:
             try:
