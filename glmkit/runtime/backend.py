@@ -336,17 +336,23 @@ class NumpyBackend:
 
     def moe(self, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, expert: ExpertFn,
             shared: tuple[Weight, Weight, Weight] | None) -> np.ndarray:
-        from glmkit.runtime.model import moe_batch_union
-
         # Prefill: several experts (each dequantized once for all of its rows) at a time on the worker pool.
-        # Other backends that borrow this loop (calibration's recording wrapper) run it serially, in order.
-        pooled = isinstance(self, NumpyBackend) and x.shape[0] > self.decode_rows and self.workers > 1
-        out = moe_batch_union(x, ids, weights, lambda e, rows: self.expert_mlp(rows, *expert(e)),
-                              self._map if pooled else None, 4 * self.workers if pooled else 1)
-        if shared is not None:
-            out += self.expert_mlp(x, *shared)
-        return out
+        if x.shape[0] > self.decode_rows and self.workers > 1:
+            return moe_layer(self, x, ids, weights, expert, shared, self._map, 4 * self.workers)
+        return moe_layer(self, x, ids, weights, expert, shared)
 
+
+def moe_layer(backend: Backend, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, expert: ExpertFn,
+              shared: tuple[Weight, Weight, Weight] | None,
+              parallel_map: Callable[[Callable, list], list] | None = None, chunk: int = 1) -> np.ndarray:
+    """`Backend.moe` on top of any backend's `expert_mlp`: the routed experts by batch-union (`chunk` at a time
+    through `parallel_map` when given), plus the shared expert. `[S, H]`."""
+    from glmkit.runtime.model import moe_batch_union  # the model's pure functions (model imports this module)
+
+    out = moe_batch_union(x, ids, weights, lambda e, rows: backend.expert_mlp(rows, *expert(e)), parallel_map, chunk)
+    if shared is not None:
+        out += backend.expert_mlp(x, *shared)
+    return out
 
 
 GEMV_ROWS = 4  # up to this many input rows, `times_transposed` may run one GEMV per row

@@ -26,7 +26,7 @@ from tqdm import tqdm
 from glmkit.errors import GlmkitError
 from glmkit.formats.imatrix import Imatrix
 from glmkit.formats.tensors import Weight
-from glmkit.runtime.backend import Backend, NumpyBackend, silu
+from glmkit.runtime.backend import Backend, moe_layer, silu
 from glmkit.runtime.cli_perplexity import DEFAULT_CTX, text_windows, token_windows
 from glmkit.runtime.engine import Engine
 from glmkit.runtime.logits_file import tokens_digest
@@ -119,8 +119,8 @@ class _RecordingBackend:
         return self.linear(silu(self.linear(x, gate)) * self.linear(x, up), down)
 
     def moe(self, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, expert: Any, shared: Any) -> np.ndarray:
-        # the reference batch-union loop, so that every expert's products go through `linear` above
-        return NumpyBackend.moe(self, x, ids, weights, expert, shared)  # type: ignore[arg-type]
+        # the serial batch-union loop, so that every expert's products go through `linear` above
+        return moe_layer(self, x, ids, weights, expert, shared)  # type: ignore[arg-type]
 
 
 def collect(engine: Engine, windows: list[list[int]], progress: bool = False, hessians: str = "dense",

@@ -25,7 +25,7 @@ from threadpoolctl import ThreadpoolController
 
 from glmkit.formats.tensors import QuantWeight, Weight
 from glmkit.kernels_cl.launch import ClWeight, Kernels, WeightMemory, address
-from glmkit.runtime.backend import ExpertFn, NumpyBackend, silu
+from glmkit.runtime.backend import ExpertFn, NumpyBackend, moe_layer, silu
 
 DECODE_ROWS = 4  # calls with at most this many rows are decode calls (MTP verification has 2)
 
@@ -244,7 +244,7 @@ class OpenCLBackend:
         if x.shape[0] > DECODE_ROWS and p.matmul == "host" and p.vector_prefill == "host":
             return self.host.moe(x, ids, weights, expert, shared)  # every product on the host: its worker pool
         if x.shape[0] > DECODE_ROWS or p.experts != "cl":
-            return NumpyBackend.moe(self, x, ids, weights, expert, shared)  # type: ignore[arg-type]
+            return moe_layer(self, x, ids, weights, expert, shared)
         # Decode: every (token, expert) pair is a slot carrying its expert's offsets; slots whose weights share
         # a buffer and a scheme (usually all of them, the shared expert included) run in one fused launch pair.
         # Experts the device does not hold are streamed to it in one upload (placement.stream_experts), or run
