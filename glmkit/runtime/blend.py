@@ -93,13 +93,7 @@ def _attention_at(model: GlmMoeDsaModel, layer: int, u: np.ndarray, positions: n
     kv.rows("k_rot")[positions] = a.k_rot
     if indexed:
         kv.rows("index_k")[positions] = a.index_k
-    causal = np.arange(kv.length)[None, :] <= positions[:, None]
-    if scored:
-        allowed = model.index_select(a, kv.index_k, causal)
-    elif cfg.indexer_type(layer) == "shared":
-        allowed = prev_allowed
-    else:
-        allowed = causal
+    allowed = model.select_keys(layer, a, kv, np.arange(kv.length)[None, :] <= positions[:, None], prev_allowed)
     out = mla_attend_full(b, a.q_nope, a.q_rot, kv.kv_lat, kv.k_rot, w(prefix + "kv_b_proj.weight"), allowed,
                           cfg.qk_head_dim ** -0.5)
     return b.linear(out.reshape(seq, -1), w(prefix + "o_proj.weight")), allowed

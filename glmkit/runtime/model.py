@@ -287,13 +287,7 @@ class GlmMoeDsaModel:
         if indexed:
             rows["index_k"] = a.index_k
         kv.append(**rows)
-        causal = causal_mask(start, seq, kv.length)
-        if scored:
-            allowed = self.index_select(a, kv.index_k, causal)
-        elif cfg.indexer_type(layer) == "shared":
-            allowed = prev_allowed
-        else:
-            allowed = causal
+        allowed = self.select_keys(layer, a, kv, causal_mask(start, seq, kv.length), prev_allowed)
 
         scale = cfg.qk_head_dim ** -0.5
         absorb = 0 < start and seq <= self.absorb_max_rows
@@ -328,12 +322,18 @@ class GlmMoeDsaModel:
             inputs.index_weights = head_weights * np.float32(cfg.index_n_heads ** -0.5)
         return inputs
 
-    def index_select(self, inputs: AttentionInputs, keys: np.ndarray, causal: np.ndarray) -> np.ndarray:
-        """DSA top-k selection `[S, T]`: the indexer scores of `inputs` against all cached indexer keys `[T, ihd]`."""
+    def select_keys(self, layer: int, inputs: AttentionInputs, kv: LayerKV, causal: np.ndarray,
+                    prev_allowed: np.ndarray | None) -> np.ndarray:
+        """The keys `[S, T]` a layer attends to: DSA's top-k when its indexer scored (`inputs.index_q`, against all
+        cached indexer keys), the previous layer's selection on a 'shared' layer, else every causal key."""
         cfg = self.config
-        assert inputs.index_q is not None and inputs.index_weights is not None
-        return self.backend.index_topk(inputs.index_q, keys, inputs.index_weights, cfg.index_head_dim ** -0.5,
-                                       causal, cfg.index_topk)
+        if inputs.index_q is not None:
+            assert inputs.index_weights is not None
+            return self.backend.index_topk(inputs.index_q, kv.index_k, inputs.index_weights,
+                                           cfg.index_head_dim ** -0.5, causal, cfg.index_topk)
+        if cfg.indexer_type(layer) == "shared":
+            return prev_allowed  # type: ignore[return-value]  # the selection of the layer before, as before
+        return causal
 
     # ---- feed-forward --------------------------------------------------------------------------
 
