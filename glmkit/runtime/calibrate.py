@@ -27,7 +27,14 @@ from glmkit.errors import GlmkitError
 from glmkit.formats.imatrix import Imatrix
 from glmkit.formats.tensors import Weight
 from glmkit.runtime.backend import Backend, moe_layer, silu
-from glmkit.runtime.cli_perplexity import DEFAULT_CTX, text_windows, token_windows
+from glmkit.runtime.cli_perplexity import (
+    DEFAULT_CTX,
+    add_window_arguments,
+    check_window_arguments,
+    text_windows,
+    token_windows,
+    windows_from_arguments,
+)
 from glmkit.runtime.engine import Engine
 from glmkit.runtime.logits_file import tokens_digest
 from glmkit.runtime.model import GlmMoeDsaModel, WeightSource
@@ -166,11 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="glm-calibrate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("snapshot", help="converted container directory (f32, or q8 for a large model)")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--text", type=Path, metavar="FILE", help="UTF-8 sample text, cut into --ctx windows")
-    src.add_argument("--tokens", type=Path, metavar="FILE", help="JSON list of token-id lists")
-    p.add_argument("--ctx", type=int, default=DEFAULT_CTX, help=f"window length for --text (default {DEFAULT_CTX})")
-    p.add_argument("--max-windows", type=int, metavar="N", help="use only the first N windows")
+    add_window_arguments(p)
     p.add_argument("-o", "--output", type=Path, required=True, metavar="IMATRIX", help="imatrix file to write")
     p.add_argument("--hessians", choices=HESSIAN_CHOICES, default="dense",
                    help="record mean x x^T for glm-convert --quantizer gptq: dense (default: all but routed "
@@ -186,12 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if args.max_windows is not None and args.max_windows < 1:
-            raise GlmkitError(f"--max-windows: must be at least 1, got {args.max_windows}")
+        check_window_arguments(args)
         engine = Engine(args.snapshot, args.device, load_tokenizer=args.text is not None)
-        windows = (text_windows(engine, args.text, args.ctx) if args.text is not None
-                   else token_windows(args.tokens, engine.config.vocab_size))
-        windows = windows[:args.max_windows]
+        windows = windows_from_arguments(engine, args)
         imatrix = collect(engine, windows, progress=not args.quiet, hessians=args.hessians,
                           max_hessian_dim=args.max_hessian_dim)
         imatrix.write(args.output)

@@ -32,12 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="glm-perplexity", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("snapshot", help="converted container directory")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--text", type=Path, metavar="FILE", help="UTF-8 text, tokenized and cut into --ctx windows")
-    src.add_argument("--tokens", type=Path, metavar="FILE",
-                     help="JSON list of token-id lists, one evaluation window each")
-    p.add_argument("--ctx", type=int, default=DEFAULT_CTX, help=f"window length for --text (default {DEFAULT_CTX})")
-    p.add_argument("--max-windows", type=int, metavar="N", help="evaluate only the first N windows")
+    add_window_arguments(p)
     p.add_argument("--save-logits", type=Path, metavar="BASE", help="save this model's log-probabilities to BASE")
     p.add_argument("--kl-base", type=Path, metavar="BASE",
                    help="compare against BASE (saved with --save-logits over the same windows)")
@@ -46,6 +41,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="auto | numpy | opencl[:platform:device]")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
+
+
+def add_window_arguments(p: argparse.ArgumentParser) -> None:
+    """The token windows a command runs over: `--text` or `--tokens` (one required), `--ctx`, `--max-windows`."""
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--text", type=Path, metavar="FILE", help="UTF-8 text, tokenized and cut into --ctx windows")
+    src.add_argument("--tokens", type=Path, metavar="FILE", help="JSON list of token-id lists, one window each")
+    p.add_argument("--ctx", type=int, default=DEFAULT_CTX, help=f"window length for --text (default {DEFAULT_CTX})")
+    p.add_argument("--max-windows", type=int, metavar="N", help="use only the first N windows")
+
+
+def check_window_arguments(args: argparse.Namespace) -> None:
+    """What can be refused before a model is opened."""
+    if args.max_windows is not None and args.max_windows < 1:
+        raise GlmkitError(f"--max-windows: must be at least 1, got {args.max_windows}")
+
+
+def windows_from_arguments(engine: Engine, args: argparse.Namespace) -> list[list[int]]:
+    """The windows `add_window_arguments` describes (the engine needs its tokenizer for `--text`)."""
+    windows = (text_windows(engine, args.text, args.ctx) if args.text is not None
+               else token_windows(args.tokens, engine.config.vocab_size))
+    return windows[:args.max_windows]
 
 
 def text_windows(engine: Engine, path: Path, ctx: int) -> list[list[int]]:
@@ -119,13 +136,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     writer = None
     try:
-        if args.max_windows is not None and args.max_windows < 1:
-            raise GlmkitError(f"--max-windows: must be at least 1, got {args.max_windows}")
+        check_window_arguments(args)
         engine = Engine(args.snapshot, args.device, load_tokenizer=args.text is not None)
         vocab = engine.config.vocab_size
-        windows = (text_windows(engine, args.text, args.ctx) if args.text is not None
-                   else token_windows(args.tokens, vocab))
-        windows = windows[:args.max_windows]
+        windows = windows_from_arguments(engine, args)
         base = None
         if args.kl_base is not None:
             base = LogitsBase(args.kl_base)

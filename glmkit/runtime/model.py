@@ -332,7 +332,7 @@ class GlmMoeDsaModel:
             return self.backend.index_topk(inputs.index_q, kv.index_k, inputs.index_weights,
                                            cfg.index_head_dim ** -0.5, causal, cfg.index_topk)
         if cfg.indexer_type(layer) == "shared":
-            return prev_allowed  # type: ignore[return-value]  # the selection of the layer before, as before
+            return prev_allowed  # type: ignore[return-value]  # the previous layer's top-k, reused
         return causal
 
     # ---- feed-forward --------------------------------------------------------------------------
