@@ -13,20 +13,10 @@ from glmkit.runtime.cli_run import main as run_main
 from glmkit.runtime.engine import Engine
 from glmkit.runtime.generate import Generator
 from glmkit.runtime.sampling import Sampler, SamplingParams
-from tests.runtime_support import FIXTURES, Snapshots, convert, copy_with_config
+from tests.runtime_support import FIXTURES, convert, copy_with_config
 
 STATS_KEYS = {"prompt_tokens", "cached_tokens", "prefill_s", "ttft_s", "decode_tokens", "decode_s", "peak_rss_mb",
               "device", "mtp_acceptance"}
-
-
-@pytest.fixture(scope="module")
-def snapshot(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return Snapshots(tmp_path_factory)("tiny-bf16", "f32")
-
-
-@pytest.fixture(scope="module")
-def engine(snapshot) -> Engine:
-    return Engine(snapshot)
 
 
 @pytest.fixture(scope="module")

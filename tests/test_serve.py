@@ -17,11 +17,9 @@ import pytest
 import uvicorn
 
 from glmkit.runtime.cli_run import main as run_main
-from glmkit.runtime.engine import Engine
 from glmkit.serve.app import Loaded, ServeConfig, create_app
 from glmkit.serve.cli import build_app, build_parser
 from glmkit.serve.scheduler import Done, GenRequest, Text
-from tests.runtime_support import Snapshots
 
 API_KEY = "test-key"
 MAX_BODY = 64 << 10
@@ -82,16 +80,6 @@ def serve_args(snapshot: Path, cache_dir: Path, *extra: str, prefill_chunk: int 
     return build_parser().parse_args([str(snapshot), "--cache-dir", str(cache_dir), "--api-key", API_KEY,
                                       "--max-request-size", str(MAX_BODY), "--prefill-chunk", str(prefill_chunk),
                                       "--log-level", "warning", *extra])
-
-
-@pytest.fixture(scope="module")
-def snapshot(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return Snapshots(tmp_path_factory)("tiny-bf16", "f32")
-
-
-@pytest.fixture(scope="module")
-def engine(snapshot) -> Engine:
-    return Engine(snapshot)
 
 
 @pytest.fixture(scope="module")
