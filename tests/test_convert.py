@@ -58,7 +58,7 @@ def test_q4_preset_classes(sharded_source, tmp_path):
             .quant.group_size) == (4, 64)
     for int8 in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.0.self_attn.indexer.wk.weight",
                  "model.layers.3.eh_proj.weight", "model.layers.3.self_attn.q_a_proj.weight"):
-        assert (t[int8].quant.bits, t[int8].quant.group_size) == (8, None), int8
+        assert (t[int8].quant.bits, t[int8].quant.group_size) == (8, 64), int8
     for f32 in ("model.layers.1.mlp.gate.weight", "model.layers.1.mlp.gate.e_score_correction_bias",
                 "model.norm.weight", "model.layers.2.self_attn.kv_a_layernorm.weight"):
         assert t[f32].quant is None and t[f32].dtype == "F32", f32
@@ -81,8 +81,9 @@ def test_q2_and_overrides(sharded_source, tmp_path):
     assert t["model.layers.2.mlp.experts.0.gate_proj.weight"].quant.bits == 8
     assert t["model.layers.2.self_attn.o_proj.weight"].quant is None
     c = convert(src, tmp_path / "perrow", "--group-size", "0")
-    q = c.manifest.tensors["model.layers.2.mlp.experts.0.gate_proj.weight"].quant
-    assert (q.bits, q.group_size) == (4, None)
+    for name, bits in (("model.layers.2.mlp.experts.0.gate_proj.weight", 4), ("lm_head.weight", 8)):
+        q = c.manifest.tensors[name].quant
+        assert (q.bits, q.group_size) == (bits, None), name
 
 
 @pytest.mark.parametrize("preset", ["f32", "q4"])

@@ -60,7 +60,7 @@ def test_top1_and_accumulator_summary():
     acc.add(test[:2], targets[:2], base[:2])
     acc.add(test[2:], targets[2:], base[2:])
     s = acc.summary()
-    assert s["tokens"] == 4 and s["top1_agreement"] == 0.5
+    assert s["tokens"] == 4 and s["top1_agreement"] == 0.5 and s["top1_se"] == pytest.approx(0.25)  # sqrt(.25 / 4)
     ppl = math.exp(-np.mean([math.log(p) for p in (0.6, 0.3, 0.5, 0.5)]))
     base_ppl = math.exp(-np.mean([math.log(p) for p in (0.7, 0.6, 0.5, 0.4)]))
     assert s["ppl"] == pytest.approx(ppl) and s["ppl_ratio"] == pytest.approx(ppl / base_ppl)

@@ -51,6 +51,8 @@ VARIANTS: list[tuple[str, str, int, str, str | None]] = [
     ("q8 absmax", "q8", 64, "absmax", None),
     ("q8 mse", "q8", 64, "mse", None),
     ("q8 gptq", "q8", 64, "gptq", "all"),
+    ("q8 per-row mse", "q8", 0, "mse", None),
+    ("q8 per-row gptq", "q8", 0, "gptq", "all"),
     ("q4 absmax", "q4", 64, "absmax", None),
     ("q4 mse", "q4", 64, "mse", None),
     ("q4 mse+imatrix", "q4", 64, "mse", "all"),
@@ -135,8 +137,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     out = ["| variant | size | bpw | convert | ppl | ppl ratio | KLD mean | KLD p99 | top-1 | MTP accept (greedy) "
            "| MTP accept (text) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        kl = (f"{r['ppl_ratio']:.4f} | {r['kld_mean']:.5f} | {r['kld_p99']:.4f} | {100 * r['top1_agreement']:.2f}%"
-              if "kld_mean" in r else "1 | 0 | 0 | 100%")
+        kl = (f"{r['ppl_ratio']:.4f} | {r['kld_mean']:.5f} | {r['kld_p99']:.4f} | {100 * r['top1_agreement']:.2f}% "
+              f"± {100 * r['top1_se']:.2f}" if "kld_mean" in r else "1 | 0 | 0 | 100%")
         out.append(f"| {r['variant']} | {r['bytes'] / 1e6:.2f} MB | {r['bpw']:.2f} | {r['convert_s']:.1f} s | "
                    f"{r['ppl']:.4f} | {kl} | {100 * r['mtp_acceptance']:.1f}% | "
                    f"{100 * r['mtp_acceptance_text']:.1f}% |")

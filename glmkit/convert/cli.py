@@ -30,14 +30,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out", help="output container directory (empty or absent, unless --force; an unfinished "
                                "conversion of the same inputs there is resumed)")
     p.add_argument("--preset", default="q4", choices=list(PRESETS),
-                   help="f32 (lossless), q8 (int8 per row), q4 (default: int4 g64, int8 embed/lm_head/indexer/"
+                   help="f32 (lossless), q8 (int8 g64), q4 (default: int4 g64, int8 g64 embed/lm_head/indexer/"
                         "MTP), q2 (routed experts int2 g64, rest as q4)")
     p.add_argument("--expert-bits", type=int, choices=(2, 4, 8, 32), help="override routed-expert bits (32 = F32)")
     p.add_argument("--dense-bits", type=int, choices=(2, 4, 8, 32),
                    help="override attention, dense MLP and shared-expert bits (32 = F32)")
     p.add_argument("--embed-bits", type=int, choices=(2, 4, 8, 32), help="override embed/lm_head bits (32 = F32)")
     p.add_argument("--group-size", type=int, default=DEFAULT_GROUP_SIZE,
-                   help=f"scale group size for int4/int2 weights (default {DEFAULT_GROUP_SIZE}; 0 = per row)")
+                   help=f"scale group size of quantized weights (default {DEFAULT_GROUP_SIZE}; 0 = per row)")
     p.add_argument("--quantizer", choices=QUANTIZERS,
                    help=f"how codes and scales are chosen: mse searches each group's error-minimising scale "
                         f"(default {DEFAULT_QUANTIZER}), absmax takes amax/qmax (faster), gptq corrects rounding "

@@ -1,7 +1,8 @@
 """Quantization presets: which bits and group size each tensor role gets, and how scales are chosen.
 
-`bits=None` keeps the tensor in F32. Norms, biases and the router are always F32. int8 is per row;
-int4 and int2 use `group_size` (None = per row, which measurably hurts quality: DESIGN section 4).
+`bits=None` keeps the tensor in F32. Norms, biases and the router are always F32. Every quantized tensor uses
+`group_size` (None = per row, which measurably hurts quality: DESIGN section 4). int8 with group 64 is 8.5
+bits per weight, like llama.cpp's Q8_0; per-row int8 loses top-1 agreement (docs/QUALITY.md).
 `quantizer` picks the scales (quantizers.py): `absmax`, or `mse` (error-minimising search).
 """
 
@@ -70,7 +71,7 @@ class QuantPlan:
         bits = self.bits.get(spec.role)
         if bits is None or len(spec.shape) != 2:
             return None
-        return bits, (None if bits == 8 else self.group_size)
+        return bits, self.group_size
 
     def stored(self, spec: TensorSpec) -> list[PlannedTensor]:
         """The tensors this logical tensor becomes: one F32 tensor, or packed U8 + F32 `.qs` scales."""

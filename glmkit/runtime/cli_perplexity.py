@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kl-base", type=Path, metavar="BASE",
                    help="compare against BASE (saved with --save-logits over the same windows)")
     p.add_argument("--json", action="store_true",
-                   help='print {"tokens", "ppl"} (+ "kld_mean", "kld_p99", "top1_agreement", "ppl_ratio")')
+                   help='print {"tokens", "ppl"} (+ "kld_mean", "kld_p99", "top1_agreement", "top1_se", "ppl_ratio")')
     p.add_argument("--device", default="auto", help="auto | numpy | opencl[:platform:device]")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
@@ -167,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     if base is not None:
         same = " (same model)" if base.model_hash == engine.model_hash else ""
         print(f"vs {args.kl_base}{same}: KL divergence mean {result['kld_mean']:.6f}, p99 {result['kld_p99']:.6f}; "
-              f"top-1 agreement {100 * result['top1_agreement']:.2f}%; perplexity ratio {result['ppl_ratio']:.4f}")
+              f"top-1 agreement {100 * result['top1_agreement']:.2f}% ± {100 * result['top1_se']:.2f}; "
+              f"perplexity ratio {result['ppl_ratio']:.4f}")
     if args.save_logits is not None:
         print(f"saved log-probabilities to {args.save_logits}")
     return 0

@@ -64,7 +64,8 @@ class QualityAccumulator:
             self.top1.append(top1_matches(base_logprobs, logprobs))
 
     def summary(self) -> dict[str, float | int]:
-        """`{"tokens", "ppl"}`, plus `kld_mean`, `kld_p99`, `top1_agreement`, `ppl_ratio` against a base."""
+        """`{"tokens", "ppl"}`, plus `kld_mean`, `kld_p99`, `top1_agreement` (and its binomial standard error
+        `top1_se`), `ppl_ratio` against a base."""
         nll = np.concatenate(self.nll) if self.nll else np.zeros(0)
         if nll.size == 0:
             raise ValueError("no scored tokens")
@@ -73,6 +74,8 @@ class QualityAccumulator:
             kld = np.concatenate(self.kld)
             out["kld_mean"] = float(kld.mean())
             out["kld_p99"] = float(np.quantile(kld, 0.99))
-            out["top1_agreement"] = float(np.concatenate(self.top1).mean())
+            top1 = float(np.concatenate(self.top1).mean())
+            out["top1_agreement"] = top1
+            out["top1_se"] = float(np.sqrt(top1 * (1 - top1) / nll.size))
             out["ppl_ratio"] = out["ppl"] / perplexity(np.concatenate(self.base_nll))
         return out
