@@ -44,7 +44,7 @@ def imatrix(snapshots, tmp_path_factory):
     path = tmp_path_factory.mktemp("imatrix") / "imatrix.safetensors"
     code, out, _ = run(calibrate_main, snapshots("tiny-trained", "f32"), "--tokens", CALIB, "--max-windows", "4",
                        "-o", path, "--quiet")
-    assert code == 0 and "250 weights (58 with Hessians, 32 distinct) from 512 tokens" in out
+    assert code == 0 and "250 weights (186 with Hessians, 32 distinct) from 512 tokens" in out
     values = read_imatrix(path).values
     assert {"model.layers.4.eh_proj.weight", "model.layers.4.mlp.experts.3.down_proj.weight",  # MTP layer too
             "model.layers.1.self_attn.indexer.wq_b.weight", "lm_head.weight"} <= set(values)
@@ -196,7 +196,12 @@ def test_imatrix_hessians(imatrix):
     assert im.hessians[shared_input[0]] == im.hessians[shared_input[1]]  # the same input rows: one Hessian
     gate, up = (f"model.layers.2.mlp.shared_experts.{p}_proj.weight" for p in ("gate", "up"))
     assert im.hessians[gate] == im.hessians[up] != im.hessians[shared_input[0]]
-    assert not any(".mlp.experts." in n for n in im.hessians)  # --hessians dense: not the routed experts
+    # --hessians pooled: a routed expert's gate/up share its layer's MoE-input Hessian (the shared expert's)
+    routed = {n: t for n, t in im.hessians.items() if ".mlp.experts." in n}
+    assert routed and all(n.startswith("model.layers.") and "down_proj" not in n for n in routed)
+    assert all(t == im.hessians[n.split("mlp.experts.")[0] + "mlp.shared_experts.gate_proj.weight"]
+               for n, t in routed.items())
+    assert set(routed) == {n for n in im.values if ".mlp.experts." in n and "down_proj" not in n}
     assert {"lm_head.weight", "model.layers.4.eh_proj.weight", layer + "self_attn.o_proj.weight"} <= set(im.hessians)
     for name in (shared_input[0], gate, "lm_head.weight", layer + "self_attn.indexer.wq_b.weight"):
         h = im.hessian(name)
@@ -235,7 +240,15 @@ def test_calibrate_hessian_choices(snapshots):
     none = collect(engine, windows, hessians="none")
     assert none.hessians == {} and none.hessian_data == {}
     np.testing.assert_array_equal(none.values[gate], full.values[gate])
-    narrow = collect(engine, windows, hessians="dense", max_hessian_dim=100)
+    dense = collect(engine, windows, hessians="dense")
+    assert dense.hessians and not any(".mlp.experts." in n for n in dense.hessians)
+    pooled = collect(engine, windows, hessians="pooled")
+    assert pooled.hessians[gate] == pooled.hessians[up] == pooled.hessians["model.layers.2.mlp.shared_experts."
+                                                                           "up_proj.weight"]
+    assert down not in pooled.hessians and pooled.hessian_data.keys() == dense.hessian_data.keys()
+    np.testing.assert_allclose(pooled.hessian(gate), full.hessian("model.layers.2.mlp.shared_experts.gate_proj.weight"),
+                               rtol=1e-6)  # the layer's input over all tokens, not expert 5's
+    narrow = collect(engine, windows, hessians="pooled", max_hessian_dim=100)  # no shared Hessian: no pooled one
     assert narrow.hessians and all(full.values[n].shape[0] <= 100 for n in narrow.hessians)
     assert any(v.shape[0] > 100 for v in narrow.values.values())
 

@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 from pathlib import Path
 
 from glmkit.convert.cli import main as convert_main
+from glmkit.convert.plan import QuantPlan
+from glmkit.formats.config import ModelConfig
+from glmkit.formats.schema import model_tensors
 from tools.synth import write_snapshot_streaming
 
 DEFAULT_WORK = Path("/tmp/glmkit-bench-model")
@@ -30,12 +34,24 @@ BENCH_CONFIG = {
 
 
 def ensure_bench_snapshot(preset: str = "q4", work: Path = DEFAULT_WORK) -> Path:
-    """The converted benchmark model for `preset` (built on first use under `work`)."""
+    """The converted benchmark model for `preset` (built on first use under `work`, and again when the preset's
+    layout has changed since)."""
     source = work / "source"
     if not (source / "config.json").is_file():
         write_snapshot_streaming(source, BENCH_CONFIG, shards=4)
     out = work / preset
-    if not (out / "manifest.json").is_file():
+    if not (out / "manifest.json").is_file() or not layout_is_current(out, preset):
         with contextlib.redirect_stdout(io.StringIO()):
             assert convert_main([str(source), str(out), "--preset", preset, "--quiet", "--force"]) == 0
     return out
+
+
+def layout_is_current(out: Path, preset: str) -> bool:
+    """Whether every tensor of the container at `out` has the bits and scale group today's `preset` gives it."""
+    tensors = json.loads((out / "manifest.json").read_text())["tensors"]
+    plan = QuantPlan.from_preset(preset)
+    for spec in model_tensors(ModelConfig.from_file(out / "config.json")):
+        quant = tensors.get(spec.name, {}).get("quant")
+        if (quant and (quant["bits"], quant["group_size"])) != (plan.quant_for(spec) or None):
+            return False
+    return True

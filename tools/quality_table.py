@@ -10,8 +10,9 @@ windows (eval_tokens.json; what `glm-perplexity --kl-base` computes), top-1 agre
 acceptance: during greedy generation (Generator stats; prompts: the first 64 tokens of each held-out window,
 64 new tokens) and along the held-out text itself (`mtp_acceptance_on_text`).
 The imatrix and gptq variants use `glm-calibrate` statistics of the f32 model over calib_tokens.json (training
-text, not the evaluation windows), with Hessians for every weight (`--hessians all`) or all but the routed
-experts (`dense`, the default). Same commands by hand:
+text, not the evaluation windows), with Hessians for every weight (`--hessians all`), with routed experts'
+gate/up sharing their layer's MoE-input Hessian (`pooled`, the default) or with none for routed experts
+(`dense`). Same commands by hand:
 
     glm-convert tests/fixtures/tiny-trained /tmp/f32 --preset f32
     glm-perplexity /tmp/f32 --tokens tests/fixtures/tiny-trained/eval_tokens.json --save-logits /tmp/base.st
@@ -45,19 +46,21 @@ from glmkit.runtime.generate import Generator  # noqa: E402
 from glmkit.runtime.logits_file import LogitsBase, LogitsWriter  # noqa: E402
 from glmkit.runtime.sampling import Sampler, SamplingParams  # noqa: E402
 
-# (label, preset, group size (0 = per row), quantizer, calibration statistics: None, "all" or "dense" Hessians)
+# (label, preset, group size (0 = per row), quantizer, calibration statistics: None or a --hessians choice)
 VARIANTS: list[tuple[str, str, int, str, str | None]] = [
     ("f32", "f32", 64, "absmax", None),
     ("q8 absmax", "q8", 64, "absmax", None),
     ("q8 mse", "q8", 64, "mse", None),
     ("q8 gptq", "q8", 64, "gptq", "all"),
+    ("q8 gptq, pooled expert Hessians", "q8", 64, "gptq", "pooled"),
     ("q8 per-row mse", "q8", 0, "mse", None),
     ("q8 per-row gptq", "q8", 0, "gptq", "all"),
     ("q4 absmax", "q4", 64, "absmax", None),
     ("q4 mse", "q4", 64, "mse", None),
     ("q4 mse+imatrix", "q4", 64, "mse", "all"),
     ("q4 gptq", "q4", 64, "gptq", "all"),
-    ("q4 gptq, dense Hessians", "q4", 64, "gptq", "dense"),
+    ("q4 gptq, pooled expert Hessians", "q4", 64, "gptq", "pooled"),
+    ("q4 gptq, no expert Hessians", "q4", 64, "gptq", "dense"),
     ("q4 per-row absmax", "q4", 0, "absmax", None),
     ("q4 per-row mse+imatrix", "q4", 0, "mse", "all"),
     ("q4 per-row gptq", "q4", 0, "gptq", "all"),
@@ -65,6 +68,7 @@ VARIANTS: list[tuple[str, str, int, str, str | None]] = [
     ("q2 mse", "q2", 64, "mse", None),
     ("q2 mse+imatrix", "q2", 64, "mse", "all"),
     ("q2 gptq", "q2", 64, "gptq", "all"),
+    ("q2 gptq, pooled expert Hessians", "q2", 64, "gptq", "pooled"),
 ]
 MTP_PROMPTS = 32
 MTP_PROMPT_TOKENS = 64
@@ -120,7 +124,7 @@ def run(fixture: Path, work: Path, only: list[str] | None) -> list[dict[str, Any
             writer = LogitsWriter(base_path, engine.model_hash, windows, engine.config.vocab_size)
             metrics = evaluate(engine, windows, save=writer)
             writer.close()
-            for kind in ("all", "dense"):
+            for kind in ("all", "pooled", "dense"):
                 collect(engine, calib, hessians=kind).write(work / f"imatrix-{kind}.safetensors")
         else:
             metrics = evaluate(engine, windows, LogitsBase(base_path))

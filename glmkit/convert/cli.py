@@ -126,8 +126,8 @@ def _parent(out: str) -> Path:
 
 
 def _calibrate(args: argparse.Namespace, scratch: Path, options: dict[str, object]) -> Imatrix:
-    """Convert a temporary container, collect calibration statistics (Hessians for all but routed experts) on
-    it over --calibrate's text, and return them; the temporary container is deleted."""
+    """Convert a temporary container, collect calibration statistics (`--hessians pooled`) on it over
+    --calibrate's text, and return them; the temporary container is deleted."""
     from glmkit.runtime.calibrate import calibration_windows, collect
     from glmkit.runtime.engine import Engine
 

@@ -426,7 +426,7 @@ class Importance:
             raise GlmkitError("--imatrix: names none of this model's quantized weights: collected on another model")
         if plan.quantizer == "gptq" and not any(s.name in imatrix.hessians for s in quantized):
             raise GlmkitError("--quantizer gptq: the imatrix holds no Hessians for this model's quantized weights "
-                              "(collect them with glm-calibrate --hessians dense)")
+                              "(collect them with glm-calibrate --hessians pooled)")
 
     def hessian(self, spec: TensorSpec) -> HessianFactor | None:
         """GPTQ's factor of this weight's input Hessian, when calibration recorded one. Weights sharing an input
