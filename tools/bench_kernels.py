@@ -1,0 +1,151 @@
+#!/usr/bin/env python3
+"""Microbenchmarks of the OpenCL side of decode: what a launch costs and how fast the int4 kernels run.
+
+    PYTHONPATH=. python tools/bench_kernels.py                  # the first OpenCL device (PoCL's CPU here)
+    POCL_MAX_PTHREAD_COUNT=1 PYTHONPATH=. python tools/bench_kernels.py   # per-core numbers on PoCL
+
+- launch: an empty kernel launched and waited for, one at a time, and launched back to back with one wait
+  (the host round trip against the driver's own dispatch cost);
+- matvec: `mv_q4` (int4 group 64) over a cache-resident 8 MB and a streamed 64 MB matrix, one input row;
+- experts: the fused expert kernels (`eg_q4` gate+up with SiLU, `ed_q4` down) over 9 of 32 experts with the
+  benchmark model's shapes (hidden 1024, moe_intermediate 512), one token, experts picked at random per run.
+Kernel times come from an OpenCL profiling queue: medians over `--runs` launches after 10 warm-up launches.
+On a shared machine compare rows measured in one run, never across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from glmkit.kernels_cl import launch  # noqa: E402
+
+HIDDEN, INTER, GROUP, SLOTS, EXPERTS = 1024, 512, 64, 9, 32
+
+
+def profiled(kernels: launch.Kernels) -> launch.Kernels:
+    kernels.queue = launch.cl.CommandQueue(kernels.ctx,
+                                           properties=launch.cl.command_queue_properties.PROFILING_ENABLE)
+    return kernels
+
+
+def seconds(event) -> float:
+    event.wait()
+    return (event.profile.end - event.profile.start) * 1e-9
+
+
+def host_buffer(kernels: launch.Kernels, arr: np.ndarray):
+    flags = launch.cl.mem_flags.READ_ONLY | launch.cl.mem_flags.USE_HOST_PTR
+    return launch.cl.Buffer(kernels.ctx, flags, hostbuf=arr)
+
+
+def bench_launch(kernels: launch.Kernels, runs: int) -> dict[str, float]:
+    """Microseconds per empty-kernel launch: waited for one by one, and queued back to back."""
+    program = launch.cl.Program(kernels.ctx, "__kernel void nop(__global float* y) { }").build()
+    nop = launch.cl.Kernel(program, "nop")
+    buf = launch.cl.Buffer(kernels.ctx, launch.cl.mem_flags.READ_WRITE, 4096)  # kept alive while nop runs
+    nop.set_args(buf)
+    for _ in range(50):
+        launch.cl.enqueue_nd_range_kernel(kernels.queue, nop, (64,), (4,)).wait()
+    t = time.perf_counter()
+    for _ in range(runs):
+        launch.cl.enqueue_nd_range_kernel(kernels.queue, nop, (64,), (4,)).wait()
+    waited = (time.perf_counter() - t) / runs
+    t = time.perf_counter()
+    for _ in range(runs):
+        event = launch.cl.enqueue_nd_range_kernel(kernels.queue, nop, (64,), (4,))
+    event.wait()
+    queued = (time.perf_counter() - t) / runs
+    return {"launch_and_wait_us": waited * 1e6, "queued_us": queued * 1e6}
+
+
+def bench_matvec(kernels: launch.Kernels, rows: int, runs: int, rng: np.random.Generator) -> dict[str, float]:
+    """`mv_q4` over a random int4 g64 matrix `[rows, HIDDEN]`: G codes/s and GB/s of packed weights."""
+    packed = rng.integers(0, 256, (rows, HIDDEN // 2), dtype=np.uint8)
+    scales = np.full((rows, HIDDEN // GROUP), 0.01, np.float32)
+    w = launch.ClWeight(host_buffer(kernels, packed), 0, host_buffer(kernels, scales), 0, 4, GROUP,
+                        HIDDEN // GROUP, rows, HIDDEN, HIDDEN // 2)
+    xb = kernels.put("x", rng.standard_normal((1, HIDDEN), dtype=np.float32))
+    yb = kernels.out("y", rows * 4)
+    g0, local = kernels._rows_global(rows)
+    kernel = kernels.kernel("mv_q4")
+    times = [seconds(kernel(kernels.queue, (g0, 1), local, *w.args(), xb, 1, HIDDEN, HIDDEN, yb, rows, rows,
+                            rows, 0, 0)) for _ in range(runs + 10)][10:]
+    t = float(np.median(times))
+    return {"ms": t * 1e3, "gcodes_s": rows * HIDDEN / t / 1e9, "gb_s": packed.nbytes / t / 1e9}
+
+
+def expert_blob(rng: np.random.Generator) -> tuple[np.ndarray, list[int]]:
+    """EXPERTS experts laid out like a container: gate, gate scales, up, up scales, down, down scales."""
+    sizes = [INTER * HIDDEN // 2, INTER * (HIDDEN // GROUP) * 4] * 2 + [HIDDEN * INTER // 2,
+                                                                        HIDDEN * (INTER // GROUP) * 4]
+    per = sum(sizes)
+    blob = rng.integers(0, 256, EXPERTS * per, dtype=np.uint8)
+    starts = [sum(sizes[:k]) for k in range(6)]
+    for e in range(EXPERTS):
+        for k in (1, 3, 5):  # scale regions hold valid floats
+            blob[e * per + starts[k]: e * per + starts[k] + sizes[k]].view(np.float32)[:] = 0.01
+    return blob, [e * per for e in range(EXPERTS)] + starts
+
+
+def bench_experts(kernels: launch.Kernels, runs: int, rng: np.random.Generator) -> dict[str, float]:
+    """The fused expert kernels over SLOTS random experts for one token: G codes/s of each."""
+    blob, layout = expert_blob(rng)
+    expert_starts, starts = layout[:EXPERTS], layout[EXPERTS:]
+    buf = host_buffer(kernels, blob)
+    x = kernels.put("x", rng.standard_normal((1, HIDDEN), dtype=np.float32))
+    slot_tok = kernels.put("slot_tok", np.zeros(SLOTS, np.uint32), np.uint32)
+    tok_start = kernels.put("tok_start", np.array([0, SLOTS], np.uint32), np.uint32)
+    slot_w = kernels.put("slot_w", np.ones(SLOTS, np.float32))
+    hid, y = kernels.out("hid", SLOTS * INTER * 4), kernels.out("y", HIDDEN * 4)
+    gate_up, down = kernels.kernel("eg_q4"), kernels.kernel("ed_q4")
+    times: dict[str, list[float]] = {"gate_up": [], "down": []}
+    for _ in range(runs + 10):
+        chosen = rng.choice(EXPERTS, SLOTS, replace=False)
+        offs = np.array([[expert_starts[e] + s for s in starts] for e in chosen], np.uint64)
+        ob = kernels.put("offs", offs, np.uint64)
+        g0, local = kernels._rows_global(INTER)
+        times["gate_up"].append(seconds(gate_up(kernels.queue, (g0, SLOTS), local, buf, ob, slot_tok, HIDDEN,
+                                                HIDDEN // 2, GROUP, HIDDEN // GROUP, x, HIDDEN, hid, INTER)))
+        g0, local = kernels._rows_global(HIDDEN)
+        times["down"].append(seconds(down(kernels.queue, (g0, 1), local, buf, ob, tok_start, slot_w, INTER,
+                                          INTER // 2, GROUP, INTER // GROUP, hid, y, HIDDEN, HIDDEN)))
+    codes = {"gate_up": 2 * SLOTS * INTER * HIDDEN, "down": SLOTS * HIDDEN * INTER}
+    out = {}
+    for name, ts in times.items():
+        t = float(np.median(ts[10:]))
+        out[f"{name}_ms"] = t * 1e3
+        out[f"{name}_gcodes_s"] = codes[name] / t / 1e9
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", type=int, default=200, help="launches per measurement (default %(default)s)")
+    args = ap.parse_args(argv)
+    if not launch.available():
+        print("bench_kernels: no OpenCL device", file=sys.stderr)
+        return 1
+    info = launch.list_devices()[0]
+    kernels = profiled(launch.Kernels(info))
+    rng = np.random.default_rng(0)
+    print(f"device: {info.platform} / {info.name} ({info.kind}), kernels {kernels.version}")
+    r = bench_launch(kernels, args.runs * 10)
+    print(f"launch: {r['launch_and_wait_us']:.1f} us launched and waited for, {r['queued_us']:.1f} us queued")
+    for label, rows in (("cache-resident 8 MB", 16384), ("streamed 64 MB", 131072)):
+        r = bench_matvec(kernels, rows, args.runs // 4 if rows > 16384 else args.runs, rng)
+        print(f"matvec int4 g64, {label}: {r['ms']:.3f} ms, {r['gcodes_s']:.1f} G codes/s, {r['gb_s']:.1f} GB/s")
+    r = bench_experts(kernels, args.runs, rng)
+    print(f"experts ({SLOTS} of {EXPERTS}, one token): gate+up {r['gate_up_ms']:.3f} ms "
+          f"({r['gate_up_gcodes_s']:.1f} G codes/s), down {r['down_ms']:.3f} ms ({r['down_gcodes_s']:.1f} G codes/s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
