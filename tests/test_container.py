@@ -25,6 +25,10 @@ def test_weights_are_views_into_the_mapping(container_dir):
     w = c.weight("model.layers.1.mlp.experts.0.gate_proj.weight")
     assert not w.packed.flags.owndata and not w.scales.flags.owndata
     c.advise_experts(1, [0, 1, 3])
+    # made once: decode asks for every weight each token, and backends key their device views by identity
+    assert c.weight("model.layers.1.mlp.experts.0.gate_proj.weight") is w and c.weight("model.norm.weight") is norm
+    c.close()
+    assert c._weights == {}  # closing drops the views, so the mappings can go
 
 
 def test_missing_and_not_a_container(tmp_path):

@@ -80,6 +80,8 @@ def test_every_operation_as_a_kernel_matches_numpy_quantized(snapshots, kernels)
         got = logits_of(with_backend(engine, backend), ids)
         assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
         assert backend.memory._own == {}  # every weight was used in place from the mapping: no copy
+        w = engine.experts.weight("model.layers.2.self_attn.q_b_proj.weight")
+        assert backend._cw(w) is backend._views_by_id[id(w)][1]  # found by identity, not by address, next time
         assert backend.numerics.startswith("opencl-") and backend.numerics != engine.backend.numerics
 
 

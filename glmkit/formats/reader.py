@@ -33,6 +33,7 @@ class Container:
         for name, record in self.manifest.files.items():
             self._maps[name] = self._map(name, record["nbytes"])
         self._experts = {(r.layer, r.expert): r for r in self.manifest.experts}
+        self._weights: dict[str, Weight] = {}  # views on the mappings, made once (decode asks ~300 times a token)
 
     def _map(self, name: str, nbytes: int) -> mmap.mmap:
         path = self.directory / name
@@ -70,12 +71,17 @@ class Container:
         return flat.reshape(shape)
 
     def weight(self, name: str) -> Weight:
-        """A float32 view, or a QuantWeight of views for quantized 2-D weights."""
-        e = self.entry(name)
-        if e.quant is None:
-            return self.raw(name)
-        return QuantWeight(self.raw(name), self.raw(e.quant.scales), e.quant.bits, e.quant.group_size,
-                           (e.shape[0], e.shape[1]))
+        """A float32 view, or a QuantWeight of views for quantized 2-D weights (the same object every call)."""
+        w = self._weights.get(name)
+        if w is None:
+            e = self.entry(name)
+            if e.quant is None:
+                w = self.raw(name)
+            else:
+                w = QuantWeight(self.raw(name), self.raw(e.quant.scales), e.quant.bits, e.quant.group_size,
+                                (e.shape[0], e.shape[1]))
+            self._weights[name] = w
+        return w
 
     def expert_range(self, layer: int, expert: int) -> ExpertRange:
         return self._experts[(layer, expert)]
@@ -105,6 +111,7 @@ class Container:
         return bad
 
     def close(self) -> None:
+        self._weights.clear()
         for m in self._maps.values():
             try:
                 m.close()

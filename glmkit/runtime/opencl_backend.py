@@ -130,11 +130,18 @@ class OpenCLBackend:
         self.numerics = f"opencl-{kernels.version}-{digest}"
         self._experts: dict[tuple[int, int], _ExpertRef | None] = {}
         self._views: dict[tuple[int, int, int], ClWeight] = {}
+        # the same weight objects come back every token (Container.weight): look them up by identity first,
+        # holding each object so that its id cannot be reused
+        self._views_by_id: dict[int, tuple[Weight, ClWeight]] = {}
+        self._experts_by_id: dict[tuple[int, int, int], tuple[tuple[Weight, ...], _ExpertRef | None]] = {}
 
     # ---- weights ---------------------------------------------------------------------------------
 
     def _cw(self, w: Weight) -> ClWeight | None:
         """The device view of a weight; cached by the address of its bytes (mapped or kept alive by `memory`)."""
+        hit = self._views_by_id.get(id(w))
+        if hit is not None and hit[0] is w:
+            return hit[1]
         quant = isinstance(w, QuantWeight)
         data = w.packed if quant else w
         key = (address(data), data.nbytes, w.bits if quant else 32)
@@ -147,10 +154,15 @@ class OpenCLBackend:
             cw = self.memory.weight(w, None, 32, None, w.shape)
         if cw is not None and (self.memory.unified or self.memory.is_kept(data)):
             self._views[key] = cw
+            self._views_by_id[id(w)] = (w, cw)
         return cw
 
     def _expert_ref(self, gate: Weight, up: Weight, down: Weight) -> _ExpertRef | None:
         """The fused-MLP view of (gate, up, down), or None when they cannot share one buffer and scheme."""
+        ids = (id(gate), id(up), id(down))
+        hit = self._experts_by_id.get(ids)
+        if hit is not None and all(a is b for a, b in zip(hit[0], (gate, up, down), strict=True)):
+            return hit[1]
         if not all(isinstance(w, QuantWeight) for w in (gate, up, down)):
             return None
         if len({(w.bits, w.group_size) for w in (gate, up, down)}) != 1:
@@ -173,6 +185,7 @@ class OpenCLBackend:
                              down.packed.shape[1], down.scales.shape[1] if down.scales.ndim == 2 else 1)
         if placed is not None or self.memory.unified or self.memory.used >= self.memory.budget:
             self._experts[cache_key] = ref  # a miss is final once the budget is spent (or memory is unified)
+            self._experts_by_id[ids] = ((gate, up, down), ref)
         return ref
 
     # ---- products --------------------------------------------------------------------------------
