@@ -229,7 +229,10 @@ class GlmMoeDsaModel:
             x, allowed = self._decoder_layer(layer, x, cache.layer(layer), allowed)
         hidden = self.backend.rms_norm(x, self._w("model.norm.weight"), self.config.rms_norm_eps)
         head_in = hidden[-1:] if last_logits_only else hidden
-        return self.backend.linear(head_in, self._w("lm_head.weight")), hidden
+        logits = self.backend.linear(head_in, self._w("lm_head.weight"))
+        if len(token_ids) > self.absorb_max_rows:
+            self.backend.release_memory()  # a prefill's temporaries are freed; decode should not carry them
+        return logits, hidden
 
     def mtp_forward(self, hidden: np.ndarray, next_token_ids: np.ndarray, cache: KVCache
                     ) -> tuple[np.ndarray, np.ndarray]:

@@ -338,6 +338,9 @@ class OpenCLBackend:
 
     # ---- attention and the indexer ---------------------------------------------------------------
 
+    def release_memory(self) -> None:
+        self.host.release_memory()
+
     def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, allowed: np.ndarray,
                   scale: float) -> np.ndarray:
         where = self.placement.attention if q.shape[0] <= DECODE_ROWS else self.placement.attention_prefill
