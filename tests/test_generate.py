@@ -271,3 +271,22 @@ def test_sampler_draws_follow_the_probabilities():
     assert counts[0] == 0
     np.testing.assert_allclose(counts[1:], [2 / 9, 3 / 9, 4 / 9], atol=0.03)
     assert Sampler(GREEDY)(logits) == 3
+
+
+def test_prefill_hands_its_memory_back_and_decode_does_not(engines, greedy_runs):
+    """The model calls `release_memory` after each prefill-sized forward only (decode steps would pay ~1 ms)."""
+    engine = engines["tiny-bf16"]
+    calls = []
+    backend = engine.model.backend
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(backend, name)
+
+        def release_memory(self):
+            calls.append(1)
+            backend.release_memory()
+
+    model = GlmMoeDsaModel(engine.config, engine.experts, Counting())  # type: ignore[arg-type]
+    assert generate(model, oracle("tiny-bf16")["prompt_ids"], 6, use_mtp=False) == greedy_runs["tiny-bf16"][:6]
+    assert len(calls) == 1  # the prompt; the 5 decode steps append one token each
