@@ -73,6 +73,9 @@ def test_q4_preset_classes(sharded_source, tmp_path):
 
 def test_q2_and_overrides(sharded_source, tmp_path):
     src, _ = sharded_source
+    t = convert(src, tmp_path / "q8", "--preset", "q8").manifest.tensors
+    assert t["model.embed_tokens.weight"].quant is None and t["model.embed_tokens.weight"].dtype == "F32"  # a lookup
+    assert (t["lm_head.weight"].quant.bits, t["lm_head.weight"].quant.group_size) == (8, 64)
     c = convert(src, tmp_path / "q2", "--preset", "q2")
     assert c.manifest.tensors["model.layers.2.mlp.experts.0.gate_proj.weight"].quant.bits == 2
     assert c.manifest.tensors["model.layers.2.mlp.shared_experts.gate_proj.weight"].quant.bits == 4
