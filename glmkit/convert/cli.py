@@ -30,8 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out", help="output container directory (empty or absent, unless --force; an unfinished "
                                "conversion of the same inputs there is resumed)")
     p.add_argument("--preset", default="q4", choices=list(PRESETS),
-                   help="f32 (lossless), q8 (int8 g64), q4 (default: int4 g64, int8 g64 embed/lm_head/indexer/"
-                        "MTP), q2 (routed experts int2 g64, rest as q4)")
+                   help="f32 (lossless), q8 (int8 g64, F32 embedding), q4 (default: int4 g64, int8 g64 "
+                        "embed/lm_head/indexer/MTP), q2 (routed experts int2 g64, rest as q4)")
     p.add_argument("--expert-bits", type=int, choices=(2, 4, 8, 32), help="override routed-expert bits (32 = F32)")
     p.add_argument("--dense-bits", type=int, choices=(2, 4, 8, 32),
                    help="override attention, dense MLP and shared-expert bits (32 = F32)")
