@@ -38,7 +38,10 @@ MIN_SPLIT_ROWS = 64  # output rows of one piece of a split product (narrower GEM
 _POOL_THREAD = threading.local()  # `.active` in the worker pools' threads
 # glibc keeps freed blocks in its per-thread arenas; prefill temporaries of the pool threads stay resident
 # through decode unless handed back (measured: ~10 MB of decode RSS on the benchmark model, 1 ms per call)
-_MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None)
+try:
+    _MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc only
+except (OSError, TypeError):  # no C library handle of the process (e.g. Windows)
+    _MALLOC_TRIM = None
 
 
 def _mark_pool_thread() -> None:
