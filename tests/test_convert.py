@@ -227,3 +227,13 @@ def test_row_block_streaming_writes_the_same_container(variant, tmp_path, monkey
         blocks = tmp_path / "blocks"
         assert convert_main([str(source), str(blocks), "--quiet", "--force", *args]) == 0
         assert Container(blocks).model_hash == Container(whole).model_hash, args
+
+
+def test_bench_model_rebuilds_a_container_whose_preset_changed(sharded_source, tmp_path):
+    """tools/bench_model.py reuses a converted container only while it matches today's preset layout."""
+    from tools.bench_model import layout_is_current
+
+    src, _ = sharded_source
+    out = convert(src, tmp_path / "q4").directory
+    assert layout_is_current(out, "q4") and not layout_is_current(out, "q8")
+    assert not layout_is_current(convert(src, tmp_path / "perrow", "--group-size", "0").directory, "q4")
