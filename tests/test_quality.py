@@ -309,6 +309,9 @@ def test_convert_calibrate_in_one_command(imatrix, tmp_path):
         assert code == 1 and message in err
     code, out, _ = run(convert_main, TRAINED, tmp_path / "plan", "--calibrate", CALIB, "--dry-run")
     assert code == 0 and "temporary q8 container" in out and "disk needed" in out
+    code, out, _ = run(convert_main, TRAINED, tmp_path / "plan", "--calibrate", CALIB, "--calibrate-preset", "q4",
+                       "--dry-run")
+    assert code == 0 and "temporary q4 container" in out
     assert not (tmp_path / "plan").exists()
     code, _, err = run(convert_main, TRAINED, tmp_path / "bad", "--quantizer", "gptq", "--quiet")
     assert code == 1 and "--calibrate" in err and err.count("\n") == 1
