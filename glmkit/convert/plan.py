@@ -3,7 +3,7 @@
 `bits=None` keeps the tensor in F32. Norms, biases and the router are always F32. Every quantized tensor uses
 `group_size` (None = per row, which measurably hurts quality: DESIGN section 4). int8 with group 64 is 8.5
 bits per weight, like llama.cpp's Q8_0; per-row int8 loses top-1 agreement (docs/QUALITY.md).
-`quantizer` picks the scales (quantizers.py): `absmax`, or `mse` (error-minimising search).
+`quantizer` picks codes and scales (quantizers.py): `absmax`, `mse` (error-minimising search) or `gptq`.
 """
 
 from __future__ import annotations

@@ -5,9 +5,11 @@ A stock safetensors file. One F32 tensor `[I]` per linear weight, named like the
 went through that weight during calibration (per routed expert: only the tokens routed to it).
 Version 2 adds Hessians for the `gptq` quantizer: F32 `[I, I]` tensors `hessian.N`, the mean of `x x^T`
 (its diagonal is the vector above); weights that saw exactly the same inputs (q_a and kv_a, an expert's gate
-and up) share one. `__metadata__`: `format` = `glmkit-imatrix`, `format_version` = `2` (1 is read too),
-`model_hash` (the container it was collected on), `tokens` (calibration tokens), `tokens_sha256`, `counts`
-(JSON: weight name -> rows seen) and `hessians` (JSON: weight name -> Hessian tensor name).
+and up) share one, and with `glm-calibrate --hessians pooled` a routed expert's gate/up name their layer's
+MoE-input Hessian (the shared expert's), an approximation of their own. `__metadata__`: `format` =
+`glmkit-imatrix`, `format_version` = `2` (1 is read too), `model_hash` (the container it was collected on),
+`tokens` (calibration tokens), `tokens_sha256`, `counts` (JSON: weight name -> rows seen) and `hessians`
+(JSON: weight name -> Hessian tensor name).
 Hessians stay in the file until asked for (`Imatrix.hessian`): at GLM-5 size they are gigabytes.
 """
 
