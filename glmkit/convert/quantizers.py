@@ -264,14 +264,14 @@ def _gptq_rows(w: np.ndarray, upper: np.ndarray, importance: np.ndarray, bits: i
     n, in_features = w.shape
     top = qmax(bits)
     lo, hi = np.float32(-top - 1), np.float32(top)
-    work = w.copy()
-    codes = np.empty((n, in_features), np.int8)
+    work = w.T.copy()  # [I, n]: the algorithm walks columns, which are then contiguous rows
+    codes = np.empty((in_features, n), np.int8)
     scales = np.empty(scales_shape((n, in_features), group_size), np.float32)
     if group_size is None:
         scales[:] = search_scales(w, bits, None, importance, threads=1)
     for b0 in range(0, in_features, GPTQ_BLOCK):
         b1 = min(in_features, b0 + GPTQ_BLOCK)
-        errors = np.empty((n, b1 - b0), np.float32)
+        errors = np.empty((b1 - b0, n), np.float32)
         for j in range(b0, b1):
             if group_size is None:
                 s = scales
@@ -279,12 +279,14 @@ def _gptq_rows(w: np.ndarray, upper: np.ndarray, importance: np.ndarray, bits: i
                 g, start = divmod(j, group_size)
                 if start == 0:  # entering a group: its scale from the weights as corrected so far
                     end = min(in_features, j + group_size)
-                    scales[:, g] = search_scales(work[:, j:end], bits, end - j, importance[j:end], threads=1)[:, 0]
+                    scales[:, g] = search_scales(work[j:end].T, bits, end - j, importance[j:end], threads=1)[:, 0]
                 s = scales[:, g]
-            q = np.clip(np.rint(work[:, j] / s), lo, hi)
-            codes[:, j] = q
-            err = (work[:, j] - q * s) / upper[j, j]
-            work[:, j + 1:b1] -= np.outer(err, upper[j, j + 1:b1])
-            errors[:, j - b0] = err
-        work[:, b1:] -= errors @ upper[b0:b1, b1:]
-    return codes, scales
+            q = np.clip(np.rint(work[j] / s), lo, hi)
+            codes[j] = q
+            err = (work[j] - q * s) / upper[j, j]
+            work[j + 1:b1] -= np.outer(upper[j, j + 1:b1], err)
+            errors[j - b0] = err
+        # [n, rest] as before the transpose: the GEMM vectorises along `rest` whatever the block's row count n,
+        # so the result does not depend on how rows were split over threads
+        work[b1:] -= (errors.T @ upper[b0:b1, b1:]).T
+    return codes.T, scales
