@@ -1,0 +1,69 @@
+#!/usr/bin/env python3
+"""Time each quantizer per parameter on one matrix: what `glm-convert --quantizer` costs.
+
+    PYTHONPATH=. python tools/bench_quantizers.py                      # 1024 x 2048, int4 g64, one thread
+    PYTHONPATH=. python tools/bench_quantizers.py --rows 2048 --cols 6144 --bits 2 --threads 2
+
+The weights are Gaussian and the inputs correlated (a random mixing matrix). GPTQ's time excludes
+factorising the Hessian, which a conversion does once per distinct input (reported apart). The row blocks
+are the parallelism (`--threads`), with one BLAS thread each, as in a conversion. Prints a digest of the GPTQ
+codes, so two versions of the code can be compared for identical output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from glmkit.convert.quantizers import HessianFactor, gptq_quantize, search_scales  # noqa: E402
+from glmkit.formats.packing import quantize  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", type=int, default=1024)
+    ap.add_argument("--cols", type=int, default=2048)
+    ap.add_argument("--bits", type=int, default=4, choices=(2, 4, 8))
+    ap.add_argument("--group-size", type=int, default=64, help="0 = per row")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args(argv)
+    rng = np.random.default_rng(0)
+    group = args.group_size or None
+    mixing = np.eye(args.cols, dtype=np.float32) + rng.standard_normal((args.cols, args.cols), np.float32) / np.sqrt(
+        10 * args.cols)
+    x = rng.standard_normal((2 * args.cols, args.cols), np.float32) @ mixing
+    hessian = x.T.astype(np.float64) @ x / len(x)
+    w = rng.standard_normal((args.rows, args.cols), np.float32)
+    params = w.size
+
+    t = time.perf_counter()
+    quantize(w, args.bits, group)
+    absmax = time.perf_counter() - t
+    t = time.perf_counter()
+    quantize(w, args.bits, group, search_scales(w, args.bits, group, threads=args.threads))
+    mse = time.perf_counter() - t
+    t = time.perf_counter()
+    factor = HessianFactor.from_hessian(hessian)
+    factorise = time.perf_counter() - t
+    t = time.perf_counter()
+    codes, _ = gptq_quantize(w, factor, args.bits, group, threads=args.threads)
+    gptq = time.perf_counter() - t
+
+    print(f"{args.rows} x {args.cols}, int{args.bits} {'g' + str(group) if group else 'per row'}, "
+          f"{args.threads} thread(s):")
+    for name, seconds in (("absmax", absmax), ("mse", mse), ("gptq", gptq)):
+        print(f"  {name:6s} {seconds * 1e9 / params:7.1f} ns per parameter")
+    print(f"  factorising the {args.cols}-wide Hessian: {factorise:.2f} s")
+    print(f"  gptq codes digest: {hashlib.sha256(codes.tobytes()).hexdigest()[:16]}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
