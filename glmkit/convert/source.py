@@ -197,21 +197,8 @@ class HFSnapshot:
         for first in range(0, total, step):
             count = min(step, total - first)
             raw = self._read(src, first, count)
-            if src.info.dtype != "F8_E4M3":
-                block = self._to_float32(spec.name, src, raw)
-                del raw  # only one block alive while the caller works on it
-                yield block
-                continue
-            scale_name = self._fp8_scale_name(spec.name)
-            if scale_name is None:
-                raise GlmkitError(f"{src.file}: FP8 tensor {spec.name!r} has no weight_scale_inv")
-            scale_src = self.tensors[scale_name]
-            if scale_src.info.shape != (-(-total // FP8_BLOCK), -(-spec.shape[1] // FP8_BLOCK)):
-                raise GlmkitError(f"{spec.name}: weight_scale_inv has shape {list(scale_src.info.shape)}, expected "
-                                  f"128x128 blocks of a {list(spec.shape)} weight")
-            scales = self._read(scale_src, first // FP8_BLOCK, -(-count // FP8_BLOCK)).astype(np.float32)
-            block = dequantize_fp8_blocks(raw, scales, spec.name)
-            del raw
+            block = self._to_float32(spec.name, src, raw, rows=(first, count))
+            del raw  # only one block alive while the caller works on it
             yield block
 
     def _read(self, src: SourceTensor, first: int = 0, count: int | None = None) -> np.ndarray:
@@ -245,7 +232,10 @@ class HFSnapshot:
         half = block.shape[0] // 2
         return block[:half] if proj == "gate_proj" else block[half:]
 
-    def _to_float32(self, name: str, src: SourceTensor, raw: np.ndarray, expert: int | None = None) -> np.ndarray:
+    def _to_float32(self, name: str, src: SourceTensor, raw: np.ndarray, expert: int | None = None,
+                    rows: tuple[int, int] | None = None) -> np.ndarray:
+        """float32 of `raw`: the whole stored tensor, one `expert` of a fused one, or `rows` (first, count) of
+        a stored 2-D one (FP8: `first` on a 128-row block boundary)."""
         dtype = src.info.dtype
         if dtype in FLOAT_DTYPES:
             return raw.astype(np.float32)
@@ -255,6 +245,14 @@ class HFSnapshot:
         if scale_name is None:
             raise GlmkitError(f"{src.file}: FP8 tensor {name!r} has no weight_scale_inv")
         scale_src = self.tensors[scale_name]
+        if rows is not None:
+            total, cols = src.info.shape
+            if scale_src.info.shape != (-(-total // FP8_BLOCK), -(-cols // FP8_BLOCK)):
+                raise GlmkitError(f"{name}: weight_scale_inv has shape {list(scale_src.info.shape)}, expected "
+                                  f"128x128 blocks of a {[total, cols]} weight")
+            first, count = rows
+            scales = self._read(scale_src, first // FP8_BLOCK, -(-count // FP8_BLOCK)).astype(np.float32)
+            return dequantize_fp8_blocks(raw, scales, name)
         if expert is None:
             scales = self._read(scale_src).astype(np.float32)
             return dequantize_fp8_blocks(raw, scales, name)
