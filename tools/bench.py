@@ -147,6 +147,8 @@ def worker_transformers(spec: dict) -> dict:
 
             def put(self, _value: object) -> None:
                 self.times.append(time.perf_counter())
+                if len(self.times) == 2:  # the first token: decode's RSS peak starts here, as for glmkit
+                    reset_peak_rss()
 
             def end(self) -> None:
                 pass
@@ -155,7 +157,6 @@ def worker_transformers(spec: dict) -> dict:
         cfg = GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=None,
                                pad_token_id=0)
         arrivals = TokenTimes()
-        reset_peak_rss()
         t = time.perf_counter()
         model.generate(prompt, attention_mask=torch.ones_like(prompt), generation_config=cfg, streamer=arrivals)
         result["peak_rss_decode_mtp_off"] = proc_status()["VmHWM"]
