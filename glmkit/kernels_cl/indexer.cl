@@ -1,8 +1,9 @@
 /* DSA indexer: scores and top-k selection.
- * out[s, t] = sum_h w[s, h] * relu(q[s, h] . k[t] * scale); q [S, nh, d], k [T, d], w [S, nh].
+ * out[s, t] = sum_h (w[s, h] * w_scale) * relu(q[s, h] . k[t] * scale); q [S, nh, d], k [T, d], w [S, nh]
+ * (w_scale: the decode step applies the head weights' nh^-1/2 here, rounded as the model does).
  * Global (T, S). */
 __kernel void index_scores(__global const float* q, __global const float* k, __global const float* w,
-                           __global float* out, uint nh, uint d, uint n_keys, float scale) {
+                           __global float* out, uint nh, uint d, uint n_keys, float scale, float w_scale) {
     const uint t = get_global_id(0), s = get_global_id(1);
     if (t >= n_keys) return;
     const __global float* kt = k + (ulong)t * d;
@@ -14,7 +15,7 @@ __kernel void index_scores(__global const float* q, __global const float* k, __g
         for (uint j = 0; j < d4; j++) acc += LOAD_F4(j, qh) * LOAD_F4(j, kt);
         float dot_ = (acc.x + acc.y) + (acc.z + acc.w);
         for (uint j = d4 * 4; j < d; j++) dot_ += qh[j] * kt[j];
-        total += (w[s * nh + h]) * (fmax_(dot_ * scale, 0.0f));
+        total += (w[s * nh + h] * w_scale) * (fmax_(dot_ * scale, 0.0f));
     }
     out[(ulong)s * n_keys + t] = total;
 }

@@ -50,8 +50,15 @@ SIGNATURES = {
     "rope": [None, None, None, None, _U32, _U32, _U32, _U32],
     "silu_mul": [None, None, None, _U32],
     "attention": [None] * 6 + [_U32] * 8 + [_F32],
-    "index_scores": [None] * 4 + [_U32] * 3 + [_F32],
+    "index_scores": [None] * 4 + [_U32] * 3 + [_F32, _F32],
     "topk_select": [None] * 3 + [_U32] * 3,
+    "residual_rms_norm": [None, _U32, None, _U32, None, _U32, None, _U32, _U32, _F32],
+    "add_into": [None, None, _U32],
+    "layer_norm_at": [None, None, _U32, _U32, None, _U32, _F32],
+    "rope_rows": [None, _U32, _U32, None, _U32, _U32, None, _U32, _U32],
+    "mla_decode_scores": [None] * 5 + [_U32, None] + [_U32] * 4 + [_F32],
+    "mla_decode_values": [None] * 3 + [_U32, _U32],
+    "route_noaux_tc": [None, None, _U32, None, _U32, _U32, _U32, _U32, _U32, _F32, _U32, None, None, None],
 }
 BIT_SUFFIX = {32: "f32", 8: "q8", 4: "q4", 2: "q2"}
 
@@ -180,11 +187,28 @@ class Kernels:
     def kernel(self, name: str):
         k = self._kernels.get(name)
         if k is None:
-            k = getattr(self.program, name)
-            family = name if name in SIGNATURES else name.split("_")[0]
-            k.set_scalar_arg_dtypes(SIGNATURES[family])
-            self._kernels[name] = k
+            k = self._kernels[name] = self.new_kernel(name)
         return k
+
+    def new_kernel(self, name: str):
+        """A kernel object of its own (its arguments stay as set), with its scalar argument types."""
+        k = cl.Kernel(self.program, name)
+        k.set_scalar_arg_dtypes(signature(name))
+        return k
+
+    def bind(self, name: str, size: tuple[int, ...], local: tuple[int, ...] | None, *args) -> Launch:
+        """A launch of kernel `name` with its arguments set once (see `Launch`)."""
+        return Launch(self, name, size, local, args)
+
+    def host_buffer(self, count: int, dtype=np.float32) -> tuple[np.ndarray, object]:
+        """Direct devices: a page-aligned host array of `count` items and a buffer the device uses in place."""
+        host = _aligned_empty(max(count, 1) * np.dtype(dtype).itemsize).view(dtype)
+        return host, self.wrap(host)
+
+    def wrap(self, arr: np.ndarray):
+        """Direct devices: a read-write buffer over a writable host array, used in place (no copy)."""
+        assert self.direct and arr.flags.writeable and arr.flags.c_contiguous
+        return cl.Buffer(self.ctx, cl.mem_flags.READ_WRITE | cl.mem_flags.USE_HOST_PTR, hostbuf=arr)
 
     def _slot(self, name: str, nbytes: int) -> tuple[np.ndarray | None, object]:
         """A persistent staging buffer of at least nbytes (grown to the next power of two)."""
@@ -264,6 +288,33 @@ class Kernels:
             rows, head_rows, row_start)
         shape = (n_s, rows) if x.ndim == 2 else (n_s, heads, rows)
         return self.get("y", shape, evt)
+
+    def bind_matvec(self, w: ClWeight, xb, yb, heads: int = 1, x_h: int = 0, head_rows: int = 0, row_start: int = 0,
+                    rows: int | None = None) -> Launch:
+        """`matvec` of one row between buffers: `y[h, r] = x[h] . W[h * head_rows + row_start + r]` (x rows
+        `x_h` floats apart, y rows `rows`), bound for repeated launches."""
+        rows = w.rows if rows is None else rows
+        g0, local = self._rows_global(rows)
+        return self.bind("mv_" + BIT_SUFFIX[w.bits], (g0, heads), local, *w.args(), xb, 1, heads * w.n_in, x_h, yb,
+                         heads * rows, rows, rows, head_rows, row_start)
+
+    def bind_matvec_t(self, w: ClWeight, xb, yb, heads: int, x_h: int, head_rows: int, row_start: int, rows: int
+                      ) -> Launch:
+        """`matvec_t` of one row between buffers: `y[h] = x[h, :rows] @ W[h * head_rows + row_start ...]`."""
+        return self.bind("mvt_" + BIT_SUFFIX[w.bits], (-(-w.n_in // 8), heads), None, *w.args(), xb, 1,
+                         heads * x_h, x_h, yb, heads * w.n_in, w.n_in, rows, head_rows, row_start)
+
+    def bind_experts(self, wbuf, bits: int, group: int, n_groups: int, n_in: int, inter: int, in_row_bytes: int,
+                     inter_row_bytes: int, inter_groups: int, xb, offs, slot_tok, tok_start, slot_w, hid, yb,
+                     n_slots: int) -> tuple[Launch, Launch]:
+        """`experts` for one token between buffers (the slots' offsets and weights already on the device)."""
+        suffix = BIT_SUFFIX[bits]
+        g_inter, l_inter = self._rows_global(inter)
+        g_out, l_out = self._rows_global(n_in)
+        return (self.bind("eg_" + suffix, (g_inter, n_slots), l_inter, wbuf, offs, slot_tok, n_in, in_row_bytes,
+                          group, n_groups, xb, n_in, hid, inter),
+                self.bind("ed_" + suffix, (g_out, 1), l_out, wbuf, offs, tok_start, slot_w, inter, inter_row_bytes,
+                          group, inter_groups, hid, yb, n_in, n_in))
 
     def matvec_t(self, w: ClWeight, x: np.ndarray, head_rows: int, row_start: int, rows: int) -> np.ndarray:
         """`y[s, h] = x[s, h] @ W[h * head_rows + row_start : ... + rows]` (x `[S, heads, rows]`) -> `[S, heads, I]`."""
@@ -394,7 +445,8 @@ class Kernels:
         n_keys = k.shape[0]
         qb, kb, wb = self.put("q", q), self.put("k", k), self.put("iw", weights)
         sb = self.out("scores", n_s * n_keys * 4)
-        return self.kernel("index_scores")(self.queue, (n_keys, n_s), None, qb, kb, wb, sb, heads, d, n_keys, scale)
+        return self.kernel("index_scores")(self.queue, (n_keys, n_s), None, qb, kb, wb, sb, heads, d, n_keys, scale,
+                                            1.0)
 
     def topk(self, scores: np.ndarray, allowed: np.ndarray, k: int) -> np.ndarray:
         """`[S, T]` bool: the k largest allowed scores of each row (every allowed key when fewer than k)."""
@@ -413,6 +465,33 @@ class Kernels:
         """Indexer scores and the top-k selection in one round trip (scores stay on the device)."""
         self._index_scores(q, k, weights, scale)
         return self._topk(allowed, topk, (q.shape[0], k.shape[0]))
+
+
+def signature(name: str) -> list:
+    """Scalar argument types of a kernel (None for buffers); the quant kernels by their family (`mv_q4` -> mv)."""
+    return SIGNATURES[name if name in SIGNATURES else name.split("_")[0]]
+
+
+class Launch:
+    """A kernel with its arguments bound, on its own kernel object: enqueue it as often as needed, changing
+    single arguments in between (the device decode step's per-token positions and cache buffers)."""
+
+    def __init__(self, kernels: Kernels, name: str, size: tuple[int, ...], local: tuple[int, ...] | None,
+                 args: tuple) -> None:
+        self.queue = kernels.queue
+        self.kernel = kernels.new_kernel(name)
+        self.kernel.set_args(*args)
+        self.args = list(args)  # an OpenCL kernel does not keep its buffers alive: this does
+        self.types = signature(name)
+        self.size, self.local = size, local
+
+    def set(self, index: int, value) -> None:
+        kind = self.types[index]
+        self.kernel.set_arg(index, value if kind is None else kind(value))
+        self.args[index] = value
+
+    def enqueue(self):
+        return cl.enqueue_nd_range_kernel(self.queue, self.kernel, self.size, self.local)
 
 
 class WeightMemory:

@@ -27,7 +27,9 @@ from typing import Protocol, TypeVar
 
 import numpy as np
 
+from glmkit.formats.config import ModelConfig
 from glmkit.formats.tensors import QuantWeight, Weight
+from glmkit.runtime.kv_cache import KVCache
 
 ExpertFn = Callable[[int], tuple[Weight, Weight, Weight]]
 """`expert(e)` -> routed expert e's (gate, up, down) weights."""
@@ -122,6 +124,19 @@ class Backend(Protocol):
 
     def release_memory(self) -> None:
         """Hand memory freed since the last call back to the OS (the model calls it after a prefill)."""
+        ...
+
+    def decode_step(self, config: ModelConfig, weight: Callable[[str], Weight]) -> DecodeStep | None:
+        """A whole single-token forward of the main model in one call (`DecodeStep`), or None: the model then
+        decodes through the operations above."""
+        ...
+
+
+class DecodeStep(Protocol):
+    def __call__(self, token: int, cache: KVCache, embed: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray, list[tuple[int, np.ndarray]]]:
+        """Append `token` (embedding row `embed [H]`) at `cache.length`: (logits `[1, V]`, hidden `[1, H]` after
+        the final norm, `(layer, expert ids [1, k])` of every MoE layer)."""
         ...
 
 
@@ -355,6 +370,9 @@ class NumpyBackend:
     def release_memory(self) -> None:
         if _MALLOC_TRIM is not None:
             _MALLOC_TRIM(0)
+
+    def decode_step(self, config: ModelConfig, weight: Callable[[str], Weight]) -> None:
+        return None  # the operations above are the decode step
 
 
 def moe_layer(backend: Backend, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, expert: ExpertFn,

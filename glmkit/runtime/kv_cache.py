@@ -53,16 +53,27 @@ class LayerKV:
         counts = {len(r) for r in rows.values()}
         if len(counts) != 1:
             raise ValueError("all fields must get the same number of rows")
-        n = counts.pop()
+        start = self.length
+        self.claim(counts.pop())
+        for name, data in self._data.items():
+            data[start: self.length] = rows[name]
+
+    def claim(self, n: int) -> None:
+        """Extend by `n` rows that the caller fills in place, through `storage` (the device decode step's
+        kernels write them)."""
         needed = self.length + n
         for name, data in self._data.items():
             if needed > len(data):
                 # Amortized doubling: decode appends one row at a time.
                 grown = np.empty((max(needed, 2 * len(data)), data.shape[1]), np.float32)
                 grown[: self.length] = data[: self.length]
-                self._data[name] = data = grown
-            data[self.length: needed] = rows[name]
+                self._data[name] = grown
         self.length = needed
+
+    def storage(self, name: str) -> np.ndarray:
+        """The whole row array of field `name` `[capacity, width]` (rows past `length` are unused), valid until
+        the next append or claim grows it."""
+        return self._data[name]
 
     def truncate(self, n: int) -> None:
         self.length = min(self.length, max(n, 0))

@@ -17,7 +17,7 @@ from glmkit.errors import GlmkitError
 from glmkit.formats.config import ModelConfig
 from glmkit.formats.packing import dequantize
 from glmkit.formats.tensors import QuantWeight, Weight
-from glmkit.runtime.backend import Backend, NumpyBackend, sigmoid
+from glmkit.runtime.backend import Backend, DecodeStep, NumpyBackend, sigmoid
 from glmkit.runtime.kv_cache import KVCache, LayerKV
 
 # q_a_layernorm, kv_a_layernorm and the indexer's k_norm are built with eps 1e-6 regardless of
@@ -33,8 +33,9 @@ class WeightSource(Protocol):
     def has(self, name: str) -> bool: ...
 
 
-RouteHook = Callable[[int, np.ndarray, np.ndarray], None]
-"""Called as `hook(layer, expert_ids [S, k], normed_input [S, H])` right after routing, before any expert runs."""
+RouteHook = Callable[[int, np.ndarray, np.ndarray | None], None]
+"""Called as `hook(layer, expert_ids [S, k], normed_input [S, H])` right after routing, before any expert runs;
+after a device decode step, as `hook(layer, expert_ids [1, k], None)` once the token ran."""
 
 
 # ---- pure functions ----------------------------------------------------------------------------
@@ -196,6 +197,7 @@ class GlmMoeDsaModel:
         self.backend = backend or NumpyBackend()
         self.absorb_max_rows = absorb_max_rows
         self.route_hook = route_hook
+        self._step: DecodeStep | None | bool = False  # the backend's decode step, asked for on first decode
 
     def _w(self, name: str) -> Weight:
         return self.weights.weight(name)
@@ -224,6 +226,8 @@ class GlmMoeDsaModel:
         hidden `[S, H]` after the final norm, the input the MTP layer needs).
         """
         x = embed_rows(self._w("model.embed_tokens.weight"), np.asarray(token_ids))
+        if len(token_ids) == 1 and cache.length > 0 and self._decode_step() is not None:
+            return self._device_decode(int(token_ids[0]), x[0], cache)
         allowed = None  # the most recent 'full' layer's DSA selection [S, T], reused by 'shared' layers
         for layer in range(self.config.num_hidden_layers):
             x, allowed = self._decoder_layer(layer, x, cache.layer(layer), allowed)
@@ -232,6 +236,20 @@ class GlmMoeDsaModel:
         logits = self.backend.linear(head_in, self._w("lm_head.weight"))
         if len(token_ids) > self.absorb_max_rows:
             self.backend.release_memory()  # a prefill's temporaries are freed; decode should not carry them
+        return logits, hidden
+
+    def _decode_step(self) -> DecodeStep | None:
+        if self._step is False:
+            self._step = self.backend.decode_step(self.config, self._w)
+        return self._step
+
+    def _device_decode(self, token: int, embed: np.ndarray, cache: KVCache) -> tuple[np.ndarray, np.ndarray]:
+        """One decoded token through the backend's decode step; the route hook sees each layer's experts after
+        the token ran (no normed input: nothing is left to prefetch for)."""
+        logits, hidden, routes = self._step(token, cache, embed)
+        if self.route_hook is not None:
+            for layer, ids in routes:
+                self.route_hook(layer, ids, None)
         return logits, hidden
 
     def mtp_forward(self, hidden: np.ndarray, next_token_ids: np.ndarray, cache: KVCache

@@ -18,14 +18,17 @@ import hashlib
 import json
 import os
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 from threadpoolctl import ThreadpoolController
 
+from glmkit.formats.config import ModelConfig
 from glmkit.formats.tensors import QuantWeight, Weight
 from glmkit.kernels_cl.launch import ClWeight, Kernels, WeightMemory, address
 from glmkit.runtime.backend import ExpertFn, NumpyBackend, moe_layer, silu
+from glmkit.runtime.decode_step import DeviceDecodeStep, Unsupported
 
 DECODE_ROWS = 4  # calls with at most this many rows are decode calls (MTP verification has 2)
 
@@ -39,7 +42,9 @@ class Placement:
     matvec_host_bits: weight formats (2, 4, 8, 32 = float) whose decode products stay on the host;
     experts: the decode MoE (all routed experts + the shared one fused into two launches);
     attention / attention_prefill; index: indexer scores + top-k; vector / vector_prefill: norms, RoPE, SiLU;
-    stream_experts: discrete devices: experts over the VRAM budget are uploaded per use instead of host-computed.
+    stream_experts: discrete devices: experts over the VRAM budget are uploaded per use instead of host-computed;
+    decode_step: "cl" runs a single-token decode as one queue of kernels (glmkit.runtime.decode_step) on direct
+    devices, "host" per operation as above.
     """
 
     matvec: str = "cl"
@@ -53,6 +58,7 @@ class Placement:
     vector: str = "cl"
     vector_prefill: str = "cl"
     stream_experts: bool = False
+    decode_step: str = "cl"
     timings: dict = field(default_factory=dict, compare=False)  # the measurements behind the choice (info only)
 
     @classmethod
@@ -62,7 +68,7 @@ class Placement:
 
     def uses_cl(self) -> bool:
         return "cl" in (self.matvec, self.experts, self.attention, self.attention_prefill, self.index, self.vector,
-                        self.vector_prefill) or self.matmul != "host"
+                        self.vector_prefill, self.decode_step) or self.matmul != "host"
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -72,7 +78,7 @@ class Placement:
     @classmethod
     def all_host(cls) -> Placement:
         return cls(matvec="host", matmul="host", experts="host", attention="host", attention_prefill="host",
-                   index="host", vector="host", vector_prefill="host")
+                   index="host", vector="host", vector_prefill="host", decode_step="host")
 
     @classmethod
     def from_json(cls, d: dict) -> Placement:
@@ -150,7 +156,7 @@ class OpenCLBackend:
             return cw
         if quant:
             cw = self.memory.weight(w.packed, w.scales, w.bits, w.group_size, w.shape)
-        elif w.dtype == np.float32 and w.ndim == 2 and w.flags.c_contiguous:
+        elif _plain_f32(w):
             cw = self.memory.weight(w, None, 32, None, w.shape)
         if cw is not None and (self.memory.unified or self.memory.is_kept(data)):
             self._views[key] = cw
@@ -163,11 +169,14 @@ class OpenCLBackend:
         hit = self._experts_by_id.get(ids)
         if hit is not None and all(a is b for a, b in zip(hit[0], (gate, up, down), strict=True)):
             return hit[1]
-        if not all(isinstance(w, QuantWeight) for w in (gate, up, down)):
+        if all(isinstance(w, QuantWeight) for w in (gate, up, down)):
+            if len({(w.bits, w.group_size) for w in (gate, up, down)}) != 1:
+                return None
+            arrays = (gate.packed, gate.scales, up.packed, up.scales, down.packed, down.scales)
+        elif all(_plain_f32(w) for w in (gate, up, down)):
+            arrays = (gate, gate, up, up, down, down)  # float rows have no scales: the kernels never read them
+        else:
             return None
-        if len({(w.bits, w.group_size) for w in (gate, up, down)}) != 1:
-            return None
-        arrays = (gate.packed, gate.scales, up.packed, up.scales, down.packed, down.scales)
         starts = [address(a) for a in arrays]
         lo, hi = min(starts), max(s + a.nbytes for s, a in zip(starts, arrays, strict=True))
         cache_key = (lo, hi)
@@ -179,14 +188,26 @@ class OpenCLBackend:
             buf, base = placed
             offs = tuple(base + s - lo for s in starts)
             inter, n_in = gate.shape
-            group = gate.group_size or 0
-            ref = _ExpertRef(buf, offs, (id(buf), gate.bits, group, n_in, inter), gate.bits, group,
-                             gate.scales.shape[1] if gate.scales.ndim == 2 else 1, n_in, inter, gate.packed.shape[1],
-                             down.packed.shape[1], down.scales.shape[1] if down.scales.ndim == 2 else 1)
+            quant = isinstance(gate, QuantWeight)
+            bits, group = (gate.bits, gate.group_size or 0) if quant else (32, 0)
+            ref = _ExpertRef(buf, offs, (id(buf), bits, group, n_in, inter), bits, group,
+                             gate.scales.shape[1] if quant and gate.scales.ndim == 2 else 1, n_in, inter,
+                             arrays[0].shape[1] * arrays[0].itemsize, arrays[4].shape[1] * arrays[4].itemsize,
+                             down.scales.shape[1] if quant and down.scales.ndim == 2 else 1)
         if placed is not None or self.memory.unified or self.memory.used >= self.memory.budget:
             self._experts[cache_key] = ref  # a miss is final once the budget is spent (or memory is unified)
             self._experts_by_id[ids] = ((gate, up, down), ref)
         return ref
+
+    def decode_step(self, config: ModelConfig, weight: Callable[[str], Weight]) -> DeviceDecodeStep | None:
+        """The device decode step for this model (placement.decode_step "cl", direct devices whose weights are
+        used in place), or None: the model then decodes operation by operation."""
+        if self.placement.decode_step != "cl" or not self.k.direct or not self.memory.unified:
+            return None
+        try:
+            return DeviceDecodeStep(config, weight, self._cw, self._expert_ref, self.k)
+        except Unsupported:
+            return None
 
     # ---- products --------------------------------------------------------------------------------
 
@@ -360,6 +381,10 @@ class OpenCLBackend:
         if self.placement.index == "cl":
             return self.k.index_topk(q, k, weights, scale, causal, topk)
         return self.host.index_topk(q, k, weights, scale, causal, topk)
+
+
+def _plain_f32(w: Weight) -> bool:
+    return not isinstance(w, QuantWeight) and w.dtype == np.float32 and w.ndim == 2 and w.flags.c_contiguous
 
 
 def set_blas_threads(n: int) -> int | None:

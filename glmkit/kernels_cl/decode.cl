@@ -1,0 +1,184 @@
+/* The device decode step (glmkit.runtime.decode_step): the small per-token operations that sit between the
+ * weight products, so that a whole decoded token is one queue of kernels with a single wait at the end.
+ * Every pointer comes with an offset in floats: a KV cache row, or a vector inside the step's buffer of
+ * norm weights and biases. One query token throughout. */
+
+/* x += a (when `add`), then y = w * (x * (1 / sqrt(mean(x^2) + eps))) over n values: a residual add followed
+ * by the next RMSNorm (add = 0: the norm alone). One work-group of RED_LANES items. */
+__kernel void residual_rms_norm(__global float* x, uint x_off, __global const float* a, uint add,
+                                __global const float* w, uint w_off, __global float* y, uint y_off, uint n,
+                                float eps) {
+    __local float red[RED_LANES];
+    const uint l = get_local_id(0);
+    __global float* xp = x + x_off;
+    float s = 0.0f;
+    for (uint i = l; i < n; i += RED_LANES) {
+        float v = xp[i];
+        if (add) {
+            v += a[i];
+            xp[i] = v;
+        }
+        s += v * v;
+    }
+    const float inv = 1.0f / sqrt(group_sum(s, red) / (float)n + eps);
+    for (uint i = l; i < n; i += RED_LANES) y[y_off + i] = w[w_off + i] * (xp[i] * inv);
+}
+
+/* y += a over n values (a shared expert that runs in a launch pair of its own). Global (n). */
+__kernel void add_into(__global float* y, __global const float* a, uint n) {
+    const uint i = get_global_id(0);
+    if (i < n) y[i] += a[i];
+}
+
+/* y = (x - mean) / sqrt(var + eps) * w + b over n values (biased variance). One work-group. */
+__kernel void layer_norm_at(__global const float* x, __global const float* vec, uint w_off, uint b_off,
+                            __global float* y, uint n, float eps) {
+    __local float red[RED_LANES];
+    const uint l = get_local_id(0);
+    float s = 0.0f;
+    for (uint i = l; i < n; i += RED_LANES) s += x[i];
+    const float mean = group_sum(s, red) / (float)n;
+    float v = 0.0f;
+    for (uint i = l; i < n; i += RED_LANES) {
+        const float c = x[i] - mean;
+        v += c * c;
+    }
+    const float den = sqrt(group_sum(v, red) / (float)n + eps);
+    for (uint i = l; i < n; i += RED_LANES) y[i] = (x[i] - mean) / den * vec[w_off + i] + vec[b_off + i];
+}
+
+/* Row h of y (width values at y + y_off + h * y_row) from row h of x (at x + x_off + h * x_row): RoPE on the
+ * interleaved pairs of the first 2 * n_half columns, de-interleaved (concat(e * cos - o * sin, o * cos + e * sin)),
+ * the other columns copied. cs = [cos (n_half), sin (n_half)] of the token's position. Global (width, rows). */
+__kernel void rope_rows(__global const float* x, uint x_off, uint x_row, __global float* y, uint y_off, uint y_row,
+                        __global const float* cs, uint width, uint n_half) {
+    const uint j = get_global_id(0), h = get_global_id(1);
+    if (j >= width) return;
+    const __global float* xr = x + x_off + (ulong)h * x_row;
+    float v;
+    if (j < n_half) {
+        v = xr[2 * j] * cs[j] - xr[2 * j + 1] * cs[n_half + j];
+    } else if (j < 2 * n_half) {
+        const uint i = j - n_half;
+        v = xr[2 * i + 1] * cs[i] + xr[2 * i] * cs[n_half + i];
+    } else {
+        v = xr[j];
+    }
+    y[y_off + (ulong)h * y_row + j] = v;
+}
+
+/* Absorbed MLA attention of one query token, in three launches: these scores, `softmax_rows` over each head's
+ * row, then `mla_decode_values`. scores[h, t] = (q_lat[h] . kv_lat[t] + q_rot[h] . k_rot[t]) * scale, -inf for
+ * keys with mask[t] == 0 (when use_mask). q_lat [nh, kvl], q_rot [nh, rope], kv_lat [T, kvl], k_rot [T, rope].
+ * One work-item per key: it reads the key once for every head. Global (T). */
+__kernel void mla_decode_scores(__global const float* q_lat, __global const float* q_rot,
+                                __global const float* kv_lat, __global const float* k_rot,
+                                __global const uchar* mask, uint use_mask, __global float* scores, uint nh,
+                                uint n_keys, uint kvl, uint rope, float scale) {
+    const uint t = get_global_id(0);
+    if (t >= n_keys) return;
+    const __global float* kl = kv_lat + (ulong)t * kvl;
+    const __global float* kr = k_rot + (ulong)t * rope;
+    const uint lat8 = kvl / 8;
+    for (uint h = 0; h < nh; h++) {
+        float d = -INFINITY;
+        if (!use_mask || mask[t]) {
+            const __global float* ql = q_lat + (ulong)h * kvl;
+            const __global float* qr = q_rot + (ulong)h * rope;
+            float8 acc = (float8)(0.0f);
+            for (uint j = 0; j < lat8; j++) acc += LOAD_F8(j, ql) * LOAD_F8(j, kl);
+            float dot_ = hsum8(acc);
+            for (uint j = lat8 * 8; j < kvl; j++) dot_ += ql[j] * kl[j];
+            for (uint j = 0; j < rope; j++) dot_ += qr[j] * kr[j];
+            d = dot_ * scale;
+        }
+        scores[(ulong)h * n_keys + t] = d;
+    }
+}
+
+/* out[h, i] = sum_t p[h, t] * kv_lat[t, i] for the probabilities p [nh, T] (`softmax_rows` of the scores).
+ * A work-item owns 8 consecutive latent columns of one head. Global (ceil(kvl / 8), nh). */
+__kernel void mla_decode_values(__global const float* p, __global const float* kv_lat, __global float* out,
+                                uint n_keys, uint kvl) {
+    const uint j = get_global_id(0), h = get_global_id(1);
+    const uint i0 = 8 * j;
+    if (i0 >= kvl) return;
+    const __global float* ph = p + (ulong)h * n_keys;
+    if (i0 + 8 <= kvl) {
+        float8 acc = (float8)(0.0f);
+        for (uint t = 0; t < n_keys; t++) acc += ph[t] * LOAD_F8(0, kv_lat + (ulong)t * kvl + i0);
+        const float o[8] = {acc.s0, acc.s1, acc.s2, acc.s3, acc.s4, acc.s5, acc.s6, acc.s7};
+        for (uint k = 0; k < 8; k++) out[(ulong)h * kvl + i0 + k] = o[k];
+        return;
+    }
+    for (uint i = i0; i < kvl; i++) {
+        float acc = 0.0f;
+        for (uint t = 0; t < n_keys; t++) acc += ph[t] * kv_lat[(ulong)t * kvl + i];
+        out[(ulong)h * kvl + i] = acc;
+    }
+}
+
+#define MAX_EXPERTS 1024
+
+/* noaux_tc routing of one token (one work-item), writing the fused expert launch's slots directly.
+ * Selection uses sigmoid(logits) + bias among the topk_group groups with the largest top-2 sums; the weights
+ * are the unbiased sigmoid scores (normalized when `norm`) times `scaling`. Slot i < top_k is the i-th
+ * selected expert by ascending id, slot top_k the shared expert (when `shared`, weight 1). table holds 6 byte
+ * offsets per expert (gate, gate scales, up, up scales, down, down scales; the shared expert's last). */
+__kernel void route_noaux_tc(__global const float* logits, __global const float* vec, uint bias_off,
+                             __global const ulong* table, uint n_experts, uint n_group, uint topk_group,
+                             uint top_k, uint norm, float scaling, uint shared, __global ulong* offs,
+                             __global float* slot_w, __global uint* ids) {
+    if (get_global_id(0) != 0) return;
+    float score[MAX_EXPERTS], choice[MAX_EXPERTS];
+    uchar state[MAX_EXPERTS];  /* 0: excluded, 1: candidate, 2: selected */
+    const uint per = n_experts / n_group;
+    for (uint e = 0; e < n_experts; e++) {
+        score[e] = 1.0f / (1.0f + exp(-logits[e]));
+        choice[e] = score[e] + vec[bias_off + e];
+        state[e] = 0;
+    }
+    float group_score[MAX_EXPERTS];
+    for (uint g = 0; g < n_group; g++) {
+        float first = -INFINITY, second = -INFINITY;
+        for (uint e = g * per; e < (g + 1) * per; e++) {
+            if (choice[e] > first) {
+                second = first;
+                first = choice[e];
+            } else if (choice[e] > second) {
+                second = choice[e];
+            }
+        }
+        group_score[g] = per > 1 ? second + first : first;
+    }
+    for (uint pick = 0; pick < topk_group; pick++) {
+        uint best = n_group;
+        for (uint g = 0; g < n_group; g++)
+            if (group_score[g] != -INFINITY && (best == n_group || group_score[g] > group_score[best])) best = g;
+        if (best == n_group) break;
+        group_score[best] = -INFINITY;
+        for (uint e = best * per; e < (best + 1) * per; e++) state[e] = 1;
+    }
+    for (uint pick = 0; pick < top_k; pick++) {
+        uint best = n_experts;
+        for (uint e = 0; e < n_experts; e++)
+            if (state[e] == 1 && (best == n_experts || choice[e] > choice[best])) best = e;
+        if (best == n_experts) break;
+        state[best] = 2;
+    }
+    uint k = 0;
+    float total = 0.0f;
+    for (uint e = 0; e < n_experts && k < top_k; e++) {
+        if (state[e] != 2) continue;
+        ids[k] = e;
+        slot_w[k] = score[e];
+        total += score[e];
+        for (uint j = 0; j < 6; j++) offs[k * 6 + j] = table[e * 6 + j];
+        k++;
+    }
+    for (uint i = 0; i < k; i++) slot_w[i] = (norm ? slot_w[i] / (total + 1e-20f) : slot_w[i]) * scaling;
+    if (shared) {
+        slot_w[k] = 1.0f;
+        for (uint j = 0; j < 6; j++) offs[k * 6 + j] = table[n_experts * 6 + j];
+    }
+}

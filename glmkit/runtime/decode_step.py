@@ -1,0 +1,315 @@
+"""The device decode step: one decoded token of the main model as a single queue of OpenCL kernels.
+
+The OpenCL backend answers each operation with a host array, so a decoded token makes ~80 host round trips,
+and on a CPU device every one of them wakes the device's sleeping worker threads. Here the whole token -
+norms, projections, RoPE, the indexer's scores and top-k, absorbed MLA attention, noaux_tc routing, the fused
+experts, the residual adds and the lm_head - is enqueued back to back on buffers that stay put, and the host
+waits once, for the logits. The math is `GlmMoeDsaModel._decoder_layer` for one token (same order of
+operations; float sums may associate differently, as in every kernel).
+
+It runs on `direct` devices (CPU OpenCL devices such as PoCL's, whose buffers are host memory): the kernels
+write each layer's new KV row straight into the host `KVCache` arrays, so prefill, MTP, truncation and the
+prefill cache all see the same rows. `OpenCLBackend.decode_step` builds it, or returns None when a weight or an
+expert cannot be used in place (the per-operation path runs then).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from glmkit.formats.tensors import Weight
+from glmkit.kernels_cl.launch import ClWeight, Kernels, Launch
+from glmkit.runtime.kv_cache import KVCache
+
+INITIAL_KEYS = 1024  # keys the per-key scratch buffers hold at first (they double as the context grows)
+
+
+class _Layer:
+    """One decoder layer's bound launches, and which of them take the token's cache rows and key count."""
+
+    def __init__(self) -> None:
+        self.head: list[Launch] = []  # from the input norm to the indexer key (always)
+        self.scoring: list[Launch] = []  # indexer queries, scores, top-k (only with more than index_topk keys)
+        self.tail: list[Launch] = []  # attention, output projection, FFN
+        self.kv_lat_norm: Launch | None = None  # writes kv_lat[row]
+        self.k_rot_rope: Launch | None = None  # writes k_rot[row]
+        self.index_rope: Launch | None = None  # writes index_k[row]
+        self.scores: Launch | None = None
+        self.topk: Launch | None = None
+        self.attention: Launch | None = None  # scores, then softmax and values
+        self.softmax: Launch | None = None
+        self.values: Launch | None = None
+        self.route: Launch | None = None
+        self.ids: np.ndarray | None = None  # MoE layers: the routed expert ids the route kernel wrote
+        self.cache_buffers: dict[str, tuple[np.ndarray, object]] = {}  # field -> (its storage array, buffer)
+
+
+class DeviceDecodeStep:
+    """`step(token, cache) -> (logits [1, V], hidden [1, H], routes)` for a token appended at `cache.length`.
+
+    routes: `(layer, expert ids [1, k])` of each MoE layer, read back after the token ran (for the route hook).
+    Built once per model and backend; raises `Unsupported` when some weight cannot be used in place.
+    """
+
+    def __init__(self, cfg, weight: Callable[[str], Weight], cw: Callable[[Weight], ClWeight | None],
+                 expert_ref: Callable, kernels: Kernels) -> None:
+        from glmkit.runtime.model import LATENT_NORM_EPS
+
+        self.cfg, self.k = cfg, kernels
+        self._weight, self._cw, self._expert_ref = weight, cw, expert_ref
+        h, nh = cfg.hidden_size, cfg.num_attention_heads
+        nope, rope, v_dim, kvl = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        self.red = kernels.red_lanes
+        self._vectors = self._pack_vectors()
+        new = self._buf
+        self.x, self.u, self.ffn, self.shared_out = new(h), new(h), new(h), new(h)
+        self.cs = new(rope)
+        self.q_a, self.q_lat = new(cfg.q_lora_rank), new(cfg.q_lora_rank)
+        self.q = new(nh * (nope + rope))
+        self.comp = new(kvl + rope)
+        self.q_rot, self.q_abs, self.o_lat = new(nh * rope), new(nh * kvl), new(nh * kvl)
+        self.heads_out, self.attn_out = new(nh * v_dim), new(h)
+        self.hidden, self.logits = new(h), new(self._matrix("lm_head.weight").rows)
+        ihd, inh = cfg.index_head_dim, cfg.index_n_heads
+        self.key_raw, self.key = new(ihd), new(ihd)
+        self.iq, self.iq_rot, self.iw = new(inh * ihd), new(inh * ihd), new(inh)
+        self.capacity = 0  # keys the per-key scratch buffers hold
+        self.scratch: dict[str, tuple[np.ndarray, object]] = {}
+        self._grow(INITIAL_KEYS)
+        self.layers = [self._bind_layer(layer, LATENT_NORM_EPS) for layer in range(cfg.num_hidden_layers)]
+        self.final_norm = self._norm(self.x, self.ffn, True, "model.norm.weight", self.hidden, cfg.rms_norm_eps, h)
+        self.lm_head = kernels.bind_matvec(self._matrix("lm_head.weight"), self.hidden[1], self.logits[1])
+
+    # ---- building ----------------------------------------------------------------------------------
+
+    def _buf(self, count: int, dtype=np.float32) -> tuple[np.ndarray, object]:
+        return self.k.host_buffer(count, dtype)
+
+    def _pack_vectors(self) -> tuple[np.ndarray, object]:
+        """Every 1-D weight of the main layers (norms, biases, router bias) in one buffer; `_off` finds them."""
+        cfg, names = self.cfg, ["model.norm.weight"]
+        for layer in range(cfg.num_hidden_layers):
+            p = f"model.layers.{layer}."
+            names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight",
+                      p + "self_attn.q_a_layernorm.weight", p + "self_attn.kv_a_layernorm.weight"]
+            if cfg.indexer_type(layer) == "full":
+                names += [p + "self_attn.indexer.k_norm.weight", p + "self_attn.indexer.k_norm.bias"]
+            if cfg.is_moe_layer(layer):
+                names.append(p + "mlp.gate.e_score_correction_bias")
+        arrays = [np.asarray(self._weight(n), np.float32).reshape(-1) for n in names]
+        self.offsets = dict(zip(names, np.cumsum([0] + [a.size for a in arrays[:-1]]).tolist(), strict=True))
+        host, buf = self._buf(sum(a.size for a in arrays))
+        host[:] = np.concatenate(arrays)
+        return host, buf
+
+    def _matrix(self, name: str) -> ClWeight:
+        cw = self._cw(self._weight(name))
+        if cw is None:
+            raise Unsupported(f"{name} cannot be used in place")
+        return cw
+
+    def _norm(self, x, a, add: bool, weight: str, y, eps: float, n: int, y_off: int = 0) -> Launch:
+        return self.k.bind("residual_rms_norm", (self.red,), (self.red,), x[1], 0, a[1], int(add), self._vectors[1],
+                           self.offsets[weight], y[1], y_off, n, eps)
+
+    def _rope(self, x, x_off: int, x_row: int, y_buf, y_row: int, width: int, rows: int) -> Launch:
+        return self.k.bind("rope_rows", (width, rows), None, x[1], x_off, x_row, y_buf, 0, y_row, self.cs[1], width,
+                           self.cfg.qk_rope_head_dim // 2)
+
+    def _grow(self, keys: int) -> None:
+        """Per-key scratch for at least `keys` keys: attention scores and probabilities, indexer scores, the
+        selection, all-ones."""
+        if keys <= self.capacity:
+            return
+        cap = max(keys, 2 * self.capacity)
+        nh = self.cfg.num_attention_heads
+        self.scratch = {"scores": self._buf(nh * cap), "probs": self._buf(nh * cap), "index_scores": self._buf(cap),
+                        "selected": self._buf(cap, np.uint8), "all": self._buf(cap, np.uint8)}
+        self.scratch["all"][0][:] = 1
+        self.capacity = cap
+
+    def _bind_layer(self, layer: int, latent_eps: float) -> _Layer:
+        cfg, k, out = self.cfg, self.k, _Layer()
+        p = f"model.layers.{layer}."
+        a = p + "self_attn."
+        h, nh = cfg.hidden_size, cfg.num_attention_heads
+        nope, rope, v_dim, kvl = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        kv_b = self._matrix(a + "kv_b_proj.weight")
+        out.head = [
+            self._norm(self.x, self.ffn, layer > 0, p + "input_layernorm.weight", self.u, cfg.rms_norm_eps, h),
+            k.bind_matvec(self._matrix(a + "q_a_proj.weight"), self.u[1], self.q_a[1]),
+            self._norm(self.q_a, self.q_a, False, a + "q_a_layernorm.weight", self.q_lat, latent_eps, cfg.q_lora_rank),
+            k.bind_matvec(self._matrix(a + "q_b_proj.weight"), self.q_lat[1], self.q[1]),
+            k.bind_matvec(self._matrix(a + "kv_a_proj_with_mqa.weight"), self.u[1], self.comp[1]),
+        ]
+        out.kv_lat_norm = self._norm(self.comp, self.comp, False, a + "kv_a_layernorm.weight", self.comp, latent_eps,
+                                     kvl)
+        out.k_rot_rope = self._rope(self.comp, kvl, 0, self.comp[1], 0, rope, 1)
+        out.head += [out.kv_lat_norm, out.k_rot_rope,
+                     self._rope(self.q, nope, nope + rope, self.q_rot[1], rope, rope, nh),
+                     k.bind_matvec_t(kv_b, self.q[1], self.q_abs[1], nh, nope + rope, nope + v_dim, 0, nope)]
+        if cfg.indexer_type(layer) == "full":
+            ihd, inh = cfg.index_head_dim, cfg.index_n_heads
+            out.index_rope = self._rope(self.key, 0, 0, self.key[1], 0, ihd, 1)
+            out.head += [k.bind_matvec(self._matrix(a + "indexer.wk.weight"), self.u[1], self.key_raw[1]),
+                         k.bind("layer_norm_at", (self.red,), (self.red,), self.key_raw[1], self._vectors[1],
+                                self.offsets[a + "indexer.k_norm.weight"], self.offsets[a + "indexer.k_norm.bias"],
+                                self.key[1], ihd, latent_eps),
+                         out.index_rope]
+            out.scores = k.bind("index_scores", (1, 1), None, self.iq_rot[1], self.key[1], self.iw[1],
+                                self.scratch["index_scores"][1], inh, ihd, 1, ihd ** -0.5, inh ** -0.5)
+            out.topk = k.bind("topk_select", (1,), None, self.scratch["index_scores"][1], self.scratch["all"][1],
+                              self.scratch["selected"][1], 1, cfg.index_topk, 1)
+            out.scoring = [k.bind_matvec(self._matrix(a + "indexer.wq_b.weight"), self.q_lat[1], self.iq[1]),
+                           self._rope(self.iq, 0, ihd, self.iq_rot[1], ihd, ihd, inh),
+                           k.bind_matvec(self._matrix(a + "indexer.weights_proj.weight"), self.u[1], self.iw[1]),
+                           out.scores, out.topk]
+        out.attention = k.bind("mla_decode_scores", (1,), None, self.q_abs[1], self.q_rot[1], self.comp[1],
+                               self.comp[1], self.scratch["selected"][1], 0, self.scratch["scores"][1], nh, 1, kvl,
+                               rope, cfg.qk_head_dim ** -0.5)
+        out.softmax = k.bind("softmax_rows", (nh * self.red,), (self.red,), self.scratch["scores"][1],
+                             self.scratch["probs"][1], 1)
+        out.values = k.bind("mla_decode_values", (-(-kvl // 8), nh), None, self.scratch["probs"][1], self.comp[1],
+                            self.o_lat[1], 1, kvl)
+        out.tail = [out.attention, out.softmax, out.values,
+                    k.bind_matvec(kv_b, self.o_lat[1], self.heads_out[1], nh, kvl, nope + v_dim, nope, v_dim),
+                    k.bind_matvec(self._matrix(a + "o_proj.weight"), self.heads_out[1], self.attn_out[1]),
+                    self._norm(self.x, self.attn_out, True, p + "post_attention_layernorm.weight", self.u,
+                               cfg.rms_norm_eps, h)]
+        out.tail += self._bind_ffn(layer, out)
+        return out
+
+    def _bind_ffn(self, layer: int, out: _Layer) -> list[Launch]:
+        cfg, k = self.cfg, self.k
+        p = f"model.layers.{layer}.mlp."
+
+        def triple(prefix: str) -> tuple[Weight, Weight, Weight]:
+            return tuple(self._weight(prefix + f"{proj}.weight") for proj in ("gate_proj", "up_proj", "down_proj"))
+
+        if not cfg.is_moe_layer(layer):
+            return list(self._bind_single(self._ref(triple(p), p), self.ffn))
+        experts = [self._ref(triple(f"{p}experts.{e}."), f"{p}experts.{e}.") for e in range(cfg.n_routed_experts)]
+        if len({r.key for r in experts}) != 1:
+            raise Unsupported(f"{p}: the routed experts do not share one buffer and scheme")
+        shared = [self._ref(triple(p + "shared_experts."), p + "shared_experts.")] if cfg.n_shared_experts else []
+        apart = bool(shared) and shared[0].key != experts[0].key  # e.g. q2: int2 routed, int4 shared experts
+        if apart:
+            separate, shared = shared[0], []
+        refs = experts + shared
+        table = self._buf(6 * len(refs), np.uint64)
+        table[0][:] = np.array([r.offs for r in refs], np.uint64).reshape(-1)
+        n_slots = cfg.num_experts_per_tok + len(shared)
+        offs, slot_w = self._buf(6 * n_slots, np.uint64), self._buf(n_slots)
+        ids = self._buf(cfg.num_experts_per_tok, np.uint32)
+        logits = self._buf(cfg.n_routed_experts)
+        out.route = k.bind("route_noaux_tc", (1,), None, logits[1], self._vectors[1],
+                           self.offsets[p + "gate.e_score_correction_bias"], table[1], cfg.n_routed_experts,
+                           cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok, int(cfg.norm_topk_prob),
+                           cfg.routed_scaling_factor, len(shared), offs[1], slot_w[1], ids[1])
+        out.ids = ids[0]
+        launches = [k.bind_matvec(self._matrix(p + "gate.weight"), self.u[1], logits[1]), out.route,
+                    *self._bind_experts(refs[0], offs, slot_w, n_slots, self.ffn)]
+        if apart:  # the shared expert's own launch pair, added after the routed sum (the model's order)
+            launches += [*self._bind_single(separate, self.shared_out),
+                         k.bind("add_into", (cfg.hidden_size,), None, self.ffn[1], self.shared_out[1], cfg.hidden_size)]
+        return launches
+
+    def _ref(self, weights: tuple[Weight, Weight, Weight], name: str):
+        ref = self._expert_ref(*weights)
+        if ref is None:
+            raise Unsupported(f"{name}: cannot run as a fused expert in place")
+        return ref
+
+    def _bind_single(self, ref, y) -> tuple[Launch, Launch]:
+        """One MLP (a dense layer's, or a shared expert) as a fused launch pair of one slot of weight 1."""
+        offs, slot_w = self._buf(6, np.uint64), self._buf(1)
+        offs[0][:] = ref.offs
+        slot_w[0][:] = 1.0
+        return self._bind_experts(ref, offs, slot_w, 1, y)
+
+    def _bind_experts(self, ref, offs, slot_w, n_slots: int, y) -> tuple[Launch, Launch]:
+        slot_tok = self._buf(n_slots, np.uint32)
+        slot_tok[0][:] = 0
+        tok_start = self._buf(2, np.uint32)
+        tok_start[0][:] = (0, n_slots)
+        hid = self._buf(n_slots * ref.inter)
+        launches = self.k.bind_experts(ref.buf, ref.bits, ref.group, ref.n_groups, ref.n_in, ref.inter,
+                                       ref.in_row_bytes, ref.inter_row_bytes, ref.inter_groups, self.u[1], offs[1],
+                                       slot_tok[1], tok_start[1], slot_w[1], hid[1], y[1], n_slots)
+        return launches
+
+    # ---- one token ---------------------------------------------------------------------------------
+
+    def _cache_buffer(self, layer: _Layer, kv, name: str):
+        """The buffer over a cache field's storage (a new one after the cache grew it)."""
+        arr = kv.storage(name)
+        have = layer.cache_buffers.get(name)
+        if have is None or have[0] is not arr:
+            have = layer.cache_buffers[name] = (arr, self.k.wrap(arr))
+        return have[1]
+
+    def __call__(self, token: int, cache: KVCache, embed: np.ndarray) -> tuple[np.ndarray, np.ndarray, list]:
+        """Append `token` (its embedding row `embed [H]`) at position `cache.length`; see the class docstring."""
+        from glmkit.runtime.model import rope_cos_sin
+
+        cfg = self.cfg
+        pos = cache.length
+        keys = pos + 1
+        self._grow(keys)
+        cos, sin = rope_cos_sin(np.array([pos]), cfg.qk_rope_head_dim, cfg.rope_theta)
+        self.cs[0][:] = np.concatenate([cos[0], sin[0]])
+        self.x[0][:] = embed
+        scored = keys > cfg.index_topk
+        kvl, rope = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+        for i in range(cfg.num_hidden_layers):
+            cache.layer(i).claim(1)
+        try:
+            for i, layer in enumerate(self.layers):
+                kv = cache.layer(i)
+                lat, rot = self._cache_buffer(layer, kv, "kv_lat"), self._cache_buffer(layer, kv, "k_rot")
+                layer.kv_lat_norm.set(6, lat)
+                layer.kv_lat_norm.set(7, pos * kvl)
+                layer.k_rot_rope.set(3, rot)
+                layer.k_rot_rope.set(4, pos * rope)
+                if layer.index_rope is not None:
+                    index_k = self._cache_buffer(layer, kv, "index_k")
+                    layer.index_rope.set(3, index_k)
+                    layer.index_rope.set(4, pos * cfg.index_head_dim)
+                for launch in layer.head:
+                    launch.enqueue()
+                if scored and layer.scores is not None:
+                    layer.scores.set(1, index_k)
+                    layer.scores.set(3, self.scratch["index_scores"][1])
+                    layer.scores.set(6, keys)
+                    layer.scores.size = (keys, 1)
+                    layer.topk.set(0, self.scratch["index_scores"][1])
+                    layer.topk.set(1, self.scratch["all"][1])
+                    layer.topk.set(2, self.scratch["selected"][1])
+                    layer.topk.set(3, keys)
+                    for launch in layer.scoring:
+                        launch.enqueue()
+                scores, probs = self.scratch["scores"][1], self.scratch["probs"][1]
+                for index, value in ((2, lat), (3, rot), (4, self.scratch["selected"][1]), (5, int(scored)),
+                                     (6, scores), (8, keys)):
+                    layer.attention.set(index, value)
+                layer.attention.size = (keys,)
+                for index, value in ((0, scores), (1, probs), (2, keys)):
+                    layer.softmax.set(index, value)
+                for index, value in ((0, probs), (1, lat), (3, keys)):
+                    layer.values.set(index, value)
+                for launch in layer.tail:
+                    launch.enqueue()
+            self.final_norm.enqueue()
+            self.lm_head.enqueue().wait()
+        except BaseException:
+            cache.truncate(pos)
+            raise
+        routes = [(i, layer.ids[None, :].astype(np.int64)) for i, layer in enumerate(self.layers)
+                  if layer.route is not None]
+        return self.logits[0][None, :].copy(), self.hidden[0][None, :].copy(), routes
+
+
+class Unsupported(Exception):
+    """The device decode step cannot run this model on this device (the per-operation path is used)."""

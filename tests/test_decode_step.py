@@ -1,0 +1,159 @@
+"""The device decode step (glmkit.runtime.decode_step) on PoCL: a whole decoded token as one queue of kernels.
+
+Checked against the NumPy reference token by token: logits, the KV rows the kernels write into the host cache,
+the routed experts the route hook sees, across the indexer's switch to top-k selection (the fixtures have
+'shared' indexer layers), cache and scratch growth, truncation, and a failure in the middle of a token."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from glmkit.kernels_cl import launch
+from glmkit.kernels_cl.launch import Kernels, list_devices
+from glmkit.runtime import decode_step
+from glmkit.runtime.decode_step import DeviceDecodeStep
+from glmkit.runtime.engine import Engine
+from glmkit.runtime.model import GlmMoeDsaModel
+from glmkit.runtime.opencl_backend import OpenCLBackend, Placement
+from tests.runtime_support import FIXTURES, Snapshots, oracle
+
+
+@pytest.fixture(scope="module")
+def snapshots(tmp_path_factory):
+    return Snapshots(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    found = [d for d in list_devices() if d.kind == "cpu"]
+    if not found:
+        pytest.fail("no OpenCL CPU device found (pyopencl with the pocl extra should provide PoCL's)")
+    return Kernels(found[0])
+
+
+class Routes:
+    """A route hook recording `(layer, sorted expert ids)` of single-token forwards."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, list[int]]] = []
+
+    def __call__(self, layer: int, ids: np.ndarray, normed: np.ndarray | None) -> None:
+        if len(ids) == 1:
+            self.seen.append((layer, sorted(ids[0].tolist())))
+
+
+def models(engine: Engine, kernels: Kernels) -> tuple[GlmMoeDsaModel, GlmMoeDsaModel]:
+    """(NumPy reference, OpenCL with the device decode step), each with its own route recorder."""
+    ref = GlmMoeDsaModel(engine.config, engine.experts, engine.backend, route_hook=Routes())
+    dev = GlmMoeDsaModel(engine.config, engine.experts, OpenCLBackend(kernels, Placement()), route_hook=Routes())
+    return ref, dev
+
+
+def decode_both(ref: GlmMoeDsaModel, dev: GlmMoeDsaModel, prompt: np.ndarray, tokens: np.ndarray,
+                caches=None) -> tuple[np.ndarray, np.ndarray, tuple]:
+    """Prefill `prompt` (or continue `caches`), then decode `tokens` one by one on both models."""
+    if caches is None:
+        caches = ref.new_cache(), dev.new_cache()
+        ref.forward(prompt, caches[0])
+        dev.forward(prompt, caches[1])
+    want, got = [], []
+    for token in tokens:
+        want.append(ref.forward(np.array([token]), caches[0])[0])
+        got.append(dev.forward(np.array([token]), caches[1])[0])
+    return np.concatenate(want), np.concatenate(got), caches
+
+
+def assert_same(want: np.ndarray, got: np.ndarray) -> None:
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max() * 4
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+def assert_same_rows(caches) -> None:
+    """The rows the kernels wrote into the host cache are the reference's rows."""
+    for a, b in zip(caches[0].layers, caches[1].layers, strict=True):
+        assert a.length == b.length
+        for name in ("kv_lat", "k_rot", "index_k") if a.has_index else ("kv_lat", "k_rot"):
+            np.testing.assert_allclose(b.rows(name), a.rows(name), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant,preset", [("tiny-trained", "q4"), ("tiny-bf16", "f32"), ("tiny-fp8", "q2")])
+def test_decode_step_matches_numpy(snapshots, kernels, variant, preset):
+    """Before and after the indexer starts selecting (index_topk keys), f32 and quantized experts; q2's
+    shared expert (int4, routed int2) runs in a launch pair of its own."""
+    engine = Engine(snapshots(variant, preset), "numpy", load_tokenizer=False)
+    ref, dev = models(engine, kernels)
+    ids = np.array(oracle(variant)["full_ids"])
+    topk = engine.config.index_topk
+    prompt, tokens = ids[:topk - 3], ids[topk - 3:]  # crosses index_topk keys while decoding
+    want, got, caches = decode_both(ref, dev, prompt, tokens)
+    assert isinstance(dev._step, DeviceDecodeStep)  # the step ran, not the per-operation path
+    assert_same(want, got)
+    assert_same_rows(caches)
+    assert dev.route_hook.seen == ref.route_hook.seen  # the same experts, reported per token and layer
+    assert len(dev.route_hook.seen) == len(tokens) * (engine.config.num_hidden_layers
+                                                     - engine.config.first_k_dense_replace)
+
+
+def test_cache_growth_and_truncation(snapshots, kernels, monkeypatch):
+    """The cache arrays (capacity 256) and the step's per-key scratch grow under the kernels; a truncated
+    cache continues with other tokens."""
+    engine = Engine(snapshots("tiny-bf16", "q4"), "numpy", load_tokenizer=False)
+    monkeypatch.setattr(decode_step, "INITIAL_KEYS", 16)
+    ref, dev = models(engine, kernels)
+    rng = np.random.default_rng(3)
+    vocab = engine.config.vocab_size
+    want, got, caches = decode_both(ref, dev, rng.integers(0, vocab, 240), rng.integers(0, vocab, 24))
+    assert caches[1].length == 264 and dev._step.capacity >= 264
+    assert_same(want, got)
+    assert_same_rows(caches)
+    for cache in caches:
+        cache.truncate(250)
+    want, got, caches = decode_both(ref, dev, None, rng.integers(0, vocab, 6), caches)
+    assert_same(want, got)
+    assert_same_rows(caches)
+
+
+def test_failure_inside_a_token_leaves_the_cache_as_it_was(snapshots, kernels, monkeypatch):
+    engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
+    _, dev = models(engine, kernels)
+    cache = dev.new_cache()
+    dev.forward(np.arange(5), cache)
+    calls = []
+
+    def fail(self):
+        calls.append(1)
+        if len(calls) == 7:
+            raise RuntimeError("device lost")
+        return enqueue(self)
+
+    enqueue = launch.Launch.enqueue
+    monkeypatch.setattr(launch.Launch, "enqueue", fail)
+    with pytest.raises(RuntimeError, match="device lost"):
+        dev.forward(np.array([9]), cache)
+    assert [layer.length for layer in cache.layers[:-1]] == [5] * engine.config.num_hidden_layers
+
+
+def test_only_where_the_device_uses_host_memory(snapshots, kernels):
+    """Discrete devices, an explicit per-operation placement and calibration's recorder decode per operation."""
+    engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
+    weight = engine.experts.weight
+    assert OpenCLBackend(kernels, Placement()).decode_step(engine.config, weight) is not None
+    assert OpenCLBackend(kernels, Placement(decode_step="host")).decode_step(engine.config, weight) is None
+    assert OpenCLBackend(kernels, Placement(), unified=False).decode_step(engine.config, weight) is None
+    assert engine.backend.decode_step(engine.config, weight) is None  # NumPy
+
+
+def test_validate_passes_with_the_step(snapshots, monkeypatch, capsys):
+    """glm-validate's greedy run (MTP off) decodes through the step: f32 agrees with transformers on every
+    greedy token."""
+    from glmkit.runtime import cli_validate
+
+    calls = []
+    step = DeviceDecodeStep.__call__
+    monkeypatch.setattr(DeviceDecodeStep, "__call__", lambda self, *a: calls.append(1) or step(self, *a))
+    snap = snapshots("tiny-bf16", "f32")
+    rc = cli_validate.main([str(snap), str(FIXTURES / "tiny-bf16" / "oracle.json"), "--device", "opencl", "--no-mtp"])
+    out = capsys.readouterr().out
+    assert rc == 0 and out.rstrip().endswith("PASS")
+    assert len(calls) == len(oracle("tiny-bf16")["full_ids"]) - len(oracle("tiny-bf16")["prompt_ids"]) - 1
