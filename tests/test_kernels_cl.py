@@ -235,3 +235,100 @@ def test_index_scores_and_topk(kernels, rng):
     tied = np.array([[-1.0, -3.0, -2.0, -2.0, -2.0, -5.0]], np.float32)
     got = kernels.topk(tied, np.ones_like(tied, bool), 3)
     assert got.tolist() == [[True, False, True, True, False, False]]
+
+
+# ---- the device decode step's kernels (decode.cl), launched through bound launches ---------------------
+
+def bound(k, name, size, local, *args):
+    """Launch kernel `name` once and wait."""
+    k.bind(name, size, local, *args).enqueue().wait()
+
+
+def test_decode_norms_and_rope(kernels, rng):
+    n, rope, heads, width = 45, 10, 3, 17
+    x, a = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
+    vec_h, vec = kernels.host_buffer(3 * n)
+    vec_h[:] = rng.standard_normal(3 * n).astype(np.float32)
+    xh, xb = kernels.host_buffer(n + 4)
+    ah, ab = kernels.host_buffer(n)
+    yh, yb = kernels.host_buffer(n + 9)
+    xh[4:], ah[:] = x, a
+    red = kernels.red_lanes
+    # x[4:] += a, then the norm with the weights at vec[n:2n] into y[9:]
+    bound(kernels, "residual_rms_norm", (red,), (red,), xb, 4, ab, 1, vec, n, yb, 9, n, 1e-5)
+    close(xh[4:], x + a, 0)
+    close(yh[9:], REF.rms_norm((x + a)[None], vec_h[n:2 * n], 1e-5)[0])
+    bound(kernels, "residual_rms_norm", (red,), (red,), xb, 4, ab, 0, vec, 0, yb, 0, n, 1e-6)
+    close(xh[4:], x + a, 0)  # add = 0 leaves x alone
+    close(yh[:n], REF.rms_norm((x + a)[None], vec_h[:n], 1e-6)[0])
+    bound(kernels, "layer_norm_at", (red,), (red,), ab, vec, n, 2 * n, yb, n, 1e-6)
+    close(yh[:n], REF.layer_norm(a[None], vec_h[n:2 * n], vec_h[2 * n:], 1e-6)[0], 1e-5)
+    # rope on the first `rope` columns of each of `heads` rows of width `width` read at stride 20, offset 2
+    cos, sin = rope_cos_sin(np.array([77]), rope, 10000.0)
+    cs_h, cs = kernels.host_buffer(rope)
+    cs_h[:] = np.concatenate([cos[0], sin[0]])
+    src_h, src = kernels.host_buffer(2 + 20 * heads)
+    src_h[:] = rng.standard_normal(src_h.size).astype(np.float32)
+    rows = np.stack([src_h[2 + 20 * h: 2 + 20 * h + width] for h in range(heads)])
+    out_h, out = kernels.host_buffer(width * heads)
+    bound(kernels, "rope_rows", (width, heads), None, src, 2, 20, out, 0, width, cs, width, rope // 2)
+    want = np.concatenate([apply_rope(rows[None, :, :rope], cos, sin)[0], rows[:, rope:]], axis=-1)
+    close(out_h.reshape(heads, width), want)
+
+
+@pytest.mark.parametrize("n_keys,use_mask", [(1, False), (37, True), (300, True), (129, False)])
+def test_decode_attention(kernels, rng, n_keys, use_mask):
+    """Absorbed MLA attention of one token (scores, softmax_rows, values) against the backend's attention."""
+    heads, kvl, rope = 3, 36, 6  # kvl not a multiple of 8: the values kernel's scalar tail
+    q_lat, q_rot = rng.standard_normal((heads, kvl)).astype(np.float32), rng.standard_normal((heads, rope))
+    kv_lat, k_rot = rng.standard_normal((n_keys, kvl)).astype(np.float32), rng.standard_normal((n_keys, rope))
+    mask = rng.random(n_keys) < 0.5 if use_mask else np.ones(n_keys, bool)
+    mask[0] = True
+    bufs = {}
+    for name, arr, dtype in (("ql", q_lat, np.float32), ("qr", q_rot, np.float32), ("kl", kv_lat, np.float32),
+                             ("kr", k_rot, np.float32), ("mask", mask, np.uint8)):
+        host, buf = kernels.host_buffer(arr.size, dtype)
+        host[:] = arr.reshape(-1)
+        bufs[name] = buf
+    scores_h, scores = kernels.host_buffer(heads * n_keys)
+    probs_h, probs = kernels.host_buffer(heads * n_keys)
+    out_h, out = kernels.host_buffer(heads * kvl)
+    scale = 0.17
+    bound(kernels, "mla_decode_scores", (n_keys,), None, bufs["ql"], bufs["qr"], bufs["kl"], bufs["kr"], bufs["mask"],
+          int(use_mask), scores, heads, n_keys, kvl, rope, scale)
+    red = kernels.red_lanes
+    bound(kernels, "softmax_rows", (heads * red,), (red,), scores, probs, n_keys)
+    bound(kernels, "mla_decode_values", (-(-kvl // 8), heads), None, probs, bufs["kl"], out, n_keys, kvl)
+    q = np.concatenate([q_lat, q_rot], axis=-1)[None].astype(np.float32)
+    keys = np.concatenate([kv_lat, k_rot], axis=-1)[:, None, :].astype(np.float32)
+    want = REF.attention(q, keys, kv_lat[:, None, :], mask[None], scale)[0]
+    close(out_h.reshape(heads, kvl), want, 5e-6)
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_decode_routing(kernels, rng, norm):
+    """noaux_tc on the device against the model's `route_noaux_tc`: the slots it writes for the fused experts
+    (offsets of the chosen experts by ascending id, then the shared expert's) and their weights."""
+    from glmkit.runtime.model import route_noaux_tc
+
+    experts, n_group, topk_group, top_k, scaling = 24, 4, 2, 5, 2.5
+    table_h, table = kernels.host_buffer(6 * (experts + 1), np.uint64)
+    table_h[:] = np.arange(table_h.size, dtype=np.uint64) * 1000 + 7
+    for _ in range(20):
+        logits = (rng.standard_normal(experts) * 2).astype(np.float32)
+        bias = (rng.standard_normal(experts) * 0.1).astype(np.float32)
+        lg_h, lg = kernels.host_buffer(experts)
+        vec_h, vec = kernels.host_buffer(experts + 3)
+        lg_h[:], vec_h[3:] = logits, bias
+        offs_h, offs = kernels.host_buffer(6 * (top_k + 1), np.uint64)
+        w_h, w = kernels.host_buffer(top_k + 1)
+        ids_h, ids = kernels.host_buffer(top_k, np.uint32)
+        bound(kernels, "route_noaux_tc", (1,), None, lg, vec, 3, table, experts, n_group, topk_group, top_k, int(norm),
+              scaling, 1, offs, w, ids)
+        want_ids, want_w = route_noaux_tc(logits[None], bias, top_k, n_group, topk_group, norm, scaling)
+        order = np.argsort(want_ids[0])
+        assert ids_h.tolist() == want_ids[0][order].tolist()
+        close(w_h[:top_k], want_w[0][order], 1e-6)
+        assert w_h[top_k] == 1.0
+        chosen = np.concatenate([want_ids[0][order], [experts]])
+        assert offs_h.reshape(-1, 6).tolist() == ((chosen[:, None] * 6 + np.arange(6)) * 1000 + 7).tolist()
