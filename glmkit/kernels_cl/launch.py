@@ -486,6 +486,8 @@ class Launch:
         self.size, self.local = size, local
 
     def set(self, index: int, value) -> None:
+        if self.args[index] is value or (self.types[index] is not None and self.args[index] == value):
+            return  # unchanged (most arguments stay put from token to token)
         kind = self.types[index]
         self.kernel.set_arg(index, value if kind is None else kind(value))
         self.args[index] = value

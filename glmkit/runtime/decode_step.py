@@ -19,11 +19,18 @@ from collections.abc import Callable
 
 import numpy as np
 
+from glmkit.formats.config import ModelConfig
 from glmkit.formats.tensors import Weight
 from glmkit.kernels_cl.launch import ClWeight, Kernels, Launch
 from glmkit.runtime.kv_cache import KVCache
 
+MAX_ROUTED_EXPERTS = 1024  # the routing kernel's private arrays (MAX_EXPERTS in decode.cl)
 INITIAL_KEYS = 1024  # keys the per-key scratch buffers hold at first (they double as the context grows)
+KEY_GROUP = 16  # work-group size of the kernels with one work-item per key
+
+
+class Unsupported(Exception):
+    """The device decode step cannot run this model on this device (the per-operation path is used)."""
 
 
 class _Layer:
@@ -53,10 +60,12 @@ class DeviceDecodeStep:
     Built once per model and backend; raises `Unsupported` when some weight cannot be used in place.
     """
 
-    def __init__(self, cfg, weight: Callable[[str], Weight], cw: Callable[[Weight], ClWeight | None],
+    def __init__(self, cfg: ModelConfig, weight: Callable[[str], Weight], cw: Callable[[Weight], ClWeight | None],
                  expert_ref: Callable, kernels: Kernels) -> None:
         from glmkit.runtime.model import LATENT_NORM_EPS
 
+        if cfg.n_routed_experts > MAX_ROUTED_EXPERTS:
+            raise Unsupported(f"{cfg.n_routed_experts} routed experts (the routing kernel holds {MAX_ROUTED_EXPERTS})")
         self.cfg, self.k = cfg, kernels
         self._weight, self._cw, self._expert_ref = weight, cw, expert_ref
         h, nh = cfg.hidden_size, cfg.num_attention_heads
@@ -88,7 +97,7 @@ class DeviceDecodeStep:
         return self.k.host_buffer(count, dtype)
 
     def _pack_vectors(self) -> tuple[np.ndarray, object]:
-        """Every 1-D weight of the main layers (norms, biases, router bias) in one buffer; `_off` finds them."""
+        """Every 1-D weight of the main layers (norms, biases, router bias) in one buffer, at `self.offsets`."""
         cfg, names = self.cfg, ["model.norm.weight"]
         for layer in range(cfg.num_hidden_layers):
             p = f"model.layers.{layer}."
@@ -158,7 +167,7 @@ class DeviceDecodeStep:
                                 self.offsets[a + "indexer.k_norm.weight"], self.offsets[a + "indexer.k_norm.bias"],
                                 self.key[1], ihd, latent_eps),
                          out.index_rope]
-            out.scores = k.bind("index_scores", (1, 1), None, self.iq_rot[1], self.key[1], self.iw[1],
+            out.scores = k.bind("index_scores", (KEY_GROUP, 1), (KEY_GROUP, 1), self.iq_rot[1], self.key[1], self.iw[1],
                                 self.scratch["index_scores"][1], inh, ihd, 1, ihd ** -0.5, inh ** -0.5)
             out.topk = k.bind("topk_select", (1,), None, self.scratch["index_scores"][1], self.scratch["all"][1],
                               self.scratch["selected"][1], 1, cfg.index_topk, 1)
@@ -166,8 +175,9 @@ class DeviceDecodeStep:
                            self._rope(self.iq, 0, ihd, self.iq_rot[1], ihd, ihd, inh),
                            k.bind_matvec(self._matrix(a + "indexer.weights_proj.weight"), self.u[1], self.iw[1]),
                            out.scores, out.topk]
-        out.attention = k.bind("mla_decode_scores", (1,), None, self.q_abs[1], self.q_rot[1], self.comp[1],
-                               self.comp[1], self.scratch["selected"][1], 0, self.scratch["scores"][1], nh, 1, kvl,
+        scratch = self.scratch
+        out.attention = k.bind("mla_decode_scores", (KEY_GROUP,), (KEY_GROUP,), self.q_abs[1], self.q_rot[1],
+                               self.comp[1], self.comp[1], scratch["selected"][1], 0, scratch["scores"][1], nh, 1, kvl,
                                rope, cfg.qk_head_dim ** -0.5)
         out.softmax = k.bind("softmax_rows", (nh * self.red,), (self.red,), self.scratch["scores"][1],
                              self.scratch["probs"][1], 1)
@@ -262,6 +272,9 @@ class DeviceDecodeStep:
         self.cs[0][:] = np.concatenate([cos[0], sin[0]])
         self.x[0][:] = embed
         scored = keys > cfg.index_topk
+        # per-key kernels: work-groups of KEY_GROUP items (a size left to the driver would follow the key count
+        # down to groups of one item for a prime count: one work-group per key, measured ~50 us per launch)
+        per_key = -(-keys // KEY_GROUP) * KEY_GROUP
         kvl, rope = cfg.kv_lora_rank, cfg.qk_rope_head_dim
         for i in range(cfg.num_hidden_layers):
             cache.layer(i).claim(1)
@@ -283,7 +296,7 @@ class DeviceDecodeStep:
                     layer.scores.set(1, index_k)
                     layer.scores.set(3, self.scratch["index_scores"][1])
                     layer.scores.set(6, keys)
-                    layer.scores.size = (keys, 1)
+                    layer.scores.size = (per_key, 1)
                     layer.topk.set(0, self.scratch["index_scores"][1])
                     layer.topk.set(1, self.scratch["all"][1])
                     layer.topk.set(2, self.scratch["selected"][1])
@@ -294,7 +307,7 @@ class DeviceDecodeStep:
                 for index, value in ((2, lat), (3, rot), (4, self.scratch["selected"][1]), (5, int(scored)),
                                      (6, scores), (8, keys)):
                     layer.attention.set(index, value)
-                layer.attention.size = (keys,)
+                layer.attention.size = (per_key,)
                 for index, value in ((0, scores), (1, probs), (2, keys)):
                     layer.softmax.set(index, value)
                 for index, value in ((0, probs), (1, lat), (3, keys)):
@@ -309,7 +322,3 @@ class DeviceDecodeStep:
         routes = [(i, layer.ids[None, :].astype(np.int64)) for i, layer in enumerate(self.layers)
                   if layer.route is not None]
         return self.logits[0][None, :].copy(), self.hidden[0][None, :].copy(), routes
-
-
-class Unsupported(Exception):
-    """The device decode step cannot run this model on this device (the per-operation path is used)."""

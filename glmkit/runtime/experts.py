@@ -80,9 +80,14 @@ class ExpertStreamer:
     # ---- the model's route hook ----
 
     def on_route(self, layer: int, expert_ids: np.ndarray, normed: np.ndarray | None = None) -> None:
-        """Called after layer `layer` routed its tokens: `expert_ids [S, k]`, `normed [S, H]` its input."""
+        """Called after layer `layer` routed its tokens: `expert_ids [S, k]`, `normed [S, H]` its input.
+
+        normed None: the experts already ran (the OpenCL device decode step reports its routing after the
+        token): their use is counted, but not whether they were resident (they were just read) nor prefetch."""
         for expert in np.unique(expert_ids).tolist():
             self.stats.usage[(layer, expert)] += 1
+            if normed is None:
+                continue
             if self._is_resident(layer, expert):
                 self.stats.hits += 1
             else:
