@@ -157,3 +157,14 @@ def test_validate_passes_with_the_step(snapshots, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert rc == 0 and out.rstrip().endswith("PASS")
     assert len(calls) == len(oracle("tiny-bf16")["full_ids"]) - len(oracle("tiny-bf16")["prompt_ids"]) - 1
+
+
+def test_mtp_is_off_by_default_on_the_step(snapshots):
+    """A draft's verification (two tokens, per operation) costs more than two device steps: MTP defaults off
+    there, stays on elsewhere, and `--mtp` / `--no-mtp` decide when given."""
+    snap = snapshots("tiny-trained", "q4")
+    device, host = Engine(snap, "opencl", load_tokenizer=False), Engine(snap, "numpy", load_tokenizer=False)
+    assert device.model.decodes_on_device() and not host.model.decodes_on_device()
+    assert [device.use_mtp(False, False), device.use_mtp(True, False), device.use_mtp(False, True)] == [False, True,
+                                                                                                      False]
+    assert [host.use_mtp(False, False), host.use_mtp(False, True)] == [True, False]

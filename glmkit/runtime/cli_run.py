@@ -46,7 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1 = off)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
     p.add_argument("--seed", type=int, help="sampling seed")
-    p.add_argument("--no-mtp", action="store_true", help="disable MTP speculative decoding")
+    mtp = p.add_mutually_exclusive_group()
+    mtp.add_argument("--mtp", action="store_true", help="MTP speculative decoding even where it is off by default")
+    mtp.add_argument("--no-mtp", action="store_true",
+                     help="disable MTP speculative decoding (default: on, except on a device decode step)")
     p.add_argument("--device", default="auto",
                    help="auto (a GPU if any, else the fastest CPU path measured) | numpy | opencl[:platform:device]")
     p.add_argument("--list-devices", action="store_true",
@@ -94,8 +97,9 @@ def main(argv: list[str] | None = None) -> int:
             raise GlmkitError("--session: only with --chat")
         policy = approx_policy(args)
         engine = Engine(args.snapshot, args.device, args.ram_budget, prefetch=not args.no_prefetch)
-        generator = Generator(engine.model, engine.eos_token_ids, use_mtp=not args.no_mtp)
-        session = Session(engine.model, open_prefix_cache(engine, args), policy)
+        use_mtp = engine.use_mtp(args.mtp, args.no_mtp)
+        generator = Generator(engine.model, engine.eos_token_ids, use_mtp=use_mtp)
+        session = Session(engine.model, open_prefix_cache(engine, args, use_mtp), policy)
         if args.chat:
             turns = chat(engine, generator, session, params, args)
         else:
@@ -128,12 +132,12 @@ def approx_policy(args: argparse.Namespace) -> ApproxPolicy | None:
                         similar=args.reuse_threshold <= 1)
 
 
-def open_prefix_cache(engine: Engine, args: argparse.Namespace) -> PrefixCache | None:
+def open_prefix_cache(engine: Engine, args: argparse.Namespace, use_mtp: bool) -> PrefixCache | None:
     if args.no_cache:
         return None
     directory = args.cache_dir or default_cache_dir()
     try:
-        return PrefixCache.for_model(engine.model, engine.model_hash, directory, not args.no_mtp,
+        return PrefixCache.for_model(engine.model, engine.model_hash, directory, use_mtp,
                                      args.chunk_tokens, int(args.cache_max_gb * (1 << 30)))
     except (OSError, sqlite3.Error) as e:
         raise GlmkitError(f"--cache-dir: cannot use {directory} ({e})") from None

@@ -238,6 +238,10 @@ class GlmMoeDsaModel:
             self.backend.release_memory()  # a prefill's temporaries are freed; decode should not carry them
         return logits, hidden
 
+    def decodes_on_device(self) -> bool:
+        """Whether a single-token forward runs as the backend's decode step (e.g. OpenCL on a CPU device)."""
+        return self._decode_step() is not None
+
     def _decode_step(self) -> DecodeStep | None:
         if self._step is False:
             self._step = self.backend.decode_step(self.config, self._w)

@@ -38,7 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="reply limit when a request sets no max_tokens (default 4096; the context caps it too)")
     p.add_argument("--split-reasoning", action="store_true",
                    help="chat: return the text before </think> as message.reasoning_content, not content")
-    p.add_argument("--no-mtp", action="store_true", help="disable MTP speculative decoding")
+    mtp = p.add_mutually_exclusive_group()
+    mtp.add_argument("--mtp", action="store_true", help="MTP speculative decoding even where it is off by default")
+    mtp.add_argument("--no-mtp", action="store_true",
+                     help="disable MTP speculative decoding (default: on, except on a device decode step)")
     p.add_argument("--device", default="auto", help="auto | numpy | opencl[:platform:device]")
     p.add_argument("--ram-budget", type=parse_size, default=0, metavar="SIZE",
                    help="pin the hottest routed experts in RAM up to SIZE (default 0)")
@@ -94,15 +97,16 @@ def make_loader(args: argparse.Namespace):
         if engine.tokenizer is None or engine.tokenizer.chat_template is None:
             logging.getLogger("glmkit.serve").warning("the snapshot has no chat template: only /v1/completions works")
         directory = args.cache_dir or default_cache_dir()
+        use_mtp = engine.use_mtp(args.mtp, args.no_mtp)
 
         def open_cache() -> PrefixCache:
             try:
-                return PrefixCache.for_model(engine.model, engine.model_hash, directory, not args.no_mtp,
+                return PrefixCache.for_model(engine.model, engine.model_hash, directory, use_mtp,
                                              args.chunk_tokens, int(args.cache_max_gb * (1 << 30)))
             except (OSError, sqlite3.Error) as e:
                 raise GlmkitError(f"--cache-dir: cannot use {directory} ({e})") from None
 
-        scheduler = Scheduler(engine, prefix_cache=open_cache, use_mtp=not args.no_mtp, reuse=not args.no_cache,
+        scheduler = Scheduler(engine, prefix_cache=open_cache, use_mtp=use_mtp, reuse=not args.no_cache,
                               max_active=args.parallel, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk)
         scheduler.start()
         return Loaded(engine, scheduler, generation_defaults(args.snapshot))

@@ -1,0 +1,93 @@
+#!/usr/bin/env python3
+"""Where a decoded token's time goes on the device decode step (glmkit.runtime.decode_step).
+
+    PYTHONPATH=. python tools/profile_decode.py            # bench model, q4, --device auto placement
+
+Prefills a 256-token random prompt on the benchmark model, decodes warm-up tokens, then `--tokens` greedy tokens
+with every launch on an OpenCL profiling queue. Prints the wall time per token, each kernel's device time per
+token, the device's idle time between launches inside a token and between tokens, and the host's time between
+tokens (the wait's return to the next token's first launch). On a shared machine compare rows of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from glmkit.kernels_cl import launch  # noqa: E402
+from glmkit.runtime.engine import Engine  # noqa: E402
+from tools.bench_model import DEFAULT_WORK, ensure_bench_snapshot  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="q4")
+    ap.add_argument("--tokens", type=int, default=40, help="profiled tokens (default %(default)s)")
+    ap.add_argument("--work", type=Path, default=DEFAULT_WORK, help="where the bench model lives")
+    args = ap.parse_args(argv)
+    engine = Engine(ensure_bench_snapshot(args.preset, args.work), "auto", load_tokenizer=False)
+    model = engine.model
+    if not hasattr(engine.backend, "k") or not model.decodes_on_device():
+        print("profile_decode: this device/placement has no device decode step", file=sys.stderr)
+        return 1
+    kernels = engine.backend.k
+    kernels.queue = launch.cl.CommandQueue(kernels.ctx,
+                                           properties=launch.cl.command_queue_properties.PROFILING_ENABLE)
+    model._step = False  # rebuilt on the profiling queue
+    events: list[tuple[str, object]] = []
+    first_launch: list[float] = []  # per profiled token: when its first kernel was enqueued
+    returned: list[float] = []  # when the host got each profiled token's logits back (the first: before token 0)
+    enqueue = launch.Launch.enqueue
+
+    def recorded(self: launch.Launch):
+        if len(first_launch) < len(returned):
+            first_launch.append(time.perf_counter())
+        event = enqueue(self)
+        events.append((self.kernel.function_name, event))
+        return event
+
+    launch.Launch.enqueue = recorded  # type: ignore[method-assign]
+    cache = model.new_cache()
+    logits, _ = model.forward(np.random.default_rng(0).integers(0, engine.config.vocab_size, 256), cache)
+    token = int(logits[-1].argmax())
+    for _ in range(5):  # warm-up (kernel builds, first touches)
+        logits, _ = model.forward(np.array([token]), cache)
+        token = int(logits[-1].argmax())
+    events.clear()
+    returned.append(time.perf_counter())
+    start = returned[0]
+    for _ in range(args.tokens):
+        logits, _ = model.forward(np.array([token]), cache)
+        token = int(logits[-1].argmax())
+        returned.append(time.perf_counter())
+    host_gaps = [first - back for first, back in zip(first_launch, returned[:-1], strict=True)]
+    wall = (time.perf_counter() - start) / args.tokens
+    per = len(events) // args.tokens
+    busy: dict[str, float] = collections.defaultdict(float)
+    inside = between = 0.0
+    for i, (name, event) in enumerate(events):
+        busy[name] += (event.profile.end - event.profile.start) * 1e-6 / args.tokens
+        if i:
+            gap = (event.profile.start - events[i - 1][1].profile.end) * 1e-6 / args.tokens
+            if i % per:
+                inside += gap
+            else:
+                between += gap
+    print(f"{engine.device}, preset {args.preset}: {wall * 1e3:.2f} ms per token ({1 / wall:.1f} tok/s), "
+          f"{per} launches per token")
+    print(f"kernels {sum(busy.values()):.2f} ms, device idle inside a token {inside:.2f} ms, between tokens "
+          f"{between:.2f} ms, host between tokens {np.median(host_gaps) * 1e3:.2f} ms (median)")
+    for name, ms in sorted(busy.items(), key=lambda kv: -kv[1]):
+        print(f"  {name:24s} {ms:6.3f} ms  x{sum(1 for n, _ in events if n == name) // args.tokens}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
