@@ -23,9 +23,10 @@ def oracle(variant: str) -> dict[str, Any]:
     return json.loads((FIXTURES / variant / "oracle.json").read_text())
 
 
-def convert(source: Path, out: Path, preset: str = "f32") -> Path:
+def convert(source: Path, out: Path, preset: str = "f32", *flags: str) -> Path:
+    """glm-convert SOURCE OUT --preset PRESET [flags]."""
     with contextlib.redirect_stdout(io.StringIO()):  # its one-line summary would pollute captured output
-        assert convert_main([str(source), str(out), "--preset", preset, "--quiet"]) == 0
+        assert convert_main([str(source), str(out), "--preset", preset, "--quiet", *flags]) == 0
     return out
 
 

@@ -16,7 +16,7 @@ from glmkit.runtime.decode_step import DeviceDecodeStep
 from glmkit.runtime.engine import Engine
 from glmkit.runtime.model import GlmMoeDsaModel
 from glmkit.runtime.opencl_backend import OpenCLBackend, Placement
-from tests.runtime_support import FIXTURES, Snapshots, oracle
+from tests.runtime_support import FIXTURES, Snapshots, convert, oracle
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +93,23 @@ def test_decode_step_matches_numpy(snapshots, kernels, variant, preset):
     assert dev.route_hook.seen == ref.route_hook.seen  # the same experts, reported per token and layer
     assert len(dev.route_hook.seen) == len(tokens) * (engine.config.num_hidden_layers
                                                      - engine.config.first_k_dense_replace)
+
+
+def test_experts_across_files(tmp_path, kernels):
+    """A layer's experts spread over several data files (GLM-5's layers outgrow a 4 GB file): one fused launch
+    pair per file, summed."""
+    snap = convert(FIXTURES / "tiny-trained", tmp_path / "split", "q4", "--max-file-size", "300K")
+    assert len(list(snap.glob("model-*.safetensors"))) > 4
+    engine = Engine(snap, "numpy", load_tokenizer=False)
+    ref, dev = models(engine, kernels)
+    ids = np.array(oracle("tiny-trained")["full_ids"])
+    want, got, caches = decode_both(ref, dev, ids[:20], ids[20:50])
+    assert isinstance(dev._step, DeviceDecodeStep)
+    expert_launches = [sum(1 for launch in layer.tail if launch.kernel.function_name.startswith("eg_"))
+                       for layer in dev._step.layers]
+    assert max(expert_launches) > 1
+    assert_same(want, got)
+    assert_same_rows(caches)
 
 
 def test_cache_growth_and_truncation(snapshots, kernels, monkeypatch):

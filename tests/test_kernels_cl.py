@@ -307,28 +307,41 @@ def test_decode_attention(kernels, rng, n_keys, use_mask):
 
 @pytest.mark.parametrize("norm", [True, False])
 def test_decode_routing(kernels, rng, norm):
-    """noaux_tc on the device against the model's `route_noaux_tc`: the slots it writes for the fused experts
-    (offsets of the chosen experts by ascending id, then the shared expert's) and their weights."""
+    """noaux_tc on the device against the model's `route_noaux_tc`: the slots it writes for the fused experts of
+    each weight buffer (the chosen experts there by ascending id, then the shared expert's if it is there; the
+    rest marked unused) and their weights."""
     from glmkit.runtime.model import route_noaux_tc
 
-    experts, n_group, topk_group, top_k, scaling = 24, 4, 2, 5, 2.5
+    experts, n_group, topk_group, top_k, scaling, stride = 24, 4, 2, 5, 2.5, 32
+    buffer_of = np.arange(experts + 1) % 3  # three weight buffers; the shared expert (last) in buffer 0
     table_h, table = kernels.host_buffer(6 * (experts + 1), np.uint64)
     table_h[:] = np.arange(table_h.size, dtype=np.uint64) * 1000 + 7
+    where_h, where = kernels.host_buffer(experts + 1, np.uint32)
+    where_h[:] = buffer_of
     for _ in range(20):
         logits = (rng.standard_normal(experts) * 2).astype(np.float32)
         bias = (rng.standard_normal(experts) * 0.1).astype(np.float32)
         lg_h, lg = kernels.host_buffer(experts)
         vec_h, vec = kernels.host_buffer(experts + 3)
         lg_h[:], vec_h[3:] = logits, bias
-        offs_h, offs = kernels.host_buffer(6 * (top_k + 1), np.uint64)
-        w_h, w = kernels.host_buffer(top_k + 1)
+        offs_h, offs = kernels.host_buffer(3 * stride * 6, np.uint64)
+        w_h, w = kernels.host_buffer(3 * stride)
+        tok_h, tok = kernels.host_buffer(3 * stride, np.uint32)
+        start_h, start = kernels.host_buffer(3 * stride, np.uint32)
         ids_h, ids = kernels.host_buffer(top_k, np.uint32)
-        bound(kernels, "route_noaux_tc", (1,), None, lg, vec, 3, table, experts, n_group, topk_group, top_k, int(norm),
-              scaling, 1, offs, w, ids)
+        bound(kernels, "route_noaux_tc", (1,), None, lg, vec, 3, table, where, 3, experts, n_group, topk_group, top_k,
+              int(norm), scaling, 1, offs, w, tok, stride, start, ids)
         want_ids, want_w = route_noaux_tc(logits[None], bias, top_k, n_group, topk_group, norm, scaling)
         order = np.argsort(want_ids[0])
         assert ids_h.tolist() == want_ids[0][order].tolist()
-        close(w_h[:top_k], want_w[0][order], 1e-6)
-        assert w_h[top_k] == 1.0
         chosen = np.concatenate([want_ids[0][order], [experts]])
-        assert offs_h.reshape(-1, 6).tolist() == ((chosen[:, None] * 6 + np.arange(6)) * 1000 + 7).tolist()
+        weights = np.concatenate([want_w[0][order], [1.0]])
+        for b in range(3):
+            mine = buffer_of[chosen] == b
+            n = int(mine.sum())
+            assert start_h[b * stride: b * stride + 2].tolist() == [0, n]
+            slots = slice(b * stride, b * stride + n)
+            assert tok_h[slots].tolist() == [0] * n and (tok_h[b * stride + n:(b + 1) * stride] == 0xFFFFFFFF).all()
+            np.testing.assert_allclose(w_h[slots], weights[mine], rtol=1e-6)
+            want_offs = (chosen[mine][:, None] * 6 + np.arange(6)) * 1000 + 7
+            assert offs_h.reshape(-1, 6)[slots].tolist() == want_offs.tolist()

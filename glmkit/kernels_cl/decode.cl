@@ -119,16 +119,21 @@ __kernel void mla_decode_values(__global const float* p, __global const float* k
 }
 
 #define MAX_EXPERTS 1024
+#define MAX_BUFFERS 8
 
-/* noaux_tc routing of one token (one work-item), writing the fused expert launch's slots directly.
+/* noaux_tc routing of one token (one work-item), writing the fused expert launches' slots directly.
  * Selection uses sigmoid(logits) + bias among the topk_group groups with the largest top-2 sums; the weights
- * are the unbiased sigmoid scores (normalized when `norm`) times `scaling`. Slot i < top_k is the i-th
- * selected expert by ascending id, slot top_k the shared expert (when `shared`, weight 1). table holds 6 byte
- * offsets per expert (gate, gate scales, up, up scales, down, down scales; the shared expert's last). */
+ * are the unbiased sigmoid scores (normalized when `norm`) times `scaling`. The experts of a layer may lie in
+ * several weight buffers (files of the mapping), one launch pair each: buffer_of[e] says which. Buffer b's
+ * slots start at slot b * stride (offs: 6 values per slot; slot_w; slot_tok) and its slot range [0, count) is
+ * at tok_start[b * stride]: its selected experts by ascending id, then the shared expert (when `shared`,
+ * weight 1) if it lies there; the other slots get token 0xffffffff. table holds 6 byte offsets per expert (gate, gate scales, up,
+ * up scales, down, down scales; the shared expert's last). ids: the selected experts, ascending. */
 __kernel void route_noaux_tc(__global const float* logits, __global const float* vec, uint bias_off,
-                             __global const ulong* table, uint n_experts, uint n_group, uint topk_group,
-                             uint top_k, uint norm, float scaling, uint shared, __global ulong* offs,
-                             __global float* slot_w, __global uint* ids) {
+                             __global const ulong* table, __global const uint* buffer_of, uint n_buffers,
+                             uint n_experts, uint n_group, uint topk_group, uint top_k, uint norm, float scaling,
+                             uint shared, __global ulong* offs, __global float* slot_w, __global uint* slot_tok,
+                             uint stride, __global uint* tok_start, __global uint* ids) {
     if (get_global_id(0) != 0) return;
     float score[MAX_EXPERTS], choice[MAX_EXPERTS];
     uchar state[MAX_EXPERTS];  /* 0: excluded, 1: candidate, 2: selected */
@@ -170,15 +175,22 @@ __kernel void route_noaux_tc(__global const float* logits, __global const float*
     float total = 0.0f;
     for (uint e = 0; e < n_experts && k < top_k; e++) {
         if (state[e] != 2) continue;
-        ids[k] = e;
-        slot_w[k] = score[e];
+        ids[k++] = e;
         total += score[e];
-        for (uint j = 0; j < 6; j++) offs[k * 6 + j] = table[e * 6 + j];
-        k++;
     }
-    for (uint i = 0; i < k; i++) slot_w[i] = (norm ? slot_w[i] / (total + 1e-20f) : slot_w[i]) * scaling;
-    if (shared) {
-        slot_w[k] = 1.0f;
-        for (uint j = 0; j < 6; j++) offs[k * 6 + j] = table[n_experts * 6 + j];
+    uint count[MAX_BUFFERS];
+    for (uint b = 0; b < n_buffers; b++) count[b] = 0;
+    for (uint i = 0; i <= k; i++) {
+        if (i == k && !shared) break;
+        const uint e = i < k ? ids[i] : n_experts;
+        const uint b = buffer_of[e], slot = b * stride + count[b]++;
+        slot_w[slot] = i == k ? 1.0f : (norm ? score[e] / (total + 1e-20f) : score[e]) * scaling;
+        slot_tok[slot] = 0;
+        for (uint j = 0; j < 6; j++) offs[slot * 6 + j] = table[e * 6 + j];
+    }
+    for (uint b = 0; b < n_buffers; b++) {
+        tok_start[b * stride] = 0;
+        tok_start[b * stride + 1] = count[b];
+        for (uint j = count[b]; j < stride; j++) slot_tok[b * stride + j] = 0xffffffffu;
     }
 }

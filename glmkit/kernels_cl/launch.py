@@ -58,7 +58,7 @@ SIGNATURES = {
     "rope_rows": [None, _U32, _U32, None, _U32, _U32, None, _U32, _U32],
     "mla_decode_scores": [None] * 5 + [_U32, None] + [_U32] * 4 + [_F32],
     "mla_decode_values": [None] * 3 + [_U32, _U32],
-    "route_noaux_tc": [None, None, _U32, None, _U32, _U32, _U32, _U32, _U32, _F32, _U32, None, None, None],
+    "route_noaux_tc": [None, None, _U32, None, None] + [_U32] * 6 + [_F32, _U32, None, None, None, _U32, None, None],
 }
 BIT_SUFFIX = {32: "f32", 8: "q8", 4: "q4", 2: "q2"}
 
@@ -204,6 +204,15 @@ class Kernels:
         """Direct devices: a page-aligned host array of `count` items and a buffer the device uses in place."""
         host = _aligned_empty(max(count, 1) * np.dtype(dtype).itemsize).view(dtype)
         return host, self.wrap(host)
+
+    @property
+    def base_align(self) -> int:
+        """Bytes a sub-buffer's origin must be a multiple of."""
+        return max(1, self.device.mem_base_addr_align // 8)
+
+    def sub_buffer(self, buf, offset: int, nbytes: int):
+        """The bytes [offset, offset + nbytes) of `buf` as a buffer of their own (offset: a `base_align` multiple)."""
+        return buf.get_sub_region(offset, nbytes)
 
     def wrap(self, arr: np.ndarray):
         """Direct devices: a read-write buffer over a writable host array, used in place (no copy)."""

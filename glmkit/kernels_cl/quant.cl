@@ -145,15 +145,19 @@ INLINE void dequant(const int bits, WARGS, __global float* out, uint rows, uint 
 
 /* Fused expert MLP, part 1, over "slots" (one slot = one token routed to one expert):
  * hid[slot, r] = silu(gate_e[r] . x[tok]) * (up_e[r] . x[tok]). offs holds 6 byte offsets per slot into
- * wbuf: gate, gate scales, up, up scales, down, down scales. Global (ceil(inter / ROWS) * LANES, slots). */
+ * wbuf: gate, gate scales, up, up scales, down, down scales. A slot whose token is 0xffffffff is unused (the
+ * device decode step's routing fills a fixed number of slots per weight buffer). Global
+ * (ceil(inter / ROWS) * LANES, slots). */
 INLINE void expert_gate_up(const int bits, __global const uchar* wbuf, __global const ulong* offs,
                            __global const uint* slot_tok, uint n_in, uint row_bytes, uint group, uint n_groups,
                            __global const float* x, uint x_s, __global float* hid, uint inter, __local float* red) {
     const uint lane = LANES > 1 ? get_local_id(0) : 0;
     const uint r0 = (get_global_id(0) / LANES) * ROWS, slot = get_global_id(1);
     const uint nrows = r0 < inter ? umin_(ROWS, inter - r0) : 0;
+    const uint tok = slot_tok[slot];
+    if (tok == 0xffffffffu) return;  /* uniform over a work-group: its items share the slot */
     __global const ulong* o = offs + slot * 6;
-    const __global float* xs = x + slot_tok[slot] * x_s;
+    const __global float* xs = x + tok * x_s;
     float g[ROWS], u[ROWS];
     if (nrows) {
         const ulong first = (ulong)r0;

@@ -9,7 +9,9 @@ operations; float sums may associate differently, as in every kernel).
 
 It runs on `direct` devices (CPU OpenCL devices such as PoCL's, whose buffers are host memory): the kernels
 write each layer's new KV row straight into the host `KVCache` arrays, so prefill, MTP, truncation and the
-prefill cache all see the same rows. `OpenCLBackend.decode_step` builds it, or returns None when a weight or an
+prefill cache all see the same rows. A layer's experts may lie in several weight buffers (the files of the
+mapping: a GLM-5 layer outgrows one 4 GB file): the routing kernel fills the slots of each buffer, and each gets
+its own fused launch pair. `OpenCLBackend.decode_step` builds the step, or returns None when a weight or an
 expert cannot be used in place (the per-operation path runs then).
 """
 
@@ -25,6 +27,7 @@ from glmkit.kernels_cl.launch import ClWeight, Kernels, Launch
 from glmkit.runtime.kv_cache import KVCache
 
 MAX_ROUTED_EXPERTS = 1024  # the routing kernel's private arrays (MAX_EXPERTS in decode.cl)
+MAX_EXPERT_BUFFERS = 8  # weight buffers one layer's experts may span (MAX_BUFFERS in decode.cl)
 INITIAL_KEYS = 1024  # keys the per-key scratch buffers hold at first (they double as the context grows)
 KEY_GROUP = 16  # work-group size of the kernels with one work-item per key
 
@@ -73,7 +76,7 @@ class DeviceDecodeStep:
         self.red = kernels.red_lanes
         self._vectors = self._pack_vectors()
         new = self._buf
-        self.x, self.u, self.ffn, self.shared_out = new(h), new(h), new(h), new(h)
+        self.x, self.u, self.ffn, self.ffn_part = new(h), new(h), new(h), new(h)
         self.cs = new(rope)
         self.q_a, self.q_lat = new(cfg.q_lora_rank), new(cfg.q_lora_rank)
         self.q = new(nh * (nope + rope))
@@ -192,39 +195,67 @@ class DeviceDecodeStep:
         return out
 
     def _bind_ffn(self, layer: int, out: _Layer) -> list[Launch]:
+        """The FFN of one layer into `self.ffn`. MoE: router logits, routing on the device, then one fused launch
+        pair per weight buffer the layer's experts lie in (a layer can span files of the mapping), summed."""
         cfg, k = self.cfg, self.k
         p = f"model.layers.{layer}.mlp."
 
         def triple(prefix: str) -> tuple[Weight, Weight, Weight]:
             return tuple(self._weight(prefix + f"{proj}.weight") for proj in ("gate_proj", "up_proj", "down_proj"))
 
+        def scheme(ref) -> tuple:
+            return ref.key[1:]  # bits, group, n_in, inter
+
         if not cfg.is_moe_layer(layer):
             return list(self._bind_single(self._ref(triple(p), p), self.ffn))
         experts = [self._ref(triple(f"{p}experts.{e}."), f"{p}experts.{e}.") for e in range(cfg.n_routed_experts)]
-        if len({r.key for r in experts}) != 1:
-            raise Unsupported(f"{p}: the routed experts do not share one buffer and scheme")
+        if len({scheme(r) for r in experts}) != 1:
+            raise Unsupported(f"{p}: routed experts of more than one scheme")
         shared = [self._ref(triple(p + "shared_experts."), p + "shared_experts.")] if cfg.n_shared_experts else []
-        apart = bool(shared) and shared[0].key != experts[0].key  # e.g. q2: int2 routed, int4 shared experts
+        apart = bool(shared) and scheme(shared[0]) != scheme(experts[0])  # e.g. q2: int2 routed, int4 shared
         if apart:
             separate, shared = shared[0], []
-        refs = experts + shared
-        table = self._buf(6 * len(refs), np.uint64)
-        table[0][:] = np.array([r.offs for r in refs], np.uint64).reshape(-1)
+        members = experts + shared
+        buffers = list({id(r.buf): r.buf for r in members}.values())
+        if len(buffers) > MAX_EXPERT_BUFFERS:
+            raise Unsupported(f"{p}: the experts lie in {len(buffers)} weight buffers")
+        table = self._buf(6 * len(members), np.uint64)
+        table[0][:] = np.array([r.offs for r in members], np.uint64).reshape(-1)
+        buffer_of = self._buf(len(members), np.uint32)
+        buffer_of[0][:] = [next(b for b, buf in enumerate(buffers) if buf is r.buf) for r in members]
+        # per buffer: its slots from `stride * b` (sub-buffers must start at base_align multiples)
         n_slots = cfg.num_experts_per_tok + len(shared)
-        offs, slot_w = self._buf(6 * n_slots, np.uint64), self._buf(n_slots)
+        quantum = max(1, k.base_align // 4)
+        stride = -(-n_slots // quantum) * quantum
+        regions = {name: (self._buf(len(buffers) * stride * width, dtype), width, dtype)
+                   for name, width, dtype in (("offs", 6, np.uint64), ("slot_w", 1, np.float32),
+                                              ("slot_tok", 1, np.uint32), ("tok_start", 1, np.uint32))}
         ids = self._buf(cfg.num_experts_per_tok, np.uint32)
         logits = self._buf(cfg.n_routed_experts)
         out.route = k.bind("route_noaux_tc", (1,), None, logits[1], self._vectors[1],
-                           self.offsets[p + "gate.e_score_correction_bias"], table[1], cfg.n_routed_experts,
-                           cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok, int(cfg.norm_topk_prob),
-                           cfg.routed_scaling_factor, len(shared), offs[1], slot_w[1], ids[1])
+                           self.offsets[p + "gate.e_score_correction_bias"], table[1], buffer_of[1], len(buffers),
+                           cfg.n_routed_experts, cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok,
+                           int(cfg.norm_topk_prob), cfg.routed_scaling_factor, len(shared), regions["offs"][0][1],
+                           regions["slot_w"][0][1], regions["slot_tok"][0][1], stride, regions["tok_start"][0][1],
+                           ids[1])
         out.ids = ids[0]
-        launches = [k.bind_matvec(self._matrix(p + "gate.weight"), self.u[1], logits[1]), out.route,
-                    *self._bind_experts(refs[0], offs, slot_w, n_slots, self.ffn)]
+        launches = [k.bind_matvec(self._matrix(p + "gate.weight"), self.u[1], logits[1]), out.route]
+        for b, buf in enumerate(buffers):
+            sub = {name: (None, k.sub_buffer(pair[1], b * stride * width * np.dtype(dtype).itemsize,
+                                              n_slots * width * np.dtype(dtype).itemsize))
+                   for name, (pair, width, dtype) in regions.items()}
+            y = self.ffn if b == 0 else self.ffn_part
+            launches += self._bind_experts(experts[0], sub["offs"], sub["slot_w"], n_slots, y, buf,
+                                           sub["slot_tok"], sub["tok_start"])
+            if b:
+                launches.append(self._add(self.ffn, self.ffn_part))
         if apart:  # the shared expert's own launch pair, added after the routed sum (the model's order)
-            launches += [*self._bind_single(separate, self.shared_out),
-                         k.bind("add_into", (cfg.hidden_size,), None, self.ffn[1], self.shared_out[1], cfg.hidden_size)]
+            launches += [*self._bind_single(separate, self.ffn_part), self._add(self.ffn, self.ffn_part)]
         return launches
+
+    def _add(self, y, a) -> Launch:
+        n = self.cfg.hidden_size
+        return self.k.bind("add_into", (n,), None, y[1], a[1], n)
 
     def _ref(self, weights: tuple[Weight, Weight, Weight], name: str):
         ref = self._expert_ref(*weights)
@@ -234,21 +265,17 @@ class DeviceDecodeStep:
 
     def _bind_single(self, ref, y) -> tuple[Launch, Launch]:
         """One MLP (a dense layer's, or a shared expert) as a fused launch pair of one slot of weight 1."""
-        offs, slot_w = self._buf(6, np.uint64), self._buf(1)
-        offs[0][:] = ref.offs
-        slot_w[0][:] = 1.0
-        return self._bind_experts(ref, offs, slot_w, 1, y)
+        offs, slot_w, slot_tok, tok_start = (self._buf(6, np.uint64), self._buf(1), self._buf(1, np.uint32),
+                                             self._buf(2, np.uint32))
+        offs[0][:], slot_w[0][:], slot_tok[0][:], tok_start[0][:] = ref.offs, 1.0, 0, (0, 1)
+        return self._bind_experts(ref, offs, slot_w, 1, y, ref.buf, slot_tok, tok_start)
 
-    def _bind_experts(self, ref, offs, slot_w, n_slots: int, y) -> tuple[Launch, Launch]:
-        slot_tok = self._buf(n_slots, np.uint32)
-        slot_tok[0][:] = 0
-        tok_start = self._buf(2, np.uint32)
-        tok_start[0][:] = (0, n_slots)
+    def _bind_experts(self, ref, offs, slot_w, n_slots: int, y, wbuf, slot_tok, tok_start) -> tuple[Launch, Launch]:
+        """The fused launch pair over `n_slots` slots of experts with `ref`'s scheme in weight buffer `wbuf`."""
         hid = self._buf(n_slots * ref.inter)
-        launches = self.k.bind_experts(ref.buf, ref.bits, ref.group, ref.n_groups, ref.n_in, ref.inter,
-                                       ref.in_row_bytes, ref.inter_row_bytes, ref.inter_groups, self.u[1], offs[1],
-                                       slot_tok[1], tok_start[1], slot_w[1], hid[1], y[1], n_slots)
-        return launches
+        return self.k.bind_experts(wbuf, ref.bits, ref.group, ref.n_groups, ref.n_in, ref.inter, ref.in_row_bytes,
+                                   ref.inter_row_bytes, ref.inter_groups, self.u[1], offs[1], slot_tok[1], tok_start[1],
+                                   slot_w[1], hid[1], y[1], n_slots)
 
     # ---- one token ---------------------------------------------------------------------------------
 
