@@ -133,11 +133,22 @@ INLINE float hsum8(float8 v) {
     return c.x + c.y;
 }
 
+/* Reading ahead (CPU devices): each chunk step also loads one cache line of the `ahead_bytes` at `ahead` (the
+ * rows the work-item reads next), so their memory reads start early. The hardware prefetcher does not follow
+ * ROWS interleaved row streams of a few hundred bytes each; measured on PoCL with the benchmark model, the
+ * fused gate+up kernel went from 4.6 to 3.5 ms per token. The loaded bytes feed a never-taken branch only. */
+#ifdef CPU_LOADS
+#define TOUCH_AHEAD(c) do { if ((c) * 64u < ahead_bytes) sink += ahead[(c) * 64u]; } while (0)
+#else
+#define TOUCH_AHEAD(c) do { } while (0)
+#endif
+
 /* This lane's part of `out[k] = sum_i W[row k, i] * x[i]` for the `nrows` (<= ROWS) consecutive rows at
  * `row` (stride row_bytes; scales at sc, stride n_groups) over n columns. Lanes stride over the chunks; each
- * chunk's x is arranged once and reused by every row. */
+ * chunk's x is arranged once and reused by every row. `ahead`: see TOUCH_AHEAD. */
 INLINE void rows_dot(const int bits, const __global uchar* row, uint row_bytes, const __global float* sc,
-                     uint n_groups, uint nrows, uint n, uint group, const __global float* x, uint lane, float* out) {
+                     uint n_groups, uint nrows, uint n, uint group, const __global float* x, uint lane, float* out,
+                     const __global uchar* ahead, uint ahead_bytes) {
     const uint cw = chunk_codes(bits);
     /* rows past nrows repeat the last row (valid memory, results dropped): no branch in the inner loop */
     const __global uchar* rk[ROWS];
@@ -150,12 +161,14 @@ INLINE void rows_dot(const int bits, const __global uchar* row, uint row_bytes, 
         acc[k] = (float8)(0.0f);
     }
     uint vec_end = 0;
+    uint sink = 0;
     if (bits == 32 || group == 0) {
         const uint chunks = n / cw;
         vec_end = chunks * cw;
         for (uint c = lane; c < chunks; c += LANES) {
             float8 xv[8];
             const float8 bias = load_x(bits, x, c, xv);
+            TOUCH_AHEAD(c);
             for (uint k = 0; k < ROWS; k++) acc[k] += codes_dot(bits, rk[k], c, xv) - bias;
         }
     } else if (group % cw == 0) {
@@ -165,6 +178,7 @@ INLINE void rows_dot(const int bits, const __global uchar* row, uint row_bytes, 
             float8 xv[8];
             const float8 bias = load_x(bits, x, c, xv);
             const uint gi = c / per;  /* one division per chunk, shared by the rows */
+            TOUCH_AHEAD(c);
             for (uint k = 0; k < ROWS; k++) acc[k] += (codes_dot(bits, rk[k], c, xv) - bias) * sk[k][gi];
         }
     }
@@ -177,7 +191,8 @@ INLINE void rows_dot(const int bits, const __global uchar* row, uint row_bytes, 
             s += w * x[i];
         }
         if (bits != 32 && group == 0) s *= sk[k][0];
-        out[k] = s;
+        /* sink cannot reach 2^32 - 1 (fewer than 2^24 touches of at most 255): the test only keeps the loads */
+        out[k] = sink == 0xffffffffu ? 0.0f : s;
     }
 }
 

@@ -36,10 +36,11 @@ INLINE void matvec(const int bits, WARGS, __global const float* x, uint n_s, uin
     const uint r0 = (get_global_id(0) / LANES) * ROWS, h = get_global_id(1);
     const uint nrows = r0 < rows ? umin_(ROWS, rows - r0) : 0;
     const ulong wr = (ulong)h * head_rows + row_start + (nrows ? r0 : 0);
+    const bool next = r0 + 2 * ROWS <= rows;  /* read ahead into the next item's rows when it has ROWS of them */
     for (uint s = 0; s < n_s; s++) {
         float v[ROWS];
         if (nrows) rows_dot(bits, ROW_PTR(wr), row_bytes, SCALE_PTR(wr), n_groups, nrows, n_in, group,
-                            x + s * x_s + h * x_h, lane, v);
+                            x + s * x_s + h * x_h, lane, v, ROW_PTR(wr + ROWS), next ? ROWS * row_bytes : 0);
         for (uint k = 0; k < ROWS; k++) {
             float vk = k < nrows ? v[k] : 0.0f;
             LANE_SUM(vk, red, lane);
@@ -160,11 +161,14 @@ INLINE void expert_gate_up(const int bits, __global const uchar* wbuf, __global 
     const __global float* xs = x + tok * x_s;
     float g[ROWS], u[ROWS];
     if (nrows) {
-        const ulong first = (ulong)r0;
+        const ulong first = (ulong)r0, ahead = (first + ROWS) * row_bytes;  /* the next item's rows */
+        const uint ahead_bytes = r0 + 2 * ROWS <= inter ? ROWS * row_bytes : 0;
         rows_dot(bits, wbuf + o[0] + first * row_bytes, row_bytes,
-                 (const __global float*)(wbuf + o[1]) + first * n_groups, n_groups, nrows, n_in, group, xs, lane, g);
+                 (const __global float*)(wbuf + o[1]) + first * n_groups, n_groups, nrows, n_in, group, xs, lane, g,
+                 wbuf + o[0] + ahead, ahead_bytes);
         rows_dot(bits, wbuf + o[2] + first * row_bytes, row_bytes,
-                 (const __global float*)(wbuf + o[3]) + first * n_groups, n_groups, nrows, n_in, group, xs, lane, u);
+                 (const __global float*)(wbuf + o[3]) + first * n_groups, n_groups, nrows, n_in, group, xs, lane, u,
+                 wbuf + o[2] + ahead, ahead_bytes);
     }
     for (uint k = 0; k < ROWS; k++) {
         float gk = k < nrows ? g[k] : 0.0f, uk = k < nrows ? u[k] : 0.0f;
@@ -188,9 +192,14 @@ INLINE void expert_down(const int bits, __global const uchar* wbuf, __global con
     for (uint slot = tok_start[t]; slot < tok_start[t + 1]; slot++) {
         __global const ulong* o = offs + slot * 6;
         float v[ROWS];
+        /* read ahead into the next slot's rows (another expert), after the last slot into the next item's */
+        const bool last = slot + 1 == tok_start[t + 1];
+        const __global uchar* ahead = wbuf + (last ? offs[tok_start[t] * 6 + 4] + (ulong)(r0 + ROWS) * row_bytes
+                                                   : o[10] + (ulong)r0 * row_bytes);
+        const uint ahead_bytes = nrows == ROWS && (!last || r0 + 2 * ROWS <= rows) ? ROWS * row_bytes : 0;
         if (nrows) rows_dot(bits, wbuf + o[4] + (ulong)r0 * row_bytes, row_bytes,
                             (const __global float*)(wbuf + o[5]) + (ulong)r0 * n_groups, n_groups, nrows, n_in, group,
-                            hid + slot * n_in, lane, v);
+                            hid + slot * n_in, lane, v, ahead, ahead_bytes);
         for (uint k = 0; k < ROWS; k++) {
             float vk = k < nrows ? v[k] : 0.0f;
             LANE_SUM(vk, red, lane);
