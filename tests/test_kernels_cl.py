@@ -261,8 +261,6 @@ def test_decode_norms_and_rope(kernels, rng):
     bound(kernels, "residual_rms_norm", (red,), (red,), xb, 4, ab, 0, vec, 0, yb, 0, n, 1e-6)
     close(xh[4:], x + a, 0)  # add = 0 leaves x alone
     close(yh[:n], REF.rms_norm((x + a)[None], vec_h[:n], 1e-6)[0])
-    bound(kernels, "layer_norm_at", (red,), (red,), ab, vec, n, 2 * n, yb, n, 1e-6)
-    close(yh[:n], REF.layer_norm(a[None], vec_h[n:2 * n], vec_h[2 * n:], 1e-6)[0], 1e-5)
     # rope on the first `rope` columns of each of `heads` rows of width `width` read at stride 20, offset 2
     cos, sin = rope_cos_sin(np.array([77]), rope, 10000.0)
     cs_h, cs = kernels.host_buffer(rope)
@@ -274,11 +272,25 @@ def test_decode_norms_and_rope(kernels, rng):
     bound(kernels, "rope_rows", (width, heads), None, src, 2, 20, out, 0, width, cs, width, rope // 2)
     want = np.concatenate([apply_rope(rows[None, :, :rope], cos, sin)[0], rows[:, rope:]], axis=-1)
     close(out_h.reshape(heads, width), want)
+    # the cache rows: kv_lat = RMSNorm(latent), k_rot = RoPE(rest) of kv_a's output; the indexer key
+    # LayerNorm(x) with RoPE on its first columns; written at row 2 of the cache arrays
+    kvl = n - rope
+    lat_h, lat = kernels.host_buffer(3 * kvl)
+    rot_h, rot = kernels.host_buffer(3 * rope)
+    bound(kernels, "kv_row", (red,), (red,), ab, vec, n, lat, rot, 2, kvl, rope, cs, 1e-6)
+    close(lat_h[2 * kvl:], REF.rms_norm(a[None, :kvl], vec_h[n:n + kvl], 1e-6)[0])
+    close(rot_h[2 * rope:], apply_rope(a[None, kvl:], cos, sin)[0])
+    tmp_h, tmp = kernels.host_buffer(n)
+    key_h, key = kernels.host_buffer(3 * n)
+    bound(kernels, "index_key_row", (red,), (red,), ab, vec, n, 2 * n, tmp, key, 2, n, rope, cs, 1e-6)
+    normed = REF.layer_norm(a[None], vec_h[n:2 * n], vec_h[2 * n:], 1e-6)
+    close(key_h[2 * n:], np.concatenate([apply_rope(normed[:, :rope], cos, sin), normed[:, rope:]], axis=-1)[0],
+          1e-5)
 
 
 @pytest.mark.parametrize("n_keys,use_mask", [(1, False), (37, True), (300, True), (129, False)])
 def test_decode_attention(kernels, rng, n_keys, use_mask):
-    """Absorbed MLA attention of one token (scores, softmax_rows, values) against the backend's attention."""
+    """Absorbed MLA attention of one token (scores, then softmax + values) against the backend's attention."""
     heads, kvl, rope = 3, 36, 6  # kvl not a multiple of 8: the values kernel's scalar tail
     q_lat, q_rot = rng.standard_normal((heads, kvl)).astype(np.float32), rng.standard_normal((heads, rope))
     kv_lat, k_rot = rng.standard_normal((n_keys, kvl)).astype(np.float32), rng.standard_normal((n_keys, rope))
@@ -291,14 +303,12 @@ def test_decode_attention(kernels, rng, n_keys, use_mask):
         host[:] = arr.reshape(-1)
         bufs[name] = buf
     scores_h, scores = kernels.host_buffer(heads * n_keys)
-    probs_h, probs = kernels.host_buffer(heads * n_keys)
     out_h, out = kernels.host_buffer(heads * kvl)
     scale = 0.17
     bound(kernels, "mla_decode_scores", (n_keys,), None, bufs["ql"], bufs["qr"], bufs["kl"], bufs["kr"], bufs["mask"],
           int(use_mask), scores, heads, n_keys, kvl, rope, scale)
     red = kernels.red_lanes
-    bound(kernels, "softmax_rows", (heads * red,), (red,), scores, probs, n_keys)
-    bound(kernels, "mla_decode_values", (-(-kvl // 8), heads), None, probs, bufs["kl"], out, n_keys, kvl)
+    bound(kernels, "mla_decode_values", (heads * red,), (red,), scores, bufs["kl"], out, n_keys, kvl)
     q = np.concatenate([q_lat, q_rot], axis=-1)[None].astype(np.float32)
     keys = np.concatenate([kv_lat, k_rot], axis=-1)[:, None, :].astype(np.float32)
     want = REF.attention(q, keys, kv_lat[:, None, :], mask[None], scale)[0]

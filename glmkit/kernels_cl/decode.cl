@@ -30,11 +30,35 @@ __kernel void add_into(__global float* y, __global const float* a, uint n) {
     if (i < n) y[i] += a[i];
 }
 
-/* y = (x - mean) / sqrt(var + eps) * w + b over n values (biased variance). One work-group. */
-__kernel void layer_norm_at(__global const float* x, __global const float* vec, uint w_off, uint b_off,
-                            __global float* y, uint n, float eps) {
+/* The token's MLA cache row from kv_a's output comp = [latent (kvl) | rope part (rope)]: kv_lat[row] = RMSNorm
+ * of the latent (weights at vec + w_off), k_rot[row] = the rope part with RoPE applied (cs: see rope_rows).
+ * One work-group. */
+__kernel void kv_row(__global const float* comp, __global const float* vec, uint w_off, __global float* kv_lat,
+                     __global float* k_rot, uint row, uint kvl, uint rope, __global const float* cs, float eps) {
     __local float red[RED_LANES];
-    const uint l = get_local_id(0);
+    const uint l = get_local_id(0), n_half = rope / 2;
+    float s = 0.0f;
+    for (uint i = l; i < kvl; i += RED_LANES) s += comp[i] * comp[i];
+    const float inv = 1.0f / sqrt(group_sum(s, red) / (float)kvl + eps);
+    __global float* lat = kv_lat + (ulong)row * kvl;
+    for (uint i = l; i < kvl; i += RED_LANES) lat[i] = vec[w_off + i] * (comp[i] * inv);
+    const __global float* pe = comp + kvl;
+    __global float* out = k_rot + (ulong)row * rope;
+    for (uint i = l; i < n_half; i += RED_LANES) {
+        const float e = pe[2 * i], o = pe[2 * i + 1], c = cs[i], sn = cs[n_half + i];
+        out[i] = e * c - o * sn;
+        out[n_half + i] = o * c + e * sn;
+    }
+}
+
+/* The token's indexer key row: key = LayerNorm(x) (weights and bias at vec + w_off, vec + b_off; biased
+ * variance), then index_k[row] = key with RoPE on its first `rope` columns (cs: see rope_rows). tmp: n floats
+ * of scratch. One work-group. */
+__kernel void index_key_row(__global const float* x, __global const float* vec, uint w_off, uint b_off,
+                            __global float* tmp, __global float* index_k, uint row, uint n, uint rope,
+                            __global const float* cs, float eps) {
+    __local float red[RED_LANES];
+    const uint l = get_local_id(0), n_half = rope / 2;
     float s = 0.0f;
     for (uint i = l; i < n; i += RED_LANES) s += x[i];
     const float mean = group_sum(s, red) / (float)n;
@@ -44,7 +68,21 @@ __kernel void layer_norm_at(__global const float* x, __global const float* vec, 
         v += c * c;
     }
     const float den = sqrt(group_sum(v, red) / (float)n + eps);
-    for (uint i = l; i < n; i += RED_LANES) y[i] = (x[i] - mean) / den * vec[w_off + i] + vec[b_off + i];
+    for (uint i = l; i < n; i += RED_LANES) tmp[i] = (x[i] - mean) / den * vec[w_off + i] + vec[b_off + i];
+    barrier(CLK_GLOBAL_MEM_FENCE);  /* a rotated pair may have been normed by another item */
+    __global float* out = index_k + (ulong)row * n;
+    for (uint i = l; i < n; i += RED_LANES) {
+        float y;
+        if (i < n_half) {
+            y = tmp[2 * i] * cs[i] - tmp[2 * i + 1] * cs[n_half + i];
+        } else if (i < rope) {
+            const uint j = i - n_half;
+            y = tmp[2 * j + 1] * cs[j] + tmp[2 * j] * cs[n_half + j];
+        } else {
+            y = tmp[i];
+        }
+        out[i] = y;
+    }
 }
 
 /* Row h of y (width values at y + y_off + h * y_row) from row h of x (at x + x_off + h * x_row): RoPE on the
@@ -67,8 +105,7 @@ __kernel void rope_rows(__global const float* x, uint x_off, uint x_row, __globa
     y[y_off + (ulong)h * y_row + j] = v;
 }
 
-/* Absorbed MLA attention of one query token, in three launches: these scores, `softmax_rows` over each head's
- * row, then `mla_decode_values`. scores[h, t] = (q_lat[h] . kv_lat[t] + q_rot[h] . k_rot[t]) * scale, -inf for
+/* Absorbed MLA attention of one query token, in two launches: these scores, then `mla_decode_values`. scores[h, t] = (q_lat[h] . kv_lat[t] + q_rot[h] . k_rot[t]) * scale, -inf for
  * keys with mask[t] == 0 (when use_mask). q_lat [nh, kvl], q_rot [nh, rope], kv_lat [T, kvl], k_rot [T, rope].
  * One work-item per key: it reads the key once for every head. Global (T). */
 __kernel void mla_decode_scores(__global const float* q_lat, __global const float* q_rot,
@@ -96,25 +133,40 @@ __kernel void mla_decode_scores(__global const float* q_lat, __global const floa
     }
 }
 
-/* out[h, i] = sum_t p[h, t] * kv_lat[t, i] for the probabilities p [nh, T] (`softmax_rows` of the scores).
- * A work-item owns 8 consecutive latent columns of one head. Global (ceil(kvl / 8), nh). */
-__kernel void mla_decode_values(__global const float* p, __global const float* kv_lat, __global float* out,
+/* out[h] = softmax(scores[h]) @ kv_lat, one work-group (RED_LANES items) per head: the row's maximum and sum
+ * (the probabilities replace the scores in place), then each item owns groups of 8 latent columns.
+ * scores [nh, T] (-inf: key not selected), kv_lat [T, kvl]. Global (nh * RED_LANES). */
+__kernel void mla_decode_values(__global float* scores, __global const float* kv_lat, __global float* out,
                                 uint n_keys, uint kvl) {
-    const uint j = get_global_id(0), h = get_global_id(1);
-    const uint i0 = 8 * j;
-    if (i0 >= kvl) return;
-    const __global float* ph = p + (ulong)h * n_keys;
-    if (i0 + 8 <= kvl) {
-        float8 acc = (float8)(0.0f);
-        for (uint t = 0; t < n_keys; t++) acc += ph[t] * LOAD_F8(0, kv_lat + (ulong)t * kvl + i0);
-        const float o[8] = {acc.s0, acc.s1, acc.s2, acc.s3, acc.s4, acc.s5, acc.s6, acc.s7};
-        for (uint k = 0; k < 8; k++) out[(ulong)h * kvl + i0 + k] = o[k];
-        return;
+    __local float red[RED_LANES];
+    const uint l = get_local_id(0), h = get_group_id(0);
+    __global float* p = scores + (ulong)h * n_keys;
+    float m = -INFINITY;
+    for (uint t = l; t < n_keys; t += RED_LANES) m = fmax_(m, p[t]);
+    m = group_max(m, red);
+    float sum = 0.0f;
+    for (uint t = l; t < n_keys; t += RED_LANES) {
+        const float e = exp(p[t] - m);
+        p[t] = e;
+        sum += e;
     }
-    for (uint i = i0; i < kvl; i++) {
-        float acc = 0.0f;
-        for (uint t = 0; t < n_keys; t++) acc += ph[t] * kv_lat[(ulong)t * kvl + i];
-        out[(ulong)h * kvl + i] = acc;
+    sum = group_sum(sum, red);
+    barrier(CLK_GLOBAL_MEM_FENCE);  /* every item's probabilities are visible to the whole group */
+    __global float* o = out + (ulong)h * kvl;
+    for (uint i0 = 8 * l; i0 < kvl; i0 += 8 * RED_LANES) {
+        if (i0 + 8 <= kvl) {
+            float8 acc = (float8)(0.0f);
+            for (uint t = 0; t < n_keys; t++) acc += p[t] * LOAD_F8(0, kv_lat + (ulong)t * kvl + i0);
+            acc /= sum;
+            const float r[8] = {acc.s0, acc.s1, acc.s2, acc.s3, acc.s4, acc.s5, acc.s6, acc.s7};
+            for (uint k = 0; k < 8; k++) o[i0 + k] = r[k];
+        } else {
+            for (uint i = i0; i < kvl; i++) {
+                float acc = 0.0f;
+                for (uint t = 0; t < n_keys; t++) acc += p[t] * kv_lat[(ulong)t * kvl + i];
+                o[i] = acc / sum;
+            }
+        }
     }
 }
 

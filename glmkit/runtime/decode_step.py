@@ -43,13 +43,11 @@ class _Layer:
         self.head: list[Launch] = []  # from the input norm to the indexer key (always)
         self.scoring: list[Launch] = []  # indexer queries, scores, top-k (only with more than index_topk keys)
         self.tail: list[Launch] = []  # attention, output projection, FFN
-        self.kv_lat_norm: Launch | None = None  # writes kv_lat[row]
-        self.k_rot_rope: Launch | None = None  # writes k_rot[row]
-        self.index_rope: Launch | None = None  # writes index_k[row]
+        self.kv_row: Launch | None = None  # writes kv_lat[row] and k_rot[row]
+        self.index_key: Launch | None = None  # writes index_k[row]
         self.scores: Launch | None = None
         self.topk: Launch | None = None
         self.attention: Launch | None = None  # scores, then softmax and values
-        self.softmax: Launch | None = None
         self.values: Launch | None = None
         self.route: Launch | None = None
         self.ids: np.ndarray | None = None  # MoE layers: the routed expert ids the route kernel wrote
@@ -131,13 +129,13 @@ class DeviceDecodeStep:
                            self.cfg.qk_rope_head_dim // 2)
 
     def _grow(self, keys: int) -> None:
-        """Per-key scratch for at least `keys` keys: attention scores and probabilities, indexer scores, the
+        """Per-key scratch for at least `keys` keys: attention scores (then probabilities), indexer scores, the
         selection, all-ones."""
         if keys <= self.capacity:
             return
         cap = max(keys, 2 * self.capacity)
         nh = self.cfg.num_attention_heads
-        self.scratch = {"scores": self._buf(nh * cap), "probs": self._buf(nh * cap), "index_scores": self._buf(cap),
+        self.scratch = {"scores": self._buf(nh * cap), "index_scores": self._buf(cap),
                         "selected": self._buf(cap, np.uint8), "all": self._buf(cap, np.uint8)}
         self.scratch["all"][0][:] = 1
         self.capacity = cap
@@ -156,20 +154,19 @@ class DeviceDecodeStep:
             k.bind_matvec(self._matrix(a + "q_b_proj.weight"), self.q_lat[1], self.q[1]),
             k.bind_matvec(self._matrix(a + "kv_a_proj_with_mqa.weight"), self.u[1], self.comp[1]),
         ]
-        out.kv_lat_norm = self._norm(self.comp, self.comp, False, a + "kv_a_layernorm.weight", self.comp, latent_eps,
-                                     kvl)
-        out.k_rot_rope = self._rope(self.comp, kvl, 0, self.comp[1], 0, rope, 1)
-        out.head += [out.kv_lat_norm, out.k_rot_rope,
+        out.kv_row = k.bind("kv_row", (self.red,), (self.red,), self.comp[1], self._vectors[1],
+                            self.offsets[a + "kv_a_layernorm.weight"], self.comp[1], self.comp[1], 0, kvl, rope,
+                            self.cs[1], latent_eps)
+        out.head += [out.kv_row,
                      self._rope(self.q, nope, nope + rope, self.q_rot[1], rope, rope, nh),
                      k.bind_matvec_t(kv_b, self.q[1], self.q_abs[1], nh, nope + rope, nope + v_dim, 0, nope)]
         if cfg.indexer_type(layer) == "full":
             ihd, inh = cfg.index_head_dim, cfg.index_n_heads
-            out.index_rope = self._rope(self.key, 0, 0, self.key[1], 0, ihd, 1)
+            out.index_key = k.bind("index_key_row", (self.red,), (self.red,), self.key_raw[1], self._vectors[1],
+                                   self.offsets[a + "indexer.k_norm.weight"], self.offsets[a + "indexer.k_norm.bias"],
+                                   self.key[1], self.key[1], 0, ihd, rope, self.cs[1], latent_eps)
             out.head += [k.bind_matvec(self._matrix(a + "indexer.wk.weight"), self.u[1], self.key_raw[1]),
-                         k.bind("layer_norm_at", (self.red,), (self.red,), self.key_raw[1], self._vectors[1],
-                                self.offsets[a + "indexer.k_norm.weight"], self.offsets[a + "indexer.k_norm.bias"],
-                                self.key[1], ihd, latent_eps),
-                         out.index_rope]
+                         out.index_key]
             out.scores = k.bind("index_scores", (KEY_GROUP, 1), (KEY_GROUP, 1), self.iq_rot[1], self.key[1], self.iw[1],
                                 self.scratch["index_scores"][1], inh, ihd, 1, ihd ** -0.5, inh ** -0.5)
             out.topk = k.bind("topk_select", (1,), None, self.scratch["index_scores"][1], self.scratch["all"][1],
@@ -182,11 +179,9 @@ class DeviceDecodeStep:
         out.attention = k.bind("mla_decode_scores", (KEY_GROUP,), (KEY_GROUP,), self.q_abs[1], self.q_rot[1],
                                self.comp[1], self.comp[1], scratch["selected"][1], 0, scratch["scores"][1], nh, 1, kvl,
                                rope, cfg.qk_head_dim ** -0.5)
-        out.softmax = k.bind("softmax_rows", (nh * self.red,), (self.red,), self.scratch["scores"][1],
-                             self.scratch["probs"][1], 1)
-        out.values = k.bind("mla_decode_values", (-(-kvl // 8), nh), None, self.scratch["probs"][1], self.comp[1],
+        out.values = k.bind("mla_decode_values", (nh * self.red,), (self.red,), scratch["scores"][1], self.comp[1],
                             self.o_lat[1], 1, kvl)
-        out.tail = [out.attention, out.softmax, out.values,
+        out.tail = [out.attention, out.values,
                     k.bind_matvec(kv_b, self.o_lat[1], self.heads_out[1], nh, kvl, nope + v_dim, nope, v_dim),
                     k.bind_matvec(self._matrix(a + "o_proj.weight"), self.heads_out[1], self.attn_out[1]),
                     self._norm(self.x, self.attn_out, True, p + "post_attention_layernorm.weight", self.u,
@@ -302,21 +297,18 @@ class DeviceDecodeStep:
         # per-key kernels: work-groups of KEY_GROUP items (a size left to the driver would follow the key count
         # down to groups of one item for a prime count: one work-group per key, measured ~50 us per launch)
         per_key = -(-keys // KEY_GROUP) * KEY_GROUP
-        kvl, rope = cfg.kv_lora_rank, cfg.qk_rope_head_dim
         for i in range(cfg.num_hidden_layers):
             cache.layer(i).claim(1)
         try:
             for i, layer in enumerate(self.layers):
                 kv = cache.layer(i)
                 lat, rot = self._cache_buffer(layer, kv, "kv_lat"), self._cache_buffer(layer, kv, "k_rot")
-                layer.kv_lat_norm.set(6, lat)
-                layer.kv_lat_norm.set(7, pos * kvl)
-                layer.k_rot_rope.set(3, rot)
-                layer.k_rot_rope.set(4, pos * rope)
-                if layer.index_rope is not None:
+                for index, value in ((3, lat), (4, rot), (5, pos)):
+                    layer.kv_row.set(index, value)
+                if layer.index_key is not None:
                     index_k = self._cache_buffer(layer, kv, "index_k")
-                    layer.index_rope.set(3, index_k)
-                    layer.index_rope.set(4, pos * cfg.index_head_dim)
+                    layer.index_key.set(5, index_k)
+                    layer.index_key.set(6, pos)
                 for launch in layer.head:
                     launch.enqueue()
                 if scored and layer.scores is not None:
@@ -330,14 +322,12 @@ class DeviceDecodeStep:
                     layer.topk.set(3, keys)
                     for launch in layer.scoring:
                         launch.enqueue()
-                scores, probs = self.scratch["scores"][1], self.scratch["probs"][1]
+                scores = self.scratch["scores"][1]
                 for index, value in ((2, lat), (3, rot), (4, self.scratch["selected"][1]), (5, int(scored)),
                                      (6, scores), (8, keys)):
                     layer.attention.set(index, value)
                 layer.attention.size = (per_key,)
-                for index, value in ((0, scores), (1, probs), (2, keys)):
-                    layer.softmax.set(index, value)
-                for index, value in ((0, probs), (1, lat), (3, keys)):
+                for index, value in ((0, scores), (1, lat), (3, keys)):
                     layer.values.set(index, value)
                 for launch in layer.tail:
                     launch.enqueue()
