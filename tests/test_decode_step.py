@@ -167,13 +167,14 @@ def test_validate_passes_with_the_step(snapshots, monkeypatch, capsys):
     from glmkit.runtime import cli_validate
 
     calls = []
-    step = DeviceDecodeStep.__call__
-    monkeypatch.setattr(DeviceDecodeStep, "__call__", lambda self, *a: calls.append(1) or step(self, *a))
+    enqueue = DeviceDecodeStep._enqueue
+    monkeypatch.setattr(DeviceDecodeStep, "_enqueue", lambda self, *a, **k: calls.append(1) or enqueue(self, *a, **k))
     snap = snapshots("tiny-bf16", "f32")
     rc = cli_validate.main([str(snap), str(FIXTURES / "tiny-bf16" / "oracle.json"), "--device", "opencl", "--no-mtp"])
     out = capsys.readouterr().out
     assert rc == 0 and out.rstrip().endswith("PASS")
-    assert len(calls) == len(oracle("tiny-bf16")["full_ids"]) - len(oracle("tiny-bf16")["prompt_ids"]) - 1
+    # every greedy token after the first is decided by a device forward; pipelined, one more runs ahead
+    assert len(calls) == len(oracle("tiny-bf16")["full_ids"]) - len(oracle("tiny-bf16")["prompt_ids"])
 
 
 def test_mtp_is_off_by_default_on_the_step(snapshots):
@@ -185,3 +186,64 @@ def test_mtp_is_off_by_default_on_the_step(snapshots):
     assert [device.use_mtp(False, False), device.use_mtp(True, False), device.use_mtp(False, True)] == [False, True,
                                                                                                       False]
     assert [host.use_mtp(False, False), host.use_mtp(False, True)] == [True, False]
+
+
+# ---- greedy decoding with the next forward in flight ------------------------------------------------
+
+def greedy_run(model, prompt, n, eos=(), cache=None):
+    from glmkit.runtime.generate import Generator
+    from glmkit.runtime.sampling import Sampler, SamplingParams
+
+    cache = cache if cache is not None else model.new_cache()
+    tokens = list(Generator(model, eos, use_mtp=False).generate(list(prompt), n, Sampler(SamplingParams()), cache))
+    return tokens, cache
+
+
+def test_pipelined_greedy_matches_one_token_at_a_time(snapshots, kernels, monkeypatch):
+    """The same tokens as NumPy, the cache left as a one-token-at-a-time loop leaves it (no row for the last
+    token), stopping at max_tokens, at an eos id, and when the consumer stops early."""
+    engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
+    ref, dev = models(engine, kernels)
+    prompt = oracle("tiny-trained")["prompt_ids"]
+    started = []
+    greedy = DeviceDecodeStep.greedy
+    monkeypatch.setattr(DeviceDecodeStep, "greedy", lambda self, *a: started.append(1) or greedy(self, *a))
+    want, ref_cache = greedy_run(ref, prompt, 40)
+    got, dev_cache = greedy_run(dev, prompt, 40)
+    assert started == [1] and got == want
+    assert dev_cache.length == ref_cache.length == len(prompt) + 39
+    assert_same_rows((ref_cache, dev_cache))
+    assert dev.route_hook.seen == ref.route_hook.seen  # every decoded token's routing, reported once
+    eos = (want[12],)
+    assert greedy_run(dev, prompt, 40, eos)[0] == greedy_run(ref, prompt, 40, eos)[0] == want[:want.index(eos[0]) + 1]
+    from glmkit.runtime.generate import Generator
+    from glmkit.runtime.sampling import Sampler, SamplingParams
+
+    cache = dev.new_cache()
+    stream = Generator(dev, (), use_mtp=False).generate(list(prompt), 40, Sampler(SamplingParams()), cache)
+    assert [next(stream) for _ in range(6)] == want[:6]
+    stream.close()  # a consumer that stops early: the forward in flight is finished and its row dropped
+    assert cache.length == len(prompt) + 5
+
+
+def test_interleaved_pipelines_and_forwards(snapshots, kernels):
+    """Two sequences decoded in turns on one step (as glm-serve's scheduler does), with plain forwards of a third
+    in between: each pipeline lets the other finish its forward in flight first."""
+    from glmkit.runtime.generate import Generator
+    from glmkit.runtime.sampling import Sampler, SamplingParams
+
+    engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
+    ref, dev = models(engine, kernels)
+    ids = oracle("tiny-trained")["full_ids"]
+    prompts = [ids[:20], ids[5:40]]
+    want = [greedy_run(ref, p, 25)[0] for p in prompts]
+    streams = [Generator(dev, (), use_mtp=False).generate(list(p), 25, Sampler(SamplingParams())) for p in prompts]
+    other = dev.new_cache()
+    dev.forward(np.array(ids[:8]), other)
+    got: list[list[int]] = [[], []]
+    for i in range(25):
+        for s, stream in enumerate(streams):
+            got[s].append(next(stream))
+        if i % 7 == 3:
+            dev.forward(np.array([ids[8 + i]]), other)  # a third sequence's token between them
+    assert got == want

@@ -24,6 +24,38 @@ __kernel void residual_rms_norm(__global float* x, uint x_off, __global const fl
     for (uint i = l; i < n; i += RED_LANES) y[y_off + i] = w[w_off + i] * (xp[i] * inv);
 }
 
+/* token[0] = the index of the largest of n values, the first one on ties (NumPy's argmax): the greedy token,
+ * chosen on the device so that the next token's forward can be queued before the host sees this one. One
+ * work-group. */
+__kernel void argmax_row(__global const float* x, uint n, __global uint* token) {
+    __local float best[RED_LANES];
+    __local uint at[RED_LANES];
+    const uint l = get_local_id(0), none = 0xffffffffu;
+    float v = -INFINITY;
+    uint idx = none;
+    for (uint i = l; i < n; i += RED_LANES) {
+        if (idx == none || x[i] > v) {
+            v = x[i];
+            idx = i;
+        }
+    }
+    best[l] = v;
+    at[l] = idx;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (uint w = RED_LANES / 2; w > 0; w >>= 1) {
+        if (l < w) {
+            const float ov = best[l + w];
+            const uint oi = at[l + w];
+            if (oi != none && (at[l] == none || ov > best[l] || (ov == best[l] && oi < at[l]))) {
+                best[l] = ov;
+                at[l] = oi;
+            }
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }
+    if (l == 0) token[0] = at[0];
+}
+
 /* y += a over n values (a shared expert that runs in a launch pair of its own). Global (n). */
 __kernel void add_into(__global float* y, __global const float* a, uint n) {
     const uint i = get_global_id(0);

@@ -42,6 +42,7 @@ SIGNATURES = {
     "mvt": _W + [None, _U32, _U32, _U32, None, _U32, _U32, _U32, _U32, _U32],
     "mm": _W + [None, _U32, _U32, None, _U32, _U32],
     "dq": _W + [None, _U32, _U32],
+    "er": _W + [None, None],
     "eg": [None, None, None, _U32, _U32, _U32, _U32, None, _U32, None, _U32],
     "ed": [None, None, None, None, _U32, _U32, _U32, _U32, None, None, _U32, _U32],
     "rms_norm": [None, None, None, _U32, _F32],
@@ -54,6 +55,7 @@ SIGNATURES = {
     "topk_select": [None] * 3 + [_U32] * 3,
     "residual_rms_norm": [None, _U32, None, _U32, None, _U32, None, _U32, _U32, _F32],
     "add_into": [None, None, _U32],
+    "argmax_row": [None, _U32, None],
     "kv_row": [None, None, _U32, None, None, _U32, _U32, _U32, None, _F32],
     "index_key_row": [None, None, _U32, _U32, None, None, _U32, _U32, _U32, None, _F32],
     "rope_rows": [None, _U32, _U32, None, _U32, _U32, None, _U32, _U32],
@@ -307,6 +309,10 @@ class Kernels:
         g0, local = self._rows_global(rows)
         return self.bind("mv_" + BIT_SUFFIX[w.bits], (g0, heads), local, *w.args(), xb, 1, heads * w.n_in, x_h, yb,
                          heads * rows, rows, rows, head_rows, row_start)
+
+    def bind_embed_row(self, w: ClWeight, token, out) -> Launch:
+        """Row `token[0]` of W (a buffer holding one uint) as float into `out`: an embedding lookup on the device."""
+        return self.bind("er_" + BIT_SUFFIX[w.bits], (w.n_in,), None, *w.args(), token, out)
 
     def bind_matvec_t(self, w: ClWeight, xb, yb, heads: int, x_h: int, head_rows: int, row_start: int, rows: int
                       ) -> Launch:

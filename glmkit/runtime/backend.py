@@ -132,11 +132,29 @@ class Backend(Protocol):
         ...
 
 
+Routes = list[tuple[int, np.ndarray]]
+"""`(layer, expert ids [1, k])` of every MoE layer of one token."""
+
+
+class GreedyDecode(Protocol):
+    """Greedy decoding with the next forward queued ahead: `advance()` returns each next token."""
+
+    ahead: int  # cache rows past the last token returned (dropped by `close`)
+
+    def advance(self) -> int: ...
+
+    def close(self) -> None: ...
+
+
 class DecodeStep(Protocol):
-    def __call__(self, token: int, cache: KVCache, embed: np.ndarray
-                 ) -> tuple[np.ndarray, np.ndarray, list[tuple[int, np.ndarray]]]:
+    def __call__(self, token: int, cache: KVCache, embed: np.ndarray) -> tuple[np.ndarray, np.ndarray, Routes]:
         """Append `token` (embedding row `embed [H]`) at `cache.length`: (logits `[1, V]`, hidden `[1, H]` after
-        the final norm, `(layer, expert ids [1, k])` of every MoE layer)."""
+        the final norm, the routes)."""
+        ...
+
+    def greedy(self, token: int, cache: KVCache, embed_of: Callable[[int], np.ndarray],
+               on_routes: Callable[[Routes], None] | None = None) -> GreedyDecode | None:
+        """Greedy decoding from `token` (the next forward appends its row), or None where not supported."""
         ...
 
 

@@ -6,6 +6,10 @@ every confirmed `(h_i, t_{i+1})` pair and drafts `d` for position p+1. The next 
 the main model's prediction for p+2 (two tokens from one forward), otherwise the draft's KV row is
 dropped. Every emitted token is sampled from the main model's logits, so greedy output is identical
 with and without MTP, and sampled output follows the same distribution.
+
+Greedy decoding without MTP on a backend with a device decode step (OpenCL on a CPU device) keeps the next
+forward in flight: the device picks each token (argmax) and queues its forward before the host sees it
+(`GlmMoeDsaModel.greedy_decode`), with the same tokens and the same cache at the end.
 """
 
 from __future__ import annotations
@@ -80,46 +84,56 @@ class Generator:
             # MTP rows exist for every position whose next token is known; catch up on the prompt's
             draft = self._mtp_catch_up(prompt_ids, hidden, token, cache)
         emitted = 0
-        while True:
-            # stats are final before each yield: a consumer may stop iterating at an eos token
-            emitted += 1
-            self._count(stats, emitted, token, decode_start)
-            yield token
-            if token in self.eos:
-                return
-            if emitted >= max_tokens:
-                stats.stop_reason = "length"
-                return
-            if cache.length + 1 >= self.model.config.max_position_embeddings:
-                stats.stop_reason = "context"
-                return
-            if draft is None:
-                logits, _ = self.model.forward(np.array([token]), cache)
-                stats.main_forwards += 1
-                token = sampler(logits[-1])
-                continue
-            # verify the draft: one forward over [token, draft]
-            base = cache.length
-            logits, hidden = self.model.forward(np.array([token, draft]), cache)
-            stats.main_forwards += 1
-            stats.mtp_drafts += 1
-            nxt = sampler(logits[0])
-            # accepting also emits `after`, the token for position base + 2: it must fit the limits too
-            room = emitted + 1 < max_tokens and base + 2 < self.model.config.max_position_embeddings
-            if nxt == draft and room and nxt not in self.eos:
-                stats.mtp_accepted += 1
+        pipe = None  # greedy decoding with the next forward in flight (the device decode step)
+        try:
+            while True:
+                # stats are final before each yield: a consumer may stop iterating at an eos token
                 emitted += 1
-                self._count(stats, emitted, nxt, decode_start)
-                yield nxt
-                after = sampler(logits[1])
-                draft = self._mtp_step(hidden, [nxt, after], cache)
-                token = after
-            else:
-                if nxt == draft:
+                self._count(stats, emitted, token, decode_start)
+                yield token
+                if token in self.eos:
+                    return
+                if emitted >= max_tokens:
+                    stats.stop_reason = "length"
+                    return
+                if cache.length - (pipe.ahead if pipe else 0) + 1 >= self.model.config.max_position_embeddings:
+                    stats.stop_reason = "context"
+                    return
+                if draft is None:
+                    if pipe is None and sampler.greedy and not self.use_mtp:
+                        pipe = self.model.greedy_decode(token, cache)
+                    if pipe is not None:
+                        token = pipe.advance()
+                    else:
+                        logits, _ = self.model.forward(np.array([token]), cache)
+                        token = sampler(logits[-1])
+                    stats.main_forwards += 1
+                    continue
+                # verify the draft: one forward over [token, draft]
+                base = cache.length
+                logits, hidden = self.model.forward(np.array([token, draft]), cache)
+                stats.main_forwards += 1
+                stats.mtp_drafts += 1
+                nxt = sampler(logits[0])
+                # accepting also emits `after`, the token for position base + 2: it must fit the limits too
+                room = emitted + 1 < max_tokens and base + 2 < self.model.config.max_position_embeddings
+                if nxt == draft and room and nxt not in self.eos:
                     stats.mtp_accepted += 1
-                cache.truncate(base + 1)  # drop the draft's row
-                draft = self._mtp_step(hidden[:1], [nxt], cache)
-                token = nxt
+                    emitted += 1
+                    self._count(stats, emitted, nxt, decode_start)
+                    yield nxt
+                    after = sampler(logits[1])
+                    draft = self._mtp_step(hidden, [nxt, after], cache)
+                    token = after
+                else:
+                    if nxt == draft:
+                        stats.mtp_accepted += 1
+                    cache.truncate(base + 1)  # drop the draft's row
+                    draft = self._mtp_step(hidden[:1], [nxt], cache)
+                    token = nxt
+        finally:
+            if pipe is not None:
+                pipe.close()  # the cache keeps no row past the last token yielded
 
     def _count(self, stats: GenerationStats, emitted: int, token: int, decode_start: float) -> None:
         stats.decode_tokens = emitted

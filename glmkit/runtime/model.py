@@ -17,7 +17,7 @@ from glmkit.errors import GlmkitError
 from glmkit.formats.config import ModelConfig
 from glmkit.formats.packing import dequantize
 from glmkit.formats.tensors import QuantWeight, Weight
-from glmkit.runtime.backend import Backend, DecodeStep, NumpyBackend, sigmoid
+from glmkit.runtime.backend import Backend, DecodeStep, GreedyDecode, NumpyBackend, Routes, sigmoid
 from glmkit.runtime.kv_cache import KVCache, LayerKV
 
 # q_a_layernorm, kv_a_layernorm and the indexer's k_norm are built with eps 1e-6 regardless of
@@ -255,6 +255,21 @@ class GlmMoeDsaModel:
             for layer, ids in routes:
                 self.route_hook(layer, ids, None)
         return logits, hidden
+
+    def greedy_decode(self, token: int, cache: KVCache) -> GreedyDecode | None:
+        """Greedy decoding from `token` (appended next) with the following forward queued before the host sees
+        each token (the backend's decode step), or None: the caller then decodes with `forward`."""
+        step = self._decode_step() if cache.length > 0 else None
+        if step is None:
+            return None
+        table = self._w("model.embed_tokens.weight")
+
+        def report(routes: Routes) -> None:
+            for layer, ids in routes:
+                self.route_hook(layer, ids, None)  # type: ignore[misc]
+
+        return step.greedy(token, cache, lambda t: embed_rows(table, np.array([t]))[0],
+                           report if self.route_hook is not None else None)
 
     def mtp_forward(self, hidden: np.ndarray, next_token_ids: np.ndarray, cache: KVCache
                     ) -> tuple[np.ndarray, np.ndarray]:
