@@ -13,6 +13,10 @@ prefill cache all see the same rows. A layer's experts may lie in several weight
 mapping: a GLM-5 layer outgrows one 4 GB file): the routing kernel fills the slots of each buffer, and each gets
 its own fused launch pair. `OpenCLBackend.decode_step` builds the step, or returns None when a weight or an
 expert cannot be used in place (the per-operation path runs then).
+
+Greedy decoding (`GreedyPipeline`) also takes the argmax and the next embedding on the device, so that the next
+token's forward is queued before the host has seen this one: the device does not wait for the host between
+tokens. Buffers that a queued token and the one in flight would share are kept per token parity.
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ class Unsupported(Exception):
 
 
 class _Layer:
-    """One decoder layer's bound launches, and which of them take the token's cache rows and key count."""
+    """One decoder layer's bound launches, by name those whose arguments change per token (cache rows, key
+    count, token parity)."""
 
     def __init__(self) -> None:
         self.head: list[Launch] = []  # from the input norm to the indexer key (always)
@@ -55,7 +60,9 @@ class _Layer:
 
 
 class DeviceDecodeStep:
-    """`step(token, cache) -> (logits [1, V], hidden [1, H], routes)` for a token appended at `cache.length`.
+    """`step(token, cache, embed) -> (logits [1, V], hidden [1, H], routes)` for a token appended at
+    `cache.length` (embed: its embedding row `[H]`); `step.greedy(...)` decodes greedily with the next forward
+    in flight.
 
     routes: `(layer, expert ids [1, k])` of each MoE layer, read back after the token ran (for the route hook).
     Built once per model and backend; raises `Unsupported` when some weight cannot be used in place.
@@ -128,15 +135,17 @@ class DeviceDecodeStep:
             raise Unsupported(f"{name} cannot be used in place")
         return cw
 
-    def _norm(self, x, a, add: bool, weight: str, y, eps: float, n: int, y_off: int = 0) -> Launch:
+    def _norm(self, x, a, add: bool, weight: str, y, eps: float, n: int) -> Launch:
+        """`x += a` (when add), then `y = RMSNorm(x)` with the 1-D weight `weight`."""
         return self.k.bind("residual_rms_norm", (self.red,), (self.red,), x[1], 0, a[1], int(add), self._vectors[1],
-                           self.offsets[weight], y[1], y_off, n, eps)
+                           self.offsets[weight], y[1], 0, n, eps)
 
     def _rope(self, x, x_off: int, x_row: int, y_buf, y_row: int, width: int, rows: int) -> Launch:
         return self._reads_cs(self.k.bind("rope_rows", (width, rows), None, x[1], x_off, x_row, y_buf, 0, y_row,
                                           self.cs[0][1], width, self.cfg.qk_rope_head_dim // 2), 6)
 
     def _reads_cs(self, launch: Launch, index: int) -> Launch:
+        """Record that argument `index` of `launch` is the cos/sin buffer (set per token parity)."""
         self._cs_users.append((launch, index))
         return launch
 
@@ -153,6 +162,7 @@ class DeviceDecodeStep:
         self.capacity = cap
 
     def _bind_layer(self, layer: int, latent_eps: float) -> _Layer:
+        """The launches of one decoder layer: `_decoder_layer`'s operations in its order."""
         cfg, k, out = self.cfg, self.k, _Layer()
         p = f"model.layers.{layer}."
         a = p + "self_attn."
