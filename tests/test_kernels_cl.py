@@ -222,15 +222,10 @@ def test_index_scores_and_topk(kernels, rng):
     causal = np.arange(n_keys)[None, :] <= (np.array([5, 40, 70, 89]))[:, None]  # row 0 keeps all 6 keys
     distinct = rng.permutation(n_s * n_keys).reshape(n_s, n_keys).astype(np.float32) - 100
     assert np.array_equal(kernels.topk(distinct, causal, topk), topk_mask(distinct, causal, topk))
-    # index scores tie at 0 (every head's ReLU off): any choice among equal scores is a valid top-k
+    # index scores tie at 0 (every head's ReLU off): the same keys as the NumPy selection (lowest indices)
     got = kernels.index_topk(q, k, w, d ** -0.5, causal, topk)
-    for row in range(n_s):
-        allowed = want[row][causal[row]]
-        picked = got[row] & causal[row]
-        assert got[row].sum() == picked.sum() == min(topk, causal[row].sum())
-        rest = want[row][causal[row] & ~got[row]]
-        assert rest.size == 0 or want[row][picked].min() >= rest.max()
-        assert picked.sum() == allowed.size or want[row][picked].min() == np.sort(allowed)[-topk]
+    assert (want == 0).sum() > n_s  # the case is exercised
+    assert np.array_equal(got, topk_mask(want, causal, topk))
     # negative scores, exact ties at the threshold: the lowest indices win
     tied = np.array([[-1.0, -3.0, -2.0, -2.0, -2.0, -5.0]], np.float32)
     got = kernels.topk(tied, np.ones_like(tied, bool), 3)

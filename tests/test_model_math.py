@@ -70,6 +70,17 @@ def test_topk_mask_keeps_min_k_t_plus_1_best_causal_keys() -> None:
     np.testing.assert_array_equal(topk_mask(scores, causal, 4), causal)  # k >= T: dense causal
 
 
+def test_topk_mask_ties_go_to_the_lowest_keys() -> None:
+    """Indexer scores tie exactly (0 when every head's ReLU is off): the lowest key indices win, as in the
+    OpenCL kernel, so that every backend attends to the same keys."""
+    scores = np.array([[0, 3, 0, 0, 0, 2], [0, 0, 0, 0, 0, 0], [1, 1, 1, 1, -1, 1]], np.float32)
+    causal = np.ones((3, 6), bool)
+    causal[2, 5] = False
+    selected = topk_mask(scores, causal, 3)
+    expected = [[1, 1, 0, 0, 0, 1], [1, 1, 1, 0, 0, 0], [1, 1, 1, 0, 0, 0]]
+    np.testing.assert_array_equal(selected, np.array(expected, bool))
+
+
 def test_causal_mask_with_offset() -> None:
     np.testing.assert_array_equal(causal_mask(2, 2, 4), [[1, 1, 1, 0], [1, 1, 1, 1]])
 

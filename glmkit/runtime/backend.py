@@ -191,7 +191,8 @@ class NumpyBackend:
 
     def __init__(self, decode_rows: int = 4, decode_block: int = 1 << 18, prefill_block: int = 1 << 24,
                  query_block: int = 1 << 20, workers: int = 1) -> None:
-        self.numerics = "numpy-f32-v3" + (f"-w{workers}" if workers > 1 else "")  # the split changes rounding
+        # v4: top-k ties go to the lowest key index; -wN: the split changes rounding
+        self.numerics = "numpy-f32-v4" + (f"-w{workers}" if workers > 1 else "")
         self.decode_rows = decode_rows
         self.decode_block = decode_block
         self.prefill_block = prefill_block

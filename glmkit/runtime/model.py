@@ -67,17 +67,21 @@ def causal_mask(start: int, seq: int, total: int) -> np.ndarray:
 
 
 def topk_mask(scores: np.ndarray, causal: np.ndarray, k: int) -> np.ndarray:
-    """DSA selection `[S, T]` bool: per query the `min(k, t+1)` largest scores among its causal keys."""
+    """DSA selection `[S, T]` bool: per query the `min(k, t+1)` largest scores among its causal keys.
+
+    Ties at the k-th score go to the lowest key indices, as in the OpenCL kernel: indexer scores tie exactly
+    (at 0, when every head's ReLU is off), and backends must pick the same keys.
+    """
     total = scores.shape[1]
     if k >= total:
         return causal
     masked = np.where(causal, scores, np.float32(-np.inf))
-    # Non-causal keys are -inf, so they are only picked when a query has fewer than k causal keys;
-    # `& causal` removes them again.
-    picked = np.argpartition(-masked, k - 1, axis=-1)[:, :k]
-    selected = np.zeros_like(causal)
-    np.put_along_axis(selected, picked, True, axis=-1)
-    return selected & causal
+    kth = np.partition(masked, total - k, axis=-1)[:, total - k, None]  # the k-th largest per row
+    above = masked > kth
+    ties = masked == kth
+    room = k - above.sum(axis=-1, keepdims=True)
+    # Non-causal keys are -inf, so they only tie when a query has fewer than k causal keys; `& causal` drops them
+    return (above | (ties & (np.cumsum(ties, axis=-1) <= room))) & causal
 
 
 def route_noaux_tc(logits: np.ndarray, bias: np.ndarray, top_k: int, n_group: int, topk_group: int,
