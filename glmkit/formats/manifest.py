@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ ROLES = ("embed", "lm_head", "norm", "router", "attention", "indexer", "dense_ml
          "routed_expert", "mtp", "scales")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Quant:
     """Symmetric integer quantization of a 2-D weight; scales live in the tensor named `scales`."""
 
@@ -39,7 +40,7 @@ class Quant:
     scheme: str = "symmetric"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorEntry:
     """One stored tensor. `shape` is logical ([O, I] for a packed weight); `dtype` is the storage dtype."""
 
@@ -61,7 +62,7 @@ class TensorEntry:
         return _entry_from_json(name, d)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ExpertRange:
     """The one contiguous byte range holding a routed expert's gate/up/down weights and scales."""
 
@@ -100,11 +101,7 @@ class Manifest:
         }
 
     def compute_hash(self) -> str:
-        body = self.to_json()
-        del body["model_hash"], body["created_by"]
-        if isinstance(body["source"], dict):
-            body["source"] = {k: v for k, v in body["source"].items() if k not in UNHASHED_SOURCE_KEYS}
-        return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+        return content_hash(self.to_json())
 
     def write(self, directory: Path) -> None:
         """Write manifest.json atomically (temp name, then rename): it is what makes a container valid."""
@@ -122,6 +119,8 @@ class Manifest:
             raise GlmkitError(f"{path}: manifest larger than {MAX_MANIFEST_BYTES} bytes")
         try:
             raw = json.loads(path.read_text())
+            if not isinstance(raw, dict):
+                raise GlmkitError(f"{path}: not a glmkit container manifest (not a JSON object)")
             if raw.get("format") != FORMAT_NAME:
                 raise GlmkitError(f"{path}: not a glmkit container manifest (format {raw.get('format')!r})")
             version = raw.get("format_version")
@@ -130,6 +129,10 @@ class Manifest:
             if version > FORMAT_VERSION:
                 raise GlmkitError(f"{path}: container format version {version} is newer than this glmkit "
                                   f"reads ({FORMAT_VERSION}); upgrade glmkit")
+            # hashed as read: what the writer hashed is its `to_json()`, and GLM-5's ~120,000 entries would
+            # take seconds to rebuild through dataclasses first
+            if content_hash(raw) != raw["model_hash"]:
+                raise GlmkitError(f"{path}: manifest does not match its model hash (edited or corrupted)")
             manifest = cls(
                 model_hash=raw["model_hash"],
                 source=raw["source"],
@@ -145,8 +148,6 @@ class Manifest:
             raise
         except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError, ValueError) as e:
             raise GlmkitError(f"{path}: malformed manifest ({type(e).__name__}: {e})") from None
-        if manifest.compute_hash() != manifest.model_hash:
-            raise GlmkitError(f"{path}: manifest does not match its model hash (edited or corrupted)")
         manifest._check_layout(path)
         return manifest
 
@@ -161,6 +162,15 @@ class Manifest:
                 raise GlmkitError(f"{path}: tensor {e.name!r} names missing scales {e.quant.scales!r}")
 
 
+def content_hash(body: dict[str, Any]) -> str:
+    """The model hash of a manifest's JSON: sha256 of its canonical form without `model_hash`, `created_by`
+    and the source keys that do not identify the weights."""
+    body = {k: v for k, v in body.items() if k not in ("model_hash", "created_by")}
+    if isinstance(body.get("source"), dict):
+        body["source"] = {k: v for k, v in body["source"].items() if k not in UNHASHED_SOURCE_KEYS}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 def _entry_json(e: TensorEntry) -> dict[str, Any]:
     d = asdict(e)
     del d["name"]
@@ -170,8 +180,9 @@ def _entry_json(e: TensorEntry) -> dict[str, Any]:
 
 def _entry_from_json(name: str, d: dict[str, Any]) -> TensorEntry:
     quant = d.get("quant")
+    # file, dtype and role repeat across GLM-5's ~120,000 entries: one string object each, not one per entry
     return TensorEntry(
-        name=name, file=d["file"], offset=int(d["offset"]), nbytes=int(d["nbytes"]),
-        shape=tuple(int(x) for x in d["shape"]), dtype=d["dtype"], role=d["role"], sha256=d["sha256"],
-        quant=Quant(**quant) if quant else None,
+        name=name, file=sys.intern(d["file"]), offset=int(d["offset"]), nbytes=int(d["nbytes"]),
+        shape=tuple(int(x) for x in d["shape"]), dtype=sys.intern(d["dtype"]), role=sys.intern(d["role"]),
+        sha256=d["sha256"], quant=Quant(**quant) if quant else None,
     )

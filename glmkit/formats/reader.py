@@ -71,9 +71,10 @@ class Container:
         """The stored array (packed bytes for quantized weights), a read-only view."""
         e = self.entry(name)
         count = e.nbytes // DTYPES[e.dtype].itemsize
-        flat = np.frombuffer(self._maps[e.file], dtype=DTYPES[e.dtype], count=count, offset=e.offset)
-        shape = e.shape if e.quant is None else (e.shape[0], -1)
-        return flat.reshape(shape)
+        shape = e.shape if e.quant is None else (e.shape[0], count // e.shape[0] if e.shape[0] else 0)
+        # one array object straight on the mapping (its base): frombuffer + reshape made three, 4x the memory
+        # over GLM-5's ~120,000 tensors (measured 560 against 137 bytes per view)
+        return np.ndarray(shape, DTYPES[e.dtype], buffer=self._maps[e.file], offset=e.offset)
 
     def weight(self, name: str) -> Weight:
         """A float32 view, or a QuantWeight of views for quantized 2-D weights (the same object every call)."""

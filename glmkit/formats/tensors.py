@@ -9,7 +9,7 @@ import numpy as np
 from glmkit.formats.packing import dequantize
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class QuantWeight:
     """A quantized 2-D weight `[O, I]`, viewed in place from the container.
 
