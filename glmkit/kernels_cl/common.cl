@@ -138,26 +138,34 @@ INLINE float hsum8(float8 v) {
  * ROWS interleaved row streams of a few hundred bytes each; measured on PoCL with the benchmark model, the
  * fused gate+up kernel went from 4.6 to 3.5 ms per token. The loaded bytes feed a never-taken branch only. */
 #ifdef CPU_LOADS
-#define TOUCH_AHEAD(c) do { if ((c) * 64u < ahead_bytes) sink += ahead[(c) * 64u]; } while (0)
+#define TOUCH_AHEAD(c) do { \
+        if ((c) * 64u < ahead_bytes) { \
+            sink += ahead[(c) * 64u]; \
+            if (sets == 2) sink += ahead2[(c) * 64u]; \
+        } \
+    } while (0)
 #else
 #define TOUCH_AHEAD(c) do { } while (0)
 #endif
 
 /* This lane's part of `out[k] = sum_i W[row k, i] * x[i]` for the `nrows` (<= ROWS) consecutive rows at
- * `row` (stride row_bytes; scales at sc, stride n_groups) over n columns. Lanes stride over the chunks; each
- * chunk's x is arranged once and reused by every row. `ahead`: see TOUCH_AHEAD. */
-INLINE void rows_dot(const int bits, const __global uchar* row, uint row_bytes, const __global float* sc,
-                     uint n_groups, uint nrows, uint n, uint group, const __global float* x, uint lane, float* out,
-                     const __global uchar* ahead, uint ahead_bytes) {
+ * `row` (stride row_bytes; scales at sc, stride n_groups) over n columns; with sets == 2 also `out[ROWS + k]`
+ * for the rows at `row2` (scales sc2; the fused expert's up rows next to its gate rows), which share each
+ * chunk of x. Lanes stride over the chunks; each chunk's x is arranged once and reused by every row.
+ * `ahead`, `ahead2`: see TOUCH_AHEAD. `sets` is a constant at every call (the loops unroll to it). */
+INLINE void rows_dot(const int bits, const int sets, const __global uchar* row, const __global uchar* row2,
+                     uint row_bytes, const __global float* sc, const __global float* sc2, uint n_groups, uint nrows,
+                     uint n, uint group, const __global float* x, uint lane, float* out,
+                     const __global uchar* ahead, const __global uchar* ahead2, uint ahead_bytes) {
     const uint cw = chunk_codes(bits);
     /* rows past nrows repeat the last row (valid memory, results dropped): no branch in the inner loop */
-    const __global uchar* rk[ROWS];
-    const __global float* sk[ROWS];
-    float8 acc[ROWS];
-    for (uint k = 0; k < ROWS; k++) {
-        const uint kk = umin_(k, nrows - 1);
-        rk[k] = row + kk * row_bytes;
-        sk[k] = sc + kk * n_groups;
+    const __global uchar* rk[2 * ROWS];
+    const __global float* sk[2 * ROWS];
+    float8 acc[2 * ROWS];
+    for (uint k = 0; k < sets * ROWS; k++) {
+        const uint kk = umin_(k % ROWS, nrows - 1);
+        rk[k] = (k < ROWS ? row : row2) + kk * row_bytes;
+        sk[k] = (k < ROWS ? sc : sc2) + kk * n_groups;
         acc[k] = (float8)(0.0f);
     }
     uint vec_end = 0;
@@ -169,7 +177,7 @@ INLINE void rows_dot(const int bits, const __global uchar* row, uint row_bytes, 
             float8 xv[8];
             const float8 bias = load_x(bits, x, c, xv);
             TOUCH_AHEAD(c);
-            for (uint k = 0; k < ROWS; k++) acc[k] += codes_dot(bits, rk[k], c, xv) - bias;
+            for (uint k = 0; k < sets * ROWS; k++) acc[k] += codes_dot(bits, rk[k], c, xv) - bias;
         }
     } else if (group % cw == 0) {
         const uint chunks = n / cw, per = group / cw;
@@ -179,11 +187,11 @@ INLINE void rows_dot(const int bits, const __global uchar* row, uint row_bytes, 
             const float8 bias = load_x(bits, x, c, xv);
             const uint gi = c / per;  /* one division per chunk, shared by the rows */
             TOUCH_AHEAD(c);
-            for (uint k = 0; k < ROWS; k++) acc[k] += (codes_dot(bits, rk[k], c, xv) - bias) * sk[k][gi];
+            for (uint k = 0; k < sets * ROWS; k++) acc[k] += (codes_dot(bits, rk[k], c, xv) - bias) * sk[k][gi];
         }
     }
-    for (uint k = 0; k < ROWS; k++) {
-        if (k >= nrows) break;
+    for (uint k = 0; k < sets * ROWS; k++) {
+        if (k % ROWS >= nrows) continue;
         float s = hsum8(acc[k]);
         for (uint i = vec_end + lane; i < n; i += LANES) {
             float w = code_at(bits, rk[k], i);

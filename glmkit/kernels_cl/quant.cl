@@ -39,8 +39,9 @@ INLINE void matvec(const int bits, WARGS, __global const float* x, uint n_s, uin
     const bool next = r0 + 2 * ROWS <= rows;  /* read ahead into the next item's rows when it has ROWS of them */
     for (uint s = 0; s < n_s; s++) {
         float v[ROWS];
-        if (nrows) rows_dot(bits, ROW_PTR(wr), row_bytes, SCALE_PTR(wr), n_groups, nrows, n_in, group,
-                            x + s * x_s + h * x_h, lane, v, ROW_PTR(wr + ROWS), next ? ROWS * row_bytes : 0);
+        if (nrows) rows_dot(bits, 1, ROW_PTR(wr), ROW_PTR(wr), row_bytes, SCALE_PTR(wr), SCALE_PTR(wr), n_groups,
+                            nrows, n_in, group, x + s * x_s + h * x_h, lane, v, ROW_PTR(wr + ROWS), ROW_PTR(wr + ROWS),
+                            next ? ROWS * row_bytes : 0);
         for (uint k = 0; k < ROWS; k++) {
             float vk = k < nrows ? v[k] : 0.0f;
             LANE_SUM(vk, red, lane);
@@ -160,19 +161,17 @@ INLINE void expert_gate_up(const int bits, __global const uchar* wbuf, __global 
     if (tok == 0xffffffffu) return;  /* uniform over a work-group: its items share the slot */
     __global const ulong* o = offs + slot * 6;
     const __global float* xs = x + tok * x_s;
-    float g[ROWS], u[ROWS];
+    float gu[2 * ROWS];  /* gate rows, then up rows: one pass over x for both */
     if (nrows) {
         const ulong first = (ulong)r0, ahead = (first + ROWS) * row_bytes;  /* the next item's rows */
         const uint ahead_bytes = r0 + 2 * ROWS <= inter ? ROWS * row_bytes : 0;
-        rows_dot(bits, wbuf + o[0] + first * row_bytes, row_bytes,
-                 (const __global float*)(wbuf + o[1]) + first * n_groups, n_groups, nrows, n_in, group, xs, lane, g,
-                 wbuf + o[0] + ahead, ahead_bytes);
-        rows_dot(bits, wbuf + o[2] + first * row_bytes, row_bytes,
-                 (const __global float*)(wbuf + o[3]) + first * n_groups, n_groups, nrows, n_in, group, xs, lane, u,
-                 wbuf + o[2] + ahead, ahead_bytes);
+        rows_dot(bits, 2, wbuf + o[0] + first * row_bytes, wbuf + o[2] + first * row_bytes, row_bytes,
+                 (const __global float*)(wbuf + o[1]) + first * n_groups,
+                 (const __global float*)(wbuf + o[3]) + first * n_groups, n_groups, nrows, n_in, group, xs, lane, gu,
+                 wbuf + o[0] + ahead, wbuf + o[2] + ahead, ahead_bytes);
     }
     for (uint k = 0; k < ROWS; k++) {
-        float gk = k < nrows ? g[k] : 0.0f, uk = k < nrows ? u[k] : 0.0f;
+        float gk = k < nrows ? gu[k] : 0.0f, uk = k < nrows ? gu[ROWS + k] : 0.0f;
         LANE_SUM(gk, red, lane);
         LANE_SUM(uk, red, lane);
         if (k < nrows && lane == 0) hid[slot * inter + r0 + k] = silu(gk) * uk;
@@ -198,9 +197,10 @@ INLINE void expert_down(const int bits, __global const uchar* wbuf, __global con
         const __global uchar* ahead = wbuf + (last ? offs[tok_start[t] * 6 + 4] + (ulong)(r0 + ROWS) * row_bytes
                                                    : o[10] + (ulong)r0 * row_bytes);
         const uint ahead_bytes = nrows == ROWS && (!last || r0 + 2 * ROWS <= rows) ? ROWS * row_bytes : 0;
-        if (nrows) rows_dot(bits, wbuf + o[4] + (ulong)r0 * row_bytes, row_bytes,
-                            (const __global float*)(wbuf + o[5]) + (ulong)r0 * n_groups, n_groups, nrows, n_in, group,
-                            hid + slot * n_in, lane, v, ahead, ahead_bytes);
+        const __global uchar* down = wbuf + o[4] + (ulong)r0 * row_bytes;
+        const __global float* down_sc = (const __global float*)(wbuf + o[5]) + (ulong)r0 * n_groups;
+        if (nrows) rows_dot(bits, 1, down, down, row_bytes, down_sc, down_sc, n_groups, nrows, n_in, group,
+                            hid + slot * n_in, lane, v, ahead, ahead, ahead_bytes);
         for (uint k = 0; k < ROWS; k++) {
             float vk = k < nrows ? v[k] : 0.0f;
             LANE_SUM(vk, red, lane);
