@@ -11,12 +11,14 @@ import pytest
 
 from glmkit.kernels_cl import launch
 from glmkit.kernels_cl.launch import Kernels, list_devices
-from glmkit.runtime import decode_step
+from glmkit.runtime import cli_validate, decode_step
 from glmkit.runtime.decode_step import DeviceDecodeStep
 from glmkit.runtime.engine import Engine
+from glmkit.runtime.generate import Generator
 from glmkit.runtime.model import GlmMoeDsaModel
 from glmkit.runtime.opencl_backend import OpenCLBackend, Placement
-from tests.runtime_support import FIXTURES, Snapshots, convert, oracle
+from glmkit.runtime.sampling import Sampler, SamplingParams
+from tests.runtime_support import FIXTURES, Snapshots, convert, copy_with_config, oracle
 
 
 @pytest.fixture(scope="module")
@@ -164,8 +166,6 @@ def test_only_where_the_device_uses_host_memory(snapshots, kernels):
 def test_validate_passes_with_the_step(snapshots, monkeypatch, capsys):
     """glm-validate's greedy run (MTP off) decodes through the step: f32 agrees with transformers on every
     greedy token."""
-    from glmkit.runtime import cli_validate
-
     calls = []
     enqueue = DeviceDecodeStep._enqueue
     monkeypatch.setattr(DeviceDecodeStep, "_enqueue", lambda self, *a, **k: calls.append(1) or enqueue(self, *a, **k))
@@ -191,9 +191,6 @@ def test_mtp_is_off_by_default_on_the_step(snapshots):
 # ---- greedy decoding with the next forward in flight ------------------------------------------------
 
 def greedy_run(model, prompt, n, eos=(), cache=None):
-    from glmkit.runtime.generate import Generator
-    from glmkit.runtime.sampling import Sampler, SamplingParams
-
     cache = cache if cache is not None else model.new_cache()
     tokens = list(Generator(model, eos, use_mtp=False).generate(list(prompt), n, Sampler(SamplingParams()), cache))
     return tokens, cache
@@ -216,9 +213,6 @@ def test_pipelined_greedy_matches_one_token_at_a_time(snapshots, kernels, monkey
     assert dev.route_hook.seen == ref.route_hook.seen  # every decoded token's routing, reported once
     eos = (want[12],)
     assert greedy_run(dev, prompt, 40, eos)[0] == greedy_run(ref, prompt, 40, eos)[0] == want[:want.index(eos[0]) + 1]
-    from glmkit.runtime.generate import Generator
-    from glmkit.runtime.sampling import Sampler, SamplingParams
-
     cache = dev.new_cache()
     stream = Generator(dev, (), use_mtp=False).generate(list(prompt), 40, Sampler(SamplingParams()), cache)
     assert [next(stream) for _ in range(6)] == want[:6]
@@ -229,9 +223,6 @@ def test_pipelined_greedy_matches_one_token_at_a_time(snapshots, kernels, monkey
 def test_interleaved_pipelines_and_forwards(snapshots, kernels):
     """Two sequences decoded in turns on one step (as glm-serve's scheduler does), with plain forwards of a third
     in between: each pipeline lets the other finish its forward in flight first."""
-    from glmkit.runtime.generate import Generator
-    from glmkit.runtime.sampling import Sampler, SamplingParams
-
     engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
     ref, dev = models(engine, kernels)
     ids = oracle("tiny-trained")["full_ids"]
@@ -247,3 +238,20 @@ def test_interleaved_pipelines_and_forwards(snapshots, kernels):
         if i % 7 == 3:
             dev.forward(np.array([ids[8 + i]]), other)  # a third sequence's token between them
     assert got == want
+
+
+def test_pipelined_greedy_stops_at_the_context_limit(tmp_path, kernels):
+    """With the next forward in flight, the context limit still stops where one token at a time stops (the
+    in-flight row is not counted), and the cache ends the same."""
+    prompt = oracle("tiny-trained")["prompt_ids"]
+    limit = len(prompt) + 9
+    source = copy_with_config("tiny-trained", tmp_path / "src", max_position_embeddings=limit)
+    engine = Engine(convert(source, tmp_path / "snap", "q4"), "numpy", load_tokenizer=False)
+    ref, dev = models(engine, kernels)
+    runs = []
+    for model in (ref, dev):
+        generator, cache = Generator(model, (), use_mtp=False), model.new_cache()
+        tokens = list(generator.generate(list(prompt), 40, Sampler(SamplingParams()), cache))
+        runs.append((tokens, generator.stats.stop_reason, cache.length))
+    assert runs[1] == runs[0]
+    assert runs[0][1] == "context" and runs[0][2] == limit - 1
