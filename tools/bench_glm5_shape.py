@@ -33,18 +33,15 @@ from glmkit.kernels_cl.launch import Kernels, list_devices  # noqa: E402
 from glmkit.runtime.experts import ExpertStreamer  # noqa: E402
 from glmkit.runtime.model import GlmMoeDsaModel  # noqa: E402
 from glmkit.runtime.opencl_backend import OpenCLBackend, Placement  # noqa: E402
+from tools.bench_model import BENCH_CONFIG  # noqa: E402
 from tools.synth import write_snapshot_streaming  # noqa: E402
 
-GLM5_SHAPE = {
-    "model_type": "glm_moe_dsa", "architectures": ["GlmMoeDsaForCausalLM"], "vocab_size": 512,
-    "hidden_size": 64, "num_hidden_layers": 78, "first_k_dense_replace": 3, "num_attention_heads": 4,
-    "q_lora_rank": 64, "kv_lora_rank": 64, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16,
-    "intermediate_size": 128, "moe_intermediate_size": 64, "n_routed_experts": 256, "num_experts_per_tok": 8,
-    "n_shared_experts": 1, "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
-    "rms_norm_eps": 1e-5, "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
-    "index_topk": 64, "index_n_heads": 2, "index_head_dim": 32, "num_nextn_predict_layers": 1,
-    "max_position_embeddings": 4096, "eos_token_id": [511],
-}
+# GLM-5's counts (layers, experts, groups, an indexer in every layer: index_topk_freq 1) at tiny widths
+GLM5_SHAPE = {**BENCH_CONFIG, "vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 78, "first_k_dense_replace": 3,
+              "num_attention_heads": 4, "q_lora_rank": 64, "kv_lora_rank": 64, "qk_nope_head_dim": 16,
+              "qk_rope_head_dim": 16, "v_head_dim": 16, "intermediate_size": 128, "moe_intermediate_size": 64,
+              "n_routed_experts": 256, "n_group": 8, "topk_group": 4, "index_topk": 64, "index_n_heads": 2,
+              "index_head_dim": 32, "index_topk_freq": 1, "max_position_embeddings": 4096, "eos_token_id": [511]}
 
 
 def rss_mb() -> float:
