@@ -97,6 +97,7 @@ class DeviceDecodeStep:
         self.iq, self.iq_rot, self.iw = new(inh * ihd), new(inh * ihd), new(inh)
         self.capacity = 0  # keys the per-key scratch buffers hold
         self.scratch: dict[str, tuple[np.ndarray, object]] = {}
+        self.layers: list[_Layer] = []
         self._grow(INITIAL_KEYS)
         self.layers = [self._bind_layer(layer, LATENT_NORM_EPS) for layer in range(cfg.num_hidden_layers)]
         self.final_norm = self._norm(self.x, self.ffn, True, "model.norm.weight", self.hidden, cfg.rms_norm_eps, h)
@@ -160,6 +161,16 @@ class DeviceDecodeStep:
                         "selected": self._buf(cap, np.uint8), "all": self._buf(cap, np.uint8)}
         self.scratch["all"][0][:] = 1
         self.capacity = cap
+        scores, index_scores = self.scratch["scores"][1], self.scratch["index_scores"][1]
+        selected, every = self.scratch["selected"][1], self.scratch["all"][1]
+        for layer in self.layers:  # the bound launches that read the scratch get the new buffers
+            layer.attention.set(4, selected)
+            layer.attention.set(6, scores)
+            layer.values.set(0, scores)
+            if layer.scores is not None:
+                layer.scores.set(3, index_scores)
+                for index, value in ((0, index_scores), (1, every), (2, selected)):
+                    layer.topk.set(index, value)
 
     def _bind_layer(self, layer: int, latent_eps: float) -> _Layer:
         """The launches of one decoder layer: `_decoder_layer`'s operations in its order."""
@@ -365,22 +376,16 @@ class DeviceDecodeStep:
                     launch.enqueue()
                 if scored and layer.scores is not None:
                     layer.scores.set(1, index_k)
-                    layer.scores.set(3, self.scratch["index_scores"][1])
                     layer.scores.set(6, keys)
                     layer.scores.size = (per_key, 1)
-                    layer.topk.set(0, self.scratch["index_scores"][1])
-                    layer.topk.set(1, self.scratch["all"][1])
-                    layer.topk.set(2, self.scratch["selected"][1])
                     layer.topk.set(3, keys)
                     for launch in layer.scoring:
                         launch.enqueue()
-                scores = self.scratch["scores"][1]
-                for index, value in ((2, lat), (3, rot), (4, self.scratch["selected"][1]), (5, int(scored)),
-                                     (6, scores), (8, keys)):
+                for index, value in ((2, lat), (3, rot), (5, int(scored)), (8, keys)):
                     layer.attention.set(index, value)
                 layer.attention.size = (per_key,)
-                for index, value in ((0, scores), (1, lat), (3, keys)):
-                    layer.values.set(index, value)
+                layer.values.set(1, lat)
+                layer.values.set(3, keys)
                 if layer.route is not None:
                     layer.route.set(18, layer.ids[parity][1])
                 for launch in layer.tail:

@@ -255,10 +255,14 @@ class GlmMoeDsaModel:
         """One decoded token through the backend's decode step; the route hook sees each layer's experts after
         the token ran (no normed input: nothing is left to prefetch for)."""
         logits, hidden, routes = self._step(token, cache, embed)
+        self._report_routes(routes)
+        return logits, hidden
+
+    def _report_routes(self, routes: Routes) -> None:
+        """Hand the route hook the experts a device decode step chose, after the token ran."""
         if self.route_hook is not None:
             for layer, ids in routes:
                 self.route_hook(layer, ids, None)
-        return logits, hidden
 
     def greedy_decode(self, token: int, cache: KVCache) -> GreedyDecode | None:
         """Greedy decoding from `token` (appended next) with the following forward queued before the host sees
@@ -267,13 +271,7 @@ class GlmMoeDsaModel:
         if step is None:
             return None
         table = self._w("model.embed_tokens.weight")
-
-        def report(routes: Routes) -> None:
-            for layer, ids in routes:
-                self.route_hook(layer, ids, None)  # type: ignore[misc]
-
-        return step.greedy(token, cache, lambda t: embed_rows(table, np.array([t]))[0],
-                           report if self.route_hook is not None else None)
+        return step.greedy(token, cache, lambda t: embed_rows(table, np.array([t]))[0], self._report_routes)
 
     def mtp_forward(self, hidden: np.ndarray, next_token_ids: np.ndarray, cache: KVCache
                     ) -> tuple[np.ndarray, np.ndarray]:
