@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import shutil
 from functools import cache
 from pathlib import Path
@@ -13,6 +14,7 @@ from typing import Any
 import pytest
 
 from glmkit.convert.cli import main as convert_main
+from glmkit.kernels_cl.launch import DeviceInfo, list_devices
 
 FIXTURES = Path(__file__).parent / "fixtures"
 VARIANTS = ("tiny-bf16", "tiny-fp8")
@@ -52,3 +54,19 @@ class Snapshots:
             out = self.factory.mktemp(f"{variant}-{preset}") / "snapshot"
             self.made[key] = convert(FIXTURES / variant, out, preset)
         return self.made[key]
+
+
+def opencl_test_device() -> DeviceInfo:
+    """The OpenCL device the kernel and backend tests run on: `GLMKIT_TEST_DEVICE` = cpu (default), gpu or
+    PLATFORM:DEVICE (how a GPU machine runs them), else PoCL's CPU device."""
+    devices = list_devices()
+    if not devices:  # pyopencl[pocl] is a dependency: a missing device is a broken install, not a skip
+        pytest.fail("no OpenCL device found (pyopencl with the pocl extra should provide PoCL's CPU device)")
+    want = os.environ.get("GLMKIT_TEST_DEVICE", "cpu")
+    if ":" in want:
+        found = [d for d in devices if d.spec == f"opencl:{want}"]
+    else:
+        found = [d for d in devices if d.kind == want]
+    if not found:
+        pytest.fail(f"GLMKIT_TEST_DEVICE={want}: no such OpenCL device among {[d.name for d in devices]}")
+    return found[0]

@@ -1,4 +1,4 @@
-"""Every OpenCL kernel against the NumPy reference, on the first OpenCL device (PoCL's CPU device in CI).
+"""Every OpenCL kernel against the NumPy reference, on PoCL's CPU device (or `GLMKIT_TEST_DEVICE`).
 
 Sizes are odd on purpose (rows, columns and groups that do not divide the vector chunks, tails of every
 loop). The program is built once per module (PoCL caches compiled kernels across runs); a second build with
@@ -14,30 +14,24 @@ import pytest
 
 from glmkit.formats.packing import pack, quantize
 from glmkit.formats.tensors import QuantWeight
-from glmkit.kernels_cl.launch import Kernels, WeightMemory, list_devices
+from glmkit.kernels_cl.launch import Kernels, WeightMemory
 from glmkit.runtime.backend import NumpyBackend, silu
 from glmkit.runtime.model import apply_rope, rope_cos_sin, topk_mask
+from tests.runtime_support import opencl_test_device
 
 REF = NumpyBackend()
 
 
-def first_device():
-    devices = list_devices()
-    if not devices:  # pyopencl[pocl] is a dependency: a missing device is a broken install, not a skip
-        pytest.fail("no OpenCL device found (pyopencl with the pocl extra should provide PoCL's CPU device)")
-    return next((d for d in devices if d.kind == "cpu"), devices[0])
-
-
 @pytest.fixture(scope="module")
 def kernels():
-    return Kernels(first_device())
+    return Kernels(opencl_test_device())
 
 
 @pytest.fixture(scope="module")
 def wide_kernels():
     """The GPU code path: 8 work-items per matvec row, 8-item reductions, vloadn loads, transfers instead of
     direct access."""
-    return Kernels(first_device(), lanes=8, red_lanes=8, direct=False, cpu_loads=False)
+    return Kernels(opencl_test_device(), lanes=8, red_lanes=8, direct=False, cpu_loads=False)
 
 
 @pytest.fixture

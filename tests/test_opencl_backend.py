@@ -16,7 +16,7 @@ from glmkit.runtime.backend import NumpyBackend
 from glmkit.runtime.engine import Engine
 from glmkit.runtime.model import GlmMoeDsaModel
 from glmkit.runtime.opencl_backend import OpenCLBackend, Placement
-from tests.runtime_support import FIXTURES, VARIANTS, Snapshots
+from tests.runtime_support import FIXTURES, VARIANTS, Snapshots, opencl_test_device
 
 
 @pytest.fixture(scope="module")
@@ -26,10 +26,7 @@ def snapshots(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def device():
-    found = [d for d in list_devices() if d.kind == "cpu"] or list_devices()
-    if not found:
-        pytest.fail("no OpenCL device found (pyopencl with the pocl extra should provide PoCL's CPU device)")
-    return found[0]
+    return opencl_test_device()
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The checks a GPU machine owes, most valuable first, each under its own time limit, every log in OUTDIR:
+#   1. devices.txt  glm-run --list-devices (what the driver reports, the measured placement)
+#   2. tests.txt    the kernel and OpenCL backend tests on the GPU (glm-validate on every oracle fixture included)
+#   3. kernels.txt  tools/bench_kernels.py: launch cost, int4 matvec and fused-expert throughput
+#   4. bench.*      tools/bench.py, one run each of every operation on the GPU and of auto
+#
+#   tools/gpu_check.sh OUTDIR [KIND] [BENCH_WORK]    KIND: gpu (default) or cpu; BENCH_WORK: the bench model's home
+# Needs pyopencl and a registered OpenCL driver (ICD). Exits 1 when no device of KIND is found.
+set -u
+out=${1:?usage: tools/gpu_check.sh OUTDIR [KIND] [BENCH_WORK]}
+kind=${2:-gpu}
+work=${3:-/tmp/glmkit-bench-model}
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+
+step() {  # step NAME SECONDS COMMAND...: the command's output in OUTDIR/NAME.txt, its status and tail here
+    local name=$1 limit=$2 start=$SECONDS
+    shift 2
+    timeout "$limit" "$@" >"$out/$name.txt" 2>&1
+    echo "== $name: rc=$? in $((SECONDS - start)) s"
+    tail -n 6 "$out/$name.txt"
+}
+
+dev=$(python3 -c "
+from glmkit.kernels_cl.launch import list_devices
+found = [d for d in list_devices() if d.kind == '$kind']
+print(found[0].spec.removeprefix('opencl:') if found else '')")
+if [ -z "$dev" ]; then
+    echo "no OpenCL $kind device"
+    exit 1
+fi
+echo "device opencl:$dev"
+step devices 120 python3 -m glmkit.runtime.cli_run --list-devices
+step tests 240 env GLMKIT_TEST_DEVICE="$dev" python3 -m pytest -q -p no:cacheprovider \
+    tests/test_kernels_cl.py tests/test_opencl_backend.py
+step kernels 90 python3 tools/bench_kernels.py --runs 100
+step bench 330 python3 tools/bench.py --devices "opencl:$dev,auto" --runs 1 --work "$work" \
+    --json "$out/bench.json" --md "$out/bench.md"
