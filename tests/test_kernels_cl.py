@@ -10,6 +10,7 @@ from __future__ import annotations
 import mmap
 
 import numpy as np
+import pyopencl as cl
 import pytest
 
 from glmkit.formats.packing import pack, quantize
@@ -228,50 +229,70 @@ def test_index_scores_and_topk(kernels, rng):
 
 # ---- the device decode step's kernels (decode.cl), launched through bound launches ---------------------
 
-def bound(k, name, size, local, *args):
-    """Launch kernel `name` once and wait."""
-    k.bind(name, size, local, *args).enqueue().wait()
+class Mirrors:
+    """Host arrays and the device buffers kernels see: the same memory on direct devices (the step's case);
+    elsewhere (a discrete GPU) every array is copied in before each launch and back after it."""
+
+    def __init__(self, k: Kernels):
+        self.k, self.pairs = k, []
+
+    def __call__(self, count: int, dtype=np.float32) -> tuple[np.ndarray, object]:
+        if self.k.direct:
+            return self.k.host_buffer(count, dtype)
+        host = np.zeros(max(count, 1), dtype)
+        buf = cl.Buffer(self.k.ctx, cl.mem_flags.READ_WRITE, host.nbytes)
+        self.pairs.append((host, buf))
+        return host, buf
+
+    def launch(self, name, size, local, *args):
+        """Launch kernel `name` once through a bound launch and wait."""
+        for host, buf in self.pairs:
+            cl.enqueue_copy(self.k.queue, buf, host)
+        self.k.bind(name, size, local, *args).enqueue().wait()
+        for host, buf in self.pairs:
+            cl.enqueue_copy(self.k.queue, host, buf, is_blocking=True)
 
 
 def test_decode_norms_and_rope(kernels, rng):
+    mirror = Mirrors(kernels)
     n, rope, heads, width = 45, 10, 3, 17
     x, a = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
-    vec_h, vec = kernels.host_buffer(3 * n)
+    vec_h, vec = mirror(3 * n)
     vec_h[:] = rng.standard_normal(3 * n).astype(np.float32)
-    xh, xb = kernels.host_buffer(n + 4)
-    ah, ab = kernels.host_buffer(n)
-    yh, yb = kernels.host_buffer(n + 9)
+    xh, xb = mirror(n + 4)
+    ah, ab = mirror(n)
+    yh, yb = mirror(n + 9)
     xh[4:], ah[:] = x, a
     red = kernels.red_lanes
     # x[4:] += a, then the norm with the weights at vec[n:2n] into y[9:]
-    bound(kernels, "residual_rms_norm", (red,), (red,), xb, 4, ab, 1, vec, n, yb, 9, n, 1e-5)
+    mirror.launch("residual_rms_norm", (red,), (red,), xb, 4, ab, 1, vec, n, yb, 9, n, 1e-5)
     close(xh[4:], x + a, 0)
     close(yh[9:], REF.rms_norm((x + a)[None], vec_h[n:2 * n], 1e-5)[0])
-    bound(kernels, "residual_rms_norm", (red,), (red,), xb, 4, ab, 0, vec, 0, yb, 0, n, 1e-6)
+    mirror.launch("residual_rms_norm", (red,), (red,), xb, 4, ab, 0, vec, 0, yb, 0, n, 1e-6)
     close(xh[4:], x + a, 0)  # add = 0 leaves x alone
     close(yh[:n], REF.rms_norm((x + a)[None], vec_h[:n], 1e-6)[0])
     # rope on the first `rope` columns of each of `heads` rows of width `width` read at stride 20, offset 2
     cos, sin = rope_cos_sin(np.array([77]), rope, 10000.0)
-    cs_h, cs = kernels.host_buffer(rope)
+    cs_h, cs = mirror(rope)
     cs_h[:] = np.concatenate([cos[0], sin[0]])
-    src_h, src = kernels.host_buffer(2 + 20 * heads)
+    src_h, src = mirror(2 + 20 * heads)
     src_h[:] = rng.standard_normal(src_h.size).astype(np.float32)
     rows = np.stack([src_h[2 + 20 * h: 2 + 20 * h + width] for h in range(heads)])
-    out_h, out = kernels.host_buffer(width * heads)
-    bound(kernels, "rope_rows", (width, heads), None, src, 2, 20, out, 0, width, cs, width, rope // 2)
+    out_h, out = mirror(width * heads)
+    mirror.launch("rope_rows", (width, heads), None, src, 2, 20, out, 0, width, cs, width, rope // 2)
     want = np.concatenate([apply_rope(rows[None, :, :rope], cos, sin)[0], rows[:, rope:]], axis=-1)
     close(out_h.reshape(heads, width), want)
     # the cache rows: kv_lat = RMSNorm(latent), k_rot = RoPE(rest) of kv_a's output; the indexer key
     # LayerNorm(x) with RoPE on its first columns; written at row 2 of the cache arrays
     kvl = n - rope
-    lat_h, lat = kernels.host_buffer(3 * kvl)
-    rot_h, rot = kernels.host_buffer(3 * rope)
-    bound(kernels, "kv_row", (red,), (red,), ab, vec, n, lat, rot, 2, kvl, rope, cs, 1e-6)
+    lat_h, lat = mirror(3 * kvl)
+    rot_h, rot = mirror(3 * rope)
+    mirror.launch("kv_row", (red,), (red,), ab, vec, n, lat, rot, 2, kvl, rope, cs, 1e-6)
     close(lat_h[2 * kvl:], REF.rms_norm(a[None, :kvl], vec_h[n:n + kvl], 1e-6)[0])
     close(rot_h[2 * rope:], apply_rope(a[None, kvl:], cos, sin)[0])
-    tmp_h, tmp = kernels.host_buffer(n)
-    key_h, key = kernels.host_buffer(3 * n)
-    bound(kernels, "index_key_row", (red,), (red,), ab, vec, n, 2 * n, tmp, key, 2, n, rope, cs, 1e-6)
+    tmp_h, tmp = mirror(n)
+    key_h, key = mirror(3 * n)
+    mirror.launch("index_key_row", (red,), (red,), ab, vec, n, 2 * n, tmp, key, 2, n, rope, cs, 1e-6)
     normed = REF.layer_norm(a[None], vec_h[n:2 * n], vec_h[2 * n:], 1e-6)
     close(key_h[2 * n:], np.concatenate([apply_rope(normed[:, :rope], cos, sin), normed[:, rope:]], axis=-1)[0],
           1e-5)
@@ -280,6 +301,7 @@ def test_decode_norms_and_rope(kernels, rng):
 @pytest.mark.parametrize("n_keys,use_mask", [(1, False), (37, True), (300, True), (129, False)])
 def test_decode_attention(kernels, rng, n_keys, use_mask):
     """Absorbed MLA attention of one token (scores, then softmax + values) against the backend's attention."""
+    mirror = Mirrors(kernels)
     heads, kvl, rope = 3, 36, 6  # kvl not a multiple of 8: the values kernel's scalar tail
     q_lat, q_rot = rng.standard_normal((heads, kvl)).astype(np.float32), rng.standard_normal((heads, rope))
     kv_lat, k_rot = rng.standard_normal((n_keys, kvl)).astype(np.float32), rng.standard_normal((n_keys, rope))
@@ -288,16 +310,16 @@ def test_decode_attention(kernels, rng, n_keys, use_mask):
     bufs = {}
     for name, arr, dtype in (("ql", q_lat, np.float32), ("qr", q_rot, np.float32), ("kl", kv_lat, np.float32),
                              ("kr", k_rot, np.float32), ("mask", mask, np.uint8)):
-        host, buf = kernels.host_buffer(arr.size, dtype)
+        host, buf = mirror(arr.size, dtype)
         host[:] = arr.reshape(-1)
         bufs[name] = buf
-    scores_h, scores = kernels.host_buffer(heads * n_keys)
-    out_h, out = kernels.host_buffer(heads * kvl)
+    scores_h, scores = mirror(heads * n_keys)
+    out_h, out = mirror(heads * kvl)
     scale = 0.17
-    bound(kernels, "mla_decode_scores", (n_keys,), None, bufs["ql"], bufs["qr"], bufs["kl"], bufs["kr"], bufs["mask"],
+    mirror.launch("mla_decode_scores", (n_keys,), None, bufs["ql"], bufs["qr"], bufs["kl"], bufs["kr"], bufs["mask"],
           int(use_mask), scores, heads, n_keys, kvl, rope, scale)
     red = kernels.red_lanes
-    bound(kernels, "mla_decode_values", (heads * red,), (red,), scores, bufs["kl"], out, n_keys, kvl)
+    mirror.launch("mla_decode_values", (heads * red,), (red,), scores, bufs["kl"], out, n_keys, kvl)
     q = np.concatenate([q_lat, q_rot], axis=-1)[None].astype(np.float32)
     keys = np.concatenate([kv_lat, k_rot], axis=-1)[:, None, :].astype(np.float32)
     want = REF.attention(q, keys, kv_lat[:, None, :], mask[None], scale)[0]
@@ -309,26 +331,27 @@ def test_decode_routing(kernels, rng, norm):
     """noaux_tc on the device against the model's `route_noaux_tc`: the slots it writes for the fused experts of
     each weight buffer (the chosen experts there by ascending id, then the shared expert's if it is there; the
     rest marked unused) and their weights."""
+    mirror = Mirrors(kernels)
     from glmkit.runtime.model import route_noaux_tc
 
     experts, n_group, topk_group, top_k, scaling, stride = 24, 4, 2, 5, 2.5, 32
     buffer_of = np.arange(experts + 1) % 3  # three weight buffers; the shared expert (last) in buffer 0
-    table_h, table = kernels.host_buffer(6 * (experts + 1), np.uint64)
+    table_h, table = mirror(6 * (experts + 1), np.uint64)
     table_h[:] = np.arange(table_h.size, dtype=np.uint64) * 1000 + 7
-    where_h, where = kernels.host_buffer(experts + 1, np.uint32)
+    where_h, where = mirror(experts + 1, np.uint32)
     where_h[:] = buffer_of
     for _ in range(20):
         logits = (rng.standard_normal(experts) * 2).astype(np.float32)
         bias = (rng.standard_normal(experts) * 0.1).astype(np.float32)
-        lg_h, lg = kernels.host_buffer(experts)
-        vec_h, vec = kernels.host_buffer(experts + 3)
+        lg_h, lg = mirror(experts)
+        vec_h, vec = mirror(experts + 3)
         lg_h[:], vec_h[3:] = logits, bias
-        offs_h, offs = kernels.host_buffer(3 * stride * 6, np.uint64)
-        w_h, w = kernels.host_buffer(3 * stride)
-        tok_h, tok = kernels.host_buffer(3 * stride, np.uint32)
-        start_h, start = kernels.host_buffer(3 * stride, np.uint32)
-        ids_h, ids = kernels.host_buffer(top_k, np.uint32)
-        bound(kernels, "route_noaux_tc", (1,), None, lg, vec, 3, table, where, 3, experts, n_group, topk_group, top_k,
+        offs_h, offs = mirror(3 * stride * 6, np.uint64)
+        w_h, w = mirror(3 * stride)
+        tok_h, tok = mirror(3 * stride, np.uint32)
+        start_h, start = mirror(3 * stride, np.uint32)
+        ids_h, ids = mirror(top_k, np.uint32)
+        mirror.launch("route_noaux_tc", (1,), None, lg, vec, 3, table, where, 3, experts, n_group, topk_group, top_k,
               int(norm), scaling, 1, offs, w, tok, stride, start, ids)
         want_ids, want_w = route_noaux_tc(logits[None], bias, top_k, n_group, topk_group, norm, scaling)
         order = np.argsort(want_ids[0])

@@ -228,7 +228,9 @@ def run_child(spec: dict, blas_threads: int, timeout: float) -> dict:
                           env=env, timeout=timeout)
     if proc.returncode != 0:
         return {"error": (proc.stderr.strip().splitlines() or ["?"])[-1][:300]}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    notices = [line for line in proc.stderr.splitlines() if line.startswith("glmkit:")]
+    return {**result, "notices": notices} if notices else result
 
 
 def median(runs: list[dict], key: str) -> float | None:
@@ -372,6 +374,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"run {run + 1}/{args.runs} {device}: "
                   + (r["error"] if "error" in r else f"decode {r['decode_tok_s_mtp_off']:.2f} tok/s, "
                      f"prefill 1024 {r['prefill_1024_tok_s']:.1f} tok/s ({r['wall_s']:.0f} s)"), file=sys.stderr)
+            for line in r.get("notices", []):  # e.g. a device that fell back to numpy
+                print(f"  {line}", file=sys.stderr)
     table = summarize(results, bytes_per_token, bandwidth, container)
     meta = {"preset": args.preset, "container_bytes": container, "bytes_per_token": bytes_per_token,
             "bandwidth": bw, "bandwidth_gbs": bandwidth, "ceiling_tok_s": bandwidth * 1e9 / bytes_per_token,
