@@ -223,7 +223,7 @@ def measure_bandwidth(nbytes: int = 512 << 20) -> dict[str, float]:
 
 def run_child(spec: dict, blas_threads: int, timeout: float) -> dict:
     env = {**os.environ, "OPENBLAS_NUM_THREADS": str(blas_threads), "OMP_NUM_THREADS": str(blas_threads),
-           "PYTHONPATH": str(ROOT)}
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], capture_output=True, text=True,
                           env=env, timeout=timeout)
     if proc.returncode != 0:
