@@ -13,9 +13,9 @@ import numpy as np
 import pyopencl as cl
 import pytest
 
-from glmkit.formats.packing import pack, quantize
+from glmkit.formats.packing import pack, quantize, unpack
 from glmkit.formats.tensors import QuantWeight
-from glmkit.kernels_cl.launch import Kernels, WeightMemory
+from glmkit.kernels_cl.launch import Kernels, WeightMemory, x8_eligible
 from glmkit.runtime.backend import NumpyBackend, silu
 from glmkit.runtime.model import apply_rope, rope_cos_sin, topk_mask
 from tests.runtime_support import opencl_test_device
@@ -367,3 +367,77 @@ def test_decode_routing(kernels, rng, norm):
             np.testing.assert_allclose(w_h[slots], weights[mine], rtol=1e-6)
             want_offs = (chosen[mine][:, None] * 6 + np.arange(6)) * 1000 + 7
             assert offs_h.reshape(-1, 6)[slots].tolist() == want_offs.tolist()
+
+
+# ---- int8 activations: the device decode step's int4 experts ----------------------------------------------
+
+def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The arithmetic of common.cl's int8 activations: x `[S, N]` -> int codes `[S, N]` and float32 scales
+    `[S, N / 64]`; per block of 64 columns scale = max|x| / 127 and codes = rint(x * (127 / max|x|))."""
+    blocks = x.reshape(x.shape[0], -1, 64)
+    m = np.abs(blocks).max(axis=-1, keepdims=True)
+    inv = np.divide(np.float32(127), m, out=np.zeros_like(m), where=m > 0)
+    return np.rint(blocks * inv).astype(np.int64).reshape(x.shape), m[..., 0] / np.float32(127)
+
+
+def x8_linear(x: np.ndarray, w: QuantWeight) -> np.ndarray:
+    """`x @ W^T` for int4 W with x quantized: exact integer sums per block, scaled by weight scale x block scale."""
+    q, s = quantize_activations(x)
+    out_rows, n = w.shape
+    codes = unpack(w.packed, 4, n).astype(np.int64).reshape(out_rows, -1, 64)
+    sums = np.einsum("sbi,obi->sob", q.reshape(len(x), -1, 64), codes)
+    w_scale = np.repeat(w.scales.reshape(out_rows, -1), w.group_size // 64, axis=1)
+    return (sums * (w_scale[None] * s[:, None, :]).astype(np.float64)).sum(-1).astype(np.float32)
+
+
+@pytest.mark.parametrize("group", [64, 128])
+def test_fused_experts_int8_activations(kernels, wide_kernels, rng, group):
+    """quantize x, gate+up, quantize hid, down: each stage against the reference arithmetic, on the
+    vpmaddubsw path (AVX2 CPUs) and the portable one (the wide build); unused slots are skipped."""
+    hidden, inter = 256, 128
+    assert x8_eligible(4, group, hidden, inter) and not x8_eligible(4, 32, hidden, inter)
+    experts = [(make_weight(rng, inter, hidden, 4, group)[0], make_weight(rng, inter, hidden, 4, group)[0],
+                make_weight(rng, hidden, inter, 4, group)[0]) for _ in range(4)]
+    blob, offs = pack_experts(experts)
+    x = (rng.standard_normal(hidden) * 2).astype(np.float32)
+    x[64:128] = 0.0  # an all-zero block: scale 0, codes 0
+    slots = [(1, 0.5), (3, 1.5), (0, 1.0), (2, 7.0)]  # the last slot unused (token 0xffffffff)
+    g, d = experts[0][0], experts[0][2]
+    for k in (kernels, wide_kernels):
+        mirror = Mirrors(k)
+        wbuf = WeightMemory(k, k.direct, 1 << 40)._own_buffer(blob)[0]
+        host = {}
+        for name, count, dtype, value in (
+                ("x", hidden, np.float32, x), ("offs", 6 * len(slots), np.uint64, offs[[e for e, _ in slots]]),
+                ("tok", len(slots), np.uint32, [0, 0, 0, 0xffffffff]), ("start", 2, np.uint32, [0, 3]),
+                ("w", len(slots), np.float32, [s[1] for s in slots]), ("hid", len(slots) * inter, np.float32, 0),
+                ("y", hidden, np.float32, 0), ("xq", hidden, np.int8, 0), ("xs", hidden // 64, np.float32, 0),
+                ("xsum", hidden // 64, np.int32, 0), ("hq", len(slots) * inter, np.int8, 0),
+                ("hs", len(slots) * inter // 64, np.float32, 0), ("hsum", len(slots) * inter // 64, np.int32, 0)):
+            host[name] = mirror(count, dtype)
+            host[name][0][:] = np.reshape(value, -1) if np.ndim(value) else value
+        buf = {name: pair[1] for name, pair in host.items()}
+        launches = k.bind_experts_x8(wbuf, group, g.scales.shape[1], hidden, inter, g.packed.shape[1],
+                                     d.packed.shape[1], d.scales.shape[1], buf["x"], buf["offs"], buf["tok"],
+                                     buf["start"], buf["w"], buf["hid"], buf["y"], len(slots),
+                                     (buf["xq"], buf["xs"], buf["xsum"], buf["hq"], buf["hs"], buf["hsum"]))
+        for launch in launches:
+            for arr, b in mirror.pairs:
+                cl.enqueue_copy(k.queue, b, arr)
+            launch.enqueue().wait()
+            for arr, b in mirror.pairs:
+                cl.enqueue_copy(k.queue, arr, b, is_blocking=True)
+        val = {name: pair[0] for name, pair in host.items()}
+        q, s = quantize_activations(x[None])
+        assert np.array_equal(val["xs"], s[0]) and np.array_equal(val["xsum"], q.reshape(-1, 64).sum(-1))
+        assert sorted(val["xq"].tolist()) == sorted(q[0].tolist())  # the codes, in the device's block order
+        hid = val["hid"].reshape(len(slots), inter)
+        for i, (e, _) in enumerate(slots[:3]):
+            gate, up = x8_linear(x[None], experts[e][0])[0], x8_linear(x[None], experts[e][1])[0]
+            close(hid[i], silu(gate) * up, 2e-6)
+        hq, hs = quantize_activations(hid[:3])
+        assert np.array_equal(val["hs"][:3 * inter // 64], hs.reshape(-1))
+        assert np.array_equal(val["hsum"][:3 * inter // 64], hq.reshape(-1, 64).sum(-1))
+        want = sum(w * x8_linear(hid[i:i + 1], experts[e][2])[0] for i, (e, w) in enumerate(slots[:3]))
+        close(val["y"], want, 2e-6)
+        close(val["y"], fused_reference(x[None], experts, [(0, e, w) for e, w in slots[:3]])[0], 3e-2)

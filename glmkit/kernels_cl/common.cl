@@ -204,6 +204,89 @@ INLINE void rows_dot(const int bits, const int sets, const __global uchar* row, 
     }
 }
 
+/* ---- int8 activations (the device decode step's int4 experts) ----------------------------------------
+ * x is quantized per block of 64 columns: s = max|x| / 127 and q = rint(x * (127 / max|x|)), in float32
+ * (glmkit.runtime.backend.quantize_activations is the reference). An int4 row's product with a block is summed
+ * as integers, sum (c - 8) q = sum c q - 8 sum q, then scaled by the row's group scale times s. A block's 64
+ * codes are stored in the order its dot product reads them:
+ * - X8_PAIRS (AVX2 CPUs): even columns, then odd ones, matching the low and high nibbles of the block's 32
+ *   bytes for vpmaddubsw. LLVM forms vpmaddubsw from no generic OpenCL C tried, so it is called by name
+ *   (measured on PoCL: 3x the float unpack's codes per second; the portable form below, 2x).
+ * - otherwise: columns 4t, 4t+1, 4t+2, 4t+3 as four runs of 16, matching the nibbles of 16-bit lanes of the
+ *   codes (little-endian devices), multiplied in 16 bits. */
+#if defined(__AVX2__) && defined(CPU_LOADS)
+#define X8_PAIRS 1
+typedef char char32 __attribute__((ext_vector_type(32)));
+typedef char c32v __attribute__((vector_size(32)));
+typedef short s16v __attribute__((vector_size(32)));
+typedef struct __attribute__((packed)) { c32v v; } c32v_u;
+typedef struct { c32v even, odd; } x8_block;
+
+INLINE x8_block load_x8(const __global char* q) {
+    const x8_block b = {((const __global c32v_u*)q)[0].v, ((const __global c32v_u*)q)[1].v};
+    return b;
+}
+
+/* 8 int32 partial sums of sum c q over one block (its 32 bytes of codes at w): two vpmaddubsw (at most
+ * 2 * 2 * 15 * 127 per 16-bit lane: no saturation), then vpmaddwd by 1. The high nibbles: a 16-bit shift and a
+ * mask (x86 has no byte shift). */
+INLINE int8 block_dot(const __global uchar* w, const x8_block* x) {
+    const c32v b = ((const __global c32v_u*)w)[0].v, m = (c32v)((char32)(15));
+    const c32v lo = b & m, hi = (c32v)((s16v)b >> 4) & m;
+    const s16v p = __builtin_ia32_pmaddubsw256(lo, x->even) + __builtin_ia32_pmaddubsw256(hi, x->odd);
+    return as_int8(__builtin_ia32_pmaddwd256(p, (s16v)((short16)(1))));
+}
+#else
+typedef struct { short16 c0, c1, c2, c3; } x8_block;
+
+INLINE x8_block load_x8(const __global char* q) {
+    const x8_block b = {convert_short16(vload16(0, q)), convert_short16(vload16(1, q)),
+                        convert_short16(vload16(2, q)), convert_short16(vload16(3, q))};
+    return b;
+}
+
+INLINE int8 block_dot(const __global uchar* w, const x8_block* x) {
+    const ushort16 v = vload16(0, (const __global ushort*)w), m = (ushort16)(15);
+    const short16 p = as_short16(v & m) * x->c0 + as_short16((v >> (ushort16)4) & m) * x->c1
+                    + as_short16((v >> (ushort16)8) & m) * x->c2 + as_short16(v >> (ushort16)12) * x->c3;
+    return convert_int8(p.lo) + convert_int8(p.hi);
+}
+#endif
+
+/* rows_dot for int4 rows (group a multiple of 64) and int8-quantized x: codes xq, scales xs and code sums xsum
+ * per block. n: a multiple of 64. Two read-ahead lines per block (a block is 32 bytes of each of ROWS rows). */
+INLINE void rows_dot_x8(const int sets, const __global uchar* row, const __global uchar* row2, uint row_bytes,
+                        const __global float* sc, const __global float* sc2, uint n_groups, uint nrows, uint n,
+                        uint group, const __global char* xq, const __global float* xs, const __global int* xsum,
+                        uint lane, float* out, const __global uchar* ahead, const __global uchar* ahead2,
+                        uint ahead_bytes) {
+    const __global uchar* rk[2 * ROWS];
+    const __global float* sk[2 * ROWS];
+    float8 acc[2 * ROWS];
+    for (uint k = 0; k < sets * ROWS; k++) {
+        const uint kk = umin_(k % ROWS, nrows - 1);
+        rk[k] = (k < ROWS ? row : row2) + kk * row_bytes;
+        sk[k] = (k < ROWS ? sc : sc2) + kk * n_groups;
+        acc[k] = (float8)(0.0f);
+    }
+    const uint blocks = n / 64u, per = group / 64u;
+    uint sink = 0;
+    for (uint c = lane; c < blocks; c += LANES) {
+        const x8_block xb = load_x8(xq + 64u * c);
+        const int8 bias = (int8)(xsum[c]);  /* 8 lanes of xsum: 8 * xsum in the lanes' total */
+        const float s = xs[c];
+        const uint gi = c / per;
+        TOUCH_AHEAD(2u * c);
+        TOUCH_AHEAD(2u * c + 1u);
+        for (uint k = 0; k < sets * ROWS; k++)
+            acc[k] += convert_float8(block_dot(rk[k] + 32u * c, &xb) - bias) * (sk[k][gi] * s);
+    }
+    for (uint k = 0; k < sets * ROWS; k++) {
+        if (k % ROWS >= nrows) continue;
+        out[k] = sink == 0xffffffffu ? 0.0f : hsum8(acc[k]);  /* see rows_dot */
+    }
+}
+
 /* silu(g) = g * sigmoid(g); exp(-g) overflowing to inf gives 0, as in NumPy. */
 INLINE float silu(float g) {
     return g * (1.0f / (1.0f + exp(-g)));

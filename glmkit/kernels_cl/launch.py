@@ -62,8 +62,18 @@ SIGNATURES = {
     "mla_decode_scores": [None] * 5 + [_U32, None] + [_U32] * 4 + [_F32],
     "mla_decode_values": [None] * 3 + [_U32, _U32],
     "route_noaux_tc": [None, None, _U32, None, None] + [_U32] * 6 + [_F32, _U32, None, None, None, _U32, None, None],
+    "quantize_x8": [None, _U32, _U32, None, None, None],
+    "eg_q4_x8": [None, None, None, _U32, _U32, _U32, _U32, None, None, None, None, _U32],
+    "ed_q4_x8": [None, None, None, None, _U32, _U32, _U32, _U32, None, None, None, None, _U32, _U32],
 }
 BIT_SUFFIX = {32: "f32", 8: "q8", 4: "q4", 2: "q2"}
+X8_BLOCK = 64  # columns per scale of int8-quantized activations (common.cl)
+
+
+def x8_eligible(bits: int, group: int, n_in: int, inter: int) -> bool:
+    """Whether an expert MLP's products can take int8 activations: int4 codes whose scale groups are whole
+    blocks of X8_BLOCK columns, both inputs (n_in, inter) a whole number of blocks."""
+    return bits == 4 and group > 0 and group % X8_BLOCK == 0 and n_in % X8_BLOCK == 0 and inter % X8_BLOCK == 0
 
 
 def available() -> bool:
@@ -331,6 +341,22 @@ class Kernels:
                           group, n_groups, xb, n_in, hid, inter),
                 self.bind("ed_" + suffix, (g_out, 1), l_out, wbuf, offs, tok_start, slot_w, inter, inter_row_bytes,
                           group, inter_groups, hid, yb, n_in, n_in))
+
+    def bind_experts_x8(self, wbuf, group: int, n_groups: int, n_in: int, inter: int, in_row_bytes: int,
+                        inter_row_bytes: int, inter_groups: int, xb, offs, slot_tok, tok_start, slot_w, hid, yb,
+                        n_slots: int, scratch: tuple) -> tuple[Launch, Launch, Launch, Launch]:
+        """`bind_experts` for int4 experts with int8 activations (`x8_eligible`): quantize x, gate+up, quantize
+        the slots' hidden rows, down. scratch: buffers of codes, scales and code sums of x (`x8_scratch(n_in)`)
+        and of hid (`x8_scratch(n_slots * inter)`)."""
+        xq, xs, xsum, hq, hs, hsum = scratch
+        g_inter, l_inter = self._rows_global(inter)
+        g_out, l_out = self._rows_global(n_in)
+        return (self.bind("quantize_x8", (n_in // X8_BLOCK, 1), None, xb, n_in, n_in, xq, xs, xsum),
+                self.bind("eg_q4_x8", (g_inter, n_slots), l_inter, wbuf, offs, slot_tok, n_in, in_row_bytes, group,
+                          n_groups, xq, xs, xsum, hid, inter),
+                self.bind("quantize_x8", (inter // X8_BLOCK, n_slots), None, hid, inter, inter, hq, hs, hsum),
+                self.bind("ed_q4_x8", (g_out, 1), l_out, wbuf, offs, tok_start, slot_w, inter, inter_row_bytes,
+                          group, inter_groups, hq, hs, hsum, yb, n_in, n_in))
 
     def matvec_t(self, w: ClWeight, x: np.ndarray, head_rows: int, row_start: int, rows: int) -> np.ndarray:
         """`y[s, h] = x[s, h] @ W[h * head_rows + row_start : ... + rows]` (x `[S, heads, rows]`) -> `[S, heads, I]`."""

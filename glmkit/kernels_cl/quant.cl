@@ -151,24 +151,31 @@ INLINE void dequant(const int bits, WARGS, __global float* out, uint rows, uint 
  * wbuf: gate, gate scales, up, up scales, down, down scales. A slot whose token is 0xffffffff is unused (the
  * device decode step's routing fills a fixed number of slots per weight buffer). Global
  * (ceil(inter / ROWS) * LANES, slots). */
-INLINE void expert_gate_up(const int bits, __global const uchar* wbuf, __global const ulong* offs,
+INLINE void expert_gate_up(const int bits, const int x8, __global const uchar* wbuf, __global const ulong* offs,
                            __global const uint* slot_tok, uint n_in, uint row_bytes, uint group, uint n_groups,
-                           __global const float* x, uint x_s, __global float* hid, uint inter, __local float* red) {
+                           __global const float* x, uint x_s, __global const char* xq, __global const float* xs,
+                           __global const int* xsum, __global float* hid, uint inter, __local float* red) {
     const uint lane = LANES > 1 ? get_local_id(0) : 0;
     const uint r0 = (get_global_id(0) / LANES) * ROWS, slot = get_global_id(1);
     const uint nrows = r0 < inter ? umin_(ROWS, inter - r0) : 0;
     const uint tok = slot_tok[slot];
     if (tok == 0xffffffffu) return;  /* uniform over a work-group: its items share the slot */
     __global const ulong* o = offs + slot * 6;
-    const __global float* xs = x + tok * x_s;
     float gu[2 * ROWS];  /* gate rows, then up rows: one pass over x for both */
     if (nrows) {
         const ulong first = (ulong)r0, ahead = (first + ROWS) * row_bytes;  /* the next item's rows */
         const uint ahead_bytes = r0 + 2 * ROWS <= inter ? ROWS * row_bytes : 0;
-        rows_dot(bits, 2, wbuf + o[0] + first * row_bytes, wbuf + o[2] + first * row_bytes, row_bytes,
-                 (const __global float*)(wbuf + o[1]) + first * n_groups,
-                 (const __global float*)(wbuf + o[3]) + first * n_groups, n_groups, nrows, n_in, group, xs, lane, gu,
-                 wbuf + o[0] + ahead, wbuf + o[2] + ahead, ahead_bytes);
+        const __global uchar* gate = wbuf + o[0] + first * row_bytes;
+        const __global uchar* up = wbuf + o[2] + first * row_bytes;
+        const __global float* gate_sc = (const __global float*)(wbuf + o[1]) + first * n_groups;
+        const __global float* up_sc = (const __global float*)(wbuf + o[3]) + first * n_groups;
+        if (x8)
+            rows_dot_x8(2, gate, up, row_bytes, gate_sc, up_sc, n_groups, nrows, n_in, group, xq + tok * n_in,
+                        xs + tok * (n_in / 64), xsum + tok * (n_in / 64), lane, gu, wbuf + o[0] + ahead,
+                        wbuf + o[2] + ahead, ahead_bytes);
+        else
+            rows_dot(bits, 2, gate, up, row_bytes, gate_sc, up_sc, n_groups, nrows, n_in, group, x + tok * x_s, lane,
+                     gu, wbuf + o[0] + ahead, wbuf + o[2] + ahead, ahead_bytes);
     }
     for (uint k = 0; k < ROWS; k++) {
         float gk = k < nrows ? gu[k] : 0.0f, uk = k < nrows ? gu[ROWS + k] : 0.0f;
@@ -180,9 +187,10 @@ INLINE void expert_gate_up(const int bits, __global const uchar* wbuf, __global 
 
 /* Part 2: y[t, o] = sum over the slots of token t (slots tok_start[t] .. tok_start[t+1]) of
  * slot_w[slot] * (down_e[o] . hid[slot]). Global (ceil(rows / ROWS) * LANES, tokens). */
-INLINE void expert_down(const int bits, __global const uchar* wbuf, __global const ulong* offs,
+INLINE void expert_down(const int bits, const int x8, __global const uchar* wbuf, __global const ulong* offs,
                         __global const uint* tok_start, __global const float* slot_w, uint n_in, uint row_bytes,
-                        uint group, uint n_groups, __global const float* hid, __global float* y, uint y_s, uint rows,
+                        uint group, uint n_groups, __global const float* hid, __global const char* hq,
+                        __global const float* hs, __global const int* hsum, __global float* y, uint y_s, uint rows,
                         __local float* red) {
     const uint lane = LANES > 1 ? get_local_id(0) : 0;
     const uint r0 = (get_global_id(0) / LANES) * ROWS, t = get_global_id(1);
@@ -199,8 +207,12 @@ INLINE void expert_down(const int bits, __global const uchar* wbuf, __global con
         const uint ahead_bytes = nrows == ROWS && (!last || r0 + 2 * ROWS <= rows) ? ROWS * row_bytes : 0;
         const __global uchar* down = wbuf + o[4] + (ulong)r0 * row_bytes;
         const __global float* down_sc = (const __global float*)(wbuf + o[5]) + (ulong)r0 * n_groups;
-        if (nrows) rows_dot(bits, 1, down, down, row_bytes, down_sc, down_sc, n_groups, nrows, n_in, group,
-                            hid + slot * n_in, lane, v, ahead, ahead, ahead_bytes);
+        if (nrows && x8)
+            rows_dot_x8(1, down, down, row_bytes, down_sc, down_sc, n_groups, nrows, n_in, group, hq + slot * n_in,
+                        hs + slot * (n_in / 64), hsum + slot * (n_in / 64), lane, v, ahead, ahead, ahead_bytes);
+        else if (nrows)
+            rows_dot(bits, 1, down, down, row_bytes, down_sc, down_sc, n_groups, nrows, n_in, group,
+                     hid + slot * n_in, lane, v, ahead, ahead, ahead_bytes);
         for (uint k = 0; k < ROWS; k++) {
             float vk = k < nrows ? v[k] : 0.0f;
             LANE_SUM(vk, red, lane);
@@ -243,16 +255,72 @@ __kernel void eg_##SUFFIX(__global const uchar* wbuf, __global const ulong* offs
                           uint n_in, uint row_bytes, uint group, uint n_groups, __global const float* x, uint x_s, \
                           __global float* hid, uint inter) { \
     __local float red[LANES]; \
-    expert_gate_up(BITS, wbuf, offs, slot_tok, n_in, row_bytes, group, n_groups, x, x_s, hid, inter, red); \
+    expert_gate_up(BITS, 0, wbuf, offs, slot_tok, n_in, row_bytes, group, n_groups, x, x_s, 0, 0, 0, hid, inter, \
+                   red); \
 } \
 __kernel void ed_##SUFFIX(__global const uchar* wbuf, __global const ulong* offs, __global const uint* tok_start, \
                           __global const float* slot_w, uint n_in, uint row_bytes, uint group, uint n_groups, \
                           __global const float* hid, __global float* y, uint y_s, uint rows) { \
     __local float red[LANES]; \
-    expert_down(BITS, wbuf, offs, tok_start, slot_w, n_in, row_bytes, group, n_groups, hid, y, y_s, rows, red); \
+    expert_down(BITS, 0, wbuf, offs, tok_start, slot_w, n_in, row_bytes, group, n_groups, hid, 0, 0, 0, y, y_s, \
+                rows, red); \
 }
 
 QUANT_KERNELS(f32, 32)
 QUANT_KERNELS(q8, 8)
 QUANT_KERNELS(q4, 4)
 QUANT_KERNELS(q2, 2)
+
+/* ---- int8 activations (common.cl): the int4 fused experts of the device decode step ---------------------
+ * quantize_x8: rows of x (stride x_s, n columns, a multiple of 64) -> codes q[r * n + 64 b ...] (in
+ * the block order of common.cl), scales s[r * n / 64 + b] and code sums qsum[...] per block b. Global (n / 64, rows). */
+__kernel void quantize_x8(__global const float* x, uint x_s, uint n, __global char* q, __global float* s,
+                          __global int* qsum) {
+    const uint b = get_global_id(0), r = get_global_id(1), at = r * (n / 64) + b;
+    const __global float* xp = x + r * x_s + 64 * b;
+    float8 v[8];
+    float8 m8 = (float8)(0.0f);
+    for (uint i = 0; i < 8; i++) {
+        v[i] = LOAD_F8(i, xp);
+        m8 = fmax(m8, fabs(v[i]));
+    }
+    const float4 m4 = fmax(m8.lo, m8.hi);
+    const float m = fmax_(fmax_(m4.x, m4.y), fmax_(m4.z, m4.w));
+    const float inv = m > 0.0f ? 127.0f / m : 0.0f;
+    __global char* qp = q + r * n + 64 * b;
+    int8 sum = (int8)(0);
+    for (uint i = 0; i < 4; i++) {  /* columns 16i .. 16i + 15 */
+        const int8 lo = convert_int8(rint(v[2 * i] * inv)), hi = convert_int8(rint(v[2 * i + 1] * inv));
+        sum += lo + hi;  /* rint: halves to even, as NumPy; |x| * inv <= 127 */
+#ifdef X8_PAIRS
+        vstore8(convert_char8((int8)(lo.even, hi.even)), i, qp);
+        vstore8(convert_char8((int8)(lo.odd, hi.odd)), 4 + i, qp);
+#else
+        vstore4(convert_char4((int4)(lo.s04, hi.s04)), i, qp);
+        vstore4(convert_char4((int4)(lo.s15, hi.s15)), 4 + i, qp);
+        vstore4(convert_char4((int4)(lo.s26, hi.s26)), 8 + i, qp);
+        vstore4(convert_char4((int4)(lo.s37, hi.s37)), 12 + i, qp);
+#endif
+    }
+    const int4 s4 = sum.lo + sum.hi;
+    s[at] = m / 127.0f;
+    qsum[at] = s4.x + s4.y + s4.z + s4.w;
+}
+
+/* eg_q4_x8 / ed_q4_x8: eg_q4 / ed_q4 over quantized inputs (x: one row per token; hid: one row per slot). */
+__kernel void eg_q4_x8(__global const uchar* wbuf, __global const ulong* offs, __global const uint* slot_tok,
+                       uint n_in, uint row_bytes, uint group, uint n_groups, __global const char* xq,
+                       __global const float* xs, __global const int* xsum, __global float* hid, uint inter) {
+    __local float red[LANES];
+    expert_gate_up(4, 1, wbuf, offs, slot_tok, n_in, row_bytes, group, n_groups, 0, 0, xq, xs, xsum, hid, inter,
+                   red);
+}
+
+__kernel void ed_q4_x8(__global const uchar* wbuf, __global const ulong* offs, __global const uint* tok_start,
+                       __global const float* slot_w, uint n_in, uint row_bytes, uint group, uint n_groups,
+                       __global const char* hq, __global const float* hs, __global const int* hsum,
+                       __global float* y, uint y_s, uint rows) {
+    __local float red[LANES];
+    expert_down(4, 1, wbuf, offs, tok_start, slot_w, n_in, row_bytes, group, n_groups, 0, hq, hs, hsum, y, y_s,
+                rows, red);
+}

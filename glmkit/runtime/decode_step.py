@@ -27,7 +27,7 @@ import numpy as np
 
 from glmkit.formats.config import ModelConfig
 from glmkit.formats.tensors import Weight
-from glmkit.kernels_cl.launch import ClWeight, Kernels, Launch
+from glmkit.kernels_cl.launch import X8_BLOCK, ClWeight, Kernels, Launch, x8_eligible
 from glmkit.runtime.kv_cache import KVCache
 
 MAX_ROUTED_EXPERTS = 1024  # the routing kernel's private arrays (MAX_EXPERTS in decode.cl)
@@ -69,13 +69,14 @@ class DeviceDecodeStep:
     """
 
     def __init__(self, cfg: ModelConfig, weight: Callable[[str], Weight], cw: Callable[[Weight], ClWeight | None],
-                 expert_ref: Callable, kernels: Kernels) -> None:
+                 expert_ref: Callable, kernels: Kernels, int8_activations: bool = True) -> None:
         from glmkit.runtime.model import LATENT_NORM_EPS
 
         if cfg.n_routed_experts > MAX_ROUTED_EXPERTS:
             raise Unsupported(f"{cfg.n_routed_experts} routed experts (the routing kernel holds {MAX_ROUTED_EXPERTS})")
         self.cfg, self.k = cfg, kernels
         self._weight, self._cw, self._expert_ref = weight, cw, expert_ref
+        self.int8_activations = int8_activations  # for the int4 experts that allow it (launch.x8_eligible)
         h, nh = cfg.hidden_size, cfg.num_attention_heads
         nope, rope, v_dim, kvl = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         self.red = kernels.red_lanes
@@ -302,9 +303,16 @@ class DeviceDecodeStep:
     def _bind_experts(self, ref, offs, slot_w, n_slots: int, y, wbuf, slot_tok, tok_start) -> tuple[Launch, Launch]:
         """The fused launch pair over `n_slots` slots of experts with `ref`'s scheme in weight buffer `wbuf`."""
         hid = self._buf(n_slots * ref.inter)
-        return self.k.bind_experts(wbuf, ref.bits, ref.group, ref.n_groups, ref.n_in, ref.inter, ref.in_row_bytes,
-                                   ref.inter_row_bytes, ref.inter_groups, self.u[1], offs[1], slot_tok[1], tok_start[1],
-                                   slot_w[1], hid[1], y[1], n_slots)
+        common = (ref.group, ref.n_groups, ref.n_in, ref.inter, ref.in_row_bytes, ref.inter_row_bytes,
+                  ref.inter_groups, self.u[1], offs[1], slot_tok[1], tok_start[1], slot_w[1], hid[1], y[1], n_slots)
+        if self.int8_activations and x8_eligible(ref.bits, ref.group, ref.n_in, ref.inter):
+            return self.k.bind_experts_x8(wbuf, *common, scratch=(*self._x8_scratch(ref.n_in),
+                                                                  *self._x8_scratch(n_slots * ref.inter)))
+        return self.k.bind_experts(wbuf, ref.bits, *common)
+
+    def _x8_scratch(self, n: int) -> tuple[object, object, object]:
+        """Buffers of n int8 codes, their n / X8_BLOCK scales and code sums."""
+        return (self._buf(n, np.int8)[1], self._buf(n // X8_BLOCK)[1], self._buf(n // X8_BLOCK, np.int32)[1])
 
     # ---- one token ---------------------------------------------------------------------------------
 

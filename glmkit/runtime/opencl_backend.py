@@ -110,7 +110,7 @@ class OpenCLBackend:
     its memory); `model_bytes`: the container size (a budget below it makes expert placement per process)."""
 
     def __init__(self, kernels: Kernels, placement: Placement | None = None, budget: int | None = None,
-                 model_bytes: int = 0, unified: bool | None = None) -> None:
+                 model_bytes: int = 0, unified: bool | None = None, int8_activations: bool = True) -> None:
         self.k = kernels
         workers = 1
         if kernels.info.kind == "cpu":
@@ -126,8 +126,10 @@ class OpenCLBackend:
             budget = 1 << 62 if unified else int(kernels.info.global_mem * 0.8)
         self.memory = WeightMemory(kernels, unified, budget)
         self.device = kernels.info.spec
+        # int8_activations: the device decode step's int4 experts multiply int8-quantized inputs
+        self.int8_activations = int8_activations
         tag = {"device": kernels.info.key, "kernels": kernels.version, "placement": self.placement.to_json(),
-               "unified": unified, "host": self.host.numerics}
+               "unified": unified, "host": self.host.numerics, "int8_activations": int8_activations}
         if not unified and budget < model_bytes and not self.placement.stream_experts:
             # which experts end up on the device depends on the order they were first used: the arithmetic of a
             # row is then only reproducible within this process, so its prefill-cache entries stay its own
@@ -205,7 +207,7 @@ class OpenCLBackend:
         if self.placement.decode_step != "cl" or not self.k.direct or not self.memory.unified:
             return None
         try:
-            return DeviceDecodeStep(config, weight, self._cw, self._expert_ref, self.k)
+            return DeviceDecodeStep(config, weight, self._cw, self._expert_ref, self.k, self.int8_activations)
         except Unsupported:
             return None
 
