@@ -11,13 +11,14 @@ import pytest
 
 from glmkit.kernels_cl import launch
 from glmkit.kernels_cl.launch import Kernels, list_devices
-from glmkit.runtime import cli_validate, decode_step
+from glmkit.runtime import cli_run, cli_validate, decode_step
 from glmkit.runtime.decode_step import DeviceDecodeStep
 from glmkit.runtime.engine import Engine
 from glmkit.runtime.generate import Generator
 from glmkit.runtime.model import GlmMoeDsaModel
 from glmkit.runtime.opencl_backend import OpenCLBackend, Placement
 from glmkit.runtime.sampling import Sampler, SamplingParams
+from glmkit.serve import cli as serve_cli
 from tests.runtime_support import FIXTURES, Snapshots, convert, copy_with_config, oracle
 
 
@@ -210,6 +211,19 @@ def test_mtp_is_off_by_default_on_the_step(snapshots):
     assert [device.use_mtp(False, False), device.use_mtp(True, False), device.use_mtp(False, True)] == [False, True,
                                                                                                       False]
     assert [host.use_mtp(False, False), host.use_mtp(False, True)] == [True, False]
+
+
+def test_float_activations_option(snapshots):
+    """`--float-activations` (glm-run, glm-serve, glm-validate) reaches the step: float inputs, its own numerics
+    (prefill-cache entries of one are never reused by the other)."""
+    snap = snapshots("tiny-trained", "q4")
+    for cli, rest in ((cli_run, ["-p", "hi"]), (serve_cli, []), (cli_validate, ["oracle.json"])):
+        assert cli.build_parser().parse_args([str(snap), *rest, "--float-activations"]).float_activations
+    fast, exact = (Engine(snap, "opencl", load_tokenizer=False, float_activations=f) for f in (False, True))
+    assert fast.backend.int8_activations and not exact.backend.int8_activations
+    assert fast.backend.numerics != exact.backend.numerics
+    names = {launch.kernel.function_name for layer in exact.model._decode_step().layers for launch in layer.tail}
+    assert "eg_q4" in names and "eg_q4_x8" not in names
 
 
 # ---- greedy decoding with the next forward in flight ------------------------------------------------

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from glmkit.errors import GlmkitError
-from glmkit.runtime.engine import Engine
+from glmkit.runtime.engine import FLOAT_ACTIVATIONS_HELP, Engine
 from glmkit.runtime.generate import GenerationStats, Generator
 from glmkit.runtime.kv_cache import KVCache
 from glmkit.runtime.prefix_cache import DEFAULT_CHUNK_TOKENS, DEFAULT_MAX_BYTES, PrefixCache, default_cache_dir
@@ -52,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="disable MTP speculative decoding (default: on, except on a device decode step)")
     p.add_argument("--device", default="auto",
                    help="auto (a GPU if any, else the fastest CPU path measured) | numpy | opencl[:platform:device]")
+    p.add_argument("--float-activations", action="store_true", help=FLOAT_ACTIVATIONS_HELP)
     p.add_argument("--list-devices", action="store_true",
                    help="list OpenCL platforms and devices with memory and measured bandwidths, then exit "
                         "(use alone: glm-run --list-devices)")
@@ -96,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.session and not args.chat:
             raise GlmkitError("--session: only with --chat")
         policy = approx_policy(args)
-        engine = Engine(args.snapshot, args.device, args.ram_budget, prefetch=not args.no_prefetch)
+        engine = Engine(args.snapshot, args.device, args.ram_budget, prefetch=not args.no_prefetch,
+                        float_activations=args.float_activations)
         use_mtp = engine.use_mtp(args.mtp, args.no_mtp)
         generator = Generator(engine.model, engine.eos_token_ids, use_mtp=use_mtp)
         session = Session(engine.model, open_prefix_cache(engine, args, use_mtp), policy)

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from glmkit.errors import GlmkitError
-from glmkit.runtime.engine import Engine
+from glmkit.runtime.engine import FLOAT_ACTIVATIONS_HELP, Engine
 from glmkit.runtime.generate import Generator
 from glmkit.runtime.sampling import Sampler, SamplingParams
 
@@ -36,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="exact mode: max |logit diff| allowed, relative to the oracle's max |logit| (default 1e-4)")
     p.add_argument("--no-mtp", action="store_true", help="greedy check without MTP speculative decoding")
     p.add_argument("--device", default="auto", help="auto | numpy | opencl[:platform:device]")
+    p.add_argument("--float-activations", action="store_true", help=FLOAT_ACTIVATIONS_HELP)
     return p
 
 
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.min_agreement is not None and not 0 <= args.min_agreement <= 1:
             raise GlmkitError(f"--min-agreement: must be in [0, 1], got {args.min_agreement}")
-        engine = Engine(args.snapshot, args.device, load_tokenizer=False)
+        engine = Engine(args.snapshot, args.device, load_tokenizer=False, float_activations=args.float_activations)
         oracle = load_oracle(args.oracle, engine.config.vocab_size)
         result = validate(engine, oracle, use_mtp=not args.no_mtp)
     except GlmkitError as e:

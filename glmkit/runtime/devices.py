@@ -88,10 +88,11 @@ def pick(devices: list[DeviceInfo], platform: int | None = None, device: int | N
     return next((d for d in devices if d.kind == "cpu"), devices[0])
 
 
-def make_backend(spec: str, container: Any = None) -> tuple[Backend, str]:
+def make_backend(spec: str, container: Any = None, int8_activations: bool = True) -> tuple[Backend, str]:
     """The backend for `--device spec` and its name (as `glm-run --stats-json` reports it).
 
     container: the opened snapshot (auto measures with its weights; its size sets the hybrid budget).
+    int8_activations: the device decode step's int4 MLPs take int8-quantized inputs (off: float inputs).
     """
     kind, platform, device = parse_device(spec)
     if kind == "numpy":
@@ -116,14 +117,16 @@ def make_backend(spec: str, container: Any = None) -> tuple[Backend, str]:
         notice(f"--device {spec}: {info.name} cannot run the kernels ({_one_line(e)}); using numpy")
         return NumpyBackend(), "numpy"
     if kind == "opencl" or container is None:
-        return OpenCLBackend(kernels, Placement.all_cl(kernels.direct), model_bytes=model_bytes), info.spec
+        return OpenCLBackend(kernels, Placement.all_cl(kernels.direct), model_bytes=model_bytes,
+                             int8_activations=int8_activations), info.spec
     blas_threads = initial_blas_threads()
     placement = load_or_measure(kernels, container)
     if not placement.uses_cl():
         if blas_threads:
             set_blas_threads(blas_threads)  # measuring ran the OpenCL backend, which pins BLAS to one thread
         return NumpyBackend(), "numpy"
-    return OpenCLBackend(kernels, placement, model_bytes=model_bytes), f"{info.spec}+auto"
+    return (OpenCLBackend(kernels, placement, model_bytes=model_bytes, int8_activations=int8_activations),
+            f"{info.spec}+auto")
 
 
 def _one_line(e: BaseException) -> str:

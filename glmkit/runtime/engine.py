@@ -12,25 +12,31 @@ from glmkit.runtime.experts import ExpertStreamer
 from glmkit.runtime.model import GlmMoeDsaModel
 from glmkit.runtime.tokenizer import ChatTokenizer
 
+FLOAT_ACTIVATIONS_HELP = ("decode int4 MLPs with float inputs (the reference arithmetic, slower) instead of "
+                          "int8-quantized ones on an OpenCL CPU device")
 
-def make_backend(device: str, container: Container | None = None) -> tuple[Backend, str]:
+
+def make_backend(device: str, container: Container | None = None, int8_activations: bool = True
+                 ) -> tuple[Backend, str]:
     """`numpy`, `opencl[:P:D]` or `auto` (glmkit.runtime.devices). Returns (backend, its name)."""
     if device in ("numpy", "cpu"):
         return NumpyBackend(), "numpy"
     from glmkit.runtime.devices import make_backend as select  # imports pyopencl: only when OpenCL may be used
 
-    return select(device, container)
+    return select(device, container, int8_activations)
 
 
 class Engine:
     """device: `numpy` (the library default: scripts and benchmarks get the reference unless they ask),
-    `auto` (the CLIs' default: measured placement) or `opencl[:P:D]` (see glmkit.runtime.devices)."""
+    `auto` (the CLIs' default: measured placement) or `opencl[:P:D]` (see glmkit.runtime.devices).
+    float_activations: the device decode step's int4 MLPs take float inputs (the reference arithmetic) instead
+    of int8-quantized ones (faster: docs/BENCHMARKS.md)."""
 
     def __init__(self, snapshot: str | Path, device: str = "numpy", ram_budget_bytes: int = 0,
-                 prefetch: bool = True, load_tokenizer: bool = True):
+                 prefetch: bool = True, load_tokenizer: bool = True, float_activations: bool = False):
         self.container = Container(snapshot)
         self.config = self.container.config
-        self.backend, self.device = make_backend(device, self.container)
+        self.backend, self.device = make_backend(device, self.container, not float_activations)
         self.experts = ExpertStreamer(self.container, ram_budget_bytes, prefetch)
         self.model = GlmMoeDsaModel(self.config, self.experts, self.backend, route_hook=self.experts.on_route)
         self.tokenizer = ChatTokenizer(snapshot) if load_tokenizer else None

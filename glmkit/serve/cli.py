@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from glmkit.errors import GlmkitError
-from glmkit.runtime.engine import Engine
+from glmkit.runtime.engine import FLOAT_ACTIVATIONS_HELP, Engine
 from glmkit.runtime.prefix_cache import DEFAULT_CHUNK_TOKENS, DEFAULT_MAX_BYTES, PrefixCache, default_cache_dir
 from glmkit.serve.app import Loaded, SamplingDefaults, ServeConfig, create_app
 from glmkit.serve.scheduler import Scheduler
@@ -43,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     mtp.add_argument("--no-mtp", action="store_true",
                      help="disable MTP speculative decoding (default: on, except on a device decode step)")
     p.add_argument("--device", default="auto", help="auto | numpy | opencl[:platform:device]")
+    p.add_argument("--float-activations", action="store_true", help=FLOAT_ACTIVATIONS_HELP)
     p.add_argument("--ram-budget", type=parse_size, default=0, metavar="SIZE",
                    help="pin the hottest routed experts in RAM up to SIZE (default 0)")
     p.add_argument("--no-prefetch", action="store_true", help="disable router-driven expert prefetch")
@@ -93,7 +94,8 @@ def generation_defaults(snapshot: Path) -> SamplingDefaults:
 
 def make_loader(args: argparse.Namespace):
     def load() -> Loaded:
-        engine = Engine(args.snapshot, args.device, args.ram_budget, prefetch=not args.no_prefetch)
+        engine = Engine(args.snapshot, args.device, args.ram_budget, prefetch=not args.no_prefetch,
+                        float_activations=args.float_activations)
         if engine.tokenizer is None or engine.tokenizer.chat_template is None:
             logging.getLogger("glmkit.serve").warning("the snapshot has no chat template: only /v1/completions works")
         directory = args.cache_dir or default_cache_dir()
