@@ -373,11 +373,12 @@ def test_decode_routing(kernels, rng, norm):
 
 def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The arithmetic of common.cl's int8 activations: x `[S, N]` -> int codes `[S, N]` and float32 scales
-    `[S, N / 64]`; per block of 64 columns scale = max|x| / 127 and codes = rint(x * (127 / max|x|))."""
+    `[S, N / 64]`; per block of 64 columns scale = max|x| * (1 / 127) and codes = rint(x * (127 / max|x|)).
+    (A GPU's division 127 / max|x| may be off by an ulp: a code then differs where x * inv is a half.)"""
     blocks = x.reshape(x.shape[0], -1, 64)
     m = np.abs(blocks).max(axis=-1, keepdims=True)
     inv = np.divide(np.float32(127), m, out=np.zeros_like(m), where=m > 0)
-    return np.rint(blocks * inv).astype(np.int64).reshape(x.shape), m[..., 0] / np.float32(127)
+    return np.rint(blocks * inv).astype(np.int64).reshape(x.shape), m[..., 0] * np.float32(1 / 127)
 
 
 def x8_linear(x: np.ndarray, w: QuantWeight) -> np.ndarray:

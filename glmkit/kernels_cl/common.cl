@@ -205,8 +205,8 @@ INLINE void rows_dot(const int bits, const int sets, const __global uchar* row, 
 }
 
 /* ---- int8 activations (the device decode step's int4 experts) ----------------------------------------
- * x is quantized per block of 64 columns: s = max|x| / 127 and q = rint(x * (127 / max|x|)), in float32
- * (glmkit.runtime.backend.quantize_activations is the reference). An int4 row's product with a block is summed
+ * x is quantized per block of 64 columns: s = max|x| * (1 / 127) and q = rint(x * (127 / max|x|)), in float32
+ * (tests/test_kernels_cl.py's quantize_activations is the reference). An int4 row's product with a block is summed
  * as integers, sum (c - 8) q = sum c q - 8 sum q, then scaled by the row's group scale times s. A block's 64
  * codes are stored in the order its dot product reads them:
  * - X8_PAIRS (AVX2 CPUs): even columns, then odd ones, matching the low and high nibbles of the block's 32

@@ -303,7 +303,7 @@ __kernel void quantize_x8(__global const float* x, uint x_s, uint n, __global ch
 #endif
     }
     const int4 s4 = sum.lo + sum.hi;
-    s[at] = m / 127.0f;
+    s[at] = m * (1.0f / 127.0f);  /* a product: correctly rounded on every device (GPU divisions need not be) */
     qsum[at] = s4.x + s4.y + s4.z + s4.w;
 }
 
