@@ -148,6 +148,19 @@ INLINE float hsum8(float8 v) {
 #define TOUCH_AHEAD(c) do { } while (0)
 #endif
 
+/* The row and scale pointers of rows_dot's `sets * ROWS` rows (rows past nrows repeat the last row: valid
+ * memory, results dropped, no branch in the inner loop), and their zeroed accumulators. */
+INLINE void row_sets(const int sets, const __global uchar* row, const __global uchar* row2, uint row_bytes,
+                     const __global float* sc, const __global float* sc2, uint n_groups, uint nrows,
+                     const __global uchar** rk, const __global float** sk, float8* acc) {
+    for (uint k = 0; k < sets * ROWS; k++) {
+        const uint kk = umin_(k % ROWS, nrows - 1);
+        rk[k] = (k < ROWS ? row : row2) + kk * row_bytes;
+        sk[k] = (k < ROWS ? sc : sc2) + kk * n_groups;
+        acc[k] = (float8)(0.0f);
+    }
+}
+
 /* This lane's part of `out[k] = sum_i W[row k, i] * x[i]` for the `nrows` (<= ROWS) consecutive rows at
  * `row` (stride row_bytes; scales at sc, stride n_groups) over n columns; with sets == 2 also `out[ROWS + k]`
  * for the rows at `row2` (scales sc2; the fused expert's up rows next to its gate rows), which share each
@@ -158,16 +171,10 @@ INLINE void rows_dot(const int bits, const int sets, const __global uchar* row, 
                      uint n, uint group, const __global float* x, uint lane, float* out,
                      const __global uchar* ahead, const __global uchar* ahead2, uint ahead_bytes) {
     const uint cw = chunk_codes(bits);
-    /* rows past nrows repeat the last row (valid memory, results dropped): no branch in the inner loop */
     const __global uchar* rk[2 * ROWS];
     const __global float* sk[2 * ROWS];
     float8 acc[2 * ROWS];
-    for (uint k = 0; k < sets * ROWS; k++) {
-        const uint kk = umin_(k % ROWS, nrows - 1);
-        rk[k] = (k < ROWS ? row : row2) + kk * row_bytes;
-        sk[k] = (k < ROWS ? sc : sc2) + kk * n_groups;
-        acc[k] = (float8)(0.0f);
-    }
+    row_sets(sets, row, row2, row_bytes, sc, sc2, n_groups, nrows, rk, sk, acc);
     uint vec_end = 0;
     uint sink = 0;
     if (bits == 32 || group == 0) {
@@ -263,12 +270,7 @@ INLINE void rows_dot_x8(const int sets, const __global uchar* row, const __globa
     const __global uchar* rk[2 * ROWS];
     const __global float* sk[2 * ROWS];
     float8 acc[2 * ROWS];
-    for (uint k = 0; k < sets * ROWS; k++) {
-        const uint kk = umin_(k % ROWS, nrows - 1);
-        rk[k] = (k < ROWS ? row : row2) + kk * row_bytes;
-        sk[k] = (k < ROWS ? sc : sc2) + kk * n_groups;
-        acc[k] = (float8)(0.0f);
-    }
+    row_sets(sets, row, row2, row_bytes, sc, sc2, n_groups, nrows, rk, sk, acc);
     const uint blocks = n / 64u, per = group / 64u;
     uint sink = 0;
     for (uint c = lane; c < blocks; c += LANES) {
