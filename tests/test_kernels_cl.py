@@ -246,9 +246,12 @@ class Mirrors:
 
     def launch(self, name, size, local, *args):
         """Launch kernel `name` once through a bound launch and wait."""
+        self.launch_bound(self.k.bind(name, size, local, *args))
+
+    def launch_bound(self, launch):
         for host, buf in self.pairs:
             cl.enqueue_copy(self.k.queue, buf, host)
-        self.k.bind(name, size, local, *args).enqueue().wait()
+        launch.enqueue().wait()
         for host, buf in self.pairs:
             cl.enqueue_copy(self.k.queue, host, buf, is_blocking=True)
 
@@ -265,10 +268,10 @@ def test_decode_norms_and_rope(kernels, rng):
     xh[4:], ah[:] = x, a
     red = kernels.red_lanes
     # x[4:] += a, then the norm with the weights at vec[n:2n] into y[9:]
-    mirror.launch("residual_rms_norm", (red,), (red,), xb, 4, ab, 1, vec, n, yb, 9, n, 1e-5)
+    mirror.launch("residual_rms_norm", (red,), (red,), xb, 4, ab, 1, vec, n, yb, 9, n, 1e-5, 0, xb, xb, xb)
     close(xh[4:], x + a, 0)
     close(yh[9:], REF.rms_norm((x + a)[None], vec_h[n:2 * n], 1e-5)[0])
-    mirror.launch("residual_rms_norm", (red,), (red,), xb, 4, ab, 0, vec, 0, yb, 0, n, 1e-6)
+    mirror.launch("residual_rms_norm", (red,), (red,), xb, 4, ab, 0, vec, 0, yb, 0, n, 1e-6, 0, xb, xb, xb)
     close(xh[4:], x + a, 0)  # add = 0 leaves x alone
     close(yh[:n], REF.rms_norm((x + a)[None], vec_h[:n], 1e-6)[0])
     # rope on the first `rope` columns of each of `heads` rows of width `width` read at stride 20, offset 2
@@ -418,16 +421,14 @@ def test_fused_experts_int8_activations(kernels, wide_kernels, rng, group):
             host[name] = mirror(count, dtype)
             host[name][0][:] = np.reshape(value, -1) if np.ndim(value) else value
         buf = {name: pair[1] for name, pair in host.items()}
-        launches = k.bind_experts_x8(wbuf, group, g.scales.shape[1], hidden, inter, g.packed.shape[1],
-                                     d.packed.shape[1], d.scales.shape[1], buf["x"], buf["offs"], buf["tok"],
-                                     buf["start"], buf["w"], buf["hid"], buf["y"], len(slots),
-                                     (buf["xq"], buf["xs"], buf["xsum"], buf["hq"], buf["hs"], buf["hsum"]))
+        x_codes = (buf["xq"], buf["xs"], buf["xsum"])
+        launches = (k.bind_quantize(buf["x"], hidden, 1, x_codes),
+                    *k.bind_experts_x8(wbuf, group, g.scales.shape[1], hidden, inter, g.packed.shape[1],
+                                       d.packed.shape[1], d.scales.shape[1], x_codes, buf["offs"], buf["tok"],
+                                       buf["start"], buf["w"], buf["hid"], buf["y"], len(slots),
+                                       (buf["hq"], buf["hs"], buf["hsum"])))
         for launch in launches:
-            for arr, b in mirror.pairs:
-                cl.enqueue_copy(k.queue, b, arr)
-            launch.enqueue().wait()
-            for arr, b in mirror.pairs:
-                cl.enqueue_copy(k.queue, arr, b, is_blocking=True)
+            mirror.launch_bound(launch)
         val = {name: pair[0] for name, pair in host.items()}
         q, s = quantize_activations(x[None])
         assert np.array_equal(val["xs"], s[0]) and np.array_equal(val["xsum"], q.reshape(-1, 64).sum(-1))
@@ -442,3 +443,34 @@ def test_fused_experts_int8_activations(kernels, wide_kernels, rng, group):
         want = sum(w * x8_linear(hid[i:i + 1], experts[e][2])[0] for i, (e, w) in enumerate(slots[:3]))
         close(val["y"], want, 2e-6)
         close(val["y"], fused_reference(x[None], experts, [(0, e, w) for e, w in slots[:3]])[0], 3e-2)
+
+
+def test_int8_input_matvec_and_norm(kernels, wide_kernels, rng):
+    """mv_q4_x8 over per-head input rows (kv_b's value product) against the reference arithmetic, and the
+    RMSNorm that writes its output's codes too (the step's u and q_lat) against quantize_x8's."""
+    heads, n, head_rows, rows = 3, 128, 40, 24
+    w = make_weight(rng, heads * head_rows, n, 4, 64)[0]
+    x = rng.standard_normal((heads, n)).astype(np.float32)
+    want = np.stack([x8_linear(x[h:h + 1], QuantWeight(w.packed[h * head_rows + 5:h * head_rows + 5 + rows],
+                                                       w.scales[h * head_rows + 5:h * head_rows + 5 + rows], 4, 64,
+                                                       (rows, n)))[0] for h in range(heads)])
+    for k in (kernels, wide_kernels):
+        mirror = Mirrors(k)
+        (xh, xb), (yh, yb) = mirror(heads * n), mirror(heads * rows)
+        codes = [mirror(heads * n, np.int8), mirror(heads * n // 64), mirror(heads * n // 64, np.int32)]
+        xh[:] = x.reshape(-1)
+        scratch = tuple(c[1] for c in codes)
+        cw = device_weight(k, w, unified=k.direct)
+        for launch in (k.bind_quantize(xb, n, heads, scratch),
+                       k.bind_matvec_x8(cw, scratch, yb, heads, head_rows, 5, rows)):
+            mirror.launch_bound(launch)
+        close(yh.reshape(heads, rows), want, 2e-6)
+        norm_codes = [mirror(n, np.int8), mirror(n // 64), mirror(n // 64, np.int32)]
+        (in_h, in_b), (wh, wb), (out_h, out_b) = mirror(n), mirror(n), mirror(n)
+        in_h[:], wh[:] = x[0], rng.standard_normal(n).astype(np.float32)
+        mirror.launch("residual_rms_norm", (k.red_lanes,), (k.red_lanes,), in_b, 0, in_b, 0, wb, 0, out_b, 0, n, 1e-6,
+                      1, *(c[1] for c in norm_codes))
+        close(out_h, REF.rms_norm(x[:1], wh, 1e-6)[0])
+        q, s = quantize_activations(out_h[None])
+        assert np.array_equal(norm_codes[1][0], s[0]) and np.array_equal(norm_codes[2][0], q.reshape(-1, 64).sum(-1))
+        assert sorted(norm_codes[0][0].tolist()) == sorted(q[0].tolist())

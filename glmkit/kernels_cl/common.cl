@@ -260,6 +260,36 @@ INLINE int8 block_dot(const __global uchar* w, const x8_block* x) {
 }
 #endif
 
+/* One block of 64 floats at xp -> its 64 codes at qp (in the block order above), scale *s, code sum *qsum. */
+INLINE void quantize_block(const __global float* xp, __global char* qp, __global float* s, __global int* qsum) {
+    float8 v[8];
+    float8 m8 = (float8)(0.0f);
+    for (uint i = 0; i < 8; i++) {
+        v[i] = LOAD_F8(i, xp);
+        m8 = fmax(m8, fabs(v[i]));
+    }
+    const float4 m4 = fmax(m8.lo, m8.hi);
+    const float m = fmax_(fmax_(m4.x, m4.y), fmax_(m4.z, m4.w));
+    const float inv = m > 0.0f ? 127.0f / m : 0.0f;
+    int8 sum = (int8)(0);
+    for (uint i = 0; i < 4; i++) {  /* columns 16i .. 16i + 15 */
+        const int8 lo = convert_int8(rint(v[2 * i] * inv)), hi = convert_int8(rint(v[2 * i + 1] * inv));
+        sum += lo + hi;  /* rint: halves to even, as NumPy; |x| * inv <= 127 */
+#ifdef X8_PAIRS
+        vstore8(convert_char8((int8)(lo.even, hi.even)), i, qp);
+        vstore8(convert_char8((int8)(lo.odd, hi.odd)), 4 + i, qp);
+#else
+        vstore4(convert_char4((int4)(lo.s04, hi.s04)), i, qp);
+        vstore4(convert_char4((int4)(lo.s15, hi.s15)), 4 + i, qp);
+        vstore4(convert_char4((int4)(lo.s26, hi.s26)), 8 + i, qp);
+        vstore4(convert_char4((int4)(lo.s37, hi.s37)), 12 + i, qp);
+#endif
+    }
+    const int4 s4 = sum.lo + sum.hi;
+    *s = m * (1.0f / 127.0f);  /* a product: correctly rounded on every device (GPU divisions need not be) */
+    *qsum = s4.x + s4.y + s4.z + s4.w;
+}
+
 /* rows_dot for int4 rows (group a multiple of 64) and int8-quantized x: codes xq, scales xs and code sums xsum
  * per block. n: a multiple of 64. Two read-ahead lines per block (a block is 32 bytes of each of ROWS rows). */
 INLINE void rows_dot_x8(const int sets, const __global uchar* row, const __global uchar* row2, uint row_bytes,

@@ -4,10 +4,12 @@
  * norm weights and biases. One query token throughout. */
 
 /* x += a (when `add`), then y = w * (x * (1 / sqrt(mean(x^2) + eps))) over n values: a residual add followed
- * by the next RMSNorm (add = 0: the norm alone). One work-group of RED_LANES items. */
+ * by the next RMSNorm (add = 0: the norm alone). With `quantize`, also y's int8 codes, scales and code sums
+ * (common.cl; n a multiple of 64) for the int8-input products that read it. One work-group of RED_LANES items. */
 __kernel void residual_rms_norm(__global float* x, uint x_off, __global const float* a, uint add,
                                 __global const float* w, uint w_off, __global float* y, uint y_off, uint n,
-                                float eps) {
+                                float eps, uint quantize, __global char* q, __global float* qs,
+                                __global int* qsum) {
     __local float red[RED_LANES];
     const uint l = get_local_id(0);
     __global float* xp = x + x_off;
@@ -22,6 +24,9 @@ __kernel void residual_rms_norm(__global float* x, uint x_off, __global const fl
     }
     const float inv = 1.0f / sqrt(group_sum(s, red) / (float)n + eps);
     for (uint i = l; i < n; i += RED_LANES) y[y_off + i] = w[w_off + i] * (xp[i] * inv);
+    if (!quantize) return;
+    barrier(CLK_GLOBAL_MEM_FENCE);  /* a block is read by another item than the ones that wrote it */
+    for (uint b = l; b < n / 64; b += RED_LANES) quantize_block(y + y_off + 64 * b, q + 64 * b, qs + b, qsum + b);
 }
 
 /* token[0] = the index of the largest of n values, the first one on ties (NumPy's argmax): the greedy token,

@@ -53,7 +53,7 @@ SIGNATURES = {
     "attention": [None] * 6 + [_U32] * 8 + [_F32],
     "index_scores": [None] * 4 + [_U32] * 3 + [_F32, _F32],
     "topk_select": [None] * 3 + [_U32] * 3,
-    "residual_rms_norm": [None, _U32, None, _U32, None, _U32, None, _U32, _U32, _F32],
+    "residual_rms_norm": [None, _U32, None, _U32, None, _U32, None, _U32, _U32, _F32, _U32, None, None, None],
     "add_into": [None, None, _U32],
     "argmax_row": [None, _U32, None],
     "kv_row": [None, None, _U32, None, None, _U32, _U32, _U32, None, _F32],
@@ -63,6 +63,7 @@ SIGNATURES = {
     "mla_decode_values": [None] * 3 + [_U32, _U32],
     "route_noaux_tc": [None, None, _U32, None, None] + [_U32] * 6 + [_F32, _U32, None, None, None, _U32, None, None],
     "quantize_x8": [None, _U32, _U32, None, None, None],
+    "mv_q4_x8": _W + [None, None, None, _U32, _U32, _U32, None, _U32, _U32, _U32, _U32, _U32],
     "eg_q4_x8": [None, None, None, _U32, _U32, _U32, _U32, None, None, None, None, _U32],
     "ed_q4_x8": [None, None, None, None, _U32, _U32, _U32, _U32, None, None, None, None, _U32, _U32],
 }
@@ -70,10 +71,10 @@ BIT_SUFFIX = {32: "f32", 8: "q8", 4: "q4", 2: "q2"}
 X8_BLOCK = 64  # columns per scale of int8-quantized activations (common.cl)
 
 
-def x8_eligible(bits: int, group: int, n_in: int, inter: int) -> bool:
-    """Whether an expert MLP's products can take int8 activations: int4 codes whose scale groups are whole
-    blocks of X8_BLOCK columns, both inputs (n_in, inter) a whole number of blocks."""
-    return bits == 4 and group > 0 and group % X8_BLOCK == 0 and n_in % X8_BLOCK == 0 and inter % X8_BLOCK == 0
+def x8_eligible(bits: int, group: int, *widths: int) -> bool:
+    """Whether products can take int8 activations: int4 codes whose scale groups are whole blocks of X8_BLOCK
+    columns, every input width (a matrix's columns; an MLP's n_in and inter) a whole number of blocks."""
+    return bits == 4 and group > 0 and group % X8_BLOCK == 0 and all(w % X8_BLOCK == 0 for w in widths)
 
 
 def available() -> bool:
@@ -320,6 +321,20 @@ class Kernels:
         return self.bind("mv_" + BIT_SUFFIX[w.bits], (g0, heads), local, *w.args(), xb, 1, heads * w.n_in, x_h, yb,
                          heads * rows, rows, rows, head_rows, row_start)
 
+    def bind_quantize(self, xb, n: int, rows: int, scratch: tuple) -> Launch:
+        """int8 codes, scales and code sums (scratch: their buffers) of `rows` contiguous rows of n floats (n a
+        multiple of X8_BLOCK): the inputs of the int8-input products."""
+        return self.bind("quantize_x8", (n // X8_BLOCK, rows), None, xb, n, n, *scratch)
+
+    def bind_matvec_x8(self, w: ClWeight, scratch: tuple, yb, heads: int = 1, head_rows: int = 0,
+                       row_start: int = 0, rows: int | None = None) -> Launch:
+        """`bind_matvec` of contiguous input rows (x_h = n_in) with int8 activations (`x8_eligible`): scratch
+        holds the rows quantized (`bind_quantize`)."""
+        rows = w.rows if rows is None else rows
+        g0, local = self._rows_global(rows)
+        return self.bind("mv_q4_x8", (g0, heads), local, *w.args(), *scratch, 1, heads * w.n_in, w.n_in, yb,
+                         heads * rows, rows, rows, head_rows, row_start)
+
     def bind_embed_row(self, w: ClWeight, token, out) -> Launch:
         """Row `token[0]` of W (a buffer holding one uint) as float into `out`: an embedding lookup on the device."""
         return self.bind("er_" + BIT_SUFFIX[w.bits], (w.n_in,), None, *w.args(), token, out)
@@ -343,20 +358,17 @@ class Kernels:
                           group, inter_groups, hid, yb, n_in, n_in))
 
     def bind_experts_x8(self, wbuf, group: int, n_groups: int, n_in: int, inter: int, in_row_bytes: int,
-                        inter_row_bytes: int, inter_groups: int, xb, offs, slot_tok, tok_start, slot_w, hid, yb,
-                        n_slots: int, scratch: tuple) -> tuple[Launch, Launch, Launch, Launch]:
-        """`bind_experts` for int4 experts with int8 activations (`x8_eligible`): quantize x, gate+up, quantize
-        the slots' hidden rows, down. scratch: buffers of codes, scales and code sums of x (`x8_scratch(n_in)`)
-        and of hid (`x8_scratch(n_slots * inter)`)."""
-        xq, xs, xsum, hq, hs, hsum = scratch
+                        inter_row_bytes: int, inter_groups: int, x_scratch: tuple, offs, slot_tok, tok_start, slot_w,
+                        hid, yb, n_slots: int, hid_scratch: tuple) -> tuple[Launch, Launch, Launch]:
+        """`bind_experts` for int4 experts with int8 activations (`x8_eligible`): gate+up over x quantized in
+        x_scratch (`bind_quantize`), the slots' hidden rows quantized into hid_scratch, down."""
         g_inter, l_inter = self._rows_global(inter)
         g_out, l_out = self._rows_global(n_in)
-        return (self.bind("quantize_x8", (n_in // X8_BLOCK, 1), None, xb, n_in, n_in, xq, xs, xsum),
-                self.bind("eg_q4_x8", (g_inter, n_slots), l_inter, wbuf, offs, slot_tok, n_in, in_row_bytes, group,
-                          n_groups, xq, xs, xsum, hid, inter),
-                self.bind("quantize_x8", (inter // X8_BLOCK, n_slots), None, hid, inter, inter, hq, hs, hsum),
+        return (self.bind("eg_q4_x8", (g_inter, n_slots), l_inter, wbuf, offs, slot_tok, n_in, in_row_bytes, group,
+                          n_groups, *x_scratch, hid, inter),
+                self.bind_quantize(hid, inter, n_slots, hid_scratch),
                 self.bind("ed_q4_x8", (g_out, 1), l_out, wbuf, offs, tok_start, slot_w, inter, inter_row_bytes,
-                          group, inter_groups, hq, hs, hsum, yb, n_in, n_in))
+                          group, inter_groups, *hid_scratch, yb, n_in, n_in))
 
     def matvec_t(self, w: ClWeight, x: np.ndarray, head_rows: int, row_start: int, rows: int) -> np.ndarray:
         """`y[s, h] = x[s, h] @ W[h * head_rows + row_start : ... + rows]` (x `[S, heads, rows]`) -> `[S, heads, I]`."""

@@ -29,7 +29,8 @@
 /* y[s, h, r] = sum_i x[s, h, i] * W[h * head_rows + row_start + r, i] for r < rows, s < n_s.
  * Global (ceil(rows / ROWS) * LANES, heads): a work-item owns ROWS consecutive rows (each chunk of x is
  * arranged once for all of them); each weight row is read from memory once, later inputs hit the cache. */
-INLINE void matvec(const int bits, WARGS, __global const float* x, uint n_s, uint x_s, uint x_h,
+INLINE void matvec(const int bits, const int x8, WARGS, __global const float* x, __global const char* xq,
+                   __global const float* xs, __global const int* xsum, uint n_s, uint x_s, uint x_h,
                    __global float* y, uint y_s, uint y_h, uint rows, uint head_rows, uint row_start,
                    __local float* red) {
     const uint lane = LANES > 1 ? get_local_id(0) : 0;
@@ -39,9 +40,14 @@ INLINE void matvec(const int bits, WARGS, __global const float* x, uint n_s, uin
     const bool next = r0 + 2 * ROWS <= rows;  /* read ahead into the next item's rows when it has ROWS of them */
     for (uint s = 0; s < n_s; s++) {
         float v[ROWS];
-        if (nrows) rows_dot(bits, 1, ROW_PTR(wr), ROW_PTR(wr), row_bytes, SCALE_PTR(wr), SCALE_PTR(wr), n_groups,
-                            nrows, n_in, group, x + s * x_s + h * x_h, lane, v, ROW_PTR(wr + ROWS), ROW_PTR(wr + ROWS),
-                            next ? ROWS * row_bytes : 0);
+        const uint at = s * x_s + h * x_h;  /* x8: the codes' offset too; a multiple of 64, so blocks at at / 64 */
+        if (nrows && x8)
+            rows_dot_x8(1, ROW_PTR(wr), ROW_PTR(wr), row_bytes, SCALE_PTR(wr), SCALE_PTR(wr), n_groups, nrows, n_in,
+                        group, xq + at, xs + at / 64, xsum + at / 64, lane, v, ROW_PTR(wr + ROWS), ROW_PTR(wr + ROWS),
+                        next ? ROWS * row_bytes : 0);
+        else if (nrows)
+            rows_dot(bits, 1, ROW_PTR(wr), ROW_PTR(wr), row_bytes, SCALE_PTR(wr), SCALE_PTR(wr), n_groups, nrows,
+                     n_in, group, x + at, lane, v, ROW_PTR(wr + ROWS), ROW_PTR(wr + ROWS), next ? ROWS * row_bytes : 0);
         for (uint k = 0; k < ROWS; k++) {
             float vk = k < nrows ? v[k] : 0.0f;
             LANE_SUM(vk, red, lane);
@@ -228,8 +234,8 @@ INLINE void expert_down(const int bits, const int x8, __global const uchar* wbuf
 __kernel void mv_##SUFFIX(WARGS, __global const float* x, uint n_s, uint x_s, uint x_h, __global float* y, \
                           uint y_s, uint y_h, uint rows, uint head_rows, uint row_start) { \
     __local float red[LANES]; \
-    matvec(BITS, wbuf, w_off, sbuf, s_off, n_in, row_bytes, group, n_groups, x, n_s, x_s, x_h, y, y_s, y_h, \
-           rows, head_rows, row_start, red); \
+    matvec(BITS, 0, wbuf, w_off, sbuf, s_off, n_in, row_bytes, group, n_groups, x, 0, 0, 0, n_s, x_s, x_h, y, y_s, \
+           y_h, rows, head_rows, row_start, red); \
 } \
 __kernel void mvt_##SUFFIX(WARGS, __global const float* x, uint n_s, uint x_s, uint x_h, __global float* y, \
                            uint y_s, uint y_h, uint rows, uint head_rows, uint row_start) { \
@@ -277,34 +283,16 @@ QUANT_KERNELS(q2, 2)
 __kernel void quantize_x8(__global const float* x, uint x_s, uint n, __global char* q, __global float* s,
                           __global int* qsum) {
     const uint b = get_global_id(0), r = get_global_id(1), at = r * (n / 64) + b;
-    const __global float* xp = x + r * x_s + 64 * b;
-    float8 v[8];
-    float8 m8 = (float8)(0.0f);
-    for (uint i = 0; i < 8; i++) {
-        v[i] = LOAD_F8(i, xp);
-        m8 = fmax(m8, fabs(v[i]));
-    }
-    const float4 m4 = fmax(m8.lo, m8.hi);
-    const float m = fmax_(fmax_(m4.x, m4.y), fmax_(m4.z, m4.w));
-    const float inv = m > 0.0f ? 127.0f / m : 0.0f;
-    __global char* qp = q + r * n + 64 * b;
-    int8 sum = (int8)(0);
-    for (uint i = 0; i < 4; i++) {  /* columns 16i .. 16i + 15 */
-        const int8 lo = convert_int8(rint(v[2 * i] * inv)), hi = convert_int8(rint(v[2 * i + 1] * inv));
-        sum += lo + hi;  /* rint: halves to even, as NumPy; |x| * inv <= 127 */
-#ifdef X8_PAIRS
-        vstore8(convert_char8((int8)(lo.even, hi.even)), i, qp);
-        vstore8(convert_char8((int8)(lo.odd, hi.odd)), 4 + i, qp);
-#else
-        vstore4(convert_char4((int4)(lo.s04, hi.s04)), i, qp);
-        vstore4(convert_char4((int4)(lo.s15, hi.s15)), 4 + i, qp);
-        vstore4(convert_char4((int4)(lo.s26, hi.s26)), 8 + i, qp);
-        vstore4(convert_char4((int4)(lo.s37, hi.s37)), 12 + i, qp);
-#endif
-    }
-    const int4 s4 = sum.lo + sum.hi;
-    s[at] = m * (1.0f / 127.0f);  /* a product: correctly rounded on every device (GPU divisions need not be) */
-    qsum[at] = s4.x + s4.y + s4.z + s4.w;
+    quantize_block(x + r * x_s + 64 * b, q + r * n + 64 * b, s + at, qsum + at);
+}
+
+/* mv_q4_x8: mv_q4 over quantized input rows (x_s, x_h: their offsets in codes, as in floats for mv_q4). */
+__kernel void mv_q4_x8(WARGS, __global const char* xq, __global const float* xs, __global const int* xsum, uint n_s,
+                       uint x_s, uint x_h, __global float* y, uint y_s, uint y_h, uint rows, uint head_rows,
+                       uint row_start) {
+    __local float red[LANES];
+    matvec(4, 1, wbuf, w_off, sbuf, s_off, n_in, row_bytes, group, n_groups, 0, xq, xs, xsum, n_s, x_s, x_h, y, y_s,
+           y_h, rows, head_rows, row_start, red);
 }
 
 /* eg_q4_x8 / ed_q4_x8: eg_q4 / ed_q4 over quantized inputs (x: one row per token; hid: one row per slot). */

@@ -88,6 +88,9 @@ class DeviceDecodeStep:
         self.token_ids = [new(1, np.uint32), new(1, np.uint32)]
         self._cs_users: list[tuple[Launch, int]] = []  # (launch, argument index) of every cos/sin reader
         self.q_a, self.q_lat = new(cfg.q_lora_rank), new(cfg.q_lora_rank)
+        # int8 codes of the normed inputs, written by the norms themselves for the int8-input products
+        self.u_x8, self.q_lat_x8 = (self._x8_scratch(n) if int8_activations and n % X8_BLOCK == 0 else None
+                                    for n in (h, cfg.q_lora_rank))
         self.q = new(nh * (nope + rope))
         self.comp = new(kvl + rope)
         self.q_rot, self.q_abs, self.o_lat = new(nh * rope), new(nh * kvl), new(nh * kvl)
@@ -137,10 +140,25 @@ class DeviceDecodeStep:
             raise Unsupported(f"{name} cannot be used in place")
         return cw
 
-    def _norm(self, x, a, add: bool, weight: str, y, eps: float, n: int) -> Launch:
-        """`x += a` (when add), then `y = RMSNorm(x)` with the 1-D weight `weight`."""
+    def _matvec(self, w: ClWeight, x, y, heads: int = 1, head_rows: int = 0, row_start: int = 0,
+                rows: int | None = None, quantized: tuple | None = None) -> tuple[Launch, ...]:
+        """`y[h] = x[h] . W[h * head_rows + row_start ...]` for contiguous rows x[h] (`n_in` apart): int8 inputs
+        where `x8_eligible` (x's codes from `quantized`, else a quantize launch first), else float inputs."""
+        k = self.k
+        if not (self.int8_activations and x8_eligible(w.bits, w.group, w.n_in)):
+            return (k.bind_matvec(w, x[1], y[1], heads, w.n_in, head_rows, row_start, rows),)
+        if quantized is not None:
+            return (k.bind_matvec_x8(w, quantized, y[1], heads, head_rows, row_start, rows),)
+        scratch = self._x8_scratch(heads * w.n_in)
+        return (k.bind_quantize(x[1], w.n_in, heads, scratch),
+                k.bind_matvec_x8(w, scratch, y[1], heads, head_rows, row_start, rows))
+
+    def _norm(self, x, a, add: bool, weight: str, y, eps: float, n: int, quantized: tuple | None = None) -> Launch:
+        """`x += a` (when add), then `y = RMSNorm(x)` with the 1-D weight `weight`; its int8 codes into `quantized`
+        (`_x8_scratch(n)`) when given."""
+        codes = quantized or (y[1], y[1], y[1])  # unused buffers when not quantizing
         return self.k.bind("residual_rms_norm", (self.red,), (self.red,), x[1], 0, a[1], int(add), self._vectors[1],
-                           self.offsets[weight], y[1], 0, n, eps)
+                           self.offsets[weight], y[1], 0, n, eps, int(quantized is not None), *codes)
 
     def _rope(self, x, x_off: int, x_row: int, y_buf, y_row: int, width: int, rows: int) -> Launch:
         return self._reads_cs(self.k.bind("rope_rows", (width, rows), None, x[1], x_off, x_row, y_buf, 0, y_row,
@@ -182,11 +200,13 @@ class DeviceDecodeStep:
         nope, rope, v_dim, kvl = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         kv_b = self._matrix(a + "kv_b_proj.weight")
         out.head = [
-            self._norm(self.x, self.ffn, layer > 0, p + "input_layernorm.weight", self.u, cfg.rms_norm_eps, h),
-            k.bind_matvec(self._matrix(a + "q_a_proj.weight"), self.u[1], self.q_a[1]),
-            self._norm(self.q_a, self.q_a, False, a + "q_a_layernorm.weight", self.q_lat, latent_eps, cfg.q_lora_rank),
-            k.bind_matvec(self._matrix(a + "q_b_proj.weight"), self.q_lat[1], self.q[1]),
-            k.bind_matvec(self._matrix(a + "kv_a_proj_with_mqa.weight"), self.u[1], self.comp[1]),
+            self._norm(self.x, self.ffn, layer > 0, p + "input_layernorm.weight", self.u, cfg.rms_norm_eps, h,
+                       self.u_x8),
+            *self._matvec(self._matrix(a + "q_a_proj.weight"), self.u, self.q_a, quantized=self.u_x8),
+            self._norm(self.q_a, self.q_a, False, a + "q_a_layernorm.weight", self.q_lat, latent_eps, cfg.q_lora_rank,
+                       self.q_lat_x8),
+            *self._matvec(self._matrix(a + "q_b_proj.weight"), self.q_lat, self.q, quantized=self.q_lat_x8),
+            *self._matvec(self._matrix(a + "kv_a_proj_with_mqa.weight"), self.u, self.comp, quantized=self.u_x8),
         ]
         out.kv_row = self._reads_cs(k.bind("kv_row", (self.red,), (self.red,), self.comp[1], self._vectors[1],
                                            self.offsets[a + "kv_a_layernorm.weight"], self.comp[1], self.comp[1], 0,
@@ -217,10 +237,10 @@ class DeviceDecodeStep:
         out.values = k.bind("mla_decode_values", (nh * self.red,), (self.red,), scratch["scores"][1], self.comp[1],
                             self.o_lat[1], 1, kvl)
         out.tail = [out.attention, out.values,
-                    k.bind_matvec(kv_b, self.o_lat[1], self.heads_out[1], nh, kvl, nope + v_dim, nope, v_dim),
-                    k.bind_matvec(self._matrix(a + "o_proj.weight"), self.heads_out[1], self.attn_out[1]),
+                    *self._matvec(kv_b, self.o_lat, self.heads_out, nh, nope + v_dim, nope, v_dim),
+                    *self._matvec(self._matrix(a + "o_proj.weight"), self.heads_out, self.attn_out),
                     self._norm(self.x, self.attn_out, True, p + "post_attention_layernorm.weight", self.u,
-                               cfg.rms_norm_eps, h)]
+                               cfg.rms_norm_eps, h, self.u_x8)]
         out.tail += self._bind_ffn(layer, out)
         return out
 
@@ -306,8 +326,9 @@ class DeviceDecodeStep:
         common = (ref.group, ref.n_groups, ref.n_in, ref.inter, ref.in_row_bytes, ref.inter_row_bytes,
                   ref.inter_groups, self.u[1], offs[1], slot_tok[1], tok_start[1], slot_w[1], hid[1], y[1], n_slots)
         if self.int8_activations and x8_eligible(ref.bits, ref.group, ref.n_in, ref.inter):
-            return self.k.bind_experts_x8(wbuf, *common, scratch=(*self._x8_scratch(ref.n_in),
-                                                                  *self._x8_scratch(n_slots * ref.inter)))
+            # x: u's codes, written by the post-attention norm
+            return self.k.bind_experts_x8(wbuf, *common[:7], self.u_x8, *common[8:],
+                                          hid_scratch=self._x8_scratch(n_slots * ref.inter))
         return self.k.bind_experts(wbuf, ref.bits, *common)
 
     def _x8_scratch(self, n: int) -> tuple[object, object, object]:
