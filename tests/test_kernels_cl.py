@@ -385,23 +385,33 @@ def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def x8_linear(x: np.ndarray, w: QuantWeight) -> np.ndarray:
-    """`x @ W^T` for int4 W with x quantized: exact integer sums per block, scaled by weight scale x block scale."""
+    """`x @ W^T` for int4/int8 W with x quantized: exact integer sums per block, scaled by weight scale x block
+    scale."""
     q, s = quantize_activations(x)
     out_rows, n = w.shape
-    codes = unpack(w.packed, 4, n).astype(np.int64).reshape(out_rows, -1, 64)
+    codes = unpack(w.packed, w.bits, n).astype(np.int64).reshape(out_rows, -1, 64)
     sums = np.einsum("sbi,obi->sob", q.reshape(len(x), -1, 64), codes)
     w_scale = np.repeat(w.scales.reshape(out_rows, -1), w.group_size // 64, axis=1)
     return (sums * (w_scale[None] * s[:, None, :]).astype(np.float64)).sum(-1).astype(np.float32)
 
 
-@pytest.mark.parametrize("group", [64, 128])
-def test_fused_experts_int8_activations(kernels, wide_kernels, rng, group):
+def assert_codes(codes: np.ndarray, q: np.ndarray) -> None:
+    """A buffer of quantized inputs against the reference codes `[rows, n]`: per block, 64 codes in the int4
+    product's order (some permutation), then the same 64 in column order."""
+    blocks = codes.reshape(-1, 2, 64)
+    assert np.array_equal(blocks[:, 1], q.reshape(-1, 64))
+    assert np.array_equal(np.sort(blocks[:, 0], axis=-1), np.sort(q.reshape(-1, 64), axis=-1))
+
+
+@pytest.mark.parametrize("bits,group", [(4, 64), (4, 128), (8, 64)])
+def test_fused_experts_int8_activations(kernels, wide_kernels, rng, bits, group):
     """quantize x, gate+up, quantize hid, down: each stage against the reference arithmetic, on the
     vpmaddubsw path (AVX2 CPUs) and the portable one (the wide build); unused slots are skipped."""
     hidden, inter = 256, 128
-    assert x8_eligible(4, group, hidden, inter) and not x8_eligible(4, 32, hidden, inter)
-    experts = [(make_weight(rng, inter, hidden, 4, group)[0], make_weight(rng, inter, hidden, 4, group)[0],
-                make_weight(rng, hidden, inter, 4, group)[0]) for _ in range(4)]
+    assert x8_eligible(bits, group, hidden, inter) and not x8_eligible(bits, 32, hidden, inter)
+    assert not x8_eligible(2, 64, hidden, inter) and not x8_eligible(bits, group, hidden, 96)
+    experts = [(make_weight(rng, inter, hidden, bits, group)[0], make_weight(rng, inter, hidden, bits, group)[0],
+                make_weight(rng, hidden, inter, bits, group)[0]) for _ in range(4)]
     blob, offs = pack_experts(experts)
     x = (rng.standard_normal(hidden) * 2).astype(np.float32)
     x[64:128] = 0.0  # an all-zero block: scale 0, codes 0
@@ -415,15 +425,15 @@ def test_fused_experts_int8_activations(kernels, wide_kernels, rng, group):
                 ("x", hidden, np.float32, x), ("offs", 6 * len(slots), np.uint64, offs[[e for e, _ in slots]]),
                 ("tok", len(slots), np.uint32, [0, 0, 0, 0xffffffff]), ("start", 2, np.uint32, [0, 3]),
                 ("w", len(slots), np.float32, [s[1] for s in slots]), ("hid", len(slots) * inter, np.float32, 0),
-                ("y", hidden, np.float32, 0), ("xq", hidden, np.int8, 0), ("xs", hidden // 64, np.float32, 0),
-                ("xsum", hidden // 64, np.int32, 0), ("hq", len(slots) * inter, np.int8, 0),
+                ("y", hidden, np.float32, 0), ("xq", 2 * hidden, np.int8, 0), ("xs", hidden // 64, np.float32, 0),
+                ("xsum", hidden // 64, np.int32, 0), ("hq", 2 * len(slots) * inter, np.int8, 0),
                 ("hs", len(slots) * inter // 64, np.float32, 0), ("hsum", len(slots) * inter // 64, np.int32, 0)):
             host[name] = mirror(count, dtype)
             host[name][0][:] = np.reshape(value, -1) if np.ndim(value) else value
         buf = {name: pair[1] for name, pair in host.items()}
         x_codes = (buf["xq"], buf["xs"], buf["xsum"])
         launches = (k.bind_quantize(buf["x"], hidden, 1, x_codes),
-                    *k.bind_experts_x8(wbuf, group, g.scales.shape[1], hidden, inter, g.packed.shape[1],
+                    *k.bind_experts_x8(wbuf, bits, group, g.scales.shape[1], hidden, inter, g.packed.shape[1],
                                        d.packed.shape[1], d.scales.shape[1], x_codes, buf["offs"], buf["tok"],
                                        buf["start"], buf["w"], buf["hid"], buf["y"], len(slots),
                                        (buf["hq"], buf["hs"], buf["hsum"])))
@@ -432,7 +442,7 @@ def test_fused_experts_int8_activations(kernels, wide_kernels, rng, group):
         val = {name: pair[0] for name, pair in host.items()}
         q, s = quantize_activations(x[None])
         assert np.array_equal(val["xs"], s[0]) and np.array_equal(val["xsum"], q.reshape(-1, 64).sum(-1))
-        assert sorted(val["xq"].tolist()) == sorted(q[0].tolist())  # the codes, in the device's block order
+        assert_codes(val["xq"], q)
         hid = val["hid"].reshape(len(slots), inter)
         for i, (e, _) in enumerate(slots[:3]):
             gate, up = x8_linear(x[None], experts[e][0])[0], x8_linear(x[None], experts[e][1])[0]
@@ -440,24 +450,26 @@ def test_fused_experts_int8_activations(kernels, wide_kernels, rng, group):
         hq, hs = quantize_activations(hid[:3])
         assert np.array_equal(val["hs"][:3 * inter // 64], hs.reshape(-1))
         assert np.array_equal(val["hsum"][:3 * inter // 64], hq.reshape(-1, 64).sum(-1))
+        assert_codes(val["hq"][:2 * 3 * inter], hq)
         want = sum(w * x8_linear(hid[i:i + 1], experts[e][2])[0] for i, (e, w) in enumerate(slots[:3]))
         close(val["y"], want, 2e-6)
         close(val["y"], fused_reference(x[None], experts, [(0, e, w) for e, w in slots[:3]])[0], 3e-2)
 
 
-def test_int8_input_matvec_and_norm(kernels, wide_kernels, rng):
-    """mv_q4_x8 over per-head input rows (kv_b's value product) against the reference arithmetic, and the
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int8_input_matvec_and_norm(kernels, wide_kernels, rng, bits):
+    """mv_*_x8 over per-head input rows (kv_b's value product) against the reference arithmetic, and the
     RMSNorm that writes its output's codes too (the step's u and q_lat) against quantize_x8's."""
     heads, n, head_rows, rows = 3, 128, 40, 24
-    w = make_weight(rng, heads * head_rows, n, 4, 64)[0]
+    w = make_weight(rng, heads * head_rows, n, bits, 64)[0]
     x = rng.standard_normal((heads, n)).astype(np.float32)
     want = np.stack([x8_linear(x[h:h + 1], QuantWeight(w.packed[h * head_rows + 5:h * head_rows + 5 + rows],
-                                                       w.scales[h * head_rows + 5:h * head_rows + 5 + rows], 4, 64,
+                                                       w.scales[h * head_rows + 5:h * head_rows + 5 + rows], bits, 64,
                                                        (rows, n)))[0] for h in range(heads)])
     for k in (kernels, wide_kernels):
         mirror = Mirrors(k)
         (xh, xb), (yh, yb) = mirror(heads * n), mirror(heads * rows)
-        codes = [mirror(heads * n, np.int8), mirror(heads * n // 64), mirror(heads * n // 64, np.int32)]
+        codes = [mirror(2 * heads * n, np.int8), mirror(heads * n // 64), mirror(heads * n // 64, np.int32)]
         xh[:] = x.reshape(-1)
         scratch = tuple(c[1] for c in codes)
         cw = device_weight(k, w, unified=k.direct)
@@ -465,7 +477,7 @@ def test_int8_input_matvec_and_norm(kernels, wide_kernels, rng):
                        k.bind_matvec_x8(cw, scratch, yb, heads, head_rows, 5, rows)):
             mirror.launch_bound(launch)
         close(yh.reshape(heads, rows), want, 2e-6)
-        norm_codes = [mirror(n, np.int8), mirror(n // 64), mirror(n // 64, np.int32)]
+        norm_codes = [mirror(2 * n, np.int8), mirror(n // 64), mirror(n // 64, np.int32)]
         (in_h, in_b), (wh, wb), (out_h, out_b) = mirror(n), mirror(n), mirror(n)
         in_h[:], wh[:] = x[0], rng.standard_normal(n).astype(np.float32)
         mirror.launch("residual_rms_norm", (k.red_lanes,), (k.red_lanes,), in_b, 0, in_b, 0, wb, 0, out_b, 0, n, 1e-6,
@@ -473,4 +485,5 @@ def test_int8_input_matvec_and_norm(kernels, wide_kernels, rng):
         close(out_h, REF.rms_norm(x[:1], wh, 1e-6)[0])
         q, s = quantize_activations(out_h[None])
         assert np.array_equal(norm_codes[1][0], s[0]) and np.array_equal(norm_codes[2][0], q.reshape(-1, 64).sum(-1))
-        assert sorted(norm_codes[0][0].tolist()) == sorted(q[0].tolist())
+        assert_codes(norm_codes[0][0], q)
+        assert_codes(codes[0][0], quantize_activations(x)[0])

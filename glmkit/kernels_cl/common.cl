@@ -214,13 +214,15 @@ INLINE void rows_dot(const int bits, const int sets, const __global uchar* row, 
 /* ---- int8 activations (the device decode step's int4 experts) ----------------------------------------
  * x is quantized per block of 64 columns: s = max|x| * (1 / 127) and q = rint(x * (127 / max|x|)), in float32
  * (tests/test_kernels_cl.py's quantize_activations is the reference). An int4 row's product with a block is summed
- * as integers, sum (c - 8) q = sum c q - 8 sum q, then scaled by the row's group scale times s. A block's 64
- * codes are stored in the order its dot product reads them:
+ * as integers, sum (c - 8) q = sum c q - 8 sum q, then scaled by the row's group scale times s; an int8 row's
+ * (codes c) as sum c q. A block's codes take 128 bytes: the 64 in the order the int4 product reads them, then
+ * the 64 in column order (the int8 product's). The int4 order:
  * - X8_PAIRS (AVX2 CPUs): even columns, then odd ones, matching the low and high nibbles of the block's 32
  *   bytes for vpmaddubsw. LLVM forms vpmaddubsw from no generic OpenCL C tried, so it is called by name
  *   (measured on PoCL: 3x the float unpack's codes per second; the portable form below, 2x).
  * - otherwise: columns 4t, 4t+1, 4t+2, 4t+3 as four runs of 16, matching the nibbles of 16-bit lanes of the
- *   codes (little-endian devices), multiplied in 16 bits. */
+ *   codes (little-endian devices), multiplied in 16 bits.
+ * load_x8 reads either half of a block's codes; block_dot (int4 rows) and block_dot8 (int8 rows) use them. */
 #if defined(__AVX2__) && defined(CPU_LOADS)
 #define X8_PAIRS 1
 typedef char char32 __attribute__((ext_vector_type(32)));
@@ -243,6 +245,17 @@ INLINE int8 block_dot(const __global uchar* w, const x8_block* x) {
     const s16v p = __builtin_ia32_pmaddubsw256(lo, x->even) + __builtin_ia32_pmaddubsw256(hi, x->odd);
     return as_int8(__builtin_ia32_pmaddwd256(p, (s16v)((short16)(1))));
 }
+
+/* The same for an int8 row (64 bytes at w, x in column order): vpmaddubsw of |c| with q signed like c (at most
+ * 2 * 128 * 127 per 16-bit lane), each half widened by vpmaddwd before the two are added. */
+INLINE int8 block_dot8(const __global uchar* w, const x8_block* x) {
+    const c32v w0 = ((const __global c32v_u*)w)[0].v, w1 = ((const __global c32v_u*)w)[1].v;
+    const c32v a0 = w0 < (c32v)((char32)(0)) ? -w0 : w0, a1 = w1 < (c32v)((char32)(0)) ? -w1 : w1;
+    const s16v one = (s16v)((short16)(1));
+    const s16v p0 = __builtin_ia32_pmaddubsw256(a0, __builtin_ia32_psignb256(x->even, w0));
+    const s16v p1 = __builtin_ia32_pmaddubsw256(a1, __builtin_ia32_psignb256(x->odd, w1));
+    return as_int8(__builtin_ia32_pmaddwd256(p0, one)) + as_int8(__builtin_ia32_pmaddwd256(p1, one));
+}
 #else
 typedef struct { short16 c0, c1, c2, c3; } x8_block;
 
@@ -258,9 +271,18 @@ INLINE int8 block_dot(const __global uchar* w, const x8_block* x) {
                     + as_short16((v >> (ushort16)8) & m) * x->c2 + as_short16(v >> (ushort16)12) * x->c3;
     return convert_int8(p.lo) + convert_int8(p.hi);
 }
+
+INLINE int8 block_dot8(const __global uchar* w, const x8_block* x) {
+    const __global char* c = (const __global char*)w;
+    const int16 p = convert_int16(convert_short16(vload16(0, c)) * x->c0)
+                  + convert_int16(convert_short16(vload16(1, c)) * x->c1)
+                  + convert_int16(convert_short16(vload16(2, c)) * x->c2)
+                  + convert_int16(convert_short16(vload16(3, c)) * x->c3);  /* a product: at most 128 * 127 */
+    return p.lo + p.hi;
+}
 #endif
 
-/* One block of 64 floats at xp -> its 64 codes at qp (in the block order above), scale *s, code sum *qsum. */
+/* One block of 64 floats at xp -> its codes at qp (128 bytes: both orders above), scale *s, code sum *qsum. */
 INLINE void quantize_block(const __global float* xp, __global char* qp, __global float* s, __global int* qsum) {
     float8 v[8];
     float8 m8 = (float8)(0.0f);
@@ -284,16 +306,19 @@ INLINE void quantize_block(const __global float* xp, __global char* qp, __global
         vstore4(convert_char4((int4)(lo.s26, hi.s26)), 8 + i, qp);
         vstore4(convert_char4((int4)(lo.s37, hi.s37)), 12 + i, qp);
 #endif
+        vstore8(convert_char8(lo), 8 + 2 * i, qp);
+        vstore8(convert_char8(hi), 9 + 2 * i, qp);
     }
     const int4 s4 = sum.lo + sum.hi;
     *s = m * (1.0f / 127.0f);  /* a product: correctly rounded on every device (GPU divisions need not be) */
     *qsum = s4.x + s4.y + s4.z + s4.w;
 }
 
-/* rows_dot for int4 rows (group a multiple of 64) and int8-quantized x: codes xq, scales xs and code sums xsum
- * per block. n: a multiple of 64. Two read-ahead lines per block (a block is 32 bytes of each of ROWS rows). */
-INLINE void rows_dot_x8(const int sets, const __global uchar* row, const __global uchar* row2, uint row_bytes,
-                        const __global float* sc, const __global float* sc2, uint n_groups, uint nrows, uint n,
+/* rows_dot for int4 or int8 rows (bits; group a multiple of 64) and int8-quantized x: codes xq (128 bytes per
+ * block), scales xs and code sums xsum per block. n: a multiple of 64. Read ahead: a block is 32 (int4) or 64
+ * (int8) bytes of each of ROWS rows, so 2 or 4 lines per block. */
+INLINE void rows_dot_x8(const int bits, const int sets, const __global uchar* row, const __global uchar* row2,
+                        uint row_bytes, const __global float* sc, const __global float* sc2, uint n_groups, uint nrows, uint n,
                         uint group, const __global char* xq, const __global float* xs, const __global int* xsum,
                         uint lane, float* out, const __global uchar* ahead, const __global uchar* ahead2,
                         uint ahead_bytes) {
@@ -303,15 +328,18 @@ INLINE void rows_dot_x8(const int sets, const __global uchar* row, const __globa
     row_sets(sets, row, row2, row_bytes, sc, sc2, n_groups, nrows, rk, sk, acc);
     const uint blocks = n / 64u, per = group / 64u;
     uint sink = 0;
+    const uint lines = bits / 2u, row_block = bits * 8u;
     for (uint c = lane; c < blocks; c += LANES) {
-        const x8_block xb = load_x8(xq + 64u * c);
-        const int8 bias = (int8)(xsum[c]);  /* 8 lanes of xsum: 8 * xsum in the lanes' total */
+        const x8_block xb = load_x8(xq + 128u * c + (bits == 8 ? 64u : 0u));
+        const int8 bias = (int8)(bits == 4 ? xsum[c] : 0);  /* int4: 8 lanes of xsum, 8 * xsum in their total */
         const float s = xs[c];
         const uint gi = c / per;
-        TOUCH_AHEAD(2u * c);
-        TOUCH_AHEAD(2u * c + 1u);
-        for (uint k = 0; k < sets * ROWS; k++)
-            acc[k] += convert_float8(block_dot(rk[k] + 32u * c, &xb) - bias) * (sk[k][gi] * s);
+        for (uint t = 0; t < lines; t++) TOUCH_AHEAD(lines * c + t);
+        for (uint k = 0; k < sets * ROWS; k++) {
+            const __global uchar* wk = rk[k] + row_block * c;
+            const int8 dot = bits == 4 ? block_dot(wk, &xb) : block_dot8(wk, &xb);
+            acc[k] += convert_float8(dot - bias) * (sk[k][gi] * s);
+        }
     }
     for (uint k = 0; k < sets * ROWS; k++) {
         if (k % ROWS >= nrows) continue;

@@ -26,7 +26,7 @@ __kernel void residual_rms_norm(__global float* x, uint x_off, __global const fl
     for (uint i = l; i < n; i += RED_LANES) y[y_off + i] = w[w_off + i] * (xp[i] * inv);
     if (!quantize) return;
     barrier(CLK_GLOBAL_MEM_FENCE);  /* a block is read by another item than the ones that wrote it */
-    for (uint b = l; b < n / 64; b += RED_LANES) quantize_block(y + y_off + 64 * b, q + 64 * b, qs + b, qsum + b);
+    for (uint b = l; b < n / 64; b += RED_LANES) quantize_block(y + y_off + 64 * b, q + 128 * b, qs + b, qsum + b);
 }
 
 /* token[0] = the index of the largest of n values, the first one on ties (NumPy's argmax): the greedy token,

@@ -63,18 +63,18 @@ SIGNATURES = {
     "mla_decode_values": [None] * 3 + [_U32, _U32],
     "route_noaux_tc": [None, None, _U32, None, None] + [_U32] * 6 + [_F32, _U32, None, None, None, _U32, None, None],
     "quantize_x8": [None, _U32, _U32, None, None, None],
-    "mv_q4_x8": _W + [None, None, None, _U32, _U32, _U32, None, _U32, _U32, _U32, _U32, _U32],
-    "eg_q4_x8": [None, None, None, _U32, _U32, _U32, _U32, None, None, None, None, _U32],
-    "ed_q4_x8": [None, None, None, None, _U32, _U32, _U32, _U32, None, None, None, None, _U32, _U32],
+    "mv_x8": _W + [None, None, None, _U32, _U32, _U32, None, _U32, _U32, _U32, _U32, _U32],
+    "eg_x8": [None, None, None, _U32, _U32, _U32, _U32, None, None, None, None, _U32],
+    "ed_x8": [None, None, None, None, _U32, _U32, _U32, _U32, None, None, None, None, _U32, _U32],
 }
 BIT_SUFFIX = {32: "f32", 8: "q8", 4: "q4", 2: "q2"}
 X8_BLOCK = 64  # columns per scale of int8-quantized activations (common.cl)
 
 
 def x8_eligible(bits: int, group: int, *widths: int) -> bool:
-    """Whether products can take int8 activations: int4 codes whose scale groups are whole blocks of X8_BLOCK
-    columns, every input width (a matrix's columns; an MLP's n_in and inter) a whole number of blocks."""
-    return bits == 4 and group > 0 and group % X8_BLOCK == 0 and all(w % X8_BLOCK == 0 for w in widths)
+    """Whether products can take int8 activations: int4 or int8 codes whose scale groups are whole blocks of
+    X8_BLOCK columns, every input width (a matrix's columns; an MLP's n_in and inter) a whole number of blocks."""
+    return bits in (4, 8) and group > 0 and group % X8_BLOCK == 0 and all(w % X8_BLOCK == 0 for w in widths)
 
 
 def available() -> bool:
@@ -332,7 +332,8 @@ class Kernels:
         holds the rows quantized (`bind_quantize`)."""
         rows = w.rows if rows is None else rows
         g0, local = self._rows_global(rows)
-        return self.bind("mv_q4_x8", (g0, heads), local, *w.args(), *scratch, 1, heads * w.n_in, w.n_in, yb,
+        return self.bind(f"mv_{BIT_SUFFIX[w.bits]}_x8", (g0, heads), local, *w.args(), *scratch, 1, heads * w.n_in,
+                         w.n_in, yb,
                          heads * rows, rows, rows, head_rows, row_start)
 
     def bind_embed_row(self, w: ClWeight, token, out) -> Launch:
@@ -357,17 +358,18 @@ class Kernels:
                 self.bind("ed_" + suffix, (g_out, 1), l_out, wbuf, offs, tok_start, slot_w, inter, inter_row_bytes,
                           group, inter_groups, hid, yb, n_in, n_in))
 
-    def bind_experts_x8(self, wbuf, group: int, n_groups: int, n_in: int, inter: int, in_row_bytes: int,
+    def bind_experts_x8(self, wbuf, bits: int, group: int, n_groups: int, n_in: int, inter: int, in_row_bytes: int,
                         inter_row_bytes: int, inter_groups: int, x_scratch: tuple, offs, slot_tok, tok_start, slot_w,
                         hid, yb, n_slots: int, hid_scratch: tuple) -> tuple[Launch, Launch, Launch]:
-        """`bind_experts` for int4 experts with int8 activations (`x8_eligible`): gate+up over x quantized in
+        """`bind_experts` for int4/int8 experts with int8 activations (`x8_eligible`): gate+up over x quantized in
         x_scratch (`bind_quantize`), the slots' hidden rows quantized into hid_scratch, down."""
         g_inter, l_inter = self._rows_global(inter)
         g_out, l_out = self._rows_global(n_in)
-        return (self.bind("eg_q4_x8", (g_inter, n_slots), l_inter, wbuf, offs, slot_tok, n_in, in_row_bytes, group,
+        suffix = BIT_SUFFIX[bits] + "_x8"
+        return (self.bind("eg_" + suffix, (g_inter, n_slots), l_inter, wbuf, offs, slot_tok, n_in, in_row_bytes, group,
                           n_groups, *x_scratch, hid, inter),
                 self.bind_quantize(hid, inter, n_slots, hid_scratch),
-                self.bind("ed_q4_x8", (g_out, 1), l_out, wbuf, offs, tok_start, slot_w, inter, inter_row_bytes,
+                self.bind("ed_" + suffix, (g_out, 1), l_out, wbuf, offs, tok_start, slot_w, inter, inter_row_bytes,
                           group, inter_groups, *hid_scratch, yb, n_in, n_in))
 
     def matvec_t(self, w: ClWeight, x: np.ndarray, head_rows: int, row_start: int, rows: int) -> np.ndarray:
@@ -522,8 +524,12 @@ class Kernels:
 
 
 def signature(name: str) -> list:
-    """Scalar argument types of a kernel (None for buffers); the quant kernels by their family (`mv_q4` -> mv)."""
-    return SIGNATURES[name if name in SIGNATURES else name.split("_")[0]]
+    """Scalar argument types of a kernel (None for buffers); the quant kernels by their family (`mv_q4` -> mv,
+    `mv_q4_x8` -> mv_x8)."""
+    if name in SIGNATURES:
+        return SIGNATURES[name]
+    family = name.split("_")[0]
+    return SIGNATURES[family + "_x8" if name.endswith("_x8") else family]
 
 
 class Launch:

@@ -40,11 +40,11 @@ INLINE void matvec(const int bits, const int x8, WARGS, __global const float* x,
     const bool next = r0 + 2 * ROWS <= rows;  /* read ahead into the next item's rows when it has ROWS of them */
     for (uint s = 0; s < n_s; s++) {
         float v[ROWS];
-        const uint at = s * x_s + h * x_h;  /* x8: the codes' offset too; a multiple of 64, so blocks at at / 64 */
+        const uint at = s * x_s + h * x_h;  /* x8: a multiple of 64 (blocks at at / 64, their codes at 2 * at) */
         if (nrows && x8)
-            rows_dot_x8(1, ROW_PTR(wr), ROW_PTR(wr), row_bytes, SCALE_PTR(wr), SCALE_PTR(wr), n_groups, nrows, n_in,
-                        group, xq + at, xs + at / 64, xsum + at / 64, lane, v, ROW_PTR(wr + ROWS), ROW_PTR(wr + ROWS),
-                        next ? ROWS * row_bytes : 0);
+            rows_dot_x8(bits, 1, ROW_PTR(wr), ROW_PTR(wr), row_bytes, SCALE_PTR(wr), SCALE_PTR(wr), n_groups, nrows,
+                        n_in, group, xq + 2 * at, xs + at / 64, xsum + at / 64, lane, v, ROW_PTR(wr + ROWS),
+                        ROW_PTR(wr + ROWS), next ? ROWS * row_bytes : 0);
         else if (nrows)
             rows_dot(bits, 1, ROW_PTR(wr), ROW_PTR(wr), row_bytes, SCALE_PTR(wr), SCALE_PTR(wr), n_groups, nrows,
                      n_in, group, x + at, lane, v, ROW_PTR(wr + ROWS), ROW_PTR(wr + ROWS), next ? ROWS * row_bytes : 0);
@@ -176,9 +176,9 @@ INLINE void expert_gate_up(const int bits, const int x8, __global const uchar* w
         const __global float* gate_sc = (const __global float*)(wbuf + o[1]) + first * n_groups;
         const __global float* up_sc = (const __global float*)(wbuf + o[3]) + first * n_groups;
         if (x8)
-            rows_dot_x8(2, gate, up, row_bytes, gate_sc, up_sc, n_groups, nrows, n_in, group, xq + tok * n_in,
-                        xs + tok * (n_in / 64), xsum + tok * (n_in / 64), lane, gu, wbuf + o[0] + ahead,
-                        wbuf + o[2] + ahead, ahead_bytes);
+            rows_dot_x8(bits, 2, gate, up, row_bytes, gate_sc, up_sc, n_groups, nrows, n_in, group,
+                        xq + tok * 2 * n_in, xs + tok * (n_in / 64), xsum + tok * (n_in / 64), lane, gu,
+                        wbuf + o[0] + ahead, wbuf + o[2] + ahead, ahead_bytes);
         else
             rows_dot(bits, 2, gate, up, row_bytes, gate_sc, up_sc, n_groups, nrows, n_in, group, x + tok * x_s, lane,
                      gu, wbuf + o[0] + ahead, wbuf + o[2] + ahead, ahead_bytes);
@@ -214,8 +214,9 @@ INLINE void expert_down(const int bits, const int x8, __global const uchar* wbuf
         const __global uchar* down = wbuf + o[4] + (ulong)r0 * row_bytes;
         const __global float* down_sc = (const __global float*)(wbuf + o[5]) + (ulong)r0 * n_groups;
         if (nrows && x8)
-            rows_dot_x8(1, down, down, row_bytes, down_sc, down_sc, n_groups, nrows, n_in, group, hq + slot * n_in,
-                        hs + slot * (n_in / 64), hsum + slot * (n_in / 64), lane, v, ahead, ahead, ahead_bytes);
+            rows_dot_x8(bits, 1, down, down, row_bytes, down_sc, down_sc, n_groups, nrows, n_in, group,
+                        hq + slot * 2 * n_in, hs + slot * (n_in / 64), hsum + slot * (n_in / 64), lane, v, ahead,
+                        ahead, ahead_bytes);
         else if (nrows)
             rows_dot(bits, 1, down, down, row_bytes, down_sc, down_sc, n_groups, nrows, n_in, group,
                      hid + slot * n_in, lane, v, ahead, ahead, ahead_bytes);
@@ -278,37 +279,39 @@ QUANT_KERNELS(q4, 4)
 QUANT_KERNELS(q2, 2)
 
 /* ---- int8 activations (common.cl): the int4 fused experts of the device decode step ---------------------
- * quantize_x8: rows of x (stride x_s, n columns, a multiple of 64) -> codes q[r * n + 64 b ...] (in
- * the block order of common.cl), scales s[r * n / 64 + b] and code sums qsum[...] per block b. Global (n / 64, rows). */
+ * quantize_x8: rows of x (stride x_s, n columns, a multiple of 64) -> codes q[2 * (r * n + 64 b) ...] (both
+ * orders of common.cl), scales s[r * n / 64 + b] and code sums qsum[...] per block b. Global (n / 64, rows). */
 __kernel void quantize_x8(__global const float* x, uint x_s, uint n, __global char* q, __global float* s,
                           __global int* qsum) {
     const uint b = get_global_id(0), r = get_global_id(1), at = r * (n / 64) + b;
-    quantize_block(x + r * x_s + 64 * b, q + r * n + 64 * b, s + at, qsum + at);
+    quantize_block(x + r * x_s + 64 * b, q + 2 * (r * n + 64 * b), s + at, qsum + at);
 }
 
-/* mv_q4_x8: mv_q4 over quantized input rows (x_s, x_h: their offsets in codes, as in floats for mv_q4). */
-__kernel void mv_q4_x8(WARGS, __global const char* xq, __global const float* xs, __global const int* xsum, uint n_s,
-                       uint x_s, uint x_h, __global float* y, uint y_s, uint y_h, uint rows, uint head_rows,
-                       uint row_start) {
-    __local float red[LANES];
-    matvec(4, 1, wbuf, w_off, sbuf, s_off, n_in, row_bytes, group, n_groups, 0, xq, xs, xsum, n_s, x_s, x_h, y, y_s,
-           y_h, rows, head_rows, row_start, red);
+/* mv_*_x8, eg_*_x8, ed_*_x8: mv / eg / ed of int4 and int8 rows over quantized inputs (x: one row per token or
+ * head, offsets x_s and x_h counted as for float x; hid: one row per slot). */
+#define X8_KERNELS(SUFFIX, BITS) \
+__kernel void mv_##SUFFIX##_x8(WARGS, __global const char* xq, __global const float* xs, __global const int* xsum, \
+                               uint n_s, uint x_s, uint x_h, __global float* y, uint y_s, uint y_h, uint rows, \
+                               uint head_rows, uint row_start) { \
+    __local float red[LANES]; \
+    matvec(BITS, 1, wbuf, w_off, sbuf, s_off, n_in, row_bytes, group, n_groups, 0, xq, xs, xsum, n_s, x_s, x_h, y, \
+           y_s, y_h, rows, head_rows, row_start, red); \
+} \
+__kernel void eg_##SUFFIX##_x8(__global const uchar* wbuf, __global const ulong* offs, __global const uint* slot_tok, \
+                               uint n_in, uint row_bytes, uint group, uint n_groups, __global const char* xq, \
+                               __global const float* xs, __global const int* xsum, __global float* hid, uint inter) { \
+    __local float red[LANES]; \
+    expert_gate_up(BITS, 1, wbuf, offs, slot_tok, n_in, row_bytes, group, n_groups, 0, 0, xq, xs, xsum, hid, inter, \
+                   red); \
+} \
+__kernel void ed_##SUFFIX##_x8(__global const uchar* wbuf, __global const ulong* offs, __global const uint* tok_start, \
+                               __global const float* slot_w, uint n_in, uint row_bytes, uint group, uint n_groups, \
+                               __global const char* hq, __global const float* hs, __global const int* hsum, \
+                               __global float* y, uint y_s, uint rows) { \
+    __local float red[LANES]; \
+    expert_down(BITS, 1, wbuf, offs, tok_start, slot_w, n_in, row_bytes, group, n_groups, 0, hq, hs, hsum, y, y_s, \
+                rows, red); \
 }
 
-/* eg_q4_x8 / ed_q4_x8: eg_q4 / ed_q4 over quantized inputs (x: one row per token; hid: one row per slot). */
-__kernel void eg_q4_x8(__global const uchar* wbuf, __global const ulong* offs, __global const uint* slot_tok,
-                       uint n_in, uint row_bytes, uint group, uint n_groups, __global const char* xq,
-                       __global const float* xs, __global const int* xsum, __global float* hid, uint inter) {
-    __local float red[LANES];
-    expert_gate_up(4, 1, wbuf, offs, slot_tok, n_in, row_bytes, group, n_groups, 0, 0, xq, xs, xsum, hid, inter,
-                   red);
-}
-
-__kernel void ed_q4_x8(__global const uchar* wbuf, __global const ulong* offs, __global const uint* tok_start,
-                       __global const float* slot_w, uint n_in, uint row_bytes, uint group, uint n_groups,
-                       __global const char* hq, __global const float* hs, __global const int* hsum,
-                       __global float* y, uint y_s, uint rows) {
-    __local float red[LANES];
-    expert_down(4, 1, wbuf, offs, tok_start, slot_w, n_in, row_bytes, group, n_groups, 0, hq, hs, hsum, y, y_s,
-                rows, red);
-}
+X8_KERNELS(q8, 8)
+X8_KERNELS(q4, 4)

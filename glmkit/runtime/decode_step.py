@@ -89,8 +89,8 @@ class DeviceDecodeStep:
         self._cs_users: list[tuple[Launch, int]] = []  # (launch, argument index) of every cos/sin reader
         self.q_a, self.q_lat = new(cfg.q_lora_rank), new(cfg.q_lora_rank)
         # int8 codes of the normed inputs, written by the norms themselves for the int8-input products
-        self.u_x8, self.q_lat_x8 = (self._x8_scratch(n) if int8_activations and n % X8_BLOCK == 0 else None
-                                    for n in (h, cfg.q_lora_rank))
+        self.u_x8, self.q_lat_x8, self.hidden_x8 = (
+            self._x8_scratch(n) if int8_activations and n % X8_BLOCK == 0 else None for n in (h, cfg.q_lora_rank, h))
         self.q = new(nh * (nope + rope))
         self.comp = new(kvl + rope)
         self.q_rot, self.q_abs, self.o_lat = new(nh * rope), new(nh * kvl), new(nh * kvl)
@@ -104,8 +104,10 @@ class DeviceDecodeStep:
         self.layers: list[_Layer] = []
         self._grow(INITIAL_KEYS)
         self.layers = [self._bind_layer(layer, LATENT_NORM_EPS) for layer in range(cfg.num_hidden_layers)]
-        self.final_norm = self._norm(self.x, self.ffn, True, "model.norm.weight", self.hidden, cfg.rms_norm_eps, h)
-        self.lm_head = kernels.bind_matvec(self._matrix("lm_head.weight"), self.hidden[1], self.logits[1])
+        self.final_norm = self._norm(self.x, self.ffn, True, "model.norm.weight", self.hidden, cfg.rms_norm_eps, h,
+                                     self.hidden_x8)
+        (self.lm_head,) = self._matvec(self._matrix("lm_head.weight"), self.hidden, self.logits,
+                                       quantized=self.hidden_x8)
         self.argmax = kernels.bind("argmax_row", (self.red,), (self.red,), self.logits[1], self.logits[0].size,
                                    self.token_ids[0][1])
         embed = self._cw(weight("model.embed_tokens.weight"))  # the device-side lookup of pipelined greedy decode
@@ -220,15 +222,18 @@ class DeviceDecodeStep:
                 k.bind("index_key_row", (self.red,), (self.red,), self.key_raw[1], self._vectors[1],
                        self.offsets[a + "indexer.k_norm.weight"], self.offsets[a + "indexer.k_norm.bias"], self.key[1],
                        self.key[1], 0, ihd, rope, self.cs[0][1], latent_eps), 9)
-            out.head += [k.bind_matvec(self._matrix(a + "indexer.wk.weight"), self.u[1], self.key_raw[1]),
+            out.head += [*self._matvec(self._matrix(a + "indexer.wk.weight"), self.u, self.key_raw,
+                                       quantized=self.u_x8),
                          out.index_key]
             out.scores = k.bind("index_scores", (KEY_GROUP, 1), (KEY_GROUP, 1), self.iq_rot[1], self.key[1], self.iw[1],
                                 self.scratch["index_scores"][1], inh, ihd, 1, ihd ** -0.5, inh ** -0.5)
             out.topk = k.bind("topk_select", (1,), None, self.scratch["index_scores"][1], self.scratch["all"][1],
                               self.scratch["selected"][1], 1, cfg.index_topk, 1)
-            out.scoring = [k.bind_matvec(self._matrix(a + "indexer.wq_b.weight"), self.q_lat[1], self.iq[1]),
+            out.scoring = [*self._matvec(self._matrix(a + "indexer.wq_b.weight"), self.q_lat, self.iq,
+                                         quantized=self.q_lat_x8),
                            self._rope(self.iq, 0, ihd, self.iq_rot[1], ihd, ihd, inh),
-                           k.bind_matvec(self._matrix(a + "indexer.weights_proj.weight"), self.u[1], self.iw[1]),
+                           *self._matvec(self._matrix(a + "indexer.weights_proj.weight"), self.u, self.iw,
+                                         quantized=self.u_x8),
                            out.scores, out.topk]
         scratch = self.scratch
         out.attention = k.bind("mla_decode_scores", (KEY_GROUP,), (KEY_GROUP,), self.q_abs[1], self.q_rot[1],
@@ -327,13 +332,13 @@ class DeviceDecodeStep:
                   ref.inter_groups, self.u[1], offs[1], slot_tok[1], tok_start[1], slot_w[1], hid[1], y[1], n_slots)
         if self.int8_activations and x8_eligible(ref.bits, ref.group, ref.n_in, ref.inter):
             # x: u's codes, written by the post-attention norm
-            return self.k.bind_experts_x8(wbuf, *common[:7], self.u_x8, *common[8:],
+            return self.k.bind_experts_x8(wbuf, ref.bits, *common[:7], self.u_x8, *common[8:],
                                           hid_scratch=self._x8_scratch(n_slots * ref.inter))
         return self.k.bind_experts(wbuf, ref.bits, *common)
 
     def _x8_scratch(self, n: int) -> tuple[object, object, object]:
-        """Buffers of n int8 codes, their n / X8_BLOCK scales and code sums."""
-        return (self._buf(n, np.int8)[1], self._buf(n // X8_BLOCK)[1], self._buf(n // X8_BLOCK, np.int32)[1])
+        """Buffers of n int8-quantized inputs: codes (two orders: 2n bytes), n / X8_BLOCK scales and code sums."""
+        return (self._buf(2 * n, np.int8)[1], self._buf(n // X8_BLOCK)[1], self._buf(n // X8_BLOCK, np.int32)[1])
 
     # ---- one token ---------------------------------------------------------------------------------
 
