@@ -301,11 +301,11 @@ def test_decode_norms_and_rope(kernels, rng):
           1e-5)
 
 
-@pytest.mark.parametrize("n_keys,use_mask", [(1, False), (37, True), (300, True), (129, False)])
-def test_decode_attention(kernels, rng, n_keys, use_mask):
+@pytest.mark.parametrize("n_keys,use_mask,rope", [(1, False, 6), (37, True, 12), (300, True, 6), (129, False, 16)])
+def test_decode_attention(kernels, rng, n_keys, use_mask, rope):
     """Absorbed MLA attention of one token (scores, then softmax + values) against the backend's attention."""
     mirror = Mirrors(kernels)
-    heads, kvl, rope = 3, 36, 6  # kvl not a multiple of 8: the values kernel's scalar tail
+    heads, kvl = 3, 36  # kvl (and some ropes) not a multiple of 8: the kernels' scalar tails
     q_lat, q_rot = rng.standard_normal((heads, kvl)).astype(np.float32), rng.standard_normal((heads, rope))
     kv_lat, k_rot = rng.standard_normal((n_keys, kvl)).astype(np.float32), rng.standard_normal((n_keys, rope))
     mask = rng.random(n_keys) < 0.5 if use_mask else np.ones(n_keys, bool)

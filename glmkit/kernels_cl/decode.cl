@@ -142,7 +142,8 @@ __kernel void rope_rows(__global const float* x, uint x_off, uint x_row, __globa
     y[y_off + (ulong)h * y_row + j] = v;
 }
 
-/* Absorbed MLA attention of one query token, in two launches: these scores, then `mla_decode_values`. scores[h, t] = (q_lat[h] . kv_lat[t] + q_rot[h] . k_rot[t]) * scale, -inf for
+/* Absorbed MLA attention of one query token, in two launches: these scores, then `mla_decode_values`.
+ * scores[h, t] = (q_lat[h] . kv_lat[t] + q_rot[h] . k_rot[t]) * scale, -inf for
  * keys with mask[t] == 0 (when use_mask). q_lat [nh, kvl], q_rot [nh, rope], kv_lat [T, kvl], k_rot [T, rope].
  * One work-item per key: it reads the key once for every head. Global (T). */
 __kernel void mla_decode_scores(__global const float* q_lat, __global const float* q_rot,
@@ -153,7 +154,7 @@ __kernel void mla_decode_scores(__global const float* q_lat, __global const floa
     if (t >= n_keys) return;
     const __global float* kl = kv_lat + (ulong)t * kvl;
     const __global float* kr = k_rot + (ulong)t * rope;
-    const uint lat8 = kvl / 8;
+    const uint lat8 = kvl / 8, rope8 = rope / 8;
     for (uint h = 0; h < nh; h++) {
         float d = -INFINITY;
         if (!use_mask || mask[t]) {
@@ -161,9 +162,10 @@ __kernel void mla_decode_scores(__global const float* q_lat, __global const floa
             const __global float* qr = q_rot + (ulong)h * rope;
             float8 acc = (float8)(0.0f);
             for (uint j = 0; j < lat8; j++) acc += LOAD_F8(j, ql) * LOAD_F8(j, kl);
+            for (uint j = 0; j < rope8; j++) acc += LOAD_F8(j, qr) * LOAD_F8(j, kr);
             float dot_ = hsum8(acc);
             for (uint j = lat8 * 8; j < kvl; j++) dot_ += ql[j] * kl[j];
-            for (uint j = 0; j < rope; j++) dot_ += qr[j] * kr[j];
+            for (uint j = rope8 * 8; j < rope; j++) dot_ += qr[j] * kr[j];
             d = dot_ * scale;
         }
         scores[(ulong)h * n_keys + t] = d;
@@ -178,11 +180,21 @@ __kernel void mla_decode_values(__global float* scores, __global const float* kv
     __local float red[RED_LANES];
     const uint l = get_local_id(0), h = get_group_id(0);
     __global float* p = scores + (ulong)h * n_keys;
-    float m = -INFINITY;
-    for (uint t = l; t < n_keys; t += RED_LANES) m = fmax_(m, p[t]);
+    const uint n8 = n_keys / 8;  /* chunks of 8 keys: vector exp (scalar exp per key cost more than the sums) */
+    float8 m8 = (float8)(-INFINITY);
+    for (uint c = l; c < n8; c += RED_LANES) m8 = fmax(m8, LOAD_F8(c, p));
+    const float4 m4 = fmax(m8.lo, m8.hi);
+    float m = fmax_(fmax_(m4.x, m4.y), fmax_(m4.z, m4.w));
+    for (uint t = 8 * n8 + l; t < n_keys; t += RED_LANES) m = fmax_(m, p[t]);
     m = group_max(m, red);
-    float sum = 0.0f;
-    for (uint t = l; t < n_keys; t += RED_LANES) {
+    float8 sum8 = (float8)(0.0f);
+    for (uint c = l; c < n8; c += RED_LANES) {
+        const float8 e = exp(LOAD_F8(c, p) - m);
+        vstore8(e, c, p);
+        sum8 += e;
+    }
+    float sum = hsum8(sum8);
+    for (uint t = 8 * n8 + l; t < n_keys; t += RED_LANES) {
         const float e = exp(p[t] - m);
         p[t] = e;
         sum += e;
@@ -192,9 +204,18 @@ __kernel void mla_decode_values(__global float* scores, __global const float* kv
     __global float* o = out + (ulong)h * kvl;
     for (uint i0 = 8 * l; i0 < kvl; i0 += 8 * RED_LANES) {
         if (i0 + 8 <= kvl) {
-            float8 acc = (float8)(0.0f);
-            for (uint t = 0; t < n_keys; t++) acc += p[t] * LOAD_F8(0, kv_lat + (ulong)t * kvl + i0);
-            acc /= sum;
+            /* four independent sums: one would wait on each add (latency, not throughput) */
+            float8 a0 = (float8)(0.0f), a1 = a0, a2 = a0, a3 = a0;
+            const __global float* kv = kv_lat + i0;
+            uint t = 0;
+            for (; t + 4 <= n_keys; t += 4) {
+                a0 += p[t] * LOAD_F8(0, kv + (ulong)t * kvl);
+                a1 += p[t + 1] * LOAD_F8(0, kv + (ulong)(t + 1) * kvl);
+                a2 += p[t + 2] * LOAD_F8(0, kv + (ulong)(t + 2) * kvl);
+                a3 += p[t + 3] * LOAD_F8(0, kv + (ulong)(t + 3) * kvl);
+            }
+            for (; t < n_keys; t++) a0 += p[t] * LOAD_F8(0, kv + (ulong)t * kvl);
+            const float8 acc = ((a0 + a1) + (a2 + a3)) / sum;
             const float r[8] = {acc.s0, acc.s1, acc.s2, acc.s3, acc.s4, acc.s5, acc.s6, acc.s7};
             for (uint k = 0; k < 8; k++) o[i0 + k] = r[k];
         } else {
