@@ -1,0 +1,109 @@
+#!/usr/bin/env python3
+"""What int8 activations cost in quality: the device decode step with int8-quantized inputs against the same step
+with float inputs (`--float-activations`) and against the f32 reference, on the trained fixture.
+
+    PYTHONPATH=. python tools/quality_int8_activations.py [--windows 24] [--presets q4 q8 q2]   # ~40 s
+
+The trained fixture's routed and shared experts have 96 intermediate rows, not a whole number of 64-column
+blocks, so the step would run them with float inputs. This tool pads them with zero rows (gate, up) and zero
+columns (down) to 128: the model computes exactly the same function (silu(0) * 0 = 0 feeds zero columns), and
+now every int4/int8 product of the step takes int8 inputs, experts included, as GLM-5's (2,048 rows) do.
+The padded f32 model is checked against the original before anything is measured.
+
+Per preset, teacher-forced over held-out windows (eval_tokens.json): prefill the first PREFIX tokens, then
+decode the rest one token at a time through the step, and compare the logits of every decoded position:
+KL(float inputs || int8 inputs), top-1 agreement between them, and KL(f32 || each) for scale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from glmkit.formats.safetensors_file import read_header, read_tensor  # noqa: E402
+from glmkit.runtime.engine import Engine  # noqa: E402
+from tests.runtime_support import convert  # noqa: E402
+from tools.synth import write_safetensors  # noqa: E402
+
+FIXTURE = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "tiny-trained"
+PREFIX = 16
+PADDED = 128
+
+
+def pad_experts(src: Path, dest: Path) -> Path:
+    """A copy of the fixture whose expert MLPs have PADDED intermediate rows (zeros): the same function."""
+    shutil.copytree(src, dest)
+    path = dest / "model.safetensors"
+    tensors = {name: read_tensor(path, info) for name, info in read_header(path).items()}
+    for name, w in tensors.items():
+        if ".experts." in name or ".shared_experts." in name:
+            if name.endswith(("gate_proj.weight", "up_proj.weight")):
+                tensors[name] = np.concatenate([w, np.zeros((PADDED - w.shape[0], w.shape[1]), w.dtype)])
+            elif name.endswith("down_proj.weight"):
+                tensors[name] = np.concatenate([w, np.zeros((w.shape[0], PADDED - w.shape[1]), w.dtype)], axis=1)
+    write_safetensors(path, tensors)
+    config = json.loads((dest / "config.json").read_text())
+    config["moe_intermediate_size"] = PADDED
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    return dest
+
+
+def log_softmax(z: np.ndarray) -> np.ndarray:
+    z = z.astype(np.float64) - z.max(-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
+def kl(p_logits: np.ndarray, q_logits: np.ndarray) -> float:
+    p, q = log_softmax(p_logits), log_softmax(q_logits)
+    return float((np.exp(p) * (p - q)).sum(-1).mean())
+
+
+def decoded_logits(engine: Engine, windows: list[list[int]]) -> np.ndarray:
+    """Logits `[positions, V]` of every window position after PREFIX, each from a one-token forward."""
+    model, out = engine.model, []
+    for w in windows:
+        cache = model.new_cache()
+        model.forward(np.array(w[:PREFIX]), cache)
+        out += [model.forward(np.array([t]), cache)[0][-1] for t in w[PREFIX:-1]]
+    return np.stack(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--windows", type=int, default=24, help="held-out windows (default %(default)s)")
+    ap.add_argument("--presets", nargs="+", default=["q4", "q8", "q2"])
+    ap.add_argument("--work", type=Path, default=Path("/tmp/glmkit-x8-quality"))
+    args = ap.parse_args(argv)
+    shutil.rmtree(args.work, ignore_errors=True)
+    padded = pad_experts(FIXTURE, args.work / "padded")
+    windows = json.loads((FIXTURE / "eval_tokens.json").read_text())[:args.windows]
+    reference = Engine(convert(padded, args.work / "f32", "f32"), "numpy", load_tokenizer=False)
+    original = Engine(convert(FIXTURE, args.work / "f32-original", "f32"), "numpy", load_tokenizer=False)
+    ids = np.array(windows[0])
+    a, b = reference.model.forward(ids, reference.model.new_cache())[0], original.model.forward(
+        ids, original.model.new_cache())[0]
+    assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max(), "padding changed the model"
+    want = decoded_logits(reference, windows)
+    print(f"{len(want)} decoded positions over {len(windows)} windows; padded model = original "
+          f"(max logit difference {np.abs(a - b).max():.1e})")
+    print("| preset | KL(float || int8 inputs) | top-1 agreement | KL(f32 || float inputs) | KL(f32 || int8 inputs) |")
+    print("|---|---|---|---|---|")
+    for preset in args.presets:
+        snap = convert(padded, args.work / preset, preset)
+        got = {f: decoded_logits(Engine(snap, "opencl", load_tokenizer=False, float_activations=f), windows)
+               for f in (True, False)}
+        agree = float((got[True].argmax(-1) == got[False].argmax(-1)).mean())
+        print(f"| {preset} | {kl(got[True], got[False]):.6f} | {agree:.2%} | {kl(want, got[True]):.5f} | "
+              f"{kl(want, got[False]):.5f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
