@@ -101,17 +101,26 @@ def test_decode_step_matches_numpy(snapshots, kernels, variant, preset):
                                                      - engine.config.first_k_dense_replace)
 
 
+def launch_names(step: DeviceDecodeStep) -> set[str]:
+    return {launch.kernel.function_name for layer in step.layers for launch in (*layer.head, *layer.tail)} | {
+        step.lm_head.kernel.function_name}
+
+
 def test_int8_activations_step(snapshots, kernels):
-    """The default step: int4 MLPs multiply int8-quantized inputs (exact kernels: test_kernels_cl). Against
+    """The default step: int4 products multiply int8-quantized inputs (exact kernels: test_kernels_cl), and a q4
+    model's int8 products too, a q8 model's not. Against
     the float reference it keeps every greedy token of the trained fixture, within int8 rounding of the logits,
     and every KV row within its effect; f32 experts are not affected (x8 launches only for int4)."""
     engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
     ref, dev = models(engine, kernels, int8_activations=True)
     ids = np.array(oracle("tiny-trained")["full_ids"])
     want, got, caches = decode_both(ref, dev, ids[:20], ids[20:80])
-    names = {launch.kernel.function_name for layer in dev._step.layers for launch in layer.tail}
-    # the dense MLP (intermediate 384) takes int8 inputs; the routed experts' 96 rows are no whole 64-blocks
-    assert {"quantize_x8", "eg_q4_x8", "ed_q4_x8", "eg_q4"} <= names
+    names = launch_names(dev._step)
+    # the dense MLP (intermediate 384) takes int8 inputs; the routed experts' 96 rows are no whole 64-blocks;
+    # int8 products (indexer, lm_head) too, the experts being int4
+    assert {"quantize_x8", "eg_q4_x8", "ed_q4_x8", "eg_q4", "mv_q4_x8", "mv_q8_x8"} <= names
+    q8 = Engine(snapshots("tiny-trained", "q8"), "opencl", load_tokenizer=False).model
+    assert q8.decodes_on_device() and not any(n.endswith("_x8") for n in launch_names(q8._decode_step()))
     err = np.abs(got - want).max() / np.abs(want).max()
     assert 1e-5 < err < 5e-2  # int8 rounding shows, and stays small (KL divergence here: 0.00056)
     assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.95
@@ -222,8 +231,8 @@ def test_float_activations_option(snapshots):
     fast, exact = (Engine(snap, "opencl", load_tokenizer=False, float_activations=f) for f in (False, True))
     assert fast.backend.int8_activations and not exact.backend.int8_activations
     assert fast.backend.numerics != exact.backend.numerics
-    names = {launch.kernel.function_name for layer in exact.model._decode_step().layers for launch in layer.tail}
-    assert "eg_q4" in names and "eg_q4_x8" not in names
+    names = launch_names(exact.model._decode_step())
+    assert "eg_q4" in names and not any(n.endswith("_x8") for n in names)
 
 
 # ---- greedy decoding with the next forward in flight ------------------------------------------------
