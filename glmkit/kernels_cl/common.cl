@@ -211,7 +211,7 @@ INLINE void rows_dot(const int bits, const int sets, const __global uchar* row, 
     }
 }
 
-/* ---- int8 activations (the device decode step's int4 experts) ----------------------------------------
+/* ---- int8 activations (the device decode step's int4 and int8 products) --------------------------------
  * x is quantized per block of 64 columns: s = max|x| * (1 / 127) and q = rint(x * (127 / max|x|)), in float32
  * (tests/test_kernels_cl.py's quantize_activations is the reference). An int4 row's product with a block is summed
  * as integers, sum (c - 8) q = sum c q - 8 sum q, then scaled by the row's group scale times s; an int8 row's

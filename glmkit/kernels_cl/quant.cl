@@ -278,7 +278,7 @@ QUANT_KERNELS(q8, 8)
 QUANT_KERNELS(q4, 4)
 QUANT_KERNELS(q2, 2)
 
-/* ---- int8 activations (common.cl): the int4 fused experts of the device decode step ---------------------
+/* ---- int8 activations (common.cl): the device decode step's int4 and int8 products --------------------
  * quantize_x8: rows of x (stride x_s, n columns, a multiple of 64) -> codes q[2 * (r * n + 64 b) ...] (both
  * orders of common.cl), scales s[r * n / 64 + b] and code sums qsum[...] per block b. Global (n / 64, rows). */
 __kernel void quantize_x8(__global const float* x, uint x_s, uint n, __global char* q, __global float* s,

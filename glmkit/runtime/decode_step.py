@@ -5,7 +5,8 @@ and on a CPU device every one of them wakes the device's sleeping worker threads
 norms, projections, RoPE, the indexer's scores and top-k, absorbed MLA attention, noaux_tc routing, the fused
 experts, the residual adds and the lm_head - is enqueued back to back on buffers that stay put, and the host
 waits once, for the logits. The math is `GlmMoeDsaModel._decoder_layer` for one token (same order of
-operations; float sums may associate differently, as in every kernel).
+operations; float sums may associate differently, as in every kernel), except that by default the int4
+products, and a q4/q2 model's int8 ones, take int8-quantized inputs (`_int8_input_bits`, common.cl).
 
 It runs on `direct` devices (CPU OpenCL devices such as PoCL's, whose buffers are host memory): the kernels
 write each layer's new KV row straight into the host `KVCache` arrays, so prefill, MTP, truncation and the

@@ -92,7 +92,7 @@ def make_backend(spec: str, container: Any = None, int8_activations: bool = True
     """The backend for `--device spec` and its name (as `glm-run --stats-json` reports it).
 
     container: the opened snapshot (auto measures with its weights; its size sets the hybrid budget).
-    int8_activations: the device decode step's int4 MLPs take int8-quantized inputs (off: float inputs).
+    int8_activations: the device decode step's quantized products take int8-quantized inputs (off: float inputs).
     """
     kind, platform, device = parse_device(spec)
     if kind == "numpy":

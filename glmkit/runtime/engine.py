@@ -12,8 +12,8 @@ from glmkit.runtime.experts import ExpertStreamer
 from glmkit.runtime.model import GlmMoeDsaModel
 from glmkit.runtime.tokenizer import ChatTokenizer
 
-FLOAT_ACTIVATIONS_HELP = ("decode int4 MLPs with float inputs (the reference arithmetic, slower) instead of "
-                          "int8-quantized ones on an OpenCL CPU device")
+FLOAT_ACTIVATIONS_HELP = ("decode with float inputs to the quantized products (the reference arithmetic, slower) "
+                          "instead of int8-quantized ones on an OpenCL CPU device")
 
 
 def make_backend(device: str, container: Container | None = None, int8_activations: bool = True
@@ -29,8 +29,8 @@ def make_backend(device: str, container: Container | None = None, int8_activatio
 class Engine:
     """device: `numpy` (the library default: scripts and benchmarks get the reference unless they ask),
     `auto` (the CLIs' default: measured placement) or `opencl[:P:D]` (see glmkit.runtime.devices).
-    float_activations: the device decode step's int4 MLPs take float inputs (the reference arithmetic) instead
-    of int8-quantized ones (faster: docs/BENCHMARKS.md)."""
+    float_activations: the device decode step's quantized products take float inputs (the reference arithmetic)
+    instead of int8-quantized ones (faster: docs/BENCHMARKS.md)."""
 
     def __init__(self, snapshot: str | Path, device: str = "numpy", ram_budget_bytes: int = 0,
                  prefetch: bool = True, load_tokenizer: bool = True, float_activations: bool = False):

@@ -126,7 +126,7 @@ class OpenCLBackend:
             budget = 1 << 62 if unified else int(kernels.info.global_mem * 0.8)
         self.memory = WeightMemory(kernels, unified, budget)
         self.device = kernels.info.spec
-        # int8_activations: the device decode step's int4 experts multiply int8-quantized inputs
+        # int8_activations: the device decode step's quantized products take int8-quantized inputs (DeviceDecodeStep)
         self.int8_activations = int8_activations
         tag = {"device": kernels.info.key, "kernels": kernels.version, "placement": self.placement.to_json(),
                "unified": unified, "host": self.host.numerics, "int8_activations": int8_activations}
