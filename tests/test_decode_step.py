@@ -118,7 +118,7 @@ def test_int8_activations_step(snapshots, kernels):
     names = launch_names(dev._step)
     # the dense MLP (intermediate 384) takes int8 inputs; the routed experts' 96 rows are no whole 64-blocks;
     # int8 products (indexer, lm_head) too, the experts being int4
-    assert {"quantize_x8", "eg_q4_x8", "ed_q4_x8", "eg_q4", "mv_q4_x8", "mv_q8_x8"} <= names
+    assert {"quantize_x8", "eg_q4_x8", "edp_q4_x8", "expert_sum", "eg_q4", "mv_q4_x8", "mv_q8_x8"} <= names
     q8 = Engine(snapshots("tiny-trained", "q8"), "opencl", load_tokenizer=False).model
     assert q8.decodes_on_device() and not any(n.endswith("_x8") for n in launch_names(q8._decode_step()))
     err = np.abs(got - want).max() / np.abs(want).max()

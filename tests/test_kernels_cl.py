@@ -405,8 +405,9 @@ def assert_codes(codes: np.ndarray, q: np.ndarray) -> None:
 
 @pytest.mark.parametrize("bits,group", [(4, 64), (4, 128), (8, 64)])
 def test_fused_experts_int8_activations(kernels, wide_kernels, rng, bits, group):
-    """quantize x, gate+up, quantize hid, down: each stage against the reference arithmetic, on the
-    vpmaddubsw path (AVX2 CPUs) and the portable one (the wide build); unused slots are skipped."""
+    """quantize x, gate+up, quantize hid, down per slot, the slots' sum: each stage against the reference
+    arithmetic, on the vpmaddubsw path (AVX2 CPUs) and the portable one (the wide build); unused slots are
+    skipped."""
     hidden, inter = 256, 128
     assert x8_eligible(bits, group, hidden, inter) and not x8_eligible(bits, 32, hidden, inter)
     assert not x8_eligible(2, 64, hidden, inter) and not x8_eligible(bits, group, hidden, 96)
@@ -427,7 +428,8 @@ def test_fused_experts_int8_activations(kernels, wide_kernels, rng, bits, group)
                 ("w", len(slots), np.float32, [s[1] for s in slots]), ("hid", len(slots) * inter, np.float32, 0),
                 ("y", hidden, np.float32, 0), ("xq", 2 * hidden, np.int8, 0), ("xs", hidden // 64, np.float32, 0),
                 ("xsum", hidden // 64, np.int32, 0), ("hq", 2 * len(slots) * inter, np.int8, 0),
-                ("hs", len(slots) * inter // 64, np.float32, 0), ("hsum", len(slots) * inter // 64, np.int32, 0)):
+                ("hs", len(slots) * inter // 64, np.float32, 0), ("hsum", len(slots) * inter // 64, np.int32, 0),
+                ("part", len(slots) * hidden, np.float32, 0)):
             host[name] = mirror(count, dtype)
             host[name][0][:] = np.reshape(value, -1) if np.ndim(value) else value
         buf = {name: pair[1] for name, pair in host.items()}
@@ -436,7 +438,7 @@ def test_fused_experts_int8_activations(kernels, wide_kernels, rng, bits, group)
                     *k.bind_experts_x8(wbuf, bits, group, g.scales.shape[1], hidden, inter, g.packed.shape[1],
                                        d.packed.shape[1], d.scales.shape[1], x_codes, buf["offs"], buf["tok"],
                                        buf["start"], buf["w"], buf["hid"], buf["y"], len(slots),
-                                       (buf["hq"], buf["hs"], buf["hsum"])))
+                                       (buf["hq"], buf["hs"], buf["hsum"]), buf["part"]))
         for launch in launches:
             mirror.launch_bound(launch)
         val = {name: pair[0] for name, pair in host.items()}

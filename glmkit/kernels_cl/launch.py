@@ -65,7 +65,8 @@ SIGNATURES = {
     "quantize_x8": [None, _U32, _U32, None, None, None],
     "mv_x8": _W + [None, None, None, _U32, _U32, _U32, None, _U32, _U32, _U32, _U32, _U32],
     "eg_x8": [None, None, None, _U32, _U32, _U32, _U32, None, None, None, None, _U32],
-    "ed_x8": [None, None, None, None, _U32, _U32, _U32, _U32, None, None, None, None, _U32, _U32],
+    "edp_x8": [None, None, None, _U32, _U32, _U32, _U32, None, None, None, None, _U32],
+    "expert_sum": [None, None, None, None, _U32],
 }
 BIT_SUFFIX = {32: "f32", 8: "q8", 4: "q4", 2: "q2"}
 X8_BLOCK = 64  # columns per scale of int8-quantized activations (common.cl)
@@ -360,17 +361,19 @@ class Kernels:
 
     def bind_experts_x8(self, wbuf, bits: int, group: int, n_groups: int, n_in: int, inter: int, in_row_bytes: int,
                         inter_row_bytes: int, inter_groups: int, x_scratch: tuple, offs, slot_tok, tok_start, slot_w,
-                        hid, yb, n_slots: int, hid_scratch: tuple) -> tuple[Launch, Launch, Launch]:
+                        hid, yb, n_slots: int, hid_scratch: tuple, part) -> tuple[Launch, Launch, Launch, Launch]:
         """`bind_experts` for int4/int8 experts with int8 activations (`x8_eligible`): gate+up over x quantized in
-        x_scratch (`bind_quantize`), the slots' hidden rows quantized into hid_scratch, down."""
+        x_scratch (`bind_quantize`), the slots' hidden rows quantized into hid_scratch, down per slot into part
+        (`[n_slots, n_in]` floats), the slots' weighted sum."""
         g_inter, l_inter = self._rows_global(inter)
         g_out, l_out = self._rows_global(n_in)
         suffix = BIT_SUFFIX[bits] + "_x8"
         return (self.bind("eg_" + suffix, (g_inter, n_slots), l_inter, wbuf, offs, slot_tok, n_in, in_row_bytes, group,
                           n_groups, *x_scratch, hid, inter),
                 self.bind_quantize(hid, inter, n_slots, hid_scratch),
-                self.bind("ed_" + suffix, (g_out, 1), l_out, wbuf, offs, tok_start, slot_w, inter, inter_row_bytes,
-                          group, inter_groups, *hid_scratch, yb, n_in, n_in))
+                self.bind("edp_" + suffix, (g_out, n_slots), l_out, wbuf, offs, tok_start, inter, inter_row_bytes,
+                          group, inter_groups, *hid_scratch, part, n_in),
+                self.bind("expert_sum", (n_in,), None, part, tok_start, slot_w, yb, n_in))
 
     def matvec_t(self, w: ClWeight, x: np.ndarray, head_rows: int, row_start: int, rows: int) -> np.ndarray:
         """`y[s, h] = x[s, h] @ W[h * head_rows + row_start : ... + rows]` (x `[S, heads, rows]`) -> `[S, heads, I]`."""

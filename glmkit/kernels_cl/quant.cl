@@ -193,10 +193,9 @@ INLINE void expert_gate_up(const int bits, const int x8, __global const uchar* w
 
 /* Part 2: y[t, o] = sum over the slots of token t (slots tok_start[t] .. tok_start[t+1]) of
  * slot_w[slot] * (down_e[o] . hid[slot]). Global (ceil(rows / ROWS) * LANES, tokens). */
-INLINE void expert_down(const int bits, const int x8, __global const uchar* wbuf, __global const ulong* offs,
+INLINE void expert_down(const int bits, __global const uchar* wbuf, __global const ulong* offs,
                         __global const uint* tok_start, __global const float* slot_w, uint n_in, uint row_bytes,
-                        uint group, uint n_groups, __global const float* hid, __global const char* hq,
-                        __global const float* hs, __global const int* hsum, __global float* y, uint y_s, uint rows,
+                        uint group, uint n_groups, __global const float* hid, __global float* y, uint y_s, uint rows,
                         __local float* red) {
     const uint lane = LANES > 1 ? get_local_id(0) : 0;
     const uint r0 = (get_global_id(0) / LANES) * ROWS, t = get_global_id(1);
@@ -213,13 +212,8 @@ INLINE void expert_down(const int bits, const int x8, __global const uchar* wbuf
         const uint ahead_bytes = nrows == ROWS && (!last || r0 + 2 * ROWS <= rows) ? ROWS * row_bytes : 0;
         const __global uchar* down = wbuf + o[4] + (ulong)r0 * row_bytes;
         const __global float* down_sc = (const __global float*)(wbuf + o[5]) + (ulong)r0 * n_groups;
-        if (nrows && x8)
-            rows_dot_x8(bits, 1, down, down, row_bytes, down_sc, down_sc, n_groups, nrows, n_in, group,
-                        hq + slot * 2 * n_in, hs + slot * (n_in / 64), hsum + slot * (n_in / 64), lane, v, ahead,
-                        ahead, ahead_bytes);
-        else if (nrows)
-            rows_dot(bits, 1, down, down, row_bytes, down_sc, down_sc, n_groups, nrows, n_in, group,
-                     hid + slot * n_in, lane, v, ahead, ahead, ahead_bytes);
+        if (nrows) rows_dot(bits, 1, down, down, row_bytes, down_sc, down_sc, n_groups, nrows, n_in, group,
+                            hid + slot * n_in, lane, v, ahead, ahead, ahead_bytes);
         for (uint k = 0; k < ROWS; k++) {
             float vk = k < nrows ? v[k] : 0.0f;
             LANE_SUM(vk, red, lane);
@@ -229,6 +223,45 @@ INLINE void expert_down(const int bits, const int x8, __global const uchar* wbuf
     for (uint k = 0; k < nrows; k++) {
         if (lane == 0) y[t * y_s + r0 + k] = acc[k];
     }
+}
+
+/* Part 2 split in two, for the device decode step's int8-input experts: expert_down_part computes
+ * part[slot, o] = down_e[o] . hid[slot] with one work-item per (ROWS rows, slot), so the items of a work-group
+ * stream one expert's rows (expert_down's items read every slot's rows: interleaved streams of a few hundred
+ * bytes, measured at a third of the memory bandwidth); then expert_sum adds the slots up in expert_down's order.
+ * Slots from tok_start[1] on are unused. Global (ceil(rows / ROWS) * LANES, slots). */
+INLINE void expert_down_part(const int bits, __global const uchar* wbuf, __global const ulong* offs,
+                             __global const uint* tok_start, uint n_in, uint row_bytes, uint group, uint n_groups,
+                             __global const char* hq, __global const float* hs, __global const int* hsum,
+                             __global float* part, uint rows, __local float* red) {
+    const uint lane = LANES > 1 ? get_local_id(0) : 0;
+    const uint r0 = (get_global_id(0) / LANES) * ROWS, slot = get_global_id(1);
+    const uint nrows = r0 < rows ? umin_(ROWS, rows - r0) : 0;
+    if (slot >= tok_start[1]) return;  /* uniform over a work-group: its items share the slot */
+    __global const ulong* o = offs + slot * 6;
+    const __global uchar* down = wbuf + o[4] + (ulong)r0 * row_bytes;
+    const __global float* down_sc = (const __global float*)(wbuf + o[5]) + (ulong)r0 * n_groups;
+    const uint ahead_bytes = r0 + 2 * ROWS <= rows ? ROWS * row_bytes : 0;  /* the next item's rows */
+    float v[ROWS];
+    if (nrows)
+        rows_dot_x8(bits, 1, down, down, row_bytes, down_sc, down_sc, n_groups, nrows, n_in, group,
+                    hq + slot * 2 * n_in, hs + slot * (n_in / 64), hsum + slot * (n_in / 64), lane, v,
+                    down + ROWS * row_bytes, down + ROWS * row_bytes, ahead_bytes);
+    for (uint k = 0; k < ROWS; k++) {
+        float vk = k < nrows ? v[k] : 0.0f;
+        LANE_SUM(vk, red, lane);
+        if (k < nrows && lane == 0) part[slot * rows + r0 + k] = vk;
+    }
+}
+
+/* y[o] = sum over the used slots of slot_w[slot] * part[slot, o]. Global (rows). */
+__kernel void expert_sum(__global const float* part, __global const uint* tok_start, __global const float* slot_w,
+                         __global float* y, uint rows) {
+    const uint o = get_global_id(0);
+    if (o >= rows) return;
+    float acc = 0.0f;
+    for (uint slot = tok_start[0]; slot < tok_start[1]; slot++) acc += slot_w[slot] * part[slot * rows + o];
+    y[o] = acc;
 }
 
 #define QUANT_KERNELS(SUFFIX, BITS) \
@@ -269,8 +302,7 @@ __kernel void ed_##SUFFIX(__global const uchar* wbuf, __global const ulong* offs
                           __global const float* slot_w, uint n_in, uint row_bytes, uint group, uint n_groups, \
                           __global const float* hid, __global float* y, uint y_s, uint rows) { \
     __local float red[LANES]; \
-    expert_down(BITS, 0, wbuf, offs, tok_start, slot_w, n_in, row_bytes, group, n_groups, hid, 0, 0, 0, y, y_s, \
-                rows, red); \
+    expert_down(BITS, wbuf, offs, tok_start, slot_w, n_in, row_bytes, group, n_groups, hid, y, y_s, rows, red); \
 }
 
 QUANT_KERNELS(f32, 32)
@@ -287,8 +319,8 @@ __kernel void quantize_x8(__global const float* x, uint x_s, uint n, __global ch
     quantize_block(x + r * x_s + 64 * b, q + 2 * (r * n + 64 * b), s + at, qsum + at);
 }
 
-/* mv_*_x8, eg_*_x8, ed_*_x8: mv / eg / ed of int4 and int8 rows over quantized inputs (x: one row per token or
- * head, offsets x_s and x_h counted as for float x; hid: one row per slot). */
+/* mv_*_x8, eg_*_x8, edp_*_x8: mv / eg / expert_down_part of int4 and int8 rows over quantized inputs (x: one row
+ * per token or head, offsets x_s and x_h counted as for float x; hid: one row per slot). */
 #define X8_KERNELS(SUFFIX, BITS) \
 __kernel void mv_##SUFFIX##_x8(WARGS, __global const char* xq, __global const float* xs, __global const int* xsum, \
                                uint n_s, uint x_s, uint x_h, __global float* y, uint y_s, uint y_h, uint rows, \
@@ -304,13 +336,12 @@ __kernel void eg_##SUFFIX##_x8(__global const uchar* wbuf, __global const ulong*
     expert_gate_up(BITS, 1, wbuf, offs, slot_tok, n_in, row_bytes, group, n_groups, 0, 0, xq, xs, xsum, hid, inter, \
                    red); \
 } \
-__kernel void ed_##SUFFIX##_x8(__global const uchar* wbuf, __global const ulong* offs, __global const uint* tok_start, \
-                               __global const float* slot_w, uint n_in, uint row_bytes, uint group, uint n_groups, \
-                               __global const char* hq, __global const float* hs, __global const int* hsum, \
-                               __global float* y, uint y_s, uint rows) { \
+__kernel void edp_##SUFFIX##_x8(__global const uchar* wbuf, __global const ulong* offs, \
+                                __global const uint* tok_start, uint n_in, uint row_bytes, uint group, uint n_groups, \
+                                __global const char* hq, __global const float* hs, __global const int* hsum, \
+                                __global float* part, uint rows) { \
     __local float red[LANES]; \
-    expert_down(BITS, 1, wbuf, offs, tok_start, slot_w, n_in, row_bytes, group, n_groups, 0, hq, hs, hsum, y, y_s, \
-                rows, red); \
+    expert_down_part(BITS, wbuf, offs, tok_start, n_in, row_bytes, group, n_groups, hq, hs, hsum, part, rows, red); \
 }
 
 X8_KERNELS(q8, 8)

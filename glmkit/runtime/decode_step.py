@@ -334,7 +334,8 @@ class DeviceDecodeStep:
         if self._x8(ref.bits, ref.group, ref.n_in, ref.inter):
             # x: u's codes, written by the post-attention norm
             return self.k.bind_experts_x8(wbuf, ref.bits, *common[:7], self.u_x8, *common[8:],
-                                          hid_scratch=self._x8_scratch(n_slots * ref.inter))
+                                          hid_scratch=self._x8_scratch(n_slots * ref.inter),
+                                          part=self._buf(n_slots * ref.n_in)[1])
         return self.k.bind_experts(wbuf, ref.bits, *common)
 
     def _int8_input_bits(self, int8_activations: bool) -> frozenset[int]:
