@@ -384,7 +384,8 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = max(bw.values())
     table = summarize(results, bytes_per_token, bandwidth, container)
     meta = {"preset": args.preset, "container_bytes": container, "bytes_per_token": bytes_per_token,
-            "bandwidth": bw, "bandwidth_samples": samples, "bandwidth_gbs": bandwidth, "ceiling_tok_s": bandwidth * 1e9 / bytes_per_token,
+            "bandwidth": bw, "bandwidth_samples": samples, "bandwidth_gbs": bandwidth,
+            "ceiling_tok_s": bandwidth * 1e9 / bytes_per_token,
             "runs": args.runs, "cores": os.cpu_count(), "cpu": platform.processor() or platform.machine(),
             "load_start": round(load_start, 1), "load_end": round(os.getloadavg()[0], 1),
             "command": "python tools/bench.py " + " ".join(sys.argv[1:])}
