@@ -335,6 +335,7 @@ INLINE void rows_dot_x8(const int bits, const int sets, const __global uchar* ro
         const float s = xs[c];
         const uint gi = c / per;
         for (uint t = 0; t < lines; t++) TOUCH_AHEAD(lines * c + t);
+#pragma unroll  /* the accumulators stay in registers (rolled, they live on the stack: measured 10% slower) */
         for (uint k = 0; k < sets * ROWS; k++) {
             const __global uchar* wk = rk[k] + row_block * c;
             const int8 dot = bits == 4 ? block_dot(wk, &xb) : block_dot8(wk, &xb);
