@@ -322,7 +322,8 @@ def test_decode_attention(kernels, rng, n_keys, use_mask, rope):
     mirror.launch("mla_decode_scores", (n_keys,), None, bufs["ql"], bufs["qr"], bufs["kl"], bufs["kr"], bufs["mask"],
           int(use_mask), scores, heads, n_keys, kvl, rope, scale)
     red = kernels.red_lanes
-    mirror.launch("mla_decode_values", (heads * red,), (red,), scores, bufs["kl"], out, n_keys, kvl)
+    mirror.launch("mla_decode_values", (heads * red,), (red,), scores, bufs["kl"], out, n_keys, kvl, 0, out, out,
+                  out)
     q = np.concatenate([q_lat, q_rot], axis=-1)[None].astype(np.float32)
     keys = np.concatenate([kv_lat, k_rot], axis=-1)[:, None, :].astype(np.float32)
     want = REF.attention(q, keys, kv_lat[:, None, :], mask[None], scale)[0]
@@ -489,3 +490,17 @@ def test_int8_input_matvec_and_norm(kernels, wide_kernels, rng, bits):
         assert np.array_equal(norm_codes[1][0], s[0]) and np.array_equal(norm_codes[2][0], q.reshape(-1, 64).sum(-1))
         assert_codes(norm_codes[0][0], q)
         assert_codes(codes[0][0], quantize_activations(x)[0])
+        # the attention values kernel, writing its per-head outputs' codes (o_lat for kv_b's value product)
+        keys = 70
+        (sh, sb), (kh, kb), (oh, ob) = mirror(heads * keys), mirror(keys * n), mirror(heads * n)
+        value_codes = [mirror(2 * heads * n, np.int8), mirror(heads * n // 64), mirror(heads * n // 64, np.int32)]
+        sh[:], kh[:] = rng.standard_normal(heads * keys), rng.standard_normal(keys * n)
+        scores = sh.reshape(heads, keys).copy()
+        mirror.launch("mla_decode_values", (heads * k.red_lanes,), (k.red_lanes,), sb, kb, ob, keys, n, 1,
+                      *(c[1] for c in value_codes))
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        close(oh.reshape(heads, n), (probs / probs.sum(-1, keepdims=True)) @ kh.reshape(keys, n), 1e-5)
+        q, s = quantize_activations(oh.reshape(heads, n))
+        assert np.array_equal(value_codes[1][0], s.reshape(-1))
+        assert np.array_equal(value_codes[2][0], q.reshape(-1, 64).sum(-1))
+        assert_codes(value_codes[0][0], q)

@@ -173,10 +173,12 @@ __kernel void mla_decode_scores(__global const float* q_lat, __global const floa
 }
 
 /* out[h] = softmax(scores[h]) @ kv_lat, one work-group (RED_LANES items) per head: the row's maximum and sum
- * (the probabilities replace the scores in place), then each item owns groups of 8 latent columns.
+ * (the probabilities replace the scores in place), then each item owns groups of 8 latent columns. With
+ * `quantize`, also out's int8 codes, scales and code sums per head (common.cl; kvl a multiple of 64).
  * scores [nh, T] (-inf: key not selected), kv_lat [T, kvl]. Global (nh * RED_LANES). */
 __kernel void mla_decode_values(__global float* scores, __global const float* kv_lat, __global float* out,
-                                uint n_keys, uint kvl) {
+                                uint n_keys, uint kvl, uint quantize, __global char* q, __global float* qs,
+                                __global int* qsum) {
     __local float red[RED_LANES];
     const uint l = get_local_id(0), h = get_group_id(0);
     __global float* p = scores + (ulong)h * n_keys;
@@ -226,6 +228,11 @@ __kernel void mla_decode_values(__global float* scores, __global const float* kv
             }
         }
     }
+    if (!quantize) return;
+    barrier(CLK_GLOBAL_MEM_FENCE);  /* a block is read by another item than the ones that wrote it */
+    const uint nb = kvl / 64;
+    for (uint b = l; b < nb; b += RED_LANES) quantize_block(o + 64 * b, q + 2 * h * kvl + 128 * b, qs + h * nb + b,
+                                                            qsum + h * nb + b);
 }
 
 #define MAX_EXPERTS 1024

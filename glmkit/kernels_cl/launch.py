@@ -60,7 +60,7 @@ SIGNATURES = {
     "index_key_row": [None, None, _U32, _U32, None, None, _U32, _U32, _U32, None, _F32],
     "rope_rows": [None, _U32, _U32, None, _U32, _U32, None, _U32, _U32],
     "mla_decode_scores": [None] * 5 + [_U32, None] + [_U32] * 4 + [_F32],
-    "mla_decode_values": [None] * 3 + [_U32, _U32],
+    "mla_decode_values": [None] * 3 + [_U32, _U32, _U32, None, None, None],
     "route_noaux_tc": [None, None, _U32, None, None] + [_U32] * 6 + [_F32, _U32, None, None, None, _U32, None, None],
     "quantize_x8": [None, _U32, _U32, None, None, None],
     "mv_x8": _W + [None, None, None, _U32, _U32, _U32, None, _U32, _U32, _U32, _U32, _U32],

@@ -240,10 +240,12 @@ class DeviceDecodeStep:
         out.attention = k.bind("mla_decode_scores", (KEY_GROUP,), (KEY_GROUP,), self.q_abs[1], self.q_rot[1],
                                self.comp[1], self.comp[1], scratch["selected"][1], 0, scratch["scores"][1], nh, 1, kvl,
                                rope, cfg.qk_head_dim ** -0.5)
+        # the values kernel writes o_lat's codes too when kv_b's value product takes int8 inputs
+        o_lat_x8 = self._x8_scratch(nh * kvl) if self._x8(kv_b.bits, kv_b.group, kv_b.n_in) else None
         out.values = k.bind("mla_decode_values", (nh * self.red,), (self.red,), scratch["scores"][1], self.comp[1],
-                            self.o_lat[1], 1, kvl)
+                            self.o_lat[1], 1, kvl, int(o_lat_x8 is not None), *(o_lat_x8 or (self.o_lat[1],) * 3))
         out.tail = [out.attention, out.values,
-                    *self._matvec(kv_b, self.o_lat, self.heads_out, nh, nope + v_dim, nope, v_dim),
+                    *self._matvec(kv_b, self.o_lat, self.heads_out, nh, nope + v_dim, nope, v_dim, quantized=o_lat_x8),
                     *self._matvec(self._matrix(a + "o_proj.weight"), self.heads_out, self.attn_out),
                     self._norm(self.x, self.attn_out, True, p + "post_attention_layernorm.weight", self.u,
                                cfg.rms_norm_eps, h, self.u_x8)]
