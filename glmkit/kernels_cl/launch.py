@@ -334,8 +334,7 @@ class Kernels:
         rows = w.rows if rows is None else rows
         g0, local = self._rows_global(rows)
         return self.bind(f"mv_{BIT_SUFFIX[w.bits]}_x8", (g0, heads), local, *w.args(), *scratch, 1, heads * w.n_in,
-                         w.n_in, yb,
-                         heads * rows, rows, rows, head_rows, row_start)
+                         w.n_in, yb, heads * rows, rows, rows, head_rows, row_start)
 
     def bind_embed_row(self, w: ClWeight, token, out) -> Launch:
         """Row `token[0]` of W (a buffer holding one uint) as float into `out`: an embedding lookup on the device."""
