@@ -148,6 +148,15 @@ INLINE float hsum8(float8 v) {
 #define TOUCH_AHEAD(c) do { } while (0)
 #endif
 
+/* rows_dot_x8 reads ahead with prefetch instructions instead (CPU devices): a touching load that misses holds up
+ * retirement until its line arrives, a prefetch retires at once (measured on PoCL with the benchmark model's
+ * gate+up: 164 -> 151 us per launch, with the next item's scales prefetched too). */
+#ifdef CPU_LOADS
+#define PREFETCH(p) __builtin_prefetch((p), 0, 3)
+#else
+#define PREFETCH(p) do { } while (0)
+#endif
+
 /* The row and scale pointers of rows_dot's `sets * ROWS` rows (rows past nrows repeat the last row: valid
  * memory, results dropped, no branch in the inner loop), and their zeroed accumulators. */
 INLINE void row_sets(const int sets, const __global uchar* row, const __global uchar* row2, uint row_bytes,
@@ -327,14 +336,23 @@ INLINE void rows_dot_x8(const int bits, const int sets, const __global uchar* ro
     float8 acc[2 * ROWS];
     row_sets(sets, row, row2, row_bytes, sc, sc2, n_groups, nrows, rk, sk, acc);
     const uint blocks = n / 64u, per = group / 64u;
-    uint sink = 0;
     const uint lines = bits / 2u, row_block = bits * 8u;
     for (uint c = lane; c < blocks; c += LANES) {
         const x8_block xb = load_x8(xq + 128u * c + (bits == 8 ? 64u : 0u));
         const int8 bias = (int8)(bits == 4 ? xsum[c] : 0);  /* int4: 8 lanes of xsum, 8 * xsum in their total */
         const float s = xs[c];
         const uint gi = c / per;
-        for (uint t = 0; t < lines; t++) TOUCH_AHEAD(lines * c + t);
+        for (uint t = 0; t < lines; t++) {  /* the next item's rows */
+            const uint at = (lines * c + t) * 64u;
+            if (at < ahead_bytes) {
+                PREFETCH(ahead + at);
+                if (sets == 2) PREFETCH(ahead2 + at);
+            }
+        }
+        if (ahead_bytes && c * 16u < ROWS * n_groups) {  /* and their scales: ROWS * n_groups floats per set */
+            PREFETCH(sc + ROWS * n_groups + c * 16u);
+            if (sets == 2) PREFETCH(sc2 + ROWS * n_groups + c * 16u);
+        }
 #pragma unroll  /* the accumulators stay in registers (rolled, they live on the stack: measured 10% slower) */
         for (uint k = 0; k < sets * ROWS; k++) {
             const __global uchar* wk = rk[k] + row_block * c;
@@ -344,7 +362,7 @@ INLINE void rows_dot_x8(const int bits, const int sets, const __global uchar* ro
     }
     for (uint k = 0; k < sets * ROWS; k++) {
         if (k % ROWS >= nrows) continue;
-        out[k] = sink == 0xffffffffu ? 0.0f : hsum8(acc[k]);  /* see rows_dot */
+        out[k] = hsum8(acc[k]);
     }
 }
 
