@@ -133,29 +133,24 @@ INLINE float hsum8(float8 v) {
     return c.x + c.y;
 }
 
-/* Reading ahead (CPU devices): each chunk step also loads one cache line of the `ahead_bytes` at `ahead` (the
- * rows the work-item reads next), so their memory reads start early. The hardware prefetcher does not follow
- * ROWS interleaved row streams of a few hundred bytes each; measured on PoCL with the benchmark model, the
- * fused gate+up kernel went from 4.6 to 3.5 ms per token. The loaded bytes feed a never-taken branch only. */
-#ifdef CPU_LOADS
-#define TOUCH_AHEAD(c) do { \
-        if ((c) * 64u < ahead_bytes) { \
-            sink += ahead[(c) * 64u]; \
-            if (sets == 2) sink += ahead2[(c) * 64u]; \
-        } \
-    } while (0)
-#else
-#define TOUCH_AHEAD(c) do { } while (0)
-#endif
-
-/* rows_dot_x8 reads ahead with prefetch instructions instead (CPU devices): a touching load that misses holds up
- * retirement until its line arrives, a prefetch retires at once (measured on PoCL with the benchmark model's
- * gate+up: 164 -> 151 us per launch, with the next item's scales prefetched too). */
+/* Reading ahead (CPU devices): each step over a row's columns also prefetches cache line `line` of the
+ * `ahead_bytes` at `ahead` (and `ahead2` when sets == 2): the rows the work-item reads next, so their memory
+ * reads start early. The hardware prefetcher does not follow ROWS interleaved row streams of a few hundred bytes
+ * each; measured on PoCL with the benchmark model, the fused gate+up kernel went from 4.6 to 3.5 ms per token
+ * with touching loads, and prefetch instructions beat those (a load that misses holds up retirement until its
+ * line arrives, a prefetch retires at once: int8-input gate+up 164 -> 151 us per launch). */
 #ifdef CPU_LOADS
 #define PREFETCH(p) __builtin_prefetch((p), 0, 3)
 #else
 #define PREFETCH(p) do { } while (0)
 #endif
+#define READ_AHEAD(line) do { \
+        const uint at_ = (line) * 64u; \
+        if (at_ < ahead_bytes) { \
+            PREFETCH(ahead + at_); \
+            if (sets == 2) PREFETCH(ahead2 + at_); \
+        } \
+    } while (0)
 
 /* The row and scale pointers of rows_dot's `sets * ROWS` rows (rows past nrows repeat the last row: valid
  * memory, results dropped, no branch in the inner loop), and their zeroed accumulators. */
@@ -174,7 +169,7 @@ INLINE void row_sets(const int sets, const __global uchar* row, const __global u
  * `row` (stride row_bytes; scales at sc, stride n_groups) over n columns; with sets == 2 also `out[ROWS + k]`
  * for the rows at `row2` (scales sc2; the fused expert's up rows next to its gate rows), which share each
  * chunk of x. Lanes stride over the chunks; each chunk's x is arranged once and reused by every row.
- * `ahead`, `ahead2`: see TOUCH_AHEAD. `sets` is a constant at every call (the loops unroll to it). */
+ * `ahead`, `ahead2`: see READ_AHEAD. `sets` is a constant at every call (the loops unroll to it). */
 INLINE void rows_dot(const int bits, const int sets, const __global uchar* row, const __global uchar* row2,
                      uint row_bytes, const __global float* sc, const __global float* sc2, uint n_groups, uint nrows,
                      uint n, uint group, const __global float* x, uint lane, float* out,
@@ -185,14 +180,13 @@ INLINE void rows_dot(const int bits, const int sets, const __global uchar* row, 
     float8 acc[2 * ROWS];
     row_sets(sets, row, row2, row_bytes, sc, sc2, n_groups, nrows, rk, sk, acc);
     uint vec_end = 0;
-    uint sink = 0;
     if (bits == 32 || group == 0) {
         const uint chunks = n / cw;
         vec_end = chunks * cw;
         for (uint c = lane; c < chunks; c += LANES) {
             float8 xv[8];
             const float8 bias = load_x(bits, x, c, xv);
-            TOUCH_AHEAD(c);
+            READ_AHEAD(c);
             for (uint k = 0; k < sets * ROWS; k++) acc[k] += codes_dot(bits, rk[k], c, xv) - bias;
         }
     } else if (group % cw == 0) {
@@ -202,7 +196,7 @@ INLINE void rows_dot(const int bits, const int sets, const __global uchar* row, 
             float8 xv[8];
             const float8 bias = load_x(bits, x, c, xv);
             const uint gi = c / per;  /* one division per chunk, shared by the rows */
-            TOUCH_AHEAD(c);
+            READ_AHEAD(c);
             for (uint k = 0; k < sets * ROWS; k++) acc[k] += (codes_dot(bits, rk[k], c, xv) - bias) * sk[k][gi];
         }
     }
@@ -215,8 +209,7 @@ INLINE void rows_dot(const int bits, const int sets, const __global uchar* row, 
             s += w * x[i];
         }
         if (bits != 32 && group == 0) s *= sk[k][0];
-        /* sink cannot reach 2^32 - 1 (fewer than 2^24 touches of at most 255): the test only keeps the loads */
-        out[k] = sink == 0xffffffffu ? 0.0f : s;
+        out[k] = s;
     }
 }
 
@@ -327,8 +320,8 @@ INLINE void quantize_block(const __global float* xp, __global char* qp, __global
  * block), scales xs and code sums xsum per block. n: a multiple of 64. Read ahead: a block is 32 (int4) or 64
  * (int8) bytes of each of ROWS rows, so 2 or 4 lines per block. */
 INLINE void rows_dot_x8(const int bits, const int sets, const __global uchar* row, const __global uchar* row2,
-                        uint row_bytes, const __global float* sc, const __global float* sc2, uint n_groups, uint nrows, uint n,
-                        uint group, const __global char* xq, const __global float* xs, const __global int* xsum,
+                        uint row_bytes, const __global float* sc, const __global float* sc2, uint n_groups,
+                        uint nrows, uint n, uint group, const __global char* xq, const __global float* xs, const __global int* xsum,
                         uint lane, float* out, const __global uchar* ahead, const __global uchar* ahead2,
                         uint ahead_bytes) {
     const __global uchar* rk[2 * ROWS];
@@ -342,13 +335,7 @@ INLINE void rows_dot_x8(const int bits, const int sets, const __global uchar* ro
         const int8 bias = (int8)(bits == 4 ? xsum[c] : 0);  /* int4: 8 lanes of xsum, 8 * xsum in their total */
         const float s = xs[c];
         const uint gi = c / per;
-        for (uint t = 0; t < lines; t++) {  /* the next item's rows */
-            const uint at = (lines * c + t) * 64u;
-            if (at < ahead_bytes) {
-                PREFETCH(ahead + at);
-                if (sets == 2) PREFETCH(ahead2 + at);
-            }
-        }
+        for (uint t = 0; t < lines; t++) READ_AHEAD(lines * c + t);  /* the next item's rows */
         if (ahead_bytes && c * 16u < ROWS * n_groups) {  /* and their scales: ROWS * n_groups floats per set */
             PREFETCH(sc + ROWS * n_groups + c * 16u);
             if (sets == 2) PREFETCH(sc2 + ROWS * n_groups + c * 16u);
@@ -368,5 +355,9 @@ INLINE void rows_dot_x8(const int bits, const int sets, const __global uchar* ro
 
 /* silu(g) = g * sigmoid(g); exp(-g) overflowing to inf gives 0, as in NumPy. */
 INLINE float silu(float g) {
+    return g * (1.0f / (1.0f + exp(-g)));
+}
+
+INLINE float4 silu4(float4 g) {  /* one vector exp: four scalar calls cost ~12% of the int8-input gate+up kernel */
     return g * (1.0f / (1.0f + exp(-g)));
 }
