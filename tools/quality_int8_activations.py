@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from glmkit.formats.safetensors_file import read_header, read_tensor  # noqa: E402
 from glmkit.runtime.engine import Engine  # noqa: E402
+from glmkit.runtime.metrics import kl_divergence, log_softmax  # noqa: E402
 from tests.runtime_support import convert  # noqa: E402
 from tools.synth import write_safetensors  # noqa: E402
 
@@ -55,14 +56,9 @@ def pad_experts(src: Path, dest: Path) -> Path:
     return dest
 
 
-def log_softmax(z: np.ndarray) -> np.ndarray:
-    z = z.astype(np.float64) - z.max(-1, keepdims=True)
-    return z - np.log(np.exp(z).sum(-1, keepdims=True))
-
-
 def kl(p_logits: np.ndarray, q_logits: np.ndarray) -> float:
-    p, q = log_softmax(p_logits), log_softmax(q_logits)
-    return float((np.exp(p) * (p - q)).sum(-1).mean())
+    """Mean KL(P || Q) over rows of logits."""
+    return float(kl_divergence(log_softmax(p_logits), log_softmax(q_logits)).mean())
 
 
 def decoded_logits(engine: Engine, windows: list[list[int]]) -> np.ndarray:
