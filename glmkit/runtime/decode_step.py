@@ -321,24 +321,25 @@ class DeviceDecodeStep:
             raise Unsupported(f"{name}: cannot run as a fused expert in place")
         return ref
 
-    def _bind_single(self, ref, y) -> tuple[Launch, Launch]:
+    def _bind_single(self, ref, y) -> tuple[Launch, ...]:
         """One MLP (a dense layer's, or a shared expert) as a fused launch pair of one slot of weight 1."""
         offs, slot_w, slot_tok, tok_start = (self._buf(6, np.uint64), self._buf(1), self._buf(1, np.uint32),
                                              self._buf(2, np.uint32))
         offs[0][:], slot_w[0][:], slot_tok[0][:], tok_start[0][:] = ref.offs, 1.0, 0, (0, 1)
         return self._bind_experts(ref, offs, slot_w, 1, y, ref.buf, slot_tok, tok_start)
 
-    def _bind_experts(self, ref, offs, slot_w, n_slots: int, y, wbuf, slot_tok, tok_start) -> tuple[Launch, Launch]:
-        """The fused launch pair over `n_slots` slots of experts with `ref`'s scheme in weight buffer `wbuf`."""
+    def _bind_experts(self, ref, offs, slot_w, n_slots: int, y, wbuf, slot_tok, tok_start) -> tuple[Launch, ...]:
+        """The fused launches over `n_slots` slots of experts with `ref`'s scheme in weight buffer `wbuf`: a pair,
+        or with int8 inputs gate+up, the hidden rows' quantization, down per slot and the slots' sum."""
         hid = self._buf(n_slots * ref.inter)
-        common = (ref.group, ref.n_groups, ref.n_in, ref.inter, ref.in_row_bytes, ref.inter_row_bytes,
-                  ref.inter_groups, self.u[1], offs[1], slot_tok[1], tok_start[1], slot_w[1], hid[1], y[1], n_slots)
-        if self._x8(ref.bits, ref.group, ref.n_in, ref.inter):
-            # x: u's codes, written by the post-attention norm
-            return self.k.bind_experts_x8(wbuf, ref.bits, *common[:7], self.u_x8, *common[8:],
+        shape = (ref.group, ref.n_groups, ref.n_in, ref.inter, ref.in_row_bytes, ref.inter_row_bytes,
+                 ref.inter_groups)
+        slots = (offs[1], slot_tok[1], tok_start[1], slot_w[1], hid[1], y[1], n_slots)
+        if self._x8(ref.bits, ref.group, ref.n_in, ref.inter):  # x: u's codes, written by the post-attention norm
+            return self.k.bind_experts_x8(wbuf, ref.bits, *shape, self.u_x8, *slots,
                                           hid_scratch=self._x8_scratch(n_slots * ref.inter),
                                           part=self._buf(n_slots * ref.n_in)[1])
-        return self.k.bind_experts(wbuf, ref.bits, *common)
+        return self.k.bind_experts(wbuf, ref.bits, *shape, self.u[1], *slots)
 
     def _int8_input_bits(self, int8_activations: bool) -> frozenset[int]:
         """The weight widths whose products take int8-quantized inputs: int4 always (their own rounding dwarfs
