@@ -116,7 +116,8 @@ def test_int8_activations_step(snapshots, kernels):
     ids = np.array(oracle("tiny-trained")["full_ids"])
     want, got, caches = decode_both(ref, dev, ids[:20], ids[20:80])
     names = launch_names(dev._step)
-    # the dense MLP (intermediate 384) takes int8 inputs; the routed experts' 96 rows are no whole 64-blocks;
+    # the dense MLP (intermediate 384) takes int8 inputs; the routed experts' 96 rows are no whole 64-blocks; the
+    # heads' 32 outputs neither (their codes: a quantize launch after the value product, not mvq);
     # int8 products (indexer, lm_head) too, the experts being int4
     assert {"quantize_x8", "eg_q4_x8", "edp_q4_x8", "expert_sum", "eg_q4", "mv_q4_x8", "mv_q8_x8"} <= names
     q8 = Engine(snapshots("tiny-trained", "q8"), "opencl", load_tokenizer=False).model

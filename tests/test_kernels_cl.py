@@ -504,3 +504,51 @@ def test_int8_input_matvec_and_norm(kernels, wide_kernels, rng, bits):
         assert np.array_equal(value_codes[1][0], s.reshape(-1))
         assert np.array_equal(value_codes[2][0], q.reshape(-1, 64).sum(-1))
         assert_codes(value_codes[0][0], q)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_matvec_writes_its_codes(kernels, wide_kernels, rng, bits):
+    """mvq_*_x8 (kv_b's value product, whose output o_proj takes as int8 input): the product as mv_*_x8's, and
+    the codes of each 64 output rows its work-group wrote as quantize_x8's; devices with several lanes per row
+    cannot (`writes_codes`: the step quantizes in a launch of its own there)."""
+    assert kernels.writes_codes == (kernels.lanes == 1) and not wide_kernels.writes_codes
+    heads, n, head_rows, rows = 3, 128, 140, 128
+    w = make_weight(rng, heads * head_rows, n, bits, 64)[0]
+    x = rng.standard_normal((heads, n)).astype(np.float32)
+    want = np.stack([x8_linear(x[h:h + 1], QuantWeight(w.packed[h * head_rows + 7:h * head_rows + 7 + rows],
+                                                       w.scales[h * head_rows + 7:h * head_rows + 7 + rows], bits, 64,
+                                                       (rows, n)))[0] for h in range(heads)])
+    mirror = Mirrors(kernels)
+    (xh, xb), (yh, yb) = mirror(heads * n), mirror(heads * rows)
+    codes = [mirror(2 * heads * n, np.int8), mirror(heads * n // 64), mirror(heads * n // 64, np.int32)]
+    out = [mirror(2 * heads * rows, np.int8), mirror(heads * rows // 64), mirror(heads * rows // 64, np.int32)]
+    xh[:] = x.reshape(-1)
+    scratch = tuple(c[1] for c in codes)
+    cw = device_weight(kernels, w, unified=kernels.direct)
+    for launch in (kernels.bind_quantize(xb, n, heads, scratch),
+                   kernels.bind_matvec_x8(cw, scratch, yb, heads, head_rows, 7, rows, tuple(c[1] for c in out))):
+        mirror.launch_bound(launch)
+    close(yh.reshape(heads, rows), want, 2e-6)
+    q, s = quantize_activations(yh[None])
+    assert np.array_equal(out[1][0], s[0]) and np.array_equal(out[2][0], q.reshape(-1, 64).sum(-1))
+    assert_codes(out[0][0], q)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_matvec_pair(kernels, wide_kernels, rng, bits):
+    """mv2_*_x8: two products of one quantized input in one launch (the step's q_a and kv_a), odd row counts, each
+    as mv_*_x8's."""
+    n, rows, rows2 = 192, 37, 21
+    w, w2 = make_weight(rng, rows, n, bits, 64)[0], make_weight(rng, rows2, n, bits, 64)[0]
+    x = rng.standard_normal((1, n)).astype(np.float32)
+    for k in (kernels, wide_kernels):
+        mirror = Mirrors(k)
+        (xh, xb), (yh, yb), (y2h, y2b) = mirror(n), mirror(rows), mirror(rows2)
+        codes = [mirror(2 * n, np.int8), mirror(n // 64), mirror(n // 64, np.int32)]
+        xh[:] = x[0]
+        scratch = tuple(c[1] for c in codes)
+        cw, cw2 = device_weight(k, w, unified=k.direct), device_weight(k, w2, unified=k.direct)
+        for launch in (k.bind_quantize(xb, n, 1, scratch), k.bind_matvec_pair(cw, cw2, scratch, yb, y2b)):
+            mirror.launch_bound(launch)
+        close(yh, x8_linear(x, w)[0], 2e-6)
+        close(y2h, x8_linear(x, w2)[0], 2e-6)

@@ -63,11 +63,13 @@ SIGNATURES = {
     "mla_decode_values": [None] * 3 + [_U32, _U32, _U32, None, None, None],
     "route_noaux_tc": [None, None, _U32, None, None] + [_U32] * 6 + [_F32, _U32, None, None, None, _U32, None, None],
     "quantize_x8": [None, _U32, _U32, None, None, None],
-    "mv_x8": _W + [None, None, None, _U32, _U32, _U32, None, _U32, _U32, _U32, _U32, _U32],
+    "mv_x8": _W + [None, None, None, _U32, _U32, _U32, None, _U32, _U32, _U32, _U32, _U32, None, None, None],
     "eg_x8": [None, None, None, _U32, _U32, _U32, _U32, None, None, None, None, _U32],
     "edp_x8": [None, None, None, _U32, _U32, _U32, _U32, None, None, None, None, _U32],
     "expert_sum": [None, None, None, None, _U32],
 }
+SIGNATURES["mvq_x8"] = SIGNATURES["mv_x8"]
+SIGNATURES["mv2_x8"] = _W + [None, _U64, None, _U64, None, None, None, None, _U32, _U32, None, _U32]
 BIT_SUFFIX = {32: "f32", 8: "q8", 4: "q4", 2: "q2"}
 X8_BLOCK = 64  # columns per scale of int8-quantized activations (common.cl)
 
@@ -327,14 +329,34 @@ class Kernels:
         multiple of X8_BLOCK): the inputs of the int8-input products."""
         return self.bind("quantize_x8", (n // X8_BLOCK, rows), None, xb, n, n, *scratch)
 
+    @property
+    def writes_codes(self) -> bool:
+        """Whether products can write their output's int8 codes themselves (`codes_out` in quant.cl): a
+        work-group of X8_BLOCK / ROWS items then owns one block of output rows (one lane per row only)."""
+        return self.lanes == 1 and X8_BLOCK % self.rows_per_item == 0
+
     def bind_matvec_x8(self, w: ClWeight, scratch: tuple, yb, heads: int = 1, head_rows: int = 0,
-                       row_start: int = 0, rows: int | None = None) -> Launch:
+                       row_start: int = 0, rows: int | None = None, codes_out: tuple | None = None) -> Launch:
         """`bind_matvec` of contiguous input rows (x_h = n_in) with int8 activations (`x8_eligible`): scratch
-        holds the rows quantized (`bind_quantize`)."""
+        holds the rows quantized (`bind_quantize`). codes_out: y's own codes written there too (`writes_codes`
+        devices, rows a multiple of X8_BLOCK), for a product that takes y as int8 input."""
         rows = w.rows if rows is None else rows
         g0, local = self._rows_global(rows)
-        return self.bind(f"mv_{BIT_SUFFIX[w.bits]}_x8", (g0, heads), local, *w.args(), *scratch, 1, heads * w.n_in,
-                         w.n_in, yb, heads * rows, rows, rows, head_rows, row_start)
+        name = f"mv_{BIT_SUFFIX[w.bits]}_x8"
+        if codes_out is not None:
+            assert self.writes_codes and rows % X8_BLOCK == 0
+            name, local = "mvq" + name[2:], (X8_BLOCK // self.rows_per_item, 1)
+        return self.bind(name, (g0, heads), local, *w.args(), *scratch, 1, heads * w.n_in, w.n_in, yb, heads * rows,
+                         rows, rows, head_rows, row_start, *(codes_out or (yb, yb, yb)))
+
+    def bind_matvec_pair(self, w: ClWeight, w2: ClWeight, scratch: tuple, yb, y2b) -> Launch:
+        """`y = W x` and `y2 = W2 x` in one launch, over one input row quantized in scratch (`bind_quantize`); W
+        and W2 alike in bits, columns and groups, both `x8_eligible`."""
+        assert (w.bits, w.n_in, w.group, w.row_bytes) == (w2.bits, w2.n_in, w2.group, w2.row_bytes)
+        items = -(-w.rows // self.rows_per_item)
+        g0, local = self._rows_global(items * self.rows_per_item + w2.rows)
+        return self.bind(f"mv2_{BIT_SUFFIX[w.bits]}_x8", (g0, 1), local, *w.args(), *w2.args()[:4], *scratch, yb,
+                         w.rows, items, y2b, w2.rows)
 
     def bind_embed_row(self, w: ClWeight, token, out) -> Launch:
         """Row `token[0]` of W (a buffer holding one uint) as float into `out`: an embedding lookup on the device."""

@@ -26,15 +26,18 @@
 #define LANE_SUM(v, red, lane) do { } while (0)
 #endif
 
-/* y[s, h, r] = sum_i x[s, h, i] * W[h * head_rows + row_start + r, i] for r < rows, s < n_s.
+/* y[s, h, r] = sum_i x[s, h, i] * W[h * head_rows + row_start + r, i] for r < rows, s < n_s, the rows of `item`.
  * Global (ceil(rows / ROWS) * LANES, heads): a work-item owns ROWS consecutive rows (each chunk of x is
- * arranged once for all of them); each weight row is read from memory once, later inputs hit the cache. */
-INLINE void matvec(const int bits, const int x8, WARGS, __global const float* x, __global const char* xq,
-                   __global const float* xs, __global const int* xsum, uint n_s, uint x_s, uint x_h,
-                   __global float* y, uint y_s, uint y_h, uint rows, uint head_rows, uint row_start,
-                   __local float* red) {
+ * arranged once for all of them); each weight row is read from memory once, later inputs hit the cache.
+ * codes_out (LANES == 1, work-groups of 64 / ROWS items; n_s 1, rows a multiple of 64, y's heads y_h = rows apart):
+ * the 64 rows a work-group wrote also become one block of int8 codes, scale and code sum (common.cl) in yq, ys,
+ * ysum, for the next product, which takes y as int8 input: no quantize_x8 launch of its own. */
+INLINE void matvec(const int bits, const int x8, const int codes_out, WARGS, __global const float* x,
+                   __global const char* xq, __global const float* xs, __global const int* xsum, uint n_s, uint x_s,
+                   uint x_h, __global float* y, uint y_s, uint y_h, uint rows, uint head_rows, uint row_start,
+                   __global char* yq, __global float* ys, __global int* ysum, uint item, __local float* red) {
     const uint lane = LANES > 1 ? get_local_id(0) : 0;
-    const uint r0 = (get_global_id(0) / LANES) * ROWS, h = get_global_id(1);
+    const uint r0 = item * ROWS, h = get_global_id(1);
     const uint nrows = r0 < rows ? umin_(ROWS, rows - r0) : 0;
     const ulong wr = (ulong)h * head_rows + row_start + (nrows ? r0 : 0);
     const bool next = r0 + 2 * ROWS <= rows;  /* read ahead into the next item's rows when it has ROWS of them */
@@ -53,6 +56,11 @@ INLINE void matvec(const int bits, const int x8, WARGS, __global const float* x,
             LANE_SUM(vk, red, lane);
             if (k < nrows && lane == 0) y[s * y_s + h * y_h + r0 + k] = vk;
         }
+    }
+    if (codes_out) {
+        barrier(CLK_GLOBAL_MEM_FENCE);  /* the block's rows were written by the group's other items */
+        const uint at = h * y_h + r0 / 64 * 64;
+        if (get_local_id(0) == 0) quantize_block(y + at, yq + 2 * at, ys + at / 64, ysum + at / 64);
     }
 }
 
@@ -275,8 +283,8 @@ __kernel void expert_sum(__global const float* part, __global const uint* tok_st
 __kernel void mv_##SUFFIX(WARGS, __global const float* x, uint n_s, uint x_s, uint x_h, __global float* y, \
                           uint y_s, uint y_h, uint rows, uint head_rows, uint row_start) { \
     __local float red[LANES]; \
-    matvec(BITS, 0, wbuf, w_off, sbuf, s_off, n_in, row_bytes, group, n_groups, x, 0, 0, 0, n_s, x_s, x_h, y, y_s, \
-           y_h, rows, head_rows, row_start, red); \
+    matvec(BITS, 0, 0, wbuf, w_off, sbuf, s_off, n_in, row_bytes, group, n_groups, x, 0, 0, 0, n_s, x_s, x_h, y, \
+           y_s, y_h, rows, head_rows, row_start, 0, 0, 0, get_global_id(0) / LANES, red); \
 } \
 __kernel void mvt_##SUFFIX(WARGS, __global const float* x, uint n_s, uint x_s, uint x_h, __global float* y, \
                            uint y_s, uint y_h, uint rows, uint head_rows, uint row_start) { \
@@ -327,14 +335,34 @@ __kernel void quantize_x8(__global const float* x, uint x_s, uint n, __global ch
 }
 
 /* mv_*_x8, eg_*_x8, edp_*_x8: mv / eg / expert_down_part of int4 and int8 rows over quantized inputs (x: one row
- * per token or head, offsets x_s and x_h counted as for float x; hid: one row per slot). */
-#define X8_KERNELS(SUFFIX, BITS) \
-__kernel void mv_##SUFFIX##_x8(WARGS, __global const char* xq, __global const float* xs, __global const int* xsum, \
-                               uint n_s, uint x_s, uint x_h, __global float* y, uint y_s, uint y_h, uint rows, \
-                               uint head_rows, uint row_start) { \
+ * per token or head, offsets x_s and x_h counted as for float x; hid: one row per slot). mvq_*_x8: mv_*_x8 also
+ * writing its output's int8 codes (codes_out in matvec). mv2_*_x8: two products of one input in one launch (the
+ * step's q_a and kv_a both read the normed hidden state): y = W x by the first `items` work-items (ceil(rows /
+ * ROWS)), y2 = W2 x by the others; W2 has W's bits, columns and groups. Global ((items + ceil(rows2 / ROWS)) *
+ * LANES, 1). */
+#define MV_X8(NAME, BITS, CODES) \
+__kernel void NAME(WARGS, __global const char* xq, __global const float* xs, __global const int* xsum, uint n_s, \
+                   uint x_s, uint x_h, __global float* y, uint y_s, uint y_h, uint rows, uint head_rows, \
+                   uint row_start, __global char* yq, __global float* ys, __global int* ysum) { \
     __local float red[LANES]; \
-    matvec(BITS, 1, wbuf, w_off, sbuf, s_off, n_in, row_bytes, group, n_groups, 0, xq, xs, xsum, n_s, x_s, x_h, y, \
-           y_s, y_h, rows, head_rows, row_start, red); \
+    matvec(BITS, 1, CODES, wbuf, w_off, sbuf, s_off, n_in, row_bytes, group, n_groups, 0, xq, xs, xsum, n_s, x_s, \
+           x_h, y, y_s, y_h, rows, head_rows, row_start, yq, ys, ysum, get_global_id(0) / LANES, red); \
+}
+#define X8_KERNELS(SUFFIX, BITS) \
+MV_X8(mv_##SUFFIX##_x8, BITS, 0) \
+MV_X8(mvq_##SUFFIX##_x8, BITS, 1) \
+__kernel void mv2_##SUFFIX##_x8(WARGS, __global const uchar* wbuf2, ulong w_off2, __global const uchar* sbuf2, \
+                                ulong s_off2, __global const char* xq, __global const float* xs, \
+                                __global const int* xsum, __global float* y, uint rows, uint items, \
+                                __global float* y2, uint rows2) { \
+    __local float red[LANES]; \
+    const uint item = get_global_id(0) / LANES; \
+    if (item < items) \
+        matvec(BITS, 1, 0, wbuf, w_off, sbuf, s_off, n_in, row_bytes, group, n_groups, 0, xq, xs, xsum, 1, 0, 0, y, \
+               0, 0, rows, 0, 0, 0, 0, 0, item, red); \
+    else \
+        matvec(BITS, 1, 0, wbuf2, w_off2, sbuf2, s_off2, n_in, row_bytes, group, n_groups, 0, xq, xs, xsum, 1, 0, 0, \
+               y2, 0, 0, rows2, 0, 0, 0, 0, 0, item - items, red); \
 } \
 __kernel void eg_##SUFFIX##_x8(__global const uchar* wbuf, __global const ulong* offs, __global const uint* slot_tok, \
                                uint n_in, uint row_bytes, uint group, uint n_groups, __global const char* xq, \

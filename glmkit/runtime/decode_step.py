@@ -144,17 +144,38 @@ class DeviceDecodeStep:
         return cw
 
     def _matvec(self, w: ClWeight, x, y, heads: int = 1, head_rows: int = 0, row_start: int = 0,
-                rows: int | None = None, quantized: tuple | None = None) -> tuple[Launch, ...]:
+                rows: int | None = None, quantized: tuple | None = None, codes_out: tuple | None = None
+                ) -> tuple[Launch, ...]:
         """`y[h] = x[h] . W[h * head_rows + row_start ...]` for contiguous rows x[h] (`n_in` apart): int8 inputs
-        where `x8_eligible` (x's codes from `quantized`, else a quantize launch first), else float inputs."""
+        where `x8_eligible` (x's codes from `quantized`, else a quantize launch first), else float inputs.
+        codes_out: y's int8 codes too (`_x8_scratch`), for the product that reads y next: written by the product's
+        own kernel where it can (`Kernels.writes_codes`), else by a quantize launch after it."""
         k = self.k
+        rows = w.rows if rows is None else rows
         if not self._x8(w.bits, w.group, w.n_in):
-            return (k.bind_matvec(w, x[1], y[1], heads, w.n_in, head_rows, row_start, rows),)
-        if quantized is not None:
-            return (k.bind_matvec_x8(w, quantized, y[1], heads, head_rows, row_start, rows),)
-        scratch = self._x8_scratch(heads * w.n_in)
-        return (k.bind_quantize(x[1], w.n_in, heads, scratch),
-                k.bind_matvec_x8(w, scratch, y[1], heads, head_rows, row_start, rows))
+            launches: tuple[Launch, ...] = (k.bind_matvec(w, x[1], y[1], heads, w.n_in, head_rows, row_start, rows),)
+        else:
+            launches = ()
+            if quantized is None:
+                quantized = self._x8_scratch(heads * w.n_in)
+                launches = (k.bind_quantize(x[1], w.n_in, heads, quantized),)
+            if codes_out is not None and k.writes_codes and rows % X8_BLOCK == 0:
+                return (*launches, k.bind_matvec_x8(w, quantized, y[1], heads, head_rows, row_start, rows, codes_out))
+            launches += (k.bind_matvec_x8(w, quantized, y[1], heads, head_rows, row_start, rows),)
+        if codes_out is not None:
+            launches += (k.bind_quantize(y[1], heads * rows, 1, codes_out),)
+        return launches
+
+    def _pairs(self, w: ClWeight, w2: ClWeight) -> bool:
+        """Whether two products of the normed hidden state u run as one launch (`Kernels.bind_matvec_pair`)."""
+        return (self.u_x8 is not None and self._x8(w.bits, w.group, w.n_in)
+                and (w.bits, w.n_in, w.group, w.row_bytes) == (w2.bits, w2.n_in, w2.group, w2.row_bytes))
+
+    def _matvec_pair(self, w: ClWeight, y, w2: ClWeight, y2) -> tuple[Launch, ...]:
+        """`y = W u` and `y2 = W2 u`: one launch where `_pairs`, else two `_matvec`s."""
+        if self._pairs(w, w2):
+            return (self.k.bind_matvec_pair(w, w2, self.u_x8, y[1], y2[1]),)
+        return (*self._matvec(w, self.u, y, quantized=self.u_x8), *self._matvec(w2, self.u, y2, quantized=self.u_x8))
 
     def _norm(self, x, a, add: bool, weight: str, y, eps: float, n: int, quantized: tuple | None = None) -> Launch:
         """`x += a` (when add), then `y = RMSNorm(x)` with the 1-D weight `weight`; its int8 codes into `quantized`
@@ -205,11 +226,11 @@ class DeviceDecodeStep:
         out.head = [
             self._norm(self.x, self.ffn, layer > 0, p + "input_layernorm.weight", self.u, cfg.rms_norm_eps, h,
                        self.u_x8),
-            *self._matvec(self._matrix(a + "q_a_proj.weight"), self.u, self.q_a, quantized=self.u_x8),
+            *self._matvec_pair(self._matrix(a + "q_a_proj.weight"), self.q_a,
+                               self._matrix(a + "kv_a_proj_with_mqa.weight"), self.comp),
             self._norm(self.q_a, self.q_a, False, a + "q_a_layernorm.weight", self.q_lat, latent_eps, cfg.q_lora_rank,
                        self.q_lat_x8),
             *self._matvec(self._matrix(a + "q_b_proj.weight"), self.q_lat, self.q, quantized=self.q_lat_x8),
-            *self._matvec(self._matrix(a + "kv_a_proj_with_mqa.weight"), self.u, self.comp, quantized=self.u_x8),
         ]
         out.kv_row = self._reads_cs(k.bind("kv_row", (self.red,), (self.red,), self.comp[1], self._vectors[1],
                                            self.offsets[a + "kv_a_layernorm.weight"], self.comp[1], self.comp[1], 0,
@@ -223,9 +244,12 @@ class DeviceDecodeStep:
                 k.bind("index_key_row", (self.red,), (self.red,), self.key_raw[1], self._vectors[1],
                        self.offsets[a + "indexer.k_norm.weight"], self.offsets[a + "indexer.k_norm.bias"], self.key[1],
                        self.key[1], 0, ihd, rope, self.cs[0][1], latent_eps), 9)
-            out.head += [*self._matvec(self._matrix(a + "indexer.wk.weight"), self.u, self.key_raw,
-                                       quantized=self.u_x8),
-                         out.index_key]
+            wk, weights_proj = self._matrix(a + "indexer.wk.weight"), self._matrix(a + "indexer.weights_proj.weight")
+            # weights_proj's head weights matter only once the indexer scores; in the key's launch they cost ~nothing
+            paired = self._pairs(wk, weights_proj)
+            key = (self._matvec_pair(wk, self.key_raw, weights_proj, self.iw) if paired else
+                   self._matvec(wk, self.u, self.key_raw, quantized=self.u_x8))
+            out.head += [*key, out.index_key]
             out.scores = k.bind("index_scores", (KEY_GROUP, 1), (KEY_GROUP, 1), self.iq_rot[1], self.key[1], self.iw[1],
                                 self.scratch["index_scores"][1], inh, ihd, 1, ihd ** -0.5, inh ** -0.5)
             out.topk = k.bind("topk_select", (1,), None, self.scratch["index_scores"][1], self.scratch["all"][1],
@@ -233,8 +257,7 @@ class DeviceDecodeStep:
             out.scoring = [*self._matvec(self._matrix(a + "indexer.wq_b.weight"), self.q_lat, self.iq,
                                          quantized=self.q_lat_x8),
                            self._rope(self.iq, 0, ihd, self.iq_rot[1], ihd, ihd, inh),
-                           *self._matvec(self._matrix(a + "indexer.weights_proj.weight"), self.u, self.iw,
-                                         quantized=self.u_x8),
+                           *(() if paired else self._matvec(weights_proj, self.u, self.iw, quantized=self.u_x8)),
                            out.scores, out.topk]
         scratch = self.scratch
         out.attention = k.bind("mla_decode_scores", (KEY_GROUP,), (KEY_GROUP,), self.q_abs[1], self.q_rot[1],
@@ -244,9 +267,12 @@ class DeviceDecodeStep:
         o_lat_x8 = self._x8_scratch(nh * kvl) if self._x8(kv_b.bits, kv_b.group, kv_b.n_in) else None
         out.values = k.bind("mla_decode_values", (nh * self.red,), (self.red,), scratch["scores"][1], self.comp[1],
                             self.o_lat[1], 1, kvl, int(o_lat_x8 is not None), *(o_lat_x8 or (self.o_lat[1],) * 3))
+        o_proj = self._matrix(a + "o_proj.weight")
+        heads_x8 = self._x8_scratch(nh * v_dim) if self._x8(o_proj.bits, o_proj.group, o_proj.n_in) else None
         out.tail = [out.attention, out.values,
-                    *self._matvec(kv_b, self.o_lat, self.heads_out, nh, nope + v_dim, nope, v_dim, quantized=o_lat_x8),
-                    *self._matvec(self._matrix(a + "o_proj.weight"), self.heads_out, self.attn_out),
+                    *self._matvec(kv_b, self.o_lat, self.heads_out, nh, nope + v_dim, nope, v_dim, quantized=o_lat_x8,
+                                  codes_out=heads_x8),
+                    *self._matvec(o_proj, self.heads_out, self.attn_out, quantized=heads_x8),
                     self._norm(self.x, self.attn_out, True, p + "post_attention_layernorm.weight", self.u,
                                cfg.rms_norm_eps, h, self.u_x8)]
         out.tail += self._bind_ffn(layer, out)
