@@ -79,15 +79,19 @@ def test_matvec_matmul_dequant(kernels, rng, bits, group):
         assert np.array_equal(kernels.dequant(cw, rows // 2), dense[rows // 2:])
 
 
-@pytest.mark.parametrize("bits,group", [(32, None), (8, 24), (4, 64), (2, None)])
-def test_head_products(kernels, rng, bits, group):
-    heads, nope, v, lat = 3, 6, 5, 70  # kv_b: heads blocks of [nope | v] rows, lat columns
+@pytest.mark.parametrize("bits,group", [(32, None), (8, 24), (8, None), (8, 64), (4, 64), (4, 32), (4, None),
+                                        (2, None)])
+@pytest.mark.parametrize("lat", [70, 128])
+def test_head_products(kernels, wide_kernels, rng, bits, group, lat):
+    """kv_b's per-head products; lat 128 takes matvec_t's 16-byte chunks for int4/int8 with whole groups."""
+    heads, nope, v = 3, 6, 5  # kv_b: heads blocks of [nope | v] rows, lat columns
     w, _ = make_weight(rng, heads * (nope + v), lat, bits, group)
-    cw = device_weight(kernels, w)
     q = rng.standard_normal((2, heads, nope)).astype(np.float32)
-    close(kernels.matvec_t(cw, q, nope + v, 0, nope), REF.head_matmul(q, w, 0, nope, transpose=True))
     o = rng.standard_normal((2, heads, lat)).astype(np.float32)
-    close(kernels.matvec(cw, o, heads, nope + v, nope, v), REF.head_matmul(o, w, nope, v, transpose=False))
+    for k in (kernels, wide_kernels):
+        cw = device_weight(k, w, unified=k.direct)
+        close(k.matvec_t(cw, q, nope + v, 0, nope), REF.head_matmul(q, w, 0, nope, transpose=True))
+        close(k.matvec(cw, o, heads, nope + v, nope, v), REF.head_matmul(o, w, nope, v, transpose=False))
 
 
 def test_weights_in_place_from_a_mapping(kernels, rng, tmp_path):

@@ -80,6 +80,15 @@ def x8_eligible(bits: int, group: int, *widths: int) -> bool:
     return bits in (4, 8) and group > 0 and group % X8_BLOCK == 0 and all(w % X8_BLOCK == 0 for w in widths)
 
 
+def mvt_global(w: ClWeight, heads: int) -> tuple[int, int]:
+    """matvec_t's global size: a work-item per 16-byte chunk of a row (int4: 32 columns, int8: 16) where the
+    chunks lie in whole scale groups (`mvt_chunked` in quant.cl), else per 8 columns."""
+    cols = {4: 32, 8: 16}.get(w.bits, 8)
+    if cols == 8 or w.n_in % cols or w.group % cols:
+        cols = 8
+    return -(-w.n_in // cols), heads
+
+
 def available() -> bool:
     return cl is not None
 
@@ -365,7 +374,7 @@ class Kernels:
     def bind_matvec_t(self, w: ClWeight, xb, yb, heads: int, x_h: int, head_rows: int, row_start: int, rows: int
                       ) -> Launch:
         """`matvec_t` of one row between buffers: `y[h] = x[h, :rows] @ W[h * head_rows + row_start ...]`."""
-        return self.bind("mvt_" + BIT_SUFFIX[w.bits], (-(-w.n_in // 8), heads), None, *w.args(), xb, 1,
+        return self.bind("mvt_" + BIT_SUFFIX[w.bits], mvt_global(w, heads), None, *w.args(), xb, 1,
                          heads * x_h, x_h, yb, heads * w.n_in, w.n_in, rows, head_rows, row_start)
 
     def bind_experts(self, wbuf, bits: int, group: int, n_groups: int, n_in: int, inter: int, in_row_bytes: int,
@@ -402,7 +411,7 @@ class Kernels:
         xb = self.put("x", x)
         yb = self.out("y", n_s * heads * w.n_in * 4)
         evt = self.kernel("mvt_" + BIT_SUFFIX[w.bits])(
-            self.queue, (-(-w.n_in // 8), heads), None, *w.args(), xb, n_s, heads * rows, rows, yb, heads * w.n_in,
+            self.queue, mvt_global(w, heads), None, *w.args(), xb, n_s, heads * rows, rows, yb, heads * w.n_in,
             w.n_in, rows, head_rows, row_start)
         return self.get("y", (n_s, heads, w.n_in), evt)
 

@@ -85,12 +85,60 @@ INLINE float8 weights8(const int bits, const __global uchar* row, const __global
     return w * (group ? sc[(8 * j) / group] : sc[0]);
 }
 
+/* Whether matvec_t's work-items own a 16-byte chunk of each row (int4: 32 columns, int8: 16), which lies in one
+ * scale group; else 8 columns each. Kernels.bind_matvec_t sizes the launch by the same rule. */
+INLINE bool mvt_chunked(const int bits, uint n_in, uint group) {
+    const uint cw = chunk_codes(bits);
+    return (bits == 4 || bits == 8) && n_in % cw == 0 && group % cw == 0;
+}
+
+/* A work-item's chunk c of rows wr0 .. wr0 + rows - 1 (see mvt_chunked): out[i] = sum_r xr[r] * W[wr0 + r, i] for
+ * the chunk's columns, one 16-byte load per row, the codes unpacked in registers, their scale applied to xr. */
+INLINE void matvec_t_chunk(const int bits, WARGS, const __global float* xr, uint rows, ulong wr0, uint c,
+                           __global float* out) {
+    const uint gi = group ? c * chunk_codes(bits) / group : 0;
+    float8 acc[4] = {(float8)(0.0f), (float8)(0.0f), (float8)(0.0f), (float8)(0.0f)};
+    float bias = 0.0f;  /* int4 codes are stored +8: sum (c - 8) v = sum c v - 8 sum v */
+    for (uint r = 0; r < rows; r++) {
+        const ulong wr = wr0 + r;
+        const float v = xr[r] * SCALE_PTR(wr)[gi];
+        const uchar16 b = LOAD_U16(c, ROW_PTR(wr));
+        if (bits == 4) {  /* byte i: columns 2i (low nibble) and 2i + 1 */
+            acc[0] += v * convert_float8(b.lo & (uchar8)15);
+            acc[1] += v * convert_float8(b.lo >> (uchar8)4);
+            acc[2] += v * convert_float8(b.hi & (uchar8)15);
+            acc[3] += v * convert_float8(b.hi >> (uchar8)4);
+            bias += v;
+        } else {
+            acc[0] += v * convert_float8(as_char16(b).lo);
+            acc[1] += v * convert_float8(as_char16(b).hi);
+        }
+    }
+    if (bits == 4) {
+        for (uint h = 0; h < 2; h++) {
+            const float8 even = acc[2 * h] - 8.0f * bias, odd = acc[2 * h + 1] - 8.0f * bias;
+            vstore8((float8)(even.s0, odd.s0, even.s1, odd.s1, even.s2, odd.s2, even.s3, odd.s3), 4 * c + 2 * h, out);
+            vstore8((float8)(even.s4, odd.s4, even.s5, odd.s5, even.s6, odd.s6, even.s7, odd.s7), 4 * c + 2 * h + 1,
+                    out);
+        }
+    } else {
+        vstore8(acc[0], 2 * c, out);
+        vstore8(acc[1], 2 * c + 1, out);
+    }
+}
+
 /* The transposed product: y[s, h, i] = sum_r x[s, h, r] * W[h * head_rows + row_start + r, i], r < rows.
- * Global (ceil(n_in / 8), heads): a work-item owns 8 consecutive columns (one scale group when group % 8 == 0)
- * and walks the rows of its head's block (MLA's kv_b blocks are small). */
+ * Global (ceil(n_in / cols), heads): a work-item owns `cols` consecutive columns (a chunk where mvt_chunked, else
+ * 8, one scale group when group % 8 == 0) and walks the rows of its head's block (MLA's kv_b blocks are small). */
 INLINE void matvec_t(const int bits, WARGS, __global const float* x, uint n_s, uint x_s, uint x_h,
                      __global float* y, uint y_s, uint y_h, uint rows, uint head_rows, uint row_start) {
     const uint j = get_global_id(0), h = get_global_id(1);
+    if (mvt_chunked(bits, n_in, group)) {
+        for (uint s = 0; s < n_s; s++)
+            matvec_t_chunk(bits, wbuf, w_off, sbuf, s_off, n_in, row_bytes, group, n_groups, x + s * x_s + h * x_h,
+                           rows, (ulong)h * head_rows + row_start, j, y + s * y_s + h * y_h);
+        return;
+    }
     const uint i0 = 8 * j;
     if (i0 >= n_in) return;
     const bool vec = i0 + 8 <= n_in && (bits == 32 || group % 8 == 0);
