@@ -289,14 +289,17 @@ def test_decode_norms_and_rope(kernels, rng):
     mirror.launch("rope_rows", (width, heads), None, src, 2, 20, out, 0, width, cs, width, rope // 2)
     want = np.concatenate([apply_rope(rows[None, :, :rope], cos, sin)[0], rows[:, rope:]], axis=-1)
     close(out_h.reshape(heads, width), want)
-    # the cache rows: kv_lat = RMSNorm(latent), k_rot = RoPE(rest) of kv_a's output; the indexer key
-    # LayerNorm(x) with RoPE on its first columns; written at row 2 of the cache arrays
+    # the cache rows: kv_lat = RMSNorm(latent), k_rot = RoPE(rest) of kv_a's output, written at row 2 of the cache
+    # arrays, with the heads' query rope parts (the rows above); the indexer key LayerNorm(x) with RoPE on its first
+    # columns
     kvl = n - rope
     lat_h, lat = mirror(3 * kvl)
     rot_h, rot = mirror(3 * rope)
-    mirror.launch("kv_row", (red,), (red,), ab, vec, n, lat, rot, 2, kvl, rope, cs, 1e-6)
+    q_rot_h, q_rot = mirror(heads * rope)
+    mirror.launch("kv_row", (red,), (red,), ab, vec, n, lat, rot, 2, kvl, rope, cs, 1e-6, src, 2, 20, q_rot, heads)
     close(lat_h[2 * kvl:], REF.rms_norm(a[None, :kvl], vec_h[n:n + kvl], 1e-6)[0])
     close(rot_h[2 * rope:], apply_rope(a[None, kvl:], cos, sin)[0])
+    close(q_rot_h.reshape(heads, rope), want[:, :rope])
     tmp_h, tmp = mirror(n)
     key_h, key = mirror(3 * n)
     mirror.launch("index_key_row", (red,), (red,), ab, vec, n, 2 * n, tmp, key, 2, n, rope, cs, 1e-6)

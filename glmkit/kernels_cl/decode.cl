@@ -68,10 +68,12 @@ __kernel void add_into(__global float* y, __global const float* a, uint n) {
 }
 
 /* The token's MLA cache row from kv_a's output comp = [latent (kvl) | rope part (rope)]: kv_lat[row] = RMSNorm
- * of the latent (weights at vec + w_off), k_rot[row] = the rope part with RoPE applied (cs: see rope_rows).
- * One work-group. */
+ * of the latent (weights at vec + w_off), k_rot[row] = the rope part with RoPE applied (cs: see rope_rows); and the
+ * query's rope parts, q_rot[h] = RoPE of the `rope` columns at q + q_off + h * q_row, h < heads (what rope_rows
+ * would do in a launch of its own). One work-group. */
 __kernel void kv_row(__global const float* comp, __global const float* vec, uint w_off, __global float* kv_lat,
-                     __global float* k_rot, uint row, uint kvl, uint rope, __global const float* cs, float eps) {
+                     __global float* k_rot, uint row, uint kvl, uint rope, __global const float* cs, float eps,
+                     __global const float* q, uint q_off, uint q_row, __global float* q_rot, uint heads) {
     __local float red[RED_LANES];
     const uint l = get_local_id(0), n_half = rope / 2;
     float s = 0.0f;
@@ -79,12 +81,13 @@ __kernel void kv_row(__global const float* comp, __global const float* vec, uint
     const float inv = 1.0f / sqrt(group_sum(s, red) / (float)kvl + eps);
     __global float* lat = kv_lat + (ulong)row * kvl;
     for (uint i = l; i < kvl; i += RED_LANES) lat[i] = vec[w_off + i] * (comp[i] * inv);
-    const __global float* pe = comp + kvl;
-    __global float* out = k_rot + (ulong)row * rope;
-    for (uint i = l; i < n_half; i += RED_LANES) {
-        const float e = pe[2 * i], o = pe[2 * i + 1], c = cs[i], sn = cs[n_half + i];
-        out[i] = e * c - o * sn;
-        out[n_half + i] = o * c + e * sn;
+    for (uint i = l; i < (heads + 1) * n_half; i += RED_LANES) {  /* pair i % n_half of the key, then each head */
+        const uint h = i / n_half, j = i % n_half;
+        const __global float* pe = h ? q + q_off + (h - 1) * q_row : comp + kvl;
+        __global float* out = h ? q_rot + (h - 1) * rope : k_rot + (ulong)row * rope;
+        const float e = pe[2 * j], o = pe[2 * j + 1], c = cs[j], sn = cs[n_half + j];
+        out[j] = e * c - o * sn;
+        out[n_half + j] = o * c + e * sn;
     }
 }
 

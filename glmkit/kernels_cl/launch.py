@@ -56,7 +56,7 @@ SIGNATURES = {
     "residual_rms_norm": [None, _U32, None, _U32, None, _U32, None, _U32, _U32, _F32, _U32, None, None, None],
     "add_into": [None, None, _U32],
     "argmax_row": [None, _U32, None],
-    "kv_row": [None, None, _U32, None, None, _U32, _U32, _U32, None, _F32],
+    "kv_row": [None, None, _U32, None, None, _U32, _U32, _U32, None, _F32, None, _U32, _U32, None, _U32],
     "index_key_row": [None, None, _U32, _U32, None, None, _U32, _U32, _U32, None, _F32],
     "rope_rows": [None, _U32, _U32, None, _U32, _U32, None, _U32, _U32],
     "mla_decode_scores": [None] * 5 + [_U32, None] + [_U32] * 4 + [_F32],

@@ -49,7 +49,7 @@ class _Layer:
         self.head: list[Launch] = []  # from the input norm to the indexer key (always)
         self.scoring: list[Launch] = []  # indexer queries, scores, top-k (only with more than index_topk keys)
         self.tail: list[Launch] = []  # attention, output projection, FFN
-        self.kv_row: Launch | None = None  # writes kv_lat[row] and k_rot[row]
+        self.kv_row: Launch | None = None  # writes kv_lat[row] and k_rot[row] (and the query's q_rot)
         self.index_key: Launch | None = None  # writes index_k[row]
         self.scores: Launch | None = None
         self.topk: Launch | None = None
@@ -234,9 +234,9 @@ class DeviceDecodeStep:
         ]
         out.kv_row = self._reads_cs(k.bind("kv_row", (self.red,), (self.red,), self.comp[1], self._vectors[1],
                                            self.offsets[a + "kv_a_layernorm.weight"], self.comp[1], self.comp[1], 0,
-                                           kvl, rope, self.cs[0][1], latent_eps), 8)
+                                           kvl, rope, self.cs[0][1], latent_eps, self.q[1], nope, nope + rope,
+                                           self.q_rot[1], nh), 8)
         out.head += [out.kv_row,
-                     self._rope(self.q, nope, nope + rope, self.q_rot[1], rope, rope, nh),
                      k.bind_matvec_t(kv_b, self.q[1], self.q_abs[1], nh, nope + rope, nope + v_dim, 0, nope)]
         if cfg.indexer_type(layer) == "full":
             ihd, inh = cfg.index_head_dim, cfg.index_n_heads
