@@ -207,22 +207,24 @@ __kernel void mla_decode_values(__global float* scores, __global const float* kv
     sum = group_sum(sum, red);
     barrier(CLK_GLOBAL_MEM_FENCE);  /* every item's probabilities are visible to the whole group */
     __global float* o = out + (ulong)h * kvl;
-    for (uint i0 = 8 * l; i0 < kvl; i0 += 8 * RED_LANES) {
-        if (i0 + 8 <= kvl) {
-            /* four independent sums: one would wait on each add (latency, not throughput) */
+    /* an item owns 32 columns: per key one probability load for four vector sums (a work-group runs on one core on
+     * CPU devices, so fewer, longer items cost less than many short ones) */
+    for (uint i0 = 32 * l; i0 < kvl; i0 += 32 * RED_LANES) {
+        if (i0 + 32 <= kvl) {
             float8 a0 = (float8)(0.0f), a1 = a0, a2 = a0, a3 = a0;
             const __global float* kv = kv_lat + i0;
-            uint t = 0;
-            for (; t + 4 <= n_keys; t += 4) {
-                a0 += p[t] * LOAD_F8(0, kv + (ulong)t * kvl);
-                a1 += p[t + 1] * LOAD_F8(0, kv + (ulong)(t + 1) * kvl);
-                a2 += p[t + 2] * LOAD_F8(0, kv + (ulong)(t + 2) * kvl);
-                a3 += p[t + 3] * LOAD_F8(0, kv + (ulong)(t + 3) * kvl);
+            for (uint t = 0; t < n_keys; t++) {
+                const float pt = p[t];
+                const __global float* row = kv + (ulong)t * kvl;
+                a0 += pt * LOAD_F8(0, row);
+                a1 += pt * LOAD_F8(1, row);
+                a2 += pt * LOAD_F8(2, row);
+                a3 += pt * LOAD_F8(3, row);
             }
-            for (; t < n_keys; t++) a0 += p[t] * LOAD_F8(0, kv + (ulong)t * kvl);
-            const float8 acc = ((a0 + a1) + (a2 + a3)) / sum;
-            const float r[8] = {acc.s0, acc.s1, acc.s2, acc.s3, acc.s4, acc.s5, acc.s6, acc.s7};
-            for (uint k = 0; k < 8; k++) o[i0 + k] = r[k];
+            vstore8(a0 / sum, 0, o + i0);
+            vstore8(a1 / sum, 1, o + i0);
+            vstore8(a2 / sum, 2, o + i0);
+            vstore8(a3 / sum, 3, o + i0);
         } else {
             for (uint i = i0; i < kvl; i++) {
                 float acc = 0.0f;
