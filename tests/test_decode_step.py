@@ -20,6 +20,7 @@ from glmkit.runtime.opencl_backend import OpenCLBackend, Placement
 from glmkit.runtime.sampling import Sampler, SamplingParams
 from glmkit.serve import cli as serve_cli
 from tests.runtime_support import FIXTURES, Snapshots, convert, copy_with_config, oracle
+from tools.quality_int8_activations import pad_experts
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +120,8 @@ def test_int8_activations_step(snapshots, kernels):
     # the dense MLP (intermediate 384) takes int8 inputs; the routed experts' 96 rows are no whole 64-blocks; the
     # heads' 32 outputs neither (their codes: a quantize launch after the value product, not mvq);
     # int8 products (indexer, lm_head) too, the experts being int4
-    assert {"quantize_x8", "eg_q4_x8", "edp_q4_x8", "expert_sum", "eg_q4", "mv_q4_x8", "mv_q8_x8"} <= names
+    assert {"quantize_x8", "eg_q4_x8", "edp_q4_x8", "eg_q4", "mv_q4_x8", "mv_q8_x8", "mv2_q4_x8"} <= names
+    assert "expert_sum" not in names  # the next norm adds the dense MLP's down rows itself
     q8 = Engine(snapshots("tiny-trained", "q8"), "opencl", load_tokenizer=False).model
     assert q8.decodes_on_device() and not any(n.endswith("_x8") for n in launch_names(q8._decode_step()))
     err = np.abs(got - want).max() / np.abs(want).max()
@@ -147,6 +149,24 @@ def test_experts_across_files(tmp_path, kernels):
     assert max(expert_launches) > 1
     assert_same(want, got)
     assert_same_rows(caches)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_int8_input_experts_step(tmp_path, kernels, split):
+    """Routed experts that take int8 inputs (the trained fixture padded to 128 rows, tools/quality_int8_activations):
+    in one file the next norm adds the slots' down rows itself (no expert_sum); across files each file's slots are
+    summed into the FFN output first. Within int8 rounding of the float reference, every greedy token kept."""
+    padded = pad_experts(FIXTURES / "tiny-trained", tmp_path / "padded")
+    snap = convert(padded, tmp_path / "q4", "q4", *(["--max-file-size", "300K"] if split else []))
+    engine = Engine(snap, "numpy", load_tokenizer=False)
+    ref, dev = models(engine, kernels, int8_activations=True)
+    ids = np.array(oracle("tiny-trained")["full_ids"])
+    want, got, _ = decode_both(ref, dev, ids[:20], ids[20:60])
+    moe = [[launch.kernel.function_name for launch in layer.tail] for layer in dev._step.layers
+           if layer.route is not None]
+    assert all("edp_q4_x8" in names and ("expert_sum" in names) == split for names in moe)
+    assert np.abs(got - want).max() / np.abs(want).max() < 5e-2
+    assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.95
 
 
 def test_cache_growth_and_truncation(snapshots, kernels, monkeypatch):

@@ -271,13 +271,25 @@ def test_decode_norms_and_rope(kernels, rng):
     yh, yb = mirror(n + 9)
     xh[4:], ah[:] = x, a
     red = kernels.red_lanes
-    # x[4:] += a, then the norm with the weights at vec[n:2n] into y[9:]
-    mirror.launch("residual_rms_norm", (red,), (red,), xb, 4, ab, 1, vec, n, yb, 9, n, 1e-5, 0, xb, xb, xb)
+    (range_h, one), (weight_h, weight) = mirror(2, np.uint32), mirror(3)
+    range_h[:], weight_h[:] = (0, 1), 1.0
+    # x[4:] += a (one row of weight 1: exact), then the norm with the weights at vec[n:2n] into y[9:]
+    mirror.launch("residual_rms_norm", (red,), (red,), xb, 4, ab, one, weight, 1, vec, n, yb, 9, n, 1e-5, 0, xb, xb,
+                  xb)
     close(xh[4:], x + a, 0)
     close(yh[9:], REF.rms_norm((x + a)[None], vec_h[n:2 * n], 1e-5)[0])
-    mirror.launch("residual_rms_norm", (red,), (red,), xb, 4, ab, 0, vec, 0, yb, 0, n, 1e-6, 0, xb, xb, xb)
+    mirror.launch("residual_rms_norm", (red,), (red,), xb, 4, ab, one, weight, 0, vec, 0, yb, 0, n, 1e-6, 0, xb, xb,
+                  xb)
     close(xh[4:], x + a, 0)  # add = 0 leaves x alone
     close(yh[:n], REF.rms_norm((x + a)[None], vec_h[:n], 1e-6)[0])
+    # the experts' down rows with their routing weights: x += sum over rows 1 and 2 of w[s] * rows[s] (rows 0: unused)
+    rows = rng.standard_normal((3, n)).astype(np.float32)
+    (rows_h, rows_b), base = mirror(3 * n), xh[4:].copy()
+    rows_h[:], range_h[:], weight_h[:] = rows.reshape(-1), (1, 3), (9.0, 0.5, -2.0)
+    mirror.launch("residual_rms_norm", (red,), (red,), xb, 4, rows_b, one, weight, 1, vec, n, yb, 9, n, 1e-5, 0, xb,
+                  xb, xb)
+    close(xh[4:], base + (np.float32(0) + np.float32(0.5) * rows[1] + np.float32(-2.0) * rows[2]), 0)
+    close(yh[9:], REF.rms_norm(xh[None, 4:], vec_h[n:2 * n], 1e-5)[0])
     # rope on the first `rope` columns of each of `heads` rows of width `width` read at stride 20, offset 2
     cos, sin = rope_cos_sin(np.array([77]), rope, 10000.0)
     cs_h, cs = mirror(rope)
@@ -490,8 +502,8 @@ def test_int8_input_matvec_and_norm(kernels, wide_kernels, rng, bits):
         norm_codes = [mirror(2 * n, np.int8), mirror(n // 64), mirror(n // 64, np.int32)]
         (in_h, in_b), (wh, wb), (out_h, out_b) = mirror(n), mirror(n), mirror(n)
         in_h[:], wh[:] = x[0], rng.standard_normal(n).astype(np.float32)
-        mirror.launch("residual_rms_norm", (k.red_lanes,), (k.red_lanes,), in_b, 0, in_b, 0, wb, 0, out_b, 0, n, 1e-6,
-                      1, *(c[1] for c in norm_codes))
+        mirror.launch("residual_rms_norm", (k.red_lanes,), (k.red_lanes,), in_b, 0, in_b, in_b, in_b, 0, wb, 0, out_b,
+                      0, n, 1e-6, 1, *(c[1] for c in norm_codes))
         close(out_h, REF.rms_norm(x[:1], wh, 1e-6)[0])
         q, s = quantize_activations(out_h[None])
         assert np.array_equal(norm_codes[1][0], s[0]) and np.array_equal(norm_codes[2][0], q.reshape(-1, 64).sum(-1))

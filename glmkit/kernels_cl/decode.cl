@@ -3,21 +3,28 @@
  * Every pointer comes with an offset in floats: a KV cache row, or a vector inside the step's buffer of
  * norm weights and biases. One query token throughout. */
 
-/* x += a (when `add`), then y = w * (x * (1 / sqrt(mean(x^2) + eps))) over n values: a residual add followed
- * by the next RMSNorm (add = 0: the norm alone). With `quantize`, also y's int8 codes, scales and code sums
- * (common.cl; n a multiple of 64) for the int8-input products that read it. One work-group of RED_LANES items. */
-__kernel void residual_rms_norm(__global float* x, uint x_off, __global const float* a, uint add,
+/* x += sum over the rows s in [a_range[0], a_range[1]) of a_w[s] * a[s] (when `add`), then
+ * y = w * (x * (1 / sqrt(mean(x^2) + eps))) over n values: a residual add followed by the next RMSNorm (add = 0: the
+ * norm alone). The rows of `a`: the experts' per-slot down outputs with their routing weights (the sum that
+ * expert_sum would write, in its order), or one row of weight 1 (a plain add, exact). With `quantize`, also y's int8
+ * codes, scales and code sums (common.cl; n a multiple of 64) for the int8-input products that read it. One
+ * work-group of RED_LANES items. */
+__kernel void residual_rms_norm(__global float* x, uint x_off, __global const float* a,
+                                __global const uint* a_range, __global const float* a_w, uint add,
                                 __global const float* w, uint w_off, __global float* y, uint y_off, uint n,
                                 float eps, uint quantize, __global char* q, __global float* qs,
                                 __global int* qsum) {
     __local float red[RED_LANES];
     const uint l = get_local_id(0);
     __global float* xp = x + x_off;
+    const uint first = add ? a_range[0] : 0, end = add ? a_range[1] : 0;
     float s = 0.0f;
     for (uint i = l; i < n; i += RED_LANES) {
         float v = xp[i];
         if (add) {
-            v += a[i];
+            float sum = 0.0f;
+            for (uint r = first; r < end; r++) sum += a_w[r] * a[r * n + i];
+            v += sum;
             xp[i] = v;
         }
         s += v * v;

@@ -53,7 +53,8 @@ SIGNATURES = {
     "attention": [None] * 6 + [_U32] * 8 + [_F32],
     "index_scores": [None] * 4 + [_U32] * 3 + [_F32, _F32],
     "topk_select": [None] * 3 + [_U32] * 3,
-    "residual_rms_norm": [None, _U32, None, _U32, None, _U32, None, _U32, _U32, _F32, _U32, None, None, None],
+    "residual_rms_norm": [None, _U32, None, None, None, _U32, None, _U32, None, _U32, _U32, _F32, _U32, None, None,
+                          None],
     "add_into": [None, None, _U32],
     "argmax_row": [None, _U32, None],
     "kv_row": [None, None, _U32, None, None, _U32, _U32, _U32, None, _F32, None, _U32, _U32, None, _U32],
@@ -391,19 +392,21 @@ class Kernels:
 
     def bind_experts_x8(self, wbuf, bits: int, group: int, n_groups: int, n_in: int, inter: int, in_row_bytes: int,
                         inter_row_bytes: int, inter_groups: int, x_scratch: tuple, offs, slot_tok, tok_start, slot_w,
-                        hid, yb, n_slots: int, hid_scratch: tuple, part) -> tuple[Launch, Launch, Launch, Launch]:
+                        hid, yb, n_slots: int, hid_scratch: tuple, part, summed: bool = True) -> tuple[Launch, ...]:
         """`bind_experts` for int4/int8 experts with int8 activations (`x8_eligible`): gate+up over x quantized in
         x_scratch (`bind_quantize`), the slots' hidden rows quantized into hid_scratch, down per slot into part
-        (`[n_slots, n_in]` floats), the slots' weighted sum."""
+        (`[n_slots, n_in]` floats), then (when summed) the slots' weighted sum into yb."""
         g_inter, l_inter = self._rows_global(inter)
         g_out, l_out = self._rows_global(n_in)
         suffix = BIT_SUFFIX[bits] + "_x8"
-        return (self.bind("eg_" + suffix, (g_inter, n_slots), l_inter, wbuf, offs, slot_tok, n_in, in_row_bytes, group,
-                          n_groups, *x_scratch, hid, inter),
-                self.bind_quantize(hid, inter, n_slots, hid_scratch),
-                self.bind("edp_" + suffix, (g_out, n_slots), l_out, wbuf, offs, tok_start, inter, inter_row_bytes,
-                          group, inter_groups, *hid_scratch, part, n_in),
-                self.bind("expert_sum", (n_in,), None, part, tok_start, slot_w, yb, n_in))
+        launches = (self.bind("eg_" + suffix, (g_inter, n_slots), l_inter, wbuf, offs, slot_tok, n_in, in_row_bytes,
+                              group, n_groups, *x_scratch, hid, inter),
+                    self.bind_quantize(hid, inter, n_slots, hid_scratch),
+                    self.bind("edp_" + suffix, (g_out, n_slots), l_out, wbuf, offs, tok_start, inter, inter_row_bytes,
+                              group, inter_groups, *hid_scratch, part, n_in))
+        if not summed:
+            return launches
+        return (*launches, self.bind("expert_sum", (n_in,), None, part, tok_start, slot_w, yb, n_in))
 
     def matvec_t(self, w: ClWeight, x: np.ndarray, head_rows: int, row_start: int, rows: int) -> np.ndarray:
         """`y[s, h] = x[s, h] @ W[h * head_rows + row_start : ... + rows]` (x `[S, heads, rows]`) -> `[S, heads, I]`."""

@@ -23,6 +23,7 @@ tokens. Buffers that a queued token and the one in flight would share are kept p
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 
@@ -39,6 +40,16 @@ KEY_GROUP = 16  # work-group size of the kernels with one work-item per key
 
 class Unsupported(Exception):
     """The device decode step cannot run this model on this device (the per-operation path is used)."""
+
+
+class Addend(NamedTuple):
+    """What a residual norm adds to x (buffers): the sum over rows s in [range[0], range[1]) of weights[s] * rows[s].
+    A layer's routed experts leave their per-slot down outputs and routing weights so (the next norm sums them, no
+    launch of their own); any other addend is one row of weight 1."""
+
+    rows: object
+    range: object
+    weights: object
 
 
 class _Layer:
@@ -100,12 +111,15 @@ class DeviceDecodeStep:
         ihd, inh = cfg.index_head_dim, cfg.index_n_heads
         self.key_raw, self.key = new(ihd), new(ihd)
         self.iq, self.iq_rot, self.iw = new(inh * ihd), new(inh * ihd), new(inh)
+        self.one_row = (self._buf(2, np.uint32), self._buf(1))  # the range and weight of a one-row addend
+        self.one_row[0][0][:], self.one_row[1][0][:] = (0, 1), 1.0
+        self.ffn_out = self._whole(self.ffn)  # the last bound layer's FFN output, as the next norm adds it
         self.capacity = 0  # keys the per-key scratch buffers hold
         self.scratch: dict[str, tuple[np.ndarray, object]] = {}
         self.layers: list[_Layer] = []
         self._grow(INITIAL_KEYS)
         self.layers = [self._bind_layer(layer, LATENT_NORM_EPS) for layer in range(cfg.num_hidden_layers)]
-        self.final_norm = self._norm(self.x, self.ffn, True, "model.norm.weight", self.hidden, cfg.rms_norm_eps, h,
+        self.final_norm = self._norm(self.x, self.ffn_out, "model.norm.weight", self.hidden, cfg.rms_norm_eps, h,
                                      self.hidden_x8)
         (self.lm_head,) = self._matvec(self._matrix("lm_head.weight"), self.hidden, self.logits,
                                        quantized=self.hidden_x8)
@@ -177,12 +191,17 @@ class DeviceDecodeStep:
             return (self.k.bind_matvec_pair(w, w2, self.u_x8, y[1], y2[1]),)
         return (*self._matvec(w, self.u, y, quantized=self.u_x8), *self._matvec(w2, self.u, y2, quantized=self.u_x8))
 
-    def _norm(self, x, a, add: bool, weight: str, y, eps: float, n: int, quantized: tuple | None = None) -> Launch:
-        """`x += a` (when add), then `y = RMSNorm(x)` with the 1-D weight `weight`; its int8 codes into `quantized`
-        (`_x8_scratch(n)`) when given."""
-        codes = quantized or (y[1], y[1], y[1])  # unused buffers when not quantizing
-        return self.k.bind("residual_rms_norm", (self.red,), (self.red,), x[1], 0, a[1], int(add), self._vectors[1],
-                           self.offsets[weight], y[1], 0, n, eps, int(quantized is not None), *codes)
+    def _whole(self, a) -> Addend:
+        return Addend(a[1], self.one_row[0][1], self.one_row[1][1])
+
+    def _norm(self, x, a: Addend | None, weight: str, y, eps: float, n: int, quantized: tuple | None = None
+              ) -> Launch:
+        """`x += a` (unless None), then `y = RMSNorm(x)` with the 1-D weight `weight`; its int8 codes into
+        `quantized` (`_x8_scratch(n)`) when given."""
+        add = a or self._whole(x)  # unused buffers when not adding, or not quantizing
+        codes = quantized or (y[1], y[1], y[1])
+        return self.k.bind("residual_rms_norm", (self.red,), (self.red,), x[1], 0, *add, int(a is not None),
+                           self._vectors[1], self.offsets[weight], y[1], 0, n, eps, int(quantized is not None), *codes)
 
     def _rope(self, x, x_off: int, x_row: int, y_buf, y_row: int, width: int, rows: int) -> Launch:
         return self._reads_cs(self.k.bind("rope_rows", (width, rows), None, x[1], x_off, x_row, y_buf, 0, y_row,
@@ -224,11 +243,11 @@ class DeviceDecodeStep:
         nope, rope, v_dim, kvl = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         kv_b = self._matrix(a + "kv_b_proj.weight")
         out.head = [
-            self._norm(self.x, self.ffn, layer > 0, p + "input_layernorm.weight", self.u, cfg.rms_norm_eps, h,
-                       self.u_x8),
+            self._norm(self.x, self.ffn_out if layer > 0 else None, p + "input_layernorm.weight", self.u,
+                       cfg.rms_norm_eps, h, self.u_x8),
             *self._matvec_pair(self._matrix(a + "q_a_proj.weight"), self.q_a,
                                self._matrix(a + "kv_a_proj_with_mqa.weight"), self.comp),
-            self._norm(self.q_a, self.q_a, False, a + "q_a_layernorm.weight", self.q_lat, latent_eps, cfg.q_lora_rank,
+            self._norm(self.q_a, None, a + "q_a_layernorm.weight", self.q_lat, latent_eps, cfg.q_lora_rank,
                        self.q_lat_x8),
             *self._matvec(self._matrix(a + "q_b_proj.weight"), self.q_lat, self.q, quantized=self.q_lat_x8),
         ]
@@ -273,14 +292,15 @@ class DeviceDecodeStep:
                     *self._matvec(kv_b, self.o_lat, self.heads_out, nh, nope + v_dim, nope, v_dim, quantized=o_lat_x8,
                                   codes_out=heads_x8),
                     *self._matvec(o_proj, self.heads_out, self.attn_out, quantized=heads_x8),
-                    self._norm(self.x, self.attn_out, True, p + "post_attention_layernorm.weight", self.u,
+                    self._norm(self.x, self._whole(self.attn_out), p + "post_attention_layernorm.weight", self.u,
                                cfg.rms_norm_eps, h, self.u_x8)]
         out.tail += self._bind_ffn(layer, out)
         return out
 
     def _bind_ffn(self, layer: int, out: _Layer) -> list[Launch]:
-        """The FFN of one layer into `self.ffn`. MoE: router logits, routing on the device, then one fused launch
-        pair per weight buffer the layer's experts lie in (a layer can span files of the mapping), summed."""
+        """The FFN of one layer, its output left in `self.ffn_out` for the next norm to add. MoE: router logits,
+        routing on the device, then the fused launches per weight buffer the layer's experts lie in (a layer can
+        span files of the mapping), summed into `self.ffn` where there are several (or a shared expert apart)."""
         cfg, k = self.cfg, self.k
         p = f"model.layers.{layer}.mlp."
 
@@ -291,7 +311,8 @@ class DeviceDecodeStep:
             return ref.key[1:]  # bits, group, n_in, inter
 
         if not cfg.is_moe_layer(layer):
-            return list(self._bind_single(self._ref(triple(p), p), self.ffn))
+            launches, self.ffn_out = self._bind_single(self._ref(triple(p), p), self.ffn, summed=False)
+            return list(launches)
         experts = [self._ref(triple(f"{p}experts.{e}."), f"{p}experts.{e}.") for e in range(cfg.n_routed_experts)]
         if len({scheme(r) for r in experts}) != 1:
             raise Unsupported(f"{p}: routed experts of more than one scheme")
@@ -324,17 +345,21 @@ class DeviceDecodeStep:
                            ids[0][1])
         out.ids = ids
         launches = [k.bind_matvec(self._matrix(p + "gate.weight"), self.u[1], logits[1]), out.route]
+        summed = len(buffers) > 1 or apart
         for b, buf in enumerate(buffers):
             sub = {name: (None, k.sub_buffer(pair[1], b * stride * width * np.dtype(dtype).itemsize,
                                               n_slots * width * np.dtype(dtype).itemsize))
                    for name, (pair, width, dtype) in regions.items()}
             y = self.ffn if b == 0 else self.ffn_part
-            launches += self._bind_experts(experts[0], sub["offs"], sub["slot_w"], n_slots, y, buf,
-                                           sub["slot_tok"], sub["tok_start"])
+            bound, self.ffn_out = self._bind_experts(experts[0], sub["offs"], sub["slot_w"], n_slots, y, buf,
+                                                     sub["slot_tok"], sub["tok_start"], summed)
+            launches += bound
             if b:
                 launches.append(self._add(self.ffn, self.ffn_part))
-        if apart:  # the shared expert's own launch pair, added after the routed sum (the model's order)
-            launches += [*self._bind_single(separate, self.ffn_part), self._add(self.ffn, self.ffn_part)]
+        if apart:  # the shared expert's own launches, added after the routed sum (the model's order)
+            launches += [*self._bind_single(separate, self.ffn_part)[0], self._add(self.ffn, self.ffn_part)]
+        if summed:
+            self.ffn_out = self._whole(self.ffn)
         return launches
 
     def _add(self, y, a) -> Launch:
@@ -347,25 +372,28 @@ class DeviceDecodeStep:
             raise Unsupported(f"{name}: cannot run as a fused expert in place")
         return ref
 
-    def _bind_single(self, ref, y) -> tuple[Launch, ...]:
-        """One MLP (a dense layer's, or a shared expert) as a fused launch pair of one slot of weight 1."""
+    def _bind_single(self, ref, y, summed: bool = True) -> tuple[tuple[Launch, ...], Addend]:
+        """One MLP (a dense layer's, or a shared expert) as fused launches over one slot of weight 1."""
         offs, slot_w, slot_tok, tok_start = (self._buf(6, np.uint64), self._buf(1), self._buf(1, np.uint32),
                                              self._buf(2, np.uint32))
         offs[0][:], slot_w[0][:], slot_tok[0][:], tok_start[0][:] = ref.offs, 1.0, 0, (0, 1)
-        return self._bind_experts(ref, offs, slot_w, 1, y, ref.buf, slot_tok, tok_start)
+        return self._bind_experts(ref, offs, slot_w, 1, y, ref.buf, slot_tok, tok_start, summed)
 
-    def _bind_experts(self, ref, offs, slot_w, n_slots: int, y, wbuf, slot_tok, tok_start) -> tuple[Launch, ...]:
-        """The fused launches over `n_slots` slots of experts with `ref`'s scheme in weight buffer `wbuf`: a pair,
-        or with int8 inputs gate+up, the hidden rows' quantization, down per slot and the slots' sum."""
+    def _bind_experts(self, ref, offs, slot_w, n_slots: int, y, wbuf, slot_tok, tok_start, summed: bool
+                      ) -> tuple[tuple[Launch, ...], Addend]:
+        """The fused launches over `n_slots` slots of experts with `ref`'s scheme in weight buffer `wbuf`, and their
+        output as an addend: a pair writing y; or with int8 inputs gate+up, the hidden rows' quantization and down
+        per slot, then the slots' sum into y when `summed`, else the slots' rows are the addend."""
         hid = self._buf(n_slots * ref.inter)
         shape = (ref.group, ref.n_groups, ref.n_in, ref.inter, ref.in_row_bytes, ref.inter_row_bytes,
                  ref.inter_groups)
         slots = (offs[1], slot_tok[1], tok_start[1], slot_w[1], hid[1], y[1], n_slots)
-        if self._x8(ref.bits, ref.group, ref.n_in, ref.inter):  # x: u's codes, written by the post-attention norm
-            return self.k.bind_experts_x8(wbuf, ref.bits, *shape, self.u_x8, *slots,
-                                          hid_scratch=self._x8_scratch(n_slots * ref.inter),
-                                          part=self._buf(n_slots * ref.n_in)[1])
-        return self.k.bind_experts(wbuf, ref.bits, *shape, self.u[1], *slots)
+        if not self._x8(ref.bits, ref.group, ref.n_in, ref.inter):
+            return self.k.bind_experts(wbuf, ref.bits, *shape, self.u[1], *slots), self._whole(y)
+        part = self._buf(n_slots * ref.n_in)[1]
+        launches = self.k.bind_experts_x8(wbuf, ref.bits, *shape, self.u_x8, *slots,  # x: the post-attention norm's
+                                          hid_scratch=self._x8_scratch(n_slots * ref.inter), part=part, summed=summed)
+        return launches, self._whole(y) if summed else Addend(part, tok_start[1], slot_w[1])
 
     def _int8_input_bits(self, int8_activations: bool) -> frozenset[int]:
         """The weight widths whose products take int8-quantized inputs: int4 always (their own rounding dwarfs
