@@ -159,6 +159,26 @@ def test_fused_experts(kernels, wide_kernels, rng, bits, group):
                         inter_groups, x, offs[[s[1] for s in slots]], np.array([s[0] for s in slots], np.uint32),
                         np.array([0, 2, 3, 6], np.uint32), np.array([s[2] for s in slots], np.float32))
         close(got, want, 5e-6)
+        # the device decode step's launches for token 2's slots: gate+up, down per slot, the slots' sum (a fourth
+        # slot unused)
+        mirror = Mirrors(k)
+        step = [s for s in slots if s[0] == 2]
+        host = {}
+        for name, count, dtype, value in (
+                ("x", hidden, np.float32, x[2]), ("offs", 6 * 4, np.uint64, offs[[e for _, e, _ in step] + [0]]),
+                ("tok", 4, np.uint32, [0, 0, 0, 0xffffffff]), ("start", 2, np.uint32, [0, 3]),
+                ("w", 4, np.float32, [w for _, _, w in step] + [9.0]), ("hid", 4 * inter, np.float32, 0),
+                ("part", 4 * hidden, np.float32, 0), ("y", hidden, np.float32, 0)):
+            host[name] = mirror(count, dtype)
+            host[name][0][:] = np.reshape(value, -1) if np.ndim(value) else value
+        b = {name: pair[1] for name, pair in host.items()}
+        for launch in k.bind_experts(buf, bits, group or 0, n_groups, hidden, inter, g.packed.shape[1],
+                                     d.packed.shape[1], inter_groups, b["x"], b["offs"], b["tok"], b["start"], b["w"],
+                                     b["hid"], b["y"], 4, b["part"]):
+            mirror.launch_bound(launch)
+        close(host["y"][0], want[2], 5e-6)
+        for i, (_, e, _) in enumerate(step):
+            close(host["part"][0][i * hidden:(i + 1) * hidden], REF.expert_mlp(x[2:3], *experts[e])[0], 5e-6)
 
 
 def test_wide_matvec(wide_kernels, rng):

@@ -8,9 +8,10 @@
   (the host round trip against the driver's own dispatch cost);
 - matvec: `mv_q4` (int4 group 64) over a cache-resident 8 MB and a streamed 64 MB matrix, one input row, with
   float inputs and with int8-quantized ones (`mv_q4_x8`, the device decode step's default);
-- experts: the fused expert kernels over 9 of 32 experts with the benchmark model's shapes (hidden 1024,
-  moe_intermediate 512), one token, experts picked at random per run: float inputs (`eg_q4` gate+up with SiLU,
-  `ed_q4` down) and int8 inputs (`eg_q4_x8`; `edp_q4_x8` + `expert_sum`, down per slot and the slots' sum).
+- experts: the device decode step's expert kernels over 9 of 32 experts with the benchmark model's shapes (hidden
+  1024, moe_intermediate 512), one token, experts picked at random per run: float inputs (`eg_q4` gate+up with
+  SiLU; `edp_q4` + `expert_sum`, down per slot and the slots' sum) and int8 inputs (`eg_q4_x8`; `edp_q4_x8` +
+  `expert_sum`).
 Kernel times come from an OpenCL profiling queue: medians over `--runs` launches after 10 warm-up launches.
 On a shared machine compare rows measured in one run, never across runs.
 """
@@ -109,8 +110,8 @@ def expert_blob(rng: np.random.Generator) -> tuple[np.ndarray, list[int]]:
 
 
 def bench_experts(kernels: launch.Kernels, runs: int, rng: np.random.Generator, x8: bool) -> dict[str, float]:
-    """The fused expert kernels over SLOTS random experts for one token, float or int8 inputs: G codes/s of
-    gate+up and of down (x8: down per slot plus the slots' sum)."""
+    """The device decode step's expert kernels over SLOTS random experts for one token, float or int8 inputs: G
+    codes/s of gate+up and of down (down per slot plus the slots' sum)."""
     blob, layout = expert_blob(rng)
     expert_starts, starts = layout[:EXPERTS], layout[EXPERTS:]
     buf = host_buffer(kernels, blob)
@@ -119,26 +120,26 @@ def bench_experts(kernels: launch.Kernels, runs: int, rng: np.random.Generator, 
     tok_start = kernels.put("tok_start", np.array([0, SLOTS], np.uint32), np.uint32)
     slot_w = kernels.put("slot_w", np.ones(SLOTS, np.float32))
     hid, y = kernels.out("hid", SLOTS * INTER * 4), kernels.out("y", HIDDEN * 4)
-    offs = kernels.out("offs", SLOTS * 6 * 8)
+    offs, part = kernels.out("offs", SLOTS * 6 * 8), kernels.out("part", SLOTS * HIDDEN * 4)
     shape = (GROUP, HIDDEN // GROUP, HIDDEN, INTER, HIDDEN // 2, INTER // 2, INTER // GROUP)
+    quantize = None
     if x8:
         x_codes = x8_scratch(kernels, "x", HIDDEN)
         kernels.bind_quantize(x, HIDDEN, 1, x_codes).enqueue().wait()
         gate_up, quantize, down, total = kernels.bind_experts_x8(
             buf, 4, *shape, x_codes, offs, slot_tok, tok_start, slot_w, hid, y, SLOTS,
-            x8_scratch(kernels, "hid", SLOTS * INTER), kernels.out("part", SLOTS * HIDDEN * 4))
+            x8_scratch(kernels, "hid", SLOTS * INTER), part)
     else:
-        gate_up, down = kernels.bind_experts(buf, 4, *shape, x, offs, slot_tok, tok_start, slot_w, hid, y, SLOTS)
+        gate_up, down, total = kernels.bind_experts(buf, 4, *shape, x, offs, slot_tok, tok_start, slot_w, hid, y,
+                                                    SLOTS, part)
     times: dict[str, list[float]] = {"gate_up": [], "down": []}
     for _ in range(runs + 10):
         chosen = rng.choice(EXPERTS, SLOTS, replace=False)
         kernels.put("offs", np.array([[expert_starts[e] + s for s in starts] for e in chosen], np.uint64), np.uint64)
         times["gate_up"].append(seconds(gate_up.enqueue()))
-        if x8:
+        if quantize is not None:
             quantize.enqueue()
-            times["down"].append(seconds(down.enqueue()) + seconds(total.enqueue()))
-        else:
-            times["down"].append(seconds(down.enqueue()))
+        times["down"].append(seconds(down.enqueue()) + seconds(total.enqueue()))
     codes = {"gate_up": 2 * SLOTS * INTER * HIDDEN, "down": SLOTS * HIDDEN * INTER}
     out = {}
     for name, ts in times.items():

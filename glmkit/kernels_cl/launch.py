@@ -66,6 +66,7 @@ SIGNATURES = {
     "quantize_x8": [None, _U32, _U32, None, None, None],
     "mv_x8": _W + [None, None, None, _U32, _U32, _U32, None, _U32, _U32, _U32, _U32, _U32, None, None, None],
     "eg_x8": [None, None, None, _U32, _U32, _U32, _U32, None, None, None, None, _U32],
+    "edp": [None, None, None, _U32, _U32, _U32, _U32, None, None, _U32],
     "edp_x8": [None, None, None, _U32, _U32, _U32, _U32, None, None, None, None, _U32],
     "expert_sum": [None, None, None, None, _U32],
 }
@@ -380,15 +381,25 @@ class Kernels:
 
     def bind_experts(self, wbuf, bits: int, group: int, n_groups: int, n_in: int, inter: int, in_row_bytes: int,
                      inter_row_bytes: int, inter_groups: int, xb, offs, slot_tok, tok_start, slot_w, hid, yb,
-                     n_slots: int) -> tuple[Launch, Launch]:
-        """`experts` for one token between buffers (the slots' offsets and weights already on the device)."""
+                     n_slots: int, part, summed: bool = True) -> tuple[Launch, ...]:
+        """`experts` for one token between buffers (the slots' offsets and weights already on the device), its
+        down product per slot into part (`[n_slots, n_in]` floats) as `bind_experts_x8`'s, then (when summed) the
+        slots' weighted sum into yb."""
         suffix = BIT_SUFFIX[bits]
         g_inter, l_inter = self._rows_global(inter)
         g_out, l_out = self._rows_global(n_in)
-        return (self.bind("eg_" + suffix, (g_inter, n_slots), l_inter, wbuf, offs, slot_tok, n_in, in_row_bytes,
-                          group, n_groups, xb, n_in, hid, inter),
-                self.bind("ed_" + suffix, (g_out, 1), l_out, wbuf, offs, tok_start, slot_w, inter, inter_row_bytes,
-                          group, inter_groups, hid, yb, n_in, n_in))
+        launches = (self.bind("eg_" + suffix, (g_inter, n_slots), l_inter, wbuf, offs, slot_tok, n_in, in_row_bytes,
+                              group, n_groups, xb, n_in, hid, inter),
+                    self.bind("edp_" + suffix, (g_out, n_slots), l_out, wbuf, offs, tok_start, inter,
+                              inter_row_bytes, group, inter_groups, hid, part, n_in))
+        return self._summed(launches, summed, part, tok_start, slot_w, yb, n_in)
+
+    def _summed(self, launches: tuple[Launch, ...], summed: bool, part, tok_start, slot_w, yb, n: int
+                ) -> tuple[Launch, ...]:
+        """The experts' launches, then (when summed) expert_sum of their per-slot down rows into yb."""
+        if not summed:
+            return launches
+        return (*launches, self.bind("expert_sum", (n,), None, part, tok_start, slot_w, yb, n))
 
     def bind_experts_x8(self, wbuf, bits: int, group: int, n_groups: int, n_in: int, inter: int, in_row_bytes: int,
                         inter_row_bytes: int, inter_groups: int, x_scratch: tuple, offs, slot_tok, tok_start, slot_w,
@@ -404,9 +415,7 @@ class Kernels:
                     self.bind_quantize(hid, inter, n_slots, hid_scratch),
                     self.bind("edp_" + suffix, (g_out, n_slots), l_out, wbuf, offs, tok_start, inter, inter_row_bytes,
                               group, inter_groups, *hid_scratch, part, n_in))
-        if not summed:
-            return launches
-        return (*launches, self.bind("expert_sum", (n_in,), None, part, tok_start, slot_w, yb, n_in))
+        return self._summed(launches, summed, part, tok_start, slot_w, yb, n_in)
 
     def matvec_t(self, w: ClWeight, x: np.ndarray, head_rows: int, row_start: int, rows: int) -> np.ndarray:
         """`y[s, h] = x[s, h] @ W[h * head_rows + row_start : ... + rows]` (x `[S, heads, rows]`) -> `[S, heads, I]`."""

@@ -288,15 +288,16 @@ INLINE void expert_down(const int bits, __global const uchar* wbuf, __global con
     }
 }
 
-/* Part 2 split in two, for the device decode step's int8-input experts: expert_down_part computes
- * part[slot, o] = down_e[o] . hid[slot] with one work-item per (ROWS rows, slot), so the items of a work-group
- * stream one expert's rows (expert_down's items read every slot's rows: interleaved streams of a few hundred
- * bytes, measured at a third of the memory bandwidth); then expert_sum adds the slots up in expert_down's order.
- * Slots from tok_start[1] on are unused. Global (ceil(rows / ROWS) * LANES, slots). */
-INLINE void expert_down_part(const int bits, __global const uchar* wbuf, __global const ulong* offs,
+/* Part 2 split in two, for the device decode step: expert_down_part computes part[slot, o] = down_e[o] . hid[slot]
+ * (x8: hid's int8 codes hq, hs, hsum; else the float rows) with one work-item per (ROWS rows, slot), so the items
+ * of a work-group stream one expert's rows (expert_down's items read every slot's rows: interleaved streams of a
+ * few hundred bytes, measured at a third of the memory bandwidth); then expert_sum (or the next residual norm) adds
+ * the slots up in expert_down's order. Slots from tok_start[1] on are unused.
+ * Global (ceil(rows / ROWS) * LANES, slots). */
+INLINE void expert_down_part(const int bits, const int x8, __global const uchar* wbuf, __global const ulong* offs,
                              __global const uint* tok_start, uint n_in, uint row_bytes, uint group, uint n_groups,
-                             __global const char* hq, __global const float* hs, __global const int* hsum,
-                             __global float* part, uint rows, __local float* red) {
+                             __global const float* hid, __global const char* hq, __global const float* hs,
+                             __global const int* hsum, __global float* part, uint rows, __local float* red) {
     const uint lane = LANES > 1 ? get_local_id(0) : 0;
     const uint r0 = (get_global_id(0) / LANES) * ROWS, slot = get_global_id(1);
     const uint nrows = r0 < rows ? umin_(ROWS, rows - r0) : 0;
@@ -306,10 +307,13 @@ INLINE void expert_down_part(const int bits, __global const uchar* wbuf, __globa
     const __global float* down_sc = (const __global float*)(wbuf + o[5]) + (ulong)r0 * n_groups;
     const uint ahead_bytes = r0 + 2 * ROWS <= rows ? ROWS * row_bytes : 0;  /* the next item's rows */
     float v[ROWS];
-    if (nrows)
+    if (nrows && x8)
         rows_dot_x8(bits, 1, down, down, row_bytes, down_sc, down_sc, n_groups, nrows, n_in, group,
                     hq + slot * 2 * n_in, hs + slot * (n_in / 64), hsum + slot * (n_in / 64), lane, v,
                     down + ROWS * row_bytes, down + ROWS * row_bytes, ahead_bytes);
+    else if (nrows)
+        rows_dot(bits, 1, down, down, row_bytes, down_sc, down_sc, n_groups, nrows, n_in, group, hid + slot * n_in,
+                 lane, v, down + ROWS * row_bytes, down + ROWS * row_bytes, ahead_bytes);
     for (uint k = 0; k < ROWS; k++) {
         float vk = k < nrows ? v[k] : 0.0f;
         LANE_SUM(vk, red, lane);
@@ -366,6 +370,13 @@ __kernel void ed_##SUFFIX(__global const uchar* wbuf, __global const ulong* offs
                           __global const float* hid, __global float* y, uint y_s, uint rows) { \
     __local float red[LANES]; \
     expert_down(BITS, wbuf, offs, tok_start, slot_w, n_in, row_bytes, group, n_groups, hid, y, y_s, rows, red); \
+} \
+__kernel void edp_##SUFFIX(__global const uchar* wbuf, __global const ulong* offs, __global const uint* tok_start, \
+                           uint n_in, uint row_bytes, uint group, uint n_groups, __global const float* hid, \
+                           __global float* part, uint rows) { \
+    __local float red[LANES]; \
+    expert_down_part(BITS, 0, wbuf, offs, tok_start, n_in, row_bytes, group, n_groups, hid, 0, 0, 0, part, rows, \
+                     red); \
 }
 
 QUANT_KERNELS(f32, 32)
@@ -424,7 +435,8 @@ __kernel void edp_##SUFFIX##_x8(__global const uchar* wbuf, __global const ulong
                                 __global const char* hq, __global const float* hs, __global const int* hsum, \
                                 __global float* part, uint rows) { \
     __local float red[LANES]; \
-    expert_down_part(BITS, wbuf, offs, tok_start, n_in, row_bytes, group, n_groups, hq, hs, hsum, part, rows, red); \
+    expert_down_part(BITS, 1, wbuf, offs, tok_start, n_in, row_bytes, group, n_groups, 0, hq, hs, hsum, part, rows, \
+                     red); \
 }
 
 X8_KERNELS(q8, 8)

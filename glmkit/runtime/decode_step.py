@@ -382,17 +382,18 @@ class DeviceDecodeStep:
     def _bind_experts(self, ref, offs, slot_w, n_slots: int, y, wbuf, slot_tok, tok_start, summed: bool
                       ) -> tuple[tuple[Launch, ...], Addend]:
         """The fused launches over `n_slots` slots of experts with `ref`'s scheme in weight buffer `wbuf`, and their
-        output as an addend: a pair writing y; or with int8 inputs gate+up, the hidden rows' quantization and down
-        per slot, then the slots' sum into y when `summed`, else the slots' rows are the addend."""
-        hid = self._buf(n_slots * ref.inter)
+        output as an addend: gate+up (with int8 inputs: and the hidden rows' quantization), down per slot, then the
+        slots' sum into y when `summed`, else the slots' down rows are the addend."""
+        hid, part = self._buf(n_slots * ref.inter), self._buf(n_slots * ref.n_in)[1]
         shape = (ref.group, ref.n_groups, ref.n_in, ref.inter, ref.in_row_bytes, ref.inter_row_bytes,
                  ref.inter_groups)
         slots = (offs[1], slot_tok[1], tok_start[1], slot_w[1], hid[1], y[1], n_slots)
-        if not self._x8(ref.bits, ref.group, ref.n_in, ref.inter):
-            return self.k.bind_experts(wbuf, ref.bits, *shape, self.u[1], *slots), self._whole(y)
-        part = self._buf(n_slots * ref.n_in)[1]
-        launches = self.k.bind_experts_x8(wbuf, ref.bits, *shape, self.u_x8, *slots,  # x: the post-attention norm's
-                                          hid_scratch=self._x8_scratch(n_slots * ref.inter), part=part, summed=summed)
+        if self._x8(ref.bits, ref.group, ref.n_in, ref.inter):  # x: u's codes, written by the post-attention norm
+            launches = self.k.bind_experts_x8(wbuf, ref.bits, *shape, self.u_x8, *slots,
+                                              hid_scratch=self._x8_scratch(n_slots * ref.inter), part=part,
+                                              summed=summed)
+        else:
+            launches = self.k.bind_experts(wbuf, ref.bits, *shape, self.u[1], *slots, part=part, summed=summed)
         return launches, self._whole(y) if summed else Addend(part, tok_start[1], slot_w[1])
 
     def _int8_input_bits(self, int8_activations: bool) -> frozenset[int]:
