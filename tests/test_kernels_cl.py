@@ -321,21 +321,26 @@ def test_decode_norms_and_rope(kernels, rng):
     mirror.launch("rope_rows", (width, heads), None, src, 2, 20, out, 0, width, cs, width, rope // 2)
     want = np.concatenate([apply_rope(rows[None, :, :rope], cos, sin)[0], rows[:, rope:]], axis=-1)
     close(out_h.reshape(heads, width), want)
-    # the cache rows: kv_lat = RMSNorm(latent), k_rot = RoPE(rest) of kv_a's output, written at row 2 of the cache
-    # arrays, with the heads' query rope parts (the rows above); the indexer key LayerNorm(x) with RoPE on its first
-    # columns
+    # the token's cache rows, written at row 2 of the cache arrays: kv_lat = RMSNorm(latent), k_rot = RoPE(rest) of
+    # kv_a's output; the indexer key LayerNorm(raw) with RoPE on its first columns; with the heads' query rope
+    # parts (the rows above)
     kvl = n - rope
     lat_h, lat = mirror(3 * kvl)
     rot_h, rot = mirror(3 * rope)
     q_rot_h, q_rot = mirror(heads * rope)
-    mirror.launch("kv_row", (red,), (red,), ab, vec, n, lat, rot, 2, kvl, rope, cs, 1e-6, src, 2, 20, q_rot, heads)
-    close(lat_h[2 * kvl:], REF.rms_norm(a[None, :kvl], vec_h[n:n + kvl], 1e-6)[0])
-    close(rot_h[2 * rope:], apply_rope(a[None, kvl:], cos, sin)[0])
-    close(q_rot_h.reshape(heads, rope), want[:, :rope])
     tmp_h, tmp = mirror(n)
     key_h, key = mirror(3 * n)
-    mirror.launch("index_key_row", (red,), (red,), ab, vec, n, 2 * n, tmp, key, 2, n, rope, cs, 1e-6)
-    normed = REF.layer_norm(a[None], vec_h[n:2 * n], vec_h[2 * n:], 1e-6)
+    raw_h, raw = mirror(n)
+    raw_h[:] = rng.standard_normal(n).astype(np.float32)
+    for index in (0, 1):  # a layer that shares its indexer writes no key row
+        key_h[:] = 0
+        mirror.launch("token_rows", (red,), (red,), ab, vec, n, lat, rot, 2, kvl, rope, cs, 1e-6, src, 2, 20, q_rot,
+                      heads, index, raw, n, 2 * n, tmp, key, n)
+        close(lat_h[2 * kvl:], REF.rms_norm(a[None, :kvl], vec_h[n:n + kvl], 1e-6)[0])
+        close(rot_h[2 * rope:], apply_rope(a[None, kvl:], cos, sin)[0])
+        close(q_rot_h.reshape(heads, rope), want[:, :rope])
+        assert (key_h != 0).any() == bool(index)
+    normed = REF.layer_norm(raw_h[None], vec_h[n:2 * n], vec_h[2 * n:], 1e-6)
     close(key_h[2 * n:], np.concatenate([apply_rope(normed[:, :rope], cos, sin), normed[:, rope:]], axis=-1)[0],
           1e-5)
 

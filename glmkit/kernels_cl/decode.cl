@@ -74,37 +74,12 @@ __kernel void add_into(__global float* y, __global const float* a, uint n) {
     if (i < n) y[i] += a[i];
 }
 
-/* The token's MLA cache row from kv_a's output comp = [latent (kvl) | rope part (rope)]: kv_lat[row] = RMSNorm
- * of the latent (weights at vec + w_off), k_rot[row] = the rope part with RoPE applied (cs: see rope_rows); and the
- * query's rope parts, q_rot[h] = RoPE of the `rope` columns at q + q_off + h * q_row, h < heads (what rope_rows
- * would do in a launch of its own). One work-group. */
-__kernel void kv_row(__global const float* comp, __global const float* vec, uint w_off, __global float* kv_lat,
-                     __global float* k_rot, uint row, uint kvl, uint rope, __global const float* cs, float eps,
-                     __global const float* q, uint q_off, uint q_row, __global float* q_rot, uint heads) {
-    __local float red[RED_LANES];
-    const uint l = get_local_id(0), n_half = rope / 2;
-    float s = 0.0f;
-    for (uint i = l; i < kvl; i += RED_LANES) s += comp[i] * comp[i];
-    const float inv = 1.0f / sqrt(group_sum(s, red) / (float)kvl + eps);
-    __global float* lat = kv_lat + (ulong)row * kvl;
-    for (uint i = l; i < kvl; i += RED_LANES) lat[i] = vec[w_off + i] * (comp[i] * inv);
-    for (uint i = l; i < (heads + 1) * n_half; i += RED_LANES) {  /* pair i % n_half of the key, then each head */
-        const uint h = i / n_half, j = i % n_half;
-        const __global float* pe = h ? q + q_off + (h - 1) * q_row : comp + kvl;
-        __global float* out = h ? q_rot + (h - 1) * rope : k_rot + (ulong)row * rope;
-        const float e = pe[2 * j], o = pe[2 * j + 1], c = cs[j], sn = cs[n_half + j];
-        out[j] = e * c - o * sn;
-        out[n_half + j] = o * c + e * sn;
-    }
-}
-
-/* The token's indexer key row: key = LayerNorm(x) (weights and bias at vec + w_off, vec + b_off; biased
- * variance), then index_k[row] = key with RoPE on its first `rope` columns (cs: see rope_rows). tmp: n floats
- * of scratch. One work-group. */
-__kernel void index_key_row(__global const float* x, __global const float* vec, uint w_off, uint b_off,
-                            __global float* tmp, __global float* index_k, uint row, uint n, uint rope,
-                            __global const float* cs, float eps) {
-    __local float red[RED_LANES];
+/* The token's indexer key row: key = LayerNorm(x) (weights and bias at vec + w_off, vec + b_off; biased variance),
+ * then index_k[row] = key with RoPE on its first `rope` columns (cs: see rope_rows). tmp: n floats of scratch. Run
+ * by one work-group. */
+INLINE void index_key_row(__global const float* x, __global const float* vec, uint w_off, uint b_off,
+                          __global float* tmp, __global float* index_k, uint row, uint n, uint rope,
+                          __global const float* cs, float eps, __local float* red) {
     const uint l = get_local_id(0), n_half = rope / 2;
     float s = 0.0f;
     for (uint i = l; i < n; i += RED_LANES) s += x[i];
@@ -130,6 +105,36 @@ __kernel void index_key_row(__global const float* x, __global const float* vec, 
         }
         out[i] = y;
     }
+}
+
+/* The token's rows of one layer's caches, and its query's rope parts, in one launch:
+ * - from kv_a's output comp = [latent (kvl) | rope part (rope)]: kv_lat[row] = RMSNorm of the latent (weights at
+ *   vec + w_off), k_rot[row] = the rope part with RoPE applied (cs: see rope_rows);
+ * - q_rot[h] = RoPE of the `rope` columns at q + q_off + h * q_row, h < heads (what rope_rows would do);
+ * - with `index` (a layer with an indexer of its own): the indexer key row from key_raw (index_key_row; weights and
+ *   bias at vec + kw_off, vec + kb_off, tmp: ihd floats of scratch) into index_k[row].
+ * One work-group. */
+__kernel void token_rows(__global const float* comp, __global const float* vec, uint w_off, __global float* kv_lat,
+                         __global float* k_rot, uint row, uint kvl, uint rope, __global const float* cs, float eps,
+                         __global const float* q, uint q_off, uint q_row, __global float* q_rot, uint heads,
+                         uint index, __global const float* key_raw, uint kw_off, uint kb_off, __global float* tmp,
+                         __global float* index_k, uint ihd) {
+    __local float red[RED_LANES];
+    const uint l = get_local_id(0), n_half = rope / 2;
+    float s = 0.0f;
+    for (uint i = l; i < kvl; i += RED_LANES) s += comp[i] * comp[i];
+    const float inv = 1.0f / sqrt(group_sum(s, red) / (float)kvl + eps);
+    __global float* lat = kv_lat + (ulong)row * kvl;
+    for (uint i = l; i < kvl; i += RED_LANES) lat[i] = vec[w_off + i] * (comp[i] * inv);
+    for (uint i = l; i < (heads + 1) * n_half; i += RED_LANES) {  /* pair i % n_half of the key, then each head */
+        const uint h = i / n_half, j = i % n_half;
+        const __global float* pe = h ? q + q_off + (h - 1) * q_row : comp + kvl;
+        __global float* out = h ? q_rot + (h - 1) * rope : k_rot + (ulong)row * rope;
+        const float e = pe[2 * j], o = pe[2 * j + 1], c = cs[j], sn = cs[n_half + j];
+        out[j] = e * c - o * sn;
+        out[n_half + j] = o * c + e * sn;
+    }
+    if (index) index_key_row(key_raw, vec, kw_off, kb_off, tmp, index_k, row, ihd, rope, cs, eps, red);
 }
 
 /* Row h of y (width values at y + y_off + h * y_row) from row h of x (at x + x_off + h * x_row): RoPE on the

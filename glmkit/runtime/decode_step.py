@@ -60,8 +60,7 @@ class _Layer:
         self.head: list[Launch] = []  # from the input norm to the indexer key (always)
         self.scoring: list[Launch] = []  # indexer queries, scores, top-k (only with more than index_topk keys)
         self.tail: list[Launch] = []  # attention, output projection, FFN
-        self.kv_row: Launch | None = None  # writes kv_lat[row] and k_rot[row] (and the query's q_rot)
-        self.index_key: Launch | None = None  # writes index_k[row]
+        self.rows: Launch | None = None  # writes kv_lat[row], k_rot[row] and index_k[row] (and the query's q_rot)
         self.scores: Launch | None = None
         self.topk: Launch | None = None
         self.attention: Launch | None = None  # scores, then softmax and values
@@ -247,28 +246,30 @@ class DeviceDecodeStep:
                        cfg.rms_norm_eps, h, self.u_x8),
             *self._matvec_pair(self._matrix(a + "q_a_proj.weight"), self.q_a,
                                self._matrix(a + "kv_a_proj_with_mqa.weight"), self.comp),
-            self._norm(self.q_a, None, a + "q_a_layernorm.weight", self.q_lat, latent_eps, cfg.q_lora_rank,
-                       self.q_lat_x8),
-            *self._matvec(self._matrix(a + "q_b_proj.weight"), self.q_lat, self.q, quantized=self.q_lat_x8),
         ]
-        out.kv_row = self._reads_cs(k.bind("kv_row", (self.red,), (self.red,), self.comp[1], self._vectors[1],
-                                           self.offsets[a + "kv_a_layernorm.weight"], self.comp[1], self.comp[1], 0,
-                                           kvl, rope, self.cs[0][1], latent_eps, self.q[1], nope, nope + rope,
-                                           self.q_rot[1], nh), 8)
-        out.head += [out.kv_row,
-                     k.bind_matvec_t(kv_b, self.q[1], self.q_abs[1], nh, nope + rope, nope + v_dim, 0, nope)]
-        if cfg.indexer_type(layer) == "full":
-            ihd, inh = cfg.index_head_dim, cfg.index_n_heads
-            out.index_key = self._reads_cs(
-                k.bind("index_key_row", (self.red,), (self.red,), self.key_raw[1], self._vectors[1],
-                       self.offsets[a + "indexer.k_norm.weight"], self.offsets[a + "indexer.k_norm.bias"], self.key[1],
-                       self.key[1], 0, ihd, rope, self.cs[0][1], latent_eps), 9)
+        indexer = cfg.indexer_type(layer) == "full"  # a layer with an indexer of its own (else it shares one)
+        ihd, inh = cfg.index_head_dim, cfg.index_n_heads
+        if indexer:
             wk, weights_proj = self._matrix(a + "indexer.wk.weight"), self._matrix(a + "indexer.weights_proj.weight")
             # weights_proj's head weights matter only once the indexer scores; in the key's launch they cost ~nothing
             paired = self._pairs(wk, weights_proj)
-            key = (self._matvec_pair(wk, self.key_raw, weights_proj, self.iw) if paired else
-                   self._matvec(wk, self.u, self.key_raw, quantized=self.u_x8))
-            out.head += [*key, out.index_key]
+            out.head += (self._matvec_pair(wk, self.key_raw, weights_proj, self.iw) if paired else
+                         self._matvec(wk, self.u, self.key_raw, quantized=self.u_x8))
+        key_norm = (0, 0)  # the offsets of the indexer key's LayerNorm weight and bias
+        if indexer:
+            key_norm = (self.offsets[a + "indexer.k_norm.weight"], self.offsets[a + "indexer.k_norm.bias"])
+        out.rows = self._reads_cs(k.bind(
+            "token_rows", (self.red,), (self.red,), self.comp[1], self._vectors[1],
+            self.offsets[a + "kv_a_layernorm.weight"], self.comp[1], self.comp[1], 0, kvl, rope, self.cs[0][1],
+            latent_eps, self.q[1], nope, nope + rope, self.q_rot[1], nh, int(indexer), self.key_raw[1], *key_norm,
+            self.key[1], self.key[1], ihd), 8)
+        out.head += [
+            self._norm(self.q_a, None, a + "q_a_layernorm.weight", self.q_lat, latent_eps, cfg.q_lora_rank,
+                       self.q_lat_x8),
+            *self._matvec(self._matrix(a + "q_b_proj.weight"), self.q_lat, self.q, quantized=self.q_lat_x8),
+            out.rows,
+            k.bind_matvec_t(kv_b, self.q[1], self.q_abs[1], nh, nope + rope, nope + v_dim, 0, nope)]
+        if indexer:
             out.scores = k.bind("index_scores", (KEY_GROUP, 1), (KEY_GROUP, 1), self.iq_rot[1], self.key[1], self.iw[1],
                                 self.scratch["index_scores"][1], inh, ihd, 1, ihd ** -0.5, inh ** -0.5)
             out.topk = k.bind("topk_select", (1,), None, self.scratch["index_scores"][1], self.scratch["all"][1],
@@ -478,11 +479,10 @@ class DeviceDecodeStep:
                 kv = cache.layer(i)
                 lat, rot = self._cache_buffer(layer, kv, "kv_lat"), self._cache_buffer(layer, kv, "k_rot")
                 for index, value in ((3, lat), (4, rot), (5, pos)):
-                    layer.kv_row.set(index, value)
-                if layer.index_key is not None:
+                    layer.rows.set(index, value)
+                if layer.scores is not None:
                     index_k = self._cache_buffer(layer, kv, "index_k")
-                    layer.index_key.set(5, index_k)
-                    layer.index_key.set(6, pos)
+                    layer.rows.set(20, index_k)
                 for launch in layer.head:
                     launch.enqueue()
                 if scored and layer.scores is not None:
