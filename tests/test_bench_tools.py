@@ -1,0 +1,24 @@
+"""tools/bench.py's summary: the bandwidth ceiling per row (a GPU row divides by its own memory's bandwidth)."""
+
+from __future__ import annotations
+
+from tools.bench import markdown, summarize
+
+
+def run(decode: float, **extra) -> dict:
+    return {"device": "d", "decode_tok_s_mtp_off": decode, **extra}
+
+
+def test_gpu_rows_use_their_own_bandwidth():
+    results = {"auto": [run(200.0), run(220.0)], "opencl:0:0": [run(50.0, device_read_gbs=500.0),
+                                                                 run(60.0, device_read_gbs=520.0)]}
+    table = summarize(results, bytes_per_token=100_000_000, bandwidth=40.0, container=1)
+    assert table["auto"]["bandwidth_gbs"] == 40.0
+    assert abs(table["auto"]["ceiling_fraction"] - 210.0 / 400.0) < 1e-12  # 40 GB/s / 100 MB = 400 tok/s
+    assert table["opencl:0:0"]["bandwidth_gbs"] == 520.0
+    assert abs(table["opencl:0:0"]["ceiling_fraction"] - 55.0 / 5200.0) < 1e-12
+    meta = {"preset": "q4", "container_bytes": 1, "cpu": "x", "cores": 2, "load_start": 0.0, "runs": 2,
+            "bytes_per_token": 100_000_000, "bandwidth_gbs": 40.0, "ceiling_tok_s": 400.0}
+    text = markdown(table, meta)
+    assert "opencl:0:0: its ceiling is the device's own read bandwidth, 520.0 GB/s = 5200 tok/s." in text
+    assert "auto: its ceiling" not in text
