@@ -3,6 +3,7 @@
 
     PYTHONPATH=. python tools/bench_kernels.py                  # the first OpenCL device (PoCL's CPU here)
     POCL_MAX_PTHREAD_COUNT=1 PYTHONPATH=. python tools/bench_kernels.py   # per-core numbers on PoCL
+    PYTHONPATH=. python tools/bench_kernels.py --glm5           # the experts only, at GLM-5's shapes
 
 - launch: an empty kernel launched and waited for, one at a time, and launched back to back with one wait
   (the host round trip against the driver's own dispatch cost);
@@ -11,8 +12,10 @@
 - experts: the device decode step's expert kernels over 9 of 32 experts with the benchmark model's shapes (hidden
   1024, moe_intermediate 512), one token, experts picked at random per run: float inputs (`eg_q4` gate+up with
   SiLU; `edp_q4` + `expert_sum`, down per slot and the slots' sum) and int8 inputs (`eg_q4_x8`; `edp_q4_x8` +
-  `expert_sum`).
-Kernel times come from an OpenCL profiling queue: medians over `--runs` launches after 10 warm-up launches.
+  `expert_sum`); with `--glm5`, at GLM-5's shapes (hidden 6144, moe_intermediate 2048: 19 MB per expert, a pool
+  of 24 so that a token's experts are not in the cache from the token before).
+GB/s counts the int4 codes and the float scales (one per 64 columns) read. Kernel times come from an OpenCL
+profiling queue: medians over `--runs` launches after 10 warm-up launches.
 On a shared machine compare rows measured in one run, never across runs.
 """
 
@@ -96,62 +99,66 @@ def bench_matvec(kernels: launch.Kernels, rows: int, runs: int, rng: np.random.G
     return {"ms": t * 1e3, "gcodes_s": rows * HIDDEN / t / 1e9, "gb_s": packed.nbytes / t / 1e9}
 
 
-def expert_blob(rng: np.random.Generator) -> tuple[np.ndarray, list[int]]:
-    """EXPERTS experts laid out like a container: gate, gate scales, up, up scales, down, down scales."""
-    sizes = [INTER * HIDDEN // 2, INTER * (HIDDEN // GROUP) * 4] * 2 + [HIDDEN * INTER // 2,
-                                                                        HIDDEN * (INTER // GROUP) * 4]
+def expert_blob(rng: np.random.Generator, hidden: int, inter: int, experts: int) -> tuple[np.ndarray, list[int]]:
+    """`experts` int4 g64 experts laid out like a container: gate, gate scales, up, up scales, down, down scales."""
+    sizes = [inter * hidden // 2, inter * (hidden // GROUP) * 4] * 2 + [hidden * inter // 2,
+                                                                        hidden * (inter // GROUP) * 4]
     per = sum(sizes)
-    blob = rng.integers(0, 256, EXPERTS * per, dtype=np.uint8)
+    blob = rng.integers(0, 256, experts * per, dtype=np.uint8)
     starts = [sum(sizes[:k]) for k in range(6)]
-    for e in range(EXPERTS):
+    for e in range(experts):
         for k in (1, 3, 5):  # scale regions hold valid floats
             blob[e * per + starts[k]: e * per + starts[k] + sizes[k]].view(np.float32)[:] = 0.01
-    return blob, [e * per for e in range(EXPERTS)] + starts
+    return blob, [e * per for e in range(experts)] + starts
 
 
-def bench_experts(kernels: launch.Kernels, runs: int, rng: np.random.Generator, x8: bool) -> dict[str, float]:
-    """The device decode step's expert kernels over SLOTS random experts for one token, float or int8 inputs: G
-    codes/s of gate+up and of down (down per slot plus the slots' sum)."""
-    blob, layout = expert_blob(rng)
-    expert_starts, starts = layout[:EXPERTS], layout[EXPERTS:]
+def bench_experts(kernels: launch.Kernels, runs: int, rng: np.random.Generator, x8: bool, hidden: int = HIDDEN,
+                  inter: int = INTER, experts: int = EXPERTS) -> dict[str, float]:
+    """The device decode step's expert kernels over SLOTS of `experts` random experts for one token, float or int8
+    inputs: G codes/s and GB/s (codes and scales) of gate+up and of down (down per slot plus the slots' sum)."""
+    blob, layout = expert_blob(rng, hidden, inter, experts)
+    expert_starts, starts = layout[:experts], layout[experts:]
     buf = host_buffer(kernels, blob)
-    x = kernels.put("x", rng.standard_normal((1, HIDDEN), dtype=np.float32))
+    x = kernels.put("x", rng.standard_normal((1, hidden), dtype=np.float32))
     slot_tok = kernels.put("slot_tok", np.zeros(SLOTS, np.uint32), np.uint32)
     tok_start = kernels.put("tok_start", np.array([0, SLOTS], np.uint32), np.uint32)
     slot_w = kernels.put("slot_w", np.ones(SLOTS, np.float32))
-    hid, y = kernels.out("hid", SLOTS * INTER * 4), kernels.out("y", HIDDEN * 4)
-    offs, part = kernels.out("offs", SLOTS * 6 * 8), kernels.out("part", SLOTS * HIDDEN * 4)
-    shape = (GROUP, HIDDEN // GROUP, HIDDEN, INTER, HIDDEN // 2, INTER // 2, INTER // GROUP)
+    hid, y = kernels.out("hid", SLOTS * inter * 4), kernels.out("y", hidden * 4)
+    offs, part = kernels.out("offs", SLOTS * 6 * 8), kernels.out("part", SLOTS * hidden * 4)
+    shape = (GROUP, hidden // GROUP, hidden, inter, hidden // 2, inter // 2, inter // GROUP)
     quantize = None
     if x8:
-        x_codes = x8_scratch(kernels, "x", HIDDEN)
-        kernels.bind_quantize(x, HIDDEN, 1, x_codes).enqueue().wait()
+        x_codes = x8_scratch(kernels, "x", hidden)
+        kernels.bind_quantize(x, hidden, 1, x_codes).enqueue().wait()
         gate_up, quantize, down, total = kernels.bind_experts_x8(
             buf, 4, *shape, x_codes, offs, slot_tok, tok_start, slot_w, hid, y, SLOTS,
-            x8_scratch(kernels, "hid", SLOTS * INTER), part)
+            x8_scratch(kernels, "hid", SLOTS * inter), part)
     else:
         gate_up, down, total = kernels.bind_experts(buf, 4, *shape, x, offs, slot_tok, tok_start, slot_w, hid, y,
                                                     SLOTS, part)
     times: dict[str, list[float]] = {"gate_up": [], "down": []}
     for _ in range(runs + 10):
-        chosen = rng.choice(EXPERTS, SLOTS, replace=False)
+        chosen = rng.choice(experts, SLOTS, replace=False)
         kernels.put("offs", np.array([[expert_starts[e] + s for s in starts] for e in chosen], np.uint64), np.uint64)
         times["gate_up"].append(seconds(gate_up.enqueue()))
         if quantize is not None:
             quantize.enqueue()
         times["down"].append(seconds(down.enqueue()) + seconds(total.enqueue()))
-    codes = {"gate_up": 2 * SLOTS * INTER * HIDDEN, "down": SLOTS * HIDDEN * INTER}
+    codes = {"gate_up": 2 * SLOTS * inter * hidden, "down": SLOTS * hidden * inter}
     out = {}
     for name, ts in times.items():
         t = float(np.median(ts[10:]))
         out[f"{name}_ms"] = t * 1e3
         out[f"{name}_gcodes_s"] = codes[name] / t / 1e9
+        out[f"{name}_gb_s"] = codes[name] * (0.5 + 4 / GROUP) / t / 1e9  # int4 codes and a float scale per group
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=200, help="launches per measurement (default %(default)s)")
+    ap.add_argument("--glm5", action="store_true",
+                    help="only the experts, at GLM-5's shapes (hidden 6144, moe_intermediate 2048; 24 experts)")
     args = ap.parse_args(argv)
     if not launch.available():
         print("bench_kernels: no OpenCL device", file=sys.stderr)
@@ -160,6 +167,12 @@ def main(argv: list[str] | None = None) -> int:
     kernels = profiled(launch.Kernels(info))
     rng = np.random.default_rng(0)
     print(f"device: {info.platform} / {info.name} ({info.kind}), kernels {kernels.version}")
+    if args.glm5:
+        for inputs, x8 in (("float", False), ("int8", True)):
+            r = bench_experts(kernels, args.runs, rng, x8, 6144, 2048, 24)
+            print(f"GLM-5 experts ({SLOTS} of 24, one token), {inputs} inputs: gate+up {r['gate_up_ms']:.2f} ms "
+                  f"({r['gate_up_gb_s']:.1f} GB/s), down {r['down_ms']:.2f} ms ({r['down_gb_s']:.1f} GB/s)")
+        return 0
     r = bench_launch(kernels, args.runs * 10)
     print(f"launch: {r['launch_and_wait_us']:.1f} us launched and waited for, {r['queued_us']:.1f} us queued")
     for inputs, x8 in (("float", False), ("int8", True)):
@@ -169,8 +182,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['gb_s']:.1f} GB/s")
         r = bench_experts(kernels, args.runs, rng, x8)
         print(f"experts ({SLOTS} of {EXPERTS}, one token), {inputs} inputs: gate+up {r['gate_up_ms']:.3f} ms "
-              f"({r['gate_up_gcodes_s']:.1f} G codes/s), down {r['down_ms']:.3f} ms ({r['down_gcodes_s']:.1f} "
-              "G codes/s)")
+              f"({r['gate_up_gcodes_s']:.1f} G codes/s, {r['gate_up_gb_s']:.1f} GB/s), down {r['down_ms']:.3f} ms "
+              f"({r['down_gcodes_s']:.1f} G codes/s, {r['down_gb_s']:.1f} GB/s)")
     return 0
 
 
