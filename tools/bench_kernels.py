@@ -6,7 +6,8 @@
     PYTHONPATH=. python tools/bench_kernels.py --glm5           # the experts only, at GLM-5's shapes
 
 - launch: an empty kernel launched and waited for, one at a time, and launched back to back with one wait
-  (the host round trip against the driver's own dispatch cost);
+  (the host round trip against the driver's own dispatch cost); and the device's idle time between queued
+  launches, after a one-work-group kernel and after a kernel that ran on every worker thread;
 - matvec: `mv_q4` (int4 group 64) over a cache-resident 8 MB and a streamed 64 MB matrix, one input row, with
   float inputs and with int8-quantized ones (`mv_q4_x8`, the device decode step's default);
 - experts: the device decode step's expert kernels over 9 of 32 experts with the benchmark model's shapes (hidden
@@ -68,7 +69,25 @@ def bench_launch(kernels: launch.Kernels, runs: int) -> dict[str, float]:
         event = launch.cl.enqueue_nd_range_kernel(kernels.queue, nop, (64,), (4,))
     event.wait()
     queued = (time.perf_counter() - t) / runs
-    return {"launch_and_wait_us": waited * 1e6, "queued_us": queued * 1e6}
+    return {"launch_and_wait_us": waited * 1e6, "queued_us": queued * 1e6, **bench_gaps(kernels, runs // 10)}
+
+
+def bench_gaps(kernels: launch.Kernels, runs: int) -> dict[str, float]:
+    """Device idle (us, median, from the profiling queue) between queued launches: after a one-work-group kernel,
+    and after a kernel of many work-groups that keeps every worker thread busy for ~50-100 us (on PoCL's pthread
+    device the gap after the latter is what a decoded token's ~150 launches mostly pay)."""
+    n_big = 1 << 18
+    src, dst = kernels.host_buffer(n_big), kernels.host_buffer(n_big)
+    small = kernels.bind("add_into", (16,), (16,), dst[1], src[1], 16)
+    big = kernels.bind("add_into", (n_big,), None, dst[1], src[1], n_big)
+    gaps: dict[str, list[float]] = {"gap_after_small_us": [], "gap_after_big_us": []}
+    for i in range(runs + 10):
+        events = [small.enqueue(), small.enqueue(), big.enqueue(), small.enqueue()]
+        events[-1].wait()
+        if i >= 10:
+            gaps["gap_after_small_us"].append((events[1].profile.start - events[0].profile.end) * 1e-3)
+            gaps["gap_after_big_us"].append((events[3].profile.start - events[2].profile.end) * 1e-3)
+    return {name: float(np.median(values)) for name, values in gaps.items()}
 
 
 def x8_scratch(kernels: launch.Kernels, name: str, n: int) -> tuple:
@@ -174,7 +193,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"({r['gate_up_gb_s']:.1f} GB/s), down {r['down_ms']:.2f} ms ({r['down_gb_s']:.1f} GB/s)")
         return 0
     r = bench_launch(kernels, args.runs * 10)
-    print(f"launch: {r['launch_and_wait_us']:.1f} us launched and waited for, {r['queued_us']:.1f} us queued")
+    print(f"launch: {r['launch_and_wait_us']:.1f} us launched and waited for, {r['queued_us']:.1f} us queued; device "
+          f"idle before the next queued launch: {r['gap_after_small_us']:.1f} us after a one-work-group kernel, "
+          f"{r['gap_after_big_us']:.1f} us after one on every thread")
     for inputs, x8 in (("float", False), ("int8", True)):
         for label, rows in (("cache-resident 8 MB", 16384), ("streamed 64 MB", 131072)):
             r = bench_matvec(kernels, rows, args.runs // 4 if rows > 16384 else args.runs, rng, x8)
