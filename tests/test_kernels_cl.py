@@ -441,6 +441,14 @@ def x8_linear(x: np.ndarray, w: QuantWeight) -> np.ndarray:
     return (sums * (w_scale[None] * s[:, None, :]).astype(np.float64)).sum(-1).astype(np.float32)
 
 
+def x8_head_products(x: np.ndarray, w: QuantWeight, head_rows: int, row_start: int, rows: int) -> np.ndarray:
+    """`x8_linear` per head: y[h] = x[h] . W[h * head_rows + row_start ...] for `rows` rows, x `[heads, n]`."""
+    starts = [h * head_rows + row_start for h in range(len(x))]
+    return np.stack([x8_linear(x[h:h + 1], QuantWeight(w.packed[s:s + rows], w.scales[s:s + rows], w.bits,
+                                                       w.group_size, (rows, w.shape[1])))[0]
+                     for h, s in enumerate(starts)])
+
+
 def assert_codes(codes: np.ndarray, q: np.ndarray) -> None:
     """A buffer of quantized inputs against the reference codes `[rows, n]`: per block, 64 codes in the int4
     product's order (some permutation), then the same 64 in column order."""
@@ -511,9 +519,7 @@ def test_int8_input_matvec_and_norm(kernels, wide_kernels, rng, bits):
     heads, n, head_rows, rows = 3, 128, 40, 24
     w = make_weight(rng, heads * head_rows, n, bits, 64)[0]
     x = rng.standard_normal((heads, n)).astype(np.float32)
-    want = np.stack([x8_linear(x[h:h + 1], QuantWeight(w.packed[h * head_rows + 5:h * head_rows + 5 + rows],
-                                                       w.scales[h * head_rows + 5:h * head_rows + 5 + rows], bits, 64,
-                                                       (rows, n)))[0] for h in range(heads)])
+    want = x8_head_products(x, w, head_rows, 5, rows)
     for k in (kernels, wide_kernels):
         mirror = Mirrors(k)
         (xh, xb), (yh, yb) = mirror(heads * n), mirror(heads * rows)
@@ -560,9 +566,7 @@ def test_matvec_writes_its_codes(kernels, wide_kernels, rng, bits):
     heads, n, head_rows, rows = 3, 128, 140, 128
     w = make_weight(rng, heads * head_rows, n, bits, 64)[0]
     x = rng.standard_normal((heads, n)).astype(np.float32)
-    want = np.stack([x8_linear(x[h:h + 1], QuantWeight(w.packed[h * head_rows + 7:h * head_rows + 7 + rows],
-                                                       w.scales[h * head_rows + 7:h * head_rows + 7 + rows], bits, 64,
-                                                       (rows, n)))[0] for h in range(heads)])
+    want = x8_head_products(x, w, head_rows, 7, rows)
     mirror = Mirrors(kernels)
     (xh, xb), (yh, yb) = mirror(heads * n), mirror(heads * rows)
     codes = [mirror(2 * heads * n, np.int8), mirror(heads * n // 64), mirror(heads * n // 64, np.int32)]
