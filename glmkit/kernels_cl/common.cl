@@ -141,16 +141,27 @@ INLINE float hsum8(float8 v) {
  * line arrives, a prefetch retires at once: int8-input gate+up 164 -> 151 us per launch). */
 #ifdef CPU_LOADS
 #define PREFETCH(p) __builtin_prefetch((p), 0, 3)
+#define PREFETCH_L2(p) __builtin_prefetch((p), 0, 2)
 #else
 #define PREFETCH(p) do { } while (0)
+#define PREFETCH_L2(p) do { } while (0)
 #endif
 #define READ_AHEAD(line) do { \
         const uint at_ = (line) * 64u; \
-        if (at_ < ahead_bytes) { \
+        if (at_ < ahead_bytes && ahead_far) { \
+            PREFETCH_L2(ahead + at_); \
+            if (sets == 2) PREFETCH_L2(ahead2 + at_); \
+        } else if (at_ < ahead_bytes) { \
             PREFETCH(ahead + at_); \
             if (sets == 2) PREFETCH(ahead2 + at_); \
         } \
     } while (0)
+/* The next item's rows go to L2 only (not L1) when they are many: 16 KB or more would evict from L1 the lines the
+ * item still reads (GLM-5's gate+up, 24 KB per item: 4.6 -> 3.8 ms per MoE layer, tools/bench_kernels.py --glm5;
+ * the benchmark model's 4 KB items were ~20% slower with L2 prefetches). With this macro the benchmark model's down
+ * kernel, whose prefetches did not change (L1), also ran 0.76-0.87 -> 0.65-0.73 ms per token (5 alternating
+ * profile pairs): PoCL's code generation follows the shape of such branches. */
+#define AHEAD_FAR(sets, row_bytes) ((sets) * ROWS * (row_bytes) >= 16384u)
 
 /* The row and scale pointers of rows_dot's `sets * ROWS` rows (rows past nrows repeat the last row: valid
  * memory, results dropped, no branch in the inner loop), and their zeroed accumulators. */
@@ -175,6 +186,7 @@ INLINE void rows_dot(const int bits, const int sets, const __global uchar* row, 
                      uint n, uint group, const __global float* x, uint lane, float* out,
                      const __global uchar* ahead, const __global uchar* ahead2, uint ahead_bytes) {
     const uint cw = chunk_codes(bits);
+    const bool ahead_far = AHEAD_FAR(sets, row_bytes);
     const __global uchar* rk[2 * ROWS];
     const __global float* sk[2 * ROWS];
     float8 acc[2 * ROWS];
@@ -330,6 +342,7 @@ INLINE void rows_dot_x8(const int bits, const int sets, const __global uchar* ro
     row_sets(sets, row, row2, row_bytes, sc, sc2, n_groups, nrows, rk, sk, acc);
     const uint blocks = n / 64u, per = group / 64u;
     const uint lines = bits / 2u, row_block = bits * 8u;
+    const bool ahead_far = AHEAD_FAR(sets, row_bytes);
     for (uint c = lane; c < blocks; c += LANES) {
         const x8_block xb = load_x8(xq + 128u * c + (bits == 8 ? 64u : 0u));
         const int8 bias = (int8)(bits == 4 ? xsum[c] : 0);  /* int4: 8 lanes of xsum, 8 * xsum in their total */
