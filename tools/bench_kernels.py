@@ -14,7 +14,8 @@
   1024, moe_intermediate 512), one token, experts picked at random per run: float inputs (`eg_q4` gate+up with
   SiLU; `edp_q4` + `expert_sum`, down per slot and the slots' sum) and int8 inputs (`eg_q4_x8`; `edp_q4_x8` +
   `expert_sum`); with `--glm5`, at GLM-5's shapes (hidden 6144, moe_intermediate 2048: 19 MB per expert, a pool
-  of 24 so that a token's experts are not in the cache from the token before).
+  of 24 so that a token's experts are not in the cache from the token before), and two of its attention
+  products (q_a, o_proj) with int8 inputs.
 GB/s counts the int4 codes and the float scales (one per 64 columns) read. Kernel times come from an OpenCL
 profiling queue: medians over `--runs` launches after 10 warm-up launches.
 On a shared machine compare rows measured in one run, never across runs.
@@ -97,25 +98,25 @@ def x8_scratch(kernels: launch.Kernels, name: str, n: int) -> tuple:
             kernels.out(name + "_sum", 4 * blocks))
 
 
-def bench_matvec(kernels: launch.Kernels, rows: int, runs: int, rng: np.random.Generator, x8: bool
-                 ) -> dict[str, float]:
-    """`mv_q4` (x8: `mv_q4_x8` after quantizing the input once) over a random int4 g64 matrix `[rows, HIDDEN]`:
+def bench_matvec(kernels: launch.Kernels, rows: int, runs: int, rng: np.random.Generator, x8: bool,
+                 n_in: int = HIDDEN) -> dict[str, float]:
+    """`mv_q4` (x8: `mv_q4_x8` after quantizing the input once) over a random int4 g64 matrix `[rows, n_in]`:
     G codes/s and GB/s of packed weights."""
-    packed = rng.integers(0, 256, (rows, HIDDEN // 2), dtype=np.uint8)
-    scales = np.full((rows, HIDDEN // GROUP), 0.01, np.float32)
+    packed = rng.integers(0, 256, (rows, n_in // 2), dtype=np.uint8)
+    scales = np.full((rows, n_in // GROUP), 0.01, np.float32)
     w = launch.ClWeight(host_buffer(kernels, packed), 0, host_buffer(kernels, scales), 0, 4, GROUP,
-                        HIDDEN // GROUP, rows, HIDDEN, HIDDEN // 2)
-    xb = kernels.put("x", rng.standard_normal((1, HIDDEN), dtype=np.float32))
+                        n_in // GROUP, rows, n_in, n_in // 2)
+    xb = kernels.put("x", rng.standard_normal((1, n_in), dtype=np.float32))
     yb = kernels.out("y", rows * 4)
     if x8:
-        scratch = x8_scratch(kernels, "x", HIDDEN)
-        kernels.bind_quantize(xb, HIDDEN, 1, scratch).enqueue().wait()
+        scratch = x8_scratch(kernels, "x", n_in)
+        kernels.bind_quantize(xb, n_in, 1, scratch).enqueue().wait()
         product = kernels.bind_matvec_x8(w, scratch, yb)
     else:
         product = kernels.bind_matvec(w, xb, yb)
     times = [seconds(product.enqueue()) for _ in range(runs + 10)][10:]
     t = float(np.median(times))
-    return {"ms": t * 1e3, "gcodes_s": rows * HIDDEN / t / 1e9, "gb_s": packed.nbytes / t / 1e9}
+    return {"ms": t * 1e3, "gcodes_s": rows * n_in / t / 1e9, "gb_s": packed.nbytes / t / 1e9}
 
 
 def expert_blob(rng: np.random.Generator, hidden: int, inter: int, experts: int) -> tuple[np.ndarray, list[int]]:
@@ -177,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=200, help="launches per measurement (default %(default)s)")
     ap.add_argument("--glm5", action="store_true",
-                    help="only the experts, at GLM-5's shapes (hidden 6144, moe_intermediate 2048; 24 experts)")
+                    help="GLM-5's shapes only: two attention products and the experts (hidden 6144, "
+                    "moe_intermediate 2048; 24 experts)")
     args = ap.parse_args(argv)
     if not launch.available():
         print("bench_kernels: no OpenCL device", file=sys.stderr)
@@ -187,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(0)
     print(f"device: {info.platform} / {info.name} ({info.kind}), kernels {kernels.version}")
     if args.glm5:
+        for label, rows, n_in in (("q_a [2048, 6144]", 2048, 6144), ("o_proj [6144, 16384]", 6144, 16384)):
+            r = bench_matvec(kernels, rows, args.runs, rng, True, n_in)
+            print(f"GLM-5 matvec int4 g64, int8 inputs, {label}: {r['ms']:.3f} ms, {r['gb_s']:.1f} GB/s")
         for inputs, x8 in (("float", False), ("int8", True)):
             r = bench_experts(kernels, args.runs, rng, x8, 6144, 2048, 24)
             print(f"GLM-5 experts ({SLOTS} of 24, one token), {inputs} inputs: gate+up {r['gate_up_ms']:.2f} ms "
