@@ -7,12 +7,16 @@ experts, the residual adds and the lm_head - is enqueued back to back on buffers
 waits once, for the logits. The math is `GlmMoeDsaModel._decoder_layer` for one token (same order of
 operations; float sums may associate differently, as in every kernel), except that by default the int4
 products, and a q4/q2 model's int8 ones, take int8-quantized inputs (`_int8_input_bits`, common.cl).
+Every launch costs the device some idle time (~4-5 us on PoCL), so work is merged where it reads the same input
+or is small: two products of the normed hidden state in one launch (`_matvec_pair`), a product that writes its
+output's int8 codes (`codes_out`), the token's cache rows in one launch (`token_rows`), and the experts' per-slot
+down rows summed by the next residual norm (`Addend`).
 
 It runs on `direct` devices (CPU OpenCL devices such as PoCL's, whose buffers are host memory): the kernels
 write each layer's new KV row straight into the host `KVCache` arrays, so prefill, MTP, truncation and the
 prefill cache all see the same rows. A layer's experts may lie in several weight buffers (the files of the
 mapping: a GLM-5 layer outgrows one 4 GB file): the routing kernel fills the slots of each buffer, and each gets
-its own fused launch pair. `OpenCLBackend.decode_step` builds the step, or returns None when a weight or an
+its own fused launches. `OpenCLBackend.decode_step` builds the step, or returns None when a weight or an
 expert cannot be used in place (the per-operation path runs then).
 
 Greedy decoding (`GreedyPipeline`) also takes the argmax and the next embedding on the device, so that the next
@@ -57,7 +61,7 @@ class _Layer:
     count, token parity)."""
 
     def __init__(self) -> None:
-        self.head: list[Launch] = []  # from the input norm to the indexer key (always)
+        self.head: list[Launch] = []  # from the input norm to the query's absorption (always)
         self.scoring: list[Launch] = []  # indexer queries, scores, top-k (only with more than index_topk keys)
         self.tail: list[Launch] = []  # attention, output projection, FFN
         self.rows: Launch | None = None  # writes kv_lat[row], k_rot[row] and index_k[row] (and the query's q_rot)
@@ -191,6 +195,7 @@ class DeviceDecodeStep:
         return (*self._matvec(w, self.u, y, quantized=self.u_x8), *self._matvec(w2, self.u, y2, quantized=self.u_x8))
 
     def _whole(self, a) -> Addend:
+        """Buffer pair `a` (host array, buffer) as an addend of one row of weight 1."""
         return Addend(a[1], self.one_row[0][1], self.one_row[1][1])
 
     def _norm(self, x, a: Addend | None, weight: str, y, eps: float, n: int, quantized: tuple | None = None
