@@ -321,28 +321,53 @@ def test_decode_norms_and_rope(kernels, rng):
     mirror.launch("rope_rows", (width, heads), None, src, 2, 20, out, 0, width, cs, width, rope // 2)
     want = np.concatenate([apply_rope(rows[None, :, :rope], cos, sin)[0], rows[:, rope:]], axis=-1)
     close(out_h.reshape(heads, width), want)
-    # the token's cache rows, written at row 2 of the cache arrays: kv_lat = RMSNorm(latent), k_rot = RoPE(rest) of
-    # kv_a's output; the indexer key LayerNorm(raw) with RoPE on its first columns; with the heads' query rope
-    # parts (the rows above)
-    kvl = n - rope
+    # the token's rows, the cache rows written at row 2 of the cache arrays: kv_lat = RMSNorm(latent), k_rot =
+    # RoPE(rest) of kv_a's output; the query latent RMSNorm(q_a) (64 values, weights at vec[0:64]) and its int8
+    # codes; the indexer key LayerNorm(raw) with RoPE on its first columns
+    kvl, qn = n - rope, 64
     lat_h, lat = mirror(3 * kvl)
     rot_h, rot = mirror(3 * rope)
-    q_rot_h, q_rot = mirror(heads * rope)
+    (qa_h, qa), (qlat_h, qlat) = mirror(qn), mirror(qn)
+    codes = [mirror(2 * qn, np.int8), mirror(1), mirror(1, np.int32)]
+    qa_h[:] = rng.standard_normal(qn).astype(np.float32)
     tmp_h, tmp = mirror(n)
     key_h, key = mirror(3 * n)
     raw_h, raw = mirror(n)
     raw_h[:] = rng.standard_normal(n).astype(np.float32)
-    for index in (0, 1):  # a layer that shares its indexer writes no key row
+    for index, with_codes in ((0, 1), (1, 0)):  # a layer that shares its indexer writes no key row
         key_h[:] = 0
-        mirror.launch("token_rows", (red,), (red,), ab, vec, n, lat, rot, 2, kvl, rope, cs, 1e-6, src, 2, 20, q_rot,
-                      heads, index, raw, n, 2 * n, tmp, key, n)
+        codes[1][0][:] = 0
+        mirror.launch("token_rows", (red,), (red,), ab, vec, n, lat, rot, 2, kvl, rope, cs, 1e-6, qa, 0, qlat, qn,
+                      with_codes, *(c[1] for c in codes), index, raw, n, 2 * n, tmp, key, n)
         close(lat_h[2 * kvl:], REF.rms_norm(a[None, :kvl], vec_h[n:n + kvl], 1e-6)[0])
         close(rot_h[2 * rope:], apply_rope(a[None, kvl:], cos, sin)[0])
-        close(q_rot_h.reshape(heads, rope), want[:, :rope])
+        close(qlat_h, REF.rms_norm(qa_h[None], vec_h[:qn], 1e-6)[0])
         assert (key_h != 0).any() == bool(index)
+        scale = quantize_activations(qlat_h[None])[1][0]
+        assert np.array_equal(codes[1][0], scale if with_codes else [0.0])
+    assert_codes(codes[0][0], quantize_activations(qlat_h[None])[0])
     normed = REF.layer_norm(raw_h[None], vec_h[n:2 * n], vec_h[2 * n:], 1e-6)
     close(key_h[2 * n:], np.concatenate([apply_rope(normed[:, :rope], cos, sin), normed[:, rope:]], axis=-1)[0],
           1e-5)
+
+
+@pytest.mark.parametrize("bits,group", [(4, 32), (4, 64), (8, None)])
+def test_mla_query(kernels, wide_kernels, rng, bits, group):
+    """The decode step's query per head: its absorption through kv_b's nope rows (as matvec_t) and RoPE of its rope
+    part (as rope_rows), in one launch."""
+    heads, nope, rope, v, lat = 3, 6, 10, 5, 64
+    w, _ = make_weight(rng, heads * (nope + v), lat, bits, group)
+    q = rng.standard_normal((heads, nope + rope)).astype(np.float32)
+    cos, sin = rope_cos_sin(np.array([33]), rope, 10000.0)
+    for k in (kernels, wide_kernels):
+        mirror = Mirrors(k)
+        (qh, qb), (absh, absb), (roth, rotb), (csh, csb) = (mirror(q.size), mirror(heads * lat), mirror(heads * rope),
+                                                            mirror(rope))
+        qh[:], csh[:] = q.reshape(-1), np.concatenate([cos[0], sin[0]])
+        cw = device_weight(k, w, unified=k.direct)
+        mirror.launch_bound(k.bind_mla_query(cw, qb, nope + rope, absb, nope, nope + v, heads, csb, rotb, rope))
+        close(absh.reshape(heads, lat), REF.head_matmul(q[None, :, :nope], w, 0, nope, transpose=True)[0])
+        close(roth.reshape(heads, rope), apply_rope(q[None, :, nope:], cos, sin)[0])
 
 
 @pytest.mark.parametrize("n_keys,use_mask,rope", [(1, False, 6), (37, True, 12), (300, True, 6), (129, False, 16)])

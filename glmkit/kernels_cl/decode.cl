@@ -3,6 +3,21 @@
  * Every pointer comes with an offset in floats: a KV cache row, or a vector inside the step's buffer of
  * norm weights and biases. One query token throughout. */
 
+/* The end of an RMSNorm over n values run by one work-group: y = w * (x * (1 / sqrt(mean(x^2) + eps))), s being this
+ * item's part of the sum of squares; with `quantize`, also y's int8 codes, scales and code sums (common.cl; n a
+ * multiple of 64) for the int8-input products that read it. */
+INLINE void rms_norm_out(const __global float* x, float s, uint n, float eps, const __global float* w,
+                         __global float* y, uint quantize, __global char* q, __global float* qs, __global int* qsum,
+                         __local float* red) {
+    const uint l = get_local_id(0);
+    const float inv = 1.0f / sqrt(group_sum(s, red) / (float)n + eps);
+    for (uint i = l; i < n; i += RED_LANES) y[i] = w[i] * (x[i] * inv);
+    /* a block is read by another item than the ones that wrote it; the barrier is not under `quantize`: PoCL
+     * crashed on this barrier in a branch followed by more barriers (token_rows) */
+    barrier(CLK_GLOBAL_MEM_FENCE);
+    for (uint b = l; quantize && b < n / 64; b += RED_LANES) quantize_block(y + 64 * b, q + 128 * b, qs + b, qsum + b);
+}
+
 /* x += sum over the rows s in [a_range[0], a_range[1]) of a_w[s] * a[s] (when `add`), then
  * y = w * (x * (1 / sqrt(mean(x^2) + eps))) over n values: a residual add followed by the next RMSNorm (add = 0: the
  * norm alone). The rows of `a`: the experts' per-slot down outputs with their routing weights (the sum that
@@ -29,11 +44,7 @@ __kernel void residual_rms_norm(__global float* x, uint x_off, __global const fl
         }
         s += v * v;
     }
-    const float inv = 1.0f / sqrt(group_sum(s, red) / (float)n + eps);
-    for (uint i = l; i < n; i += RED_LANES) y[y_off + i] = w[w_off + i] * (xp[i] * inv);
-    if (!quantize) return;
-    barrier(CLK_GLOBAL_MEM_FENCE);  /* a block is read by another item than the ones that wrote it */
-    for (uint b = l; b < n / 64; b += RED_LANES) quantize_block(y + y_off + 64 * b, q + 128 * b, qs + b, qsum + b);
+    rms_norm_out(xp, s, n, eps, w + w_off, y + y_off, quantize, q, qs, qsum, red);
 }
 
 /* token[0] = the index of the largest of n values, the first one on ties (NumPy's argmax): the greedy token,
@@ -107,17 +118,19 @@ INLINE void index_key_row(__global const float* x, __global const float* vec, ui
     }
 }
 
-/* The token's rows of one layer's caches, and its query's rope parts, in one launch:
+/* The normalized rows of the token's latent projections, in one launch:
  * - from kv_a's output comp = [latent (kvl) | rope part (rope)]: kv_lat[row] = RMSNorm of the latent (weights at
  *   vec + w_off), k_rot[row] = the rope part with RoPE applied (cs: see rope_rows);
- * - q_rot[h] = RoPE of the `rope` columns at q + q_off + h * q_row, h < heads (what rope_rows would do);
+ * - the query latent for q_b: q_lat = RMSNorm of q_a's output (qn values, weights at vec + qw_off), with its int8
+ *   codes when `quantize` (rms_norm_out);
  * - with `index` (a layer with an indexer of its own): the indexer key row from key_raw (index_key_row; weights and
  *   bias at vec + kw_off, vec + kb_off, tmp: ihd floats of scratch) into index_k[row].
  * One work-group. */
 __kernel void token_rows(__global const float* comp, __global const float* vec, uint w_off, __global float* kv_lat,
                          __global float* k_rot, uint row, uint kvl, uint rope, __global const float* cs, float eps,
-                         __global const float* q, uint q_off, uint q_row, __global float* q_rot, uint heads,
-                         uint index, __global const float* key_raw, uint kw_off, uint kb_off, __global float* tmp,
+                         __global const float* q_a, uint qw_off, __global float* q_lat, uint qn, uint quantize,
+                         __global char* q, __global float* qs, __global int* qsum, uint index,
+                         __global const float* key_raw, uint kw_off, uint kb_off, __global float* tmp,
                          __global float* index_k, uint ihd) {
     __local float red[RED_LANES];
     const uint l = get_local_id(0), n_half = rope / 2;
@@ -126,14 +139,16 @@ __kernel void token_rows(__global const float* comp, __global const float* vec, 
     const float inv = 1.0f / sqrt(group_sum(s, red) / (float)kvl + eps);
     __global float* lat = kv_lat + (ulong)row * kvl;
     for (uint i = l; i < kvl; i += RED_LANES) lat[i] = vec[w_off + i] * (comp[i] * inv);
-    for (uint i = l; i < (heads + 1) * n_half; i += RED_LANES) {  /* pair i % n_half of the key, then each head */
-        const uint h = i / n_half, j = i % n_half;
-        const __global float* pe = h ? q + q_off + (h - 1) * q_row : comp + kvl;
-        __global float* out = h ? q_rot + (h - 1) * rope : k_rot + (ulong)row * rope;
-        const float e = pe[2 * j], o = pe[2 * j + 1], c = cs[j], sn = cs[n_half + j];
-        out[j] = e * c - o * sn;
-        out[n_half + j] = o * c + e * sn;
+    const __global float* pe = comp + kvl;
+    __global float* rot = k_rot + (ulong)row * rope;
+    for (uint i = l; i < n_half; i += RED_LANES) {
+        const float e = pe[2 * i], o = pe[2 * i + 1], c = cs[i], sn = cs[n_half + i];
+        rot[i] = e * c - o * sn;
+        rot[n_half + i] = o * c + e * sn;
     }
+    float sq = 0.0f;
+    for (uint i = l; i < qn; i += RED_LANES) sq += q_a[i] * q_a[i];
+    rms_norm_out(q_a, sq, qn, eps, vec + qw_off, q_lat, quantize, q, qs, qsum, red);
     if (index) index_key_row(key_raw, vec, kw_off, kb_off, tmp, index_k, row, ihd, rope, cs, eps, red);
 }
 

@@ -57,8 +57,9 @@ SIGNATURES = {
                           None],
     "add_into": [None, None, _U32],
     "argmax_row": [None, _U32, None],
-    "token_rows": [None, None, _U32, None, None, _U32, _U32, _U32, None, _F32, None, _U32, _U32, None, _U32, _U32, None,
-                   _U32, _U32, None, None, _U32],
+    "token_rows": [None, None, _U32, None, None, _U32, _U32, _U32, None, _F32, None, _U32, None, _U32, _U32, None, None,
+                   None, _U32, None, _U32, _U32, None, None, _U32],
+    "mla_query_q4": _W + [None, _U32, None, _U32, _U32, None, None, _U32],
     "rope_rows": [None, _U32, _U32, None, _U32, _U32, None, _U32, _U32],
     "mla_decode_scores": [None] * 5 + [_U32, None] + [_U32] * 4 + [_F32],
     "mla_decode_values": [None] * 3 + [_U32, _U32, _U32, None, None, None],
@@ -71,6 +72,7 @@ SIGNATURES = {
     "expert_sum": [None, None, None, None, _U32],
 }
 SIGNATURES["mvq_x8"] = SIGNATURES["mv_x8"]
+SIGNATURES["mla_query_q8"] = SIGNATURES["mla_query_q4"]
 SIGNATURES["mv2_x8"] = _W + [None, _U64, None, _U64, None, None, None, None, _U32, _U32, None, _U32]
 BIT_SUFFIX = {32: "f32", 8: "q8", 4: "q4", 2: "q2"}
 X8_BLOCK = 64  # columns per scale of int8-quantized activations (common.cl)
@@ -82,12 +84,16 @@ def x8_eligible(bits: int, group: int, *widths: int) -> bool:
     return bits in (4, 8) and group > 0 and group % X8_BLOCK == 0 and all(w % X8_BLOCK == 0 for w in widths)
 
 
+def mvt_chunked(w: ClWeight) -> bool:
+    """Whether matvec_t's work-items own a 16-byte chunk of each row (int4: 32 columns, int8: 16): chunks in whole
+    scale groups (`mvt_chunked` in quant.cl)."""
+    cols = {4: 32, 8: 16}.get(w.bits)
+    return cols is not None and w.n_in % cols == 0 and w.group % cols == 0
+
+
 def mvt_global(w: ClWeight, heads: int) -> tuple[int, int]:
-    """matvec_t's global size: a work-item per 16-byte chunk of a row (int4: 32 columns, int8: 16) where the
-    chunks lie in whole scale groups (`mvt_chunked` in quant.cl), else per 8 columns."""
-    cols = {4: 32, 8: 16}.get(w.bits, 8)
-    if cols == 8 or w.n_in % cols or w.group % cols:
-        cols = 8
+    """matvec_t's global size: a work-item per 16-byte chunk of a row where `mvt_chunked`, else per 8 columns."""
+    cols = {4: 32, 8: 16}[w.bits] if mvt_chunked(w) else 8
     return -(-w.n_in // cols), heads
 
 
@@ -378,6 +384,14 @@ class Kernels:
         """`matvec_t` of one row between buffers: `y[h] = x[h, :rows] @ W[h * head_rows + row_start ...]`."""
         return self.bind("mvt_" + BIT_SUFFIX[w.bits], mvt_global(w, heads), None, *w.args(), xb, 1,
                          heads * x_h, x_h, yb, heads * w.n_in, w.n_in, rows, head_rows, row_start)
+
+    def bind_mla_query(self, w: ClWeight, xb, x_h: int, q_abs, rows: int, head_rows: int, heads: int, cs, q_rot,
+                       rope: int) -> Launch:
+        """MLA's decode query per head (`mla_query` in quant.cl): q_abs[h] = x[h, :rows] @ W[h * head_rows ...] and
+        q_rot[h] = RoPE(x[h, rows:rows + rope]); W `mvt_chunked`."""
+        assert mvt_chunked(w)
+        return self.bind("mla_query_" + BIT_SUFFIX[w.bits], mvt_global(w, heads), None, *w.args(), xb, x_h, q_abs,
+                         rows, head_rows, cs, q_rot, rope)
 
     def bind_experts(self, wbuf, bits: int, group: int, n_groups: int, n_in: int, inter: int, in_row_bytes: int,
                      inter_row_bytes: int, inter_groups: int, xb, offs, slot_tok, tok_start, slot_w, hid, yb,

@@ -384,6 +384,28 @@ QUANT_KERNELS(q8, 8)
 QUANT_KERNELS(q4, 4)
 QUANT_KERNELS(q2, 2)
 
+/* The query of MLA's absorbed decode attention, per head h (the device decode step's): q_abs[h] = x[h, :rows] @
+ * W[h * head_rows ...] (matvec_t_chunk: kv_b's nope rows of head h) and q_rot[h] = RoPE of the `rope` values after
+ * them, x[h, rows ...] (cs: see rope_rows; done by the head's first work-item, de-interleaved as rope_rows does).
+ * x rows x_h apart, q_abs rows n_in apart. Global (n_in / chunk columns, heads): mvt_chunked weights only. */
+#define MLA_QUERY(SUFFIX, BITS) \
+__kernel void mla_query_##SUFFIX(WARGS, __global const float* x, uint x_h, __global float* q_abs, uint rows, \
+                                 uint head_rows, __global const float* cs, __global float* q_rot, uint rope) { \
+    const uint j = get_global_id(0), h = get_global_id(1), n_half = rope / 2; \
+    const __global float* xh = x + h * x_h; \
+    matvec_t_chunk(BITS, wbuf, w_off, sbuf, s_off, n_in, row_bytes, group, n_groups, xh, rows, \
+                   (ulong)h * head_rows, j, q_abs + h * n_in); \
+    if (j) return; \
+    for (uint i = 0; i < n_half; i++) { \
+        const float e = xh[rows + 2 * i], o = xh[rows + 2 * i + 1], c = cs[i], sn = cs[n_half + i]; \
+        q_rot[h * rope + i] = e * c - o * sn; \
+        q_rot[h * rope + n_half + i] = o * c + e * sn; \
+    } \
+}
+
+MLA_QUERY(q8, 8)
+MLA_QUERY(q4, 4)
+
 /* ---- int8 activations (common.cl): the device decode step's int4 and int8 products --------------------
  * quantize_x8: rows of x (stride x_s, n columns, a multiple of 64) -> codes q[2 * (r * n + 64 b) ...] (both
  * orders of common.cl), scales s[r * n / 64 + b] and code sums qsum[...] per block b. Global (n / 64, rows). */

@@ -9,8 +9,9 @@ operations; float sums may associate differently, as in every kernel), except th
 products, and a q4/q2 model's int8 ones, take int8-quantized inputs (`_int8_input_bits`, common.cl).
 Every launch costs the device some idle time (~4-5 us on PoCL), so work is merged where it reads the same input
 or is small: two products of the normed hidden state in one launch (`_matvec_pair`), a product that writes its
-output's int8 codes (`codes_out`), the token's cache rows in one launch (`token_rows`), and the experts' per-slot
-down rows summed by the next residual norm (`Addend`).
+output's int8 codes (`codes_out`), the token's cache rows and query latent in one launch (`token_rows`), the
+query's absorption with its RoPE (`mla_query`), and the experts' per-slot down rows summed by the next residual
+norm (`Addend`).
 
 It runs on `direct` devices (CPU OpenCL devices such as PoCL's, whose buffers are host memory): the kernels
 write each layer's new KV row straight into the host `KVCache` arrays, so prefill, MTP, truncation and the
@@ -33,7 +34,7 @@ import numpy as np
 
 from glmkit.formats.config import ModelConfig
 from glmkit.formats.tensors import Weight
-from glmkit.kernels_cl.launch import X8_BLOCK, ClWeight, Kernels, Launch, x8_eligible
+from glmkit.kernels_cl.launch import X8_BLOCK, ClWeight, Kernels, Launch, mvt_chunked, x8_eligible
 from glmkit.runtime.kv_cache import KVCache
 
 MAX_ROUTED_EXPERTS = 1024  # the routing kernel's private arrays (MAX_EXPERTS in decode.cl)
@@ -64,7 +65,7 @@ class _Layer:
         self.head: list[Launch] = []  # from the input norm to the query's absorption (always)
         self.scoring: list[Launch] = []  # indexer queries, scores, top-k (only with more than index_topk keys)
         self.tail: list[Launch] = []  # attention, output projection, FFN
-        self.rows: Launch | None = None  # writes kv_lat[row], k_rot[row] and index_k[row] (and the query's q_rot)
+        self.rows: Launch | None = None  # writes kv_lat[row], k_rot[row], index_k[row] and the query latent
         self.scores: Launch | None = None
         self.topk: Launch | None = None
         self.attention: Launch | None = None  # scores, then softmax and values
@@ -263,17 +264,21 @@ class DeviceDecodeStep:
         key_norm = (0, 0)  # the offsets of the indexer key's LayerNorm weight and bias
         if indexer:
             key_norm = (self.offsets[a + "indexer.k_norm.weight"], self.offsets[a + "indexer.k_norm.bias"])
+        q_codes = self.q_lat_x8 or (self.q_lat[1],) * 3  # unused buffers when q_b takes float inputs
         out.rows = self._reads_cs(k.bind(
             "token_rows", (self.red,), (self.red,), self.comp[1], self._vectors[1],
             self.offsets[a + "kv_a_layernorm.weight"], self.comp[1], self.comp[1], 0, kvl, rope, self.cs[0][1],
-            latent_eps, self.q[1], nope, nope + rope, self.q_rot[1], nh, int(indexer), self.key_raw[1], *key_norm,
-            self.key[1], self.key[1], ihd), 8)
-        out.head += [
-            self._norm(self.q_a, None, a + "q_a_layernorm.weight", self.q_lat, latent_eps, cfg.q_lora_rank,
-                       self.q_lat_x8),
-            *self._matvec(self._matrix(a + "q_b_proj.weight"), self.q_lat, self.q, quantized=self.q_lat_x8),
-            out.rows,
-            k.bind_matvec_t(kv_b, self.q[1], self.q_abs[1], nh, nope + rope, nope + v_dim, 0, nope)]
+            latent_eps, self.q_a[1], self.offsets[a + "q_a_layernorm.weight"], self.q_lat[1], cfg.q_lora_rank,
+            int(self.q_lat_x8 is not None), *q_codes, int(indexer), self.key_raw[1], *key_norm, self.key[1],
+            self.key[1], ihd), 8)
+        out.head += [out.rows,
+                     *self._matvec(self._matrix(a + "q_b_proj.weight"), self.q_lat, self.q, quantized=self.q_lat_x8)]
+        if mvt_chunked(kv_b):  # the query's absorption and RoPE in one launch
+            out.head.append(self._reads_cs(k.bind_mla_query(kv_b, self.q[1], nope + rope, self.q_abs[1], nope,
+                                                            nope + v_dim, nh, self.cs[0][1], self.q_rot[1], rope), 13))
+        else:
+            out.head += [k.bind_matvec_t(kv_b, self.q[1], self.q_abs[1], nh, nope + rope, nope + v_dim, 0, nope),
+                         self._rope(self.q, nope, nope + rope, self.q_rot[1], rope, rope, nh)]
         if indexer:
             out.scores = k.bind("index_scores", (KEY_GROUP, 1), (KEY_GROUP, 1), self.iq_rot[1], self.key[1], self.iw[1],
                                 self.scratch["index_scores"][1], inh, ihd, 1, ihd ** -0.5, inh ** -0.5)
@@ -487,7 +492,7 @@ class DeviceDecodeStep:
                     layer.rows.set(index, value)
                 if layer.scores is not None:
                     index_k = self._cache_buffer(layer, kv, "index_k")
-                    layer.rows.set(20, index_k)
+                    layer.rows.set(23, index_k)
                 for launch in layer.head:
                     launch.enqueue()
                 if scored and layer.scores is not None:
