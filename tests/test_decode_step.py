@@ -6,12 +6,16 @@ the routed experts the route hook sees, across the indexer's switch to top-k sel
 
 from __future__ import annotations
 
+import time
+from collections import Counter
+
 import numpy as np
 import pytest
 
 from glmkit.kernels_cl import launch
 from glmkit.kernels_cl.launch import Kernels, list_devices
 from glmkit.runtime import cli_run, cli_validate, decode_step
+from glmkit.runtime import experts as experts_module
 from glmkit.runtime.decode_step import DeviceDecodeStep
 from glmkit.runtime.engine import Engine
 from glmkit.runtime.generate import Generator
@@ -323,3 +327,31 @@ def test_pipelined_greedy_stops_at_the_context_limit(tmp_path, kernels):
         runs.append((tokens, generator.stats.stop_reason, cache.length))
     assert runs[1] == runs[0]
     assert runs[0][1] == "context" and runs[0][2] == limit - 1
+
+
+def test_routes_watched_as_they_happen(snapshots, kernels, monkeypatch):
+    """A step route hook sees every MoE layer's experts of every token as the device routes them (from the
+    runtime's callback threads), the same experts the route hook is told of after the token; the engine sets it
+    only for a model larger than the memory it may use (its experts then come from disk)."""
+    snap = snapshots("tiny-trained", "q4")
+    engine = Engine(snap, "numpy", load_tokenizer=False)
+    seen: list[tuple[int, list[int]]] = []
+    dev = GlmMoeDsaModel(engine.config, engine.experts, OpenCLBackend(kernels, Placement()), route_hook=Routes(),
+                         step_route_hook=lambda layer, ids: seen.append((layer, sorted(ids.tolist()))))
+    prompt = oracle("tiny-trained")["prompt_ids"]
+    greedy_run(dev, prompt, 12)
+    moe_layers = engine.config.num_hidden_layers - engine.config.first_k_dense_replace
+    for _ in range(500):  # the callbacks may come a little after the last token (12 tokens: no id slot reused)
+        if len(seen) == 12 * moe_layers:
+            break
+        time.sleep(0.01)
+    # 11 tokens reported after they ran, and the forward in flight when decoding stopped (its row dropped); the
+    # callbacks come from the runtime's threads, not always in order
+    assert len(dev.route_hook.seen) == 11 * moe_layers and len(seen) == 12 * moe_layers
+    assert not Counter((layer, tuple(ids)) for layer, ids in dev.route_hook.seen) - Counter(
+        (layer, tuple(ids)) for layer, ids in seen)
+    assert Engine(snap, "opencl", load_tokenizer=False).model.step_route_hook is None  # fits in RAM
+    monkeypatch.setattr(experts_module, "memory_limit_bytes", lambda: 1 << 20)
+    watched = Engine(snap, "opencl", load_tokenizer=False)
+    assert watched.model.step_route_hook == watched.experts.advise_routed
+    assert not Engine(snap, "opencl", load_tokenizer=False, prefetch=False).model.step_route_hook

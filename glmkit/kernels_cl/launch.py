@@ -306,6 +306,10 @@ class Kernels:
     def finish(self) -> None:
         self.queue.finish()
 
+    def on_complete(self, event, fn) -> None:
+        """Call `fn()` from the OpenCL runtime's callback thread once the command of `event` completed."""
+        event.set_callback(cl.command_execution_status.COMPLETE, lambda status: fn())
+
     def _rows_global(self, rows: int) -> tuple[int, tuple[int, int]]:
         """Global size along dim 0 and the local size for the row-parallel kernels (ROWS rows per item)."""
         items = -(-rows // self.rows_per_item)

@@ -157,6 +157,10 @@ class DecodeStep(Protocol):
         """Greedy decoding from `token` (the next forward appends its row), or None where not supported."""
         ...
 
+    def watch_routes(self, hook: Callable[[int, np.ndarray], None]) -> None:
+        """Call `hook(layer, expert ids [k])` as each MoE layer routes, before its experts run (any thread)."""
+        ...
+
 
 def silu(x: np.ndarray) -> np.ndarray:
     return x * sigmoid(x)

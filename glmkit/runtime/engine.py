@@ -8,7 +8,7 @@ from pathlib import Path
 from glmkit.errors import GlmkitError
 from glmkit.formats.reader import Container
 from glmkit.runtime.backend import Backend, NumpyBackend
-from glmkit.runtime.experts import ExpertStreamer
+from glmkit.runtime.experts import ExpertStreamer, outgrows_memory
 from glmkit.runtime.model import GlmMoeDsaModel
 from glmkit.runtime.tokenizer import ChatTokenizer
 
@@ -38,7 +38,11 @@ class Engine:
         self.config = self.container.config
         self.backend, self.device = make_backend(device, self.container, not float_activations)
         self.experts = ExpertStreamer(self.container, ram_budget_bytes, prefetch)
-        self.model = GlmMoeDsaModel(self.config, self.experts, self.backend, route_hook=self.experts.on_route)
+        # a device decode step's routing is watched only when experts will come from disk: the watcher thread
+        # costs ~5-10% of decode on 2 cores when everything is in RAM (docs/BENCHMARKS.md)
+        watch = prefetch and outgrows_memory(self.container)
+        self.model = GlmMoeDsaModel(self.config, self.experts, self.backend, route_hook=self.experts.on_route,
+                                    step_route_hook=self.experts.advise_routed if watch else None)
         self.tokenizer = ChatTokenizer(snapshot) if load_tokenizer else None
         self.eos_token_ids = _eos_ids(Path(snapshot), self.config.eos_token_ids)
 

@@ -4,18 +4,23 @@ The OS page cache is the expert cache. `ExpertStreamer` sits between the contain
 - it counts, per routed expert used, whether its bytes were already resident (`mincore`) - a hit -
   or had to come from disk - a miss;
 - after each MoE layer routes, it applies the NEXT layer's router to the same normed hidden state
-  and `madvise(WILLNEED)`s the experts that router would pick, so their reads overlap compute;
+  and `madvise(WILLNEED)`s the experts that router would pick, so their reads overlap compute; under a device
+  decode step (routing on the device) it advises each layer's routed experts as the routing completes;
 - with a RAM budget it copies the most-used experts into anonymous memory (pinned: the page cache
   cannot evict them) once it has seen enough routing to know which are hot.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import mmap
+import os
+import threading
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -37,6 +42,36 @@ def resident_fraction(view: np.ndarray) -> float:
     if _libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vec) != 0:
         return 1.0  # not a mapping we can query: count as resident rather than invent misses
     return np.count_nonzero(np.frombuffer(vec, np.uint8) & 1) / pages
+
+
+def memory_limit_bytes() -> int:
+    """The RAM this process may use: the machine's, or its memory cgroup's limit when lower (v1 or v2)."""
+    limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return limit
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # cgroup v2
+            file = Path("/sys/fs/cgroup") / path.lstrip("/") / "memory.max"
+        elif "memory" in controllers.split(","):
+            file = Path("/sys/fs/cgroup/memory") / path.lstrip("/") / "memory.limit_in_bytes"
+        else:
+            continue
+        try:
+            text = file.read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():  # v2 says "max" when unlimited
+            limit = min(limit, int(text))
+    return limit
+
+
+def outgrows_memory(container: Container, margin: int = 1 << 30) -> bool:
+    """Whether the container, plus `margin` bytes for the process, is larger than the RAM it may use: its experts
+    are then read from disk again and again while decoding."""
+    return container.nbytes + margin > memory_limit_bytes()
 
 
 @dataclass
@@ -67,6 +102,7 @@ class ExpertStreamer:
         self._pinned: dict[str, Weight] = {}
         self._routed_tokens = 0
         self._pin_done = False  # pinning runs once, even when the budget holds no expert
+        self._advised = threading.Lock()
 
     # ---- the weight-source interface the model uses ----
 
@@ -98,6 +134,16 @@ class ExpertStreamer:
             self._prefetch_next(layer, normed)
         if self.ram_budget and not self._pin_done and self._routed_tokens >= self.pin_after_tokens:
             self.pin_hottest()
+
+    def advise_routed(self, layer: int, expert_ids: np.ndarray) -> None:
+        """madvise(WILLNEED) the experts a device decode step has just routed, before their kernels read them:
+        the kernel then reads them in the background, many at once, instead of the step's worker threads faulting
+        them in a page at a time. Called from the OpenCL runtime's callback threads (`DecodeStep.watch_routes`)."""
+        experts = np.unique(expert_ids).tolist()  # no residency check first: it measured no better
+        with contextlib.suppress(OSError, ValueError):  # advice only: e.g. the mapping closed at exit
+            self.container.advise_experts(layer, experts, mmap.MADV_WILLNEED)
+        with self._advised:  # callbacks of several layers may run at once
+            self.stats.prefetched += len(experts)
 
     def _is_resident(self, layer: int, expert: int) -> bool:
         """Pinned, or every page of the expert's byte range (gate, up, down and scales) is in RAM."""

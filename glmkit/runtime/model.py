@@ -195,12 +195,14 @@ class GlmMoeDsaModel:
     """
 
     def __init__(self, config: ModelConfig, weights: WeightSource, backend: Backend | None = None,
-                 absorb_max_rows: int = 4, route_hook: RouteHook | None = None) -> None:
+                 absorb_max_rows: int = 4, route_hook: RouteHook | None = None,
+                 step_route_hook: Callable[[int, np.ndarray], None] | None = None) -> None:
         self.config = config
         self.weights = weights
         self.backend = backend or NumpyBackend()
         self.absorb_max_rows = absorb_max_rows
         self.route_hook = route_hook
+        self.step_route_hook = step_route_hook  # a decode step's routing as it happens: `DecodeStep.watch_routes`
         self._step: DecodeStep | None | bool = False  # the backend's decode step, asked for on first decode
 
     def _w(self, name: str) -> Weight:
@@ -249,6 +251,8 @@ class GlmMoeDsaModel:
     def _decode_step(self) -> DecodeStep | None:
         if self._step is False:
             self._step = self.backend.decode_step(self.config, self._w)
+            if self._step is not None and self.step_route_hook is not None:
+                self._step.watch_routes(self.step_route_hook)
         return self._step
 
     def _device_decode(self, token: int, embed: np.ndarray, cache: KVCache) -> tuple[np.ndarray, np.ndarray]:
