@@ -127,6 +127,14 @@ INLINE float weight_at(const int bits, const __global uchar* row, const __global
     return w * (group ? sc[i / group] : sc[0]);
 }
 
+/* RoPE of the interleaved pair j of pe, de-interleaved: out[j] = e cos - o sin, out[n_half + j] = o cos + e sin
+ * (cs = [cos (n_half), sin (n_half)] of the token's position). */
+INLINE void rope_pair(const __global float* pe, __global float* out, const __global float* cs, uint n_half, uint j) {
+    const float e = pe[2 * j], o = pe[2 * j + 1], c = cs[j], sn = cs[n_half + j];
+    out[j] = e * c - o * sn;
+    out[n_half + j] = o * c + e * sn;
+}
+
 INLINE float hsum8(float8 v) {
     const float4 b = v.lo + v.hi;
     const float2 c = b.lo + b.hi;

@@ -136,16 +136,8 @@ __kernel void token_rows(__global const float* comp, __global const float* vec, 
     const uint l = get_local_id(0), n_half = rope / 2;
     float s = 0.0f;
     for (uint i = l; i < kvl; i += RED_LANES) s += comp[i] * comp[i];
-    const float inv = 1.0f / sqrt(group_sum(s, red) / (float)kvl + eps);
-    __global float* lat = kv_lat + (ulong)row * kvl;
-    for (uint i = l; i < kvl; i += RED_LANES) lat[i] = vec[w_off + i] * (comp[i] * inv);
-    const __global float* pe = comp + kvl;
-    __global float* rot = k_rot + (ulong)row * rope;
-    for (uint i = l; i < n_half; i += RED_LANES) {
-        const float e = pe[2 * i], o = pe[2 * i + 1], c = cs[i], sn = cs[n_half + i];
-        rot[i] = e * c - o * sn;
-        rot[n_half + i] = o * c + e * sn;
-    }
+    rms_norm_out(comp, s, kvl, eps, vec + w_off, kv_lat + (ulong)row * kvl, 0, q, qs, qsum, red);
+    for (uint i = l; i < n_half; i += RED_LANES) rope_pair(comp + kvl, k_rot + (ulong)row * rope, cs, n_half, i);
     float sq = 0.0f;
     for (uint i = l; i < qn; i += RED_LANES) sq += q_a[i] * q_a[i];
     rms_norm_out(q_a, sq, qn, eps, vec + qw_off, q_lat, quantize, q, qs, qsum, red);
@@ -203,7 +195,7 @@ __kernel void mla_decode_scores(__global const float* q_lat, __global const floa
 }
 
 /* out[h] = softmax(scores[h]) @ kv_lat, one work-group (RED_LANES items) per head: the row's maximum and sum
- * (the probabilities replace the scores in place), then each item owns groups of 8 latent columns. With
+ * (the probabilities replace the scores in place), then each item owns groups of 32 latent columns. With
  * `quantize`, also out's int8 codes, scales and code sums per head (common.cl; kvl a multiple of 64).
  * scores [nh, T] (-inf: key not selected), kv_lat [T, kvl]. Global (nh * RED_LANES). */
 __kernel void mla_decode_values(__global float* scores, __global const float* kv_lat, __global float* out,

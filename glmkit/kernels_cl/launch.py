@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import re
 import warnings
 from dataclasses import dataclass
 
@@ -59,7 +60,7 @@ SIGNATURES = {
     "argmax_row": [None, _U32, None],
     "token_rows": [None, None, _U32, None, None, _U32, _U32, _U32, None, _F32, None, _U32, None, _U32, _U32, None, None,
                    None, _U32, None, _U32, _U32, None, None, _U32],
-    "mla_query_q4": _W + [None, _U32, None, _U32, _U32, None, None, _U32],
+    "mla_query": _W + [None, _U32, None, _U32, _U32, None, None, _U32],
     "rope_rows": [None, _U32, _U32, None, _U32, _U32, None, _U32, _U32],
     "mla_decode_scores": [None] * 5 + [_U32, None] + [_U32] * 4 + [_F32],
     "mla_decode_values": [None] * 3 + [_U32, _U32, _U32, None, None, None],
@@ -71,10 +72,10 @@ SIGNATURES = {
     "edp_x8": [None, None, None, _U32, _U32, _U32, _U32, None, None, None, None, _U32],
     "expert_sum": [None, None, None, None, _U32],
 }
-SIGNATURES["mvq_x8"] = SIGNATURES["mv_x8"]
-SIGNATURES["mla_query_q8"] = SIGNATURES["mla_query_q4"]
+SIGNATURES["mvq_x8"] = SIGNATURES["mv_x8"]  # mv_x8 that also writes its output's codes
 SIGNATURES["mv2_x8"] = _W + [None, _U64, None, _U64, None, None, None, None, _U32, _U32, None, _U32]
 BIT_SUFFIX = {32: "f32", 8: "q8", 4: "q4", 2: "q2"}
+_WEIGHT_TYPE = re.compile("_(" + "|".join(BIT_SUFFIX.values()) + ")(?=_|$)")  # a quant kernel's weight type
 X8_BLOCK = 64  # columns per scale of int8-quantized activations (common.cl)
 
 
@@ -587,12 +588,9 @@ class Kernels:
 
 
 def signature(name: str) -> list:
-    """Scalar argument types of a kernel (None for buffers); the quant kernels by their family (`mv_q4` -> mv,
-    `mv_q4_x8` -> mv_x8)."""
-    if name in SIGNATURES:
-        return SIGNATURES[name]
-    family = name.split("_")[0]
-    return SIGNATURES[family + "_x8" if name.endswith("_x8") else family]
+    """Scalar argument types of a kernel (None for buffers); the quant kernels by their family, the name without
+    its weight type (`mv_q4` -> mv, `mv_q4_x8` -> mv_x8, `mla_query_q8` -> mla_query)."""
+    return SIGNATURES[name if name in SIGNATURES else _WEIGHT_TYPE.sub("", name)]
 
 
 class Launch:

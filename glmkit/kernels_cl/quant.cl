@@ -396,11 +396,7 @@ __kernel void mla_query_##SUFFIX(WARGS, __global const float* x, uint x_h, __glo
     matvec_t_chunk(BITS, wbuf, w_off, sbuf, s_off, n_in, row_bytes, group, n_groups, xh, rows, \
                    (ulong)h * head_rows, j, q_abs + h * n_in); \
     if (j) return; \
-    for (uint i = 0; i < n_half; i++) { \
-        const float e = xh[rows + 2 * i], o = xh[rows + 2 * i + 1], c = cs[i], sn = cs[n_half + i]; \
-        q_rot[h * rope + i] = e * c - o * sn; \
-        q_rot[h * rope + n_half + i] = o * c + e * sn; \
-    } \
+    for (uint i = 0; i < n_half; i++) rope_pair(xh + rows, q_rot + h * rope, cs, n_half, i); \
 }
 
 MLA_QUERY(q8, 8)

@@ -41,7 +41,6 @@ from glmkit.runtime.kv_cache import KVCache
 MAX_ROUTED_EXPERTS = 1024  # the routing kernel's private arrays (MAX_EXPERTS in decode.cl)
 MAX_EXPERT_BUFFERS = 8  # weight buffers one layer's experts may span (MAX_BUFFERS in decode.cl)
 ID_SLOTS = 32  # routed-id buffers per MoE layer, used in turn by successive tokens: the watcher's callbacks may lag
-
 INITIAL_KEYS = 1024  # keys the per-key scratch buffers hold at first (they double as the context grows)
 KEY_GROUP = 16  # work-group size of the kernels with one work-item per key
 
@@ -276,14 +275,13 @@ class DeviceDecodeStep:
         ]
         indexer = cfg.indexer_type(layer) == "full"  # a layer with an indexer of its own (else it shares one)
         ihd, inh = cfg.index_head_dim, cfg.index_n_heads
+        key_norm = (0, 0)  # the offsets of the indexer key's LayerNorm weight and bias
         if indexer:
             wk, weights_proj = self._matrix(a + "indexer.wk.weight"), self._matrix(a + "indexer.weights_proj.weight")
             # weights_proj's head weights matter only once the indexer scores; in the key's launch they cost ~nothing
             paired = self._pairs(wk, weights_proj)
             out.head += (self._matvec_pair(wk, self.key_raw, weights_proj, self.iw) if paired else
                          self._matvec(wk, self.u, self.key_raw, quantized=self.u_x8))
-        key_norm = (0, 0)  # the offsets of the indexer key's LayerNorm weight and bias
-        if indexer:
             key_norm = (self.offsets[a + "indexer.k_norm.weight"], self.offsets[a + "indexer.k_norm.bias"])
         q_codes = self.q_lat_x8 or (self.q_lat[1],) * 3  # unused buffers when q_b takes float inputs
         out.rows = self._reads_cs(k.bind(

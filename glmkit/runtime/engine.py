@@ -38,8 +38,8 @@ class Engine:
         self.config = self.container.config
         self.backend, self.device = make_backend(device, self.container, not float_activations)
         self.experts = ExpertStreamer(self.container, ram_budget_bytes, prefetch)
-        # a device decode step's routing is watched only when experts will come from disk: the watcher thread
-        # costs ~5-10% of decode on 2 cores when everything is in RAM (docs/BENCHMARKS.md)
+        # a device decode step's routing is watched only when experts will come from disk: its callbacks cost
+        # ~33% of decode on 2 cores when everything is in RAM (docs/BENCHMARKS.md)
         watch = prefetch and outgrows_memory(self.container)
         self.model = GlmMoeDsaModel(self.config, self.experts, self.backend, route_hook=self.experts.on_route,
                                     step_route_hook=self.experts.advise_routed if watch else None)
