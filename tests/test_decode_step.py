@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from glmkit.kernels_cl import launch
-from glmkit.kernels_cl.launch import Kernels, list_devices
+from glmkit.kernels_cl.launch import Kernels
 from glmkit.runtime import cli_run, cli_validate, decode_step
 from glmkit.runtime import experts as experts_module
 from glmkit.runtime.decode_step import DeviceDecodeStep
@@ -23,7 +23,7 @@ from glmkit.runtime.model import GlmMoeDsaModel
 from glmkit.runtime.opencl_backend import OpenCLBackend, Placement
 from glmkit.runtime.sampling import Sampler, SamplingParams
 from glmkit.serve import cli as serve_cli
-from tests.runtime_support import FIXTURES, Snapshots, convert, copy_with_config, oracle
+from tests.runtime_support import FIXTURES, Snapshots, convert, copy_with_config, opencl_test_device, oracle
 from tools.quality_int8_activations import pad_experts
 
 
@@ -33,11 +33,30 @@ def snapshots(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def kernels():
-    found = [d for d in list_devices() if d.kind == "cpu"]
-    if not found:
-        pytest.fail("no OpenCL CPU device found (pyopencl with the pocl extra should provide PoCL's)")
-    return Kernels(found[0])
+def direct_kernels():
+    """The test device as it is (PoCL's CPU device by default: direct, its buffers are host memory)."""
+    return Kernels(opencl_test_device())
+
+
+@pytest.fixture(scope="module")
+def discrete_kernels():
+    """The test device driven as a discrete GPU is: device buffers, explicit copies (with `unified=False`
+    backends: weights uploaded)."""
+    return Kernels(opencl_test_device(), direct=False)
+
+
+def in_place(kernels: Kernels) -> Kernels:
+    """`kernels`, for a test of weights used in place from the mapping (skipped where GLMKIT_TEST_DEVICE names a
+    GPU: it uploads them)."""
+    if not kernels.direct:
+        pytest.skip("weights are used in place on direct (CPU) devices only")
+    return kernels
+
+
+@pytest.fixture(params=["direct", "discrete"])
+def kernels(request):
+    """Each test that takes `kernels` runs on both kinds of device."""
+    return request.getfixturevalue(f"{request.param}_kernels")
 
 
 class Routes:
@@ -56,7 +75,8 @@ def models(engine: Engine, kernels: Kernels, int8_activations: bool = False
     """(NumPy reference, OpenCL with the device decode step), each with its own route recorder. The step's
     int4 experts take float inputs, the reference's arithmetic, unless int8_activations."""
     ref = GlmMoeDsaModel(engine.config, engine.experts, engine.backend, route_hook=Routes())
-    backend = OpenCLBackend(kernels, Placement(), int8_activations=int8_activations)
+    backend = OpenCLBackend(kernels, Placement(), int8_activations=int8_activations,
+                            unified=None if kernels.direct else False, model_bytes=engine.container.nbytes)
     dev = GlmMoeDsaModel(engine.config, engine.experts, backend, route_hook=Routes())
     return ref, dev
 
@@ -138,13 +158,13 @@ def test_int8_activations_step(snapshots, kernels):
     assert ref.backend.numerics != dev.backend.numerics != models(f32, kernels)[1].backend.numerics
 
 
-def test_experts_across_files(tmp_path, kernels):
+def test_experts_across_files(tmp_path, direct_kernels):
     """A layer's experts spread over several data files (GLM-5's layers outgrow a 4 GB file): one fused launch
-    pair per file, summed."""
+    pair per file, summed (direct devices: a discrete one uploads them into its own buffers)."""
     snap = convert(FIXTURES / "tiny-trained", tmp_path / "split", "q4", "--max-file-size", "300K")
     assert len(list(snap.glob("model-*.safetensors"))) > 4
     engine = Engine(snap, "numpy", load_tokenizer=False)
-    ref, dev = models(engine, kernels)
+    ref, dev = models(engine, in_place(direct_kernels))
     ids = np.array(oracle("tiny-trained")["full_ids"])
     want, got, caches = decode_both(ref, dev, ids[:20], ids[20:50])
     assert isinstance(dev._step, DeviceDecodeStep)
@@ -156,14 +176,14 @@ def test_experts_across_files(tmp_path, kernels):
 
 
 @pytest.mark.parametrize("split", [False, True])
-def test_int8_input_experts_step(tmp_path, kernels, split):
+def test_int8_input_experts_step(tmp_path, direct_kernels, split):
     """Routed experts that take int8 inputs (the trained fixture padded to 128 rows, tools/quality_int8_activations):
     in one file the next norm adds the slots' down rows itself (no expert_sum); across files each file's slots are
     summed into the FFN output first. Within int8 rounding of the float reference, every greedy token kept."""
     padded = pad_experts(FIXTURES / "tiny-trained", tmp_path / "padded")
     snap = convert(padded, tmp_path / "q4", "q4", *(["--max-file-size", "300K"] if split else []))
     engine = Engine(snap, "numpy", load_tokenizer=False)
-    ref, dev = models(engine, kernels, int8_activations=True)
+    ref, dev = models(engine, in_place(direct_kernels), int8_activations=True)
     ids = np.array(oracle("tiny-trained")["full_ids"])
     want, got, _ = decode_both(ref, dev, ids[:20], ids[20:60])
     moe = [[launch.kernel.function_name for launch in layer.tail] for layer in dev._step.layers
@@ -190,6 +210,15 @@ def test_cache_growth_and_truncation(snapshots, kernels, monkeypatch):
     want, got, caches = decode_both(ref, dev, None, rng.integers(0, vocab, 6), caches)
     assert_same(want, got)
     assert_same_rows(caches)
+    # rows rewritten by the host (a truncation, then a multi-token forward, as MTP's verification does): a
+    # discrete device's copy of the cache takes them before its next token
+    chunk = rng.integers(0, vocab, 3)
+    for model, cache in zip((ref, dev), caches, strict=True):
+        cache.truncate(252)
+        model.forward(chunk, cache)
+    want, got, caches = decode_both(ref, dev, None, rng.integers(0, vocab, 4), caches)
+    assert_same(want, got)
+    assert_same_rows(caches)
 
 
 def test_failure_inside_a_token_leaves_the_cache_as_it_was(snapshots, kernels, monkeypatch):
@@ -212,14 +241,18 @@ def test_failure_inside_a_token_leaves_the_cache_as_it_was(snapshots, kernels, m
     assert [layer.length for layer in cache.layers[:-1]] == [5] * engine.config.num_hidden_layers
 
 
-def test_only_where_the_device_uses_host_memory(snapshots, kernels):
-    """Discrete devices, an explicit per-operation placement and calibration's recorder decode per operation."""
+def test_where_the_step_runs(snapshots, direct_kernels, discrete_kernels):
+    """Direct devices and discrete ones whose budget holds the model run the step; a discrete device with a smaller
+    budget, an explicit per-operation placement and NumPy decode per operation."""
     engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
-    weight = engine.experts.weight
-    assert OpenCLBackend(kernels, Placement()).decode_step(engine.config, weight) is not None
-    assert OpenCLBackend(kernels, Placement(decode_step="host")).decode_step(engine.config, weight) is None
-    assert OpenCLBackend(kernels, Placement(), unified=False).decode_step(engine.config, weight) is None
-    assert engine.backend.decode_step(engine.config, weight) is None  # NumPy
+    cfg, weight, size = engine.config, engine.experts.weight, engine.container.nbytes
+    assert OpenCLBackend(in_place(direct_kernels), Placement()).decode_step(cfg, weight) is not None
+    assert OpenCLBackend(direct_kernels, Placement(decode_step="host")).decode_step(cfg, weight) is None
+    discrete = OpenCLBackend(discrete_kernels, Placement(), unified=False, model_bytes=size)
+    assert discrete.decode_step(cfg, weight) is not None and discrete.memory.used > 0
+    small = OpenCLBackend(discrete_kernels, Placement(), unified=False, model_bytes=size, budget=size // 2)
+    assert small.decode_step(cfg, weight) is None and small.memory.used == 0
+    assert engine.backend.decode_step(cfg, weight) is None  # NumPy
 
 
 def test_validate_passes_with_the_step(snapshots, monkeypatch, capsys):
@@ -329,14 +362,15 @@ def test_pipelined_greedy_stops_at_the_context_limit(tmp_path, kernels):
     assert runs[0][1] == "context" and runs[0][2] == limit - 1
 
 
-def test_routes_watched_as_they_happen(snapshots, kernels, monkeypatch):
+def test_routes_watched_as_they_happen(snapshots, direct_kernels, monkeypatch):
     """A step route hook sees every MoE layer's experts of every token as the device routes them (from the
     runtime's callback threads), the same experts the route hook is told of after the token; the engine sets it
     only for a model larger than the memory it may use (its experts then come from disk)."""
     snap = snapshots("tiny-trained", "q4")
     engine = Engine(snap, "numpy", load_tokenizer=False)
     seen: list[tuple[int, list[int]]] = []
-    dev = GlmMoeDsaModel(engine.config, engine.experts, OpenCLBackend(kernels, Placement()), route_hook=Routes(),
+    dev = GlmMoeDsaModel(engine.config, engine.experts, OpenCLBackend(in_place(direct_kernels), Placement()),
+                         route_hook=Routes(),
                          step_route_hook=lambda layer, ids: seen.append((layer, sorted(ids.tolist()))))
     prompt = oracle("tiny-trained")["prompt_ids"]
     greedy_run(dev, prompt, 12)

@@ -211,6 +211,17 @@ def test_auto_measures_once_and_stores_the_profile(snapshots, device, tmp_path, 
     assert engine.device.endswith("+auto") and engine.backend.placement.matvec_host_bits == (8,)
 
 
+def test_measured_placement_runs_the_step_on_discrete_devices(snapshots, device, monkeypatch):
+    """A discrete device decodes with the step whenever the model fits its weight budget, even where the
+    per-operation timings (which pay transfers the step avoids) favour the host; a direct device follows them."""
+    monkeypatch.setattr(devices, "timeit", lambda fn, *a, **k: (fn(), 1.0)[1])  # every path ties: host wins
+    container = Engine(snapshots("tiny-bf16", "q4"), "numpy", load_tokenizer=False).container
+    discrete = devices.measure(Kernels(device, direct=False), container)
+    assert discrete.experts == "host" and discrete.decode_step == "cl"
+    if device.kind == "cpu":
+        assert devices.measure(Kernels(device), container).decode_step == "host"
+
+
 def test_list_devices(device, capsys):
     assert cli_run.main(["--list-devices"]) == 0
     out = capsys.readouterr().out

@@ -236,9 +236,24 @@ class Kernels:
         return Launch(self, name, size, local, args)
 
     def host_buffer(self, count: int, dtype=np.float32) -> tuple[np.ndarray, object]:
-        """Direct devices: a page-aligned host array of `count` items and a buffer the device uses in place."""
+        """A page-aligned host array of `count` items and its buffer: on direct devices the device uses the array
+        in place; elsewhere the buffer is device memory of its own, which `upload` / `download` copy to and from."""
         host = _aligned_empty(max(count, 1) * np.dtype(dtype).itemsize).view(dtype)
-        return host, self.wrap(host)
+        if self.direct:
+            return host, self.wrap(host)
+        return host, cl.Buffer(self.ctx, cl.mem_flags.READ_WRITE, host.nbytes)
+
+    def device_buffer(self, nbytes: int):
+        """Device memory of its own (no host array)."""
+        return cl.Buffer(self.ctx, cl.mem_flags.READ_WRITE, max(nbytes, 4))
+
+    def upload(self, buf, arr: np.ndarray, offset: int = 0):
+        """Queue a copy of `arr` into `buf` at byte `offset` (non-blocking: arr must stay as it is until done)."""
+        return cl.enqueue_copy(self.queue, buf, arr, dst_offset=offset, is_blocking=False)
+
+    def download(self, arr: np.ndarray, buf, offset: int = 0):
+        """Queue a copy of `arr.nbytes` bytes of `buf` from byte `offset` into `arr`; returns its event."""
+        return cl.enqueue_copy(self.queue, arr, buf, src_offset=offset, is_blocking=False)
 
     @property
     def base_align(self) -> int:

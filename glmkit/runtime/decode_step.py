@@ -13,12 +13,15 @@ output's int8 codes (`codes_out`), the token's cache rows and query latent in on
 query's absorption with its RoPE (`mla_query`), and the experts' per-slot down rows summed by the next residual
 norm (`Addend`).
 
-It runs on `direct` devices (CPU OpenCL devices such as PoCL's, whose buffers are host memory): the kernels
-write each layer's new KV row straight into the host `KVCache` arrays, so prefill, MTP, truncation and the
-prefill cache all see the same rows. A layer's experts may lie in several weight buffers (the files of the
-mapping: a GLM-5 layer outgrows one 4 GB file): the routing kernel fills the slots of each buffer, and each gets
-its own fused launches. `OpenCLBackend.decode_step` builds the step, or returns None when a weight or an
-expert cannot be used in place (the per-operation path runs then).
+On `direct` devices (CPU OpenCL devices such as PoCL's, whose buffers are host memory) the kernels write each
+layer's new KV row straight into the host `KVCache` arrays, so prefill, MTP, truncation and the prefill cache all
+see the same rows. On discrete devices (a GPU with memory of its own; every weight must fit its budget) the
+step's buffers are device memory: the cache rows live in a device mirror (`_CacheMirror`) that takes the rows
+the host wrote since (`LayerKV.edited_from`), and each token's new rows, its logits (or greedy token) and routed
+ids are copied back with non-blocking reads behind its kernels. A layer's experts may lie in several weight
+buffers (the files of the mapping: a GLM-5 layer outgrows one 4 GB file): the routing kernel fills the slots of
+each buffer, and each gets its own fused launches. `OpenCLBackend.decode_step` builds the step, or returns None
+when a weight or an expert cannot be used in place or placed on the device (the per-operation path runs then).
 
 Greedy decoding (`GreedyPipeline`) also takes the argmax and the next embedding on the device, so that the next
 token's forward is queued before the host has seen this one: the device does not wait for the host between
@@ -74,6 +77,14 @@ class RouteWatcher:
         self.kernels.on_complete(event, lambda: self.hook(layer, ids.copy()))
 
 
+class _CacheMirror:
+    """Discrete devices: one cache field of one layer in device memory. The kernels read and write the rows there;
+    `rows` of them are known equal to the host's (the rows the host edited since are uploaded before a token)."""
+
+    def __init__(self, kv, buf, capacity: int) -> None:
+        self.kv, self.buf, self.capacity, self.rows = kv, buf, capacity, 0
+
+
 class _Layer:
     """One decoder layer's bound launches, by name those whose arguments change per token (cache rows, key
     count, token parity)."""
@@ -90,6 +101,7 @@ class _Layer:
         self.route: Launch | None = None
         self.ids: list = []  # MoE layers, per token slot: (host array, buffer) of the routed expert ids
         self.cache_buffers: dict[str, tuple[np.ndarray, object]] = {}  # field -> (its storage array, buffer)
+        self.mirrors: dict[str, _CacheMirror] = {}  # discrete devices: field -> its rows in device memory
 
 
 class DeviceDecodeStep:
@@ -132,14 +144,18 @@ class DeviceDecodeStep:
         ihd, inh = cfg.index_head_dim, cfg.index_n_heads
         self.key_raw, self.key = new(ihd), new(ihd)
         self.iq, self.iq_rot, self.iw = new(inh * ihd), new(inh * ihd), new(inh)
-        self.one_row = (self._buf(2, np.uint32), self._buf(1))  # the range and weight of a one-row addend
-        self.one_row[0][0][:], self.one_row[1][0][:] = (0, 1), 1.0
+        self.one_row = (self._filled([0, 1], np.uint32), self._filled([1.0]))  # the range, weight of a one-row addend
         self.ffn_out = self._whole(self.ffn)  # the last bound layer's FFN output, as the next norm adds it
         self.capacity = 0  # keys the per-key scratch buffers hold
+        # each MoE layer's routed ids, per token slot in one buffer (one read per token on a discrete device)
+        n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+        self.id_stride = self._aligned_items(cfg.num_experts_per_tok)
+        self.route_ids = [self._buf(max(n_moe, 1) * self.id_stride, np.uint32) for _ in range(ID_SLOTS)]
         self.scratch: dict[str, tuple[np.ndarray, object]] = {}
         self.layers: list[_Layer] = []
         self._grow(INITIAL_KEYS)
-        self.layers = [self._bind_layer(layer, LATENT_NORM_EPS) for layer in range(cfg.num_hidden_layers)]
+        for layer in range(cfg.num_hidden_layers):
+            self.layers.append(self._bind_layer(layer, LATENT_NORM_EPS))
         self.final_norm = self._norm(self.x, self.ffn_out, "model.norm.weight", self.hidden, cfg.rms_norm_eps, h,
                                      self.hidden_x8)
         (self.lm_head,) = self._matvec(self._matrix("lm_head.weight"), self.hidden, self.logits,
@@ -158,6 +174,28 @@ class DeviceDecodeStep:
     def _buf(self, count: int, dtype=np.float32) -> tuple[np.ndarray, object]:
         return self.k.host_buffer(count, dtype)
 
+    def _filled(self, values, dtype=np.float32) -> tuple[np.ndarray, object]:
+        """A buffer pair holding `values` (on the device too)."""
+        values = np.asarray(values, dtype).reshape(-1)
+        pair = self._buf(values.size, dtype)
+        pair[0][:] = values
+        self._to_device(pair)
+        return pair
+
+    def _to_device(self, pair) -> None:
+        """Discrete devices: queue the copy of a pair's host array into its buffer (direct devices share it)."""
+        if not self.k.direct:
+            self.k.upload(pair[1], pair[0])
+
+    def _to_host(self, pair):
+        """Discrete devices: queue the copy of a pair's buffer into its host array; its event (None when direct)."""
+        return None if self.k.direct else self.k.download(pair[0], pair[1])
+
+    def _aligned_items(self, count: int, itemsize: int = 4) -> int:
+        """`count` rounded up so that consecutive regions of it start where sub-buffers may (`base_align`)."""
+        quantum = max(1, self.k.base_align // itemsize)
+        return -(-count // quantum) * quantum
+
     def _pack_vectors(self) -> tuple[np.ndarray, object]:
         """Every 1-D weight of the main layers (norms, biases, router bias) in one buffer, at `self.offsets`."""
         cfg, names = self.cfg, ["model.norm.weight"]
@@ -171,9 +209,7 @@ class DeviceDecodeStep:
                 names.append(p + "mlp.gate.e_score_correction_bias")
         arrays = [np.asarray(self._weight(n), np.float32).reshape(-1) for n in names]
         self.offsets = dict(zip(names, np.cumsum([0] + [a.size for a in arrays[:-1]]).tolist(), strict=True))
-        host, buf = self._buf(sum(a.size for a in arrays))
-        host[:] = np.concatenate(arrays)
-        return host, buf
+        return self._filled(np.concatenate(arrays))
 
     def _matrix(self, name: str) -> ClWeight:
         cw = self._cw(self._weight(name))
@@ -245,8 +281,7 @@ class DeviceDecodeStep:
         cap = max(keys, 2 * self.capacity)
         nh = self.cfg.num_attention_heads
         self.scratch = {"scores": self._buf(nh * cap), "index_scores": self._buf(cap),
-                        "selected": self._buf(cap, np.uint8), "all": self._buf(cap, np.uint8)}
-        self.scratch["all"][0][:] = 1
+                        "selected": self._buf(cap, np.uint8), "all": self._filled(np.ones(cap), np.uint8)}
         self.capacity = cap
         scores, index_scores = self.scratch["scores"][1], self.scratch["index_scores"][1]
         selected, every = self.scratch["selected"][1], self.scratch["all"][1]
@@ -354,18 +389,17 @@ class DeviceDecodeStep:
         buffers = list({id(r.buf): r.buf for r in members}.values())
         if len(buffers) > MAX_EXPERT_BUFFERS:
             raise Unsupported(f"{p}: the experts lie in {len(buffers)} weight buffers")
-        table = self._buf(6 * len(members), np.uint64)
-        table[0][:] = np.array([r.offs for r in members], np.uint64).reshape(-1)
-        buffer_of = self._buf(len(members), np.uint32)
-        buffer_of[0][:] = [next(b for b, buf in enumerate(buffers) if buf is r.buf) for r in members]
+        table = self._filled([r.offs for r in members], np.uint64)
+        buffer_of = self._filled([next(b for b, buf in enumerate(buffers) if buf is r.buf) for r in members],
+                                 np.uint32)
         # per buffer: its slots from `stride * b` (sub-buffers must start at base_align multiples)
         n_slots = cfg.num_experts_per_tok + len(shared)
-        quantum = max(1, k.base_align // 4)
-        stride = -(-n_slots // quantum) * quantum
+        stride = self._aligned_items(n_slots)
         regions = {name: (self._buf(len(buffers) * stride * width, dtype), width, dtype)
                    for name, width, dtype in (("offs", 6, np.uint64), ("slot_w", 1, np.float32),
                                               ("slot_tok", 1, np.uint32), ("tok_start", 1, np.uint32))}
-        ids = [self._buf(cfg.num_experts_per_tok, np.uint32) for _ in range(ID_SLOTS)]
+        top_k, start = cfg.num_experts_per_tok, sum(lay.route is not None for lay in self.layers) * self.id_stride
+        ids = [(host[start:start + top_k], k.sub_buffer(buf, 4 * start, 4 * top_k)) for host, buf in self.route_ids]
         logits = self._buf(cfg.n_routed_experts)
         out.route = k.bind("route_noaux_tc", (1,), None, logits[1], self._vectors[1],
                            self.offsets[p + "gate.e_score_correction_bias"], table[1], buffer_of[1], len(buffers),
@@ -404,9 +438,8 @@ class DeviceDecodeStep:
 
     def _bind_single(self, ref, y, summed: bool = True) -> tuple[tuple[Launch, ...], Addend]:
         """One MLP (a dense layer's, or a shared expert) as fused launches over one slot of weight 1."""
-        offs, slot_w, slot_tok, tok_start = (self._buf(6, np.uint64), self._buf(1), self._buf(1, np.uint32),
-                                             self._buf(2, np.uint32))
-        offs[0][:], slot_w[0][:], slot_tok[0][:], tok_start[0][:] = ref.offs, 1.0, 0, (0, 1)
+        offs, slot_w, slot_tok, tok_start = (self._filled(ref.offs, np.uint64), self._filled([1.0]),
+                                             self._filled([0], np.uint32), self._filled([0, 1], np.uint32))
         return self._bind_experts(ref, offs, slot_w, 1, y, ref.buf, slot_tok, tok_start, summed)
 
     def _bind_experts(self, ref, offs, slot_w, n_slots: int, y, wbuf, slot_tok, tok_start, summed: bool
@@ -450,12 +483,37 @@ class DeviceDecodeStep:
     # ---- one token ---------------------------------------------------------------------------------
 
     def _cache_buffer(self, layer: _Layer, kv, name: str):
-        """The buffer over a cache field's storage (a new one after the cache grew it)."""
+        """The buffer the kernels find a cache field's rows in, up to date for a token at row `kv.length - 1`: on
+        direct devices one over the host storage (a new one after the cache grew it), else the field's device
+        mirror, given the rows the host wrote since it last had them (`LayerKV.edited_from`)."""
         arr = kv.storage(name)
+        if not self.k.direct:
+            return self._mirror(layer, kv, name, arr).buf
         have = layer.cache_buffers.get(name)
         if have is None or have[0] is not arr:
             have = layer.cache_buffers[name] = (arr, self.k.wrap(arr))
         return have[1]
+
+    def _mirror(self, layer: _Layer, kv, name: str, arr: np.ndarray) -> _CacheMirror:
+        m = layer.mirrors.get(name)
+        if m is None or m.capacity < len(arr):  # first use, or the host cache grew: every row again
+            m = layer.mirrors[name] = _CacheMirror(kv, self.k.device_buffer(arr.nbytes), len(arr))
+        if m.kv is not kv:  # another sequence's cache
+            m.kv, m.rows = kv, 0
+        pos = kv.length - 1
+        start = min(m.rows, kv.edited_from, pos)
+        if start < pos:
+            self.k.upload(m.buf, arr[start:pos], start * arr.strides[0])
+        m.rows = pos + 1  # row pos: written by this token's kernels
+        return m
+
+    def _rows_to_host(self, layer: _Layer, kv) -> None:
+        """Discrete devices: queue the copy of the token's new row of every field back to the host cache."""
+        pos = kv.length - 1
+        for name, m in layer.mirrors.items():
+            arr = kv.storage(name)
+            self.k.download(arr[pos], m.buf, pos * arr.strides[0])
+        kv.edited_from = kv.length
 
     def __call__(self, token: int, cache: KVCache, embed: np.ndarray) -> tuple[np.ndarray, np.ndarray, list]:
         """Append `token` (its embedding row `embed [H]`) at position `cache.length`; see the class docstring."""
@@ -465,8 +523,10 @@ class DeviceDecodeStep:
 
     def watch_routes(self, hook: Callable[[int, np.ndarray], None]) -> None:
         """From now on call `hook(layer, expert ids [k])` as each MoE layer's routing completes on the device,
-        before its experts run (from the OpenCL runtime's callback thread: `RouteWatcher`)."""
-        self.watcher = RouteWatcher(self.k, hook)
+        before its experts run (from the OpenCL runtime's callback thread: `RouteWatcher`). Direct devices only:
+        a discrete device holds every weight in its own memory, nothing is left to read ahead."""
+        if self.k.direct:
+            self.watcher = RouteWatcher(self.k, hook)
 
     def routes(self, parity: int) -> list[tuple[int, np.ndarray]]:
         """`(layer, expert ids [1, k])` of every MoE layer, as the token of this parity routed them."""
@@ -496,10 +556,12 @@ class DeviceDecodeStep:
         self._grow(keys)
         cos, sin = rope_cos_sin(np.array([pos]), cfg.qk_rope_head_dim, cfg.rope_theta)
         self.cs[parity][0][:] = np.concatenate([cos[0], sin[0]])
+        self._to_device(self.cs[parity])  # the last token of this parity has finished: its copy was done
         for launch, index in self._cs_users:
             launch.set(index, self.cs[parity][1])
         if embed is not None:
             self.x[0][:] = embed
+            self._to_device(self.x)
         scored = keys > cfg.index_topk
         slot = self.slot_of[parity] = self.tokens % ID_SLOTS
         self.tokens += 1
@@ -540,11 +602,16 @@ class DeviceDecodeStep:
                     event = launch.enqueue()
                     if launch is layer.route and self.watcher is not None:
                         self.watcher.watch(event, i, layer.ids[slot][0])
+                if not self.k.direct:
+                    self._rows_to_host(layer, kv)
             self.final_norm.enqueue()
             event = self.lm_head.enqueue()
             if greedy:
                 self.argmax.set(2, self.token_ids[parity][1])
                 event = self.argmax.enqueue()
+            if not self.k.direct:  # what the host reads of this token, behind its kernels
+                reads = (self.token_ids[parity],) if greedy else (self.logits, self.hidden)
+                event = [self._to_host(pair) for pair in (self.route_ids[slot], *reads)][-1]
         except BaseException:
             self.k.finish()
             cache.truncate(pos)

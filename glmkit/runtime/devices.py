@@ -39,7 +39,7 @@ from glmkit.kernels_cl.launch import DeviceInfo, Kernels, list_devices
 from glmkit.runtime.backend import Backend, NumpyBackend
 from glmkit.runtime.opencl_backend import OpenCLBackend, Placement, initial_blas_threads, set_blas_threads
 
-PROFILE_VERSION = 2  # 2: Placement.decode_step
+PROFILE_VERSION = 3  # 2: Placement.decode_step; 3: on discrete devices too
 PREFILL_ROWS = 256  # rows of the prefill measurements
 MARGIN = 0.85  # a kernel path is chosen when it takes at most this fraction of the host path's time
 # On CPU devices, a model whose decode step reads less than this stays on NumPy without measuring: every
@@ -317,9 +317,11 @@ def measure(kernels: Kernels, container: Any, bandwidth: dict[str, float] | None
         both("experts", lambda: cl_backend.moe(x1, ids, gates, triple, shared),
              lambda: host.moe(x1, ids, gates, triple, shared))
         placement.experts = faster("experts")
-    # the device decode step runs the experts, and every other decode operation, as kernels: it follows the
-    # fused experts (a token's weight bytes are mostly theirs) on devices that share host memory
-    placement.decode_step = "cl" if placement.experts == "cl" and kernels.direct else "host"
+    # the device decode step runs the experts, and every other decode operation, as kernels: on devices that
+    # share host memory it follows the fused experts (a token's weight bytes are mostly theirs); a discrete device
+    # runs it whenever the model fits its weight budget (its per-operation timings above pay transfers it avoids)
+    fits = not kernels.direct and container.nbytes <= cl_backend.memory.budget
+    placement.decode_step = "cl" if placement.experts == "cl" and kernels.direct or fits else "host"
 
     # attention: decode in latent space (one shared key head) over 1,024 keys; prefill with per-head keys
     heads, lat, rope = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim

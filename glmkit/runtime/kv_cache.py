@@ -22,6 +22,9 @@ class LayerKV:
 
     def __init__(self, kv_lora_rank: int, rope_dim: int, index_dim: int | None, capacity: int = 256) -> None:
         self.length = 0
+        # the first row `append` or `truncate` changed since the device decode step last had the rows (a discrete
+        # device's copy of them, decode_step._CacheMirror, re-sends the rows from here on)
+        self.edited_from = 0
         widths = {"kv_lat": kv_lora_rank, "k_rot": rope_dim, "index_k": index_dim}
         self._data = {name: np.empty((capacity, width), np.float32)
                       for name, width in widths.items() if width is not None}
@@ -54,6 +57,7 @@ class LayerKV:
         if len(counts) != 1:
             raise ValueError("all fields must get the same number of rows")
         start = self.length
+        self.edited_from = min(self.edited_from, start)
         self.claim(counts.pop())
         for name, data in self._data.items():
             data[start: self.length] = rows[name]
@@ -77,6 +81,7 @@ class LayerKV:
 
     def truncate(self, n: int) -> None:
         self.length = min(self.length, max(n, 0))
+        self.edited_from = min(self.edited_from, self.length)
 
     def export(self, start: int) -> dict[str, np.ndarray]:
         return {name: data[start: self.length].copy() for name, data in self._data.items()}

@@ -43,8 +43,8 @@ class Placement:
     experts: the decode MoE (all routed experts + the shared one fused into two launches);
     attention / attention_prefill; index: indexer scores + top-k; vector / vector_prefill: norms, RoPE, SiLU;
     stream_experts: discrete devices: experts over the VRAM budget are uploaded per use instead of host-computed;
-    decode_step: "cl" runs a single-token decode as one queue of kernels (glmkit.runtime.decode_step) on direct
-    devices, "host" per operation as above.
+    decode_step: "cl" runs a single-token decode as one queue of kernels (glmkit.runtime.decode_step): on direct
+    devices, and on discrete ones whose weight budget holds the whole model; "host" per operation as above.
     """
 
     matvec: str = "cl"
@@ -125,6 +125,7 @@ class OpenCLBackend:
         if budget is None:
             budget = 1 << 62 if unified else int(kernels.info.global_mem * 0.8)
         self.memory = WeightMemory(kernels, unified, budget)
+        self.model_bytes = model_bytes
         self.device = kernels.info.spec
         # int8_activations: the device decode step's quantized products take int8-quantized inputs (DeviceDecodeStep)
         self.int8_activations = int8_activations
@@ -202,9 +203,9 @@ class OpenCLBackend:
         return ref
 
     def decode_step(self, config: ModelConfig, weight: Callable[[str], Weight]) -> DeviceDecodeStep | None:
-        """The device decode step for this model (placement.decode_step "cl", direct devices whose weights are
-        used in place), or None: the model then decodes operation by operation."""
-        if self.placement.decode_step != "cl" or not self.k.direct or not self.memory.unified:
+        """The device decode step for this model (placement.decode_step "cl"; on a discrete device every weight
+        must fit the budget), or None: the model then decodes operation by operation."""
+        if self.placement.decode_step != "cl" or not self.memory.unified and self.model_bytes > self.memory.budget:
             return None
         try:
             return DeviceDecodeStep(config, weight, self._cw, self._expert_ref, self.k, self.int8_activations)
