@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The checks a GPU machine owes, most valuable first, each under its own time limit, every log in OUTDIR:
 #   1. devices.txt  glm-run --list-devices (what the driver reports, the measured placement)
-#   2. tests.txt    the kernel and OpenCL backend tests on the GPU (glm-validate on every oracle fixture included)
-#   3. kernels.txt  tools/bench_kernels.py: launch cost, int4 matvec and fused-expert throughput
+#   2. tests.txt    the kernel, OpenCL backend and decode step tests on the GPU (glm-validate on every oracle fixture)
+#   3. profile.txt  tools/profile_decode.py: where a decoded token's time goes on the device decode step
 #   4. bench.*      tools/bench.py, one run each of every operation on the GPU and of auto
 #
 #   tools/gpu_check.sh OUTDIR [KIND] [BENCH_WORK]    KIND: gpu (default) or cpu; BENCH_WORK: the bench model's home
@@ -32,9 +32,9 @@ if [ -z "$dev" ]; then
     exit 1
 fi
 echo "device opencl:$dev"
-step devices 120 python3 -m glmkit.runtime.cli_run --list-devices
-step tests 240 env GLMKIT_TEST_DEVICE="$dev" python3 -m pytest -q -p no:cacheprovider \
-    tests/test_kernels_cl.py tests/test_opencl_backend.py
-step kernels 90 python3 tools/bench_kernels.py --runs 100
-step bench 330 python3 tools/bench.py --devices "opencl:$dev,auto" --runs 1 --work "$work" \
+step devices 60 python3 -m glmkit.runtime.cli_run --list-devices
+step tests 200 env GLMKIT_TEST_DEVICE="$dev" python3 -m pytest -q -p no:cacheprovider -rs \
+    tests/test_kernels_cl.py tests/test_opencl_backend.py tests/test_decode_step.py
+step profile 150 python3 tools/profile_decode.py --tokens 40 --work "$work"
+step bench 240 python3 tools/bench.py --devices "opencl:$dev,auto" --runs 1 --work "$work" \
     --json "$out/bench.json" --md "$out/bench.md"
