@@ -41,8 +41,9 @@ def direct_kernels():
 @pytest.fixture(scope="module")
 def discrete_kernels():
     """The test device driven as a discrete GPU is: device buffers, explicit copies (with `unified=False`
-    backends: weights uploaded)."""
-    return Kernels(opencl_test_device(), direct=False)
+    backends: weights uploaded), and the GPU build of the kernels (8 work-items per matvec row, 8-item reductions,
+    vloadn loads; test_kernels_cl's wide build)."""
+    return Kernels(opencl_test_device(), lanes=8, red_lanes=8, direct=False, cpu_loads=False)
 
 
 def in_place(kernels: Kernels) -> Kernels:

@@ -231,7 +231,20 @@ def test_attention(kernels, wide_kernels, rng, n_s, n_keys, shared):
         close(kern.attention(q, k, v, allowed, dk ** -0.5), want, 5e-6)
 
 
-def test_index_scores_and_topk(kernels, rng):
+def test_index_scores_and_topk(kernels, wide_kernels, rng):
+    """The selection on both builds: one work-item per row (CPUs), one work-group per row (GPUs)."""
+    assert kernels.topk_kernel(4)[0] == ("topk_select" if kernels.lanes == 1 else "topk_select_group")
+    assert wide_kernels.topk_kernel(4)[0] == "topk_select_group"
+    for k in (kernels, wide_kernels):
+        check_index_scores_and_topk(k, rng)
+    # a long row: many keys per item of the group, ties at the threshold across items
+    long = np.round(rng.standard_normal((2, 3000)) * 4).astype(np.float32)
+    allowed = rng.random(long.shape) < 0.9
+    for k in (kernels, wide_kernels):
+        assert np.array_equal(k.topk(long, allowed, 700), topk_mask(long, allowed, 700))
+
+
+def check_index_scores_and_topk(kernels, rng):
     n_s, heads, d, n_keys, topk = 4, 3, 17, 90, 20
     q = rng.standard_normal((n_s, heads, d)).astype(np.float32)
     k = rng.standard_normal((n_keys, d)).astype(np.float32)
@@ -371,8 +384,14 @@ def test_mla_query(kernels, wide_kernels, rng, bits, group):
 
 
 @pytest.mark.parametrize("n_keys,use_mask,rope", [(1, False, 6), (37, True, 12), (300, True, 6), (129, False, 16)])
-def test_decode_attention(kernels, rng, n_keys, use_mask, rope):
-    """Absorbed MLA attention of one token (scores, then softmax + values) against the backend's attention."""
+def test_decode_attention(kernels, wide_kernels, rng, n_keys, use_mask, rope):
+    """Absorbed MLA attention of one token (scores, then softmax + values) against the backend's attention, on both
+    builds (GPUs: an item per key and head in the scores, one latent column per item in the values)."""
+    for k in (kernels, wide_kernels):
+        check_decode_attention(k, rng, n_keys, use_mask, rope)
+
+
+def check_decode_attention(kernels, rng, n_keys, use_mask, rope):
     mirror = Mirrors(kernels)
     # kvl (and some ropes) not a multiple of 8: the kernels' scalar tails; 11 heads: a partial second 8 in scores
     heads, kvl = (11 if n_keys > 100 else 3), 36
@@ -389,8 +408,10 @@ def test_decode_attention(kernels, rng, n_keys, use_mask, rope):
     scores_h, scores = mirror(heads * n_keys)
     out_h, out = mirror(heads * kvl)
     scale = 0.17
-    mirror.launch("mla_decode_scores", (n_keys,), None, bufs["ql"], bufs["qr"], bufs["kl"], bufs["kr"], bufs["mask"],
-          int(use_mask), scores, heads, n_keys, kvl, rope, scale)
+    # the CPU launch (every head per item) or the GPU one (an item per key and head)
+    apart = heads if kernels.heads_apart else 1
+    mirror.launch("mla_decode_scores", (n_keys, apart), None, bufs["ql"], bufs["qr"], bufs["kl"], bufs["kr"],
+                  bufs["mask"], int(use_mask), scores, heads, n_keys, kvl, rope, scale)
     red = kernels.red_lanes
     mirror.launch("mla_decode_values", (heads * red,), (red,), scores, bufs["kl"], out, n_keys, kvl, 0, out, out,
                   out)

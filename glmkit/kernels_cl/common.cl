@@ -45,6 +45,7 @@ INLINE float fmax_(float a, float b) {  /* no NaN here; -inf is ordered */
 #ifndef ROWS
 #define ROWS (LANES > 1 ? 1 : 4)
 #endif
+#define VALUE_COLS (LANES > 1 ? 1 : 32)  /* latent columns per work-item of mla_decode_values */
 
 /* Codes in one 16-element storage chunk: 16 floats, 16 int8, 32 int4 or 64 int2 codes. */
 INLINE uint chunk_codes(const int bits) {

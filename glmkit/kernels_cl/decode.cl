@@ -167,7 +167,8 @@ __kernel void rope_rows(__global const float* x, uint x_off, uint x_row, __globa
 /* Absorbed MLA attention of one query token, in two launches: these scores, then `mla_decode_values`.
  * scores[h, t] = (q_lat[h] . kv_lat[t] + q_rot[h] . k_rot[t]) * scale, -inf for
  * keys with mask[t] == 0 (when use_mask). q_lat [nh, kvl], q_rot [nh, rope], kv_lat [T, kvl], k_rot [T, rope].
- * One work-item per key: it reads the key once for every head. Global (T). */
+ * One work-item per key and every get_global_size(1)-th head: global (T, 1) on CPUs (an item reads its key once for
+ * every head), (T, nh) on GPUs (a head's dot per item: the heads in parallel). */
 __kernel void mla_decode_scores(__global const float* q_lat, __global const float* q_rot,
                                 __global const float* kv_lat, __global const float* k_rot,
                                 __global const uchar* mask, uint use_mask, __global float* scores, uint nh,
@@ -177,7 +178,7 @@ __kernel void mla_decode_scores(__global const float* q_lat, __global const floa
     const __global float* kl = kv_lat + (ulong)t * kvl;
     const __global float* kr = k_rot + (ulong)t * rope;
     const uint lat8 = kvl / 8, rope8 = rope / 8;
-    for (uint h = 0; h < nh; h++) {
+    for (uint h = get_global_id(1); h < nh; h += get_global_size(1)) {
         float d = -INFINITY;
         if (!use_mask || mask[t]) {
             const __global float* ql = q_lat + (ulong)h * kvl;
@@ -195,7 +196,7 @@ __kernel void mla_decode_scores(__global const float* q_lat, __global const floa
 }
 
 /* out[h] = softmax(scores[h]) @ kv_lat, one work-group (RED_LANES items) per head: the row's maximum and sum
- * (the probabilities replace the scores in place), then each item owns groups of 32 latent columns. With
+ * (the probabilities replace the scores in place), then each item owns groups of VALUE_COLS latent columns. With
  * `quantize`, also out's int8 codes, scales and code sums per head (common.cl; kvl a multiple of 64).
  * scores [nh, T] (-inf: key not selected), kv_lat [T, kvl]. Global (nh * RED_LANES). */
 __kernel void mla_decode_values(__global float* scores, __global const float* kv_lat, __global float* out,
@@ -226,10 +227,10 @@ __kernel void mla_decode_values(__global float* scores, __global const float* kv
     sum = group_sum(sum, red);
     barrier(CLK_GLOBAL_MEM_FENCE);  /* every item's probabilities are visible to the whole group */
     __global float* o = out + (ulong)h * kvl;
-    /* an item owns 32 columns: per key one probability load for four vector sums (a work-group runs on one core on
-     * CPU devices, so fewer, longer items cost less than many short ones) */
-    for (uint i0 = 32 * l; i0 < kvl; i0 += 32 * RED_LANES) {
-        if (i0 + 32 <= kvl) {
+    /* CPUs: an item owns 32 columns, per key one probability load for four vector sums (a work-group runs on one
+     * core, so fewer, longer items cost less than many short ones); GPUs: one column, the group's loads coalesce */
+    for (uint i0 = VALUE_COLS * l; i0 < kvl; i0 += VALUE_COLS * RED_LANES) {
+        if (VALUE_COLS == 32 && i0 + 32 <= kvl) {
             float8 a0 = (float8)(0.0f), a1 = a0, a2 = a0, a3 = a0;
             const __global float* kv = kv_lat + i0;
             for (uint t = 0; t < n_keys; t++) {
@@ -245,7 +246,7 @@ __kernel void mla_decode_values(__global float* scores, __global const float* kv
             vstore8(a2 / sum, 2, o + i0);
             vstore8(a3 / sum, 3, o + i0);
         } else {
-            for (uint i = i0; i < kvl; i++) {
+            for (uint i = i0; i < min(i0 + VALUE_COLS, kvl); i++) {
                 float acc = 0.0f;
                 for (uint t = 0; t < n_keys; t++) acc += p[t] * kv_lat[(ulong)t * kvl + i];
                 o[i] = acc / sum;

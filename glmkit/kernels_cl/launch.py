@@ -54,6 +54,7 @@ SIGNATURES = {
     "attention": [None] * 6 + [_U32] * 8 + [_F32],
     "index_scores": [None] * 4 + [_U32] * 3 + [_F32, _F32],
     "topk_select": [None] * 3 + [_U32] * 3,
+    "topk_select_group": [None] * 3 + [_U32] * 3,
     "residual_rms_norm": [None, _U32, None, None, None, _U32, None, _U32, None, _U32, _U32, _F32, _U32, None, None,
                           None],
     "add_into": [None, None, _U32],
@@ -259,6 +260,19 @@ class Kernels:
     def base_align(self) -> int:
         """Bytes a sub-buffer's origin must be a multiple of."""
         return max(1, self.device.mem_base_addr_align // 8)
+
+    def topk_kernel(self, rows: int) -> tuple[str, tuple[int], tuple[int] | None]:
+        """The top-k selection kernel for `rows` rows, with its global and local size: one work-group per row on GPUs
+        (LANES > 1; one item's serial passes took ~0.3 ms per row there), one work-item per row on CPUs."""
+        if self.lanes > 1:
+            return "topk_select_group", (rows * self.red_lanes,), (self.red_lanes,)
+        return "topk_select", (rows,), None
+
+    @property
+    def heads_apart(self) -> bool:
+        """Whether per-key attention kernels give each head its own work-items (GPUs), rather than one item every
+        head of a key (CPUs: the key is read once)."""
+        return self.lanes > 1
 
     def sub_buffer(self, buf, offset: int, nbytes: int):
         """The bytes [offset, offset + nbytes) of `buf` as a buffer of their own (offset: a `base_align` multiple)."""
@@ -592,7 +606,8 @@ class Kernels:
         n_s, n_keys = shape
         ab = self.put("mask", allowed, np.uint8)
         ob = self.out("sel", n_s * n_keys)
-        evt = self.kernel("topk_select")(self.queue, (n_s,), None, self._slots["scores"][1], ab, ob, n_keys, k, n_s)
+        name, size, local = self.topk_kernel(n_s)
+        evt = self.kernel(name)(self.queue, size, local, self._slots["scores"][1], ab, ob, n_keys, k, n_s)
         return self.get("sel", shape, evt, np.uint8).astype(bool)
 
     def index_topk(self, q: np.ndarray, k: np.ndarray, weights: np.ndarray, scale: float, allowed: np.ndarray,

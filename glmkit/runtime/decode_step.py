@@ -336,7 +336,7 @@ class DeviceDecodeStep:
         if indexer:
             out.scores = k.bind("index_scores", (KEY_GROUP, 1), (KEY_GROUP, 1), self.iq_rot[1], self.key[1], self.iw[1],
                                 self.scratch["index_scores"][1], inh, ihd, 1, ihd ** -0.5, inh ** -0.5)
-            out.topk = k.bind("topk_select", (1,), None, self.scratch["index_scores"][1], self.scratch["all"][1],
+            out.topk = k.bind(*k.topk_kernel(1), self.scratch["index_scores"][1], self.scratch["all"][1],
                               self.scratch["selected"][1], 1, cfg.index_topk, 1)
             out.scoring = [*self._matvec(self._matrix(a + "indexer.wq_b.weight"), self.q_lat, self.iq,
                                          quantized=self.q_lat_x8),
@@ -344,7 +344,7 @@ class DeviceDecodeStep:
                            *(() if paired else self._matvec(weights_proj, self.u, self.iw, quantized=self.u_x8)),
                            out.scores, out.topk]
         scratch = self.scratch
-        out.attention = k.bind("mla_decode_scores", (KEY_GROUP,), (KEY_GROUP,), self.q_abs[1], self.q_rot[1],
+        out.attention = k.bind("mla_decode_scores", (KEY_GROUP, 1), (KEY_GROUP, 1), self.q_abs[1], self.q_rot[1],
                                self.comp[1], self.comp[1], scratch["selected"][1], 0, scratch["scores"][1], nh, 1, kvl,
                                rope, cfg.qk_head_dim ** -0.5)
         # the values kernel writes o_lat's codes too when kv_b's value product takes int8 inputs
@@ -568,6 +568,7 @@ class DeviceDecodeStep:
         # per-key kernels: work-groups of KEY_GROUP items (a size left to the driver would follow the key count
         # down to groups of one item for a prime count: one work-group per key, measured ~50 us per launch)
         per_key = -(-keys // KEY_GROUP) * KEY_GROUP
+        heads = cfg.num_attention_heads if self.k.heads_apart else 1
         for i in range(cfg.num_hidden_layers):
             cache.layer(i).claim(1)
         if embed is None:
@@ -593,7 +594,7 @@ class DeviceDecodeStep:
                         launch.enqueue()
                 for index, value in ((2, lat), (3, rot), (5, int(scored)), (8, keys)):
                     layer.attention.set(index, value)
-                layer.attention.size = (per_key,)
+                layer.attention.size = (per_key, heads)
                 layer.values.set(1, lat)
                 layer.values.set(3, keys)
                 if layer.route is not None:
