@@ -23,6 +23,11 @@ step() {  # step NAME SECONDS COMMAND...: the command's output in OUTDIR/NAME.tx
     tail -n 6 "$out/$name.txt"
 }
 
+# an image with NVIDIA's driver but no ICD file for it (seen on the H200 machines): register the driver's library
+nvidia_cl=$(ldconfig -p | grep -o '/[^ ]*libnvidia-opencl.so[.0-9]*' | head -1)
+if [ -n "$nvidia_cl" ] && ! grep -qs libnvidia-opencl /etc/OpenCL/vendors/*.icd; then
+    mkdir -p /etc/OpenCL/vendors && echo "$nvidia_cl" >/etc/OpenCL/vendors/nvidia.icd
+fi
 dev=$(python3 -c "
 from glmkit.kernels_cl.launch import list_devices
 found = [d for d in list_devices() if d.kind == '$kind']
