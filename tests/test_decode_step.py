@@ -326,6 +326,18 @@ def test_pipelined_greedy_matches_one_token_at_a_time(snapshots, kernels, monkey
     assert cache.length == len(prompt) + 5
 
 
+def test_pipelined_greedy_across_cache_growth(snapshots, kernels):
+    """The cache arrays (capacity 256) grow while a forward is in flight: its rows reach the grown arrays (and a
+    discrete device's copy of them) like every other row."""
+    engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
+    ref, dev = models(engine, kernels)
+    prompt = np.random.default_rng(5).integers(0, engine.config.vocab_size, 250).tolist()
+    want, ref_cache = greedy_run(ref, prompt, 16)
+    got, dev_cache = greedy_run(dev, prompt, 16)
+    assert got == want and dev_cache.length == 265
+    assert_same_rows((ref_cache, dev_cache))
+
+
 def test_interleaved_pipelines_and_forwards(snapshots, kernels):
     """Two sequences decoded in turns on one step (as glm-serve's scheduler does), with plain forwards of a third
     in between: each pipeline lets the other finish its forward in flight first."""

@@ -24,6 +24,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from glmkit.kernels_cl import launch  # noqa: E402
+from glmkit.runtime.decode_step import DeviceDecodeStep  # noqa: E402
 from glmkit.runtime.engine import Engine  # noqa: E402
 from glmkit.runtime.generate import Generator  # noqa: E402
 from glmkit.runtime.sampling import Sampler, SamplingParams  # noqa: E402
@@ -58,6 +59,16 @@ def main(argv: list[str] | None = None) -> int:
         return event
 
     launch.Launch.enqueue = recorded  # type: ignore[method-assign]
+    queueing: list[float] = []  # host seconds spent queueing each token (launches, copies), the recording included
+    step_enqueue = DeviceDecodeStep._enqueue
+
+    def timed(self, *a, **k):
+        t0 = time.perf_counter()
+        event = step_enqueue(self, *a, **k)
+        queueing.append(time.perf_counter() - t0)
+        return event
+
+    DeviceDecodeStep._enqueue = timed  # type: ignore[method-assign]
     cache = model.new_cache()
     logits, _ = model.forward(np.random.default_rng(0).integers(0, engine.config.vocab_size, 256), cache)
     token = int(logits[-1].argmax())
@@ -65,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         logits, _ = model.forward(np.array([token]), cache)
         token = int(logits[-1].argmax())
     events.clear()
+    queueing.clear()
     returned.append(time.perf_counter())
     start = returned[0]
     for _ in range(args.tokens):
@@ -87,10 +99,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{engine.device}, preset {args.preset}: {wall * 1e3:.2f} ms per token ({1 / wall:.1f} tok/s), "
           f"{per} launches per token")
     print(f"kernels {sum(busy.values()):.2f} ms, device idle inside a token {inside:.2f} ms, between tokens "
-          f"{between:.2f} ms, host between tokens {np.median(host_gaps) * 1e3:.2f} ms (median)")
+          f"{between:.2f} ms, host between tokens {np.median(host_gaps) * 1e3:.2f} ms (median), host queueing a token "
+          f"{np.median(queueing) * 1e3:.2f} ms (median)")
     for name, ms in sorted(busy.items(), key=lambda kv: -kv[1]):
         print(f"  {name:24s} {ms:6.3f} ms  x{sum(1 for n, _ in events if n == name) // args.tokens}")
     launch.Launch.enqueue = enqueue  # type: ignore[method-assign]
+    DeviceDecodeStep._enqueue = step_enqueue  # type: ignore[method-assign]
     generator = Generator(model, (), use_mtp=False)
     prompt = np.random.default_rng(0).integers(0, engine.config.vocab_size, 256).tolist()
     list(generator.generate(prompt, args.tokens + 1, Sampler(SamplingParams())))

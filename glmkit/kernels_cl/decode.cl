@@ -118,20 +118,24 @@ INLINE void index_key_row(__global const float* x, __global const float* vec, ui
     }
 }
 
+#define NO_STAGE 0xffffffffu
+
 /* The normalized rows of the token's latent projections, in one launch:
  * - from kv_a's output comp = [latent (kvl) | rope part (rope)]: kv_lat[row] = RMSNorm of the latent (weights at
  *   vec + w_off), k_rot[row] = the rope part with RoPE applied (cs: see rope_rows);
  * - the query latent for q_b: q_lat = RMSNorm of q_a's output (qn values, weights at vec + qw_off), with its int8
  *   codes when `quantize` (rms_norm_out);
  * - with `index` (a layer with an indexer of its own): the indexer key row from key_raw (index_key_row; weights and
- *   bias at vec + kw_off, vec + kb_off, tmp: ihd floats of scratch) into index_k[row].
+ *   bias at vec + kw_off, vec + kb_off, tmp: ihd floats of scratch) into index_k[row];
+ * - unless stage_off is NO_STAGE: a copy of the cache rows at stage + stage_off ([kv_lat | k_rot | index_k]), where a
+ *   discrete device collects every layer's rows of the token for one read back.
  * One work-group. */
 __kernel void token_rows(__global const float* comp, __global const float* vec, uint w_off, __global float* kv_lat,
                          __global float* k_rot, uint row, uint kvl, uint rope, __global const float* cs, float eps,
                          __global const float* q_a, uint qw_off, __global float* q_lat, uint qn, uint quantize,
                          __global char* q, __global float* qs, __global int* qsum, uint index,
                          __global const float* key_raw, uint kw_off, uint kb_off, __global float* tmp,
-                         __global float* index_k, uint ihd) {
+                         __global float* index_k, uint ihd, __global float* stage, uint stage_off) {
     __local float red[RED_LANES];
     const uint l = get_local_id(0), n_half = rope / 2;
     float s = 0.0f;
@@ -142,6 +146,12 @@ __kernel void token_rows(__global const float* comp, __global const float* vec, 
     for (uint i = l; i < qn; i += RED_LANES) sq += q_a[i] * q_a[i];
     rms_norm_out(q_a, sq, qn, eps, vec + qw_off, q_lat, quantize, q, qs, qsum, red);
     if (index) index_key_row(key_raw, vec, kw_off, kb_off, tmp, index_k, row, ihd, rope, cs, eps, red);
+    barrier(CLK_GLOBAL_MEM_FENCE);  /* unconditional: PoCL crashed on a barrier under a condition (session 6) */
+    if (stage_off == NO_STAGE) return;
+    __global float* st = stage + stage_off;
+    for (uint i = l; i < kvl; i += RED_LANES) st[i] = kv_lat[(ulong)row * kvl + i];
+    for (uint i = l; i < rope; i += RED_LANES) st[kvl + i] = k_rot[(ulong)row * rope + i];
+    for (uint i = l; index && i < ihd; i += RED_LANES) st[kvl + rope + i] = index_k[(ulong)row * ihd + i];
 }
 
 /* Row h of y (width values at y + y_off + h * y_row) from row h of x (at x + x_off + h * x_row): RoPE on the

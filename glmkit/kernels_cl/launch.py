@@ -60,7 +60,7 @@ SIGNATURES = {
     "add_into": [None, None, _U32],
     "argmax_row": [None, _U32, None],
     "token_rows": [None, None, _U32, None, None, _U32, _U32, _U32, None, _F32, None, _U32, None, _U32, _U32, None, None,
-                   None, _U32, None, _U32, _U32, None, None, _U32],
+                   None, _U32, None, _U32, _U32, None, None, _U32, None, _U32],
     "mla_query": _W + [None, _U32, None, _U32, _U32, None, None, _U32],
     "rope_rows": [None, _U32, _U32, None, _U32, _U32, None, _U32, _U32],
     "mla_decode_scores": [None] * 5 + [_U32, None] + [_U32] * 4 + [_F32],
@@ -78,6 +78,7 @@ SIGNATURES["mv2_x8"] = _W + [None, _U64, None, _U64, None, None, None, None, _U3
 BIT_SUFFIX = {32: "f32", 8: "q8", 4: "q4", 2: "q2"}
 _WEIGHT_TYPE = re.compile("_(" + "|".join(BIT_SUFFIX.values()) + ")(?=_|$)")  # a quant kernel's weight type
 X8_BLOCK = 64  # columns per scale of int8-quantized activations (common.cl)
+NO_STAGE = 0xFFFFFFFF  # token_rows: no staging copy of the cache rows (decode.cl)
 
 
 def x8_eligible(bits: int, group: int, *widths: int) -> bool:

@@ -38,7 +38,7 @@ import numpy as np
 
 from glmkit.formats.config import ModelConfig
 from glmkit.formats.tensors import Weight
-from glmkit.kernels_cl.launch import X8_BLOCK, ClWeight, Kernels, Launch, mvt_chunked, x8_eligible
+from glmkit.kernels_cl.launch import NO_STAGE, X8_BLOCK, ClWeight, Kernels, Launch, mvt_chunked, x8_eligible
 from glmkit.runtime.kv_cache import KVCache
 
 MAX_ROUTED_EXPERTS = 1024  # the routing kernel's private arrays (MAX_EXPERTS in decode.cl)
@@ -131,6 +131,11 @@ class DeviceDecodeStep:
         # per token parity (one token may be in flight while the next is queued): cos/sin, the greedy token
         self.cs = [new(rope), new(rope)]
         self.token_ids = [new(1, np.uint32), new(1, np.uint32)]
+        # discrete devices, per parity: every layer's new cache rows ([kv_lat | k_rot | index_k], token_rows writes
+        # them) for one read back, and the (cache, position) they belong to until `_collect` stores them there
+        self.stage_width = kvl + rope + cfg.index_head_dim
+        self.row_stage = [new(cfg.num_hidden_layers * self.stage_width) for _ in range(2)]
+        self.staged: list[tuple[KVCache, int] | None] = [None, None]
         self._cs_users: list[tuple[Launch, int]] = []  # (launch, argument index) of every cos/sin reader
         self.q_a, self.q_lat = new(cfg.q_lora_rank), new(cfg.q_lora_rank)
         # int8 codes of the normed inputs, written by the norms themselves for the int8-input products
@@ -324,7 +329,7 @@ class DeviceDecodeStep:
             self.offsets[a + "kv_a_layernorm.weight"], self.comp[1], self.comp[1], 0, kvl, rope, self.cs[0][1],
             latent_eps, self.q_a[1], self.offsets[a + "q_a_layernorm.weight"], self.q_lat[1], cfg.q_lora_rank,
             int(self.q_lat_x8 is not None), *q_codes, int(indexer), self.key_raw[1], *key_norm, self.key[1],
-            self.key[1], ihd), 8)
+            self.key[1], ihd, self.row_stage[0][1], NO_STAGE if k.direct else layer * self.stage_width), 8)
         out.head += [out.rows,
                      *self._matvec(self._matrix(a + "q_b_proj.weight"), self.q_lat, self.q, quantized=self.q_lat_x8)]
         if mvt_chunked(kv_b):  # the query's absorption and RoPE in one launch
@@ -507,18 +512,30 @@ class DeviceDecodeStep:
         m.rows = pos + 1  # row pos: written by this token's kernels
         return m
 
-    def _rows_to_host(self, layer: _Layer, kv) -> None:
-        """Discrete devices: queue the copy of the token's new row of every field back to the host cache."""
-        pos = kv.length - 1
-        for name, m in layer.mirrors.items():
-            arr = kv.storage(name)
-            self.k.download(arr[pos], m.buf, pos * arr.strides[0])
-        kv.edited_from = kv.length
+    def complete(self, event, parity: int) -> None:
+        """Wait for the token of this parity (`event`: `_enqueue`'s), then store its cache rows (`_collect`)."""
+        event.wait()
+        self._collect(parity)
+
+    def _collect(self, parity: int) -> None:
+        """Discrete devices: copy the rows the token of this parity staged (read back with it) into its host cache."""
+        staged, self.staged[parity] = self.staged[parity], None
+        if staged is None:
+            return
+        cache, pos = staged
+        rows = self.row_stage[parity][0].reshape(len(self.layers), self.stage_width)
+        for i, layer in enumerate(self.layers):
+            kv, start = cache.layer(i), 0
+            for name in ("kv_lat", "k_rot", "index_k"):
+                width = self.stage_width - start if name == "index_k" else kv.storage(name).shape[1]
+                if name in layer.mirrors and pos < kv.length:
+                    kv.storage(name)[pos] = rows[i, start:start + width]
+                start += width
 
     def __call__(self, token: int, cache: KVCache, embed: np.ndarray) -> tuple[np.ndarray, np.ndarray, list]:
         """Append `token` (its embedding row `embed [H]`) at position `cache.length`; see the class docstring."""
         self.settle()
-        self._enqueue(cache, 0, embed).wait()
+        self.complete(self._enqueue(cache, 0, embed), 0)
         return self.logits[0][None, :].copy(), self.hidden[0][None, :].copy(), self.routes(0)
 
     def watch_routes(self, hook: Callable[[int, np.ndarray], None]) -> None:
@@ -553,6 +570,8 @@ class DeviceDecodeStep:
             cache.layer(i).length + 1 > len(cache.layer(i).storage("kv_lat")) for i in range(cfg.num_hidden_layers))
         if grows:  # the cache or the scratch is reallocated: nothing may still use the old arrays
             self.k.finish()
+            for staged in (0, 1):  # a device mirror that grows takes every row from the host again
+                self._collect(staged)
         self._grow(keys)
         cos, sin = rope_cos_sin(np.array([pos]), cfg.qk_rope_head_dim, cfg.rope_theta)
         self.cs[parity][0][:] = np.concatenate([cos[0], sin[0]])
@@ -583,6 +602,9 @@ class DeviceDecodeStep:
                 if layer.scores is not None:
                     index_k = self._cache_buffer(layer, kv, "index_k")
                     layer.rows.set(23, index_k)
+                if not self.k.direct:
+                    layer.rows.set(25, self.row_stage[parity][1])
+                    kv.edited_from = kv.length  # the host gets this row with the others (`_collect`)
                 for launch in layer.head:
                     launch.enqueue()
                 if scored and layer.scores is not None:
@@ -603,8 +625,6 @@ class DeviceDecodeStep:
                     event = launch.enqueue()
                     if launch is layer.route and self.watcher is not None:
                         self.watcher.watch(event, i, layer.ids[slot][0])
-                if not self.k.direct:
-                    self._rows_to_host(layer, kv)
             self.final_norm.enqueue()
             event = self.lm_head.enqueue()
             if greedy:
@@ -612,7 +632,8 @@ class DeviceDecodeStep:
                 event = self.argmax.enqueue()
             if not self.k.direct:  # what the host reads of this token, behind its kernels
                 reads = (self.token_ids[parity],) if greedy else (self.logits, self.hidden)
-                event = [self._to_host(pair) for pair in (self.route_ids[slot], *reads)][-1]
+                event = [self._to_host(pair) for pair in (self.row_stage[parity], self.route_ids[slot], *reads)][-1]
+                self.staged[parity] = (cache, pos)
         except BaseException:
             self.k.finish()
             cache.truncate(pos)
@@ -674,7 +695,7 @@ class GreedyPipeline:
         return token
 
     def _finish(self, event, parity: int) -> int:
-        event.wait()
+        self.step.complete(event, parity)
         if self.on_routes is not None:
             self.on_routes(self.step.routes(parity))
         return int(self.step.token_ids[parity][0][0])
@@ -693,7 +714,7 @@ class GreedyPipeline:
         if self.pending is None and self.known is None:
             return
         if self.pending is not None:
-            self.pending[0].wait()
+            self.step.complete(*self.pending)
             self.pending = None
         if self.step.owner is self:
             self.step.owner = None
