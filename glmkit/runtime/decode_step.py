@@ -133,7 +133,8 @@ class DeviceDecodeStep:
         self.token_ids = [new(1, np.uint32), new(1, np.uint32)]
         # discrete devices, per parity: every layer's new cache rows ([kv_lat | k_rot | index_k], token_rows writes
         # them) for one read back, and the (cache, position) they belong to until `_collect` stores them there
-        self.stage_width = kvl + rope + cfg.index_head_dim
+        self.stage_fields = {"kv_lat": kvl, "k_rot": rope, "index_k": cfg.index_head_dim}  # name -> width
+        self.stage_width = sum(self.stage_fields.values())
         self.row_stage = [new(cfg.num_hidden_layers * self.stage_width) for _ in range(2)]
         self.staged: list[tuple[KVCache, int] | None] = [None, None]
         self._cs_users: list[tuple[Launch, int]] = []  # (launch, argument index) of every cos/sin reader
@@ -526,8 +527,7 @@ class DeviceDecodeStep:
         rows = self.row_stage[parity][0].reshape(len(self.layers), self.stage_width)
         for i, layer in enumerate(self.layers):
             kv, start = cache.layer(i), 0
-            for name in ("kv_lat", "k_rot", "index_k"):
-                width = self.stage_width - start if name == "index_k" else kv.storage(name).shape[1]
+            for name, width in self.stage_fields.items():
                 if name in layer.mirrors and pos < kv.length:
                     kv.storage(name)[pos] = rows[i, start:start + width]
                 start += width
