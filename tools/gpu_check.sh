@@ -7,6 +7,10 @@
 #
 #   tools/gpu_check.sh OUTDIR [KIND] [BENCH_WORK]    KIND: gpu (default) or cpu; BENCH_WORK: the bench model's home
 # Needs pyopencl and a registered OpenCL driver (ICD). Exits 1 when no device of KIND is found.
+# A GPU machine without PyPI: bring cp312 wheels of pyopencl, pytools, platformdirs, siphash24, zstandard, starlette
+# and uvicorn in an ignored .whl/, then
+#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && PYTHONPATH=/tmp/site \
+#       tools/gpu_check.sh OUT gpu
 set -u
 out=${1:?usage: tools/gpu_check.sh OUTDIR [KIND] [BENCH_WORK]}
 kind=${2:-gpu}
