@@ -1,8 +1,9 @@
-"""tools/bench.py's summary: the bandwidth ceiling per row (a GPU row divides by its own memory's bandwidth)."""
+"""tools/bench.py's summary: the bandwidth ceiling per row (a GPU row divides by its own memory's bandwidth), and
+the per-round fractions shown beside it."""
 
 from __future__ import annotations
 
-from tools.bench import markdown, summarize
+from tools.bench import markdown, ratios, summarize
 
 
 def run(decode: float, **extra) -> dict:
@@ -22,3 +23,16 @@ def test_gpu_rows_use_their_own_bandwidth():
     text = markdown(table, meta)
     assert "opencl:0:0: its ceiling is the device's own read bandwidth, 520.0 GB/s = 5200 tok/s." in text
     assert "auto: its ceiling" not in text
+
+
+def test_per_round_fractions_beside_the_target_figure():
+    """A host row also gets each round's decode over the bandwidth sampled before that round; the target's figure
+    stays the median decode over the best sample."""
+    results = {"auto": [run(200.0), run(180.0), run(220.0)]}
+    table = summarize(results, bytes_per_token=100_000_000, bandwidth=50.0, container=1,
+                      round_bandwidth=[40.0, 30.0, 50.0])
+    assert [round(f, 6) for f in table["auto"]["round_ceiling_fractions"]] == [0.5, 0.6, 0.44]
+    assert abs(table["auto"]["ceiling_fraction"] - 200.0 / 500.0) < 1e-12
+    line = ratios(table)[0]
+    assert "40% of the ceiling (target >= 40%)" in line and "per round against that round's bandwidth sample " \
+        "50% / 60% / 44%" in line

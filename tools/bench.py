@@ -20,7 +20,8 @@ a change in machine load hits every device alike) and the table shows medians ov
   layers, the lm_head, `num_experts_per_tok` routed experts per MoE layer; MTP off) divided by the best
   memory read bandwidth measured in the run (NumPy on one thread, an OpenCL kernel on every core; measured
   before every round, the best taken); for a row on a GPU, its own memory's read bandwidth (a kernel streaming
-  a matrix uploaded to it, glmkit.runtime.devices).
+  a matrix uploaded to it, glmkit.runtime.devices). Beside the target's figure (median decode / best sample), a
+  host row also lists each round's decode over the bandwidth sampled just before that round.
 Devices: `numpy@N` = NumPy with N OpenBLAS threads (`numpy` = --blas-threads), `opencl[:P:D]` = every
 operation as an OpenCL kernel, `auto` = the measured placement (glmkit.runtime.devices), `transformers` =
 GlmMoeDsaForCausalLM (transformers 5.23.0, float32, eager attention) on the same BF16 source weights
@@ -245,8 +246,11 @@ def median(runs: list[dict], key: str) -> float | None:
     return statistics.median(values) if values else None
 
 
-def summarize(results: dict[str, list[dict]], bytes_per_token: int, bandwidth: float, container: int
-              ) -> dict[str, dict]:
+def summarize(results: dict[str, list[dict]], bytes_per_token: int, bandwidth: float, container: int,
+              round_bandwidth: list[float] | None = None) -> dict[str, dict]:
+    """Per device: medians over its runs, the "% of ceiling" (median decode / the best bandwidth sample; a GPU row:
+    its own memory's), and for host rows also each round's decode over the bandwidth sampled just before that
+    round (`round_bandwidth`, GB/s per round; information beside the target's figure)."""
     table = {}
     for name, runs in results.items():
         ok = [r for r in runs if "error" not in r]
@@ -264,6 +268,10 @@ def summarize(results: dict[str, list[dict]], bytes_per_token: int, bandwidth: f
             ceiling = row["bandwidth_gbs"] * 1e9 / bytes_per_token
             if row["decode_tok_s_mtp_off"]:
                 row["ceiling_fraction"] = row["decode_tok_s_mtp_off"] / ceiling
+            if not device_bw and round_bandwidth and len(round_bandwidth) == len(runs):
+                row["round_ceiling_fractions"] = [r["decode_tok_s_mtp_off"] * bytes_per_token / (gbs * 1e9)
+                                                  for r, gbs in zip(runs, round_bandwidth, strict=True)
+                                                  if "error" not in r]
             if row.get("peak_rss_decode_mtp_off") and row.get("baseline_rss") is not None:
                 row["decode_rss_over_baseline"] = row["peak_rss_decode_mtp_off"] - row["baseline_rss"]
                 row["rss_limit"] = container + (row.get("kv_bytes_mtp_off") or 0)
@@ -327,6 +335,9 @@ def ratios(table: dict[str, dict]) -> list[str]:
             parts.append(f"{dec / np_dec[1]:.2f}x {np_dec[0]} (target >= 2.5)")
         if row.get("ceiling_fraction") is not None:
             parts.append(f"{row['ceiling_fraction'] * 100:.0f}% of the ceiling (target >= 40%)")
+        if row.get("round_ceiling_fractions"):
+            each = " / ".join(f"{f * 100:.0f}%" for f in row["round_ceiling_fractions"])
+            parts.append(f"per round against that round's bandwidth sample {each}")
         if tf_pre and row.get("prefill_1024_tok_s"):
             parts.append(f"prefill 1024 {row['prefill_1024_tok_s'] / tf_pre[1]:.2f}x transformers (target >= 1.0)")
         if row.get("decode_rss_over_baseline") is not None:
@@ -394,7 +405,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {line}", file=sys.stderr)
     bw = {key: max(sample.get(key, 0.0) for sample in samples) for key in samples[0] if key.endswith("_gbs")}
     bandwidth = max(bw.values())
-    table = summarize(results, bytes_per_token, bandwidth, container)
+    rounds = [max(v for k, v in sample.items() if k.endswith("_gbs")) for sample in samples]
+    table = summarize(results, bytes_per_token, bandwidth, container, rounds)
     meta = {"preset": args.preset, "container_bytes": container, "bytes_per_token": bytes_per_token,
             "bandwidth": bw, "bandwidth_samples": samples, "bandwidth_gbs": bandwidth,
             "ceiling_tok_s": bandwidth * 1e9 / bytes_per_token,
