@@ -243,7 +243,7 @@ class Kernels:
         host = _aligned_empty(max(count, 1) * np.dtype(dtype).itemsize).view(dtype)
         if self.direct:
             return host, self.wrap(host)
-        return host, cl.Buffer(self.ctx, cl.mem_flags.READ_WRITE, host.nbytes)
+        return host, self.device_buffer(host.nbytes)
 
     def device_buffer(self, nbytes: int):
         """Device memory of its own (no host array)."""
@@ -294,7 +294,7 @@ class Kernels:
             host = _aligned_empty(size)
             buf = cl.Buffer(self.ctx, cl.mem_flags.READ_WRITE | cl.mem_flags.USE_HOST_PTR, hostbuf=host)
         else:
-            host, buf = None, cl.Buffer(self.ctx, cl.mem_flags.READ_WRITE, size)
+            host, buf = None, self.device_buffer(size)
         self._slots[name] = (host, buf, size)
         self._large_slots |= size > KEEP_SLOT_BYTES
         return host, buf
@@ -306,7 +306,7 @@ class Kernels:
         if self.direct:
             host[:arr.nbytes].view(arr.dtype)[:] = arr.reshape(-1)
         elif arr.nbytes:
-            cl.enqueue_copy(self.queue, buf, arr, is_blocking=False)
+            self.upload(buf, arr)
         return buf
 
     def out(self, name: str, nbytes: int):

@@ -632,7 +632,8 @@ class DeviceDecodeStep:
                 event = self.argmax.enqueue()
             if not self.k.direct:  # what the host reads of this token, behind its kernels
                 reads = (self.token_ids[parity],) if greedy else (self.logits, self.hidden)
-                event = [self._to_host(pair) for pair in (self.row_stage[parity], self.route_ids[slot], *reads)][-1]
+                for pair in (self.row_stage[parity], self.route_ids[slot], *reads):
+                    event = self._to_host(pair)
                 self.staged[parity] = (cache, pos)
         except BaseException:
             self.k.finish()

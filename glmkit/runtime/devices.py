@@ -320,8 +320,8 @@ def measure(kernels: Kernels, container: Any, bandwidth: dict[str, float] | None
     # the device decode step runs the experts, and every other decode operation, as kernels: on devices that
     # share host memory it follows the fused experts (a token's weight bytes are mostly theirs); a discrete device
     # runs it whenever the model fits its weight budget (its per-operation timings above pay transfers it avoids)
-    fits = not kernels.direct and container.nbytes <= cl_backend.memory.budget
-    placement.decode_step = "cl" if placement.experts == "cl" and kernels.direct or fits else "host"
+    step = placement.experts == "cl" if kernels.direct else container.nbytes <= cl_backend.memory.budget
+    placement.decode_step = "cl" if step else "host"
 
     # attention: decode in latent space (one shared key head) over 1,024 keys; prefill with per-head keys
     heads, lat, rope = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim

@@ -205,7 +205,7 @@ class OpenCLBackend:
     def decode_step(self, config: ModelConfig, weight: Callable[[str], Weight]) -> DeviceDecodeStep | None:
         """The device decode step for this model (placement.decode_step "cl"; on a discrete device every weight
         must fit the budget), or None: the model then decodes operation by operation."""
-        if self.placement.decode_step != "cl" or not self.memory.unified and self.model_bytes > self.memory.budget:
+        if self.placement.decode_step != "cl" or (not self.memory.unified and self.model_bytes > self.memory.budget):
             return None
         try:
             return DeviceDecodeStep(config, weight, self._cw, self._expert_ref, self.k, self.int8_activations)
