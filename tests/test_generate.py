@@ -264,6 +264,47 @@ def test_token_probabilities_by_hand():
     np.testing.assert_allclose(two, [1 / 3, 2 / 3], rtol=1e-6)
 
 
+def sorted_probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """token_probabilities as first written: a stable sort of the whole vocabulary for top-p."""
+    z = logits.astype(np.float64) / params.temperature
+    if 0 < params.top_k < len(z):
+        z = np.where(z >= np.partition(z, -params.top_k)[-params.top_k], z, -np.inf)
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    if params.top_p < 1:
+        order = np.argsort(-p, kind="stable")
+        keep = order[: int(np.searchsorted(np.cumsum(p[order]), params.top_p)) + 1]
+        mask = np.zeros_like(p)
+        mask[keep] = p[keep]
+        p = mask / mask.sum()
+    return p
+
+
+@pytest.mark.parametrize("vocab", [7, 3000, 20000])
+def test_sampling_is_the_sorted_reference_draw_for_draw(vocab):
+    """token_probabilities sorts only top candidates and the sampler draws over the kept tokens only: bit-identical
+    probabilities to a sort of the whole vocabulary, and the same tokens as `Generator.choice` on them, seed for
+    seed. Peaky, flat (a top-p set beyond the first candidates, and beyond every candidate round) and tied logits
+    (ties across the top-p cut: kept in index order)."""
+    rng = np.random.default_rng(vocab)
+    shapes = {"peaky": rng.standard_normal(vocab) * 6, "flat": rng.standard_normal(vocab) * 0.05,
+              "tied": np.round(rng.standard_normal(vocab) * 2) / 2}
+    for name, values in shapes.items():
+        logits = values.astype(np.float32)
+        for params in (SamplingParams(temperature=1.0, top_p=0.9, seed=5),
+                       SamplingParams(temperature=0.7, top_p=0.5, top_k=50, seed=6),
+                       SamplingParams(temperature=1.3, top_p=0.999999, seed=7),
+                       SamplingParams(temperature=2.0, top_p=0.3, seed=8), SamplingParams(temperature=0.9, seed=9)):
+            want = sorted_probabilities(logits, params)
+            assert np.array_equal(token_probabilities(logits, params), want), (name, params)
+            sampler, reference = Sampler(params), np.random.default_rng(params.seed)
+            draws = [sampler(logits) for _ in range(30)]
+            assert draws == [int(reference.choice(vocab, p=want)) for _ in range(30)], (name, params)
+    # the flat shape's top-p sets outgrow the first candidates (a real test of the growth and the full sort)
+    flat = sorted_probabilities(shapes["flat"].astype(np.float32), SamplingParams(temperature=1.0, top_p=0.9))
+    assert vocab < 1000 or np.count_nonzero(flat) > 1024
+
+
 def test_sampler_draws_follow_the_probabilities():
     logits = np.log(np.array([1.0, 2.0, 3.0, 4.0], np.float32))
     sampler = Sampler(SamplingParams(temperature=1.0, top_k=3, seed=0))
