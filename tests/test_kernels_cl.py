@@ -567,6 +567,32 @@ def test_fused_experts_int8_activations(kernels, wide_kernels, rng, bits, group)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
+def test_experts_x8_operation(kernels, wide_kernels, rng, bits):
+    """`Kernels.experts_x8` (the fused experts of decode rows run operation by operation, e.g. on the CPU device
+    that takes a GPU's overflow): three tokens with 2, 1 and 3 slots, each token's sum against the reference
+    arithmetic of int8 activations (x8_linear) and, loosely, against the float MLP."""
+    hidden, inter = 192, 128
+    experts = [(make_weight(rng, inter, hidden, bits, 64)[0], make_weight(rng, inter, hidden, bits, 64)[0],
+                make_weight(rng, hidden, inter, bits, 64)[0]) for _ in range(4)]
+    blob, offs = pack_experts(experts)
+    x = rng.standard_normal((3, hidden)).astype(np.float32)
+    slots = [(0, 1, 0.5), (0, 3, 1.5), (1, 0, 1.0), (2, 1, -0.25), (2, 2, 2.0), (2, 0, 0.1)]
+    want = np.zeros_like(x)
+    for tok, e, w in slots:
+        gate, up = x8_linear(x[tok:tok + 1], experts[e][0])[0], x8_linear(x[tok:tok + 1], experts[e][1])[0]
+        want[tok] += w * x8_linear((silu(gate) * up)[None], experts[e][2])[0]
+    g, d = experts[0][0], experts[0][2]
+    for k in (kernels, wide_kernels):
+        buf = WeightMemory(k, k.direct, 1 << 40)._own_buffer(blob)[0]
+        tok, weight = np.array([s[0] for s in slots], np.uint32), np.array([s[2] for s in slots], np.float32)
+        got = k.experts_x8(buf, bits, 64, g.scales.shape[1], hidden, inter, g.packed.shape[1], d.packed.shape[1],
+                           d.scales.shape[1], x, offs[[s[1] for s in slots]], tok, np.array([0, 2, 3, 6], np.uint32),
+                           weight)
+        close(got, want, 2e-5)  # the hidden rows' codes may round differently where a product differs by an ulp
+        close(got, fused_reference(x, experts, slots), 3e-2)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
 def test_int8_input_matvec_and_norm(kernels, wide_kernels, rng, bits):
     """mv_*_x8 over per-head input rows (kv_b's value product) against the reference arithmetic, and the
     RMSNorm that writes its output's codes too (the step's u and q_lat) against quantize_x8's."""

@@ -3,6 +3,7 @@ path, device selection and its fallbacks, the measured placement profile and `gl
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -113,6 +114,74 @@ def test_discrete_memory_budget_is_hybrid(snapshots, device):
     assert backend.memory.used <= budget
     same = OpenCLBackend(k, streaming, budget=budget, unified=False, model_bytes=engine.container.nbytes)
     assert same.numerics == backend.numerics  # every expert on the device: the arithmetic is fixed
+
+
+def routed_expert_ids(engine: Engine) -> set[int]:
+    """ids of every routed expert weight object (the container hands out the same objects each time)."""
+    cfg, w = engine.config, engine.experts.weight
+    return {id(w(f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"))
+            for layer in range(cfg.num_hidden_layers) if cfg.is_moe_layer(layer)
+            for e in range(cfg.n_routed_experts) for proj in ("gate_proj", "up_proj", "down_proj")}
+
+
+def test_experts_over_the_budget_spill_to_a_cpu_device(snapshots, device):
+    """A discrete device with a CPU OpenCL device beside it (`spill`): the routed experts it cannot hold run in
+    fused kernels on the CPU device, prefill and decode, never on the NumPy path; the same forward pass."""
+    engine = Engine(snapshots("tiny-bf16", "q4"), "numpy", load_tokenizer=False)
+    ids = np.array(json.loads((FIXTURES / "tiny-bf16" / "oracle.json").read_text())["full_ids"][:24])
+    want = logits_of(engine.model, ids)
+    cpu = OpenCLBackend(Kernels(device), Placement.all_cl(True), int8_activations=False)
+    spilled = []
+    run_fused = cpu._run_fused
+    cpu._run_fused = lambda x, ref, slots: (spilled.append(len(slots)), run_fused(x, ref, slots))[1]
+    placement = Placement.all_cl(False)
+    placement.spill_experts = True
+    budget = 60_000
+    backend = OpenCLBackend(Kernels(device, direct=False), placement, budget=budget, unified=False,
+                            model_bytes=engine.container.nbytes, spill=cpu)
+    experts, host_linear = routed_expert_ids(engine), backend.host.linear
+    on_host = []
+    backend.host.linear = lambda x, w: (on_host.append(id(w) in experts), host_linear(x, w))[1]
+    got = logits_of(with_backend(engine, backend), ids)
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+    assert spilled and not any(on_host) and 0 < backend.memory.used <= budget
+    assert cpu.k.info.unified and cpu.memory._own == {}  # the spill device reads the experts in place
+    without = OpenCLBackend(Kernels(device, direct=False), Placement.all_cl(False), budget=budget, unified=False,
+                            model_bytes=engine.container.nbytes, spill=cpu)
+    assert without.spill is None  # the placement decides: spill_experts off
+    assert without.numerics.split("-")[:-1] == backend.numerics.split("-")[:-1]
+    assert without.numerics != backend.numerics
+
+
+def test_make_backend_spills_when_the_model_outgrows_a_discrete_device(snapshots, device, monkeypatch):
+    """`--device opencl` on a discrete GPU whose weight budget the model exceeds runs the experts over it on the
+    machine's CPU OpenCL device (named in the device string); a model that fits does not; `auto` measures the CPU
+    device's experts against the NumPy path's. (A GPU here: PoCL's device described as a small discrete one.)"""
+    if device.kind != "cpu":
+        pytest.skip("needs a CPU OpenCL device to play both parts")
+    snap = snapshots("tiny-bf16", "q4")
+    engine = Engine(snap, "numpy", load_tokenizer=False)
+    nbytes = engine.container.nbytes
+
+    def gpu_of(global_mem: int):
+        return dataclasses.replace(device, kind="gpu", unified=False, global_mem=global_mem, name="Small GPU")
+
+    for global_mem, spills in ((nbytes // 4, True), (4 * nbytes, False)):  # 80% of it: a fifth of the model, or all
+        monkeypatch.setattr(devices, "list_devices", lambda gm=global_mem: [gpu_of(gm), device])
+        backend, name = devices.make_backend("opencl", engine.container)
+        assert (backend.spill is not None) == spills and name.endswith(f"+experts@{device.spec}") == spills
+        if spills:
+            model = with_backend(engine, backend)
+            ids = np.array(json.loads((FIXTURES / "tiny-bf16" / "oracle.json").read_text())["full_ids"][:12])
+            got, want = logits_of(model, ids), logits_of(engine.model, ids)
+            assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+            assert not model.decodes_on_device()  # operation by operation: the model outgrows the device
+            assert any(ref is not None for ref in backend.spill._experts.values())  # experts ran on the CPU device
+    monkeypatch.setattr(devices, "list_devices", lambda: [gpu_of(nbytes), device])
+    placement = devices.measure(Kernels(gpu_of(nbytes), lanes=8, red_lanes=8), engine.container,
+                                spill=devices.spill_backend([gpu_of(nbytes), device], gpu_of(nbytes), nbytes))
+    timed = placement.timings["experts"]
+    assert placement.spill_experts == (timed["spill"] < devices.MARGIN * timed["host"])
 
 
 # ---- device selection and fallbacks ------------------------------------------------------------------

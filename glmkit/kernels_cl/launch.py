@@ -522,6 +522,34 @@ class Kernels:
                                           group, inter_groups, hb, yb, n_in, n_in)
         return self.get("y", (n_tok, n_in), evt)
 
+    def experts_x8(self, wbuf, bits: int, group: int, n_groups: int, n_in: int, inter: int, in_row_bytes: int,
+                   inter_row_bytes: int, inter_groups: int, x: np.ndarray, offs: np.ndarray, slot_tok: np.ndarray,
+                   tok_start: np.ndarray, slot_w: np.ndarray) -> np.ndarray:
+        """`experts` with int8-quantized activations (`x8_eligible` experts): x's rows and the slots' hidden rows
+        quantized per block of X8_BLOCK, the products summed as integers (2.5x the float kernels' speed on PoCL,
+        tools/bench_kernels.py); down per slot, each token's slots then summed on the host in slot order."""
+        n_tok, n_slots = x.shape[0], len(slot_tok)
+        x_codes = (self.out("xq", 2 * x.size), self.out("xs", 4 * (x.size // X8_BLOCK)),
+                   self.out("xsum", 4 * (x.size // X8_BLOCK)))
+        hid_codes = (self.out("hq", 2 * n_slots * inter), self.out("hs", 4 * (n_slots * inter // X8_BLOCK)),
+                     self.out("hsum", 4 * (n_slots * inter // X8_BLOCK)))
+        xb, ob = self.put("x", x), self.put("offs", offs, np.uint64)
+        sb = self.put("slot_tok", slot_tok, np.uint32)
+        used = self.put("tok_start", np.array([0, n_slots]), np.uint32)  # edp's slot range: all of them
+        hb, pb = self.out("hid", n_slots * inter * 4), self.out("part", n_slots * n_in * 4)
+        g_inter, l_inter = self._rows_global(inter)
+        g_out, l_out = self._rows_global(n_in)
+        suffix = BIT_SUFFIX[bits] + "_x8"
+        quantize = self.kernel("quantize_x8")
+        quantize(self.queue, (n_in // X8_BLOCK, n_tok), None, xb, n_in, n_in, *x_codes)
+        self.kernel("eg_" + suffix)(self.queue, (g_inter, n_slots), l_inter, wbuf, ob, sb, n_in, in_row_bytes, group,
+                                    n_groups, *x_codes, hb, inter)
+        quantize(self.queue, (inter // X8_BLOCK, n_slots), None, hb, inter, inter, *hid_codes)
+        evt = self.kernel("edp_" + suffix)(self.queue, (g_out, n_slots), l_out, wbuf, ob, used, inter,
+                                           inter_row_bytes, group, inter_groups, *hid_codes, pb, n_in)
+        part = self.get("part", (n_slots, n_in), evt) * slot_w[:, None]
+        return np.stack([part[tok_start[t]:tok_start[t + 1]].sum(0) for t in range(n_tok)])
+
     # ---- norms, rope, activations ----------------------------------------------------------------
 
     def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:

@@ -37,9 +37,15 @@ from glmkit.formats.tensors import QuantWeight
 from glmkit.kernels_cl import kernel_version
 from glmkit.kernels_cl.launch import DeviceInfo, Kernels, list_devices
 from glmkit.runtime.backend import Backend, NumpyBackend
-from glmkit.runtime.opencl_backend import OpenCLBackend, Placement, initial_blas_threads, set_blas_threads
+from glmkit.runtime.opencl_backend import (
+    OpenCLBackend,
+    Placement,
+    initial_blas_threads,
+    set_blas_threads,
+    weight_budget,
+)
 
-PROFILE_VERSION = 3  # 2: Placement.decode_step; 3: on discrete devices too
+PROFILE_VERSION = 4  # 2: Placement.decode_step; 3: on discrete devices too; 4: Placement.spill_experts
 PREFILL_ROWS = 256  # rows of the prefill measurements
 MARGIN = 0.85  # a kernel path is chosen when it takes at most this fraction of the host path's time
 # On CPU devices, a model whose decode step reads less than this stays on NumPy without measuring: every
@@ -116,17 +122,39 @@ def make_backend(spec: str, container: Any = None, int8_activations: bool = True
     except Exception as e:  # noqa: BLE001 - a driver that cannot build the kernels must not stop the run
         notice(f"--device {spec}: {info.name} cannot run the kernels ({_one_line(e)}); using numpy")
         return NumpyBackend(), "numpy"
-    if kind == "opencl" or container is None:
-        return OpenCLBackend(kernels, Placement.all_cl(kernels.direct), model_bytes=model_bytes,
-                             int8_activations=int8_activations), info.spec
     blas_threads = initial_blas_threads()
-    placement = load_or_measure(kernels, container)
+    spill = spill_backend(devices, info, model_bytes)
+    if kind == "opencl" or container is None:
+        placement = Placement.all_cl(kernels.direct)
+        placement.spill_experts = spill is not None
+        name = info.spec
+    else:
+        placement = load_or_measure(kernels, container, spill)
+        name = f"{info.spec}+auto"
     if not placement.uses_cl():
         if blas_threads:
             set_blas_threads(blas_threads)  # measuring ran the OpenCL backend, which pins BLAS to one thread
         return NumpyBackend(), "numpy"
-    return (OpenCLBackend(kernels, placement, model_bytes=model_bytes, int8_activations=int8_activations),
-            f"{info.spec}+auto")
+    if placement.spill_experts and spill is not None:
+        name += f"+experts@{spill.k.info.spec}"
+    return (OpenCLBackend(kernels, placement, model_bytes=model_bytes, int8_activations=int8_activations,
+                          spill=spill), name)
+
+
+def spill_backend(devices: list[DeviceInfo], info: DeviceInfo, model_bytes: int) -> OpenCLBackend | None:
+    """For a discrete device whose weight budget the model outgrows: a backend on the first CPU OpenCL device
+    (PoCL), to run the routed experts the device cannot hold in fused kernels over the mapping; else None."""
+    if info.unified or model_bytes <= weight_budget(info.global_mem):
+        return None
+    cpu = next((d for d in devices if d.kind == "cpu"), None)
+    if cpu is None:
+        return None
+    try:
+        return OpenCLBackend(Kernels(cpu), Placement.all_cl(True))
+    except Exception as e:  # noqa: BLE001 - experts over the budget then run on the NumPy path, as before
+        notice(f"{cpu.name} cannot run the kernels ({_one_line(e)}); routed experts over the weight budget of "
+               f"{info.name} run on the NumPy path")
+        return None
 
 
 def _one_line(e: BaseException) -> str:
@@ -191,8 +219,9 @@ def cached_placement(info: DeviceInfo, container: Any) -> Placement | None:
     return None
 
 
-def load_or_measure(kernels: Kernels, container: Any) -> Placement:
-    """The placement stored for this device and model, measured and stored first if there is none."""
+def load_or_measure(kernels: Kernels, container: Any, spill: OpenCLBackend | None = None) -> Placement:
+    """The placement stored for this device and model, measured and stored first if there is none (spill: see
+    `measure`)."""
     info = kernels.info
     cached = cached_placement(info, container)
     if cached is not None:
@@ -203,7 +232,7 @@ def load_or_measure(kernels: Kernels, container: Any) -> Placement:
         print(f"glmkit: measuring {info.name} for this model (once; stored in {device_cache_dir()})", file=sys.stderr)
     if "bandwidth" not in profile:
         profile["bandwidth"] = measure_bandwidth(kernels)
-    placement = measure(kernels, container, profile["bandwidth"])
+    placement = measure(kernels, container, profile["bandwidth"], spill)
     profile.setdefault("models", {})[key] = {
         "placement": placement.to_json(), "timings_ms": placement.timings,
         "measured": datetime.now(UTC).isoformat(timespec="seconds")}
@@ -259,8 +288,11 @@ def _probe_names(cfg, layer: int) -> list[str]:
             p + "self_attn.indexer.wq_b.weight", "model.layers.0.mlp.gate_proj.weight"]
 
 
-def measure(kernels: Kernels, container: Any, bandwidth: dict[str, float] | None = None) -> Placement:
-    """Time every operation on both paths with the model's real shapes; the faster path wins."""
+def measure(kernels: Kernels, container: Any, bandwidth: dict[str, float] | None = None,
+            spill: OpenCLBackend | None = None) -> Placement:
+    """Time every operation on both paths with the model's real shapes; the faster path wins. spill: a CPU
+    OpenCL device's backend (`spill_backend`): its fused experts are timed against the NumPy host path's for the
+    experts over a discrete device's budget."""
     cfg = container.config
     rng = np.random.default_rng(0)
     host = OpenCLBackend(kernels, Placement.all_host()).host  # the host path as the backend runs it (its workers)
@@ -317,6 +349,9 @@ def measure(kernels: Kernels, container: Any, bandwidth: dict[str, float] | None
         both("experts", lambda: cl_backend.moe(x1, ids, gates, triple, shared),
              lambda: host.moe(x1, ids, gates, triple, shared))
         placement.experts = faster("experts")
+        if spill is not None:
+            timings["experts"]["spill"] = timeit(lambda: spill.moe(x1, ids, gates, triple, shared)) * 1e3
+            placement.spill_experts = timings["experts"]["spill"] < MARGIN * timings["experts"]["host"]
     # the device decode step runs the experts, and every other decode operation, as kernels: on devices that
     # share host memory it follows the fused experts (a token's weight bytes are mostly theirs); a discrete device
     # runs it whenever the model fits its weight budget (its per-operation timings above pay transfers it avoids)
@@ -371,10 +406,12 @@ def measure(kernels: Kernels, container: Any, bandwidth: dict[str, float] | None
              **{"cl+blas": lambda: blas.linear(xin, weight)})
         placement.matmul = faster("matmul")
         if not kernels.info.unified and bandwidth and bandwidth.get("host_to_device_gbs"):
-            # experts over the VRAM budget: stream them when the upload beats the host's compute
+            # experts over the VRAM budget: stream them when the upload beats the host's compute (the spill
+            # device's where it runs them)
             expert_bytes = 3 * weight.nbytes
             upload_ms = expert_bytes / (bandwidth["host_to_device_gbs"] * 1e9) * 1e3
-            host_ms = timings.get("experts", {}).get("host", 0.0) / max(k + 1, 1)
+            host = timings.get("experts", {})
+            host_ms = host.get("spill" if placement.spill_experts else "host", 0.0) / max(k + 1, 1)
             placement.stream_experts = upload_ms < host_ms
     placement.timings = {name: {p: round(v, 4) for p, v in t.items()} for name, t in timings.items()}
     return placement

@@ -13,7 +13,7 @@ from glmkit.runtime.model import GlmMoeDsaModel
 from glmkit.runtime.tokenizer import ChatTokenizer
 
 FLOAT_ACTIVATIONS_HELP = ("decode with float inputs to the quantized products (the reference arithmetic, slower) "
-                          "instead of int8-quantized ones in the OpenCL decode step")
+                          "instead of int8-quantized ones in the OpenCL decode step and fused int4 experts")
 
 
 def make_backend(device: str, container: Container | None = None, int8_activations: bool = True

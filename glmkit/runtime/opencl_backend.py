@@ -7,8 +7,9 @@ a BLAS GEMM multiplies). `--device opencl[:P:D]` runs every operation as a kerne
 
 Weights never get a second host copy: CPU and unified-memory devices read them in place from the mapping;
 discrete GPUs get each weight uploaded once and kept, within a VRAM budget; routed experts that do not fit
-are computed on the host path (hybrid), or streamed per use when the profile says the transfer is cheaper
-than the host's compute.
+are computed on the host (hybrid): in fused kernels on a CPU OpenCL device where one is given (`spill`: PoCL,
+weights in place), else on the NumPy path; or they are streamed per use when the profile says the transfer is
+cheaper than the host's compute.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from threadpoolctl import ThreadpoolController
 
 from glmkit.formats.config import ModelConfig
 from glmkit.formats.tensors import QuantWeight, Weight
-from glmkit.kernels_cl.launch import ClWeight, Kernels, WeightMemory, address
+from glmkit.kernels_cl.launch import ClWeight, Kernels, WeightMemory, address, x8_eligible
 from glmkit.runtime.backend import ExpertFn, NumpyBackend, moe_layer, silu
 from glmkit.runtime.decode_step import DeviceDecodeStep, Unsupported
 
@@ -43,6 +44,8 @@ class Placement:
     experts: the decode MoE (all routed experts + the shared one fused into two launches);
     attention / attention_prefill; index: indexer scores + top-k; vector / vector_prefill: norms, RoPE, SiLU;
     stream_experts: discrete devices: experts over the VRAM budget are uploaded per use instead of host-computed;
+    spill_experts: discrete devices: experts over the VRAM budget run on a CPU OpenCL device (`OpenCLBackend`'s
+    spill) instead of the NumPy host path;
     decode_step: "cl" runs a single-token decode as one queue of kernels (glmkit.runtime.decode_step): on direct
     devices, and on discrete ones whose weight budget holds the whole model; "host" per operation as above.
     """
@@ -58,6 +61,7 @@ class Placement:
     vector: str = "cl"
     vector_prefill: str = "cl"
     stream_experts: bool = False
+    spill_experts: bool = False
     decode_step: str = "cl"
     timings: dict = field(default_factory=dict, compare=False)  # the measurements behind the choice (info only)
 
@@ -106,11 +110,14 @@ class _ExpertRef:
 
 
 class OpenCLBackend:
-    """`Backend` on one OpenCL device. `budget`: bytes of weights kept on a discrete device (default 80% of
-    its memory); `model_bytes`: the container size (a budget below it makes expert placement per process)."""
+    """`Backend` on one OpenCL device. `budget`: bytes of weights kept on a discrete device (default
+    `weight_budget`); `model_bytes`: the container size (a budget below it makes expert placement per process);
+    `spill`: a backend on a CPU OpenCL device that runs the routed experts this device does not hold, in fused
+    launches over the mapping (used where `placement.spill_experts`)."""
 
     def __init__(self, kernels: Kernels, placement: Placement | None = None, budget: int | None = None,
-                 model_bytes: int = 0, unified: bool | None = None, int8_activations: bool = True) -> None:
+                 model_bytes: int = 0, unified: bool | None = None, int8_activations: bool = True,
+                 spill: OpenCLBackend | None = None) -> None:
         self.k = kernels
         workers = 1
         if kernels.info.kind == "cpu":
@@ -123,14 +130,17 @@ class OpenCLBackend:
         self.placement = placement or Placement.all_cl(kernels.direct)
         unified = kernels.info.unified if unified is None else unified
         if budget is None:
-            budget = 1 << 62 if unified else int(kernels.info.global_mem * 0.8)
+            budget = 1 << 62 if unified else weight_budget(kernels.info.global_mem)
         self.memory = WeightMemory(kernels, unified, budget)
+        self.spill = spill if self.placement.spill_experts else None
         self.model_bytes = model_bytes
         self.device = kernels.info.spec
-        # int8_activations: the device decode step's quantized products take int8-quantized inputs (DeviceDecodeStep)
+        # int8_activations: the device decode step's quantized products take int8-quantized inputs (DeviceDecodeStep),
+        # and so do the fused int4 experts of decode rows run operation by operation (`Kernels.experts_x8`)
         self.int8_activations = int8_activations
         tag = {"device": kernels.info.key, "kernels": kernels.version, "placement": self.placement.to_json(),
-               "unified": unified, "host": self.host.numerics, "int8_activations": int8_activations}
+               "unified": unified, "host": self.host.numerics, "int8_activations": int8_activations,
+               "spill": None if self.spill is None else self.spill.numerics}
         if not unified and budget < model_bytes and not self.placement.stream_experts:
             # which experts end up on the device depends on the order they were first used: the arithmetic of a
             # row is then only reproducible within this process, so its prefill-cache entries stay its own
@@ -273,6 +283,8 @@ class OpenCLBackend:
             ref = self._expert_ref(gate, up, down)
             if ref is not None:
                 return self._run_fused(x, ref, [(s, 1.0, ref.offs) for s in range(x.shape[0])])
+        if self.spill is not None and any(self._cw(w) is None for w in (gate, up, down)):
+            return self.spill.expert_mlp(x, gate, up, down)  # e.g. a prefill's expert this device does not hold
         return self.linear(self._silu_mul(self.linear(x, gate), self.linear(x, up)), down)
 
     def moe(self, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, expert: ExpertFn,
@@ -284,9 +296,11 @@ class OpenCLBackend:
             return moe_layer(self, x, ids, weights, expert, shared)
         # Decode: every (token, expert) pair is a slot carrying its expert's offsets; slots whose weights share
         # a buffer and a scheme (usually all of them, the shared expert included) run in one fused launch pair.
-        # Experts the device does not hold are streamed to it in one upload (placement.stream_experts), or run
-        # through the per-weight path (kernels where the weights can be placed, else the host).
+        # Experts the device does not hold are streamed to it in one upload (placement.stream_experts), run in
+        # fused launches on the spill device (placement.spill_experts), or run through the per-weight path
+        # (kernels where the weights can be placed, else the host).
         groups: dict[tuple, tuple[_ExpertRef, list[tuple[int, float, tuple]]]] = {}
+        spilled: dict[tuple, tuple[_ExpertRef, list[tuple[int, float, tuple]]]] = {}
         streamed: list[tuple[np.ndarray, np.ndarray, tuple[Weight, Weight, Weight]]] = []
         out = np.zeros_like(x)
         every_row = np.arange(x.shape[0])
@@ -294,14 +308,16 @@ class OpenCLBackend:
         for e, rows, cols in routed + ([(None, every_row, None)] if shared is not None else []):
             triple = shared if e is None else expert(e)
             gate = np.ones((len(rows), 1), np.float32) if cols is None else weights[rows, cols, None]
-            ref = self._expert_ref(*triple)
+            ref, into = self._expert_ref(*triple), groups
             if ref is None:
                 if self._streamable(triple):
                     streamed.append((rows, gate[:, 0], triple))
-                else:
+                    continue
+                ref, into = (None if self.spill is None else self.spill._expert_ref(*triple)), spilled
+                if ref is None:
                     out[rows] += gate * self.expert_mlp(x[rows], *triple)
-                continue
-            slots = groups.setdefault(ref.key, (ref, []))[1]
+                    continue
+            slots = into.setdefault(ref.key, (ref, []))[1]
             slots.extend((int(r), float(w), ref.offs) for r, w in zip(rows, gate[:, 0], strict=True))
         keep = None
         if streamed:
@@ -309,6 +325,8 @@ class OpenCLBackend:
             for (rows, gate, _), ref in zip(streamed, refs, strict=True):
                 slots = groups.setdefault(ref.key, (ref, []))[1]
                 slots.extend((int(r), float(w), ref.offs) for r, w in zip(rows, gate, strict=True))
+        for ref, slots in spilled.values():
+            out += self.spill._run_fused(x, ref, slots)
         for ref, slots in groups.values():
             out += self._run_fused(x, ref, slots)
         del keep  # the streamed bytes had to live until the launches that read them completed
@@ -357,8 +375,11 @@ class OpenCLBackend:
         np.cumsum(np.bincount(tok, minlength=x.shape[0]), out=tok_start[1:])
         offs = np.array([slot[2] for slot in slots], np.uint64)
         slot_w = np.array([slot[1] for slot in slots], np.float32)
-        return self.k.experts(ref.buf, ref.bits, ref.group, ref.n_groups, ref.n_in, ref.inter, ref.in_row_bytes,
-                              ref.inter_row_bytes, ref.inter_groups, x, offs, tok, tok_start, slot_w)
+        # int8 inputs for int4 experts only, as in the decode step (a q8 model's experts keep float inputs)
+        x8 = self.int8_activations and ref.bits == 4 and x8_eligible(ref.bits, ref.group, ref.n_in, ref.inter)
+        run = self.k.experts_x8 if x8 else self.k.experts
+        return run(ref.buf, ref.bits, ref.group, ref.n_groups, ref.n_in, ref.inter, ref.in_row_bytes,
+                   ref.inter_row_bytes, ref.inter_groups, x, offs, tok, tok_start, slot_w)
 
     # ---- attention and the indexer ---------------------------------------------------------------
 
@@ -384,6 +405,11 @@ class OpenCLBackend:
         if self.placement.index == "cl":
             return self.k.index_topk(q, k, weights, scale, causal, topk)
         return self.host.index_topk(q, k, weights, scale, causal, topk)
+
+
+def weight_budget(global_mem: int) -> int:
+    """Bytes of weights a discrete device keeps by default: 80% of its memory (the rest: activations, KV)."""
+    return int(global_mem * 0.8)
 
 
 def _plain_f32(w: Weight) -> bool:
