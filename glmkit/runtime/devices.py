@@ -446,7 +446,13 @@ def list_devices_report(measure_missing: bool = True) -> str:
         models = profile.get("models", {})
         if models:
             lines.append(f"      placements measured for {len(models)} model shape(s) in {profile_path(d)}")
-    lines.append(f"--device auto: {pick(devices).spec} for the operations measured faster there, numpy for the rest")
+    chosen = pick(devices)
+    lines.append(f"--device auto: {chosen.spec} for the operations measured faster there, numpy for the rest")
+    cpu = next((d for d in devices if d.kind == "cpu"), None)
+    if not chosen.unified and cpu is not None:
+        budget = weight_budget(chosen.global_mem) / 2**30
+        lines.append(f"  a model over {budget:.1f} GiB (80% of {chosen.spec}'s memory): the routed experts that do "
+                     f"not fit run on {cpu.spec} where measured faster than numpy")
     return "\n".join(lines)
 
 
