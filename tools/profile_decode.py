@@ -3,12 +3,12 @@
 
     PYTHONPATH=. python tools/profile_decode.py            # bench model, q4, --device auto placement
 
-Prefills a 256-token random prompt on the benchmark model, decodes warm-up tokens, then `--tokens` greedy tokens
-with every launch on an OpenCL profiling queue. Prints the wall time per token, each kernel's device time per
-token, the device's idle time between launches inside a token and between tokens, and the host's time between
-tokens (the wait's return to the next token's first launch). Then, for comparison, the speed of the default
-greedy path, which keeps the next forward in flight (`Generator`, MTP off; no per-launch profile). On a shared
-machine compare rows of one run.
+Prefills a random prompt (`--prompt` tokens, default 256) on the benchmark model, decodes warm-up tokens, then
+`--tokens` greedy tokens with every launch on an OpenCL profiling queue. Prints the wall time per token, each
+kernel's device time per token, the device's idle time between launches inside a token and between tokens, and
+the host's time between tokens (the wait's return to the next token's first launch). Then, for comparison, the
+speed of the default greedy path, which keeps the next forward in flight (`Generator`, MTP off; no per-launch
+profile). On a shared machine compare rows of one run.
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="q4")
     ap.add_argument("--tokens", type=int, default=40, help="profiled tokens (default %(default)s)")
+    ap.add_argument("--prompt", type=int, default=256, help="prompt tokens, the context decoded against (default "
+                                                             "%(default)s)")
     ap.add_argument("--work", type=Path, default=DEFAULT_WORK, help="where the bench model lives")
     args = ap.parse_args(argv)
     engine = Engine(ensure_bench_snapshot(args.preset, args.work), "auto", load_tokenizer=False)
@@ -70,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
 
     DeviceDecodeStep._enqueue = timed  # type: ignore[method-assign]
     cache = model.new_cache()
-    logits, _ = model.forward(np.random.default_rng(0).integers(0, engine.config.vocab_size, 256), cache)
+    logits, _ = model.forward(np.random.default_rng(0).integers(0, engine.config.vocab_size, args.prompt), cache)
     token = int(logits[-1].argmax())
     for _ in range(5):  # warm-up (kernel builds, first touches)
         logits, _ = model.forward(np.array([token]), cache)
@@ -106,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     launch.Launch.enqueue = enqueue  # type: ignore[method-assign]
     DeviceDecodeStep._enqueue = step_enqueue  # type: ignore[method-assign]
     generator = Generator(model, (), use_mtp=False)
-    prompt = np.random.default_rng(0).integers(0, engine.config.vocab_size, 256).tolist()
+    prompt = np.random.default_rng(0).integers(0, engine.config.vocab_size, args.prompt).tolist()
     list(generator.generate(prompt, args.tokens + 1, Sampler(SamplingParams())))
     stats = generator.stats
     print(f"pipelined greedy (Generator, next forward in flight): {(stats.decode_tokens - 1) / stats.decode_s:.1f} "
