@@ -242,6 +242,20 @@ def test_index_scores_and_topk(kernels, wide_kernels, rng):
     allowed = rng.random(long.shape) < 0.9
     for k in (kernels, wide_kernels):
         assert np.array_equal(k.topk(long, allowed, 700), topk_mask(long, allowed, 700))
+        # the chosen lists (the decode step's attention keys): each row's selection in ascending order, also
+        # where fewer keys than k are allowed
+        for row_allowed in (allowed, rng.random(long.shape) < 0.2):
+            mirror = Mirrors(k)
+            (sh, sb), (ah, ab), (selh, selb), (ch, cb) = (mirror(long.size), mirror(long.size, np.uint8),
+                                                          mirror(long.size, np.uint8), mirror(2 * 700, np.uint32))
+            sh[:], ah[:] = long.reshape(-1), row_allowed.reshape(-1)
+            name, size, local = k.topk_kernel(2)
+            mirror.launch(name, size, local, sb, ab, selb, cb, long.shape[1], 700, 2)
+            want = topk_mask(long, row_allowed, 700)
+            assert np.array_equal(selh.reshape(want.shape).astype(bool), want)
+            for row in range(2):
+                chosen = np.flatnonzero(want[row])
+                assert np.array_equal(ch[row * 700: row * 700 + len(chosen)], chosen)
 
 
 def check_index_scores_and_topk(kernels, rng):
@@ -407,22 +421,24 @@ def check_decode_attention(kernels, rng, n_keys, use_mask, rope):
     kv_lat, k_rot = rng.standard_normal((n_keys, kvl)).astype(np.float32), rng.standard_normal((n_keys, rope))
     mask = rng.random(n_keys) < 0.5 if use_mask else np.ones(n_keys, bool)
     mask[0] = True
+    keys = np.flatnonzero(mask).astype(np.uint32)  # the chosen keys (topk_select's list), read when use_mask
+    n = len(keys) if use_mask else n_keys
     bufs = {}
     for name, arr, dtype in (("ql", q_lat, np.float32), ("qr", q_rot, np.float32), ("kl", kv_lat, np.float32),
-                             ("kr", k_rot, np.float32), ("mask", mask, np.uint8)):
+                             ("kr", k_rot, np.float32), ("keys", keys, np.uint32)):
         host, buf = mirror(arr.size, dtype)
         host[:] = arr.reshape(-1)
         bufs[name] = buf
-    scores_h, scores = mirror(heads * n_keys)
+    scores_h, scores = mirror(heads * n)
     out_h, out = mirror(heads * kvl)
     scale = 0.17
     # the CPU launch (every head per item) or the GPU one (an item per key and head)
     apart = heads if kernels.heads_apart else 1
-    mirror.launch("mla_decode_scores", (n_keys, apart), None, bufs["ql"], bufs["qr"], bufs["kl"], bufs["kr"],
-                  bufs["mask"], int(use_mask), scores, heads, n_keys, kvl, rope, scale)
+    mirror.launch("mla_decode_scores", (n, apart), None, bufs["ql"], bufs["qr"], bufs["kl"], bufs["kr"],
+                  bufs["keys"], int(use_mask), scores, heads, n, kvl, rope, scale)
     red = kernels.red_lanes
-    mirror.launch("mla_decode_values", (heads * red,), (red,), scores, bufs["kl"], out, n_keys, kvl, 0, out, out,
-                  out)
+    mirror.launch("mla_decode_values", (heads * red,), (red,), scores, bufs["kl"], out, n, kvl, 0, out, out,
+                  out, bufs["keys"], int(use_mask))
     q = np.concatenate([q_lat, q_rot], axis=-1)[None].astype(np.float32)
     keys = np.concatenate([kv_lat, k_rot], axis=-1)[:, None, :].astype(np.float32)
     want = REF.attention(q, keys, kv_lat[:, None, :], mask[None], scale)[0]
@@ -628,7 +644,7 @@ def test_int8_input_matvec_and_norm(kernels, wide_kernels, rng, bits):
         sh[:], kh[:] = rng.standard_normal(heads * keys), rng.standard_normal(keys * n)
         scores = sh.reshape(heads, keys).copy()
         mirror.launch("mla_decode_values", (heads * k.red_lanes,), (k.red_lanes,), sb, kb, ob, keys, n, 1,
-                      *(c[1] for c in value_codes))
+                      *(c[1] for c in value_codes), sb, 0)
         probs = np.exp(scores - scores.max(-1, keepdims=True))
         close(oh.reshape(heads, n), (probs / probs.sum(-1, keepdims=True)) @ kh.reshape(keys, n), 1e-5)
         q, s = quantize_activations(oh.reshape(heads, n))

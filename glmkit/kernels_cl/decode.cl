@@ -174,55 +174,53 @@ __kernel void rope_rows(__global const float* x, uint x_off, uint x_row, __globa
     y[y_off + (ulong)h * y_row + j] = v;
 }
 
-/* Absorbed MLA attention of one query token, in two launches: these scores, then `mla_decode_values`.
- * scores[h, t] = (q_lat[h] . kv_lat[t] + q_rot[h] . k_rot[t]) * scale, -inf for
- * keys with mask[t] == 0 (when use_mask). q_lat [nh, kvl], q_rot [nh, rope], kv_lat [T, kvl], k_rot [T, rope].
- * One work-item per key and every get_global_size(1)-th head: global (T, 1) on CPUs (an item reads its key once for
- * every head), (T, nh) on GPUs (a head's dot per item: the heads in parallel). */
+/* Absorbed MLA attention of one query token, in two launches: these scores, then `mla_decode_values`, over n keys:
+ * key j is keys[j] when use_keys (the indexer's choice, `topk_select`'s chosen list), else j (every key).
+ * scores[h, j] = (q_lat[h] . kv_lat[t] + q_rot[h] . k_rot[t]) * scale for t = key j.
+ * q_lat [nh, kvl], q_rot [nh, rope], kv_lat [T, kvl], k_rot [T, rope].
+ * One work-item per key and every get_global_size(1)-th head: global (n, 1) on CPUs (an item reads its key once for
+ * every head), (n, nh) on GPUs (a head's dot per item: the heads in parallel). */
 __kernel void mla_decode_scores(__global const float* q_lat, __global const float* q_rot,
                                 __global const float* kv_lat, __global const float* k_rot,
-                                __global const uchar* mask, uint use_mask, __global float* scores, uint nh,
-                                uint n_keys, uint kvl, uint rope, float scale) {
-    const uint t = get_global_id(0);
-    if (t >= n_keys) return;
-    const __global float* kl = kv_lat + (ulong)t * kvl;
-    const __global float* kr = k_rot + (ulong)t * rope;
+                                __global const uint* keys, uint use_keys, __global float* scores, uint nh,
+                                uint n, uint kvl, uint rope, float scale) {
+    const uint j = get_global_id(0);
+    if (j >= n) return;
+    const ulong t = use_keys ? keys[j] : j;
+    const __global float* kl = kv_lat + t * kvl;
+    const __global float* kr = k_rot + t * rope;
     const uint lat8 = kvl / 8, rope8 = rope / 8;
     for (uint h = get_global_id(1); h < nh; h += get_global_size(1)) {
-        float d = -INFINITY;
-        if (!use_mask || mask[t]) {
-            const __global float* ql = q_lat + (ulong)h * kvl;
-            const __global float* qr = q_rot + (ulong)h * rope;
-            float8 acc = (float8)(0.0f);
-            for (uint j = 0; j < lat8; j++) acc += LOAD_F8(j, ql) * LOAD_F8(j, kl);
-            for (uint j = 0; j < rope8; j++) acc += LOAD_F8(j, qr) * LOAD_F8(j, kr);
-            float dot_ = hsum8(acc);
-            for (uint j = lat8 * 8; j < kvl; j++) dot_ += ql[j] * kl[j];
-            for (uint j = rope8 * 8; j < rope; j++) dot_ += qr[j] * kr[j];
-            d = dot_ * scale;
-        }
-        scores[(ulong)h * n_keys + t] = d;
+        const __global float* ql = q_lat + (ulong)h * kvl;
+        const __global float* qr = q_rot + (ulong)h * rope;
+        float8 acc = (float8)(0.0f);
+        for (uint i = 0; i < lat8; i++) acc += LOAD_F8(i, ql) * LOAD_F8(i, kl);
+        for (uint i = 0; i < rope8; i++) acc += LOAD_F8(i, qr) * LOAD_F8(i, kr);
+        float dot_ = hsum8(acc);
+        for (uint i = lat8 * 8; i < kvl; i++) dot_ += ql[i] * kl[i];
+        for (uint i = rope8 * 8; i < rope; i++) dot_ += qr[i] * kr[i];
+        scores[(ulong)h * n + j] = dot_ * scale;
     }
 }
 
-/* out[h] = softmax(scores[h]) @ kv_lat, one work-group (RED_LANES items) per head: the row's maximum and sum
- * (the probabilities replace the scores in place), then each item owns groups of VALUE_COLS latent columns and
- * reads only the rows of keys with a nonzero probability (past index_topk keys the indexer selects a few; the
- * rows of the others would make the kernel O(context): 2.7 of 8 ms per token at 4,000 keys). With
- * `quantize`, also out's int8 codes, scales and code sums per head (common.cl; kvl a multiple of 64).
- * scores [nh, T] (-inf: key not selected), kv_lat [T, kvl]. Global (nh * RED_LANES). */
+/* out[h] = softmax(scores[h]) @ kv_lat over the n keys of `mla_decode_scores` (keys, use_keys as there), one
+ * work-group (RED_LANES items) per head: the row's maximum and sum (the probabilities replace the scores in
+ * place), then each item owns groups of VALUE_COLS latent columns. Past index_topk keys of context the indexer's
+ * choice keeps both launches at index_topk keys (every key would make them O(context): 3.7 of 8 ms per token at
+ * 4,000 keys). With `quantize`, also out's int8 codes, scales and code sums per head (common.cl; kvl a multiple of
+ * 64). scores [nh, n], kv_lat [T, kvl]. Global (nh * RED_LANES). */
 __kernel void mla_decode_values(__global float* scores, __global const float* kv_lat, __global float* out,
-                                uint n_keys, uint kvl, uint quantize, __global char* q, __global float* qs,
-                                __global int* qsum) {
+                                uint n, uint kvl, uint quantize, __global char* q, __global float* qs,
+                                __global int* qsum, __global const uint* keys, uint use_keys) {
     __local float red[RED_LANES];
     const uint l = get_local_id(0), h = get_group_id(0);
-    __global float* p = scores + (ulong)h * n_keys;
-    const uint n8 = n_keys / 8;  /* chunks of 8 keys: vector exp (scalar exp per key cost more than the sums) */
+    __global float* p = scores + (ulong)h * n;
+    const uint n8 = n / 8;  /* chunks of 8 keys: vector exp (scalar exp per key cost more than the sums) */
     float8 m8 = (float8)(-INFINITY);
     for (uint c = l; c < n8; c += RED_LANES) m8 = fmax(m8, LOAD_F8(c, p));
     const float4 m4 = fmax(m8.lo, m8.hi);
     float m = fmax_(fmax_(m4.x, m4.y), fmax_(m4.z, m4.w));
-    for (uint t = 8 * n8 + l; t < n_keys; t += RED_LANES) m = fmax_(m, p[t]);
+    for (uint j = 8 * n8 + l; j < n; j += RED_LANES) m = fmax_(m, p[j]);
     m = group_max(m, red);
     float8 sum8 = (float8)(0.0f);
     for (uint c = l; c < n8; c += RED_LANES) {
@@ -231,9 +229,9 @@ __kernel void mla_decode_values(__global float* scores, __global const float* kv
         sum8 += e;
     }
     float sum = hsum8(sum8);
-    for (uint t = 8 * n8 + l; t < n_keys; t += RED_LANES) {
-        const float e = exp(p[t] - m);
-        p[t] = e;
+    for (uint j = 8 * n8 + l; j < n; j += RED_LANES) {
+        const float e = exp(p[j] - m);
+        p[j] = e;
         sum += e;
     }
     sum = group_sum(sum, red);
@@ -245,14 +243,13 @@ __kernel void mla_decode_values(__global float* scores, __global const float* kv
         if (VALUE_COLS == 32 && i0 + 32 <= kvl) {
             float8 a0 = (float8)(0.0f), a1 = a0, a2 = a0, a3 = a0;
             const __global float* kv = kv_lat + i0;
-            for (uint t = 0; t < n_keys; t++) {
-                const float pt = p[t];
-                if (pt == 0.0f) continue;  /* a key the indexer left out (or exp underflow): its row is not read */
-                const __global float* row = kv + (ulong)t * kvl;
-                a0 += pt * LOAD_F8(0, row);
-                a1 += pt * LOAD_F8(1, row);
-                a2 += pt * LOAD_F8(2, row);
-                a3 += pt * LOAD_F8(3, row);
+            for (uint j = 0; j < n; j++) {
+                const float pj = p[j];
+                const __global float* row = kv + (use_keys ? keys[j] : j) * (ulong)kvl;
+                a0 += pj * LOAD_F8(0, row);
+                a1 += pj * LOAD_F8(1, row);
+                a2 += pj * LOAD_F8(2, row);
+                a3 += pj * LOAD_F8(3, row);
             }
             vstore8(a0 / sum, 0, o + i0);
             vstore8(a1 / sum, 1, o + i0);
@@ -261,8 +258,7 @@ __kernel void mla_decode_values(__global float* scores, __global const float* kv
         } else {
             for (uint i = i0; i < min(i0 + VALUE_COLS, kvl); i++) {
                 float acc = 0.0f;
-                for (uint t = 0; t < n_keys; t++)
-                    if (p[t] != 0.0f) acc += p[t] * kv_lat[(ulong)t * kvl + i];
+                for (uint j = 0; j < n; j++) acc += p[j] * kv_lat[(use_keys ? keys[j] : j) * (ulong)kvl + i];
                 o[i] = acc / sum;
             }
         }

@@ -27,19 +27,25 @@ INLINE uint float_key(float f) {
 }
 
 /* selected[s, t] = 1 for the k largest scores among the allowed keys of row s (all of them when fewer
- * than k are allowed); ties at the threshold go to the lowest indices. A radix select over the 32 key
- * bits finds the k-th largest key, then one pass marks. One work-item per row. Global (S). */
+ * than k are allowed); ties at the threshold go to the lowest indices. chosen[s, :] lists the selected keys in
+ * ascending order (min(k, allowed) of them: the decode step's attention reads only those keys). A radix select
+ * over the 32 key bits finds the k-th largest key, then one pass marks. One work-item per row. Global (S). */
 __kernel void topk_select(__global const float* scores, __global const uchar* allowed, __global uchar* selected,
-                          uint n_keys, uint k, uint n_rows) {
+                          __global uint* chosen, uint n_keys, uint k, uint n_rows) {
     const uint s = get_global_id(0);
     if (s >= n_rows) return;
     const __global float* sc = scores + (ulong)s * n_keys;
     const __global uchar* al = allowed + (ulong)s * n_keys;
     __global uchar* sel = selected + (ulong)s * n_keys;
+    __global uint* ch = chosen + (ulong)s * k;
     uint n_allowed = 0;
     for (uint t = 0; t < n_keys; t++) n_allowed += al[t] ? 1u : 0u;
     if (n_allowed <= k) {
-        for (uint t = 0; t < n_keys; t++) sel[t] = al[t] ? 1 : 0;
+        uint n = 0;
+        for (uint t = 0; t < n_keys; t++) {
+            sel[t] = al[t] ? 1 : 0;
+            if (al[t]) ch[n++] = t;
+        }
         return;
     }
     uint prefix = 0;  /* the k-th largest key, built from the top bit down */
@@ -51,34 +57,44 @@ __kernel void topk_select(__global const float* scores, __global const uchar* al
     }
     uint above = 0;
     for (uint t = 0; t < n_keys; t++) above += (al[t] && float_key(sc[t]) > prefix) ? 1u : 0u;
-    uint ties = k - above;
+    uint ties = k - above, n = 0;
     for (uint t = 0; t < n_keys; t++) {
         const uint key = float_key(sc[t]);
         uchar take = 0;
         if (al[t] && key > prefix) take = 1;
         else if (al[t] && key == prefix && ties > 0) { take = 1; ties--; }
         sel[t] = take;
+        if (take) ch[n++] = t;
     }
 }
 
 /* topk_select with one work-group (RED_LANES items) per row, for GPUs, where the single work-item's serial passes
  * cost ~0.3 ms at 300 keys (H200): the same radix select, each pass's count summed over the group (counts are
  * exact in float below 2^24 keys); then item l marks the keys [l * chunk, (l + 1) * chunk), the threshold's ties
- * going to the lowest indices through the tie counts of the items before it. Global (S * RED_LANES). */
+ * going to the lowest indices through the tie counts of the items before it, and lists its keys in chosen after
+ * those of the items before it. Global (S * RED_LANES). */
 __kernel void topk_select_group(__global const float* scores, __global const uchar* allowed,
-                                __global uchar* selected, uint n_keys, uint k, uint n_rows) {
+                                __global uchar* selected, __global uint* chosen, uint n_keys, uint k, uint n_rows) {
     __local float red[RED_LANES];
     __local uint tie_counts[RED_LANES];
+    __local uint take_counts[RED_LANES];
     const uint l = get_local_id(0), s = get_group_id(0);
     const __global float* sc = scores + (ulong)s * n_keys;
     const __global uchar* al = allowed + (ulong)s * n_keys;
     __global uchar* sel = selected + (ulong)s * n_keys;
+    __global uint* ch = chosen + (ulong)s * k;
     const uint chunk = (n_keys + RED_LANES - 1) / RED_LANES;
     const uint t0 = min(l * chunk, n_keys), t1 = min(t0 + chunk, n_keys);
     uint mine = 0;
-    for (uint t = l; t < n_keys; t += RED_LANES) mine += al[t] ? 1u : 0u;
-    if ((uint)group_sum((float)mine, red) <= k) {
-        for (uint t = l; t < n_keys; t += RED_LANES) sel[t] = al[t] ? 1 : 0;
+    for (uint t = t0; t < t1; t++) mine += al[t] ? 1u : 0u;
+    take_counts[l] = mine;
+    if ((uint)group_sum((float)mine, red) <= k) {  /* its barriers also publish take_counts */
+        uint n = 0;
+        for (uint j = 0; j < l; j++) n += take_counts[j];
+        for (uint t = t0; t < t1; t++) {
+            sel[t] = al[t] ? 1 : 0;
+            if (al[t]) ch[n++] = t;
+        }
         return;
     }
     uint prefix = 0;
@@ -97,11 +113,16 @@ __kernel void topk_select_group(__global const float* scores, __global const uch
     tie_counts[l] = ties_here;
     uint ties = k - (uint)group_sum((float)above, red);  /* group_sum's barriers also publish tie_counts */
     for (uint j = 0; j < l; j++) ties = ties > tie_counts[j] ? ties - tie_counts[j] : 0u;
+    take_counts[l] = above + min(ties, ties_here);  /* (its allowed counts were read only on the return above) */
+    barrier(CLK_LOCAL_MEM_FENCE);
+    uint n = 0;
+    for (uint j = 0; j < l; j++) n += take_counts[j];
     for (uint t = t0; t < t1; t++) {
         const uint key = float_key(sc[t]);
         uchar take = 0;
         if (al[t] && key > prefix) take = 1;
         else if (al[t] && key == prefix && ties > 0) { take = 1; ties--; }
         sel[t] = take;
+        if (take) ch[n++] = t;
     }
 }

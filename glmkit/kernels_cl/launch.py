@@ -53,8 +53,8 @@ SIGNATURES = {
     "silu_mul": [None, None, None, _U32],
     "attention": [None] * 6 + [_U32] * 8 + [_F32],
     "index_scores": [None] * 4 + [_U32] * 3 + [_F32, _F32],
-    "topk_select": [None] * 3 + [_U32] * 3,
-    "topk_select_group": [None] * 3 + [_U32] * 3,
+    "topk_select": [None] * 4 + [_U32] * 3,
+    "topk_select_group": [None] * 4 + [_U32] * 3,
     "residual_rms_norm": [None, _U32, None, None, None, _U32, None, _U32, None, _U32, _U32, _F32, _U32, None, None,
                           None],
     "add_into": [None, None, _U32],
@@ -64,7 +64,7 @@ SIGNATURES = {
     "mla_query": _W + [None, _U32, None, _U32, _U32, None, None, _U32],
     "rope_rows": [None, _U32, _U32, None, _U32, _U32, None, _U32, _U32],
     "mla_decode_scores": [None] * 5 + [_U32, None] + [_U32] * 4 + [_F32],
-    "mla_decode_values": [None] * 3 + [_U32, _U32, _U32, None, None, None],
+    "mla_decode_values": [None] * 3 + [_U32, _U32, _U32, None, None, None, None, _U32],
     "route_noaux_tc": [None, None, _U32, None, None] + [_U32] * 6 + [_F32, _U32, None, None, None, _U32, None, None],
     "quantize_x8": [None, _U32, _U32, None, None, None],
     "mv_x8": _W + [None, None, None, _U32, _U32, _U32, None, _U32, _U32, _U32, _U32, _U32, None, None, None],
@@ -634,9 +634,9 @@ class Kernels:
     def _topk(self, allowed: np.ndarray, k: int, shape: tuple[int, int]) -> np.ndarray:
         n_s, n_keys = shape
         ab = self.put("mask", allowed, np.uint8)
-        ob = self.out("sel", n_s * n_keys)
+        ob, chosen = self.out("sel", n_s * n_keys), self.out("chosen", 4 * n_s * k)
         name, size, local = self.topk_kernel(n_s)
-        evt = self.kernel(name)(self.queue, size, local, self._slots["scores"][1], ab, ob, n_keys, k, n_s)
+        evt = self.kernel(name)(self.queue, size, local, self._slots["scores"][1], ab, ob, chosen, n_keys, k, n_s)
         return self.get("sel", shape, evt, np.uint8).astype(bool)
 
     def index_topk(self, q: np.ndarray, k: np.ndarray, weights: np.ndarray, scale: float, allowed: np.ndarray,

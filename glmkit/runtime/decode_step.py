@@ -150,6 +150,7 @@ class DeviceDecodeStep:
         ihd, inh = cfg.index_head_dim, cfg.index_n_heads
         self.key_raw, self.key = new(ihd), new(ihd)
         self.iq, self.iq_rot, self.iw = new(inh * ihd), new(inh * ihd), new(inh)
+        self.chosen = self._buf(max(cfg.index_topk, 1), np.uint32)  # the keys the indexer chose (attention's keys)
         self.one_row = (self._filled([0, 1], np.uint32), self._filled([1.0]))  # the range, weight of a one-row addend
         self.ffn_out = self._whole(self.ffn)  # the last bound layer's FFN output, as the next norm adds it
         self.capacity = 0  # keys the per-key scratch buffers hold
@@ -292,7 +293,6 @@ class DeviceDecodeStep:
         scores, index_scores = self.scratch["scores"][1], self.scratch["index_scores"][1]
         selected, every = self.scratch["selected"][1], self.scratch["all"][1]
         for layer in self.layers:  # the bound launches that read the scratch get the new buffers
-            layer.attention.set(4, selected)
             layer.attention.set(6, scores)
             layer.values.set(0, scores)
             if layer.scores is not None:
@@ -343,7 +343,7 @@ class DeviceDecodeStep:
             out.scores = k.bind("index_scores", (KEY_GROUP, 1), (KEY_GROUP, 1), self.iq_rot[1], self.key[1], self.iw[1],
                                 self.scratch["index_scores"][1], inh, ihd, 1, ihd ** -0.5, inh ** -0.5)
             out.topk = k.bind(*k.topk_kernel(1), self.scratch["index_scores"][1], self.scratch["all"][1],
-                              self.scratch["selected"][1], 1, cfg.index_topk, 1)
+                              self.scratch["selected"][1], self.chosen[1], 1, cfg.index_topk, 1)
             out.scoring = [*self._matvec(self._matrix(a + "indexer.wq_b.weight"), self.q_lat, self.iq,
                                          quantized=self.q_lat_x8),
                            self._rope(self.iq, 0, ihd, self.iq_rot[1], ihd, ihd, inh),
@@ -351,12 +351,13 @@ class DeviceDecodeStep:
                            out.scores, out.topk]
         scratch = self.scratch
         out.attention = k.bind("mla_decode_scores", (KEY_GROUP, 1), (KEY_GROUP, 1), self.q_abs[1], self.q_rot[1],
-                               self.comp[1], self.comp[1], scratch["selected"][1], 0, scratch["scores"][1], nh, 1, kvl,
+                               self.comp[1], self.comp[1], self.chosen[1], 0, scratch["scores"][1], nh, 1, kvl,
                                rope, cfg.qk_head_dim ** -0.5)
         # the values kernel writes o_lat's codes too when kv_b's value product takes int8 inputs
         o_lat_x8 = self._x8_scratch(nh * kvl) if self._x8(kv_b.bits, kv_b.group, kv_b.n_in) else None
         out.values = k.bind("mla_decode_values", (nh * self.red,), (self.red,), scratch["scores"][1], self.comp[1],
-                            self.o_lat[1], 1, kvl, int(o_lat_x8 is not None), *(o_lat_x8 or (self.o_lat[1],) * 3))
+                            self.o_lat[1], 1, kvl, int(o_lat_x8 is not None), *(o_lat_x8 or (self.o_lat[1],) * 3),
+                            self.chosen[1], 0)
         o_proj = self._matrix(a + "o_proj.weight")
         heads_x8 = self._x8_scratch(nh * v_dim) if self._x8(o_proj.bits, o_proj.group, o_proj.n_in) else None
         out.tail = [out.attention, out.values,
@@ -587,6 +588,8 @@ class DeviceDecodeStep:
         # per-key kernels: work-groups of KEY_GROUP items (a size left to the driver would follow the key count
         # down to groups of one item for a prime count: one work-group per key, measured ~50 us per launch)
         per_key = -(-keys // KEY_GROUP) * KEY_GROUP
+        attended = cfg.index_topk if scored else keys  # the keys attention reads: the indexer's choice, or all
+        per_attended = -(-attended // KEY_GROUP) * KEY_GROUP
         heads = cfg.num_attention_heads if self.k.heads_apart else 1
         for i in range(cfg.num_hidden_layers):
             cache.layer(i).claim(1)
@@ -611,14 +614,14 @@ class DeviceDecodeStep:
                     layer.scores.set(1, index_k)
                     layer.scores.set(6, keys)
                     layer.scores.size = (per_key, 1)
-                    layer.topk.set(3, keys)
+                    layer.topk.set(4, keys)
                     for launch in layer.scoring:
                         launch.enqueue()
-                for index, value in ((2, lat), (3, rot), (5, int(scored)), (8, keys)):
+                for index, value in ((2, lat), (3, rot), (5, int(scored)), (8, attended)):
                     layer.attention.set(index, value)
-                layer.attention.size = (per_key, heads)
-                layer.values.set(1, lat)
-                layer.values.set(3, keys)
+                layer.attention.size = (per_attended, heads)
+                for index, value in ((1, lat), (3, attended), (10, int(scored))):
+                    layer.values.set(index, value)
                 if layer.route is not None:
                     layer.route.set(18, layer.ids[slot][1])
                 for launch in layer.tail:
