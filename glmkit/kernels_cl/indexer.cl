@@ -7,14 +7,14 @@ __kernel void index_scores(__global const float* q, __global const float* k, __g
     const uint t = get_global_id(0), s = get_global_id(1);
     if (t >= n_keys) return;
     const __global float* kt = k + (ulong)t * d;
-    const uint d4 = d / 4;
+    const uint d8 = d / 8;  /* 8-wide: one AVX2 register per load on CPUs (float4 products measured ~2x slower) */
     float total = 0.0f;
     for (uint h = 0; h < nh; h++) {
         const __global float* qh = q + ((ulong)s * nh + h) * d;
-        float4 acc = (float4)(0.0f);
-        for (uint j = 0; j < d4; j++) acc += LOAD_F4(j, qh) * LOAD_F4(j, kt);
-        float dot_ = (acc.x + acc.y) + (acc.z + acc.w);
-        for (uint j = d4 * 4; j < d; j++) dot_ += qh[j] * kt[j];
+        float8 acc = (float8)(0.0f);
+        for (uint j = 0; j < d8; j++) acc += LOAD_F8(j, qh) * LOAD_F8(j, kt);
+        float dot_ = hsum8(acc);
+        for (uint j = d8 * 8; j < d; j++) dot_ += qh[j] * kt[j];
         total += (w[s * nh + h] * w_scale) * (fmax_(dot_ * scale, 0.0f));
     }
     out[(ulong)s * n_keys + t] = total;
