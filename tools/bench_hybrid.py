@@ -3,8 +3,10 @@
 
     PYTHONPATH=. python tools/bench_hybrid.py                 # bench model, q4, a "GPU" holding 25% of it
     PYTHONPATH=. python tools/bench_hybrid.py --budget 0.5
+    PYTHONPATH=. python tools/bench_hybrid.py --gpu          # this machine's GPU, PoCL's CPU device beside it
 
-Without a GPU, the GPU is PoCL's CPU device driven as a discrete one (device buffers, weights uploaded within
+With `--gpu` the discrete device is the machine's first OpenCL GPU. Without it, the GPU is PoCL's CPU device
+driven as a discrete one (device buffers, weights uploaded within
 `--budget` x the container; `Kernels(direct=False)`), decoding operation by operation as a real GPU would with a
 model over its budget. The routed experts that do not fit run on the host, three ways: the NumPy path (before the
 spill device existed), fused kernels on a CPU OpenCL device with float inputs, and the same with int8 inputs (the
@@ -65,13 +67,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=20)
     ap.add_argument("--work", type=Path, default=DEFAULT_WORK)
+    ap.add_argument("--gpu", action="store_true", help="the machine's GPU as the discrete device (default: PoCL's "
+                                                       "CPU device driven as one)")
     args = ap.parse_args(argv)
     engine = Engine(ensure_bench_snapshot(args.preset, args.work), "numpy", load_tokenizer=False)
     cpus = [d for d in list_devices() if d.kind == "cpu"]
-    if not cpus:
-        print("bench_hybrid: no CPU OpenCL device (pip install 'pyopencl[pocl]')", file=sys.stderr)
+    gpus = [d for d in list_devices() if d.kind == "gpu"]
+    if not cpus or (args.gpu and not gpus):
+        print(f"bench_hybrid: no {'CPU' if not cpus else 'GPU'} OpenCL device (the CPU one: pip install "
+              "'pyopencl[pocl]')", file=sys.stderr)
         return 1
-    gpu, cpu = Kernels(cpus[0], direct=False), Kernels(cpus[0])
+    gpu, cpu = Kernels(gpus[0]) if args.gpu else Kernels(cpus[0], direct=False), Kernels(cpus[0])
     budget = int(engine.container.nbytes * args.budget)
     models = {name: hybrid_model(engine, gpu, cpu, budget, *flags) for name, flags in PATHS.items()}
     prompt = np.random.default_rng(0).integers(0, engine.config.vocab_size, 64)
@@ -87,13 +93,14 @@ def main(argv: list[str] | None = None) -> int:
             rows[name]["tok_s"].append(args.tokens / (time.perf_counter() - start))
             rows[name]["experts_ms"].append(sum(spent) / args.tokens * 1e3)
     result = {name: {key: round(float(np.median(v)), 2) for key, v in row.items()} for name, row in rows.items()}
-    print(f"bench model {args.preset}, emulated GPU budget {args.budget:.0%} of {engine.container.nbytes / 1e6:.0f} MB "
-          f"(PoCL driven as a discrete device); medians of {args.runs} runs")
+    where = gpu.info.name if args.gpu else "PoCL driven as a discrete device"
+    print(f"bench model {args.preset}, GPU budget {args.budget:.0%} of {engine.container.nbytes / 1e6:.0f} MB "
+          f"({where}); medians of {args.runs} runs")
     print("| experts over the budget run on | decode tok/s | host expert time per token (ms) |")
     print("|---|---|---|")
     for name, row in result.items():
         print(f"| {name} | {row['tok_s']} | {row['experts_ms']} |")
-    print(json.dumps({"budget": args.budget, "preset": args.preset, "paths": result}))
+    print(json.dumps({"budget": args.budget, "preset": args.preset, "gpu": where, "paths": result}))
     return 0
 
 

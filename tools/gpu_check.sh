@@ -4,11 +4,14 @@
 #   2. tests.txt    the kernel, OpenCL backend and decode step tests on the GPU (glm-validate on every oracle fixture)
 #   3. profile.txt  tools/profile_decode.py: where a decoded token's time goes on the device decode step
 #   4. bench.*      tools/bench.py, one run each of every operation on the GPU and of auto
+#   5. hybrid.txt   tools/bench_hybrid.py --gpu: a GPU budget of 25% of the bench model, the experts over it on
+#                   the NumPy path or on PoCL's CPU device (needs PoCL beside the GPU driver)
 #
 #   tools/gpu_check.sh OUTDIR [KIND] [BENCH_WORK]    KIND: gpu (default) or cpu; BENCH_WORK: the bench model's home
 # Needs pyopencl and a registered OpenCL driver (ICD). Exits 1 when no device of KIND is found.
 # A GPU machine without PyPI: bring cp312 wheels of pyopencl, pytools, platformdirs, siphash24, zstandard, starlette
-# and uvicorn in an ignored .whl/, then
+# and uvicorn in an ignored .whl/ (step 5 also needs pocl-binary-distribution, PoCL's CPU device: a 58 MB wheel,
+# which with the rest outgrows a 64 MiB carry; without it step 5 reports no CPU device), then
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && PYTHONPATH=/tmp/site \
 #       tools/gpu_check.sh OUT gpu
 set -u
@@ -47,3 +50,4 @@ step tests 200 env GLMKIT_TEST_DEVICE="$dev" python3 -m pytest -q -p no:cachepro
 step profile 150 python3 tools/profile_decode.py --tokens 40 --work "$work"
 step bench 240 python3 tools/bench.py --devices "opencl:$dev,auto" --runs 1 --work "$work" \
     --json "$out/bench.json" --md "$out/bench.md"
+step hybrid 150 python3 tools/bench_hybrid.py --gpu --runs 2 --work "$work"
