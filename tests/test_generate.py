@@ -300,6 +300,9 @@ def test_sampling_is_the_sorted_reference_draw_for_draw(vocab):
             sampler, reference = Sampler(params), np.random.default_rng(params.seed)
             draws = [sampler(logits) for _ in range(30)]
             assert draws == [int(reference.choice(vocab, p=want)) for _ in range(30)], (name, params)
+    for bad in (np.nan, np.inf):  # a broken forward pass: a clear error, not an index past the vocabulary
+        with pytest.raises(GlmkitError, match="NaN or infinity"), np.errstate(invalid="ignore"):
+            Sampler(SamplingParams(temperature=1.0, seed=1))(np.where(np.arange(vocab) == 3, bad, 0.0))
     # the flat shape's top-p sets outgrow the first candidates (a real test of the growth and the full sort)
     flat = sorted_probabilities(shapes["flat"].astype(np.float32), SamplingParams(temperature=1.0, top_p=0.9))
     assert vocab < 1000 or np.count_nonzero(flat) > 1024

@@ -47,6 +47,8 @@ class Sampler:
         p = token_probabilities(logits, self.params)
         support = np.flatnonzero(p)  # zeros do not move a running sum: the same cdf as over all of p
         cdf = np.cumsum(p[support])
+        if not np.isfinite(cdf[-1]):
+            raise GlmkitError("sampling: the logits hold NaN or infinity")
         cdf /= cdf[-1]
         return int(support[np.searchsorted(cdf, self.rng.random(), side="right")])
 
