@@ -276,6 +276,10 @@ def check_index_scores_and_topk(kernels, rng):
     tied = np.array([[-1.0, -3.0, -2.0, -2.0, -2.0, -5.0]], np.float32)
     got = kernels.topk(tied, np.ones_like(tied, bool), 3)
     assert got.tolist() == [[True, False, True, True, False, False]]
+    # -0 and +0 tie (an index score is -0 when a negative head weight meets an all-off ReLU): lowest indices win
+    zeros = np.array([[0.0, -0.0, 1.0, -0.0, 0.0]], np.float32)
+    assert kernels.topk(zeros, np.ones_like(zeros, bool), 3).tolist() == [[True, True, True, False, False]]
+    assert topk_mask(zeros, np.ones_like(zeros, bool), 3).tolist() == [[True, True, True, False, False]]
 
 
 # ---- the device decode step's kernels (decode.cl), launched through bound launches ---------------------

@@ -20,9 +20,11 @@ __kernel void index_scores(__global const float* q, __global const float* k, __g
     out[(ulong)s * n_keys + t] = total;
 }
 
-/* Order-preserving map of a float to uint (larger float -> larger key); NaN never occurs here. */
+/* Order-preserving map of a float to uint (larger float -> larger key); NaN never occurs here. -0 maps to +0's
+ * key: the two compare equal (a tie, lowest index first, as NumPy's selection), and an index score is -0 where
+ * every head's ReLU is off and a negative head weight multiplies it. */
 INLINE uint float_key(float f) {
-    const uint b = as_uint(f);
+    const uint b = as_uint(f == 0.0f ? 0.0f : f);
     return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
