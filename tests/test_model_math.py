@@ -70,6 +70,24 @@ def test_topk_mask_keeps_min_k_t_plus_1_best_causal_keys() -> None:
     np.testing.assert_array_equal(topk_mask(scores, causal, 4), causal)  # k >= T: dense causal
 
 
+def test_topk_mask_is_the_per_row_stable_sort() -> None:
+    """Against the definition, row by row (a stable sort of the allowed scores, the first k): prefill-sized causal
+    masks with a cached prefix (row blocks partitioned over their own widths), arbitrary masks, rows with fewer
+    than k allowed keys and exact ties."""
+    rng = np.random.default_rng(0)
+    for seq, total, k, kind in ((300, 300, 40, "causal"), (300, 300, 150, "causal"), (257, 400, 64, "causal"),
+                                (200, 150, 30, "random"), (130, 500, 200, "causal")):  # 150: a block as wide as k
+        allowed = causal_mask(total - seq, seq, total) if kind == "causal" else rng.random((seq, total)) < 0.4
+        for scores in (rng.standard_normal((seq, total)), np.round(rng.standard_normal((seq, total))),
+                       rng.integers(0, 3, (seq, total))):  # few distinct values: ties across the k-th score
+            scores = scores.astype(np.float32)
+            want = np.zeros_like(allowed)
+            for row in range(seq):
+                keys = np.flatnonzero(allowed[row])
+                want[row, keys[np.argsort(-scores[row, keys], kind="stable")[:k]]] = True
+            np.testing.assert_array_equal(topk_mask(scores, allowed, k), want)
+
+
 def test_topk_mask_ties_go_to_the_lowest_keys() -> None:
     """Indexer scores tie exactly (0 when every head's ReLU is off): the lowest key indices win, as in the
     OpenCL kernel, so that every backend attends to the same keys."""
