@@ -182,6 +182,12 @@ def test_make_backend_spills_when_the_model_outgrows_a_discrete_device(snapshots
             assert any(ref is not None for ref in backend.spill._experts.values())  # experts ran on the CPU device
     monkeypatch.setattr(devices, "list_devices", lambda: [gpu_of(nbytes), device])
     monkeypatch.setattr(devices, "measure_bandwidth", lambda k: {"device_read_gbs": 1.0, "host_read_gbs": 1.0})
+    # auto: the CPU device runs with its own measured placement (stored in its profile, as `--device auto` there)
+    timeit = devices.timeit
+    monkeypatch.setattr(devices, "timeit", lambda fn, *a, **k: (fn(), 1.0)[1])  # every path ties: host wins
+    spill = devices.spill_backend([gpu_of(nbytes), device], gpu_of(nbytes), nbytes, engine.container)
+    assert spill.placement == devices.cached_placement(device, engine.container) == Placement.all_host()
+    monkeypatch.setattr(devices, "timeit", timeit)
     assert f"the routed experts that do not fit run on {device.spec}" in devices.list_devices_report()
     placement = devices.measure(Kernels(gpu_of(nbytes), lanes=8, red_lanes=8), engine.container,
                                 spill=devices.spill_backend([gpu_of(nbytes), device], gpu_of(nbytes), nbytes))

@@ -123,7 +123,7 @@ def make_backend(spec: str, container: Any = None, int8_activations: bool = True
         notice(f"--device {spec}: {info.name} cannot run the kernels ({_one_line(e)}); using numpy")
         return NumpyBackend(), "numpy"
     blas_threads = initial_blas_threads()
-    spill = spill_backend(devices, info, model_bytes)
+    spill = spill_backend(devices, info, model_bytes, container if kind == "auto" else None)
     if kind == "opencl" or container is None:
         placement = Placement.all_cl(kernels.direct)
         placement.spill_experts = spill is not None
@@ -141,16 +141,21 @@ def make_backend(spec: str, container: Any = None, int8_activations: bool = True
                           spill=spill), name)
 
 
-def spill_backend(devices: list[DeviceInfo], info: DeviceInfo, model_bytes: int) -> OpenCLBackend | None:
+def spill_backend(devices: list[DeviceInfo], info: DeviceInfo, model_bytes: int, container: Any = None
+                  ) -> OpenCLBackend | None:
     """For a discrete device whose weight budget the model outgrows: a backend on the first CPU OpenCL device
-    (PoCL), to run the routed experts the device cannot hold in fused kernels over the mapping; else None."""
+    (PoCL), to run the routed experts the device cannot hold in fused kernels over the mapping; else None.
+    container (`--device auto`): the CPU device gets its own measured placement (e.g. its prefill products on the
+    NumPy worker pool rather than one BLAS thread); else every operation as a kernel."""
     if info.unified or model_bytes <= weight_budget(info.global_mem):
         return None
     cpu = next((d for d in devices if d.kind == "cpu"), None)
     if cpu is None:
         return None
     try:
-        return OpenCLBackend(Kernels(cpu), Placement.all_cl(True))
+        kernels = Kernels(cpu)
+        placement = Placement.all_cl(True) if container is None else load_or_measure(kernels, container)
+        return OpenCLBackend(kernels, placement)
     except Exception as e:  # noqa: BLE001 - experts over the budget then run on the NumPy path, as before
         notice(f"{cpu.name} cannot run the kernels ({_one_line(e)}); routed experts over the weight budget of "
                f"{info.name} run on the NumPy path")
