@@ -189,6 +189,11 @@ __kernel void mla_decode_scores(__global const float* q_lat, __global const floa
     const ulong t = use_keys ? keys[j] : j;
     const __global float* kl = kv_lat + t * kvl;
     const __global float* kr = k_rot + t * rope;
+    if (use_keys && j + 1 < n) {  /* the next item's key (the chosen rows are scattered: no hardware prefetch) */
+        const ulong next = keys[j + 1];
+        for (uint i = 0; i < kvl; i += 16) PREFETCH(kv_lat + next * kvl + i);
+        for (uint i = 0; i < rope; i += 16) PREFETCH(k_rot + next * rope + i);
+    }
     const uint lat8 = kvl / 8, rope8 = rope / 8;
     for (uint h = get_global_id(1); h < nh; h += get_global_size(1)) {
         const __global float* ql = q_lat + (ulong)h * kvl;
