@@ -84,6 +84,29 @@ def test_every_operation_as_a_kernel_matches_numpy_quantized(snapshots, kernels)
         assert backend.numerics.startswith("opencl-") and backend.numerics != engine.backend.numerics
 
 
+def test_per_operation_int4_experts_take_int8_inputs(snapshots, kernels):
+    """Fused int4 experts of decode rows run operation by operation (here a two-token forward, as an MTP draft's
+    verification; the trained fixture's dense MLP is the int4 MLP with whole 64-column blocks) take int8 inputs
+    unless int8_activations is off: within int8 rounding of the float inputs' logits, the same greedy tokens."""
+    engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
+    ids = np.array(json.loads((FIXTURES / "tiny-trained" / "oracle.json").read_text())["full_ids"][:40])
+    logits, calls = {}, {}
+    for int8 in (False, True):
+        backend = OpenCLBackend(kernels, Placement.all_cl(kernels.direct), int8_activations=int8)
+        calls[int8] = []
+        run = backend.k.experts_x8
+        backend.k.experts_x8 = lambda *a, run=run, seen=calls[int8]: (seen.append(1), run(*a))[1]
+        model = with_backend(engine, backend)
+        cache = model.new_cache()
+        model.forward(ids[:30], cache)
+        logits[int8] = np.concatenate([model.forward(ids[i:i + 2], cache)[0] for i in range(30, 40, 2)])
+        backend.k.experts_x8 = run
+    assert calls[True] and not calls[False]
+    err = np.abs(logits[True] - logits[False]).max() / np.abs(logits[False]).max()
+    assert 1e-6 < err < 5e-2
+    assert (logits[True].argmax(-1) == logits[False].argmax(-1)).mean() >= 0.9
+
+
 def test_discrete_memory_budget_is_hybrid(snapshots, device):
     """A device without host-unified memory: weights uploaded once within the budget, the experts that do
     not fit computed on the host; the result is the same forward pass."""
