@@ -41,6 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     engine = Engine(ensure_bench_snapshot(args.preset, args.work), "auto", load_tokenizer=False)
     model = engine.model
+    longest = engine.config.max_position_embeddings - 2 * args.tokens - 8  # the warm-up and profiled tokens fit
+    if not 0 < args.prompt <= longest:
+        print(f"profile_decode: --prompt must be in 1..{longest} (the model's {engine.config.max_position_embeddings} "
+              f"positions less the decoded tokens)", file=sys.stderr)
+        return 2
     if not hasattr(engine.backend, "k") or not model.decodes_on_device():
         print("profile_decode: this device/placement has no device decode step", file=sys.stderr)
         return 1
