@@ -22,6 +22,8 @@ a change in machine load hits every device alike) and the table shows medians ov
   before every round, the best taken); for a row on a GPU, its own memory's read bandwidth (a kernel streaming
   a matrix uploaded to it, glmkit.runtime.devices). Beside the target's figure (median decode / best sample), a
   host row also lists each round's decode over the bandwidth sampled just before that round.
+With `--context N`, glmkit rows also decode 32 greedy tokens after an N-token prompt (MTP off): decode at long
+context, where the attention and the indexer read N keys (the issue's targets are at 256).
 Devices: `numpy@N` = NumPy with N OpenBLAS threads (`numpy` = --blas-threads), `opencl[:P:D]` = every
 operation as an OpenCL kernel, `auto` = the measured placement (glmkit.runtime.devices), `transformers` =
 GlmMoeDsaForCausalLM (transformers 5.23.0, float32, eager attention) on the same BF16 source weights
@@ -49,6 +51,7 @@ from tools.bench_run import proc_status  # noqa: E402
 PREFILL = (256, 1024)
 PROMPT = 256
 DECODE = 64
+CONTEXT_DECODE = 32  # tokens decoded after the --context prompt
 
 
 # ---- child side ---------------------------------------------------------------------------------
@@ -115,6 +118,10 @@ def worker_glmkit(spec: dict) -> dict:
             result["mtp_acceptance"] = stats.mtp_acceptance
         kv = sum(a.nbytes for layer in cache.layers for a in layer._data.values())
         result[f"kv_bytes_{key}"] = kv
+    if spec.get("context"):
+        gen = Generator(model, (), use_mtp=False)
+        list(gen.generate(token_ids(spec["context"], vocab, 1), CONTEXT_DECODE + 1, Sampler(SamplingParams())))
+        result["decode_tok_s_context"] = CONTEXT_DECODE / gen.stats.decode_s
     result["status_end"] = proc_status()
     result["cpu_s"] = time.process_time()
     kernels = getattr(engine.backend, "k", None)
@@ -259,7 +266,7 @@ def summarize(results: dict[str, list[dict]], bytes_per_token: int, bandwidth: f
             row["device"] = ok[0]["device"]
             for key in ("prefill_256_tok_s", "prefill_1024_tok_s", "ttft_s_mtp_off", "decode_tok_s_mtp_off",
                         "decode_tok_s_mtp_on", "mtp_acceptance", "peak_rss_decode_mtp_off", "baseline_rss",
-                        "kv_bytes_mtp_off"):
+                        "kv_bytes_mtp_off", "decode_tok_s_context"):
                 row[key] = median(ok, key)
             row["all_decode_tok_s_mtp_off"] = [round(r["decode_tok_s_mtp_off"], 2) for r in ok]
             # a GPU's ceiling is its own memory's read bandwidth, not the host's
@@ -312,6 +319,10 @@ def markdown(table: dict[str, dict], meta: dict) -> str:
                      f"{fmt(row.get('prefill_1024_tok_s'))} | {fmt(row.get('ttft_s_mtp_off'), 2)} | "
                      f"{fmt(row.get('decode_tok_s_mtp_off'), 2)} | {mtp} | {fmt(row.get('ceiling_fraction'), 1, 100)} "
                      f"| {rss} |")
+    if meta.get("context"):
+        lines += ["", f"Decode at {meta['context']} tokens of context (MTP off, {CONTEXT_DECODE} tokens): " + ", ".join(
+            f"{name} {fmt(row.get('decode_tok_s_context'), 2)} tok/s" for name, row in table.items()
+            if row.get("decode_tok_s_context"))]
     return "\n".join(lines)
 
 
@@ -361,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=1800, help="seconds per child run")
     p.add_argument("--json", type=Path, help="write every run and the summary here")
     p.add_argument("--md", type=Path, help="write the markdown table here")
+    p.add_argument("--context", type=int, default=0, help="glmkit rows: also decode after a prompt of this many "
+                                                             "tokens (e.g. 4000; default off)")
     args = p.parse_args(argv)
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))
@@ -386,8 +399,8 @@ def main(argv: list[str] | None = None) -> int:
             print("transformers/torch not installed (pip install -e '.[oracle]'): skipping that row", file=sys.stderr)
             devices.remove("transformers")
     base = {"snapshot": str(snapshot), "source": str(source), "prefill": list(PREFILL), "prompt": PROMPT,
-            "decode": DECODE, "threads": args.threads, "heads": json.loads((source / "config.json").read_text())[
-                "num_attention_heads"]}
+            "decode": DECODE, "context": args.context, "threads": args.threads,
+            "heads": json.loads((source / "config.json").read_text())["num_attention_heads"]}
     results: dict[str, list[dict]] = {d: [] for d in devices}
     for run in range(args.runs):
         if run:
@@ -410,7 +423,8 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"preset": args.preset, "container_bytes": container, "bytes_per_token": bytes_per_token,
             "bandwidth": bw, "bandwidth_samples": samples, "bandwidth_gbs": bandwidth,
             "ceiling_tok_s": bandwidth * 1e9 / bytes_per_token,
-            "runs": args.runs, "cores": os.cpu_count(), "cpu": platform.processor() or platform.machine(),
+            "runs": args.runs, "context": args.context, "cores": os.cpu_count(),
+            "cpu": platform.processor() or platform.machine(),
             "load_start": round(load_start, 1), "load_end": round(os.getloadavg()[0], 1),
             "command": "python tools/bench.py " + " ".join(sys.argv[1:])}
     text = markdown(table, meta) + "\n\n" + "\n".join(f"- {line}" for line in ratios(table))
