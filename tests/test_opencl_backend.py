@@ -16,7 +16,7 @@ from glmkit.runtime import cli_run, cli_validate, devices
 from glmkit.runtime.backend import NumpyBackend
 from glmkit.runtime.engine import Engine
 from glmkit.runtime.model import GlmMoeDsaModel
-from glmkit.runtime.opencl_backend import OpenCLBackend, Placement
+from glmkit.runtime.opencl_backend import OpenCLBackend, Placement, initial_blas_threads
 from tests.runtime_support import FIXTURES, VARIANTS, Snapshots, opencl_test_device
 
 
@@ -196,6 +196,8 @@ def test_make_backend_spills_when_the_model_outgrows_a_discrete_device(snapshots
         monkeypatch.setattr(devices, "list_devices", lambda gm=global_mem: [gpu_of(gm), device])
         backend, name = devices.make_backend("opencl", engine.container)
         assert (backend.spill is not None) == spills and name.endswith(f"+experts@{device.spec}") == spills
+        # beside the spill device BLAS runs one thread: the GPU's own host work gets the worker pool
+        assert backend.host.workers == ((initial_blas_threads() or 1) if spills else 1)
         if spills:
             model = with_backend(engine, backend)
             ids = np.array(json.loads((FIXTURES / "tiny-bf16" / "oracle.json").read_text())["full_ids"][:12])

@@ -126,6 +126,8 @@ class OpenCLBackend:
             # prefill-sized host work is shared by as many NumPy workers as BLAS had threads
             workers = initial_blas_threads() or 1
             set_blas_threads(1)
+        elif spill is not None:  # the spill device pinned BLAS to one thread: this device's host work shares a pool
+            workers = initial_blas_threads() or 1
         self.host = NumpyBackend(decode_rows=DECODE_ROWS, workers=workers)
         self.placement = placement or Placement.all_cl(kernels.direct)
         unified = kernels.info.unified if unified is None else unified
