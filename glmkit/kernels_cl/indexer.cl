@@ -28,6 +28,21 @@ INLINE uint float_key(float f) {
     return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
+/* Marks the keys [t0, t1) of a row: sel[t] = 1 for the allowed keys above `prefix` (a key of float_key) and for
+ * the first `ties` allowed keys equal to it, 0 for the others; the marked keys are listed in ch from ch[n] on.
+ * prefix 0 (below every float's key) marks every allowed key. */
+INLINE void mark_keys(const __global float* sc, const __global uchar* al, __global uchar* sel, __global uint* ch,
+                      uint t0, uint t1, uint prefix, uint ties, uint n) {
+    for (uint t = t0; t < t1; t++) {
+        const uint key = float_key(sc[t]);
+        uchar take = 0;
+        if (al[t] && key > prefix) take = 1;
+        else if (al[t] && key == prefix && ties > 0) { take = 1; ties--; }
+        sel[t] = take;
+        if (take) ch[n++] = t;
+    }
+}
+
 /* selected[s, t] = 1 for the k largest scores among the allowed keys of row s (all of them when fewer
  * than k are allowed); ties at the threshold go to the lowest indices. chosen[s, :] lists the selected keys in
  * ascending order (min(k, allowed) of them: the decode step's attention reads only those keys). A radix select
@@ -43,11 +58,7 @@ __kernel void topk_select(__global const float* scores, __global const uchar* al
     uint n_allowed = 0;
     for (uint t = 0; t < n_keys; t++) n_allowed += al[t] ? 1u : 0u;
     if (n_allowed <= k) {
-        uint n = 0;
-        for (uint t = 0; t < n_keys; t++) {
-            sel[t] = al[t] ? 1 : 0;
-            if (al[t]) ch[n++] = t;
-        }
+        mark_keys(sc, al, sel, ch, 0, n_keys, 0, 0, 0);
         return;
     }
     uint prefix = 0;  /* the k-th largest key, built from the top bit down */
@@ -59,15 +70,7 @@ __kernel void topk_select(__global const float* scores, __global const uchar* al
     }
     uint above = 0;
     for (uint t = 0; t < n_keys; t++) above += (al[t] && float_key(sc[t]) > prefix) ? 1u : 0u;
-    uint ties = k - above, n = 0;
-    for (uint t = 0; t < n_keys; t++) {
-        const uint key = float_key(sc[t]);
-        uchar take = 0;
-        if (al[t] && key > prefix) take = 1;
-        else if (al[t] && key == prefix && ties > 0) { take = 1; ties--; }
-        sel[t] = take;
-        if (take) ch[n++] = t;
-    }
+    mark_keys(sc, al, sel, ch, 0, n_keys, prefix, k - above, 0);
 }
 
 /* topk_select with one work-group (RED_LANES items) per row, for GPUs, where the single work-item's serial passes
@@ -93,10 +96,7 @@ __kernel void topk_select_group(__global const float* scores, __global const uch
     if ((uint)group_sum((float)mine, red) <= k) {  /* its barriers also publish take_counts */
         uint n = 0;
         for (uint j = 0; j < l; j++) n += take_counts[j];
-        for (uint t = t0; t < t1; t++) {
-            sel[t] = al[t] ? 1 : 0;
-            if (al[t]) ch[n++] = t;
-        }
+        mark_keys(sc, al, sel, ch, t0, t1, 0, 0, n);
         return;
     }
     uint prefix = 0;
@@ -119,12 +119,5 @@ __kernel void topk_select_group(__global const float* scores, __global const uch
     barrier(CLK_LOCAL_MEM_FENCE);
     uint n = 0;
     for (uint j = 0; j < l; j++) n += take_counts[j];
-    for (uint t = t0; t < t1; t++) {
-        const uint key = float_key(sc[t]);
-        uchar take = 0;
-        if (al[t] && key > prefix) take = 1;
-        else if (al[t] && key == prefix && ties > 0) { take = 1; ties--; }
-        sel[t] = take;
-        if (take) ch[n++] = t;
-    }
+    mark_keys(sc, al, sel, ch, t0, t1, prefix, ties, n);
 }

@@ -135,10 +135,9 @@ def make_backend(spec: str, container: Any = None, int8_activations: bool = True
         if blas_threads:
             set_blas_threads(blas_threads)  # measuring ran the OpenCL backend, which pins BLAS to one thread
         return NumpyBackend(), "numpy"
-    if placement.spill_experts and spill is not None:
-        name += f"+experts@{spill.k.info.spec}"
-    return (OpenCLBackend(kernels, placement, model_bytes=model_bytes, int8_activations=int8_activations,
-                          spill=spill), name)
+    backend = OpenCLBackend(kernels, placement, model_bytes=model_bytes, int8_activations=int8_activations,
+                            spill=spill)
+    return backend, name + (f"+experts@{backend.spill.k.info.spec}" if backend.spill is not None else "")
 
 
 def spill_backend(devices: list[DeviceInfo], info: DeviceInfo, model_bytes: int, container: Any = None
@@ -354,7 +353,7 @@ def measure(kernels: Kernels, container: Any, bandwidth: dict[str, float] | None
         both("experts", lambda: cl_backend.moe(x1, ids, gates, triple, shared),
              lambda: host.moe(x1, ids, gates, triple, shared))
         placement.experts = faster("experts")
-        if spill is not None:
+        if spill is not None:  # timed after `faster`: the spill device is no choice for placement.experts
             timings["experts"]["spill"] = timeit(lambda: spill.moe(x1, ids, gates, triple, shared)) * 1e3
             placement.spill_experts = timings["experts"]["spill"] < MARGIN * timings["experts"]["host"]
     # the device decode step runs the experts, and every other decode operation, as kernels: on devices that
@@ -415,8 +414,8 @@ def measure(kernels: Kernels, container: Any, bandwidth: dict[str, float] | None
             # device's where it runs them)
             expert_bytes = 3 * weight.nbytes
             upload_ms = expert_bytes / (bandwidth["host_to_device_gbs"] * 1e9) * 1e3
-            host = timings.get("experts", {})
-            host_ms = host.get("spill" if placement.spill_experts else "host", 0.0) / max(k + 1, 1)
+            expert_ms = timings.get("experts", {})
+            host_ms = expert_ms.get("spill" if placement.spill_experts else "host", 0.0) / max(k + 1, 1)
             placement.stream_experts = upload_ms < host_ms
     placement.timings = {name: {p: round(v, 4) for p, v in t.items()} for name, t in timings.items()}
     return placement
