@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from glmkit.runtime.engine import Engine
+from glmkit.generate.engine import Engine
 from tests.runtime_support import Snapshots
 
 

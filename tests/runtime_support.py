@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from glmkit.convert.cli import main as convert_main
-from glmkit.kernels_cl.launch import DeviceInfo, list_devices
+from glmkit.backends.opencl.launch import DeviceInfo, list_devices
+from glmkit.cli.convert import main as convert_main
 
 FIXTURES = Path(__file__).parent / "fixtures"
 VARIANTS = ("tiny-bf16", "tiny-fp8")

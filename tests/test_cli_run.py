@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from glmkit.runtime.cli_run import main as run_main
-from glmkit.runtime.engine import Engine
-from glmkit.runtime.generate import Generator
-from glmkit.runtime.sampling import Sampler, SamplingParams
+from glmkit.cli.run import main as run_main
+from glmkit.generate.engine import Engine
+from glmkit.generate.generator import Generator
+from glmkit.generate.sampling import Sampler, SamplingParams
 from tests.runtime_support import FIXTURES, convert, copy_with_config
 
 STATS_KEYS = {"prompt_tokens", "cached_tokens", "prefill_s", "ttft_s", "decode_tokens", "decode_s", "peak_rss_mb",

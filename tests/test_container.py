@@ -5,9 +5,9 @@ import json
 import numpy as np
 import pytest
 
-from glmkit.convert.cli import main as convert_main
+from glmkit.cli.convert import main as convert_main
 from glmkit.errors import GlmkitError
-from glmkit.formats.reader import Container
+from glmkit.format.reader import Container
 from tools.synth import make_snapshot
 
 

@@ -4,11 +4,11 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from glmkit.convert.cli import main as convert_main
-from glmkit.formats.manifest import ALIGNMENT
-from glmkit.formats.packing import dequantize
-from glmkit.formats.reader import Container
-from glmkit.formats.safetensors_file import read_header
+from glmkit.cli.convert import main as convert_main
+from glmkit.format.manifest import ALIGNMENT
+from glmkit.format.packing import dequantize
+from glmkit.format.reader import Container
+from glmkit.format.safetensors_file import read_header
 from tools.synth import TINY_CONFIG, make_snapshot, make_weights
 
 
@@ -192,7 +192,9 @@ def test_source_digests_run_beside_the_conversion_and_stop_on_request(tmp_path):
     import hashlib
     import threading
 
-    from glmkit.convert.source import BackgroundDigests, DigestsStopped, open_source, sha256_file
+    from glmkit.convert.sources.open import open_source
+    from glmkit.convert.sources.snapshot import DigestsStopped, sha256_file
+    from glmkit.convert.sources.source import BackgroundDigests
 
     src = tmp_path / "src"
     make_snapshot(src, TINY_CONFIG, shards=2, seed=3)

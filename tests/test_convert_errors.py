@@ -5,9 +5,9 @@ import struct
 
 import pytest
 
-from glmkit.convert.cli import main as convert_main
+from glmkit.cli.convert import main as convert_main
 from glmkit.errors import GlmkitError
-from glmkit.formats.reader import Container
+from glmkit.format.reader import Container
 from tools.synth import TINY_CONFIG, make_snapshot
 
 
@@ -139,14 +139,14 @@ def test_failure_mid_conversion_leaves_no_manifest(tmp_path, capsys, monkeypatch
     make_snapshot(src)
     out = tmp_path / "out"
     assert convert_main([str(src), str(out), "--quiet"]) == 0
-    from glmkit.convert import source
+    from glmkit.convert.sources import snapshot
 
     def broken(self, spec):
         if "layers.2" in spec.name:
             raise GlmkitError(f"{spec.name}: simulated read failure")
         return real(self, spec)
-    real = source.HFSnapshot.load
-    monkeypatch.setattr(source.HFSnapshot, "load", broken)
+    real = snapshot.HFSnapshot.load
+    monkeypatch.setattr(snapshot.HFSnapshot, "load", broken)
     assert "simulated read failure" in run_bad(capsys, src, out, "--force")
 
 

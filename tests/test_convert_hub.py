@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 from huggingface_hub import constants
 
+from glmkit.cli.convert import main as convert_main
 from glmkit.convert import convert as convert_module
-from glmkit.convert.cli import main as convert_main
-from glmkit.convert.fetch import ShardFetcher, peak_alive_bytes
-from glmkit.convert.source import HFSnapshot
+from glmkit.convert.sources.fetch import ShardFetcher, peak_alive_bytes
+from glmkit.convert.sources.snapshot import HFSnapshot
 from glmkit.errors import GlmkitError
-from glmkit.formats.reader import Container
-from glmkit.formats.safetensors_file import read_header
+from glmkit.format.reader import Container
+from glmkit.format.safetensors_file import read_header
 from tests.fake_hub import FakeHub, read_dir
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -135,7 +135,7 @@ def wait_for(predicate, what: str, timeout: float = 30) -> None:
 def start_held_converter(hub, tmp_path, out, *args):
     """A glm-convert process that downloads shards 1-2, then stalls inside shard 3 (the Hub holds it)."""
     hold = hub.hold(BF16, SHARDS[2], after=100_000)
-    proc = subprocess.Popen([sys.executable, "-m", "glmkit.convert.cli", BF16, str(out), "--quiet", "--endpoint",
+    proc = subprocess.Popen([sys.executable, "-m", "glmkit.cli.convert", BF16, str(out), "--quiet", "--endpoint",
                              hub.endpoint, *args], env=subprocess_env(tmp_path), cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:

@@ -1,4 +1,4 @@
-"""The device decode step (glmkit.runtime.decode_step) on PoCL: a whole decoded token as one queue of kernels.
+"""The device decode step (glmkit.backends.opencl.decode_graph) on PoCL: a whole decoded token as one queue of kernels.
 
 Checked against the NumPy reference token by token: logits, the KV rows the kernels write into the host cache,
 the routed experts the route hook sees, across the indexer's switch to top-k selection (the fixtures have
@@ -12,17 +12,18 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from glmkit.kernels_cl import launch
-from glmkit.kernels_cl.launch import Kernels
-from glmkit.runtime import cli_run, cli_validate, decode_step
-from glmkit.runtime import experts as experts_module
-from glmkit.runtime.decode_step import DeviceDecodeStep
-from glmkit.runtime.engine import Engine
-from glmkit.runtime.generate import Generator
-from glmkit.runtime.model import GlmMoeDsaModel
-from glmkit.runtime.opencl_backend import OpenCLBackend, Placement
-from glmkit.runtime.sampling import Sampler, SamplingParams
-from glmkit.serve import cli as serve_cli
+from glmkit.backends.opencl import decode_graph, launch
+from glmkit.backends.opencl.backend import OpenCLBackend, Placement
+from glmkit.backends.opencl.decode_graph import DeviceDecodeStep
+from glmkit.backends.opencl.launch import Kernels
+from glmkit.cli import run as cli_run
+from glmkit.cli import serve as serve_cli
+from glmkit.cli import validate as cli_validate
+from glmkit.generate.engine import Engine
+from glmkit.generate.generator import Generator
+from glmkit.generate.sampling import Sampler, SamplingParams
+from glmkit.model import expert_stream
+from glmkit.model.glm5 import GlmMoeDsaModel
 from tests.runtime_support import FIXTURES, Snapshots, convert, copy_with_config, opencl_test_device, oracle
 from tools.quality_int8_activations import pad_experts
 
@@ -198,7 +199,7 @@ def test_cache_growth_and_truncation(snapshots, kernels, monkeypatch):
     """The cache arrays (capacity 256) and the step's per-key scratch grow under the kernels; a truncated
     cache continues with other tokens."""
     engine = Engine(snapshots("tiny-bf16", "q4"), "numpy", load_tokenizer=False)
-    monkeypatch.setattr(decode_step, "INITIAL_KEYS", 16)
+    monkeypatch.setattr(decode_graph, "INITIAL_KEYS", 16)
     ref, dev = models(engine, kernels)
     rng = np.random.default_rng(3)
     vocab = engine.config.vocab_size
@@ -398,7 +399,7 @@ def test_routes_watched_as_they_happen(snapshots, direct_kernels, monkeypatch):
     assert not Counter((layer, tuple(ids)) for layer, ids in dev.route_hook.seen) - Counter(
         (layer, tuple(ids)) for layer, ids in seen)
     assert Engine(snap, "opencl", load_tokenizer=False).model.step_route_hook is None  # fits in RAM
-    monkeypatch.setattr(experts_module, "memory_limit_bytes", lambda: 1 << 20)
+    monkeypatch.setattr(expert_stream, "memory_limit_bytes", lambda: 1 << 20)
     watched = Engine(snap, "opencl", load_tokenizer=False)
     assert watched.model.step_route_hook == watched.experts.advise_routed
     assert not Engine(snap, "opencl", load_tokenizer=False, prefetch=False).model.step_route_hook

@@ -1,4 +1,4 @@
-"""Expert streaming over the mapping: hit/miss counting, prefetch, RAM pinning (glmkit.runtime.experts)."""
+"""Expert streaming over the mapping: hit/miss counting, prefetch, RAM pinning (glmkit.model.expert_stream)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from glmkit.formats.reader import Container
-from glmkit.formats.schema import EXPERT_PROJECTIONS, expert_weight_name
-from glmkit.formats.tensors import QuantWeight
-from glmkit.runtime.experts import ExpertStreamer, resident_fraction
-from glmkit.runtime.model import GlmMoeDsaModel
+from glmkit.backends.numpy_backend import NumpyBackend
+from glmkit.format.reader import Container
+from glmkit.format.schema import EXPERT_PROJECTIONS, expert_weight_name
+from glmkit.format.tensors import QuantWeight
+from glmkit.model.expert_stream import ExpertStreamer, resident_fraction
+from glmkit.model.glm5 import GlmMoeDsaModel
 from tests.runtime_support import Snapshots, oracle
 
 VARIANT = "tiny-fp8"
@@ -29,7 +30,7 @@ def tokens() -> np.ndarray:
 
 def streamed_model(snapshot, **kwargs) -> tuple[GlmMoeDsaModel, ExpertStreamer]:
     streamer = ExpertStreamer(Container(snapshot), **kwargs)
-    return GlmMoeDsaModel(streamer.config, streamer, route_hook=streamer.on_route), streamer
+    return GlmMoeDsaModel(streamer.config, streamer, NumpyBackend(), route_hook=streamer.on_route), streamer
 
 
 def run(model: GlmMoeDsaModel, with_mtp: bool = True) -> np.ndarray:
@@ -50,7 +51,7 @@ def routed_experts(snapshot) -> dict[int, list[set[int]]]:
     def hook(layer: int, ids: np.ndarray, normed: np.ndarray) -> None:
         seen.setdefault(layer, []).append(set(ids.ravel().tolist()))
 
-    model = GlmMoeDsaModel(container.config, container, route_hook=hook)
+    model = GlmMoeDsaModel(container.config, container, NumpyBackend(), route_hook=hook)
     run(model)
     return seen
 
@@ -147,7 +148,7 @@ def test_prefetch_advises_the_next_layers_predicted_experts(snapshots, monkeypat
 
     monkeypatch.setattr(streamer.container, "advise_experts", spy)
     # the freshly written container is fully in the page cache: pretend it is not, so every prediction is advised
-    monkeypatch.setattr("glmkit.runtime.experts.resident_fraction", lambda view: 0.0)
+    monkeypatch.setattr("glmkit.model.expert_stream.resident_fraction", lambda view: 0.0)
     run(model, with_mtp=False)
     config = streamer.config
     # every MoE layer but the first is prefetched for, once per forward, by its predecessor

@@ -1,4 +1,4 @@
-"""Generation: greedy == greedy with MTP drafts, sampling, KV-cache reuse, stopping (glmkit.runtime.generate)."""
+"""Generation: greedy == greedy with MTP drafts, sampling, KV-cache reuse, stopping (glmkit.generate.generator)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from glmkit.errors import GlmkitError
-from glmkit.runtime.engine import Engine
-from glmkit.runtime.generate import Generator
-from glmkit.runtime.kv_cache import KVCache
-from glmkit.runtime.model import GlmMoeDsaModel
-from glmkit.runtime.sampling import Sampler, SamplingParams, token_probabilities
+from glmkit.generate.engine import Engine
+from glmkit.generate.generator import Generator
+from glmkit.generate.sampling import Sampler, SamplingParams, token_probabilities
+from glmkit.model.glm5 import GlmMoeDsaModel
+from glmkit.model.kv_cache import KVCache
 from tests.runtime_support import VARIANTS, Snapshots, oracle
 
 N_TOKENS = 40

@@ -13,11 +13,11 @@ import numpy as np
 import pyopencl as cl
 import pytest
 
-from glmkit.formats.packing import pack, quantize, unpack
-from glmkit.formats.tensors import QuantWeight
-from glmkit.kernels_cl.launch import NO_STAGE, Kernels, WeightMemory, x8_eligible
-from glmkit.runtime.backend import NumpyBackend, silu
-from glmkit.runtime.model import apply_rope, rope_cos_sin, topk_mask
+from glmkit.backends.numpy_backend import NumpyBackend
+from glmkit.backends.opencl.launch import NO_STAGE, Kernels, WeightMemory, x8_eligible
+from glmkit.format.packing import pack, quantize, unpack
+from glmkit.format.tensors import QuantWeight
+from glmkit.model.ops import apply_rope, rope_cos_sin, silu, topk_mask
 from tests.runtime_support import opencl_test_device
 
 REF = NumpyBackend()
@@ -455,7 +455,7 @@ def test_decode_routing(kernels, rng, norm):
     each weight buffer (the chosen experts there by ascending id, then the shared expert's if it is there; the
     rest marked unused) and their weights."""
     mirror = Mirrors(kernels)
-    from glmkit.runtime.model import route_noaux_tc
+    from glmkit.model.ops import route_noaux_tc
 
     experts, n_group, topk_group, top_k, scaling, stride = 24, 4, 2, 5, 2.5, 32
     buffer_of = np.arange(experts + 1) % 3  # three weight buffers; the shared expert (last) in buffer 0

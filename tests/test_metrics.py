@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from glmkit.errors import GlmkitError
-from glmkit.runtime.logits_file import LogitsBase, LogitsWriter
-from glmkit.runtime.metrics import (
+from glmkit.eval.logits_file import LogitsBase, LogitsWriter
+from glmkit.eval.metrics import (
     QualityAccumulator,
     kl_divergence,
     log_softmax,

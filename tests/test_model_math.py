@@ -6,21 +6,20 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from glmkit.formats.config import ModelConfig
-from glmkit.formats.packing import pack, quantize
-from glmkit.formats.tensors import QuantWeight, Weight
-from glmkit.runtime.backend import NumpyBackend, silu
-from glmkit.runtime.kv_cache import KVCache
-from glmkit.runtime.model import (
-    GlmMoeDsaModel,
+from glmkit.backends.numpy_backend import NumpyBackend
+from glmkit.format.config import ModelConfig
+from glmkit.format.packing import pack, quantize
+from glmkit.format.tensors import QuantWeight, Weight
+from glmkit.model.glm5 import GlmMoeDsaModel, mla_attend_absorbed, mla_attend_full
+from glmkit.model.kv_cache import KVCache
+from glmkit.model.ops import (
     apply_rope,
     causal_mask,
     embed_rows,
-    mla_attend_absorbed,
-    mla_attend_full,
     moe_batch_union,
     rope_cos_sin,
     route_noaux_tc,
+    silu,
     topk_mask,
 )
 
@@ -342,7 +341,8 @@ def test_prefill_decode_and_chunked_forward_agree_and_report_routes() -> None:
     config = tiny_config()
     weights = random_weights(config, np.random.default_rng(8))
     routes: list[tuple[int, np.ndarray]] = []
-    model = GlmMoeDsaModel(config, DictWeights(weights), route_hook=lambda layer, ids, u: routes.append((layer, ids)))
+    model = GlmMoeDsaModel(config, DictWeights(weights), NumpyBackend(),
+                           route_hook=lambda layer, ids, u: routes.append((layer, ids)))
     ids = np.random.default_rng(9).integers(0, config.vocab_size, 12)
 
     cache = model.new_cache()
@@ -429,7 +429,7 @@ def test_workers_give_the_same_products_indexer_and_moe() -> None:
 
 @pytest.mark.parametrize("shape", [(64, 96), (700, 500)])  # below and above SMALL_GEMM_ELEMS
 def test_times_transposed_matches_the_product_for_every_row_count(shape):
-    from glmkit.runtime.backend import GEMV_ROWS, times_transposed
+    from glmkit.backends.numpy_backend import GEMV_ROWS, times_transposed
 
     rng = np.random.default_rng(3)
     w = rng.standard_normal(shape).astype(np.float32)

@@ -9,14 +9,16 @@ import json
 import numpy as np
 import pytest
 
+from glmkit.backends import devices
+from glmkit.backends.numpy_backend import NumpyBackend
+from glmkit.backends.opencl import launch
+from glmkit.backends.opencl.backend import OpenCLBackend, Placement, initial_blas_threads
+from glmkit.backends.opencl.launch import Kernels, list_devices
+from glmkit.cli import run as cli_run
+from glmkit.cli import validate as cli_validate
 from glmkit.errors import GlmkitError
-from glmkit.kernels_cl import launch
-from glmkit.kernels_cl.launch import Kernels, list_devices
-from glmkit.runtime import cli_run, cli_validate, devices
-from glmkit.runtime.backend import NumpyBackend
-from glmkit.runtime.engine import Engine
-from glmkit.runtime.model import GlmMoeDsaModel
-from glmkit.runtime.opencl_backend import OpenCLBackend, Placement, initial_blas_threads
+from glmkit.generate.engine import Engine
+from glmkit.model.glm5 import GlmMoeDsaModel
 from tests.runtime_support import FIXTURES, VARIANTS, Snapshots, opencl_test_device
 
 
@@ -194,7 +196,7 @@ def test_make_backend_spills_when_the_model_outgrows_a_discrete_device(snapshots
 
     for global_mem, spills in ((nbytes // 4, True), (4 * nbytes, False)):  # 80% of it: a fifth of the model, or all
         monkeypatch.setattr(devices, "list_devices", lambda gm=global_mem: [gpu_of(gm), device])
-        backend, name = devices.make_backend("opencl", engine.container)
+        backend, name = devices.open_backend("opencl", engine.container)
         assert (backend.spill is not None) == spills and name.endswith(f"+experts@{device.spec}") == spills
         # beside the spill device BLAS runs one thread: the GPU's own host work gets the worker pool
         assert backend.host.workers == ((initial_blas_threads() or 1) if spills else 1)

@@ -2,9 +2,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from glmkit.convert.source import dequantize_fp8_blocks
+from glmkit.convert.sources.snapshot import dequantize_fp8_blocks
 from glmkit.errors import GlmkitError
-from glmkit.formats.packing import dequantize, pack, packed_row_bytes, qmax, quantize, unpack
+from glmkit.format.packing import dequantize, pack, packed_row_bytes, qmax, quantize, unpack
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
@@ -81,7 +81,7 @@ def test_fp8_block_dequant_matches_ml_dtypes_with_partial_edge_blocks():
 
 @pytest.mark.parametrize("bits,group", [(8, None), (4, 64), (2, 3)])
 def test_row_blocked_quantization_equals_one_block(monkeypatch, bits, group):
-    from glmkit.formats import packing
+    from glmkit.format import packing
 
     w = np.random.default_rng(4).standard_normal((37, 130)).astype(np.float32)
     whole = quantize(w, bits, group)

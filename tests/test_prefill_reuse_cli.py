@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from glmkit.runtime.cli_cache import main as cache_main
+from glmkit.cli.cache import main as cache_main
 from tests.runtime_support import FIXTURES, convert
 
 ROOT = Path(__file__).parent.parent
@@ -23,7 +23,7 @@ def snapshot(tmp_path_factory):
 def glm_run(cache_dir, *args, stdin=None):
     """glm-run in a NEW process (the cache must survive it); returns (stdout, stats)."""
     stats = Path(cache_dir).parent / f"stats-{os.getpid()}-{len(list(Path(cache_dir).parent.glob('stats-*')))}.json"
-    proc = subprocess.run([sys.executable, "-m", "glmkit.runtime.cli_run", *map(str, args), "--stats-json", str(stats)],
+    proc = subprocess.run([sys.executable, "-m", "glmkit.cli.run", *map(str, args), "--stats-json", str(stats)],
                           input=stdin, capture_output=True, text=True, cwd=ROOT, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(ROOT), "GLMKIT_CACHE_DIR": str(cache_dir)})
     assert proc.returncode == 0, proc.stderr
@@ -80,6 +80,6 @@ def test_glm_cache_ls_stats_prune_clear(snapshot, tmp_path, capsys):
 
 
 def test_session_needs_chat_and_a_valid_name(snapshot, capsys):
-    from glmkit.runtime.cli_run import main as run_main
+    from glmkit.cli.run import main as run_main
     assert run_main([str(snapshot), "-p", "hi", "--session", "x"]) == 1
     assert "--session" in capsys.readouterr().err

@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from glmkit.convert.cli import main as convert_main
-from glmkit.runtime.engine import Engine
-from glmkit.runtime.generate import Generator
-from glmkit.runtime.prefix_cache import BLOB_VERSION, MAGIC, PrefixCache, open_index
-from glmkit.runtime.sampling import Sampler, SamplingParams
+from glmkit.cache.prefix_cache import BLOB_VERSION, MAGIC, PrefixCache, open_index
+from glmkit.cli.convert import main as convert_main
+from glmkit.generate.engine import Engine
+from glmkit.generate.generator import Generator
+from glmkit.generate.sampling import Sampler, SamplingParams
 
 FIXTURE = Path(__file__).parent / "fixtures" / "tiny-bf16"
 ROOT = Path(__file__).parent.parent
@@ -164,7 +164,7 @@ def test_eviction_keeps_the_cache_under_its_cap(engine, oracle, tmp_path):
 
 WRITER = """
 import json, os, sys, time
-from glmkit.runtime.engine import Engine
+from glmkit.generate.engine import Engine
 from tests.test_prefix_cache import make_cache, run_and_store
 engine = Engine(sys.argv[1])
 ids = json.loads(sys.argv[3])

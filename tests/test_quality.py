@@ -10,12 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from glmkit.convert.cli import main as convert_main
-from glmkit.formats.imatrix import read_imatrix
-from glmkit.formats.reader import Container
-from glmkit.runtime.calibrate import main as calibrate_main
-from glmkit.runtime.cli_perplexity import main as perplexity_main
-from glmkit.runtime.cli_validate import main as validate_main
+from glmkit.cli.calibrate import main as calibrate_main
+from glmkit.cli.convert import main as convert_main
+from glmkit.cli.perplexity import main as perplexity_main
+from glmkit.cli.validate import main as validate_main
+from glmkit.format.imatrix import read_imatrix
+from glmkit.format.reader import Container
 from tests.runtime_support import FIXTURES, Snapshots
 
 TRAINED = FIXTURES / "tiny-trained"
@@ -228,8 +228,8 @@ def test_imatrix_digest_is_of_content(imatrix, tmp_path):
 
 
 def test_calibrate_hessian_choices(snapshots):
-    from glmkit.runtime.calibrate import collect
-    from glmkit.runtime.engine import Engine
+    from glmkit.cli.calibrate import collect
+    from glmkit.generate.engine import Engine
 
     engine = Engine(snapshots("tiny-trained", "f32"), "numpy", load_tokenizer=False)
     windows = json.loads(CALIB.read_text())[:2]
@@ -256,7 +256,7 @@ def test_calibrate_hessian_choices(snapshots):
 def test_imatrix_hostile_files(imatrix, tmp_path):
     from safetensors.numpy import load_file, save_file
 
-    from glmkit.formats.safetensors_file import read_metadata
+    from glmkit.format.safetensors_file import read_metadata
 
     tensors = load_file(str(imatrix))
     meta = read_metadata(imatrix)

@@ -15,7 +15,7 @@ from glmkit.convert.quantizers import (
     weighted_error,
 )
 from glmkit.errors import GlmkitError
-from glmkit.formats.packing import absmax_scales, dequantize, expand_scales, pack, quantize, scales_shape
+from glmkit.format.packing import absmax_scales, dequantize, expand_scales, pack, quantize, scales_shape
 
 
 def _weights(seed: int, rows: int = 48, cols: int = 200) -> np.ndarray:
@@ -94,9 +94,9 @@ def test_plan_records_the_quantizer():
 def test_imatrix_importance_and_unseen_expert_fallback():
     """An expert the calibration text never reached gets its layer's other experts' mean (by rows seen)."""
     from glmkit.convert.convert import Importance
-    from glmkit.formats.config import ModelConfig
-    from glmkit.formats.imatrix import Imatrix
-    from glmkit.formats.schema import model_tensors
+    from glmkit.format.config import ModelConfig
+    from glmkit.format.imatrix import Imatrix
+    from glmkit.format.schema import model_tensors
     from tests.runtime_support import FIXTURES
 
     specs = model_tensors(ModelConfig.from_file(FIXTURES / "tiny-trained" / "config.json"))

@@ -9,16 +9,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from glmkit.runtime.blend import forward_at, reserve
-from glmkit.runtime.chunk_index import ChunkIndex, TokenLatents, chunk_label
-from glmkit.runtime.cli_run import main as run_main
-from glmkit.runtime.cli_validate import main as validate_main
-from glmkit.runtime.engine import Engine
-from glmkit.runtime.generate import Generator
-from glmkit.runtime.model import apply_rope, rope_cos_sin
-from glmkit.runtime.prefix_cache import PrefixCache, common_prefix, open_index, prune, read_blob, rerotate
-from glmkit.runtime.sampling import Sampler, SamplingParams
-from glmkit.runtime.session import ApproxPolicy, Session
+from glmkit.cache.blend import forward_at, reserve
+from glmkit.cache.chunk_index import ChunkIndex, TokenLatents, chunk_label
+from glmkit.cache.prefix_cache import PrefixCache, common_prefix, open_index, prune, read_blob, rerotate
+from glmkit.cache.session import ApproxPolicy, Session
+from glmkit.cli.run import main as run_main
+from glmkit.cli.validate import main as validate_main
+from glmkit.generate.engine import Engine
+from glmkit.generate.generator import Generator
+from glmkit.generate.sampling import Sampler, SamplingParams
+from glmkit.model.ops import apply_rope, rope_cos_sin
 from tests.runtime_support import FIXTURES, convert
 
 CHUNK = 8

@@ -16,9 +16,9 @@ import openai
 import pytest
 import uvicorn
 
-from glmkit.runtime.cli_run import main as run_main
+from glmkit.cli.run import main as run_main
+from glmkit.cli.serve import build_app, build_parser
 from glmkit.serve.app import Loaded, ServeConfig, create_app
-from glmkit.serve.cli import build_app, build_parser
 from glmkit.serve.scheduler import Done, GenRequest, Text
 
 API_KEY = "test-key"
@@ -578,7 +578,7 @@ def test_cli_serves_and_refuses_bad_snapshots(snapshot, tmp_path):
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     sock.close()
-    proc = subprocess.Popen([sys.executable, "-m", "glmkit.serve.cli", str(snapshot), "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "glmkit.cli.serve", str(snapshot), "--port", str(port),
                              "--cache-dir", str(tmp_path / "cache"), "--log-level", "warning"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -599,6 +599,6 @@ def test_cli_serves_and_refuses_bad_snapshots(snapshot, tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=10)
-    bad = subprocess.run([sys.executable, "-m", "glmkit.serve.cli", str(tmp_path)], capture_output=True, text=True,
+    bad = subprocess.run([sys.executable, "-m", "glmkit.cli.serve", str(tmp_path)], capture_output=True, text=True,
                          timeout=60)
     assert bad.returncode == 1 and bad.stderr.startswith("glm-serve: error: ") and len(bad.stderr.splitlines()) == 1

@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from glmkit.runtime.tokenizer import ChatTokenizer
+from glmkit.generate.tokenizer import ChatTokenizer
 from glmkit.serve.app import ChatText, _chat_parts
 from glmkit.serve.toolcalls import TemplateSupport, parse_tool_calls, prepare_messages, render_tool_call
 from tests.runtime_support import FIXTURES

@@ -1,4 +1,4 @@
-"""Tokenizer, chat template and streaming detokenization (glmkit.runtime.tokenizer)."""
+"""Tokenizer, chat template and streaming detokenization (glmkit.generate.tokenizer)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from glmkit.errors import GlmkitError
-from glmkit.runtime.tokenizer import ChatTokenizer, StreamDecoder
+from glmkit.generate.tokenizer import ChatTokenizer, StreamDecoder
 from tests.runtime_support import FIXTURES, VARIANTS, oracle
 
 TEXTS = ["def main():\n    return 42\n", "héllo wörld ✓ 日本", "emoji 🙂🚀 and ñ, ß, Ω, 中文字符, ✓✓", "€", "🙂"]

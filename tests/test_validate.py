@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from glmkit.runtime.cli_validate import main as validate_main
+from glmkit.cli.validate import main as validate_main
 from tests.runtime_support import FIXTURES, VARIANTS, Snapshots, oracle
 
 

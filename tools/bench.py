@@ -20,12 +20,12 @@ a change in machine load hits every device alike) and the table shows medians ov
   layers, the lm_head, `num_experts_per_tok` routed experts per MoE layer; MTP off) divided by the best
   memory read bandwidth measured in the run (NumPy on one thread, an OpenCL kernel on every core; measured
   before every round, the best taken); for a row on a GPU, its own memory's read bandwidth (a kernel streaming
-  a matrix uploaded to it, glmkit.runtime.devices). Beside the target's figure (median decode / best sample), a
+  a matrix uploaded to it, glmkit.backends.devices). Beside the target's figure (median decode / best sample), a
   host row also lists each round's decode over the bandwidth sampled just before that round.
 With `--context N`, glmkit rows also decode 32 greedy tokens after an N-token prompt (MTP off): decode at long
 context, where the attention and the indexer read N keys (the issue's targets are at 256).
 Devices: `numpy@N` = NumPy with N OpenBLAS threads (`numpy` = --blas-threads), `opencl[:P:D]` = every
-operation as an OpenCL kernel, `auto` = the measured placement (glmkit.runtime.devices), `transformers` =
+operation as an OpenCL kernel, `auto` = the measured placement (glmkit.backends.devices), `transformers` =
 GlmMoeDsaForCausalLM (transformers 5.23.0, float32, eager attention) on the same BF16 source weights
 (needs the `oracle` extra; skipped with a note otherwise).
 """
@@ -73,14 +73,14 @@ def token_ids(n: int, vocab: int, seed: int = 0) -> list[int]:
 def worker_glmkit(spec: dict) -> dict:
     import numpy as np
 
-    from glmkit.runtime.engine import Engine
-    from glmkit.runtime.generate import Generator
-    from glmkit.runtime.sampling import Sampler, SamplingParams
+    from glmkit.generate.engine import Engine
+    from glmkit.generate.generator import Generator
+    from glmkit.generate.sampling import Sampler, SamplingParams
 
     device = spec["device"]
     if device.startswith("opencl") or device == "auto":
-        from glmkit.kernels_cl.launch import Kernels, list_devices
-        from glmkit.runtime.devices import parse_device, pick
+        from glmkit.backends.devices import parse_device, pick
+        from glmkit.backends.opencl.launch import Kernels, list_devices
 
         _, p, d = parse_device("opencl" if device == "auto" else device)
         found = list_devices()
@@ -126,7 +126,7 @@ def worker_glmkit(spec: dict) -> dict:
     result["cpu_s"] = time.process_time()
     kernels = getattr(engine.backend, "k", None)
     if kernels is not None and kernels.info.kind != "cpu":  # after the measurements: it uploads 64 MB
-        from glmkit.runtime.devices import measure_bandwidth as device_bandwidth
+        from glmkit.backends.devices import measure_bandwidth as device_bandwidth
 
         result["device_read_gbs"] = device_bandwidth(kernels)["device_read_gbs"]
     return result
@@ -192,8 +192,8 @@ def worker(spec: dict) -> dict:
 
 def decode_bytes_per_token(snapshot: Path) -> int:
     """Weight bytes one decoded token reads (MTP off): see the module docstring."""
-    from glmkit.formats.reader import Container
-    from glmkit.runtime.devices import decode_bytes_per_token as count
+    from glmkit.backends.devices import decode_bytes_per_token as count
+    from glmkit.format.reader import Container
 
     c = Container(snapshot)
     try:
@@ -215,8 +215,8 @@ def measure_bandwidth(nbytes: int = 512 << 20) -> dict[str, float]:
         times.append(time.perf_counter() - t)
     out["numpy_read_gbs"] = nbytes / min(times) / 1e9
     try:
-        from glmkit.kernels_cl.launch import Kernels, list_devices
-        from glmkit.runtime.opencl_backend import OpenCLBackend, Placement
+        from glmkit.backends.opencl.backend import OpenCLBackend, Placement
+        from glmkit.backends.opencl.launch import Kernels, list_devices
 
         found = [d for d in list_devices() if d.kind == "cpu"]
         if found:

@@ -6,7 +6,7 @@
 
 The source snapshots (random weights, real HF layout, multi-shard) are built once and cached under
 `--work` (default /tmp/glmkit-bench); converted containers are kept there too (`out-bf16-q4`, ...) for
-tools/bench_run.py. Every conversion runs `python -m glmkit.convert.cli` in a child process; its peak RSS
+tools/bench_run.py. Every conversion runs `python -m glmkit.cli.convert` in a child process; its peak RSS
 comes from `wait4`'s rusage of that child alone (spawned through a small launcher: see `run_child`). The
 converter reads tensor by tensor, so peak RSS should track the largest tensor (as float32, since it
 upcasts), not the model: the table reports both, and the peak net of the interpreter baseline (a child that
@@ -29,9 +29,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from glmkit.convert.source import HFSnapshot  # noqa: E402
-from glmkit.formats.config import ModelConfig  # noqa: E402
-from glmkit.formats.schema import model_tensors  # noqa: E402
+from glmkit.convert.sources.snapshot import HFSnapshot  # noqa: E402
+from glmkit.format.config import ModelConfig  # noqa: E402
+from glmkit.format.schema import model_tensors  # noqa: E402
 from tools.synth import write_snapshot_streaming  # noqa: E402
 
 # ~610M parameters, ~1.2 GB of BF16: 5 layers (1 dense + 4 MoE with 64 experts, top-8) + the MTP layer.
@@ -131,7 +131,7 @@ def run_child(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> t
 
 def baseline_rss(work: Path) -> int:
     """Peak RSS of a child that only imports what glm-convert imports."""
-    code = "import numpy, ml_dtypes, tqdm, glmkit.convert.cli, glmkit.convert.convert"
+    code = "import numpy, ml_dtypes, tqdm, glmkit.cli.convert, glmkit.convert.convert"
     rc, _, rss, text = run_child([sys.executable, "-c", code], work / "baseline.log")
     if rc:
         raise SystemExit(f"baseline child failed:\n{text}")
@@ -164,7 +164,7 @@ def bench(work: Path, fp8: bool, presets: list[str], shards: int, baseline: int,
         out = out_dir(work, fp8, preset, experts)
         if cold:
             drop_page_cache(shard_files)
-        cmd = [sys.executable, "-m", "glmkit.convert.cli", str(src), str(out), "--preset", preset, "--quiet",
+        cmd = [sys.executable, "-m", "glmkit.cli.convert", str(src), str(out), "--preset", preset, "--quiet",
                "--force", *(["--quantizer", quantizer] if quantizer else [])]
         rc, wall, peak, text = run_child(cmd, work / f"convert-{out.name}.log")
         if rc:

@@ -31,12 +31,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from glmkit.convert.cli import main as convert_main  # noqa: E402
-from glmkit.formats.reader import Container  # noqa: E402
-from glmkit.kernels_cl.launch import Kernels, list_devices  # noqa: E402
-from glmkit.runtime.experts import ExpertStreamer  # noqa: E402
-from glmkit.runtime.model import GlmMoeDsaModel  # noqa: E402
-from glmkit.runtime.opencl_backend import OpenCLBackend, Placement  # noqa: E402
+from glmkit.backends.numpy_backend import NumpyBackend  # noqa: E402
+from glmkit.backends.opencl.backend import OpenCLBackend, Placement  # noqa: E402
+from glmkit.backends.opencl.launch import Kernels, list_devices  # noqa: E402
+from glmkit.cli.convert import main as convert_main  # noqa: E402
+from glmkit.format.reader import Container  # noqa: E402
+from glmkit.model.expert_stream import ExpertStreamer  # noqa: E402
+from glmkit.model.glm5 import GlmMoeDsaModel  # noqa: E402
 from tools.bench_model import BENCH_CONFIG  # noqa: E402
 from tools.synth import write_snapshot_streaming  # noqa: E402
 
@@ -59,7 +60,7 @@ def measure(snapshot: Path, kernels: Kernels) -> None:
     print(f"  open: {time.perf_counter() - start:.2f} s, RSS +{rss_mb() - before:.0f} MB "
           f"({len(container.manifest.tensors)} tensors, {len(container.manifest.files)} data files)")
     experts = ExpertStreamer(container)
-    ref = GlmMoeDsaModel(container.config, experts)
+    ref = GlmMoeDsaModel(container.config, experts, NumpyBackend())
     for label, int8 in (("float inputs", False), ("int8 inputs", True)):
         dev = GlmMoeDsaModel(container.config, experts, OpenCLBackend(kernels, Placement(), int8_activations=int8))
         before, start = rss_mb(), time.perf_counter()

@@ -27,10 +27,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from glmkit.kernels_cl.launch import Kernels, list_devices  # noqa: E402
-from glmkit.runtime.engine import Engine  # noqa: E402
-from glmkit.runtime.model import GlmMoeDsaModel  # noqa: E402
-from glmkit.runtime.opencl_backend import OpenCLBackend, Placement  # noqa: E402
+from glmkit.backends.opencl.backend import OpenCLBackend, Placement  # noqa: E402
+from glmkit.backends.opencl.launch import Kernels, list_devices  # noqa: E402
+from glmkit.generate.engine import Engine  # noqa: E402
+from glmkit.model.glm5 import GlmMoeDsaModel  # noqa: E402
 from tools.bench_model import DEFAULT_WORK, ensure_bench_snapshot  # noqa: E402
 
 PATHS = {"numpy": (False, False), "cpu-device float": (True, False), "cpu-device int8": (True, True)}

@@ -32,7 +32,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from glmkit.kernels_cl import launch  # noqa: E402
+from glmkit.backends.opencl import launch  # noqa: E402
 
 HIDDEN, INTER, GROUP, SLOTS, EXPERTS = 1024, 512, 64, 9, 32
 

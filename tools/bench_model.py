@@ -12,10 +12,10 @@ import io
 import json
 from pathlib import Path
 
-from glmkit.convert.cli import main as convert_main
+from glmkit.cli.convert import main as convert_main
 from glmkit.convert.plan import QuantPlan
-from glmkit.formats.config import ModelConfig
-from glmkit.formats.schema import model_tensors
+from glmkit.format.config import ModelConfig
+from glmkit.format.schema import model_tensors
 from tools.synth import write_snapshot_streaming
 
 DEFAULT_WORK = Path("/tmp/glmkit-bench-model")

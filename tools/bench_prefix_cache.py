@@ -21,11 +21,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from glmkit.runtime.engine import Engine  # noqa: E402
-from glmkit.runtime.generate import Generator  # noqa: E402
-from glmkit.runtime.prefix_cache import PrefixCache  # noqa: E402
-from glmkit.runtime.sampling import Sampler, SamplingParams  # noqa: E402
-from glmkit.runtime.session import Session  # noqa: E402
+from glmkit.cache.prefix_cache import PrefixCache  # noqa: E402
+from glmkit.cache.session import Session  # noqa: E402
+from glmkit.generate.engine import Engine  # noqa: E402
+from glmkit.generate.generator import Generator  # noqa: E402
+from glmkit.generate.sampling import Sampler, SamplingParams  # noqa: E402
 from tools.bench_model import ensure_bench_snapshot  # noqa: E402
 
 

@@ -23,7 +23,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from glmkit.convert.quantizers import HessianFactor, gptq_quantize, search_scales  # noqa: E402
-from glmkit.formats.packing import quantize  # noqa: E402
+from glmkit.format.packing import quantize  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -60,7 +60,7 @@ def data_files(snapshot: Path) -> list[Path]:
 def resident_fraction_of_files(paths: list[Path]) -> float:
     import numpy as np
 
-    from glmkit.runtime.experts import resident_fraction
+    from glmkit.model.expert_stream import resident_fraction
 
     total = resident = 0.0
     for path in paths:
@@ -87,9 +87,9 @@ def drop_page_cache(paths: list[Path]) -> None:
 def worker(spec: dict) -> dict:
     import numpy as np
 
-    from glmkit.runtime.engine import Engine
-    from glmkit.runtime.generate import Generator
-    from glmkit.runtime.sampling import Sampler, SamplingParams
+    from glmkit.generate.engine import Engine
+    from glmkit.generate.generator import Generator
+    from glmkit.generate.sampling import Sampler, SamplingParams
 
     snapshot = Path(spec["snapshot"])
     files = data_files(snapshot)

@@ -36,12 +36,12 @@ import numpy as np  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from glmkit.runtime.chunk_index import TokenLatents  # noqa: E402
-from glmkit.runtime.engine import Engine  # noqa: E402
-from glmkit.runtime.generate import Generator  # noqa: E402
-from glmkit.runtime.prefix_cache import PrefixCache  # noqa: E402
-from glmkit.runtime.sampling import Sampler, SamplingParams  # noqa: E402
-from glmkit.runtime.session import ApproxPolicy, Session  # noqa: E402
+from glmkit.cache.chunk_index import TokenLatents  # noqa: E402
+from glmkit.cache.prefix_cache import PrefixCache  # noqa: E402
+from glmkit.cache.session import ApproxPolicy, Session  # noqa: E402
+from glmkit.generate.engine import Engine  # noqa: E402
+from glmkit.generate.generator import Generator  # noqa: E402
+from glmkit.generate.sampling import Sampler, SamplingParams  # noqa: E402
 from tools.bench_model import ensure_bench_snapshot  # noqa: E402
 
 CHUNK = 32

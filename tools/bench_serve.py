@@ -5,7 +5,7 @@ short load test with concurrent clients. Every request goes through the official
     PYTHONPATH=. python tools/bench_serve.py                                  # tiny fixture, 8k context
     PYTHONPATH=. python tools/bench_serve.py --snapshot /tmp/glmkit-bench/out-bf16-q4 --load-seconds 60
 
-Each configuration runs `python -m glmkit.serve.cli` as its own server process on a free loopback port,
+Each configuration runs `python -m glmkit.cli.serve` as its own server process on a free loopback port,
 with a fresh cache directory (or `--no-cache`). A snapshot without a tokenizer (tools/bench_convert.py's
 synthetic ones) is served through a directory of symlinks plus the tiny fixture's tokenizer files.
 
@@ -109,7 +109,7 @@ def servable(snapshot: Path, work: Path) -> Path:
 class Server:
     def __init__(self, snapshot: Path, cache_dir: Path | None, log: Path, extra: list[str]):
         self.port = free_port()
-        cmd = [sys.executable, "-m", "glmkit.serve.cli", str(snapshot), "--port", str(self.port),
+        cmd = [sys.executable, "-m", "glmkit.cli.serve", str(snapshot), "--port", str(self.port),
                "--log-level", "warning", *extra]
         cmd += ["--cache-dir", str(cache_dir)] if cache_dir else ["--no-cache"]
         self.command = " ".join(cmd[1:])

@@ -23,10 +23,11 @@ import torch
 from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaDecoderLayer, GlmMoeDsaRMSNorm
 
-from glmkit.formats.config import ModelConfig
-from glmkit.formats.packing import pack, quantize
-from glmkit.formats.tensors import QuantWeight, Weight
-from glmkit.runtime.model import GlmMoeDsaModel
+from glmkit.backends.numpy_backend import NumpyBackend
+from glmkit.format.config import ModelConfig
+from glmkit.format.packing import pack, quantize
+from glmkit.format.tensors import QuantWeight, Weight
+from glmkit.model.glm5 import GlmMoeDsaModel
 
 TINY = dict(
     vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=4,
@@ -194,7 +195,7 @@ def main() -> int:
     for name in ("eh_proj", "enorm", "hnorm", "shared_head.norm"):
         tensors[f"model.layers.{n}.{name}.weight"] = mtp[name].weight.detach().numpy().copy()
     config = ModelConfig.from_dict({**hf_config.to_dict(), "num_nextn_predict_layers": 1})
-    model = GlmMoeDsaModel(config, DictWeights(tensors))
+    model = GlmMoeDsaModel(config, DictWeights(tensors), NumpyBackend())
 
     prefix = 10
     results = {
@@ -210,7 +211,7 @@ def main() -> int:
     steps = [model.mtp_forward(hidden[i: i + 1], ids[i + 1: i + 2], cache)[0] for i in range(prefix, len(ids) - 1)]
     results["mtp decode"] = relative_diff(np.concatenate(steps), mtp_ref[prefix:])
 
-    quant = GlmMoeDsaModel(config, DictWeights(quantize_some(tensors)))
+    quant = GlmMoeDsaModel(config, DictWeights(quantize_some(tensors)), NumpyBackend())
     quant_prefill = run_prefill(quant, ids)
     results["quant decode vs prefill"] = relative_diff(run_chunks(quant, ids, prefix, 1), quant_prefill)
     results["quant chunked7 vs prefill"] = relative_diff(run_chunks(quant, ids, prefix, 7), quant_prefill)

@@ -36,7 +36,7 @@ if [ -n "$nvidia_cl" ] && ! grep -qs libnvidia-opencl /etc/OpenCL/vendors/*.icd;
     mkdir -p /etc/OpenCL/vendors && echo "$nvidia_cl" >/etc/OpenCL/vendors/nvidia.icd
 fi
 dev=$(python3 -c "
-from glmkit.kernels_cl.launch import list_devices
+from glmkit.backends.opencl.launch import list_devices
 found = [d for d in list_devices() if d.kind == '$kind']
 print(found[0].spec.removeprefix('opencl:') if found else '')")
 if [ -z "$dev" ]; then
@@ -44,7 +44,7 @@ if [ -z "$dev" ]; then
     exit 1
 fi
 echo "device opencl:$dev"
-step devices 60 python3 -m glmkit.runtime.cli_run --list-devices
+step devices 60 python3 -m glmkit.cli.run --list-devices
 step tests 200 env GLMKIT_TEST_DEVICE="$dev" python3 -m pytest -q -p no:cacheprovider -rs \
     tests/test_kernels_cl.py tests/test_opencl_backend.py tests/test_decode_step.py
 step profile 150 python3 tools/profile_decode.py --tokens 40 --work "$work"

@@ -5,7 +5,7 @@
 
 Serves a local snapshot (default: tools/bench_convert.py's synthetic BF16 source, ~1.2 GB in 10 shards, built under
 `--work` if missing) from
-tests/fake_hub.py on 127.0.0.1, runs `python -m glmkit.convert.cli REPO OUT` in a child process for each
+tests/fake_hub.py on 127.0.0.1, runs `python -m glmkit.cli.convert REPO OUT` in a child process for each
 `--max-inflight` value, polls OUT's allocated bytes every 10 ms (peak disk), and converts the same
 snapshot from the local directory for comparison. Loopback "downloads" measure glm-convert's own
 overhead (transfer, sha256 verification, staging, deletion), not a network.
@@ -82,7 +82,7 @@ def main() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING_FACE"))}
     with tempfile.TemporaryDirectory(prefix="hub-bench-") as tmp:
         env.update(HF_HOME=f"{tmp}/hf-home", NO_PROXY="127.0.0.1,localhost", PYTHONPATH=str(ROOT))
-        base = [sys.executable, "-m", "glmkit.convert.cli", "--quiet", "--preset", args.preset]
+        base = [sys.executable, "-m", "glmkit.cli.convert", "--quiet", "--preset", args.preset]
         out = Path(tmp) / "local"
         wall, _ = run([*base, str(src), str(out)], out, env)
         output = allocated_bytes(out)

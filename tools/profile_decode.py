@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Where a decoded token's time goes on the device decode step (glmkit.runtime.decode_step).
+"""Where a decoded token's time goes on the device decode step (glmkit.backends.opencl.decode_graph).
 
     PYTHONPATH=. python tools/profile_decode.py            # bench model, q4, --device auto placement
 
@@ -23,11 +23,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from glmkit.kernels_cl import launch  # noqa: E402
-from glmkit.runtime.decode_step import DeviceDecodeStep  # noqa: E402
-from glmkit.runtime.engine import Engine  # noqa: E402
-from glmkit.runtime.generate import Generator  # noqa: E402
-from glmkit.runtime.sampling import Sampler, SamplingParams  # noqa: E402
+from glmkit.backends.opencl import launch  # noqa: E402
+from glmkit.backends.opencl.decode_graph import DeviceDecodeStep  # noqa: E402
+from glmkit.generate.engine import Engine  # noqa: E402
+from glmkit.generate.generator import Generator  # noqa: E402
+from glmkit.generate.sampling import Sampler, SamplingParams  # noqa: E402
 from tools.bench_model import DEFAULT_WORK, ensure_bench_snapshot  # noqa: E402
 
 

@@ -27,9 +27,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from glmkit.formats.safetensors_file import read_header, read_tensor  # noqa: E402
-from glmkit.runtime.engine import Engine  # noqa: E402
-from glmkit.runtime.metrics import kl_divergence, log_softmax  # noqa: E402
+from glmkit.eval.metrics import kl_divergence, log_softmax  # noqa: E402
+from glmkit.format.safetensors_file import read_header, read_tensor  # noqa: E402
+from glmkit.generate.engine import Engine  # noqa: E402
 from tests.runtime_support import convert  # noqa: E402
 from tools.synth import write_safetensors  # noqa: E402
 

@@ -36,15 +36,15 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from glmkit.cli.calibrate import collect  # noqa: E402
+from glmkit.cli.perplexity import evaluate  # noqa: E402
 from glmkit.convert.convert import convert  # noqa: E402
 from glmkit.convert.plan import QuantPlan  # noqa: E402
-from glmkit.formats.imatrix import read_imatrix  # noqa: E402
-from glmkit.runtime.calibrate import collect  # noqa: E402
-from glmkit.runtime.cli_perplexity import evaluate  # noqa: E402
-from glmkit.runtime.engine import Engine  # noqa: E402
-from glmkit.runtime.generate import Generator  # noqa: E402
-from glmkit.runtime.logits_file import LogitsBase, LogitsWriter  # noqa: E402
-from glmkit.runtime.sampling import Sampler, SamplingParams  # noqa: E402
+from glmkit.eval.logits_file import LogitsBase, LogitsWriter  # noqa: E402
+from glmkit.format.imatrix import read_imatrix  # noqa: E402
+from glmkit.generate.engine import Engine  # noqa: E402
+from glmkit.generate.generator import Generator  # noqa: E402
+from glmkit.generate.sampling import Sampler, SamplingParams  # noqa: E402
 
 # (label, preset, group size (0 = per row), quantizer, calibration statistics: None or a --hessians choice)
 VARIANTS: list[tuple[str, str, int, str, str | None]] = [

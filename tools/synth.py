@@ -9,8 +9,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from glmkit.formats.config import ModelConfig
-from glmkit.formats.schema import model_tensors
+from glmkit.format.config import ModelConfig
+from glmkit.format.schema import model_tensors
 
 ST_DTYPES = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(ml_dtypes.bfloat16): "BF16",
              np.dtype(ml_dtypes.float8_e4m3fn): "F8_E4M3"}

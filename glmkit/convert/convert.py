@@ -22,17 +22,19 @@ import numpy as np
 from tqdm import tqdm
 
 import glmkit
-from glmkit.convert.fetch import peak_alive_bytes
 from glmkit.convert.plan import DEFAULT_QUANTIZER, PRESETS, QuantPlan
 from glmkit.convert.quantizers import HessianFactor, choose_scales, gptq_quantize, normalized_importance
 from glmkit.convert.resume import STATE_DIR, ConversionState, DoneFile, differences
-from glmkit.convert.source import SIDE_FILES, BackgroundDigests, HFSnapshot, Source, open_source
+from glmkit.convert.sources.fetch import peak_alive_bytes
+from glmkit.convert.sources.open import open_source
+from glmkit.convert.sources.snapshot import SIDE_FILES, HFSnapshot
+from glmkit.convert.sources.source import BackgroundDigests, Source
 from glmkit.errors import GlmkitError
-from glmkit.formats.imatrix import Imatrix
-from glmkit.formats.manifest import FORMAT_VERSION, MANIFEST_NAME, ExpertRange, Manifest, Quant, TensorEntry
-from glmkit.formats.packing import pack, packed_row_bytes, quantize
-from glmkit.formats.schema import TensorSpec, model_tensors
-from glmkit.formats.writer import DataFileWriter, FileLayout, PlannedTensor, layout_files
+from glmkit.format.imatrix import Imatrix
+from glmkit.format.manifest import FORMAT_VERSION, MANIFEST_NAME, ExpertRange, Manifest, Quant, TensorEntry
+from glmkit.format.packing import pack, packed_row_bytes, quantize
+from glmkit.format.schema import TensorSpec, model_tensors
+from glmkit.format.writer import DataFileWriter, FileLayout, PlannedTensor, layout_files
 from glmkit.units import format_size
 
 DEFAULT_FILE_BYTES = 4 << 30
@@ -53,7 +55,7 @@ class ConvertResult:
 
 
 @dataclass
-class Job:
+class ConversionJob:
     """A planned conversion: what to read, what to write, and the identity a resume must match."""
 
     source: Source
@@ -67,7 +69,7 @@ class Job:
 
     @classmethod
     def create(cls, source: Source, plan: QuantPlan, preset: str, max_file_bytes: int,
-               imatrix: Imatrix | None = None) -> Job:
+               imatrix: Imatrix | None = None) -> ConversionJob:
         specs = _check_source(source.snapshot)
         importance = Importance(imatrix, specs, plan)
         layouts = _layouts(specs, plan, max_file_bytes)
@@ -106,13 +108,13 @@ def convert(source: str | Path | Source, out_dir: str | Path, plan: QuantPlan, p
     src = source if isinstance(source, Source) else open_source(
         str(source), revision=revision, endpoint=endpoint, keep_source=keep_source)
     try:
-        job = Job.create(src, plan, preset, max_file_bytes, imatrix)
+        job = ConversionJob.create(src, plan, preset, max_file_bytes, imatrix)
         return _run(job, Path(out_dir), force, progress, max_inflight)
     finally:
         src.close()
 
 
-def _run(job: Job, out: Path, force: bool, progress: bool, budget: int) -> ConvertResult:
+def _run(job: ConversionJob, out: Path, force: bool, progress: bool, budget: int) -> ConvertResult:
     state = ConversionState(out)
     done = _open_output(job, out, state, force, budget)
     snapshot = job.source.snapshot
@@ -189,7 +191,8 @@ def _run(job: Job, out: Path, force: bool, progress: bool, budget: int) -> Conve
                          fetcher.peak_bytes)
 
 
-def _open_output(job: Job, out: Path, state: ConversionState, force: bool, budget: int) -> dict[str, DoneFile]:
+def _open_output(job: ConversionJob, out: Path, state: ConversionState, force: bool, budget: int
+                 ) -> dict[str, DoneFile]:
     """Lock OUT and decide: resume (same identity), refuse (another conversion), or start afresh."""
     if out.exists() and not out.is_dir():
         raise GlmkitError(f"{out}: exists and is not a directory")
@@ -231,7 +234,7 @@ def _open_output(job: Job, out: Path, state: ConversionState, force: bool, budge
         raise
 
 
-def _completed_prefix(job: Job, out: Path, state: ConversionState) -> dict[str, DoneFile]:
+def _completed_prefix(job: ConversionJob, out: Path, state: ConversionState) -> dict[str, DoneFile]:
     """The data files, in layout order, that a previous run recorded complete and that are still intact."""
     recorded = state.done()
     done: dict[str, DoneFile] = {}
@@ -257,7 +260,7 @@ def _existing_dir(path: Path) -> Path:
     return path
 
 
-def _check_disk(job: Job, out: Path, state: ConversionState, done: dict[str, DoneFile], budget: int,
+def _check_disk(job: ConversionJob, out: Path, state: ConversionState, done: dict[str, DoneFile], budget: int,
                 reuse_staged: bool) -> None:
     """Refuse to start when OUT's file system cannot hold the rest of the output plus the shards in flight."""
     todo = job.layouts[len(done):]
@@ -295,7 +298,7 @@ def dry_run_report(source: str | Path | Source, out_dir: str | Path, plan: Quant
     try:
         if calibrate_preset is not None and imatrix is None:  # statistics to come: plan the same layout
             plan = QuantPlan(plan.bits, plan.group_size, DEFAULT_QUANTIZER)
-        job = Job.create(src, plan, preset, max_file_bytes, imatrix)
+        job = ConversionJob.create(src, plan, preset, max_file_bytes, imatrix)
         snapshot = src.snapshot
         origin = src.origin
         lines = [f"source: {origin.get('repo') or origin.get('path')}"

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 from glmkit.convert.quantizers import QUANTIZERS
 from glmkit.errors import GlmkitError
-from glmkit.formats.packing import SUPPORTED_BITS, packed_row_bytes, scales_shape
-from glmkit.formats.schema import TensorSpec
-from glmkit.formats.writer import PlannedTensor
+from glmkit.format.packing import SUPPORTED_BITS, packed_row_bytes, scales_shape
+from glmkit.format.schema import TensorSpec
+from glmkit.format.writer import PlannedTensor
 
 QUANTIZABLE_ROLES = ("embed", "lm_head", "attention", "indexer", "dense_mlp", "shared_expert", "routed_expert",
                      "mtp")

@@ -35,7 +35,7 @@ from typing import TypeVar
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from glmkit.formats.packing import MIN_SCALE, absmax_scales, expand_scales, num_groups, qmax, scales_shape
+from glmkit.format.packing import MIN_SCALE, absmax_scales, expand_scales, num_groups, qmax, scales_shape
 
 QUANTIZERS = ("absmax", "mse", "gptq")
 _Block = TypeVar("_Block")
@@ -199,6 +199,7 @@ def weighted_error(w: np.ndarray, scales: np.ndarray, bits: int, group_size: int
 GPTQ_DAMPING = 0.01  # added to H's diagonal, relative to its mean: keeps H invertible, as in the GPTQ paper
 GPTQ_BLOCK = 128  # columns corrected eagerly; the rest of the matrix is updated once per block (one GEMM)
 GPTQ_BLOCK_ELEMS = 1 << 24  # largest row block (64 MB of float32 working copy)
+GPTQ_ROWS = 256  # rows of one block: the per-column loop costs about the same for 1 row or 256
 BLAS_THREADS_FROM = 1024  # Hessians this wide are factored with OpenBLAS's threads; smaller ones lose by them
 
 
@@ -246,8 +247,9 @@ def gptq_quantize(w: np.ndarray, factor: HessianFactor, bits: int, group_size: i
     codes = np.empty(w.shape, np.int8)
     scales = np.empty(scales_shape(w.shape, group_size), np.float32)
     workers = threads or default_threads()
-    # big blocks: the per-column loop costs the same for 1 row or 1,000
-    rows = max(1, min(-(-out_features // workers), GPTQ_BLOCK_ELEMS // max(in_features, 1)))
+    # row blocks of a size fixed by the shape alone: a BLAS product's rounding may depend on its row count, so a
+    # split that followed the thread count would make the codes depend on it
+    rows = max(1, min(GPTQ_ROWS, GPTQ_BLOCK_ELEMS // max(in_features, 1)))
     blocks = [slice(r, min(out_features, r + rows)) for r in range(0, out_features, rows)]
 
     def run(block: slice) -> None:

@@ -28,9 +28,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from glmkit.errors import GlmkitError
-from glmkit.runtime.engine import Engine
-from glmkit.runtime.sampling import SamplingParams
-from glmkit.serve.scheduler import Done, GenRequest, Job, QueueFull, Scheduler, Text
+from glmkit.generate.engine import Engine
+from glmkit.generate.sampling import SamplingParams
+from glmkit.serve.scheduler import Done, GenerationJob, GenRequest, QueueFull, Scheduler, Text
 from glmkit.serve.toolcalls import TOOL_CALL_OPEN, TemplateSupport, ToolCall, parse_tool_calls, prepare_messages
 
 log = logging.getLogger("glmkit.serve")
@@ -470,7 +470,8 @@ class Channel:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
 
 
-def submit(loaded: Loaded, state: State, ids: list[int], common: Common, request_id: str) -> tuple[Job, Channel]:
+def submit(loaded: Loaded, state: State, ids: list[int], common: Common, request_id: str
+           ) -> tuple[GenerationJob, Channel]:
     remaining = loaded.engine.config.max_position_embeddings - len(ids)
     max_tokens = common.max_tokens or min(state.config.default_max_tokens, remaining)
     request = GenRequest(ids, max_tokens, common.params, common.stop, common.ignore_eos, request_id)
@@ -486,7 +487,7 @@ class ClientGone(Exception):
     pass
 
 
-async def collect(request: Request, scheduler: Scheduler, job: Job, channel: Channel) -> tuple[str, Done]:
+async def collect(request: Request, scheduler: Scheduler, job: GenerationJob, channel: Channel) -> tuple[str, Done]:
     """All of a request's text (non-streaming); cancels the job when the client disconnects (ClientGone)
     and raises the OpenAI-shaped 500 when generation failed."""
     parts: list[str] = []
@@ -512,7 +513,7 @@ async def collect(request: Request, scheduler: Scheduler, job: Job, channel: Cha
         scheduler.cancel(job)  # a no-op once the job is done
 
 
-async def events(scheduler: Scheduler, job: Job, channel: Channel) -> AsyncIterator[Text | Done]:
+async def events(scheduler: Scheduler, job: GenerationJob, channel: Channel) -> AsyncIterator[Text | Done]:
     """The job's events (streaming). Starlette cancels this when the client disconnects: so is the job."""
     try:
         while True:

@@ -26,12 +26,12 @@ from typing import Any
 
 import numpy as np
 
-from glmkit.runtime.engine import Engine
-from glmkit.runtime.generate import Generator
-from glmkit.runtime.prefix_cache import PrefixCache, common_prefix
-from glmkit.runtime.sampling import Sampler, SamplingParams
-from glmkit.runtime.session import ReuseStats, Session
-from glmkit.runtime.tokenizer import StreamDecoder
+from glmkit.cache.prefix_cache import PrefixCache, common_prefix
+from glmkit.cache.session import ReuseStats, Session
+from glmkit.generate.engine import Engine
+from glmkit.generate.generator import Generator
+from glmkit.generate.sampling import Sampler, SamplingParams
+from glmkit.generate.tokenizer import StreamDecoder
 
 log = logging.getLogger("glmkit.serve")
 
@@ -80,7 +80,7 @@ class QueueFull(Exception):
     pass
 
 
-class Job:
+class GenerationJob:
     def __init__(self, request: GenRequest, emit: Callable[[Text | Done], None]):
         self.request = request
         self.emit = emit
@@ -116,8 +116,8 @@ class Scheduler:
         self._open_cache = prefix_cache if reuse else None
         self.prefix_cache: PrefixCache | None = None
         self._cv = threading.Condition()
-        self._queue: collections.deque[Job] = collections.deque()
-        self._active: list[Job] = []
+        self._queue: collections.deque[GenerationJob] = collections.deque()
+        self._active: list[GenerationJob] = []
         self._sessions: list[Session] = []
         self._idle: list[Session] = []  # least recently used first
         self._prompt_len: dict[Session, int] = {}  # idle Session -> length of the prompt it last served
@@ -139,8 +139,8 @@ class Scheduler:
         if self._startup_error is not None:
             raise self._startup_error
 
-    def submit(self, request: GenRequest, emit: Callable[[Text | Done], None]) -> Job:
-        job = Job(request, emit)
+    def submit(self, request: GenRequest, emit: Callable[[Text | Done], None]) -> GenerationJob:
+        job = GenerationJob(request, emit)
         with self._cv:
             if len(self._queue) + len(self._active) >= self.max_active + self.max_queue:
                 self.counters["rejected"] += 1
@@ -150,7 +150,7 @@ class Scheduler:
             self._cv.notify()
         return job
 
-    def cancel(self, job: Job) -> None:
+    def cancel(self, job: GenerationJob) -> None:
         job.cancelled = True
         with self._cv:
             self._cv.notify()
@@ -221,7 +221,7 @@ class Scheduler:
         self._idle.remove(best)
         return best
 
-    def _release(self, job: Job, broken: bool) -> None:
+    def _release(self, job: GenerationJob, broken: bool) -> None:
         session, job.session = job.session, None
         if session is None or not self.reuse:
             return
@@ -234,7 +234,7 @@ class Scheduler:
                 self._prompt_len[session] = len(job.request.prompt_ids)
             self._idle.append(session)
 
-    def _step(self, job: Job) -> None:
+    def _step(self, job: GenerationJob) -> None:
         if job.cancelled:
             self._finish(job, "cancelled")
             return
@@ -248,7 +248,7 @@ class Scheduler:
             log.exception("request %s failed", job.request.request_id)
             self._finish(job, "error", error=f"{type(e).__name__}: {e}")
 
-    def _prefill_step(self, job: Job) -> None:
+    def _prefill_step(self, job: GenerationJob) -> None:
         """The first step restores the cached prefix; later ones prefill one chunk each until at most
         `prefill_chunk` tokens are left, which the Generator's own prefill takes (with the first token)."""
         ids, session = job.request.prompt_ids, job.session
@@ -276,7 +276,7 @@ class Scheduler:
         job.iterator = job.generator.generate(ids, request.max_tokens, Sampler(request.params), kv)
         self._decode_step(job)
 
-    def _decode_step(self, job: Job) -> None:
+    def _decode_step(self, job: GenerationJob) -> None:
         assert job.generator is not None and job.decoder is not None
         try:
             token = next(job.iterator)
@@ -294,7 +294,7 @@ class Scheduler:
         elif len(job.tokens) >= job.request.max_tokens:
             self._finish(job, "length")
 
-    def _push_text(self, job: Job, piece: str) -> bool:
+    def _push_text(self, job: GenerationJob, piece: str) -> bool:
         """Add generated text and emit what is safe to show; True when a stop sequence was reached."""
         if not piece:
             return False
@@ -308,18 +308,18 @@ class Scheduler:
         self._emit_upto(job, len(job.text) - hold)
         return False
 
-    def _emit_upto(self, job: Job, end: int) -> None:
+    def _emit_upto(self, job: GenerationJob, end: int) -> None:
         if end > job.sent:
             text, job.sent = job.text[job.sent:end], end
             self._send(job, Text(text))
 
-    def _send(self, job: Job, event: Text | Done) -> None:
+    def _send(self, job: GenerationJob, event: Text | Done) -> None:
         try:
             job.emit(event)
         except Exception:  # the receiving side is gone (event loop closed): nobody is listening
             job.cancelled = True
 
-    def _finish(self, job: Job, reason: str, flush: bool = True, error: str = "") -> None:
+    def _finish(self, job: GenerationJob, reason: str, flush: bool = True, error: str = "") -> None:
         if reason in ("stop", "length") and flush and job.decoder is not None:
             if self._push_text(job, job.decoder.flush()):
                 reason = "stop"

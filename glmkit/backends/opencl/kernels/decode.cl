@@ -1,0 +1,353 @@
+/* The device decode step (glmkit.backends.opencl.decode_graph): the small per-token operations that sit between the
+ * weight products, so that a whole decoded token is one queue of kernels with a single wait at the end.
+ * Every pointer comes with an offset in floats: a KV cache row, or a vector inside the step's buffer of
+ * norm weights and biases. One query token throughout. */
+
+/* The end of an RMSNorm over n values run by one work-group: y = w * (x * (1 / sqrt(mean(x^2) + eps))), s being this
+ * item's part of the sum of squares; with `quantize`, also y's int8 codes, scales and code sums (common.cl; n a
+ * multiple of 64) for the int8-input products that read it. */
+INLINE void rms_norm_out(const __global float* x, float s, uint n, float eps, const __global float* w,
+                         __global float* y, uint quantize, __global char* q, __global float* qs, __global int* qsum,
+                         __local float* red) {
+    const uint l = get_local_id(0);
+    const float inv = 1.0f / sqrt(group_sum(s, red) / (float)n + eps);
+    for (uint i = l; i < n; i += RED_LANES) y[i] = w[i] * (x[i] * inv);
+    /* a block is read by another item than the ones that wrote it; the barrier is not under `quantize`: PoCL
+     * crashed on this barrier in a branch followed by more barriers (token_rows) */
+    barrier(CLK_GLOBAL_MEM_FENCE);
+    for (uint b = l; quantize && b < n / 64; b += RED_LANES) quantize_block(y + 64 * b, q + 128 * b, qs + b, qsum + b);
+}
+
+/* x += sum over the rows s in [a_range[0], a_range[1]) of a_w[s] * a[s] (when `add`), then
+ * y = w * (x * (1 / sqrt(mean(x^2) + eps))) over n values: a residual add followed by the next RMSNorm (add = 0: the
+ * norm alone). The rows of `a`: the experts' per-slot down outputs with their routing weights (the sum that
+ * expert_sum would write, in its order), or one row of weight 1 (a plain add, exact). With `quantize`, also y's int8
+ * codes, scales and code sums (common.cl; n a multiple of 64) for the int8-input products that read it. One
+ * work-group of RED_LANES items. */
+__kernel void residual_rms_norm(__global float* x, uint x_off, __global const float* a,
+                                __global const uint* a_range, __global const float* a_w, uint add,
+                                __global const float* w, uint w_off, __global float* y, uint y_off, uint n,
+                                float eps, uint quantize, __global char* q, __global float* qs,
+                                __global int* qsum) {
+    __local float red[RED_LANES];
+    const uint l = get_local_id(0);
+    __global float* xp = x + x_off;
+    const uint first = add ? a_range[0] : 0, end = add ? a_range[1] : 0;
+    float s = 0.0f;
+    for (uint i = l; i < n; i += RED_LANES) {
+        float v = xp[i];
+        if (add) {
+            float sum = 0.0f;
+            for (uint r = first; r < end; r++) sum += a_w[r] * a[r * n + i];
+            v += sum;
+            xp[i] = v;
+        }
+        s += v * v;
+    }
+    rms_norm_out(xp, s, n, eps, w + w_off, y + y_off, quantize, q, qs, qsum, red);
+}
+
+/* token[0] = the index of the largest of n values, the first one on ties (NumPy's argmax): the greedy token,
+ * chosen on the device so that the next token's forward can be queued before the host sees this one. One
+ * work-group. */
+__kernel void argmax_row(__global const float* x, uint n, __global uint* token) {
+    __local float best[RED_LANES];
+    __local uint at[RED_LANES];
+    const uint l = get_local_id(0), none = 0xffffffffu;
+    float v = -INFINITY;
+    uint idx = none;
+    for (uint i = l; i < n; i += RED_LANES) {
+        if (idx == none || x[i] > v) {
+            v = x[i];
+            idx = i;
+        }
+    }
+    best[l] = v;
+    at[l] = idx;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (uint w = RED_LANES / 2; w > 0; w >>= 1) {
+        if (l < w) {
+            const float ov = best[l + w];
+            const uint oi = at[l + w];
+            if (oi != none && (at[l] == none || ov > best[l] || (ov == best[l] && oi < at[l]))) {
+                best[l] = ov;
+                at[l] = oi;
+            }
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }
+    if (l == 0) token[0] = at[0];
+}
+
+/* y += a over n values (a shared expert that runs in a launch pair of its own). Global (n). */
+__kernel void add_into(__global float* y, __global const float* a, uint n) {
+    const uint i = get_global_id(0);
+    if (i < n) y[i] += a[i];
+}
+
+/* The token's indexer key row: key = LayerNorm(x) (weights and bias at vec + w_off, vec + b_off; biased variance),
+ * then index_k[row] = key with RoPE on its first `rope` columns (cs: see rope_rows). tmp: n floats of scratch. Run
+ * by one work-group. */
+INLINE void index_key_row(__global const float* x, __global const float* vec, uint w_off, uint b_off,
+                          __global float* tmp, __global float* index_k, uint row, uint n, uint rope,
+                          __global const float* cs, float eps, __local float* red) {
+    const uint l = get_local_id(0), n_half = rope / 2;
+    float s = 0.0f;
+    for (uint i = l; i < n; i += RED_LANES) s += x[i];
+    const float mean = group_sum(s, red) / (float)n;
+    float v = 0.0f;
+    for (uint i = l; i < n; i += RED_LANES) {
+        const float c = x[i] - mean;
+        v += c * c;
+    }
+    const float den = sqrt(group_sum(v, red) / (float)n + eps);
+    for (uint i = l; i < n; i += RED_LANES) tmp[i] = (x[i] - mean) / den * vec[w_off + i] + vec[b_off + i];
+    barrier(CLK_GLOBAL_MEM_FENCE);  /* a rotated pair may have been normed by another item */
+    __global float* out = index_k + (ulong)row * n;
+    for (uint i = l; i < n; i += RED_LANES) {
+        float y;
+        if (i < n_half) {
+            y = tmp[2 * i] * cs[i] - tmp[2 * i + 1] * cs[n_half + i];
+        } else if (i < rope) {
+            const uint j = i - n_half;
+            y = tmp[2 * j + 1] * cs[j] + tmp[2 * j] * cs[n_half + j];
+        } else {
+            y = tmp[i];
+        }
+        out[i] = y;
+    }
+}
+
+#define NO_STAGE 0xffffffffu
+
+/* The normalized rows of the token's latent projections, in one launch:
+ * - from kv_a's output comp = [latent (kvl) | rope part (rope)]: kv_lat[row] = RMSNorm of the latent (weights at
+ *   vec + w_off), k_rot[row] = the rope part with RoPE applied (cs: see rope_rows);
+ * - the query latent for q_b: q_lat = RMSNorm of q_a's output (qn values, weights at vec + qw_off), with its int8
+ *   codes when `quantize` (rms_norm_out);
+ * - with `index` (a layer with an indexer of its own): the indexer key row from key_raw (index_key_row; weights and
+ *   bias at vec + kw_off, vec + kb_off, tmp: ihd floats of scratch) into index_k[row];
+ * - unless stage_off is NO_STAGE: a copy of the cache rows at stage + stage_off ([kv_lat | k_rot | index_k]), where a
+ *   discrete device collects every layer's rows of the token for one read back.
+ * One work-group. */
+__kernel void token_rows(__global const float* comp, __global const float* vec, uint w_off, __global float* kv_lat,
+                         __global float* k_rot, uint row, uint kvl, uint rope, __global const float* cs, float eps,
+                         __global const float* q_a, uint qw_off, __global float* q_lat, uint qn, uint quantize,
+                         __global char* q, __global float* qs, __global int* qsum, uint index,
+                         __global const float* key_raw, uint kw_off, uint kb_off, __global float* tmp,
+                         __global float* index_k, uint ihd, __global float* stage, uint stage_off) {
+    __local float red[RED_LANES];
+    const uint l = get_local_id(0), n_half = rope / 2;
+    float s = 0.0f;
+    for (uint i = l; i < kvl; i += RED_LANES) s += comp[i] * comp[i];
+    rms_norm_out(comp, s, kvl, eps, vec + w_off, kv_lat + (ulong)row * kvl, 0, q, qs, qsum, red);
+    for (uint i = l; i < n_half; i += RED_LANES) rope_pair(comp + kvl, k_rot + (ulong)row * rope, cs, n_half, i);
+    float sq = 0.0f;
+    for (uint i = l; i < qn; i += RED_LANES) sq += q_a[i] * q_a[i];
+    rms_norm_out(q_a, sq, qn, eps, vec + qw_off, q_lat, quantize, q, qs, qsum, red);
+    if (index) index_key_row(key_raw, vec, kw_off, kb_off, tmp, index_k, row, ihd, rope, cs, eps, red);
+    barrier(CLK_GLOBAL_MEM_FENCE);  /* unconditional: PoCL crashed on a barrier under a condition (session 6) */
+    if (stage_off == NO_STAGE) return;
+    __global float* st = stage + stage_off;
+    for (uint i = l; i < kvl; i += RED_LANES) st[i] = kv_lat[(ulong)row * kvl + i];
+    for (uint i = l; i < rope; i += RED_LANES) st[kvl + i] = k_rot[(ulong)row * rope + i];
+    for (uint i = l; index && i < ihd; i += RED_LANES) st[kvl + rope + i] = index_k[(ulong)row * ihd + i];
+}
+
+/* Row h of y (width values at y + y_off + h * y_row) from row h of x (at x + x_off + h * x_row): RoPE on the
+ * interleaved pairs of the first 2 * n_half columns, de-interleaved (concat(e * cos - o * sin, o * cos + e * sin)),
+ * the other columns copied. cs = [cos (n_half), sin (n_half)] of the token's position. Global (width, rows). */
+__kernel void rope_rows(__global const float* x, uint x_off, uint x_row, __global float* y, uint y_off, uint y_row,
+                        __global const float* cs, uint width, uint n_half) {
+    const uint j = get_global_id(0), h = get_global_id(1);
+    if (j >= width) return;
+    const __global float* xr = x + x_off + (ulong)h * x_row;
+    float v;
+    if (j < n_half) {
+        v = xr[2 * j] * cs[j] - xr[2 * j + 1] * cs[n_half + j];
+    } else if (j < 2 * n_half) {
+        const uint i = j - n_half;
+        v = xr[2 * i + 1] * cs[i] + xr[2 * i] * cs[n_half + i];
+    } else {
+        v = xr[j];
+    }
+    y[y_off + (ulong)h * y_row + j] = v;
+}
+
+/* Absorbed MLA attention of one query token, in two launches: these scores, then `mla_decode_values`, over n keys:
+ * key j is keys[j] when use_keys (the indexer's choice, `topk_select`'s chosen list), else j (every key).
+ * scores[h, j] = (q_lat[h] . kv_lat[t] + q_rot[h] . k_rot[t]) * scale for t = key j.
+ * q_lat [nh, kvl], q_rot [nh, rope], kv_lat [T, kvl], k_rot [T, rope].
+ * One work-item per key and every get_global_size(1)-th head: global (n, 1) on CPUs (an item reads its key once for
+ * every head), (n, nh) on GPUs (a head's dot per item: the heads in parallel). */
+__kernel void mla_decode_scores(__global const float* q_lat, __global const float* q_rot,
+                                __global const float* kv_lat, __global const float* k_rot,
+                                __global const uint* keys, uint use_keys, __global float* scores, uint nh,
+                                uint n, uint kvl, uint rope, float scale) {
+    const uint j = get_global_id(0);
+    if (j >= n) return;
+    const ulong t = use_keys ? keys[j] : j;
+    const __global float* kl = kv_lat + t * kvl;
+    const __global float* kr = k_rot + t * rope;
+    if (use_keys && j + 1 < n) {  /* the next item's key (the chosen rows are scattered: no hardware prefetch) */
+        const ulong next = keys[j + 1];
+        for (uint i = 0; i < kvl; i += 16) PREFETCH(kv_lat + next * kvl + i);
+        for (uint i = 0; i < rope; i += 16) PREFETCH(k_rot + next * rope + i);
+    }
+    const uint lat8 = kvl / 8, rope8 = rope / 8;
+    for (uint h = get_global_id(1); h < nh; h += get_global_size(1)) {
+        const __global float* ql = q_lat + (ulong)h * kvl;
+        const __global float* qr = q_rot + (ulong)h * rope;
+        float8 acc = (float8)(0.0f);
+        for (uint i = 0; i < lat8; i++) acc += LOAD_F8(i, ql) * LOAD_F8(i, kl);
+        for (uint i = 0; i < rope8; i++) acc += LOAD_F8(i, qr) * LOAD_F8(i, kr);
+        float dot_ = hsum8(acc);
+        for (uint i = lat8 * 8; i < kvl; i++) dot_ += ql[i] * kl[i];
+        for (uint i = rope8 * 8; i < rope; i++) dot_ += qr[i] * kr[i];
+        scores[(ulong)h * n + j] = dot_ * scale;
+    }
+}
+
+/* out[h] = softmax(scores[h]) @ kv_lat over the n keys of `mla_decode_scores` (keys, use_keys as there), one
+ * work-group (RED_LANES items) per head: the row's maximum and sum (the probabilities replace the scores in
+ * place), then each item owns groups of VALUE_COLS latent columns. Past index_topk keys of context the indexer's
+ * choice keeps both launches at index_topk keys (over every key they took 3-6 ms of a 9-13 ms token at
+ * 4,000 keys). With `quantize`, also out's int8 codes, scales and code sums per head (common.cl; kvl a multiple of
+ * 64). scores [nh, n], kv_lat [T, kvl]. Global (nh * RED_LANES). */
+__kernel void mla_decode_values(__global float* scores, __global const float* kv_lat, __global float* out,
+                                uint n, uint kvl, uint quantize, __global char* q, __global float* qs,
+                                __global int* qsum, __global const uint* keys, uint use_keys) {
+    __local float red[RED_LANES];
+    const uint l = get_local_id(0), h = get_group_id(0);
+    __global float* p = scores + (ulong)h * n;
+    const uint n8 = n / 8;  /* chunks of 8 keys: vector exp (scalar exp per key cost more than the sums) */
+    float8 m8 = (float8)(-INFINITY);
+    for (uint c = l; c < n8; c += RED_LANES) m8 = fmax(m8, LOAD_F8(c, p));
+    const float4 m4 = fmax(m8.lo, m8.hi);
+    float m = fmax_(fmax_(m4.x, m4.y), fmax_(m4.z, m4.w));
+    for (uint j = 8 * n8 + l; j < n; j += RED_LANES) m = fmax_(m, p[j]);
+    m = group_max(m, red);
+    float8 sum8 = (float8)(0.0f);
+    for (uint c = l; c < n8; c += RED_LANES) {
+        const float8 e = exp(LOAD_F8(c, p) - m);
+        vstore8(e, c, p);
+        sum8 += e;
+    }
+    float sum = hsum8(sum8);
+    for (uint j = 8 * n8 + l; j < n; j += RED_LANES) {
+        const float e = exp(p[j] - m);
+        p[j] = e;
+        sum += e;
+    }
+    sum = group_sum(sum, red);
+    barrier(CLK_GLOBAL_MEM_FENCE);  /* every item's probabilities are visible to the whole group */
+    __global float* o = out + (ulong)h * kvl;
+    /* CPUs: an item owns 32 columns, per key one probability load for four vector sums (a work-group runs on one
+     * core, so fewer, longer items cost less than many short ones); GPUs: one column, the group's loads coalesce */
+    for (uint i0 = VALUE_COLS * l; i0 < kvl; i0 += VALUE_COLS * RED_LANES) {
+        if (VALUE_COLS == 32 && i0 + 32 <= kvl) {
+            float8 a0 = (float8)(0.0f), a1 = a0, a2 = a0, a3 = a0;
+            const __global float* kv = kv_lat + i0;
+            for (uint j = 0; j < n; j++) {
+                const float pj = p[j];
+                const __global float* row = kv + (use_keys ? keys[j] : j) * (ulong)kvl;
+                a0 += pj * LOAD_F8(0, row);
+                a1 += pj * LOAD_F8(1, row);
+                a2 += pj * LOAD_F8(2, row);
+                a3 += pj * LOAD_F8(3, row);
+            }
+            vstore8(a0 / sum, 0, o + i0);
+            vstore8(a1 / sum, 1, o + i0);
+            vstore8(a2 / sum, 2, o + i0);
+            vstore8(a3 / sum, 3, o + i0);
+        } else {
+            for (uint i = i0; i < min(i0 + VALUE_COLS, kvl); i++) {
+                float acc = 0.0f;
+                for (uint j = 0; j < n; j++) acc += p[j] * kv_lat[(use_keys ? keys[j] : j) * (ulong)kvl + i];
+                o[i] = acc / sum;
+            }
+        }
+    }
+    if (!quantize) return;
+    barrier(CLK_GLOBAL_MEM_FENCE);  /* a block is read by another item than the ones that wrote it */
+    const uint nb = kvl / 64;
+    for (uint b = l; b < nb; b += RED_LANES) quantize_block(o + 64 * b, q + 2 * h * kvl + 128 * b, qs + h * nb + b,
+                                                            qsum + h * nb + b);
+}
+
+#define MAX_EXPERTS 1024
+#define MAX_BUFFERS 8
+
+/* noaux_tc routing of one token (one work-item), writing the fused expert launches' slots directly.
+ * Selection uses sigmoid(logits) + bias among the topk_group groups with the largest top-2 sums; the weights
+ * are the unbiased sigmoid scores (normalized when `norm`) times `scaling`. The experts of a layer may lie in
+ * several weight buffers (files of the mapping), one launch pair each: buffer_of[e] says which. Buffer b's
+ * slots start at slot b * stride (offs: 6 values per slot; slot_w; slot_tok) and its slot range [0, count) is
+ * at tok_start[b * stride]: its selected experts by ascending id, then the shared expert (when `shared`,
+ * weight 1) if it lies there; the other slots get token 0xffffffff. table holds 6 byte offsets per expert (gate, gate scales, up,
+ * up scales, down, down scales; the shared expert's last). ids: the selected experts, ascending. */
+__kernel void route_noaux_tc(__global const float* logits, __global const float* vec, uint bias_off,
+                             __global const ulong* table, __global const uint* buffer_of, uint n_buffers,
+                             uint n_experts, uint n_group, uint topk_group, uint top_k, uint norm, float scaling,
+                             uint shared, __global ulong* offs, __global float* slot_w, __global uint* slot_tok,
+                             uint stride, __global uint* tok_start, __global uint* ids) {
+    if (get_global_id(0) != 0) return;
+    float score[MAX_EXPERTS], choice[MAX_EXPERTS];
+    uchar state[MAX_EXPERTS];  /* 0: excluded, 1: candidate, 2: selected */
+    const uint per = n_experts / n_group;
+    for (uint e = 0; e < n_experts; e++) {
+        score[e] = 1.0f / (1.0f + exp(-logits[e]));
+        choice[e] = score[e] + vec[bias_off + e];
+        state[e] = 0;
+    }
+    float group_score[MAX_EXPERTS];
+    for (uint g = 0; g < n_group; g++) {
+        float first = -INFINITY, second = -INFINITY;
+        for (uint e = g * per; e < (g + 1) * per; e++) {
+            if (choice[e] > first) {
+                second = first;
+                first = choice[e];
+            } else if (choice[e] > second) {
+                second = choice[e];
+            }
+        }
+        group_score[g] = per > 1 ? second + first : first;
+    }
+    for (uint pick = 0; pick < topk_group; pick++) {
+        uint best = n_group;
+        for (uint g = 0; g < n_group; g++)
+            if (group_score[g] != -INFINITY && (best == n_group || group_score[g] > group_score[best])) best = g;
+        if (best == n_group) break;
+        group_score[best] = -INFINITY;
+        for (uint e = best * per; e < (best + 1) * per; e++) state[e] = 1;
+    }
+    for (uint pick = 0; pick < top_k; pick++) {
+        uint best = n_experts;
+        for (uint e = 0; e < n_experts; e++)
+            if (state[e] == 1 && (best == n_experts || choice[e] > choice[best])) best = e;
+        if (best == n_experts) break;
+        state[best] = 2;
+    }
+    uint k = 0;
+    float total = 0.0f;
+    for (uint e = 0; e < n_experts && k < top_k; e++) {
+        if (state[e] != 2) continue;
+        ids[k++] = e;
+        total += score[e];
+    }
+    uint count[MAX_BUFFERS];
+    for (uint b = 0; b < n_buffers; b++) count[b] = 0;
+    for (uint i = 0; i <= k; i++) {
+        if (i == k && !shared) break;
+        const uint e = i < k ? ids[i] : n_experts;
+        const uint b = buffer_of[e], slot = b * stride + count[b]++;
+        slot_w[slot] = i == k ? 1.0f : (norm ? score[e] / (total + 1e-20f) : score[e]) * scaling;
+        slot_tok[slot] = 0;
+        for (uint j = 0; j < 6; j++) offs[slot * 6 + j] = table[e * 6 + j];
+    }
+    for (uint b = 0; b < n_buffers; b++) {
+        tok_start[b * stride] = 0;
+        tok_start[b * stride + 1] = count[b];
+        for (uint j = count[b]; j < stride; j++) slot_tok[b * stride + j] = 0xffffffffu;
+    }
+}

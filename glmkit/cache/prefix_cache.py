@@ -1,0 +1,705 @@
+"""Versioned on-disk KV/prefill cache: exact prefix reuse across requests and processes.
+
+A token sequence is cut into chunks at fixed absolute boundaries (every `chunk_tokens`); the end of a
+request adds one "tail" chunk hanging off the last full chunk. A chunk's key is
+`sha256(parent_key || token ids)`, rooted in the model hash and the backend's numerics version, so an
+entry can only be used by the same converted model, the same kernels and the same token prefix.
+
+A blob holds the chunk's KV rows for every main layer (`kv_lat`, `k_rot`, `index_k` on indexer
+layers) and, when the model has an MTP layer, the MTP rows one position earlier (the MTP row at
+position i pairs h_i with token i+1, so it belongs with the chunk holding token i+1).
+
+Blob file: `MAGIC | u32 version | u32 header length | header JSON | zstd payload | sha256 of all before`.
+Written to a temp name, fsynced, renamed; only then recorded in the sqlite index. Anything that fails
+a check (magic, version, checksum, model, numerics, dims) is discarded and recomputed, never used.
+
+Exact reuse already extends to the first token that differs from anything stored, not just to the last
+chunk boundary before it (`_best_tail`), so explicit "anchor" boundaries at chat-turn starts would add
+nothing: a history rewritten after turn k reuses every token before the first changed one.
+
+Approximate (non-prefix) reuse, opt-in: the index also records each chunk's position-free content hash,
+its chain root and the mean of its layer-0 `kv_lat` (the embedding `chunk_index` searches). `find_runs`
+locates spans of a new prompt whose tokens were stored at OTHER positions: identical chunks by content
+hash (then extended token by token through the stored chain, backwards and forwards), and similar chunks
+through the hnswlib index, aligned token by token so a row is only ever used for the same token id.
+The caller (`Session`) imports those rows re-rotated to their new positions (`rerotate`); they are
+approximate (computed in another context) and are never stored back.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import os
+import shutil
+import sqlite3
+import struct
+import sys
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import zstandard
+
+from glmkit.format.config import ModelConfig
+from glmkit.model.glm5 import GlmMoeDsaModel
+from glmkit.model.kv_cache import KVCache
+
+MAGIC = b"GLMKVC\x00\x01"
+BLOB_VERSION = 1
+DEFAULT_CHUNK_TOKENS = 32
+DEFAULT_MAX_BYTES = 20 << 30
+MAX_HEADER_BYTES = 1 << 20
+RAM_TIER_BYTES = 512 << 20
+_FIELDS = ("kv_lat", "k_rot", "index_k")
+
+
+def default_cache_dir() -> Path:
+    """`$GLMKIT_CACHE_DIR`, else `$XDG_CACHE_HOME/glmkit/prefix`, else `~/.cache/glmkit/prefix`."""
+    if env := os.environ.get("GLMKIT_CACHE_DIR"):
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "glmkit" / "prefix"
+
+
+def chunk_key(parent: str, tokens: list[int]) -> str:
+    return hashlib.sha256(parent.encode() + np.asarray(tokens, dtype="<i8").tobytes()).hexdigest()
+
+
+def tokens_hash(tokens: list[int] | np.ndarray) -> str:
+    """Position- and prefix-free hash of a chunk's token ids (finds the same tokens stored elsewhere)."""
+    return hashlib.sha256(b"glmkit-content|" + np.asarray(tokens, dtype="<i8").tobytes()).hexdigest()
+
+
+def rope_angles(positions: np.ndarray, dim: int, theta: float) -> np.ndarray:
+    """`[S, dim/2]` float32 angles, computed exactly like `model.rope_cos_sin`."""
+    inv_freq = np.float32(1.0) / (np.float32(theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)))
+    return np.asarray(positions).astype(np.float32)[:, None] * inv_freq[None, :]
+
+
+def rerotate(x: np.ndarray, old_start: int, new_start: int, theta: float) -> np.ndarray:
+    """Move roped rows `x [n, d]` (de-interleaved `apply_rope` output) from positions old_start.. to new_start...
+
+    The rotation is by the difference of the two float32 angles, taken in float64, so the result is the
+    row roped directly at the new position up to float32 rounding. Same positions: returned unchanged.
+    """
+    if old_start == new_start or len(x) == 0:
+        return x
+    n, dim = x.shape
+    old = rope_angles(np.arange(old_start, old_start + n), dim, theta).astype(np.float64)
+    new = rope_angles(np.arange(new_start, new_start + n), dim, theta).astype(np.float64)
+    cos, sin = np.cos(new - old), np.sin(new - old)
+    even, odd = x[:, : dim // 2].astype(np.float64), x[:, dim // 2:].astype(np.float64)
+    return np.concatenate([even * cos - odd * sin, odd * cos + even * sin], axis=-1).astype(np.float32)
+
+
+@dataclass
+class Piece:
+    """Rows [offset, offset + count) of the stored chunk `key` (which starts at `chunk_start`)."""
+
+    key: str
+    chunk_start: int
+    chunk_tokens: int
+    offset: int
+    count: int
+
+
+@dataclass
+class Run:
+    """A span [start, start + length) of a new prompt whose tokens sit, in order, in stored chunks."""
+
+    start: int
+    pieces: list[Piece]
+    kind: str  # "content": identical tokens found by content hash; "similar": via the hnswlib index
+
+    @property
+    def length(self) -> int:
+        return sum(p.count for p in self.pieces)
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+@dataclass
+class Chunk:
+    """KV rows of tokens [start, start + len(tokens)); arrays named `{layer}.{field}`."""
+
+    key: str
+    parent: str
+    start: int
+    tokens: list[int]
+    arrays: dict[str, np.ndarray]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays.values())
+
+    def prefix(self, n: int, mtp_layer: int) -> Chunk:
+        """The first `n` tokens' rows (MTP rows sit one position earlier: one fewer when start == 0)."""
+        mtp_rows = n - (1 if self.start == 0 else 0)
+        arrays = {name: a[:mtp_rows if int(name.split(".")[0]) >= mtp_layer else n]
+                  for name, a in self.arrays.items()}
+        return Chunk(self.key, self.parent, self.start, self.tokens[:n], arrays)
+
+
+@dataclass
+class RestoreResult:
+    tokens: int = 0  # prefix tokens whose KV rows were restored
+    from_ram: int = 0
+    from_disk: int = 0
+    discarded: int = 0  # entries that failed a check and were deleted
+
+
+@dataclass
+class CacheCounters:
+    lookups: int = 0
+    stored_chunks: int = 0
+    stored_bytes: int = 0
+    last_restore: RestoreResult = field(default_factory=RestoreResult)
+
+
+class PrefixCache:
+    """One model's view of the shared cache directory (blobs + sqlite index)."""
+
+    def __init__(self, directory: str | Path, model_hash: str, config: ModelConfig, numerics: str,
+                 has_mtp: bool, index_layers: list[int], chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                 max_bytes: int = DEFAULT_MAX_BYTES):
+        self.directory = Path(directory)
+        self.model_hash = model_hash
+        self.config = config
+        self.numerics = numerics
+        self.has_mtp = has_mtp
+        self.index_layers = set(index_layers)
+        self.chunk_tokens = chunk_tokens
+        self.max_bytes = max_bytes
+        # MTP and non-MTP runs store different row sets, so they get separate chains
+        self.root = hashlib.sha256(
+            f"glmkit-prefix|{BLOB_VERSION}|{model_hash}|{numerics}|mtp={has_mtp}".encode()).hexdigest()
+        self.counters = CacheCounters()
+        self._ram: OrderedDict[str, Chunk] = OrderedDict()
+        self._ram_bytes = 0
+        self._touched: list[str] = []  # keys used since the last flush_touches
+        self._loaded_from_disk: set[str] = set()  # keys `_load` just read from disk (for the counters)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.db = open_index(self.directory)
+        self.ann = None  # chunk_index.ChunkIndex, opened by `open_similar_index` (approximate reuse only)
+
+    @classmethod
+    def for_model(cls, model: GlmMoeDsaModel, model_hash: str, directory: str | Path, use_mtp: bool,
+                  chunk_tokens: int = DEFAULT_CHUNK_TOKENS, max_bytes: int = DEFAULT_MAX_BYTES) -> PrefixCache:
+        """The cache for a model as it runs: its backend's numerics, whether MTP rows are kept."""
+        index_layers = [i for i, layer in enumerate(model.new_cache().layers) if layer.has_index]
+        return cls(directory, model_hash, model.config, model.backend.numerics, use_mtp and model.has_mtp,
+                   index_layers, chunk_tokens, max_bytes)
+
+    # ---- layout of one chunk's arrays ----
+
+    def expected_shapes(self, n_tokens: int, start: int) -> dict[str, tuple[int, int]]:
+        cfg = self.config
+        widths = {"kv_lat": cfg.kv_lora_rank, "k_rot": cfg.qk_rope_head_dim, "index_k": cfg.index_head_dim}
+        shapes = {}
+        for layer in range(cfg.num_hidden_layers):
+            for name in _FIELDS:
+                if name != "index_k" or layer in self.index_layers:
+                    shapes[f"{layer}.{name}"] = (n_tokens, widths[name])
+        if self.has_mtp:
+            mtp = cfg.num_hidden_layers
+            rows = n_tokens - (1 if start == 0 else 0)  # MTP rows [start-1, start+n-1) clipped at 0
+            for name in _FIELDS:
+                if name != "index_k" or mtp in self.index_layers:
+                    shapes[f"{mtp}.{name}"] = (rows, widths[name])
+        return shapes
+
+    # ---- lookup and restore ----
+
+    def restore(self, kv: KVCache, tokens: list[int]) -> RestoreResult:
+        """Append to an EMPTY `kv` the longest cached prefix of `tokens`, leaving at least the last token
+        for the caller to compute (it needs its logits). With MTP the main layers are cut back one token
+        behind the MTP rows, so recomputing that token also yields the hidden state the MTP layer needs."""
+        assert kv.length == 0
+        self.counters.lookups += 1
+        result = RestoreResult()
+        limit = len(tokens) if self.has_mtp else len(tokens) - 1
+        parent, pos = self.root, 0
+        chunks: list[Chunk] = []
+        while pos + self.chunk_tokens <= limit:
+            key = chunk_key(parent, tokens[pos:pos + self.chunk_tokens])
+            chunk = self._load(key, pos, self.chunk_tokens, result)
+            if chunk is None:
+                break
+            self._count(result, key, self.chunk_tokens)
+            chunks.append(chunk)
+            parent, pos = key, pos + self.chunk_tokens
+        tail = self._best_tail(parent, pos, tokens[pos:limit], result)
+        if tail is not None:
+            chunks.append(tail)
+        for chunk in chunks:
+            self._append_rows(kv, chunk)
+        if chunks and self.has_mtp:
+            kv.truncate(kv.layer(self.config.num_hidden_layers).length)
+        result.tokens = kv.length
+        self.counters.last_restore = result
+        self.flush_touches()
+        return result
+
+    def _best_tail(self, parent: str, pos: int, remaining: list[int], result: RestoreResult) -> Chunk | None:
+        """The stored chunk under `parent` sharing the longest prefix with `remaining`, cut to that prefix.
+
+        KV rows of position i depend only on tokens <= i, so the first n rows of a longer chunk are exact.
+        """
+        best, best_n = None, 0
+        for key, blob in self.db.execute("SELECT key, tokens FROM entries WHERE parent = ? AND model_hash = ?",
+                                         (parent, self.model_hash)).fetchall():
+            n = common_prefix(np.frombuffer(blob, dtype="<i8").tolist(), remaining)
+            if n > best_n:
+                best, best_n = key, n
+        if best is None:
+            return None
+        row = self.db.execute("SELECT n_tokens FROM entries WHERE key = ?", (best,)).fetchone()
+        chunk = self._load(best, pos, row[0], result) if row else None
+        if chunk is None:
+            return None
+        self._count(result, best, best_n)
+        return chunk.prefix(best_n, self.config.num_hidden_layers)
+
+    def _append_rows(self, kv: KVCache, chunk: Chunk) -> None:
+        by_layer: dict[int, dict[str, np.ndarray]] = {}
+        for name, array in chunk.arrays.items():
+            layer, fname = name.split(".")
+            by_layer.setdefault(int(layer), {})[fname] = array
+        for layer, rows in sorted(by_layer.items()):
+            if len(next(iter(rows.values()))):
+                kv.layer(layer).append(**rows)
+
+    def _load(self, key: str, start: int, n_tokens: int, result: RestoreResult) -> Chunk | None:
+        chunk = self._ram.get(key)
+        if chunk is not None:
+            self._ram.move_to_end(key)
+            self._touch(key)
+            return chunk
+        row = self.db.execute("SELECT file FROM entries WHERE key = ?", (key,)).fetchone()
+        if row is None:
+            return None
+        path = self.directory / row[0]
+        try:
+            chunk = read_blob(path, self.model_hash, self.numerics, self.expected_shapes(n_tokens, start))
+        except (OSError, ValueError):
+            self._forget(key, path)
+            result.discarded += 1
+            return None
+        if chunk.key != key or chunk.start != start:
+            self._forget(key, path)
+            result.discarded += 1
+            return None
+        self._loaded_from_disk.add(key)
+        self._touch(key)
+        self._remember(chunk)
+        return chunk
+
+    def _count(self, result: RestoreResult, key: str, n_tokens: int) -> None:
+        if key in self._loaded_from_disk:
+            self._loaded_from_disk.discard(key)
+            result.from_disk += n_tokens
+        else:
+            result.from_ram += n_tokens
+
+    # ---- store ----
+
+    def store(self, kv: KVCache, tokens: list[int]) -> int:
+        """Store the chunks of `tokens` (whose KV rows `kv` holds) that are not stored yet; returns how many.
+
+        Full chunks at every `chunk_tokens` boundary, plus one tail chunk for the rest.
+        """
+        main_len = kv.length
+        mtp_len = kv.layer(self.config.num_hidden_layers).length if self.has_mtp else None
+        usable = min(len(tokens), main_len, mtp_len + 1 if mtp_len is not None else main_len)
+        parent, pos, stored = self.root, 0, 0
+        while pos < usable:
+            n = min(self.chunk_tokens, usable - pos)
+            key = chunk_key(parent, tokens[pos:pos + n])
+            if key not in self._ram and not self._exists(key):
+                chunk = Chunk(key, parent, pos, list(tokens[pos:pos + n]), self._rows(kv, pos, n))
+                self._write(chunk)
+                stored += 1
+            if n < self.chunk_tokens:
+                break
+            parent, pos = key, pos + n
+        if stored:
+            self.evict()
+        return stored
+
+    def _rows(self, kv: KVCache, start: int, n: int) -> dict[str, np.ndarray]:
+        arrays = {}
+        for name in self.expected_shapes(n, start):
+            layer, fname = name.split(".")
+            rows = kv.layer(int(layer)).rows(fname)
+            lo = start if int(layer) < self.config.num_hidden_layers else max(start - 1, 0)
+            arrays[name] = rows[lo:start + n - (int(layer) >= self.config.num_hidden_layers)].copy()
+        return arrays
+
+    def _write(self, chunk: Chunk) -> None:
+        rel = f"{self.model_hash[:16]}/{chunk.key[:2]}/{chunk.key}.kvc"
+        path = self.directory / rel
+        nbytes = write_blob(path, chunk, self.model_hash, self.numerics)
+        now = time.time()
+        # full chunks get an embedding (mean layer-0 kv_lat: see chunk_index) for the similar-chunk search
+        emb = chunk.arrays["0.kv_lat"].mean(axis=0).astype("<f4") if len(chunk.tokens) == self.chunk_tokens else None
+        with self.db:
+            self.db.execute("INSERT OR REPLACE INTO entries(key, model_hash, parent, start, n_tokens, tokens, file, "
+                            "nbytes, created, last_access, hits, content, root, emb) "
+                            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?, ?, ?)",
+                            (chunk.key, self.model_hash, chunk.parent, chunk.start, len(chunk.tokens),
+                             np.asarray(chunk.tokens, dtype="<i8").tobytes(), rel, nbytes, now, now,
+                             tokens_hash(chunk.tokens), self.root, None if emb is None else emb.tobytes()))
+        self.counters.stored_chunks += 1
+        self.counters.stored_bytes += nbytes
+        self._remember(chunk)
+        if emb is not None and self.ann is not None:
+            self.ann.add(chunk.key, emb)
+
+    # ---- bookkeeping ----
+
+    def _exists(self, key: str) -> bool:
+        return self.db.execute("SELECT 1 FROM entries WHERE key = ?", (key,)).fetchone() is not None
+
+    def _touch(self, key: str) -> None:
+        """Record a use; written in one transaction by `flush_touches` (one per chunk cost ~8 ms each)."""
+        self._touched.append(key)
+
+    def flush_touches(self) -> None:
+        if self._touched:
+            now = time.time()
+            with self.db:
+                self.db.executemany("UPDATE entries SET last_access = ?, hits = hits + 1 WHERE key = ?",
+                                    [(now, key) for key in self._touched])
+            self._touched.clear()
+
+    def _forget(self, key: str, path: Path) -> None:
+        with self.db:
+            self.db.execute("DELETE FROM entries WHERE key = ?", (key,))
+        path.unlink(missing_ok=True)
+        if self.ann is not None:
+            self.ann.remove([key])
+
+    def _remember(self, chunk: Chunk) -> None:
+        self._ram[chunk.key] = chunk
+        self._ram_bytes += chunk.nbytes
+        while self._ram_bytes > RAM_TIER_BYTES and len(self._ram) > 1:
+            _, old = self._ram.popitem(last=False)
+            self._ram_bytes -= old.nbytes
+
+    def evict(self) -> int:
+        """Delete least-recently-used entries (all models) until the directory is under `max_bytes`."""
+        removed: list[str] = []
+        count = prune(self.db, self.directory, self.max_bytes, removed_keys=removed)
+        for key in removed:
+            if (chunk := self._ram.pop(key, None)) is not None:
+                self._ram_bytes -= chunk.nbytes
+        if self.ann is not None and removed:
+            self.ann.remove(removed)
+        return count
+
+    # ---- approximate (non-prefix) reuse ----
+
+    def open_similar_index(self, center: np.ndarray, max_elements: int | None = None):
+        """Open (load, or rebuild from the sqlite index) this chain's hnswlib index; see `chunk_index`."""
+        from glmkit.cache.chunk_index import DEFAULT_MAX_ELEMENTS, ChunkIndex
+
+        if self.ann is None:
+            self.ann = ChunkIndex(self.db, self.directory, self.root, center, max_elements or DEFAULT_MAX_ELEMENTS)
+        return self.ann
+
+    def save_similar_index(self) -> None:
+        if self.ann is not None:
+            try:
+                self.ann.save()
+            except OSError:
+                pass  # a derived file: rebuilt from the sqlite index next time
+
+    def load_piece(self, piece: Piece) -> dict[str, np.ndarray] | None:
+        """The main layers' rows of `piece` (no MTP rows), or None when the entry is gone or damaged."""
+        chunk = self._load(piece.key, piece.chunk_start, piece.chunk_tokens, RestoreResult())
+        self.flush_touches()
+        if chunk is None:
+            return None
+        self._loaded_from_disk.discard(piece.key)
+        mtp = self.config.num_hidden_layers
+        return {name: a[piece.offset:piece.offset + piece.count] for name, a in chunk.arrays.items()
+                if int(name.split(".")[0]) < mtp}
+
+    def find_runs(self, tokens: list[int], begin: int, end: int,
+                  embed: Callable[[list[list[int]]], np.ndarray] | None = None,
+                  threshold: float = 0.5, min_block: int = 4) -> list[Run]:
+        """Spans of `tokens[begin:end]` whose tokens were stored at other positions, in order, not overlapping.
+
+        1. Every window of `chunk_tokens` tokens is hashed; a window equal to a stored full chunk of this chain
+           seeds a run, which is then extended token by token through the stored chain: backwards into the
+           chunk's parent (as far as the tokens agree) and forwards into the child sharing the longest prefix.
+        2. With `embed` (and an open similar-chunk index), the gaps left are cut into windows of
+           `chunk_tokens`; a stored chunk whose embedding has cosine similarity >= `threshold` with a window
+           is aligned to it (difflib), and every block of at least `min_block` identical tokens becomes a run.
+        """
+        c = self.chunk_tokens
+        runs: list[Run] = []
+        arr = np.asarray(tokens, dtype="<i8")
+        if end - begin >= c:
+            hashes = [tokens_hash(arr[q:q + c]) for q in range(begin, end - c + 1)]
+            found = self._by_content(set(hashes))
+            q = lo = begin
+            while q + c <= end:
+                hit = found.get(hashes[q - begin])
+                if hit is None:
+                    q += 1
+                    continue
+                key, start = hit
+                back = self._extend_back(key, tokens, q, lo)
+                ahead = self._extend_forward(key, tokens, q + c, end)
+                pieces = back + [Piece(key, start, c, 0, c)] + ahead
+                run = Run(q - sum(p.count for p in back), pieces, "content")
+                runs.append(run)
+                q = lo = run.end
+        if embed is not None and self.ann is not None and len(self.ann):
+            runs += self._similar_runs(tokens, begin, end, runs, embed, threshold, min_block)
+        return sorted(runs, key=lambda r: r.start)
+
+    def _by_content(self, hashes: set[str]) -> dict[str, tuple[str, int]]:
+        found: dict[str, tuple[str, int]] = {}
+        items = sorted(hashes)
+        for i in range(0, len(items), 500):
+            batch = items[i:i + 500]
+            marks = ",".join("?" * len(batch))
+            for content, key, start in self.db.execute(
+                    f"SELECT content, key, start FROM entries WHERE root = ? AND n_tokens = ? AND content IN ({marks}) "
+                    "ORDER BY last_access", (self.root, self.chunk_tokens, *batch)):
+                found[content] = (key, start)  # the most recently used copy wins
+        return found
+
+    def _entry(self, key: str) -> tuple[str, int, int, list[int]] | None:
+        row = self.db.execute("SELECT parent, start, n_tokens, tokens FROM entries WHERE key = ?", (key,)).fetchone()
+        return None if row is None else (row[0], row[1], row[2], np.frombuffer(row[3], dtype="<i8").tolist())
+
+    def _extend_back(self, key: str, tokens: list[int], q: int, lo: int) -> list[Piece]:
+        """Pieces (in order) of the chunks before `key` in its chain whose trailing tokens equal tokens[..q)."""
+        pieces: list[Piece] = []
+        entry = self._entry(key)
+        while entry is not None and q > lo and entry[0] != self.root:
+            parent = self._entry(entry[0])
+            if parent is None:
+                break
+            ptokens = parent[3]
+            n = 0
+            while n < len(ptokens) and q - n - 1 >= lo and ptokens[-1 - n] == tokens[q - n - 1]:
+                n += 1
+            if n == 0:
+                break
+            pieces.insert(0, Piece(entry[0], parent[1], parent[2], parent[2] - n, n))
+            if n < len(ptokens):
+                break
+            q -= n
+            entry = (parent[0], parent[1], parent[2], ptokens)
+        return pieces
+
+    def _extend_forward(self, key: str, tokens: list[int], q: int, end: int) -> list[Piece]:
+        """Pieces of the chunks after `key` in stored chains whose leading tokens equal tokens[q:end]."""
+        pieces: list[Piece] = []
+        while q < end:
+            best, best_n = None, 0
+            for child, start, n_tokens, blob in self.db.execute(
+                    "SELECT key, start, n_tokens, tokens FROM entries WHERE parent = ?", (key,)).fetchall():
+                n = common_prefix(np.frombuffer(blob, dtype="<i8").tolist(), tokens[q:end])
+                if n > best_n:
+                    best, best_n = (child, start, n_tokens), n
+            if best is None:
+                break
+            pieces.append(Piece(best[0], best[1], best[2], 0, best_n))
+            if best_n < best[2] or best[2] < self.chunk_tokens:
+                break
+            key, q = best[0], q + best_n
+        return pieces
+
+    def _similar_runs(self, tokens: list[int], begin: int, end: int, runs: list[Run],
+                      embed: Callable[[list[list[int]]], np.ndarray], threshold: float, min_block: int) -> list[Run]:
+        c = self.chunk_tokens
+        gaps, pos = [], begin
+        for run in sorted(runs, key=lambda r: r.start) + [Run(end, [], "")]:
+            if run.start - pos >= c:
+                gaps.append((pos, run.start))
+            pos = max(pos, run.end)
+        windows = [w for a, b in gaps for w in range(a, b - c + 1, c)]
+        if not windows:
+            return []
+        candidates = self.ann.query(embed([tokens[w:w + c] for w in windows]))
+        out = []
+        for w, hits in zip(windows, candidates, strict=True):
+            window = tokens[w:w + c]
+            best, best_score = None, 0
+            for key, similarity in hits:
+                if similarity < threshold:
+                    continue
+                entry = self._entry(key)
+                if entry is None:
+                    self.ann.remove([key])  # evicted by another process
+                    continue
+                blocks = [b for b in difflib.SequenceMatcher(None, window, entry[3], autojunk=False)
+                          .get_matching_blocks() if b.size >= min_block]
+                score = sum(b.size for b in blocks)
+                if score > best_score:
+                    best, best_score = (key, entry, blocks), score
+            if best is not None:
+                key, entry, blocks = best
+                self.ann.touch(key)  # recently matched chunks are the last to drop out of the bounded index
+                out += [Run(w + b.a, [Piece(key, entry[1], entry[2], b.b, b.size)], "similar") for b in blocks]
+        return out
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+# ---- the sqlite index, shared by every model and process ----
+
+# columns added for approximate reuse: position-free content hash, chain root, layer-0 embedding (f32 bytes)
+_ADDED_COLUMNS = (("content", "TEXT"), ("root", "TEXT"), ("emb", "BLOB"))
+
+
+def open_index(directory: Path, wait_s: float = 30.0) -> sqlite3.Connection:
+    """Open (creating if needed) the shared index. Two processes creating it at once can get SQLITE_BUSY
+    from the journal-mode switch without sqlite's busy handler ever running, so setup is retried."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return _open_index(directory)
+        except sqlite3.OperationalError as e:
+            if ("locked" not in str(e) and "busy" not in str(e)) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def _open_index(directory: Path) -> sqlite3.Connection:
+    db = sqlite3.connect(directory / "index.sqlite", timeout=30, isolation_level=None)
+    try:
+        _create_schema(db, directory)
+    except sqlite3.Error:
+        db.close()
+        raise
+    return db
+
+
+_CREATE_ENTRIES = ("CREATE TABLE IF NOT EXISTS entries (key TEXT PRIMARY KEY, model_hash TEXT NOT NULL, "
+                   "parent TEXT NOT NULL, start INTEGER, n_tokens INTEGER, tokens BLOB NOT NULL, file TEXT NOT NULL, "
+                   "nbytes INTEGER, created REAL, last_access REAL, hits INTEGER, content TEXT, root TEXT, emb BLOB)")
+_REQUIRED_COLUMNS = {"key", "model_hash", "parent", "start", "n_tokens", "tokens", "file", "nbytes", "created",
+                     "last_access", "hits"}
+
+
+def _create_schema(db: sqlite3.Connection, directory: Path) -> None:
+    db.execute("PRAGMA busy_timeout=30000")
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute(_CREATE_ENTRIES)
+    have = {row[1] for row in db.execute("PRAGMA table_info(entries)")}
+    if not _REQUIRED_COLUMNS <= have:
+        # an index from an incompatible earlier layout: its entries cannot be matched, so it starts over, and the
+        # blobs only it referenced go with it (the per-model directories; nothing else lives in one)
+        print(f"glmkit: prefix cache index {directory / 'index.sqlite'} has an old layout; starting it afresh",
+              file=sys.stderr)
+        db.execute("DROP TABLE entries")
+        db.execute(_CREATE_ENTRIES)
+        for sub in directory.iterdir():
+            if sub.is_dir():
+                shutil.rmtree(sub, ignore_errors=True)
+        have = {row[1] for row in db.execute("PRAGMA table_info(entries)")}
+    for name, kind in _ADDED_COLUMNS:  # an index made before these columns existed: add them (rows stay NULL)
+        if name not in have:
+            try:
+                db.execute(f"ALTER TABLE entries ADD COLUMN {name} {kind}")
+            except sqlite3.OperationalError:  # another process added it first
+                pass
+    db.execute("CREATE INDEX IF NOT EXISTS by_parent ON entries(parent)")
+    db.execute("CREATE INDEX IF NOT EXISTS by_content ON entries(root, content)")
+    db.isolation_level = "DEFERRED"
+
+
+def prune(db: sqlite3.Connection, directory: Path, max_bytes: int, model_hash: str | None = None,
+          removed_keys: list[str] | None = None) -> int:
+    """Evict LRU entries (of one model, or all) until the total is <= max_bytes; returns entries removed
+    (and appends their keys to `removed_keys`)."""
+    where, args = ("WHERE model_hash = ?", (model_hash,)) if model_hash else ("", ())
+    total = db.execute(f"SELECT COALESCE(SUM(nbytes), 0) FROM entries {where}", args).fetchone()[0]
+    removed = 0
+    for key, rel, nbytes in db.execute(f"SELECT key, file, nbytes FROM entries {where} ORDER BY last_access",
+                                       args).fetchall():
+        if total <= max_bytes:
+            break
+        with db:
+            db.execute("DELETE FROM entries WHERE key = ?", (key,))
+        (directory / rel).unlink(missing_ok=True)
+        total -= nbytes
+        removed += 1
+        if removed_keys is not None:
+            removed_keys.append(key)
+    return removed
+
+
+# ---- blob files ----
+
+def write_blob(path: Path, chunk: Chunk, model_hash: str, numerics: str) -> int:
+    """Write atomically (unique temp name, fsync, rename). Returns the file size."""
+    header = {"model_hash": model_hash, "numerics": numerics, "key": chunk.key, "parent": chunk.parent,
+              "start": chunk.start, "tokens": chunk.tokens, "compression": "zstd", "dtype": "float32",
+              "lossy": False, "arrays": [[name, list(a.shape)] for name, a in chunk.arrays.items()]}
+    head = json.dumps(header, separators=(",", ":")).encode()
+    payload = zstandard.ZstdCompressor(level=3).compress(
+        b"".join(np.ascontiguousarray(a, dtype="<f4").tobytes() for a in chunk.arrays.values()))
+    body = MAGIC + struct.pack("<II", BLOB_VERSION, len(head)) + head + payload
+    data = body + hashlib.sha256(body).digest()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{time.monotonic_ns()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+    return len(data)
+
+
+def read_blob(path: Path, model_hash: str, numerics: str, shapes: dict[str, tuple[int, int]]) -> Chunk:
+    """Read and check a blob; raises ValueError naming what is wrong."""
+    data = path.read_bytes()
+    if len(data) < len(MAGIC) + 8 + 32 or data[:len(MAGIC)] != MAGIC:
+        raise ValueError(f"{path}: not a glmkit KV blob")
+    body, digest = data[:-32], data[-32:]
+    if hashlib.sha256(body).digest() != digest:
+        raise ValueError(f"{path}: checksum mismatch")
+    version, head_len = struct.unpack_from("<II", body, len(MAGIC))
+    if version != BLOB_VERSION:
+        raise ValueError(f"{path}: blob version {version}")
+    start = len(MAGIC) + 8
+    if head_len > MAX_HEADER_BYTES or start + head_len > len(body):
+        raise ValueError(f"{path}: bad header length")
+    header = json.loads(body[start:start + head_len])
+    if header.get("model_hash") != model_hash or header.get("numerics") != numerics:
+        raise ValueError(f"{path}: written for another model or numerics version")
+    names = [tuple(x) for x in header["arrays"]]
+    if {n: tuple(s) for n, s in names} != shapes or [n for n, _ in names] != list(shapes):
+        raise ValueError(f"{path}: array layout does not match this model")
+    expected = sum(int(np.prod(s)) for s in shapes.values()) * 4
+    raw = zstandard.ZstdDecompressor().decompress(body[start + head_len:], max_output_size=expected)
+    if len(raw) != expected:
+        raise ValueError(f"{path}: payload size mismatch")
+    arrays, offset = {}, 0
+    for name, shape in shapes.items():
+        count = int(np.prod(shape))
+        arrays[name] = np.frombuffer(raw, dtype="<f4", count=count, offset=offset).reshape(shape)
+        offset += count * 4
+    return Chunk(header["key"], header["parent"], int(header["start"]), list(header["tokens"]), arrays)

@@ -1,0 +1,89 @@
+"""`glm-cache ls|stats|prune|clear`: see and manage the on-disk prefill cache."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from glmkit.cache.prefix_cache import DEFAULT_MAX_BYTES, default_cache_dir, open_index, prune
+from glmkit.errors import GlmkitError
+from glmkit.format.manifest import Manifest
+
+STALE_TEMP_SECONDS = 3600
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="glm-cache", description=__doc__)
+    p.add_argument("--cache-dir", type=Path, default=None, help=f"cache directory (default {default_cache_dir()})")
+    sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("ls", help="one line per model: entries, size, last use")
+    stats = sub.add_parser("stats", help="entries, tokens, size and hit counts")
+    stats.add_argument("--model", help="only this snapshot (a converted container directory)")
+    prune_p = sub.add_parser("prune", help="evict least-recently-used entries down to a size; drop stale temp files")
+    prune_p.add_argument("--max-gb", type=float, default=DEFAULT_MAX_BYTES / (1 << 30), help="size to prune to")
+    prune_p.add_argument("--model", help="only entries of this snapshot")
+    clear = sub.add_parser("clear", help="delete every entry (of one model with --model)")
+    clear.add_argument("--model", help="only this snapshot")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    directory = args.cache_dir or default_cache_dir()
+    try:
+        model_hash = Manifest.read(Path(args.model)).model_hash if getattr(args, "model", None) else None
+        if not (directory / "index.sqlite").is_file():
+            print(f"{directory}: empty (no cache yet)")
+            return 0
+        db = open_index(directory)
+        if args.command == "ls":
+            rows = db.execute("SELECT model_hash, COUNT(*), SUM(nbytes), MAX(last_access) FROM entries "
+                              "GROUP BY model_hash ORDER BY MAX(last_access) DESC").fetchall()
+            for h, count, nbytes, last in rows:
+                print(f"{h[:16]}  {count:6d} entries  {nbytes / 1e6:10.1f} MB  last used {_ago(last)}")
+        elif args.command == "stats":
+            where, params = ("WHERE model_hash = ?", (model_hash,)) if model_hash else ("", ())
+            count, tokens, nbytes, hits = db.execute(
+                f"SELECT COUNT(*), COALESCE(SUM(n_tokens), 0), COALESCE(SUM(nbytes), 0), COALESCE(SUM(hits), 0) "
+                f"FROM entries {where}", params).fetchone()
+            print(f"entries {count}  tokens {tokens}  size {nbytes / 1e6:.1f} MB  hits {hits}  ({directory})")
+        elif args.command == "prune":
+            removed = prune(db, directory, int(args.max_gb * (1 << 30)), model_hash)
+            stale = _remove_stale_files(db, directory)
+            print(f"removed {removed} entries and {stale} stale or orphaned files")
+        elif args.command == "clear":
+            removed = prune(db, directory, 0, model_hash)
+            print(f"removed {removed} entries")
+    except GlmkitError as e:
+        print(f"glm-cache: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _remove_stale_files(db, directory: Path) -> int:
+    """Temp files left by killed writers, and blobs no index row points to (a kill between rename and insert)."""
+    known = {row[0] for row in db.execute("SELECT file FROM entries")}
+    removed = 0
+    now = time.time()
+    for path in directory.glob("*/*/*"):
+        rel = str(path.relative_to(directory))
+        stale_temp = ".tmp-" in path.name and now - path.stat().st_mtime > STALE_TEMP_SECONDS
+        orphan = path.suffix == ".kvc" and rel not in known
+        if stale_temp or orphan:
+            path.unlink(missing_ok=True)
+            removed += 1
+    return removed
+
+
+def _ago(timestamp: float) -> str:
+    seconds = max(time.time() - timestamp, 0)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit} ago"
+    return f"{seconds:.0f}s ago"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

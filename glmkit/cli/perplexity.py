@@ -1,0 +1,178 @@
+"""`glm-perplexity SNAPSHOT (--text FILE | --tokens FILE)`: perplexity, and KL divergence against a reference.
+
+The text is cut into consecutive windows of `--ctx` tokens (a shorter tail is dropped); `--tokens` gives the
+windows directly (a JSON list of token-id lists). Each window is one forward pass from an empty cache and
+scores its positions 0..n-2 (each predicts the next token). `--save-logits BASE` writes this model's
+log-probabilities; `--kl-base BASE` compares against such a file (made by the reference, e.g. the f32
+conversion, over the same windows): mean and 99th percentile KL divergence per token, top-1 agreement and
+the perplexity ratio, like llama.cpp's `--kl-divergence`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from glmkit.errors import GlmkitError
+from glmkit.eval.logits_file import LogitsBase, LogitsWriter
+from glmkit.eval.metrics import QualityAccumulator, log_softmax
+from glmkit.generate.engine import Engine
+
+DEFAULT_CTX = 512
+MAX_INPUT_BYTES = 256 << 20
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="glm-perplexity", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("snapshot", help="converted container directory")
+    add_window_arguments(p)
+    p.add_argument("--save-logits", type=Path, metavar="BASE", help="save this model's log-probabilities to BASE")
+    p.add_argument("--kl-base", type=Path, metavar="BASE",
+                   help="compare against BASE (saved with --save-logits over the same windows)")
+    p.add_argument("--json", action="store_true",
+                   help='print {"tokens", "ppl"} (+ "kld_mean", "kld_p99", "top1_agreement", "top1_se", "ppl_ratio")')
+    p.add_argument("--device", default="auto", help="auto | numpy | opencl[:platform:device]")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def add_window_arguments(p: argparse.ArgumentParser) -> None:
+    """The token windows a command runs over: `--text` or `--tokens` (one required), `--ctx`, `--max-windows`."""
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--text", type=Path, metavar="FILE", help="UTF-8 text, tokenized and cut into --ctx windows")
+    src.add_argument("--tokens", type=Path, metavar="FILE", help="JSON list of token-id lists, one window each")
+    p.add_argument("--ctx", type=int, default=DEFAULT_CTX, help=f"window length for --text (default {DEFAULT_CTX})")
+    p.add_argument("--max-windows", type=int, metavar="N", help="use only the first N windows")
+
+
+def check_window_arguments(args: argparse.Namespace) -> None:
+    """What can be refused before a model is opened."""
+    if args.max_windows is not None and args.max_windows < 1:
+        raise GlmkitError(f"--max-windows: must be at least 1, got {args.max_windows}")
+
+
+def windows_from_arguments(engine: Engine, args: argparse.Namespace) -> list[list[int]]:
+    """The windows `add_window_arguments` describes (the engine needs its tokenizer for `--text`)."""
+    windows = (text_windows(engine, args.text, args.ctx) if args.text is not None
+               else token_windows(args.tokens, engine.config.vocab_size))
+    return windows[:args.max_windows]
+
+
+def text_windows(engine: Engine, path: Path, ctx: int) -> list[list[int]]:
+    if ctx < 2:
+        raise GlmkitError(f"--ctx: must be at least 2, got {ctx}")
+    if engine.tokenizer is None:
+        raise GlmkitError("internal error: tokenizer not loaded")
+    ids = engine.tokenizer.encode(_read_text(path))
+    if len(ids) < ctx:
+        raise GlmkitError(f"{path}: {len(ids)} tokens, fewer than one --ctx window of {ctx}")
+    return [ids[i:i + ctx] for i in range(0, len(ids) - ctx + 1, ctx)]
+
+
+def token_windows(path: Path, vocab_size: int) -> list[list[int]]:
+    try:
+        windows = json.loads(_read_input(path))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise GlmkitError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(windows, list) or not windows:
+        raise GlmkitError(f"{path}: must be a non-empty JSON list of token-id lists")
+    for i, w in enumerate(windows):
+        if not isinstance(w, list) or len(w) < 2:
+            raise GlmkitError(f"{path}: window {i} must be a list of at least 2 token ids")
+        if not all(type(t) is int and 0 <= t < vocab_size for t in w):
+            raise GlmkitError(f"{path}: window {i} holds something other than token ids below {vocab_size}")
+    return windows
+
+
+def _read_input(path: Path) -> bytes:
+    if not path.is_file():
+        raise GlmkitError(f"{path}: file not found")
+    if path.stat().st_size > MAX_INPUT_BYTES:
+        raise GlmkitError(f"{path}: larger than {MAX_INPUT_BYTES >> 20} MB")
+    return path.read_bytes()
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return _read_input(path).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise GlmkitError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def evaluate(engine: Engine, windows: list[list[int]], base: LogitsBase | None = None,
+             save: LogitsWriter | None = None, progress: bool = False) -> dict[str, Any]:
+    """Run every window; returns the metrics of `QualityAccumulator.summary`."""
+    model = engine.model
+    limit = engine.config.max_position_embeddings
+    for i, w in enumerate(windows):
+        if len(w) > limit:
+            raise GlmkitError(f"window {i} has {len(w)} tokens, more than the model's {limit} positions")
+    acc = QualityAccumulator()
+    bar = tqdm(total=sum(len(w) - 1 for w in windows), unit="tok", desc="perplexity", file=sys.stderr,
+               disable=not progress)
+    try:
+        for i, w in enumerate(windows):
+            ids = np.asarray(w, dtype=np.int64)
+            logits, _ = model.forward(ids, model.new_cache())
+            # rounded to float32 as a saved base is, so a model compared with its own base gives exactly 0
+            logprobs = log_softmax(logits[:-1]).astype(np.float32)
+            if save is not None:
+                save.append(logprobs)
+            acc.add(logprobs, ids[1:], None if base is None else base.rows(i))
+            bar.update(len(w) - 1)
+    finally:
+        bar.close()
+    return acc.summary()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    writer = None
+    try:
+        check_window_arguments(args)
+        engine = Engine(args.snapshot, args.device, load_tokenizer=args.text is not None)
+        vocab = engine.config.vocab_size
+        windows = windows_from_arguments(engine, args)
+        base = None
+        if args.kl_base is not None:
+            base = LogitsBase(args.kl_base)
+            base.check_matches(windows, vocab)
+        if args.save_logits is not None:
+            writer = LogitsWriter(args.save_logits, engine.model_hash, windows, vocab)
+        result = evaluate(engine, windows, base, writer, progress=not args.quiet)
+        if writer is not None:
+            writer.close()
+            writer = None
+    except GlmkitError as e:
+        if writer is not None:
+            writer.abort()
+        print(f"glm-perplexity: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        if writer is not None:
+            writer.abort()
+        print("glm-perplexity: interrupted", file=sys.stderr)
+        return 130
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"{result['tokens']} tokens in {len(windows)} windows: perplexity {result['ppl']:.4f}")
+    if base is not None:
+        same = " (same model)" if base.model_hash == engine.model_hash else ""
+        print(f"vs {args.kl_base}{same}: KL divergence mean {result['kld_mean']:.6f}, p99 {result['kld_p99']:.6f}; "
+              f"top-1 agreement {100 * result['top1_agreement']:.2f}% ± {100 * result['top1_se']:.2f}; "
+              f"perplexity ratio {result['ppl_ratio']:.4f}")
+    if args.save_logits is not None:
+        print(f"saved log-probabilities to {args.save_logits}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

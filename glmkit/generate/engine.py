@@ -1,0 +1,76 @@
+"""`Engine`: an opened snapshot ready to generate (container, expert streaming, model, tokenizer)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from glmkit.backends.numpy_backend import NumpyBackend
+from glmkit.errors import GlmkitError
+from glmkit.format.reader import Container
+from glmkit.generate.tokenizer import ChatTokenizer
+from glmkit.model.compute import Backend
+from glmkit.model.expert_stream import ExpertStreamer, outgrows_memory
+from glmkit.model.glm5 import GlmMoeDsaModel
+
+FLOAT_ACTIVATIONS_HELP = ("decode with float inputs to the quantized products (the reference arithmetic, slower) "
+                          "instead of int8-quantized ones in the OpenCL decode step and fused int4 experts")
+
+
+def make_backend(device: str, container: Container | None = None, int8_activations: bool = True
+                 ) -> tuple[Backend, str]:
+    """`numpy`, `opencl[:P:D]` or `auto` (glmkit.backends.devices). Returns (backend, its name)."""
+    if device in ("numpy", "cpu"):
+        return NumpyBackend(), "numpy"
+    from glmkit.backends.devices import open_backend  # imports pyopencl: only when OpenCL may be used
+
+    return open_backend(device, container, int8_activations)
+
+
+class Engine:
+    """device: `numpy` (the library default: scripts and benchmarks get the reference unless they ask),
+    `auto` (the CLIs' default: measured placement) or `opencl[:P:D]` (see glmkit.backends.devices).
+    float_activations: the device decode step's quantized products take float inputs (the reference arithmetic)
+    instead of int8-quantized ones (faster: docs/BENCHMARKS.md)."""
+
+    def __init__(self, snapshot: str | Path, device: str = "numpy", ram_budget_bytes: int = 0,
+                 prefetch: bool = True, load_tokenizer: bool = True, float_activations: bool = False):
+        self.container = Container(snapshot)
+        self.config = self.container.config
+        self.backend, self.device = make_backend(device, self.container, not float_activations)
+        self.experts = ExpertStreamer(self.container, ram_budget_bytes, prefetch)
+        # a device decode step's routing is watched only when experts will come from disk: its callbacks cost
+        # ~33% of decode on 2 cores when everything is in RAM (docs/BENCHMARKS.md)
+        watch = prefetch and outgrows_memory(self.container)
+        self.model = GlmMoeDsaModel(self.config, self.experts, self.backend, route_hook=self.experts.on_route,
+                                    step_route_hook=self.experts.advise_routed if watch else None)
+        self.tokenizer = ChatTokenizer(snapshot) if load_tokenizer else None
+        self.eos_token_ids = _eos_ids(Path(snapshot), self.config.eos_token_ids)
+
+    @property
+    def model_hash(self) -> str:
+        return self.container.model_hash
+
+    def use_mtp(self, force_on: bool, off: bool) -> bool:
+        """MTP speculative decoding for `--mtp` / `--no-mtp`, else by default: on, except where single tokens
+        decode as one device step. There a draft's verification (a two-token forward, run operation by operation)
+        costs more than two steps: measured on the benchmark model, MTP off decodes ~3x faster."""
+        if force_on or off:
+            return force_on
+        return self.config.num_nextn_predict_layers > 0 and not self.model.decodes_on_device()
+
+
+def _eos_ids(snapshot: Path, from_config: tuple[int, ...]) -> tuple[int, ...]:
+    """Every eos id from config.json and generation_config.json."""
+    ids = set(from_config)
+    path = snapshot / "generation_config.json"
+    if path.is_file():
+        try:
+            eos = json.loads(path.read_text()).get("eos_token_id")
+        except (json.JSONDecodeError, AttributeError):
+            raise GlmkitError(f"{path}: not a valid JSON object") from None
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, list):
+            ids.update(i for i in eos if isinstance(i, int))
+    return tuple(sorted(ids))

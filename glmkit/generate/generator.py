@@ -1,0 +1,158 @@
+"""Token generation: prefill, then decode, with MTP speculative decoding when the model has an MTP layer.
+
+MTP scheme (one draft token): after the main model emits `t` at position p, the MTP layer has seen
+every confirmed `(h_i, t_{i+1})` pair and drafts `d` for position p+1. The next main forward takes
+`[t, d]`: its first row gives the real token at p+1; if that equals `d`, the second row is already
+the main model's prediction for p+2 (two tokens from one forward), otherwise the draft's KV row is
+dropped. Every emitted token is sampled from the main model's logits, so greedy output is identical
+with and without MTP, and sampled output follows the same distribution.
+
+Greedy decoding without MTP on a backend with a device decode step (OpenCL on a CPU device) keeps the next
+forward in flight: the device picks each token (argmax) and queues its forward before the host sees it
+(`GlmMoeDsaModel.greedy_decode`), with the same tokens and the same cache at the end.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from glmkit.generate.sampling import Sampler
+from glmkit.model.glm5 import GlmMoeDsaModel
+from glmkit.model.kv_cache import KVCache
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    prefill_s: float = 0.0
+    ttft_s: float = 0.0
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+    main_forwards: int = 0  # decode-phase forwards of the main model
+    mtp_drafts: int = 0
+    mtp_accepted: int = 0
+    stop_reason: str = ""
+    _start: float = field(default=0.0, repr=False)
+
+    @property
+    def mtp_acceptance(self) -> float | None:
+        return self.mtp_accepted / self.mtp_drafts if self.mtp_drafts else None
+
+    @property
+    def tokens_per_forward(self) -> float | None:
+        """Decode tokens per main-model forward (1.0 without MTP), the first token excluded."""
+        return (self.decode_tokens - 1) / self.main_forwards if self.main_forwards else None
+
+
+class Generator:
+    """Runs one sequence: `generate(prompt_ids, ...)` yields token ids as they are decided."""
+
+    def __init__(self, model: GlmMoeDsaModel, eos_token_ids: tuple[int, ...] = (), use_mtp: bool = True):
+        self.model = model
+        self.eos = set(eos_token_ids)
+        self.use_mtp = use_mtp and model.has_mtp
+        self.stats = GenerationStats()
+
+    def generate(self, prompt_ids: list[int], max_tokens: int, sampler: Sampler,
+                 cache: KVCache | None = None) -> Iterator[int]:
+        """Yield up to `max_tokens` new tokens (stopping after an eos id, which is yielded too).
+
+        `cache` may already hold a prefix of `prompt_ids` (a chat history): only the rest is prefilled.
+        """
+        cache = cache if cache is not None else self.model.new_cache()
+        stats = self.stats = GenerationStats(prompt_tokens=len(prompt_ids), cached_tokens=cache.length)
+        start = time.perf_counter()
+        if max_tokens <= 0:
+            stats.stop_reason = "length"
+            return
+        new = np.asarray(prompt_ids[cache.length:], dtype=np.int64)
+        if len(new) == 0:  # the whole prompt is cached: recompute its last token to get logits
+            cache.truncate(cache.length - 1)
+            new = np.asarray(prompt_ids[-1:], dtype=np.int64)
+        logits, hidden = self.model.forward(new, cache, last_logits_only=True)
+        token = sampler(logits[-1])
+        stats.prefill_s = stats.ttft_s = time.perf_counter() - start
+        decode_start = time.perf_counter()
+
+        draft = None
+        if self.use_mtp:
+            # MTP rows exist for every position whose next token is known; catch up on the prompt's
+            draft = self._mtp_catch_up(prompt_ids, hidden, token, cache)
+        emitted = 0
+        pipe = None  # greedy decoding with the next forward in flight (the device decode step)
+        try:
+            while True:
+                # stats are final before each yield: a consumer may stop iterating at an eos token
+                emitted += 1
+                self._count(stats, emitted, token, decode_start)
+                yield token
+                if token in self.eos:
+                    return
+                if emitted >= max_tokens:
+                    stats.stop_reason = "length"
+                    return
+                if cache.length - (pipe.ahead if pipe else 0) + 1 >= self.model.config.max_position_embeddings:
+                    stats.stop_reason = "context"
+                    return
+                if draft is None:
+                    if pipe is None and sampler.greedy and not self.use_mtp:
+                        pipe = self.model.greedy_decode(token, cache)
+                    if pipe is not None:
+                        token = pipe.advance()
+                    else:
+                        logits, _ = self.model.forward(np.array([token]), cache)
+                        token = sampler(logits[-1])
+                    stats.main_forwards += 1
+                    continue
+                # verify the draft: one forward over [token, draft]
+                base = cache.length
+                logits, hidden = self.model.forward(np.array([token, draft]), cache)
+                stats.main_forwards += 1
+                stats.mtp_drafts += 1
+                nxt = sampler(logits[0])
+                # accepting also emits `after`, the token for position base + 2: it must fit the limits too
+                room = emitted + 1 < max_tokens and base + 2 < self.model.config.max_position_embeddings
+                if nxt == draft and room and nxt not in self.eos:
+                    stats.mtp_accepted += 1
+                    emitted += 1
+                    self._count(stats, emitted, nxt, decode_start)
+                    yield nxt
+                    after = sampler(logits[1])
+                    draft = self._mtp_step(hidden, [nxt, after], cache)
+                    token = after
+                else:
+                    if nxt == draft:
+                        stats.mtp_accepted += 1
+                    cache.truncate(base + 1)  # drop the draft's row
+                    draft = self._mtp_step(hidden[:1], [nxt], cache)
+                    token = nxt
+        finally:
+            if pipe is not None:
+                pipe.close()  # the cache keeps no row past the last token yielded
+
+    def _count(self, stats: GenerationStats, emitted: int, token: int, decode_start: float) -> None:
+        stats.decode_tokens = emitted
+        stats.decode_s = time.perf_counter() - decode_start
+        if token in self.eos:
+            stats.stop_reason = "eos"
+
+    def _mtp_catch_up(self, prompt_ids: list[int], hidden: np.ndarray, token: int, cache: KVCache) -> int | None:
+        """Feed the MTP layer the prompt positions it has not seen; returns the first draft.
+
+        The MTP layer's KV row i pairs `h_i` with `t_{i+1}`. A reused cache whose MTP rows stop before the
+        newly computed positions leaves a gap that cannot be filled from KV rows alone: no drafts then.
+        """
+        mtp = cache.layer(self.model.config.num_hidden_layers)
+        first = len(prompt_ids) - len(hidden)  # position of hidden[0]
+        if mtp.length != first:
+            return None
+        return self._mtp_step(hidden, list(prompt_ids[first + 1:]) + [token], cache)
+
+    def _mtp_step(self, hidden: np.ndarray, next_ids: list[int], cache: KVCache) -> int:
+        logits, _ = self.model.mtp_forward(hidden, np.asarray(next_ids, dtype=np.int64), cache)
+        return int(np.argmax(logits[-1]))

@@ -1,0 +1,139 @@
+"""What the model asks of a compute backend: every heavy operation of the forward pass, as one protocol.
+
+The model (`glmkit.model.glm5`) only calls the methods of `Backend`, so the OpenCL backend can replace
+`NumpyBackend` (the reference) without the model changing. Activations are float32 NumPy arrays; a weight is
+either a float32 `[O, I]` array or a `QuantWeight` viewed in place from the container.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import numpy as np
+
+from glmkit.format.config import ModelConfig
+from glmkit.format.tensors import Weight
+from glmkit.model.kv_cache import KVCache
+from glmkit.model.ops import moe_batch_union
+
+ExpertFn = Callable[[int], tuple[Weight, Weight, Weight]]
+"""`expert(e)` -> routed expert e's (gate, up, down) weights."""
+
+class Backend(Protocol):
+    """The operations the model needs; shapes use S = query rows, T = keys, nh = heads.
+
+    `numerics` names the kernels' arithmetic: KV rows computed under one value are only reused (prefix
+    cache) under the same value, so it must change whenever a kernel change can change KV values.
+    """
+
+    numerics: str
+
+    def linear(self, x: np.ndarray, w: Weight) -> np.ndarray:
+        """`x [S, I] @ w[O, I]^T -> [S, O]`."""
+        ...
+
+    def head_matmul(self, x: np.ndarray, w: Weight, row_start: int, rows: int, transpose: bool) -> np.ndarray:
+        """Per-head products with row blocks of `w` (MLA's absorbed `kv_b`).
+
+        `w [nh * R, I]` holds nh blocks of R rows; head h uses `B_h = w[h*R + row_start : ... + rows]`
+        (`[rows, I]`). `x [S, nh, K]` -> `x[:, h] @ B_h^T` (K = I, result `[S, nh, rows]`), or with
+        `transpose` `x[:, h] @ B_h` (K = rows, result `[S, nh, I]`).
+        """
+        ...
+
+    def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+        """`weight * x / sqrt(mean(x^2) + eps)` over the last axis."""
+        ...
+
+    def layer_norm(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float) -> np.ndarray:
+        """`(x - mean) / sqrt(var + eps) * weight + bias` over the last axis (biased variance)."""
+        ...
+
+    def expert_mlp(self, x: np.ndarray, gate: Weight, up: Weight, down: Weight) -> np.ndarray:
+        """`x [n, H]` -> `down(silu(gate x) * up x)` `[n, H]`."""
+        ...
+
+    def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, allowed: np.ndarray,
+                  scale: float) -> np.ndarray:
+        """Masked softmax attention.
+
+        q `[S, nh, dk]`; k `[T, kh, dk]` and v `[T, kh, dv]` with kh = nh or kh = 1 (one key/value head
+        shared by all query heads); allowed `[S, T]` bool (every row has at least one True).
+        Returns `[S, nh, dv]` = `softmax(q.k * scale, masked) @ v` per head, in float32.
+        """
+        ...
+
+    def index_scores(self, q: np.ndarray, k: np.ndarray, weights: np.ndarray, scale: float) -> np.ndarray:
+        """DSA indexer scores: q `[S, nh, d]`, k `[T, d]`, weights `[S, nh]` ->
+        `I[s, t] = sum_h weights[s, h] * relu(q[s, h] . k[t] * scale)` `[S, T]`."""
+        ...
+
+    def index_topk(self, q: np.ndarray, k: np.ndarray, weights: np.ndarray, scale: float, causal: np.ndarray,
+                   topk: int) -> np.ndarray:
+        """DSA selection `[S, T]` bool: per query the `min(topk, allowed)` largest `index_scores` among its
+        `causal` keys (`topk_mask` of the scores)."""
+        ...
+
+    def rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+        """RoPE over the whole last axis of `x [S, ..., d]` with the angles of row S (`apply_rope`)."""
+        ...
+
+    def moe(self, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, expert: ExpertFn,
+            shared: tuple[Weight, Weight, Weight] | None) -> np.ndarray:
+        """Routed experts plus the shared expert on `x [S, H]`.
+
+        `sum_k weights[s, k] * E_{ids[s, k]}(x[s]) + Shared(x[s])`; `expert(e)` gives expert e's (gate, up,
+        down). Every routed expert is fetched and run once per call, on all of its rows (batch-union).
+        """
+        ...
+
+    def release_memory(self) -> None:
+        """Hand memory freed since the last call back to the OS (the model calls it after a prefill)."""
+        ...
+
+    def decode_step(self, config: ModelConfig, weight: Callable[[str], Weight]) -> DecodeStep | None:
+        """A whole single-token forward of the main model in one call (`DecodeStep`), or None: the model then
+        decodes through the operations above."""
+        ...
+
+
+Routes = list[tuple[int, np.ndarray]]
+"""`(layer, expert ids [1, k])` of every MoE layer of one token."""
+
+
+class GreedyDecode(Protocol):
+    """Greedy decoding with the next forward queued ahead: `advance()` returns each next token."""
+
+    ahead: int  # cache rows past the last token returned (dropped by `close`)
+
+    def advance(self) -> int: ...
+
+    def close(self) -> None: ...
+
+
+class DecodeStep(Protocol):
+    def __call__(self, token: int, cache: KVCache, embed: np.ndarray) -> tuple[np.ndarray, np.ndarray, Routes]:
+        """Append `token` (embedding row `embed [H]`) at `cache.length`: (logits `[1, V]`, hidden `[1, H]` after
+        the final norm, the routes)."""
+        ...
+
+    def greedy(self, token: int, cache: KVCache, embed_of: Callable[[int], np.ndarray],
+               on_routes: Callable[[Routes], None] | None = None) -> GreedyDecode | None:
+        """Greedy decoding from `token` (the next forward appends its row), or None where not supported."""
+        ...
+
+    def watch_routes(self, hook: Callable[[int, np.ndarray], None]) -> None:
+        """Call `hook(layer, expert ids [k])` as each MoE layer routes, before its experts run (any thread)."""
+        ...
+
+
+def moe_layer(backend: Backend, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, expert: ExpertFn,
+              shared: tuple[Weight, Weight, Weight] | None,
+              parallel_map: Callable[[Callable, list], list] | None = None, chunk: int = 1) -> np.ndarray:
+    """`Backend.moe` on top of any backend's `expert_mlp`: the routed experts by batch-union (`chunk` at a time
+    through `parallel_map` when given), plus the shared expert. `[S, H]`."""
+    out = moe_batch_union(x, ids, weights, lambda e, rows: backend.expert_mlp(rows, *expert(e)), parallel_map, chunk)
+    if shared is not None:
+        out += backend.expert_mlp(x, *shared)
+    return out

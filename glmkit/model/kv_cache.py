@@ -1,0 +1,129 @@
+"""Per-sequence KV cache for MLA + DSA (DESIGN section 3).
+
+Per token and layer MLA only needs the normed latent `kv_lat [kv_lora_rank]` and the roped shared key
+`k_rot [qk_rope_head_dim]`; layers with their own DSA indexer also keep the roped, layer-normed indexer
+key `index_k [index_head_dim]`. The MTP layer (index num_hidden_layers) has its own rows; its length may
+differ from the main layers' (its position i holds h'_i, which needs token i+1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+
+from glmkit.format.config import ModelConfig
+
+_FIELDS = ("kv_lat", "k_rot", "index_k")
+
+
+class LayerKV:
+    """Growable row arrays of one layer: `kv_lat [T, kv_lora_rank]`, `k_rot [T, rope]`, `index_k [T, ihd]`."""
+
+    def __init__(self, kv_lora_rank: int, rope_dim: int, index_dim: int | None, capacity: int = 256) -> None:
+        self.length = 0
+        # the first row `append` or `truncate` changed since the device decode step last had the rows (a discrete
+        # device's copy of them, decode_step._CacheMirror, re-sends the rows from here on)
+        self.edited_from = 0
+        widths = {"kv_lat": kv_lora_rank, "k_rot": rope_dim, "index_k": index_dim}
+        self._data = {name: np.empty((capacity, width), np.float32)
+                      for name, width in widths.items() if width is not None}
+
+    @property
+    def has_index(self) -> bool:
+        return "index_k" in self._data
+
+    def rows(self, name: str) -> np.ndarray:
+        """The first `length` rows of field `name` (a view, valid until the next append)."""
+        return self._data[name][: self.length]
+
+    @property
+    def kv_lat(self) -> np.ndarray:
+        return self.rows("kv_lat")
+
+    @property
+    def k_rot(self) -> np.ndarray:
+        return self.rows("k_rot")
+
+    @property
+    def index_k(self) -> np.ndarray:
+        return self.rows("index_k")
+
+    def append(self, **rows: np.ndarray) -> None:
+        """Append `n` rows to every field this layer stores (`kv_lat=`, `k_rot=`, `index_k=` `[n, width]`)."""
+        if set(rows) != set(self._data):
+            raise ValueError(f"expected rows for {sorted(self._data)}, got {sorted(rows)}")
+        counts = {len(r) for r in rows.values()}
+        if len(counts) != 1:
+            raise ValueError("all fields must get the same number of rows")
+        start = self.length
+        self.edited_from = min(self.edited_from, start)
+        self.claim(counts.pop())
+        for name, data in self._data.items():
+            data[start: self.length] = rows[name]
+
+    def claim(self, n: int) -> None:
+        """Extend by `n` rows that the caller fills in place, through `storage` (the device decode step's
+        kernels write them)."""
+        needed = self.length + n
+        for name, data in self._data.items():
+            if needed > len(data):
+                # Amortized doubling: decode appends one row at a time.
+                grown = np.empty((max(needed, 2 * len(data)), data.shape[1]), np.float32)
+                grown[: self.length] = data[: self.length]
+                self._data[name] = grown
+        self.length = needed
+
+    def storage(self, name: str) -> np.ndarray:
+        """The whole row array of field `name` `[capacity, width]` (rows past `length` are unused), valid until
+        the next append or claim grows it."""
+        return self._data[name]
+
+    def truncate(self, n: int) -> None:
+        self.length = min(self.length, max(n, 0))
+        self.edited_from = min(self.edited_from, self.length)
+
+    def export(self, start: int) -> dict[str, np.ndarray]:
+        return {name: data[start: self.length].copy() for name, data in self._data.items()}
+
+
+class KVCache:
+    """The KV rows of one sequence for every layer, the MTP layer included."""
+
+    def __init__(self, config: ModelConfig, index_layers: Iterable[int] | None = None) -> None:
+        """index_layers: layers that keep indexer keys; default: every layer whose type is 'full'."""
+        n_layers = config.num_layers_with_mtp
+        if index_layers is None:
+            index_layers = [i for i in range(n_layers) if config.indexer_type(i) == "full"]
+        index_set = set(index_layers)
+        self.layers = [
+            LayerKV(config.kv_lora_rank, config.qk_rope_head_dim,
+                    config.index_head_dim if i in index_set else None)
+            for i in range(n_layers)
+        ]
+        self.num_main_layers = config.num_hidden_layers
+
+    @property
+    def length(self) -> int:
+        """Tokens cached by the main model (the next forward starts at this position)."""
+        return self.layers[0].length
+
+    def layer(self, index: int) -> LayerKV:
+        return self.layers[index]
+
+    def truncate(self, n: int) -> None:
+        """Keep the first `n` positions of every layer (rolls back rejected MTP drafts)."""
+        for layer in self.layers:
+            layer.truncate(n)
+
+    def export_rows(self, start: int = 0) -> dict[str, np.ndarray]:
+        """Copies of rows `[start, length)` of every layer, named `layers.{L}.{kv_lat|k_rot|index_k}`."""
+        return {f"layers.{i}.{name}": rows
+                for i, layer in enumerate(self.layers) for name, rows in layer.export(start).items()}
+
+    def import_rows(self, rows: dict[str, np.ndarray]) -> None:
+        """Append rows produced by `export_rows` (of a cache of the same model) after the current ones."""
+        for i, layer in enumerate(self.layers):
+            fields = {name: rows[f"layers.{i}.{name}"] for name in _FIELDS if f"layers.{i}.{name}" in rows}
+            if fields:
+                layer.append(**fields)
