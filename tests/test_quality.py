@@ -228,7 +228,7 @@ def test_imatrix_digest_is_of_content(imatrix, tmp_path):
 
 
 def test_calibrate_hessian_choices(snapshots):
-    from glmkit.cli.calibrate import collect
+    from glmkit.eval.calibration import collect
     from glmkit.generate.engine import Engine
 
     engine = Engine(snapshots("tiny-trained", "f32"), "numpy", load_tokenizer=False)

@@ -36,10 +36,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from glmkit.cli.calibrate import collect  # noqa: E402
-from glmkit.cli.perplexity import evaluate  # noqa: E402
 from glmkit.convert.convert import convert  # noqa: E402
 from glmkit.convert.plan import QuantPlan  # noqa: E402
+from glmkit.eval.calibration import collect  # noqa: E402
+from glmkit.eval.evaluation import evaluate  # noqa: E402
 from glmkit.eval.logits_file import LogitsBase, LogitsWriter  # noqa: E402
 from glmkit.format.imatrix import read_imatrix  # noqa: E402
 from glmkit.generate.engine import Engine  # noqa: E402

@@ -129,7 +129,7 @@ def _parent(out: str) -> Path:
 def _calibrate(args: argparse.Namespace, scratch: Path, options: dict[str, object]) -> Imatrix:
     """Convert a temporary container, collect calibration statistics (`--hessians pooled`) on it over
     --calibrate's text, and return them; the temporary container is deleted."""
-    from glmkit.cli.calibrate import calibration_windows, collect
+    from glmkit.eval.calibration import calibration_windows, collect
     from glmkit.generate.engine import Engine
 
     model_dir = scratch / "model"

@@ -14,18 +14,12 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
-
-import numpy as np
-from tqdm import tqdm
 
 from glmkit.errors import GlmkitError
+from glmkit.eval.evaluation import evaluate
 from glmkit.eval.logits_file import LogitsBase, LogitsWriter
-from glmkit.eval.metrics import QualityAccumulator, log_softmax
+from glmkit.eval.windows import DEFAULT_CTX, text_windows, token_windows
 from glmkit.generate.engine import Engine
-
-DEFAULT_CTX = 512
-MAX_INPUT_BYTES = 256 << 20
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,73 +57,6 @@ def windows_from_arguments(engine: Engine, args: argparse.Namespace) -> list[lis
     windows = (text_windows(engine, args.text, args.ctx) if args.text is not None
                else token_windows(args.tokens, engine.config.vocab_size))
     return windows[:args.max_windows]
-
-
-def text_windows(engine: Engine, path: Path, ctx: int) -> list[list[int]]:
-    if ctx < 2:
-        raise GlmkitError(f"--ctx: must be at least 2, got {ctx}")
-    if engine.tokenizer is None:
-        raise GlmkitError("internal error: tokenizer not loaded")
-    ids = engine.tokenizer.encode(_read_text(path))
-    if len(ids) < ctx:
-        raise GlmkitError(f"{path}: {len(ids)} tokens, fewer than one --ctx window of {ctx}")
-    return [ids[i:i + ctx] for i in range(0, len(ids) - ctx + 1, ctx)]
-
-
-def token_windows(path: Path, vocab_size: int) -> list[list[int]]:
-    try:
-        windows = json.loads(_read_input(path))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise GlmkitError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(windows, list) or not windows:
-        raise GlmkitError(f"{path}: must be a non-empty JSON list of token-id lists")
-    for i, w in enumerate(windows):
-        if not isinstance(w, list) or len(w) < 2:
-            raise GlmkitError(f"{path}: window {i} must be a list of at least 2 token ids")
-        if not all(type(t) is int and 0 <= t < vocab_size for t in w):
-            raise GlmkitError(f"{path}: window {i} holds something other than token ids below {vocab_size}")
-    return windows
-
-
-def _read_input(path: Path) -> bytes:
-    if not path.is_file():
-        raise GlmkitError(f"{path}: file not found")
-    if path.stat().st_size > MAX_INPUT_BYTES:
-        raise GlmkitError(f"{path}: larger than {MAX_INPUT_BYTES >> 20} MB")
-    return path.read_bytes()
-
-
-def _read_text(path: Path) -> str:
-    try:
-        return _read_input(path).decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise GlmkitError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-
-
-def evaluate(engine: Engine, windows: list[list[int]], base: LogitsBase | None = None,
-             save: LogitsWriter | None = None, progress: bool = False) -> dict[str, Any]:
-    """Run every window; returns the metrics of `QualityAccumulator.summary`."""
-    model = engine.model
-    limit = engine.config.max_position_embeddings
-    for i, w in enumerate(windows):
-        if len(w) > limit:
-            raise GlmkitError(f"window {i} has {len(w)} tokens, more than the model's {limit} positions")
-    acc = QualityAccumulator()
-    bar = tqdm(total=sum(len(w) - 1 for w in windows), unit="tok", desc="perplexity", file=sys.stderr,
-               disable=not progress)
-    try:
-        for i, w in enumerate(windows):
-            ids = np.asarray(w, dtype=np.int64)
-            logits, _ = model.forward(ids, model.new_cache())
-            # rounded to float32 as a saved base is, so a model compared with its own base gives exactly 0
-            logprobs = log_softmax(logits[:-1]).astype(np.float32)
-            if save is not None:
-                save.append(logprobs)
-            acc.add(logprobs, ids[1:], None if base is None else base.rows(i))
-            bar.update(len(w) - 1)
-    finally:
-        bar.close()
-    return acc.summary()
 
 
 def main(argv: list[str] | None = None) -> int:

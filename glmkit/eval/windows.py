@@ -1,0 +1,56 @@
+"""Token windows to evaluate or calibrate over: UTF-8 text cut into fixed-length windows, or a JSON list of
+token-id lists (both untrusted input files)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from glmkit.errors import GlmkitError
+from glmkit.generate.engine import Engine
+
+DEFAULT_CTX = 512
+MAX_INPUT_BYTES = 256 << 20
+
+
+def text_windows(engine: Engine, path: Path, ctx: int) -> list[list[int]]:
+    """The text at `path`, tokenized, as consecutive windows of `ctx` tokens (a shorter tail is dropped)."""
+    if ctx < 2:
+        raise GlmkitError(f"--ctx: must be at least 2, got {ctx}")
+    if engine.tokenizer is None:
+        raise GlmkitError("internal error: tokenizer not loaded")
+    ids = engine.tokenizer.encode(_read_text(path))
+    if len(ids) < ctx:
+        raise GlmkitError(f"{path}: {len(ids)} tokens, fewer than one --ctx window of {ctx}")
+    return [ids[i:i + ctx] for i in range(0, len(ids) - ctx + 1, ctx)]
+
+
+def token_windows(path: Path, vocab_size: int) -> list[list[int]]:
+    """A JSON list of windows, each a list of at least 2 token ids below `vocab_size`."""
+    try:
+        windows = json.loads(_read_input(path))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise GlmkitError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(windows, list) or not windows:
+        raise GlmkitError(f"{path}: must be a non-empty JSON list of token-id lists")
+    for i, w in enumerate(windows):
+        if not isinstance(w, list) or len(w) < 2:
+            raise GlmkitError(f"{path}: window {i} must be a list of at least 2 token ids")
+        if not all(type(t) is int and 0 <= t < vocab_size for t in w):
+            raise GlmkitError(f"{path}: window {i} holds something other than token ids below {vocab_size}")
+    return windows
+
+
+def _read_input(path: Path) -> bytes:
+    if not path.is_file():
+        raise GlmkitError(f"{path}: file not found")
+    if path.stat().st_size > MAX_INPUT_BYTES:
+        raise GlmkitError(f"{path}: larger than {MAX_INPUT_BYTES >> 20} MB")
+    return path.read_bytes()
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return _read_input(path).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise GlmkitError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
