@@ -244,7 +244,7 @@ def tiny_config(**overrides: object) -> ModelConfig:
     return ModelConfig.from_dict(raw | overrides)
 
 
-def test_kv_cache_grows_truncates_and_round_trips() -> None:
+def test_kv_cache_grows_truncates_and_appends_again() -> None:
     config = tiny_config()
     rng = np.random.default_rng(7)
     cache = KVCache(config)
@@ -257,22 +257,42 @@ def test_kv_cache_grows_truncates_and_round_trips() -> None:
                 fields["index_k"] = rand(rng, 1, 8)
             layer.append(**fields)
             for name, value in fields.items():
-                rows.setdefault(f"layers.{i}.{name}", []).append(value)
+                rows.setdefault((i, name), []).append(value)
     assert cache.length == 300
-    full = {name: np.concatenate(parts) for name, parts in rows.items()}
-    exported = cache.export_rows()
-    assert exported.keys() == full.keys()
-    for name in full:
-        np.testing.assert_array_equal(exported[name], full[name])
+    full = {key: np.concatenate(parts) for key, parts in rows.items()}
+    assert {i for i, _ in full} == set(range(len(cache.layers)))
+    for (i, name), value in full.items():
+        np.testing.assert_array_equal(cache.layer(i).rows(name), value)
 
     cache.truncate(120)
-    assert cache.length == 120
-    restored = KVCache(config)
-    restored.import_rows(cache.export_rows())
-    restored.import_rows({name: value[120:] for name, value in full.items()})
-    for name, value in restored.export_rows().items():
-        np.testing.assert_array_equal(value, full[name])
-    np.testing.assert_array_equal(restored.export_rows(start=299)["layers.2.index_k"], full["layers.2.index_k"][299:])
+    assert cache.length == 120 and all(layer.length == 120 for layer in cache.layers)
+    for (i, name), value in full.items():
+        np.testing.assert_array_equal(cache.layer(i).rows(name), value[:120])
+    for i, layer in enumerate(cache.layers):  # appended again after the cut, the rows line up with the originals
+        layer.append(**{name: value[120:] for (j, name), value in full.items() if j == i})
+    for (i, name), value in full.items():
+        np.testing.assert_array_equal(cache.layer(i).rows(name), value)
+
+
+def test_kv_cache_overwrites_rows_in_place_and_marks_them_edited() -> None:
+    config = tiny_config()
+    rng = np.random.default_rng(8)
+    layer = KVCache(config).layer(0)
+    before = {"kv_lat": rand(rng, 10, 16), "k_rot": rand(rng, 10, 4), "index_k": rand(rng, 10, 8)}
+    layer.append(**before)
+    layer.edited_from = 10  # as after a device decode step took the rows
+    positions = np.array([2, 5, 6])
+    new = {"kv_lat": rand(rng, 3, 16), "k_rot": rand(rng, 3, 4), "index_k": rand(rng, 3, 8)}
+    layer.overwrite(positions, **new)
+    assert layer.length == 10 and layer.edited_from == 2
+    for name, value in before.items():
+        want = value.copy()
+        want[positions] = new[name]
+        np.testing.assert_array_equal(layer.rows(name), want)
+    with pytest.raises(ValueError, match="positions"):
+        layer.overwrite(np.array([9, 10]), **{name: value[:2] for name, value in new.items()})
+    with pytest.raises(ValueError, match="expected rows"):
+        layer.overwrite(positions, kv_lat=new["kv_lat"], k_rot=new["k_rot"])
 
 
 # ---- whole model (self-consistency; exactness vs transformers is the tools/ check) -----------------

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from glmkit.cache.blend import forward_at, reserve
+from glmkit.cache.blend import blend_forward, forward_at, reserve
 from glmkit.cache.chunk_index import ChunkIndex, TokenLatents, chunk_label
 from glmkit.cache.prefix_cache import PrefixCache, common_prefix, open_index, prune, read_blob, rerotate
 from glmkit.cache.session import ApproxPolicy, Session
@@ -122,6 +122,88 @@ def test_recomputing_positions_in_place_equals_the_ordinary_forward(engine):
         for name in ("kv_lat", "k_rot", "index_k") if got.layer(layer).has_index else ("kv_lat", "k_rot"):
             a, b = got.layer(layer).rows(name), want.layer(layer).rows(name)
             assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max(), (layer, name)
+
+
+def main_rows(cache, layers):
+    """Every stored field of the given layers: {(layer, name): rows}."""
+    return {(layer, name): cache.layer(layer).rows(name).copy() for layer in layers
+            for name in ("kv_lat", "k_rot", "index_k") if name != "index_k" or cache.layer(layer).has_index}
+
+
+def recompute_in_place(model, ids, start):
+    """A cache holding `ids[:start]` (forward) and the rest recomputed in place (`forward_at`), and the hidden states
+    `forward_at` returned."""
+    cache = model.new_cache()
+    model.forward(ids[:start], cache)
+    reserve(cache, len(ids) - start)
+    return cache, forward_at(model, ids[start:], np.arange(start, len(ids)), cache)
+
+
+def test_recomputing_a_block_in_place_is_bit_for_bit_the_appending_forward(engine):
+    """The same block appended by `model.forward` or recomputed in place (over placeholders) by `forward_at`: the
+    same hidden states, the same rows and the same next-token logits, bit for bit."""
+    ids = np.asarray(doc_prompt([0, 1]))
+    model, layers = engine.model, range(engine.config.num_hidden_layers)
+    appended = model.new_cache()
+    model.forward(ids[:20], appended)
+    _, hidden = model.forward(ids[20:-1], appended)
+    in_place, mine = recompute_in_place(model, ids[:-1], 20)
+    np.testing.assert_array_equal(mine, hidden)
+    want = main_rows(appended, layers)
+    for key, rows in main_rows(in_place, layers).items():
+        np.testing.assert_array_equal(rows, want[key], err_msg=str(key))
+    # the prompt's last token then decodes from either cache to the same logits as a plain prefill of it all
+    prefill, _ = model.forward(ids, model.new_cache(), last_logits_only=True)
+    after_append, _ = model.forward(ids[-1:], appended)
+    after_in_place, _ = model.forward(ids[-1:], in_place)
+    np.testing.assert_array_equal(after_in_place, after_append)
+    assert np.abs(after_append - prefill).max() <= 1e-5 * np.abs(prefill).max()
+
+
+def test_blend_runs_the_models_own_layer(engine, monkeypatch):
+    """blend.forward_at and blend_forward follow the model's feed_forward and kv_latent (no copy of the layer):
+    with the feed-forward changed they still equal `model.forward`, and the deviating rows they recompute are the
+    ones the model's kv_latent says deviate."""
+    ids = np.asarray(doc_prompt([0]))
+    model, start = engine.model, 20
+    _, plain = model.forward(ids, model.new_cache())
+    feed_forward = model.feed_forward
+    monkeypatch.setattr(model, "feed_forward", lambda layer, u: np.float32(1.5) * feed_forward(layer, u))
+    _, hidden = model.forward(ids, model.new_cache())
+    assert np.abs(hidden - plain).max() > 1e-2 * np.abs(plain).max()  # the change matters
+    _, mine = recompute_in_place(model, ids, start)
+    assert np.abs(mine - hidden[start:]).max() <= 1e-5 * np.abs(hidden).max()
+
+    # blend_forward over exact reused rows: only the rows kv_latent makes deviate are recomputed past layer 0
+    exact = model.new_cache()
+    model.forward(ids, exact)
+    cache = model.new_cache()
+    model.forward(ids[:start], cache)
+    reserve(cache, len(ids) - start)
+    for layer in range(engine.config.num_hidden_layers):
+        for name, rows in main_rows(exact, [layer]).items():
+            cache.layer(layer).rows(name[1])[start:] = rows[start:]
+    positions = np.arange(start, len(ids))
+    bumped = np.array([1, 4, 9])
+    kv_latent = model.kv_latent
+
+    def deviating(layer, x):
+        lat = kv_latent(layer, x)
+        lat[bumped] += 10.0
+        return lat
+
+    monkeypatch.setattr(model, "kv_latent", deviating)
+    out, chosen = blend_forward(model, ids[start:], positions, cache, np.ones(len(positions), bool),
+                                len(bumped) / len(positions))
+    np.testing.assert_array_equal(chosen, positions[bumped])
+    assert np.abs(out - hidden[positions[bumped]]).max() <= 1e-5 * np.abs(hidden).max()
+
+
+def test_token_latents_are_the_rows_layer_zero_caches(engine):
+    ids = np.asarray(doc_prompt([2]))
+    cache = engine.model.new_cache()
+    engine.model.forward(ids, cache)
+    np.testing.assert_array_equal(TokenLatents(engine.model)(ids), cache.layer(0).kv_lat)
 
 
 def test_rows_of_a_chunk_moved_elsewhere_match_layer_zero_exactly(engine, tmp_path):

@@ -31,7 +31,6 @@ from pathlib import Path
 import numpy as np
 
 from glmkit.model.glm5 import GlmMoeDsaModel
-from glmkit.model.ops import LATENT_NORM_EPS, embed_rows
 
 INDEX_VERSION = 1
 DEFAULT_MAX_ELEMENTS = 100_000
@@ -56,12 +55,7 @@ class TokenLatents:
 
     def __call__(self, ids: np.ndarray) -> np.ndarray:
         """`[S] -> [S, kv_lora_rank]`: exactly what layer 0 stores as `kv_lat` for these tokens."""
-        cfg, b, w = self.model.config, self.model.backend, self.model.weights.weight
-        x = embed_rows(w("model.embed_tokens.weight"), np.asarray(ids, dtype=np.int64))
-        u = b.rms_norm(x, w("model.layers.0.input_layernorm.weight"), cfg.rms_norm_eps)
-        c = b.linear(u, w("model.layers.0.self_attn.kv_a_proj_with_mqa.weight"))
-        return b.rms_norm(c[:, :cfg.kv_lora_rank], w("model.layers.0.self_attn.kv_a_layernorm.weight"),
-                          LATENT_NORM_EPS)
+        return self.model.kv_latent(0, self.model.embed(np.asarray(ids, dtype=np.int64)))
 
     def embed(self, windows: list[list[int]]) -> np.ndarray:
         """Raw (uncentred) embeddings `[W, dim]` of token windows: the mean of their tokens' latents."""

@@ -3,6 +3,9 @@
 Math follows DESIGN section 3 (transformers 5.23.0, float32). Rows are vectors and `W` is `[out, in]`:
 `y = x W^T`. The small pure functions below are the paper's equations; `GlmMoeDsaModel` wires them to
 a weight source (Hugging Face tensor names) and a `Backend` that does the heavy lifting.
+
+Every layer method takes the positions of its rows explicitly: `forward` appends a contiguous block at the end
+of the cache, and the same methods recompute rows in place at chosen positions (glmkit.cache.blend).
 """
 
 from __future__ import annotations
@@ -15,10 +18,11 @@ import numpy as np
 
 from glmkit.errors import GlmkitError
 from glmkit.format.config import ModelConfig
+from glmkit.format.schema import EXPERT_PROJECTIONS, expert_weight_name, layer_prefix
 from glmkit.format.tensors import Weight
 from glmkit.model.compute import Backend, DecodeStep, GreedyDecode, Routes
 from glmkit.model.kv_cache import KVCache, LayerKV
-from glmkit.model.ops import LATENT_NORM_EPS, causal_mask, embed_rows, rope_cos_sin, route_noaux_tc
+from glmkit.model.ops import LATENT_NORM_EPS, embed_rows, position_mask, rope_cos_sin, route_noaux_tc
 
 
 class WeightSource(Protocol):
@@ -87,7 +91,7 @@ class GlmMoeDsaModel:
     """GLM-5 forward over a weight source and a backend.
 
     absorb_max_rows: calls appending at most this many tokens to a non-empty cache use the absorbed
-    MLA path (decode, MTP verification); others reconstruct keys and values (prefill).
+    MLA path (decode, MTP verification); others (prefill, rows recomputed in place) reconstruct keys and values.
     route_hook: optional `hook(layer, expert_ids [S, k], u [S, H])` (hit/miss counting, prefetch).
     """
 
@@ -105,14 +109,18 @@ class GlmMoeDsaModel:
     def _w(self, name: str) -> Weight:
         return self.weights.weight(name)
 
+    def _layer_w(self, layer: int, name: str) -> Weight:
+        """Layer `layer`'s tensor `name` (relative to `model.layers.{layer}.`)."""
+        return self.weights.weight(layer_prefix(layer) + name)
+
     def _has_indexer(self, layer: int) -> bool:
-        return self.weights.has(f"model.layers.{layer}.self_attn.indexer.wk.weight")
+        return self.weights.has(layer_prefix(layer) + "self_attn.indexer.wk.weight")
 
     @property
     def has_mtp(self) -> bool:
         """True when the weights include the MTP layer (index num_hidden_layers)."""
         return self.config.num_nextn_predict_layers > 0 and self.weights.has(
-            f"model.layers.{self.config.num_hidden_layers}.eh_proj.weight")
+            layer_prefix(self.config.num_hidden_layers) + "eh_proj.weight")
 
     def new_cache(self) -> KVCache:
         """An empty cache; indexer keys are kept on every layer that has indexer weights."""
@@ -128,13 +136,14 @@ class GlmMoeDsaModel:
         Returns (logits `[S, V]`, or `[1, V]` for the last position with `last_logits_only`;
         hidden `[S, H]` after the final norm, the input the MTP layer needs).
         """
-        x = embed_rows(self._w("model.embed_tokens.weight"), np.asarray(token_ids))
+        x = self.embed(token_ids)
         if len(token_ids) == 1 and cache.length > 0 and self._decode_step() is not None:
             return self._device_decode(int(token_ids[0]), x[0], cache)
+        positions = np.arange(cache.length, cache.length + len(token_ids))
         allowed = None  # the most recent 'full' layer's DSA selection [S, T], reused by 'shared' layers
         for layer in range(self.config.num_hidden_layers):
-            x, allowed = self._decoder_layer(layer, x, cache.layer(layer), allowed)
-        hidden = self.backend.rms_norm(x, self._w("model.norm.weight"), self.config.rms_norm_eps)
+            x, allowed = self.decoder_layer(layer, x, positions, cache.layer(layer), allowed)
+        hidden = self.final_norm(x)
         head_in = hidden[-1:] if last_logits_only else hidden
         logits = self.backend.linear(head_in, self._w("lm_head.weight"))
         if len(token_ids) > self.absorb_max_rows:
@@ -171,8 +180,7 @@ class GlmMoeDsaModel:
         step = self._decode_step() if cache.length > 0 else None
         if step is None:
             return None
-        table = self._w("model.embed_tokens.weight")
-        return step.greedy(token, cache, lambda t: embed_rows(table, np.array([t]))[0], self._report_routes)
+        return step.greedy(token, cache, lambda t: self.embed(np.array([t]))[0], self._report_routes)
 
     def mtp_forward(self, hidden: np.ndarray, next_token_ids: np.ndarray, cache: KVCache
                     ) -> tuple[np.ndarray, np.ndarray]:
@@ -188,80 +196,108 @@ class GlmMoeDsaModel:
         if cfg.num_nextn_predict_layers == 0:
             raise GlmkitError("this model has no MTP layer (num_nextn_predict_layers is 0)")
         layer = cfg.num_hidden_layers
-        prefix = f"model.layers.{layer}."
-        emb = embed_rows(self._w("model.embed_tokens.weight"), np.asarray(next_token_ids))
-        joined = np.concatenate([b.rms_norm(emb, self._w(prefix + "enorm.weight"), cfg.rms_norm_eps),
-                                 b.rms_norm(hidden, self._w(prefix + "hnorm.weight"), cfg.rms_norm_eps)], axis=-1)
-        x = b.linear(joined, self._w(prefix + "eh_proj.weight"))
-        x, _ = self._decoder_layer(layer, x, cache.layer(layer), None)
-        normed = b.rms_norm(x, self._w(prefix + "shared_head.norm.weight"), cfg.rms_norm_eps)
+        emb = self.embed(next_token_ids)
+        joined = np.concatenate([b.rms_norm(emb, self._layer_w(layer, "enorm.weight"), cfg.rms_norm_eps),
+                                 b.rms_norm(hidden, self._layer_w(layer, "hnorm.weight"), cfg.rms_norm_eps)], axis=-1)
+        x = b.linear(joined, self._layer_w(layer, "eh_proj.weight"))
+        kv = cache.layer(layer)
+        x, _ = self.decoder_layer(layer, x, np.arange(kv.length, kv.length + len(x)), kv, None)
+        normed = b.rms_norm(x, self._layer_w(layer, "shared_head.norm.weight"), cfg.rms_norm_eps)
         return b.linear(normed, self._w("lm_head.weight")), x
 
-    # ---- one decoder layer ---------------------------------------------------------------------
+    # ---- the layer math, at explicit positions ----------------------------------------------------
 
-    def _decoder_layer(self, layer: int, x: np.ndarray, kv: LayerKV, prev_allowed: np.ndarray | None
-                       ) -> tuple[np.ndarray, np.ndarray]:
-        """`h = x + Attn(RMSNorm(x))`; `x' = h + FFN(RMSNorm(h))`. Returns (x' `[S, H]`, DSA selection)."""
+    def embed(self, token_ids: np.ndarray) -> np.ndarray:
+        """Embedding rows `[S, H]` float32 of `token_ids [S]`."""
+        return embed_rows(self._w("model.embed_tokens.weight"), np.asarray(token_ids))
+
+    def final_norm(self, x: np.ndarray) -> np.ndarray:
+        """The main model's final RMSNorm of the last layer's output `x [S, H]` (the lm_head's and MTP's input)."""
+        return self.backend.rms_norm(x, self._w("model.norm.weight"), self.config.rms_norm_eps)
+
+    def decoder_layer(self, layer: int, x: np.ndarray, positions: np.ndarray, kv: LayerKV,
+                      prev_allowed: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """`h = x + Attn(RMSNorm(x))`; `x' = h + FFN(RMSNorm(h))` for the rows `x [S, H]` of the tokens at
+        `positions [S]` (see `attention` for how their cache rows are written). Returns (x' `[S, H]`, DSA
+        selection `[S, T]`)."""
         cfg, b = self.config, self.backend
-        prefix = f"model.layers.{layer}."
-        attn, allowed = self._attention(layer, b.rms_norm(x, self._w(prefix + "input_layernorm.weight"),
-                                                          cfg.rms_norm_eps), kv, prev_allowed)
+        attn, allowed = self.attention(layer, self._input_norm(layer, x), positions, kv, prev_allowed)
         h = x + attn
-        u = b.rms_norm(h, self._w(prefix + "post_attention_layernorm.weight"), cfg.rms_norm_eps)
-        ffn = self._moe(layer, u) if cfg.is_moe_layer(layer) else self._mlp(prefix + "mlp.", u)
-        return h + ffn, allowed
+        u = b.rms_norm(h, self._layer_w(layer, "post_attention_layernorm.weight"), cfg.rms_norm_eps)
+        return h + self.feed_forward(layer, u), allowed
 
-    def _attention(self, layer: int, u: np.ndarray, kv: LayerKV, prev_allowed: np.ndarray | None
-                   ) -> tuple[np.ndarray, np.ndarray]:
-        """MLA + DSA on normed input `u [S, H]`; appends this layer's cache rows.
+    def attention(self, layer: int, u: np.ndarray, positions: np.ndarray, kv: LayerKV,
+                  prev_allowed: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """MLA + DSA on normed input `u [S, H]` of the tokens at `positions [S]` (strictly increasing).
 
-        Returns (output `[S, H]`, the selection `[S, T]` this layer attended with).
+        Their cache rows are appended when the positions continue the cache (`kv.length..`), else written in
+        place over rows already there; each query then attends to the cached rows at or before its own
+        position. Returns (output `[S, H]`, the selection `[S, T]` this layer attended with).
         """
         cfg, b = self.config, self.backend
-        prefix = f"model.layers.{layer}.self_attn."
         seq, start = u.shape[0], kv.length
-        cos, sin = rope_cos_sin(np.arange(start, start + seq), cfg.qk_rope_head_dim, cfg.rope_theta)
+        appending = seq > 0 and positions[0] == start and positions[-1] == start + seq - 1
+        cos, sin = rope_cos_sin(positions, cfg.qk_rope_head_dim, cfg.rope_theta)
 
         # Main 'full' layers must have indexer weights; an MTP layer shipped without them attends densely.
         indexed = cfg.indexer_type(layer) == "full" and (layer < cfg.num_hidden_layers or self._has_indexer(layer))
-        scored = indexed and start + seq > cfg.index_topk  # with at most index_topk keys, all are kept: no scores
-        a = self.attention_inputs(prefix, u, cos, sin, indexed, scored)
+        total = start + seq if appending else start
+        scored = indexed and total > cfg.index_topk  # with at most index_topk keys, all are kept: no scores
+        a = self.attention_inputs(layer, u, cos, sin, indexed, scored)
         rows = {"kv_lat": a.kv_lat, "k_rot": a.k_rot}
         if indexed:
             rows["index_k"] = a.index_k
-        kv.append(**rows)
-        allowed = self.select_keys(layer, a, kv, causal_mask(start, seq, kv.length), prev_allowed)
+        if appending:
+            kv.append(**rows)
+        else:
+            kv.overwrite(positions, **rows)
+        allowed = self.select_keys(layer, a, kv, position_mask(positions, kv.length), prev_allowed)
 
         scale = cfg.qk_head_dim ** -0.5
-        absorb = 0 < start and seq <= self.absorb_max_rows
+        absorb = appending and 0 < start and seq <= self.absorb_max_rows
         attend = mla_attend_absorbed if absorb else mla_attend_full
-        out = attend(b, a.q_nope, a.q_rot, kv.kv_lat, kv.k_rot, self._w(prefix + "kv_b_proj.weight"), allowed, scale)
-        return b.linear(out.reshape(seq, -1), self._w(prefix + "o_proj.weight")), allowed
+        out = attend(b, a.q_nope, a.q_rot, kv.kv_lat, kv.k_rot, self._layer_w(layer, "self_attn.kv_b_proj.weight"),
+                     allowed, scale)
+        return b.linear(out.reshape(seq, -1), self._layer_w(layer, "self_attn.o_proj.weight")), allowed
 
-    def attention_inputs(self, prefix: str, u: np.ndarray, cos: np.ndarray, sin: np.ndarray, indexed: bool,
+    def kv_latent(self, layer: int, x: np.ndarray) -> np.ndarray:
+        """The normed latent `kv_lat [S, kv_lora_rank]` layer `layer` caches for rows whose layer input is
+        `x [S, H]` (input_layernorm -> kv_a_proj_with_mqa -> kv_a_layernorm); for layer 0, a function of the
+        token alone."""
+        return self._kv_compress(layer, self._input_norm(layer, x))[0]
+
+    def _input_norm(self, layer: int, x: np.ndarray) -> np.ndarray:
+        return self.backend.rms_norm(x, self._layer_w(layer, "input_layernorm.weight"), self.config.rms_norm_eps)
+
+    def _kv_compress(self, layer: int, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """kv_a_proj_with_mqa of normed input `u [S, H]`: (`kv_lat [S, kv_lora_rank]` after kv_a_layernorm, the
+        shared key `[S, rope]` before rope)."""
+        kvl = self.config.kv_lora_rank
+        compressed = self.backend.linear(u, self._layer_w(layer, "self_attn.kv_a_proj_with_mqa.weight"))
+        kv_lat = self.backend.rms_norm(compressed[:, :kvl], self._layer_w(layer, "self_attn.kv_a_layernorm.weight"),
+                                       LATENT_NORM_EPS)
+        return kv_lat, compressed[:, kvl:]
+
+    def attention_inputs(self, layer: int, u: np.ndarray, cos: np.ndarray, sin: np.ndarray, indexed: bool,
                          scored: bool) -> AttentionInputs:
-        """Every projection attention needs from its normed input `u [S, H]` (see `AttentionInputs`); the indexer
-        key when `indexed`, its queries and head weights when `scored`."""
+        """Every projection layer `layer`'s attention needs from its normed input `u [S, H]` (see
+        `AttentionInputs`); the indexer key when `indexed`, its queries and head weights when `scored`."""
         cfg, b = self.config, self.backend
         seq, heads, nope, rope_dim = u.shape[0], cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
-        q_lat = b.rms_norm(b.linear(u, self._w(prefix + "q_a_proj.weight")),
-                           self._w(prefix + "q_a_layernorm.weight"), LATENT_NORM_EPS)
-        q = b.linear(q_lat, self._w(prefix + "q_b_proj.weight")).reshape(seq, heads, nope + rope_dim)
-        compressed = b.linear(u, self._w(prefix + "kv_a_proj_with_mqa.weight"))
-        kv_lat = b.rms_norm(compressed[:, : cfg.kv_lora_rank], self._w(prefix + "kv_a_layernorm.weight"),
-                            LATENT_NORM_EPS)
+        w = lambda name: self._layer_w(layer, "self_attn." + name)  # noqa: E731
+        q_lat = b.rms_norm(b.linear(u, w("q_a_proj.weight")), w("q_a_layernorm.weight"), LATENT_NORM_EPS)
+        q = b.linear(q_lat, w("q_b_proj.weight")).reshape(seq, heads, nope + rope_dim)
+        kv_lat, k_pre = self._kv_compress(layer, u)
         inputs = AttentionInputs(q[..., :nope], b.rope(q[..., nope:], cos, sin), kv_lat,  # main attention: LAST dims
-                                 b.rope(compressed[:, cfg.kv_lora_rank:], cos, sin))
+                                 b.rope(k_pre, cos, sin))
         if indexed:  # indexer: LayerNorm with bias on the key, rope on the FIRST rope dims
-            key = b.layer_norm(b.linear(u, self._w(prefix + "indexer.wk.weight")),
-                               self._w(prefix + "indexer.k_norm.weight"), self._w(prefix + "indexer.k_norm.bias"),
-                               LATENT_NORM_EPS)
+            key = b.layer_norm(b.linear(u, w("indexer.wk.weight")), w("indexer.k_norm.weight"),
+                               w("indexer.k_norm.bias"), LATENT_NORM_EPS)
             inputs.index_k = np.concatenate([b.rope(key[:, :rope_dim], cos, sin), key[:, rope_dim:]], axis=-1)
         if scored:
-            iq = b.linear(q_lat, self._w(prefix + "indexer.wq_b.weight")).reshape(seq, cfg.index_n_heads,
-                                                                                 cfg.index_head_dim)
+            iq = b.linear(q_lat, w("indexer.wq_b.weight")).reshape(seq, cfg.index_n_heads, cfg.index_head_dim)
             inputs.index_q = np.concatenate([b.rope(iq[..., :rope_dim], cos, sin), iq[..., rope_dim:]], axis=-1)
-            head_weights = b.linear(u, self._w(prefix + "indexer.weights_proj.weight"))
+            head_weights = b.linear(u, w("indexer.weights_proj.weight"))
             inputs.index_weights = head_weights * np.float32(cfg.index_n_heads ** -0.5)
         return inputs
 
@@ -280,22 +316,31 @@ class GlmMoeDsaModel:
 
     # ---- feed-forward --------------------------------------------------------------------------
 
-    def _mlp_weights(self, prefix: str) -> tuple[Weight, Weight, Weight]:
-        return (self._w(prefix + "gate_proj.weight"), self._w(prefix + "up_proj.weight"),
-                self._w(prefix + "down_proj.weight"))
+    def feed_forward(self, layer: int, u: np.ndarray) -> np.ndarray:
+        """Layer `layer`'s feed-forward `[S, H]` on its normed input `u [S, H]`: the MoE on MoE layers, else
+        the dense MLP."""
+        if self.config.is_moe_layer(layer):
+            return self._moe(layer, u)
+        return self.backend.expert_mlp(u, *self._mlp_weights(layer_prefix(layer) + "mlp."))
 
-    def _mlp(self, prefix: str, u: np.ndarray) -> np.ndarray:
-        return self.backend.expert_mlp(u, *self._mlp_weights(prefix))
+    def _mlp_weights(self, prefix: str) -> tuple[Weight, Weight, Weight]:
+        """(gate, up, down) of the MLP whose tensors are `{prefix}{gate,up,down}_proj.weight`."""
+        gate, up, down = (self._w(f"{prefix}{projection}.weight") for projection in EXPERT_PROJECTIONS)
+        return gate, up, down
+
+    def _expert_weights(self, layer: int, expert: int) -> tuple[Weight, Weight, Weight]:
+        """(gate, up, down) of routed expert `expert` of layer `layer`."""
+        gate, up, down = (self._w(expert_weight_name(layer, expert, projection)) for projection in EXPERT_PROJECTIONS)
+        return gate, up, down
 
     def _moe(self, layer: int, u: np.ndarray) -> np.ndarray:
         """Routed experts (batch-union) plus the shared expert, on `u [S, H]`."""
         cfg = self.config
-        prefix = f"model.layers.{layer}.mlp."
-        logits = self.backend.linear(u, self._w(prefix + "gate.weight"))
-        ids, weights = route_noaux_tc(logits, self._w(prefix + "gate.e_score_correction_bias"),
+        logits = self.backend.linear(u, self._layer_w(layer, "mlp.gate.weight"))
+        ids, weights = route_noaux_tc(logits, self._layer_w(layer, "mlp.gate.e_score_correction_bias"),
                                       cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
                                       cfg.norm_topk_prob, cfg.routed_scaling_factor)
         if self.route_hook is not None:
             self.route_hook(layer, ids, u)
-        return self.backend.moe(u, ids, weights, lambda e: self._mlp_weights(f"{prefix}experts.{e}."),
-                                self._mlp_weights(prefix + "shared_experts."))
+        return self.backend.moe(u, ids, weights, lambda e: self._expert_weights(layer, e),
+                                self._mlp_weights(layer_prefix(layer) + "mlp.shared_experts."))

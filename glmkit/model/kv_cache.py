@@ -14,8 +14,6 @@ import numpy as np
 
 from glmkit.format.config import ModelConfig
 
-_FIELDS = ("kv_lat", "k_rot", "index_k")
-
 
 class LayerKV:
     """Growable row arrays of one layer: `kv_lat [T, kv_lora_rank]`, `k_rot [T, rope]`, `index_k [T, ihd]`."""
@@ -62,6 +60,19 @@ class LayerKV:
         for name, data in self._data.items():
             data[start: self.length] = rows[name]
 
+    def overwrite(self, positions: np.ndarray, **rows: np.ndarray) -> None:
+        """Replace the rows at `positions [n]` (each below `length`) of every field this layer stores
+        (`kv_lat=`, `k_rot=`, `index_k=` `[n, width]`)."""
+        if set(rows) != set(self._data):
+            raise ValueError(f"expected rows for {sorted(self._data)}, got {sorted(rows)}")
+        if len(positions) == 0:
+            return
+        if positions.min() < 0 or positions.max() >= self.length:
+            raise ValueError(f"positions must lie in [0, {self.length}) to be overwritten")
+        self.edited_from = min(self.edited_from, int(positions.min()))
+        for name, data in self._data.items():
+            data[positions] = rows[name]
+
     def claim(self, n: int) -> None:
         """Extend by `n` rows that the caller fills in place, through `storage` (the device decode step's
         kernels write them)."""
@@ -82,9 +93,6 @@ class LayerKV:
     def truncate(self, n: int) -> None:
         self.length = min(self.length, max(n, 0))
         self.edited_from = min(self.edited_from, self.length)
-
-    def export(self, start: int) -> dict[str, np.ndarray]:
-        return {name: data[start: self.length].copy() for name, data in self._data.items()}
 
 
 class KVCache:
@@ -115,15 +123,3 @@ class KVCache:
         """Keep the first `n` positions of every layer (rolls back rejected MTP drafts)."""
         for layer in self.layers:
             layer.truncate(n)
-
-    def export_rows(self, start: int = 0) -> dict[str, np.ndarray]:
-        """Copies of rows `[start, length)` of every layer, named `layers.{L}.{kv_lat|k_rot|index_k}`."""
-        return {f"layers.{i}.{name}": rows
-                for i, layer in enumerate(self.layers) for name, rows in layer.export(start).items()}
-
-    def import_rows(self, rows: dict[str, np.ndarray]) -> None:
-        """Append rows produced by `export_rows` (of a cache of the same model) after the current ones."""
-        for i, layer in enumerate(self.layers):
-            fields = {name: rows[f"layers.{i}.{name}"] for name in _FIELDS if f"layers.{i}.{name}" in rows}
-            if fields:
-                layer.append(**fields)

@@ -47,9 +47,14 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     return np.concatenate([even * cos - odd * sin, odd * cos + even * sin], axis=-1)
 
 
+def position_mask(positions: np.ndarray, total: int) -> np.ndarray:
+    """`[S, T]` bool: the query at `positions[s]` may see keys 0..positions[s] of `total` cached ones."""
+    return np.arange(total)[None, :] <= positions[:, None]
+
+
 def causal_mask(start: int, seq: int, total: int) -> np.ndarray:
     """`[S, T]` bool: query at position start+s may see keys 0..start+s."""
-    return np.arange(total)[None, :] <= (start + np.arange(seq))[:, None]
+    return position_mask(start + np.arange(seq), total)
 
 
 
