@@ -108,10 +108,27 @@ def convert(source: str | Path | Source, out_dir: str | Path, plan: QuantPlan, p
     src = source if isinstance(source, Source) else open_source(
         str(source), revision=revision, endpoint=endpoint, keep_source=keep_source)
     try:
+        check_out_apart(src, Path(out_dir))
         job = ConversionJob.create(src, plan, preset, max_file_bytes, imatrix)
         return _run(job, Path(out_dir), force, progress, max_inflight)
     finally:
         src.close()
+
+
+def check_out_apart(source: Source, out: Path) -> None:
+    """Refuse an OUT that is the source, sits inside it or holds it (symlinks resolved): preparing OUT
+    deletes its old data files and writes new ones, which would destroy the source before it is read."""
+    target = out.resolve()
+    for path in source.local_paths():
+        real = path.resolve()
+        if target == real or target in real.parents:
+            relation = "is" if target == real else "holds"
+        elif real in target.parents:
+            relation = "is inside"
+        else:
+            continue
+        raise GlmkitError(f"{out}: {relation} the source {path}; converting would overwrite or delete source files: "
+                          "choose an output directory outside the source")
 
 
 def _run(job: ConversionJob, out: Path, force: bool, progress: bool, budget: int) -> ConvertResult:

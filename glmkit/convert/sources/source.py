@@ -41,6 +41,10 @@ class Source:
         """Manifest `source.files`: size and sha256 of every shard (`stop`: hashing ends early)."""
         return self.snapshot.file_digests(stop)
 
+    def local_paths(self) -> list[Path]:
+        """Source files and directories on this machine that the conversion reads (OUT must stay apart)."""
+        return list(self.cached.values())
+
     def close(self) -> None:
         pass
 
@@ -53,6 +57,7 @@ class LocalSource(Source):
         if repo is None and revision is not None:
             raise GlmkitError(f"{directory}: --revision applies to a Hub repo id or a Hugging Face cache directory, "
                               "not to a plain snapshot directory")
+        self.directory = directory
         self.snapshot = HFSnapshot(snapshot_dir)
         self.side_dir = snapshot_dir
         path = str(snapshot_dir.resolve())
@@ -62,6 +67,9 @@ class LocalSource(Source):
             self.origin = {"kind": "hf-cache", "repo": repo, "revision": commit, "path": path}
         self.identity = {**self.origin,
                          "files": {name: size for name, size in sorted(self.snapshot.shard_bytes.items())}}
+
+    def local_paths(self) -> list[Path]:
+        return [self.directory, self.side_dir, *self.snapshot.paths.values()]
 
 
 def _resolve_cache_dir(directory: Path, revision: str | None) -> tuple[Path, str | None, str | None]:
