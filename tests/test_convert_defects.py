@@ -3,9 +3,15 @@ resume, non-finite or misread weights, a config that disagrees with the tensors,
 and rerunning a finished conversion."""
 
 import hashlib
+import os
 
 import pytest
 
+from glmkit.cli.convert import main as convert_main
+from glmkit.convert.sources.snapshot import HFSnapshot
+from glmkit.errors import GlmkitError
+from glmkit.format.reader import Container
+from glmkit.format.safetensors_file import read_header
 from tests.test_convert_errors import run_bad
 from tools.synth import make_snapshot
 
@@ -32,3 +38,72 @@ def test_out_overlapping_the_source_is_refused_before_touching_it(tmp_path, caps
     assert "source" in err and str(src) in err
     assert tree_digest(tmp_path) == before
     assert not (src / ".glm-convert").exists() and not (src / "q4").exists()
+
+
+# --- a resumed conversion rechecks the local source ---------------------------------------------------------------
+
+def _interrupted(tmp_path, monkeypatch, capsys):
+    """A 2-shard snapshot whose conversion into OUT failed after some data files were complete."""
+    src, out = tmp_path / "src", tmp_path / "out"
+    make_snapshot(src, shards=2)
+    real = HFSnapshot.load
+
+    def broken(self, spec):
+        if spec.name.startswith("model.layers.3."):
+            raise GlmkitError(f"{spec.name}: simulated read failure")
+        return real(self, spec)
+    monkeypatch.setattr(HFSnapshot, "load", broken)
+    args = [str(src), str(out), "--quiet", "--preset", "f32", "--max-file-size", "16K"]
+    assert convert_main(args) == 1
+    monkeypatch.setattr(HFSnapshot, "load", real)
+    assert (out / ".glm-convert" / "done.jsonl").read_text().count("\n") >= 2
+    capsys.readouterr()
+    return src, out, args
+
+
+def _edit_same_size(path, keep_mtime: bool) -> None:
+    """Change one weight byte of the first tensor (same file size), optionally restoring the file's mtime."""
+    stat = path.stat()
+    info = read_header(path)["model.embed_tokens.weight"]
+    data = bytearray(path.read_bytes())
+    data[info.start + 1] ^= 0x40
+    path.write_bytes(bytes(data))
+    if keep_mtime:
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+
+@pytest.mark.parametrize("keep_mtime", [False, True])
+def test_resume_refuses_a_source_shard_changed_since_the_first_run(tmp_path, monkeypatch, capsys, keep_mtime):
+    src, out, args = _interrupted(tmp_path, monkeypatch, capsys)
+    shard = src / "model-00001-of-00002.safetensors"
+    _edit_same_size(shard, keep_mtime)
+    assert convert_main(args) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("glm-convert: error: "), err
+    assert shard.name in err and "changed" in err and "--force" in err
+    assert ("sha256" in err) and (("mtime" in err) != keep_mtime)
+    assert not (out / "manifest.json").exists()
+    assert convert_main([*args, "--force"]) == 0  # starts over: the same container as a fresh conversion
+    assert convert_main([str(src), str(tmp_path / "fresh"), *args[2:]]) == 0
+    assert Container(out).model_hash == Container(tmp_path / "fresh").model_hash
+
+
+def test_shard_identity_samples_a_large_shard(tmp_path):
+    """Beyond SAMPLE_BLOCKS blocks, the header and evenly spaced blocks are hashed (from the first data byte to
+    the last block); an edit there changes the identity, the file's mtime aside."""
+    from glmkit.convert.sources.snapshot import SAMPLE_BLOCK_BYTES, SAMPLE_BLOCKS, shard_identity
+
+    path = tmp_path / "big.safetensors"
+    header = b'{"x":{"dtype":"U8","shape":[4194304],"data_offsets":[0,4194304]}}'
+    path.write_bytes(len(header).to_bytes(8, "little") + header + bytes(4 << 20))
+    assert path.stat().st_size > SAMPLE_BLOCKS * SAMPLE_BLOCK_BYTES * 2
+    first = shard_identity(path)
+    for offset in (20, 8 + len(header), path.stat().st_size - 1):  # header, first and last sampled bytes
+        data = bytearray(path.read_bytes())
+        data[offset] ^= 1
+        path.write_bytes(bytes(data))
+        changed = shard_identity(path)
+        assert changed["sampled_sha256"] != first["sampled_sha256"] and changed["nbytes"] == first["nbytes"]
+        data[offset] ^= 1
+        path.write_bytes(bytes(data))
+        assert shard_identity(path)["sampled_sha256"] == first["sampled_sha256"]

@@ -24,7 +24,7 @@ from tqdm import tqdm
 import glmkit
 from glmkit.convert.plan import DEFAULT_QUANTIZER, PRESETS, QuantPlan
 from glmkit.convert.quantizers import HessianFactor, choose_scales, gptq_quantize, normalized_importance
-from glmkit.convert.resume import STATE_DIR, ConversionState, DoneFile, differences
+from glmkit.convert.resume import STATE_DIR, ConversionState, DoneFile, differences, source_change
 from glmkit.convert.sources.fetch import peak_alive_bytes
 from glmkit.convert.sources.open import open_source
 from glmkit.convert.sources.snapshot import SIDE_FILES, HFSnapshot
@@ -222,6 +222,10 @@ def _open_output(job: ConversionJob, out: Path, state: ConversionState, force: b
         then = state.identity()
         resume = then == job.identity
         if then is not None and not resume and not force:
+            if (change := source_change(then, job.identity)) is not None:
+                raise GlmkitError(f"{out}: holds an unfinished conversion of this source, but its {change} since that "
+                                  "run began: the data files already written hold the old weights; use --force to "
+                                  "start over")
             old_revision = then.get("source", {}).get("revision")
             pin = (f" (with --revision {old_revision})" if old_revision
                    and old_revision != job.identity["source"].get("revision") else "")

@@ -5,13 +5,14 @@ While a conversion runs, OUT holds `.glm-convert/`:
 | file | what |
 |---|---|
 | `lock` | `flock`ed by the running converter (the kernel drops it when the process dies, even on kill -9) |
-| `state.json` | the conversion's identity: source (repo + commit, or path + shard sizes), parameters, layout digest |
+| `state.json` | the conversion's identity: source (repo + commit, or path + shard records), parameters, layout digest |
 | `done.jsonl` | one line per completed data file, appended after its rename: file record and tensor entries |
 | `source/` | downloaded shards waiting to be converted (deleted as soon as no remaining tensor needs them) |
 
 A re-run with the same identity continues after the last complete data file; data files are written
-deterministically, so the result is byte-identical to an uninterrupted run. The directory is removed
-once manifest.json is written.
+deterministically, so the result is byte-identical to an uninterrupted run. A local shard's record is its
+size, mtime and the sha256 of sampled bytes (`shard_identity`), so a resume refuses a source edited since
+the first run. The directory is removed once manifest.json is written.
 """
 
 from __future__ import annotations
@@ -139,6 +140,26 @@ def differences(then: dict[str, Any], now: dict[str, Any], prefix: str = "") -> 
         else:
             out.append(f"{prefix}{key}: {_short(a)} in OUT vs {_short(b)} now")
     return out
+
+
+def source_change(then: dict[str, Any], now: dict[str, Any]) -> str | None:
+    """When two identities differ only in the local source's shards: the first shard that changed and how."""
+    rest_then = {k: v for k, v in then.items() if k != "source"}
+    rest_now = {k: v for k, v in now.items() if k != "source"}
+    source_then, source_now = then.get("source") or {}, now.get("source") or {}
+    if (rest_then != rest_now or {k: v for k, v in source_then.items() if k != "files"}
+            != {k: v for k, v in source_now.items() if k != "files"}):
+        return None
+    files_then, files_now = source_then.get("files") or {}, source_now.get("files") or {}
+    for name in sorted(set(files_then) | set(files_now)):
+        a, b = files_then.get(name), files_now.get(name)
+        if a == b:
+            continue
+        if a is None or b is None:
+            return f"shard {name} {'appeared' if a is None else 'disappeared'}"
+        fields = sorted(set(a) | set(b)) if isinstance(a, dict) and isinstance(b, dict) else ["record"]
+        return f"shard {name} changed ({', '.join(k for k in fields if a.get(k) != b.get(k))} differ)"
+    return None
 
 
 def _short(value: Any) -> str:

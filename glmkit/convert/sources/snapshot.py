@@ -298,6 +298,31 @@ def sha256_file(path: Path, chunk: int = 16 << 20, stop: threading.Event | None 
     return h.hexdigest()
 
 
+SAMPLE_BLOCKS = 16
+SAMPLE_BLOCK_BYTES = 64 << 10
+
+
+def shard_identity(path: Path) -> dict[str, int | str]:
+    """What a resumed conversion rechecks a local shard against: its size, mtime (ns) and the sha256 of its
+    header plus SAMPLE_BLOCKS evenly spaced blocks of SAMPLE_BLOCK_BYTES (of the whole file when that is smaller:
+    a same-size edit is caught even when the mtime was put back)."""
+    stat = path.stat()
+    size = stat.st_size
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        header_end = 8 + int.from_bytes(f.read(8), "little")  # checked by read_header when the shard was opened
+        if size <= header_end + SAMPLE_BLOCKS * SAMPLE_BLOCK_BYTES:
+            spans = [(0, size)]
+        else:
+            last = size - SAMPLE_BLOCK_BYTES
+            spans = [(0, header_end)] + [(header_end + i * (last - header_end) // (SAMPLE_BLOCKS - 1),
+                                          SAMPLE_BLOCK_BYTES) for i in range(SAMPLE_BLOCKS)]
+        for start, length in spans:
+            f.seek(start)
+            h.update(f.read(length))
+    return {"nbytes": size, "mtime_ns": stat.st_mtime_ns, "sampled_sha256": h.hexdigest()}
+
+
 def _split_expert_name(name: str) -> tuple[str, int, str] | None:
     """`model.layers.L.mlp.experts.E.proj.weight` -> (`model.layers.L.`, E, proj)."""
     head, sep, tail = name.partition("mlp.experts.")

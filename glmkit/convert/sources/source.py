@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from glmkit.convert.sources.fetch import LocalShards
-from glmkit.convert.sources.snapshot import HFSnapshot
+from glmkit.convert.sources.snapshot import HFSnapshot, shard_identity
 from glmkit.errors import GlmkitError
 
 _COMMIT = re.compile(r"[0-9a-f]{40}")
@@ -66,7 +66,7 @@ class LocalSource(Source):
         else:
             self.origin = {"kind": "hf-cache", "repo": repo, "revision": commit, "path": path}
         self.identity = {**self.origin,
-                         "files": {name: size for name, size in sorted(self.snapshot.shard_bytes.items())}}
+                         "files": {name: shard_identity(p) for name, p in sorted(self.snapshot.paths.items())}}
 
     def local_paths(self) -> list[Path]:
         return [self.directory, self.side_dir, *self.snapshot.paths.values()]
