@@ -20,10 +20,15 @@ import argparse
 import sys
 from pathlib import Path
 
-from glmkit.cli.perplexity import add_window_arguments, check_window_arguments, windows_from_arguments
+from glmkit.cli.common import (
+    add_engine_arguments,
+    add_window_arguments,
+    check_window_arguments,
+    engine_from_arguments,
+    windows_from_arguments,
+)
 from glmkit.errors import GlmkitError
 from glmkit.eval.calibration import DEFAULT_MAX_HESSIAN_DIM, HESSIAN_CHOICES, collect
-from glmkit.generate.engine import Engine
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-hessian-dim", type=int, default=DEFAULT_MAX_HESSIAN_DIM, metavar="N",
                    help=f"inputs wider than N keep only the diagonal (default {DEFAULT_MAX_HESSIAN_DIM}: "
                         f"{DEFAULT_MAX_HESSIAN_DIM ** 2 * 4 >> 20} MiB per Hessian)")
-    p.add_argument("--device", default="auto", help="auto | numpy | opencl[:platform:device]")
+    add_engine_arguments(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
@@ -48,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         check_window_arguments(args)
-        engine = Engine(args.snapshot, args.device, load_tokenizer=args.text is not None)
+        engine = engine_from_arguments(args, load_tokenizer=args.text is not None)
         windows = windows_from_arguments(engine, args)
         imatrix = collect(engine, windows, progress=not args.quiet, hessians=args.hessians,
                           max_hessian_dim=args.max_hessian_dim)

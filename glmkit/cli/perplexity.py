@@ -15,11 +15,16 @@ import json
 import sys
 from pathlib import Path
 
+from glmkit.cli.common import (
+    add_engine_arguments,
+    add_window_arguments,
+    check_window_arguments,
+    engine_from_arguments,
+    windows_from_arguments,
+)
 from glmkit.errors import GlmkitError
 from glmkit.eval.evaluation import evaluate
 from glmkit.eval.logits_file import LogitsBase, LogitsWriter
-from glmkit.eval.windows import DEFAULT_CTX, text_windows, token_windows
-from glmkit.generate.engine import Engine
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,31 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compare against BASE (saved with --save-logits over the same windows)")
     p.add_argument("--json", action="store_true",
                    help='print {"tokens", "ppl"} (+ "kld_mean", "kld_p99", "top1_agreement", "top1_se", "ppl_ratio")')
-    p.add_argument("--device", default="auto", help="auto | numpy | opencl[:platform:device]")
+    add_engine_arguments(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
-
-
-def add_window_arguments(p: argparse.ArgumentParser) -> None:
-    """The token windows a command runs over: `--text` or `--tokens` (one required), `--ctx`, `--max-windows`."""
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--text", type=Path, metavar="FILE", help="UTF-8 text, tokenized and cut into --ctx windows")
-    src.add_argument("--tokens", type=Path, metavar="FILE", help="JSON list of token-id lists, one window each")
-    p.add_argument("--ctx", type=int, default=DEFAULT_CTX, help=f"window length for --text (default {DEFAULT_CTX})")
-    p.add_argument("--max-windows", type=int, metavar="N", help="use only the first N windows")
-
-
-def check_window_arguments(args: argparse.Namespace) -> None:
-    """What can be refused before a model is opened."""
-    if args.max_windows is not None and args.max_windows < 1:
-        raise GlmkitError(f"--max-windows: must be at least 1, got {args.max_windows}")
-
-
-def windows_from_arguments(engine: Engine, args: argparse.Namespace) -> list[list[int]]:
-    """The windows `add_window_arguments` describes (the engine needs its tokenizer for `--text`)."""
-    windows = (text_windows(engine, args.text, args.ctx) if args.text is not None
-               else token_windows(args.tokens, engine.config.vocab_size))
-    return windows[:args.max_windows]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     writer = None
     try:
         check_window_arguments(args)
-        engine = Engine(args.snapshot, args.device, load_tokenizer=args.text is not None)
+        engine = engine_from_arguments(args, load_tokenizer=args.text is not None)
         vocab = engine.config.vocab_size
         windows = windows_from_arguments(engine, args)
         base = None

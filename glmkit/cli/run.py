@@ -5,14 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import sqlite3
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from glmkit.cache.prefix_cache import DEFAULT_CHUNK_TOKENS, DEFAULT_MAX_BYTES, PrefixCache, default_cache_dir
+from glmkit.cache.prefix_cache import default_cache_dir
 from glmkit.cache.session import (
     DEFAULT_RECOMPUTE_RATIO,
     DEFAULT_SIMILARITY,
@@ -23,13 +22,20 @@ from glmkit.cache.session import (
     save_messages,
     session_path,
 )
+from glmkit.cli.common import (
+    add_cache_arguments,
+    add_engine_arguments,
+    check_cache_arguments,
+    engine_from_arguments,
+    open_prefix_cache,
+    use_mtp_from_arguments,
+)
 from glmkit.errors import GlmkitError
-from glmkit.generate.engine import FLOAT_ACTIVATIONS_HELP, Engine
+from glmkit.generate.engine import Engine
 from glmkit.generate.generator import GenerationStats, Generator
 from glmkit.generate.sampling import Sampler, SamplingParams
 from glmkit.generate.tokenizer import StreamDecoder
 from glmkit.model.kv_cache import KVCache
-from glmkit.units import parse_size
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,27 +52,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1 = off)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
     p.add_argument("--seed", type=int, help="sampling seed")
-    mtp = p.add_mutually_exclusive_group()
-    mtp.add_argument("--mtp", action="store_true", help="MTP speculative decoding even where it is off by default")
-    mtp.add_argument("--no-mtp", action="store_true",
-                     help="disable MTP speculative decoding (default: on, except on a device decode step)")
-    p.add_argument("--device", default="auto",
-                   help="auto (a GPU if any, else the fastest CPU path measured) | numpy | opencl[:platform:device]")
-    p.add_argument("--float-activations", action="store_true", help=FLOAT_ACTIVATIONS_HELP)
+    add_engine_arguments(p, expert_memory=True, mtp=True)
     p.add_argument("--list-devices", action="store_true",
                    help="list OpenCL platforms and devices with memory and measured bandwidths, then exit "
                         "(use alone: glm-run --list-devices)")
-    p.add_argument("--ram-budget", type=parse_size, default=0, metavar="SIZE",
-                   help="pin the hottest routed experts in RAM up to SIZE (e.g. 8G); default 0 = page cache only")
-    p.add_argument("--no-prefetch", action="store_true", help="disable router-driven expert prefetch")
     p.add_argument("--stats-json", type=Path, metavar="PATH", help="write timing/memory statistics here")
-    cache = p.add_argument_group("prefill cache (exact prefix reuse across requests and processes)")
-    cache.add_argument("--cache-dir", type=Path, help=f"where KV blobs live (default {default_cache_dir()})")
-    cache.add_argument("--no-cache", action="store_true", help="neither read nor write the prefill cache")
-    cache.add_argument("--cache-max-gb", type=float, default=DEFAULT_MAX_BYTES / (1 << 30),
-                       help="evict least-recently-used entries beyond this size (default %(default).0f)")
-    cache.add_argument("--chunk-tokens", type=int, default=DEFAULT_CHUNK_TOKENS,
-                       help="cache boundary every N tokens (default %(default)s); request ends are stored too")
+    cache = add_cache_arguments(p, "prefill cache (exact prefix reuse across requests and processes)",
+                                "neither read nor write the prefill cache")
     cache.add_argument("--session", metavar="NAME",
                        help="with --chat: save the conversation under NAME and resume it on the next run")
     cache.add_argument("--reuse", choices=("exact", "approximate"), default="exact",
@@ -92,16 +84,14 @@ def main(argv: list[str] | None = None) -> int:
         params = SamplingParams(args.temp, args.top_p, args.top_k, args.seed).check()
         if args.max_tokens < 1:
             raise GlmkitError(f"--max-tokens: must be >= 1, got {args.max_tokens}")
-        if args.chunk_tokens < 1 or args.cache_max_gb < 0:
-            raise GlmkitError("--chunk-tokens must be >= 1 and --cache-max-gb >= 0")
+        check_cache_arguments(args)
         if args.session and not args.chat:
             raise GlmkitError("--session: only with --chat")
         policy = approx_policy(args)
-        engine = Engine(args.snapshot, args.device, args.ram_budget, prefetch=not args.no_prefetch,
-                        float_activations=args.float_activations)
-        use_mtp = engine.use_mtp(args.mtp, args.no_mtp)
+        engine = engine_from_arguments(args)
+        use_mtp = use_mtp_from_arguments(engine, args)
         generator = Generator(engine.model, engine.eos_token_ids, use_mtp=use_mtp)
-        session = Session(engine.model, open_prefix_cache(engine, args, use_mtp), policy)
+        session = Session(engine.model, None if args.no_cache else open_prefix_cache(engine, args, use_mtp), policy)
         if args.chat:
             turns = chat(engine, generator, session, params, args)
         else:
@@ -132,17 +122,6 @@ def approx_policy(args: argparse.Namespace) -> ApproxPolicy | None:
         raise GlmkitError("--reuse approximate: needs hnswlib (pip install hnswlib)") from None
     return ApproxPolicy(threshold=args.reuse_threshold, recompute_ratio=args.recompute_ratio,
                         similar=args.reuse_threshold <= 1)
-
-
-def open_prefix_cache(engine: Engine, args: argparse.Namespace, use_mtp: bool) -> PrefixCache | None:
-    if args.no_cache:
-        return None
-    directory = args.cache_dir or default_cache_dir()
-    try:
-        return PrefixCache.for_model(engine.model, engine.model_hash, directory, use_mtp,
-                                     args.chunk_tokens, int(args.cache_max_gb * (1 << 30)))
-    except (OSError, sqlite3.Error) as e:
-        raise GlmkitError(f"--cache-dir: cannot use {directory} ({e})") from None
 
 
 def one_shot(engine: Engine, generator: Generator, session: Session, sampler: Sampler,

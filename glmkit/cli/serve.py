@@ -6,13 +6,18 @@ import argparse
 import json
 import logging
 import os
-import sqlite3
 import sys
 from pathlib import Path
 
-from glmkit.cache.prefix_cache import DEFAULT_CHUNK_TOKENS, DEFAULT_MAX_BYTES, PrefixCache, default_cache_dir
+from glmkit.cli.common import (
+    add_cache_arguments,
+    add_engine_arguments,
+    check_cache_arguments,
+    engine_from_arguments,
+    open_prefix_cache,
+    use_mtp_from_arguments,
+)
 from glmkit.errors import GlmkitError
-from glmkit.generate.engine import FLOAT_ACTIVATIONS_HELP, Engine
 from glmkit.serve.app import Loaded, SamplingDefaults, ServeConfig, create_app
 from glmkit.serve.scheduler import Scheduler
 from glmkit.units import parse_size
@@ -38,23 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="reply limit when a request sets no max_tokens (default 4096; the context caps it too)")
     p.add_argument("--split-reasoning", action="store_true",
                    help="chat: return the text before </think> as message.reasoning_content, not content")
-    mtp = p.add_mutually_exclusive_group()
-    mtp.add_argument("--mtp", action="store_true", help="MTP speculative decoding even where it is off by default")
-    mtp.add_argument("--no-mtp", action="store_true",
-                     help="disable MTP speculative decoding (default: on, except on a device decode step)")
-    p.add_argument("--device", default="auto", help="auto | numpy | opencl[:platform:device]")
-    p.add_argument("--float-activations", action="store_true", help=FLOAT_ACTIVATIONS_HELP)
-    p.add_argument("--ram-budget", type=parse_size, default=0, metavar="SIZE",
-                   help="pin the hottest routed experts in RAM up to SIZE (default 0)")
-    p.add_argument("--no-prefetch", action="store_true", help="disable router-driven expert prefetch")
-    cache = p.add_argument_group("prefill cache")
-    cache.add_argument("--cache-dir", type=Path, help=f"where KV blobs live (default {default_cache_dir()})")
-    cache.add_argument("--no-cache", action="store_true",
-                       help="no reuse at all: every request prefills its whole prompt (for comparisons)")
-    cache.add_argument("--cache-max-gb", type=float, default=DEFAULT_MAX_BYTES / (1 << 30),
-                       help="evict least-recently-used entries beyond this size (default %(default).0f)")
-    cache.add_argument("--chunk-tokens", type=int, default=DEFAULT_CHUNK_TOKENS,
-                       help="cache boundary every N tokens (default %(default)s)")
+    add_engine_arguments(p, expert_memory=True, mtp=True)
+    add_cache_arguments(p, "prefill cache",
+                        "no reuse at all: every request prefills its whole prompt (for comparisons)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -62,11 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
 def check_args(args: argparse.Namespace) -> None:
     if not 0 <= args.port < 65536:
         raise GlmkitError(f"--port: must be in 0..65535, got {args.port}")
-    for name in ("parallel", "prefill_chunk", "default_max_tokens", "chunk_tokens"):
+    for name in ("parallel", "prefill_chunk", "default_max_tokens"):
         if getattr(args, name) < 1:
             raise GlmkitError(f"--{name.replace('_', '-')}: must be >= 1")
-    if args.max_queue < 0 or args.cache_max_gb < 0 or args.max_request_size < 1:
-        raise GlmkitError("--max-queue and --cache-max-gb must be >= 0, --max-request-size >= 1")
+    if args.max_queue < 0 or args.max_request_size < 1:
+        raise GlmkitError("--max-queue must be >= 0, --max-request-size >= 1")
+    check_cache_arguments(args)
     if not (args.snapshot / "manifest.json").is_file():
         raise GlmkitError(f"{args.snapshot}: not a converted snapshot (no manifest.json; run glm-convert first)")
 
@@ -94,22 +86,13 @@ def generation_defaults(snapshot: Path) -> SamplingDefaults:
 
 def make_loader(args: argparse.Namespace):
     def load() -> Loaded:
-        engine = Engine(args.snapshot, args.device, args.ram_budget, prefetch=not args.no_prefetch,
-                        float_activations=args.float_activations)
+        engine = engine_from_arguments(args)
         if engine.tokenizer is None or engine.tokenizer.chat_template is None:
             logging.getLogger("glmkit.serve").warning("the snapshot has no chat template: only /v1/completions works")
-        directory = args.cache_dir or default_cache_dir()
-        use_mtp = engine.use_mtp(args.mtp, args.no_mtp)
-
-        def open_cache() -> PrefixCache:
-            try:
-                return PrefixCache.for_model(engine.model, engine.model_hash, directory, use_mtp,
-                                             args.chunk_tokens, int(args.cache_max_gb * (1 << 30)))
-            except (OSError, sqlite3.Error) as e:
-                raise GlmkitError(f"--cache-dir: cannot use {directory} ({e})") from None
-
-        scheduler = Scheduler(engine, prefix_cache=open_cache, use_mtp=use_mtp, reuse=not args.no_cache,
-                              max_active=args.parallel, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk)
+        use_mtp = use_mtp_from_arguments(engine, args)
+        scheduler = Scheduler(engine, prefix_cache=lambda: open_prefix_cache(engine, args, use_mtp), use_mtp=use_mtp,
+                              reuse=not args.no_cache, max_active=args.parallel, max_queue=args.max_queue,
+                              prefill_chunk=args.prefill_chunk)
         scheduler.start()
         return Loaded(engine, scheduler, generation_defaults(args.snapshot))
     return load

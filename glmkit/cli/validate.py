@@ -14,9 +14,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from glmkit.cli.common import add_engine_arguments, engine_from_arguments
 from glmkit.errors import GlmkitError
 from glmkit.eval.oracle import load_oracle, validate, verdict
-from glmkit.generate.engine import FLOAT_ACTIVATIONS_HELP, Engine
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,8 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--logit-tol", type=float, default=1e-4,
                    help="exact mode: max |logit diff| allowed, relative to the oracle's max |logit| (default 1e-4)")
     p.add_argument("--no-mtp", action="store_true", help="greedy check without MTP speculative decoding")
-    p.add_argument("--device", default="auto", help="auto | numpy | opencl[:platform:device]")
-    p.add_argument("--float-activations", action="store_true", help=FLOAT_ACTIVATIONS_HELP)
+    add_engine_arguments(p)
     return p
 
 
@@ -40,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.min_agreement is not None and not 0 <= args.min_agreement <= 1:
             raise GlmkitError(f"--min-agreement: must be in [0, 1], got {args.min_agreement}")
-        engine = Engine(args.snapshot, args.device, load_tokenizer=False, float_activations=args.float_activations)
+        engine = engine_from_arguments(args, load_tokenizer=False)
         oracle = load_oracle(args.oracle, engine.config.vocab_size)
         result = validate(engine, oracle, use_mtp=not args.no_mtp)
     except GlmkitError as e:

@@ -1,0 +1,103 @@
+"""Command-line flags the runtime commands share, declared once: the engine's (device, activations, expert
+memory, MTP), the prefill cache's and the token windows'."""
+
+from __future__ import annotations
+
+import argparse
+import sqlite3
+from pathlib import Path
+
+from glmkit.cache.prefix_cache import DEFAULT_CHUNK_TOKENS, DEFAULT_MAX_BYTES, PrefixCache, default_cache_dir
+from glmkit.errors import GlmkitError
+from glmkit.eval.windows import DEFAULT_CTX, text_windows, token_windows
+from glmkit.generate.engine import Engine
+from glmkit.units import parse_size
+
+DEVICE_HELP = "auto (a GPU if any, else the fastest CPU path measured) | numpy | opencl[:platform:device]"
+FLOAT_ACTIVATIONS_HELP = ("float inputs to the quantized products (the reference arithmetic, slower) instead of "
+                          "int8-quantized ones in the OpenCL decode step and fused int4 experts")
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, *, expert_memory: bool = False, mtp: bool = False) -> None:
+    """`--device` and `--float-activations`; with `expert_memory` also `--ram-budget` and `--no-prefetch`, with `mtp`
+    the `--mtp` / `--no-mtp` pair (read by `use_mtp_from_arguments`)."""
+    parser.add_argument("--device", default="auto", help=DEVICE_HELP)
+    parser.add_argument("--float-activations", action="store_true", help=FLOAT_ACTIVATIONS_HELP)
+    if expert_memory:
+        parser.add_argument("--ram-budget", type=parse_size, default=0, metavar="SIZE",
+                            help="pin the hottest routed experts in RAM up to SIZE (e.g. 8G); default 0 = page "
+                                 "cache only")
+        parser.add_argument("--no-prefetch", action="store_true", help="disable router-driven expert prefetch")
+    if mtp:
+        group = parser.add_mutually_exclusive_group()
+        group.add_argument("--mtp", action="store_true",
+                           help="MTP speculative decoding even where it is off by default")
+        group.add_argument("--no-mtp", action="store_true",
+                           help="disable MTP speculative decoding (default: on, except on a device decode step)")
+
+
+def engine_from_arguments(args: argparse.Namespace, load_tokenizer: bool = True) -> Engine:
+    """The Engine `add_engine_arguments`' flags describe, on `args.snapshot` (no expert-memory flags: defaults)."""
+    return Engine(args.snapshot, args.device, getattr(args, "ram_budget", 0),
+                  prefetch=not getattr(args, "no_prefetch", False), load_tokenizer=load_tokenizer,
+                  float_activations=args.float_activations)
+
+
+def use_mtp_from_arguments(engine: Engine, args: argparse.Namespace) -> bool:
+    """MTP speculative decoding as `--mtp` / `--no-mtp` ask, else the engine's default."""
+    return engine.use_mtp(args.mtp, args.no_mtp)
+
+
+def add_cache_arguments(parser: argparse.ArgumentParser, title: str, no_cache_help: str
+                        ) -> argparse._ArgumentGroup:
+    """The prefill cache's flags (`--cache-dir`, `--no-cache`, `--cache-max-gb`, `--chunk-tokens`) in a group
+    called `title`; returns the group for a command's own cache flags."""
+    group = parser.add_argument_group(title)
+    group.add_argument("--cache-dir", type=Path, help=f"where KV blobs live (default {default_cache_dir()})")
+    group.add_argument("--no-cache", action="store_true", help=no_cache_help)
+    group.add_argument("--cache-max-gb", type=float, default=DEFAULT_MAX_BYTES / (1 << 30),
+                       help="evict least-recently-used entries beyond this size (default %(default).0f)")
+    group.add_argument("--chunk-tokens", type=int, default=DEFAULT_CHUNK_TOKENS,
+                       help="cache boundary every N tokens (default %(default)s); request ends are stored too")
+    return group
+
+
+def check_cache_arguments(args: argparse.Namespace) -> None:
+    """What can be refused in `add_cache_arguments`' flags before a model is opened."""
+    if args.chunk_tokens < 1:
+        raise GlmkitError(f"--chunk-tokens: must be >= 1, got {args.chunk_tokens}")
+    if not args.cache_max_gb >= 0:
+        raise GlmkitError(f"--cache-max-gb: must be >= 0, got {args.cache_max_gb}")
+
+
+def open_prefix_cache(engine: Engine, args: argparse.Namespace, use_mtp: bool) -> PrefixCache:
+    """The prefill cache `add_cache_arguments`' flags describe, for this engine's model and MTP setting."""
+    directory = args.cache_dir or default_cache_dir()
+    try:
+        return PrefixCache.for_model(engine.model, engine.model_hash, directory, use_mtp,
+                                     args.chunk_tokens, int(args.cache_max_gb * (1 << 30)))
+    except (OSError, sqlite3.Error) as e:
+        raise GlmkitError(f"--cache-dir: cannot use {directory} ({e})") from None
+
+
+def add_window_arguments(parser: argparse.ArgumentParser) -> None:
+    """The token windows a command runs over: `--text` or `--tokens` (one required), `--ctx`, `--max-windows`."""
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--text", type=Path, metavar="FILE", help="UTF-8 text, tokenized and cut into --ctx windows")
+    src.add_argument("--tokens", type=Path, metavar="FILE", help="JSON list of token-id lists, one window each")
+    parser.add_argument("--ctx", type=int, default=DEFAULT_CTX,
+                        help=f"window length for --text (default {DEFAULT_CTX})")
+    parser.add_argument("--max-windows", type=int, metavar="N", help="use only the first N windows")
+
+
+def check_window_arguments(args: argparse.Namespace) -> None:
+    """What can be refused before a model is opened."""
+    if args.max_windows is not None and args.max_windows < 1:
+        raise GlmkitError(f"--max-windows: must be at least 1, got {args.max_windows}")
+
+
+def windows_from_arguments(engine: Engine, args: argparse.Namespace) -> list[list[int]]:
+    """The windows `add_window_arguments` describes (the engine needs its tokenizer for `--text`)."""
+    windows = (text_windows(engine, args.text, args.ctx) if args.text is not None
+               else token_windows(args.tokens, engine.config.vocab_size))
+    return windows[:args.max_windows]
