@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from glmkit.generate.tokenizer import ChatTokenizer
-from glmkit.serve.app import ChatText, _chat_parts
+from glmkit.serve.chat import ChatText, chat_parts
 from glmkit.serve.toolcalls import TemplateSupport, parse_tool_calls, prepare_messages, render_tool_call
 from tests.runtime_support import FIXTURES
 
@@ -133,7 +133,7 @@ def test_chat_text_split_does_not_depend_on_chunking(seed):
     reasoning = "".join(t for kind, t in pieces if kind == "reasoning")
     streamed_content = "".join(t for kind, t in pieces if kind == "content")
     assert reasoning == "plan: call it" and streamed_content == "Answer first."
-    content, calls = _chat_parts(pieces, tool_text, TOOLS)
+    content, calls = chat_parts(pieces, tool_text, TOOLS)
     assert [(c.name, c.arguments) for c in calls] == [("search", {"query": "x"})]
     assert content == "Answer first.\ntrailing"
 

@@ -1,0 +1,70 @@
+"""glm-serve's settings (`ServeConfig`), the loaded model (`Loaded`) and the app's shared `State`."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from glmkit.errors import GlmkitError
+from glmkit.generate.engine import Engine
+from glmkit.serve.protocol import ApiError, SamplingDefaults
+from glmkit.serve.scheduler import Scheduler
+from glmkit.serve.toolcalls import TemplateSupport
+
+log = logging.getLogger("glmkit.serve")
+
+
+@dataclass
+class ServeConfig:
+    model_name: str
+    api_key: str | None = None
+    max_request_bytes: int = 16 << 20
+    default_max_tokens: int = 4096  # when a request sets no max_tokens (also capped by the context)
+    split_reasoning: bool = False  # chat: text before </think> goes to `reasoning_content`
+    defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+
+
+@dataclass
+class Loaded:
+    engine: Engine
+    scheduler: Scheduler
+    defaults: SamplingDefaults | None = None  # overrides ServeConfig.defaults (read from the snapshot)
+
+    def __post_init__(self) -> None:
+        self.support = TemplateSupport.of(self.engine.tokenizer.chat_template if self.engine.tokenizer else None)
+
+
+class State:
+    """What every route reads: the config, and the model once the background load has finished."""
+
+    def __init__(self, config: ServeConfig, load: Callable[[], Loaded],
+                 on_load_error: Callable[[str], None] | None = None):
+        self.config = config
+        self.load = load
+        self.on_load_error = on_load_error
+        self.loaded: Loaded | None = None
+        self.load_error: str | None = None
+        self.started = time.time()
+
+    def run_load(self) -> None:
+        try:
+            self.loaded = self.load()
+            log.info("model %s loaded in %.1fs", self.config.model_name, time.time() - self.started)
+        except Exception as e:
+            self.load_error = str(e) if isinstance(e, GlmkitError) else f"{type(e).__name__}: {e}"
+            log.error("loading failed: %s", self.load_error)
+            if self.on_load_error is not None:
+                self.on_load_error(self.load_error)
+
+    def ready(self) -> Loaded:
+        if self.loaded is not None:
+            return self.loaded
+        if self.load_error is not None:
+            raise ApiError(500, f"the model failed to load: {self.load_error}", "server_error", code="load_failed")
+        raise ApiError(503, "the model is still loading; retry shortly", "server_error", code="model_loading")
+
+    @property
+    def defaults(self) -> SamplingDefaults:
+        return (self.loaded.defaults if self.loaded and self.loaded.defaults else None) or self.config.defaults

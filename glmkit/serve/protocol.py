@@ -1,0 +1,255 @@
+"""OpenAI's wire format for glm-serve: errors, the request body, the fields both completion routes share, and
+the pieces of a response (usage, timings, server-sent events).
+
+Errors use OpenAI's shape `{"error": {"message", "type", "param", "code"}}`. Request bodies are parsed and
+checked by hand (no schema library): a wrong type is a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from glmkit.generate.engine import Engine
+from glmkit.generate.sampling import SamplingParams
+from glmkit.serve.scheduler import Done
+
+MAX_STOP_SEQUENCES = 16
+
+
+@dataclass
+class SamplingDefaults:
+    """Used when a request leaves a field out (glm-serve reads them from generation_config.json)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def response(self) -> JSONResponse:
+        return error_response(self.status, self.message, self.type, self.param, self.code)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                   code: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
+                        status_code=status)
+
+
+def unknown_model(name: str) -> ApiError:
+    return ApiError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+
+
+# ---- the request body -----------------------------------------------------------------------------
+
+async def read_json(request: Request, limit: int) -> dict[str, Any]:
+    """The body as a JSON object; 413 past `limit` bytes. An oversized body is read to its end (and
+    dropped) up to a bound, so that the client, still sending, gets the 413 rather than a reset."""
+    length = request.headers.get("content-length", "")
+    too_large = ApiError(413, f"request body is larger than {limit} bytes", code="request_too_large")
+    drain_limit = max(4 * limit, 64 << 20)
+    if length.isdigit() and int(length) > drain_limit:
+        raise too_large
+    body = bytearray()
+    received = 0
+    async for chunk in request.stream():
+        received += len(chunk)
+        if received > drain_limit:
+            raise too_large
+        if received <= limit:
+            body += chunk
+    if received > limit:
+        raise too_large
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON ({e})", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+    return data
+
+
+_TYPE_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
+               dict: "an object", type(None): "null"}
+
+
+def type_error(name: str, expected: str, value: Any) -> ApiError:
+    got = _TYPE_NAMES.get(type(value), type(value).__name__)
+    return ApiError(400, f"Invalid type for '{name}': expected {expected}, but got {got} instead.", param=name,
+                    code="invalid_type")
+
+
+def value_error(name: str, message: str) -> ApiError:
+    return ApiError(400, f"Invalid value for '{name}': {message}", param=name, code="invalid_value")
+
+
+def opt_int(body: dict, name: str) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise type_error(name, "an integer", value)
+    return value
+
+
+def opt_number(body: dict, name: str) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise type_error(name, "a number", value)
+    return float(value)
+
+
+def opt_bool(body: dict, name: str, default: bool = False) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise type_error(name, "a boolean", value)
+    return value
+
+
+# ---- what chat and plain completions share -----------------------------------------------------------
+
+@dataclass
+class Common:
+    """What chat and plain completions share."""
+
+    stream: bool
+    include_usage: bool
+    max_tokens: int | None
+    params: SamplingParams
+    stop: tuple[str, ...]
+    ignore_eos: bool
+
+
+def parse_common(body: dict, model_name: str, defaults: SamplingDefaults) -> Common:
+    """The shared fields of a request to the model `model_name`; `defaults` fill in the sampling fields it omits."""
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise type_error("model", "a string", model)
+    if model and model != model_name:
+        raise unknown_model(model)
+    stream = opt_bool(body, "stream")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise type_error("stream_options", "an object", options)
+    include_usage = opt_bool(options or {}, "include_usage")
+    n = opt_int(body, "n")
+    if n is not None and n != 1:
+        raise value_error("n", "only n=1 is supported")
+    for name in ("best_of",):
+        if (opt_int(body, name) or 1) != 1:
+            raise value_error(name, "only 1 is supported")
+    max_tokens = opt_int(body, "max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = opt_int(body, "max_tokens")
+    if max_tokens is not None and max_tokens < 1:
+        raise value_error("max_tokens", f"must be at least 1, got {max_tokens}")
+    temperature = opt_number(body, "temperature")
+    temperature = defaults.temperature if temperature is None else temperature
+    if not 0 <= temperature <= 2:
+        raise value_error("temperature", f"must be between 0 and 2, got {temperature}")
+    top_p = opt_number(body, "top_p")
+    top_p = defaults.top_p if top_p is None else top_p
+    if not 0 < top_p <= 1:
+        raise value_error("top_p", f"must be in (0, 1], got {top_p}")
+    top_k = opt_int(body, "top_k")
+    top_k = defaults.top_k if top_k is None else max(top_k, 0) if top_k >= -1 else None
+    if top_k is None:
+        raise value_error("top_k", "must be >= 0 (or -1 for off)")
+    seed = opt_int(body, "seed")
+    params = SamplingParams(temperature, top_p, top_k, None if seed is None else seed % (1 << 63))
+    stop = body.get("stop")
+    if stop is None:
+        stops: list[str] = []
+    elif isinstance(stop, str):
+        stops = [stop]
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        stops = stop
+    else:
+        raise type_error("stop", "a string or an array of strings", stop)
+    if len(stops) > MAX_STOP_SEQUENCES:
+        raise value_error("stop", f"at most {MAX_STOP_SEQUENCES} sequences")
+    for name in ("logprobs", "top_logprobs", "echo"):
+        value = body.get(name)
+        if value not in (None, False, 0):
+            raise value_error(name, "not supported by this server")
+    if body.get("suffix") not in (None, ""):
+        raise value_error("suffix", "not supported by this server")
+    return Common(stream, include_usage, max_tokens, params, tuple(s for s in stops if s),
+                  opt_bool(body, "ignore_eos"))
+
+
+def parse_prompt(body: dict, engine: Engine) -> list[int] | str:
+    """/v1/completions' `prompt`: text, or token ids checked against the vocabulary."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise value_error("prompt", "must not be empty")
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        vocab = engine.config.vocab_size
+        if not all(0 <= t < vocab for t in prompt):
+            raise value_error("prompt", f"token ids must be in [0, {vocab})")
+        return list(prompt)
+    if prompt is None:
+        raise ApiError(400, "Missing required parameter: 'prompt'.", param="prompt", code="missing_required_parameter")
+    if isinstance(prompt, list) and len(prompt) > 1:
+        raise value_error("prompt", "one prompt per request (batches are not supported)")
+    raise type_error("prompt", "a string, an array of token ids, or an array of one of them", prompt)
+
+
+def check_context(engine: Engine, n_tokens: int, where: str) -> None:
+    """400 when a prompt of `n_tokens` leaves no room in the model's context."""
+    limit = engine.config.max_position_embeddings
+    if n_tokens >= limit:
+        raise ApiError(400, f"This model's maximum context length is {limit} tokens. However, your {where} "
+                       f"resulted in {n_tokens} tokens.", param=where, code="context_length_exceeded")
+
+
+# ---- pieces of a response ---------------------------------------------------------------------------
+
+def usage(done: Done) -> dict[str, Any]:
+    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
+            "total_tokens": done.prompt_tokens + done.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
+
+
+def timings(done: Done) -> dict[str, Any]:
+    """Non-standard: server-side timings and where the cached prompt tokens came from."""
+    return {"queue_s": round(done.queue_s, 6), "ttft_s": done.ttft_s and round(done.ttft_s, 6),
+            "prefill_s": done.prefill_s and round(done.prefill_s, 6), "restore_s": round(done.restore_s, 6),
+            "decode_s": round(done.decode_s, 6),
+            "prefill_tokens": done.prompt_tokens - done.cached_tokens, "cached_from": done.cached_from}
+
+
+def sse(payload: dict[str, Any] | str) -> str:
+    """One server-sent event: a JSON payload, or a bare word such as `[DONE]`."""
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def generation_failed(done: Done) -> ApiError:
+    return ApiError(500, f"generation failed: {done.error}", "server_error", code="generation_failed")
+
+
+def sse_error(error: ApiError) -> str:
+    return sse(error.to_json())
