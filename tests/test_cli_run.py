@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from glmkit.generate.engine import Engine
 from glmkit.generate.generator import Generator
 from glmkit.generate.sampling import Sampler, SamplingParams
 from tests.runtime_support import FIXTURES, convert, copy_with_config
+from tests.test_validate import flip_data_byte
 
 STATS_KEYS = {"prompt_tokens", "cached_tokens", "prefill_s", "ttft_s", "decode_tokens", "decode_s", "peak_rss_mb",
               "device", "mtp_acceptance"}
@@ -210,7 +212,6 @@ def test_prompt_longer_than_a_small_context(small_context, capsys, monkeypatch):
 
 
 def test_edited_config_is_detected(snapshot, capsys, tmp_path):
-    import shutil
 
     copy = tmp_path / "copy"
     shutil.copytree(snapshot, copy)
@@ -219,3 +220,18 @@ def test_edited_config_is_detected(snapshot, capsys, tmp_path):
     (copy / "config.json").write_text(json.dumps(config))
     rc, _, err = run(capsys, copy, "-p", "Hello")
     assert rc == 1 and err.startswith("glm-run: error: ") and "manifest" in err
+
+
+def test_verify_refuses_a_flipped_data_byte(snapshot, capsys, tmp_path):
+    """--verify checks every tensor against the manifest's digests before running; without it a last-bit flip
+    goes unnoticed (the reply still comes)."""
+    rc, out, err = run(capsys, snapshot, "-p", "Hello", "--max-tokens", "2", "--no-cache", "--verify")
+    assert rc == 0 and out.strip() and err == "", err
+    copy = shutil.copytree(snapshot, tmp_path / "copy")
+    data_file = flip_data_byte(copy, "model.embed_tokens.weight")
+    rc, out, err = run(capsys, copy, "-p", "Hello", "--max-tokens", "2", "--no-cache", "--verify")
+    assert rc == 1 and out == ""
+    assert len(err.splitlines()) == 1 and err.startswith(f"glm-run: error: {data_file}: "), err
+    assert "model.embed_tokens.weight" in err
+    rc, out, _ = run(capsys, copy, "-p", "Hello", "--max-tokens", "2", "--no-cache")
+    assert rc == 0 and out.strip()

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from glmkit.cli.validate import main as validate_main
+from glmkit.format.reader import Container
 from tests.runtime_support import FIXTURES, VARIANTS, Snapshots, oracle
 
 
@@ -146,6 +148,42 @@ def test_corrupted_continuation_logits_and_mtp_each_fail(snapshots, capsys, tmp_
             assert result["teacher_forcing"]["max_abs_logit_diff"] > 5e-3
         else:
             assert result["mtp"]["match"] == result["mtp"]["total"] - 1
+
+
+def test_continuation_through_an_eos_id_is_compared_in_full(snapshots, capsys, tmp_path):
+    """An oracle made with EOS disabled (as transformers generates under `min_new_tokens`) continues past an EOS
+    id: the greedy check generates as many tokens as the oracle holds, through that id."""
+    variant = "tiny-bf16"
+    ref = oracle(variant)
+    continuation = ref["full_ids"][len(ref["prompt_ids"]):]
+    snapshot = shutil.copytree(snapshots(variant), tmp_path / "snapshot")
+    # the snapshot now ends generation at the continuation's sixth token
+    (snapshot / "generation_config.json").write_text(json.dumps({"eos_token_id": [continuation[5]]}))
+    for args in ([], ["--no-mtp"]):
+        rc, result, err = run_validate(capsys, snapshot, FIXTURES / variant / "oracle.json", *args)
+        greedy = result["greedy"]
+        assert (greedy["match"], greedy["total"], greedy["first_mismatch"]) == (len(continuation),) * 2 + (None,)
+        assert rc == 0 and result["passed"] is True and err == "", args
+
+
+def flip_data_byte(snapshot: Path, tensor: str) -> Path:
+    """Flip the lowest bit of the first byte of `tensor` in its data file (a float32's last mantissa bit: too
+    small to change any prediction); returns that data file."""
+    entry = Container(snapshot).manifest.tensors[tensor]
+    path = snapshot / entry.file
+    data = bytearray(path.read_bytes())
+    data[entry.offset] ^= 1
+    path.write_bytes(bytes(data))
+    return path
+
+
+def test_flipped_data_byte_is_one_clear_error(snapshots, capsys, tmp_path):
+    snapshot = shutil.copytree(snapshots("tiny-bf16"), tmp_path / "snapshot")
+    data_file = flip_data_byte(snapshot, "lm_head.weight")
+    rc, result, err = run_validate(capsys, snapshot, FIXTURES / "tiny-bf16" / "oracle.json")
+    assert rc == 1 and result is None
+    assert len(err.splitlines()) == 1 and err.startswith(f"glm-validate: error: {data_file}: "), err
+    assert "lm_head.weight" in err
 
 
 # ---- bad input ------------------------------------------------------------------------------------

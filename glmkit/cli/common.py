@@ -1,5 +1,5 @@
 """Command-line flags the runtime commands share, declared once: the engine's (device, activations, expert
-memory, MTP), the prefill cache's and the token windows'."""
+memory, MTP), the prefill cache's and the token windows'; and the data check before a run."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 from glmkit.cache.prefix_cache import DEFAULT_CHUNK_TOKENS, DEFAULT_MAX_BYTES, PrefixCache, default_cache_dir
 from glmkit.errors import GlmkitError
 from glmkit.eval.windows import DEFAULT_CTX, text_windows, token_windows
+from glmkit.format.reader import Container
 from glmkit.generate.engine import Engine
 from glmkit.units import parse_size
 
@@ -101,3 +102,14 @@ def windows_from_arguments(engine: Engine, args: argparse.Namespace) -> list[lis
     windows = (text_windows(engine, args.text, args.ctx) if args.text is not None
                else token_windows(args.tokens, engine.config.vocab_size))
     return windows[:args.max_windows]
+
+
+def verify_snapshot_data(container: Container) -> None:
+    """Recompute every tensor's sha256 (reads the whole snapshot once); a GlmkitError names the data file and the
+    tensor whose bytes no longer match the manifest (bit rot, an incomplete copy)."""
+    bad = container.verify_data()
+    if bad:
+        entry = container.manifest.tensors[bad[0]]
+        others = f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else ""
+        raise GlmkitError(f"{container.directory / entry.file}: tensor {bad[0]!r}{others} does not match its sha256 "
+                          "in the manifest (the data changed after conversion: copy or convert it again)")

@@ -29,6 +29,7 @@ from glmkit.cli.common import (
     engine_from_arguments,
     open_prefix_cache,
     use_mtp_from_arguments,
+    verify_snapshot_data,
 )
 from glmkit.errors import GlmkitError
 from glmkit.generate.engine import Engine
@@ -57,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="list OpenCL platforms and devices with memory and measured bandwidths, then exit "
                         "(use alone: glm-run --list-devices)")
     p.add_argument("--stats-json", type=Path, metavar="PATH", help="write timing/memory statistics here")
+    p.add_argument("--verify", action="store_true",
+                   help="before running, check every tensor's bytes against the sha256 in the manifest (reads the "
+                        "whole snapshot once)")
     cache = add_cache_arguments(p, "prefill cache (exact prefix reuse across requests and processes)",
                                 "neither read nor write the prefill cache")
     cache.add_argument("--session", metavar="NAME",
@@ -89,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
             raise GlmkitError("--session: only with --chat")
         policy = approx_policy(args)
         engine = engine_from_arguments(args)
+        if args.verify:
+            verify_snapshot_data(engine.container)
         use_mtp = use_mtp_from_arguments(engine, args)
         generator = Generator(engine.model, engine.eos_token_ids, use_mtp=use_mtp)
         session = Session(engine.model, None if args.no_cache else open_prefix_cache(engine, args, use_mtp), policy)

@@ -1,9 +1,11 @@
 """`glm-validate SNAPSHOT ORACLE.json`: teacher-forcing and greedy agreement with a transformers oracle.
 
 The oracle holds `prompt_ids`, `full_ids` (prompt + greedy continuation) and `tf_pred` (argmax of the
-teacher-forcing logits at every position of full_ids), optionally `tf_logits` and an `mtp` block.
-Exit 0 only when the check passes: by default exact agreement and logits within `--logit-tol`;
-with `--min-agreement F` (for quantized snapshots) when both agreement fractions reach F.
+teacher-forcing logits at every position of full_ids), optionally `tf_logits` and an `mtp` block; the
+greedy check generates as many tokens as the continuation holds, through any EOS id in it. The snapshot's
+tensors are first checked against the manifest's sha256 digests. Exit 0 only when the check passes: by
+default exact agreement and logits within `--logit-tol`; with `--min-agreement F` (for quantized snapshots)
+when every agreement fraction reaches F.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from glmkit.cli.common import add_engine_arguments, engine_from_arguments
+from glmkit.cli.common import add_engine_arguments, engine_from_arguments, verify_snapshot_data
 from glmkit.errors import GlmkitError
 from glmkit.eval.oracle import load_oracle, validate, verdict
 
@@ -26,7 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("oracle", type=Path, help="oracle JSON made by tools/make_oracle.py (or colibri's keys)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--min-agreement", type=float,
-                   help="pass when teacher-forcing and greedy agreement reach this fraction (quantized snapshots)")
+                   help="pass when every agreement (teacher forcing, greedy, MTP head) reaches this fraction "
+                        "(quantized snapshots)")
     p.add_argument("--logit-tol", type=float, default=1e-4,
                    help="exact mode: max |logit diff| allowed, relative to the oracle's max |logit| (default 1e-4)")
     p.add_argument("--no-mtp", action="store_true", help="greedy check without MTP speculative decoding")
@@ -40,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.min_agreement is not None and not 0 <= args.min_agreement <= 1:
             raise GlmkitError(f"--min-agreement: must be in [0, 1], got {args.min_agreement}")
         engine = engine_from_arguments(args, load_tokenizer=False)
+        verify_snapshot_data(engine.container)  # a flipped bit may change no prediction: check the bytes too
         oracle = load_oracle(args.oracle, engine.config.vocab_size)
         result = validate(engine, oracle, use_mtp=not args.no_mtp)
     except GlmkitError as e:

@@ -75,8 +75,9 @@ def _float_matrix(path: Path, key: str, rows: Any, shape: tuple[int, int]) -> np
 
 
 def validate(engine: Engine, oracle: dict[str, Any], use_mtp: bool) -> dict[str, Any]:
-    """Teacher forcing over `full_ids`, greedy generation after `prompt_ids` and (if both have one) the MTP head;
-    returns `{"teacher_forcing", "greedy"[, "mtp"]}`, each with `match` and `total` positions."""
+    """Teacher forcing over `full_ids`, greedy generation after `prompt_ids` (exactly as many tokens as the oracle's
+    continuation, EOS ids included) and (if both have one) the MTP head; returns `{"teacher_forcing", "greedy"[,
+    "mtp"]}`, each with `match` and `total` positions."""
     model = engine.model
     full = np.asarray(oracle["full_ids"], dtype=np.int64)
     prompt = oracle["prompt_ids"]
@@ -90,7 +91,8 @@ def validate(engine: Engine, oracle: dict[str, Any], use_mtp: bool) -> dict[str,
         tf["logit_scale"] = float(np.abs(ref).max())
 
     expected = oracle["full_ids"][len(prompt):]
-    generator = Generator(model, engine.eos_token_ids, use_mtp=use_mtp)
+    # no EOS ids: the oracle's continuation may run through one (made with EOS disabled), and decides the length
+    generator = Generator(model, (), use_mtp=use_mtp)
     got = list(generator.generate(prompt, len(expected), Sampler(SamplingParams())))
     first = _first_mismatch(got, expected)
     greedy = {"match": len(expected) if first is None else first, "total": len(expected), "first_mismatch": first,
