@@ -93,23 +93,27 @@ def test_other_model_or_numerics_never_sees_entries(engine, oracle, tmp_path):
 
 
 def test_index_from_an_old_layout_starts_afresh(engine, oracle, tmp_path, capsys):
-    """An index written by an earlier glmkit without today's columns (here: no `tokens`) is rebuilt, its blobs
-    dropped, with a one-line notice, instead of failing every lookup."""
+    """An index written by an earlier glmkit without today's columns (here: no `tokens`) is rebuilt, with a
+    one-line notice, instead of failing every lookup; the blobs it referenced go (by the cache's own naming),
+    a user's files in the directory stay."""
     import sqlite3
 
+    old_blob = tmp_path / ("1" * 16) / "ab" / ("ab" * 32 + ".kvc")
     db = sqlite3.connect(tmp_path / "index.sqlite")
     db.execute("CREATE TABLE entries (key TEXT PRIMARY KEY, model_hash TEXT NOT NULL, parent TEXT NOT NULL, "
                "start INTEGER, n_tokens INTEGER, file TEXT NOT NULL, nbytes INTEGER, created REAL, "
                "last_access REAL, hits INTEGER)")
-    db.execute("INSERT INTO entries VALUES ('k', 'm', 'p', 0, 8, 'old/blob', 10, 0, 0, 0)")
+    db.execute("INSERT INTO entries VALUES (?, ?, 'p', 0, 8, ?, 10, 0, 0, 0)",
+               ("ab" * 32, "1" * 64, str(old_blob.relative_to(tmp_path))))
     db.commit()
     db.close()
-    (tmp_path / "old").mkdir()
-    (tmp_path / "old" / "blob").write_bytes(b"x" * 10)
+    for path in (old_blob, tmp_path / "old" / "blob"):
+        path.parent.mkdir(parents=True)
+        path.write_bytes(b"x" * 10)
     ids = oracle["full_ids"]
     cache = make_cache(engine, tmp_path)
     assert "old layout" in capsys.readouterr().err
-    assert not (tmp_path / "old").exists()
+    assert not old_blob.exists() and (tmp_path / "old" / "blob").read_bytes() == b"x" * 10
     run_and_store(engine, cache, ids[:20])
     assert make_cache(engine, tmp_path).restore(engine.model.new_cache(), ids).tokens >= 16
     assert capsys.readouterr().err == ""  # the rebuilt index is current: no notice the second time

@@ -32,13 +32,14 @@ import difflib
 import hashlib
 import json
 import os
-import shutil
+import re
 import sqlite3
+import stat
 import struct
 import sys
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -610,14 +611,13 @@ def _create_schema(db: sqlite3.Connection, directory: Path) -> None:
     have = {row[1] for row in db.execute("PRAGMA table_info(entries)")}
     if not _REQUIRED_COLUMNS <= have:
         # an index from an incompatible earlier layout: its entries cannot be matched, so it starts over, and the
-        # blobs only it referenced go with it (the per-model directories; nothing else lives in one)
+        # blobs only it referenced go with it (found by their names: nothing else in the directory is touched)
         print(f"glmkit: prefix cache index {directory / 'index.sqlite'} has an old layout; starting it afresh",
               file=sys.stderr)
         db.execute("DROP TABLE entries")
         db.execute(_CREATE_ENTRIES)
-        for sub in directory.iterdir():
-            if sub.is_dir():
-                shutil.rmtree(sub, ignore_errors=True)
+        for path, _, _ in cache_files(directory):
+            remove_cache_file(path)
         have = {row[1] for row in db.execute("PRAGMA table_info(entries)")}
     for name, kind in _ADDED_COLUMNS:  # an index made before these columns existed: add them (rows stay NULL)
         if name not in have:
@@ -652,6 +652,45 @@ def prune(db: sqlite3.Connection, directory: Path, max_bytes: int, model_hash: s
 
 
 # ---- blob files ----
+
+_MODEL_DIR = re.compile(r"[0-9a-f]{16}")
+_KEY_DIR = re.compile(r"[0-9a-f]{2}")
+_BLOB_NAME = re.compile(r"(?P<key>[0-9a-f]{64})\.kvc(?P<temp>\.tmp-[0-9]+-[0-9]+)?")
+
+
+def cache_files(directory: Path) -> Iterator[tuple[Path, str, bool]]:
+    """The files the cache wrote, found by its naming alone: `(path, key, is_temp)` for each
+    `<model hash[:16]>/<key[:2]>/<key>.kvc` and its `.tmp-<pid>-<ns>` temp files. Only real directories
+    named that way are walked (never a symlink), and a directory is never yielded, whatever its name."""
+    for model_dir in _named_subdirs(directory, _MODEL_DIR):
+        for key_dir in _named_subdirs(model_dir, _KEY_DIR):
+            try:
+                entries = list(os.scandir(key_dir))
+            except OSError:
+                continue
+            for entry in entries:
+                match = _BLOB_NAME.fullmatch(entry.name)
+                if match and match["key"][:2] == key_dir.name and not entry.is_dir(follow_symlinks=False):
+                    yield Path(entry.path), match["key"], match["temp"] is not None
+
+
+def _named_subdirs(directory: Path, pattern: re.Pattern[str]) -> list[Path]:
+    try:
+        return [Path(e.path) for e in os.scandir(directory)
+                if pattern.fullmatch(e.name) and e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return []
+
+
+def remove_cache_file(path: Path) -> bool:
+    """Unlink one of the cache's files (a symlink itself, never its target; never a directory)."""
+    try:
+        if stat.S_ISDIR(os.lstat(path).st_mode):
+            return False
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return False
 
 def write_blob(path: Path, chunk: Chunk, model_hash: str, numerics: str) -> int:
     """Write atomically (unique temp name, fsync, rename). Returns the file size."""
