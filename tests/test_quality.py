@@ -10,7 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from glmkit.cli import calibrate as calibrate_cli
+from glmkit.cli import perplexity as perplexity_cli
 from glmkit.cli.calibrate import main as calibrate_main
+from glmkit.cli.common import engine_from_arguments
 from glmkit.cli.convert import main as convert_main
 from glmkit.cli.perplexity import main as perplexity_main
 from glmkit.cli.validate import main as validate_main
@@ -151,6 +154,16 @@ def test_perplexity_bad_inputs(snapshots, tmp_path):
         assert code == 1 and err.startswith("glm-perplexity: error: ") and err.count("\n") == 1, args
     code, _, err = run(perplexity_main, tmp_path / "nothing", "--tokens", EVAL)
     assert code == 1 and err.startswith("glm-perplexity: error: ")
+
+
+def test_perplexity_and_calibrate_take_float_activations(snapshots, tmp_path):
+    """`--float-activations` (shared with glm-run, glm-serve, glm-validate) reaches the engine's backend."""
+    snap = snapshots("tiny-trained", "f32")
+    for cli, rest in ((perplexity_cli, []), (calibrate_cli, ["-o", str(tmp_path / "imatrix.safetensors")])):
+        argv = [str(snap), "--tokens", str(EVAL), "--device", "opencl", *rest]
+        for flags, int8 in (([], True), (["--float-activations"], False)):
+            engine = engine_from_arguments(cli.build_parser().parse_args(argv + flags), load_tokenizer=False)
+            assert engine.device.startswith("opencl:") and engine.backend.int8_activations is int8, (cli, flags)
 
 
 def test_perplexity_on_text(snapshots, tmp_path):
