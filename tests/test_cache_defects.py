@@ -185,6 +185,21 @@ def test_the_file_column_never_chooses_what_is_read_or_deleted(snapshot, tmp_pat
     assert not list(cache.glob("*/*/*.kvc"))  # the cache's own blobs are gone
 
 
+def test_glm_cache_prune_removes_only_stale_files_the_cache_wrote(engine, tmp_path, capsys):
+    store(engine, tmp_path, tokens(6, 20))
+    blob = next(tmp_path.glob("*/*/*.kvc"))
+    stale_temp = blob.with_name(blob.name + ".tmp-123-456")
+    user = [tmp_path / "photos" / "2020" / "holiday.kvc", tmp_path / "photos" / "2020" / "draft.tmp-1",
+            blob.with_name("notes.kvc.tmp-old"), tmp_path.parent / "next-door.kvc"]
+    for path in [stale_temp, *user]:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("x")
+        os.utime(path, (0, 0))  # older than any stale-temp age
+    assert cache_main(["--cache-dir", str(tmp_path), "prune"]) == 0
+    assert "1 stale or orphaned" in capsys.readouterr().out
+    assert not stale_temp.exists() and all(p.read_text() == "x" for p in user) and blob.exists()
+
+
 # ---- 3. the index's `tokens` column -----------------------------------------------------------------
 
 @pytest.mark.parametrize("tier", ["disk", "ram"])

@@ -68,7 +68,8 @@ def test_glm_cache_ls_stats_prune_clear(snapshot, tmp_path, capsys):
     entries = int(out.split()[1])
     assert entries >= 2
     (cache / "ab").mkdir(exist_ok=True)
-    orphan = next(cache.glob("*/*/*.kvc")).parent / ("0" * 64 + ".kvc")
+    orphan = next(cache.glob("*/*/*.kvc")).parent.parent / "00" / ("0" * 64 + ".kvc")  # a blob no row names
+    orphan.parent.mkdir(exist_ok=True)
     orphan.write_bytes(b"junk")
     assert cache_main(["--cache-dir", str(cache), "prune", "--max-gb", "100"]) == 0
     assert "1 stale or orphaned" in capsys.readouterr().out and not orphan.exists()

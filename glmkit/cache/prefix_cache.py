@@ -170,6 +170,8 @@ class PrefixCache:
     def __init__(self, directory: str | Path, model_hash: str, config: ModelConfig, numerics: str,
                  has_mtp: bool, index_layers: list[int], chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
                  max_bytes: int = DEFAULT_MAX_BYTES):
+        if not _HEX64.fullmatch(model_hash):
+            raise ValueError(f"model hash {model_hash!r}: not 64 hex digits")
         self.directory = Path(directory)
         self.model_hash = model_hash
         self.config = config
@@ -283,18 +285,17 @@ class PrefixCache:
             self._ram.move_to_end(key)
             self._touch(key)
             return chunk
-        row = self.db.execute("SELECT file FROM entries WHERE key = ?", (key,)).fetchone()
-        if row is None:
+        if not self._exists(key):
             return None
-        path = self.directory / row[0]
-        try:
-            chunk = read_blob(path, self.model_hash, self.numerics, self.expected_shapes(n_tokens, start))
+        try:  # the path comes from the key, never from the index row
+            chunk = read_blob(blob_path(self.directory, self.model_hash, key), self.model_hash, self.numerics,
+                              self.expected_shapes(n_tokens, start))
         except (OSError, ValueError):
-            self._forget(key, path)
+            self._forget(key)
             result.discarded += 1
             return None
         if chunk.key != key or chunk.start != start:
-            self._forget(key, path)
+            self._forget(key)
             result.discarded += 1
             return None
         self._loaded_from_disk.add(key)
@@ -344,8 +345,7 @@ class PrefixCache:
         return arrays
 
     def _write(self, chunk: Chunk) -> None:
-        rel = f"{self.model_hash[:16]}/{chunk.key[:2]}/{chunk.key}.kvc"
-        path = self.directory / rel
+        path = blob_path(self.directory, self.model_hash, chunk.key)
         nbytes = write_blob(path, chunk, self.model_hash, self.numerics)
         now = time.time()
         # full chunks get an embedding (mean layer-0 kv_lat: see chunk_index) for the similar-chunk search
@@ -355,7 +355,8 @@ class PrefixCache:
                             "nbytes, created, last_access, hits, content, root, emb) "
                             "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?, ?, ?)",
                             (chunk.key, self.model_hash, chunk.parent, chunk.start, len(chunk.tokens),
-                             np.asarray(chunk.tokens, dtype="<i8").tobytes(), rel, nbytes, now, now,
+                             np.asarray(chunk.tokens, dtype="<i8").tobytes(), str(path.relative_to(self.directory)),
+                             nbytes, now, now,
                              tokens_hash(chunk.tokens), self.root, None if emb is None else emb.tobytes()))
         self.counters.stored_chunks += 1
         self.counters.stored_bytes += nbytes
@@ -380,10 +381,10 @@ class PrefixCache:
                                     [(now, key) for key in self._touched])
             self._touched.clear()
 
-    def _forget(self, key: str, path: Path) -> None:
+    def _forget(self, key: str) -> None:
         with self.db:
             self.db.execute("DELETE FROM entries WHERE key = ?", (key,))
-        path.unlink(missing_ok=True)
+        remove_blob(self.directory, self.model_hash, key)
         if self.ann is not None:
             self.ann.remove([key])
 
@@ -637,13 +638,13 @@ def prune(db: sqlite3.Connection, directory: Path, max_bytes: int, model_hash: s
     where, args = ("WHERE model_hash = ?", (model_hash,)) if model_hash else ("", ())
     total = db.execute(f"SELECT COALESCE(SUM(nbytes), 0) FROM entries {where}", args).fetchone()[0]
     removed = 0
-    for key, rel, nbytes in db.execute(f"SELECT key, file, nbytes FROM entries {where} ORDER BY last_access",
-                                       args).fetchall():
+    for key, owner, nbytes in db.execute(f"SELECT key, model_hash, nbytes FROM entries {where} ORDER BY last_access",
+                                         args).fetchall():
         if total <= max_bytes:
             break
         with db:
             db.execute("DELETE FROM entries WHERE key = ?", (key,))
-        (directory / rel).unlink(missing_ok=True)
+        remove_blob(directory, owner, key)
         total -= nbytes
         removed += 1
         if removed_keys is not None:
@@ -653,9 +654,32 @@ def prune(db: sqlite3.Connection, directory: Path, max_bytes: int, model_hash: s
 
 # ---- blob files ----
 
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 _MODEL_DIR = re.compile(r"[0-9a-f]{16}")
 _KEY_DIR = re.compile(r"[0-9a-f]{2}")
 _BLOB_NAME = re.compile(r"(?P<key>[0-9a-f]{64})\.kvc(?P<temp>\.tmp-[0-9]+-[0-9]+)?")
+
+
+def blob_path(directory: Path, model_hash: str, key: str) -> Path:
+    """Where the blob of chunk `key` lives, by the cache's naming alone: `DIR/<model hash[:16]>/<key[:2]>/<key>.kvc`.
+
+    Raises ValueError for a hash or key that is not 64 hex digits, or when a directory on the way is a symlink
+    (the path would leave the cache directory)."""
+    if not (isinstance(model_hash, str) and _HEX64.fullmatch(model_hash) and isinstance(key, str)
+            and _HEX64.fullmatch(key)):
+        raise ValueError(f"{directory}: not a cache entry name ({model_hash!r}, {key!r})")
+    path = Path(directory) / model_hash[:16] / key[:2] / f"{key}.kvc"
+    if os.path.islink(path.parent.parent) or os.path.islink(path.parent):
+        raise ValueError(f"{path.parent}: a symlink, not the cache's own directory")
+    return path
+
+
+def remove_blob(directory: Path, model_hash: str, key: str) -> None:
+    """Delete the blob of `key` (a malformed name deletes nothing)."""
+    try:
+        remove_cache_file(blob_path(directory, model_hash, key))
+    except ValueError:
+        pass
 
 
 def cache_files(directory: Path) -> Iterator[tuple[Path, str, bool]]:
@@ -689,7 +713,7 @@ def remove_cache_file(path: Path) -> bool:
             return False
         os.unlink(path)
         return True
-    except FileNotFoundError:
+    except OSError:  # gone already, or not ours to remove (permissions): left as it is
         return False
 
 def write_blob(path: Path, chunk: Chunk, model_hash: str, numerics: str) -> int:

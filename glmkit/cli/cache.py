@@ -7,7 +7,14 @@ import sys
 import time
 from pathlib import Path
 
-from glmkit.cache.prefix_cache import DEFAULT_MAX_BYTES, default_cache_dir, open_index, prune
+from glmkit.cache.prefix_cache import (
+    DEFAULT_MAX_BYTES,
+    cache_files,
+    default_cache_dir,
+    open_index,
+    prune,
+    remove_cache_file,
+)
 from glmkit.errors import GlmkitError
 from glmkit.format.manifest import Manifest
 
@@ -63,16 +70,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _remove_stale_files(db, directory: Path) -> int:
-    """Temp files left by killed writers, and blobs no index row points to (a kill between rename and insert)."""
-    known = {row[0] for row in db.execute("SELECT file FROM entries")}
+    """Temp files left by killed writers, and blobs no index row names (a kill between rename and insert); only
+    files the cache's naming says it wrote are looked at."""
+    known = {(str(h)[:16], key) for h, key in db.execute("SELECT model_hash, key FROM entries")}
     removed = 0
     now = time.time()
-    for path in directory.glob("*/*/*"):
-        rel = str(path.relative_to(directory))
-        stale_temp = ".tmp-" in path.name and now - path.stat().st_mtime > STALE_TEMP_SECONDS
-        orphan = path.suffix == ".kvc" and rel not in known
-        if stale_temp or orphan:
-            path.unlink(missing_ok=True)
+    for path, key, temp in cache_files(directory):
+        try:
+            age = now - path.lstat().st_mtime
+        except OSError:
+            continue
+        stale = age > STALE_TEMP_SECONDS if temp else (path.parent.parent.name, key) not in known
+        if stale and remove_cache_file(path):
             removed += 1
     return removed
 
