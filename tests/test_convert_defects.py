@@ -4,7 +4,9 @@ and rerunning a finished conversion."""
 
 import hashlib
 import os
+import shutil
 
+import numpy as np
 import pytest
 
 from glmkit.cli.convert import main as convert_main
@@ -12,6 +14,7 @@ from glmkit.convert.sources.snapshot import HFSnapshot
 from glmkit.errors import GlmkitError
 from glmkit.format.reader import Container
 from glmkit.format.safetensors_file import read_header
+from tests.runtime_support import FIXTURES
 from tests.test_convert_errors import run_bad
 from tools.synth import make_snapshot
 
@@ -107,3 +110,89 @@ def test_shard_identity_samples_a_large_shard(tmp_path):
         data[offset] ^= 1
         path.write_bytes(bytes(data))
         assert shard_identity(path)["sampled_sha256"] == first["sampled_sha256"]
+
+
+# --- non-finite or misread weights --------------------------------------------------------------------------------
+
+def _poke(path, name: str, value: float, index: int = 5) -> None:
+    """Overwrite element `index` (flat) of tensor `name` with `value`, encoded in the tensor's own dtype."""
+    info = read_header(path)[name]
+    item = np.array([value], np.float32).astype(info.np_dtype).tobytes()
+    assert 0 <= index < info.nbytes // len(item)
+    with open(path, "r+b") as f:
+        f.seek(info.start + index * len(item))
+        f.write(item)
+
+
+def _header_one_byte_short(path) -> None:
+    """Pad the JSON header with spaces (as the safetensors library does), then declare it one byte shorter:
+    still valid JSON, but every tensor now starts one byte early."""
+    data = path.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    text = data[8:8 + n] + b"    "
+    path.write_bytes((len(text) - 1).to_bytes(8, "little") + text + data[8 + n:])
+
+
+def _source(tmp_path, kind: str):
+    src = tmp_path / "src"
+    if kind in ("tiny-fp8", "tiny-bf16"):
+        shutil.copytree(FIXTURES / kind, src)
+    else:
+        make_snapshot(src, dtype="F16" if kind == "f16" else "BF16", fp8=kind == "fp8", fused=kind == "fused")
+    return src
+
+
+FP8_DENSE = "model.layers.0.mlp.gate_proj.weight"
+NONFINITE_CASES = [  # (source, tensor, value, preset, shard, row-block streaming)
+    ("bf16", "model.layers.0.self_attn.q_b_proj.weight", np.nan, "q4", "model.safetensors", False),
+    ("bf16", "model.layers.0.self_attn.q_b_proj.weight", np.inf, "q4", "model.safetensors", False),
+    ("bf16", "model.layers.2.self_attn.o_proj.weight", -np.inf, "f32", "model.safetensors", False),
+    ("bf16", "model.layers.1.input_layernorm.weight", np.nan, "q4", "model.safetensors", False),
+    ("bf16", "model.layers.1.mlp.gate.e_score_correction_bias", np.inf, "q4", "model.safetensors", False),
+    ("bf16", "model.embed_tokens.weight", np.nan, "q8", "model.safetensors", True),
+    ("f16", "lm_head.weight", np.inf, "q4", "model.safetensors", False),
+    ("fused", "model.layers.2.mlp.experts.gate_up_proj", np.nan, "q4", "model.safetensors", False),
+    ("fp8", FP8_DENSE, np.nan, "q4", "model.safetensors", False),
+    ("fp8", FP8_DENSE.replace("weight", "weight_scale_inv"), np.nan, "q4", "model.safetensors", False),
+    ("fp8", FP8_DENSE.replace("weight", "weight_scale_inv"), np.inf, "f32", "model.safetensors", True),
+    ("fp8", FP8_DENSE.replace("weight", "weight_scale_inv"), 0.0, "q4", "model.safetensors", False),
+    ("fp8", FP8_DENSE.replace("weight", "weight_scale_inv"), -0.5, "q4", "model.safetensors", False),
+    ("tiny-fp8", "model.layers.1.mlp.experts.gate_up_proj", np.nan, "q4", "model.safetensors", False),
+    ("tiny-fp8", "model.layers.2.mlp.experts.gate_up_proj_scale_inv", 0.0, "q4", "model.safetensors", False),
+    ("tiny-fp8", "model.layers.3.mlp.experts.down_proj_scale_inv", np.nan, "q2", "model.safetensors", False),
+]
+
+
+@pytest.mark.parametrize("kind,tensor,value,preset,shard,streamed", NONFINITE_CASES)
+def test_nonfinite_values_and_scales_are_refused(tmp_path, capsys, monkeypatch, kind, tensor, value, preset, shard,
+                                                 streamed):
+    from glmkit.convert import convert as convert_module
+
+    if streamed:  # big tensors go through in row blocks: the check covers every block
+        monkeypatch.setattr(convert_module, "STREAM_ELEMS", 512)
+    src = _source(tmp_path, kind)
+    index = 0 if "scale_inv" in tensor or "bias" in tensor else 5
+    _poke(src / shard, tensor, value, index)
+    err = run_bad(capsys, src, tmp_path / "out", "--preset", preset)
+    assert tensor in err and shard in err and "--allow-nonfinite" in err
+    assert ("scales" in err) == ("scale_inv" in tensor)
+
+
+def test_header_length_one_byte_short_is_refused(tmp_path, capsys):
+    src = _source(tmp_path, "bf16")
+    _header_one_byte_short(src / "model.safetensors")
+    err = run_bad(capsys, src, tmp_path / "out", "--preset", "f32")
+    assert "model.safetensors" in err and "cover" in err
+
+
+def test_allow_nonfinite_converts_them_as_they_are(tmp_path, capsys):
+    src = _source(tmp_path, "fp8")
+    name = "model.layers.2.self_attn.o_proj.weight"
+    _poke(src / "model.safetensors", name, np.nan, 3)
+    _poke(src / "model.safetensors", FP8_DENSE.replace("weight", "weight_scale_inv"), 0.0, 0)
+    out = tmp_path / "out"
+    assert convert_main([str(src), str(out), "--quiet", "--preset", "f32", "--allow-nonfinite"]) == 0
+    c = Container(out)
+    weight = c.weight(name)
+    assert np.isnan(weight.reshape(-1)[3]) and np.isfinite(np.delete(weight.reshape(-1), 3)).all()
+    assert not c.weight(FP8_DENSE)[:128].any() and c.weight(FP8_DENSE)[128:].any()  # its first block row: zero

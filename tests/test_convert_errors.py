@@ -8,7 +8,7 @@ import pytest
 from glmkit.cli.convert import main as convert_main
 from glmkit.errors import GlmkitError
 from glmkit.format.reader import Container
-from tools.synth import TINY_CONFIG, make_snapshot
+from tools.synth import TINY_CONFIG, make_snapshot, make_weights
 
 
 def run_bad(capsys, src, out, *args) -> str:
@@ -99,11 +99,7 @@ def test_header_length_larger_than_file(tmp_path, capsys):
 def test_missing_expert_tensor(tmp_path, capsys):
     src = tmp_path / "src"
     name = "model.layers.2.mlp.experts.3.down_proj.weight"
-    make_snapshot(src)
-
-    def drop(header):
-        del header[name]
-    _rewrite_header(src / "model.safetensors", drop)
+    make_snapshot(src, weights={n: w for n, w in make_weights(TINY_CONFIG).items() if n != name})
     err = run_bad(capsys, src, tmp_path / "out")
     assert name in err and "missing" in err
 

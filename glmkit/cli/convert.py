@@ -69,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true",
                    help="overwrite a non-empty OUT (or an unfinished conversion of other inputs); skip the free-space "
                         "check")
+    p.add_argument("--allow-nonfinite", action="store_true",
+                   help="convert NaN or infinite source weights and NaN, infinite, zero or negative FP8 "
+                        "weight_scale_inv values as they are (default: refuse them, naming the tensor and shard: "
+                        "they mean a corrupted or misread checkpoint)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p
 
@@ -101,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
             if scratch_dir is not None:
                 imatrix = _calibrate(args, Path(scratch_dir), options)
             result = convert(args.source, args.out, plan, args.preset, force=args.force,
-                             max_file_bytes=args.max_file_size, progress=not args.quiet, imatrix=imatrix, **options)
+                             max_file_bytes=args.max_file_size, progress=not args.quiet, imatrix=imatrix,
+                             allow_nonfinite=args.allow_nonfinite, **options)
     except GlmkitError as e:
         print(f"glm-convert: error: {e}", file=sys.stderr)
         return 1
@@ -136,7 +141,8 @@ def _calibrate(args: argparse.Namespace, scratch: Path, options: dict[str, objec
     plan = QuantPlan.from_preset(args.calibrate_preset)
     if not args.quiet:
         print(f"calibrate: converting a temporary {args.calibrate_preset} container", file=sys.stderr)
-    convert(args.source, model_dir, plan, args.calibrate_preset, progress=not args.quiet, **options)  # type: ignore[arg-type]
+    convert(args.source, model_dir, plan, args.calibrate_preset, progress=not args.quiet,  # type: ignore[arg-type]
+            allow_nonfinite=args.allow_nonfinite, **options)
     engine = Engine(model_dir, "numpy", load_tokenizer=args.calibrate.suffix != ".json")
     windows = calibration_windows(engine, args.calibrate)[:args.calibrate_windows]
     statistics = collect(engine, windows, progress=not args.quiet)

@@ -100,13 +100,16 @@ class ConversionJob:
 def convert(source: str | Path | Source, out_dir: str | Path, plan: QuantPlan, preset: str, force: bool = False,
             max_file_bytes: int = DEFAULT_FILE_BYTES, progress: bool = True, *, revision: str | None = None,
             endpoint: str | None = None, keep_source: bool = False,
-            max_inflight: int = DEFAULT_INFLIGHT_BYTES, imatrix: Imatrix | None = None) -> ConvertResult:
+            max_inflight: int = DEFAULT_INFLIGHT_BYTES, imatrix: Imatrix | None = None,
+            allow_nonfinite: bool = False) -> ConvertResult:
     """Convert SOURCE (local snapshot, HF cache directory or Hub repo id) into a container at `out_dir`.
 
     imatrix: per-column activation energies (glm-calibrate) weighting the `mse` quantizer's error.
+    allow_nonfinite: convert NaN/infinite source values and non-positive FP8 scales instead of failing.
     """
     src = source if isinstance(source, Source) else open_source(
         str(source), revision=revision, endpoint=endpoint, keep_source=keep_source)
+    src.snapshot.allow_nonfinite = allow_nonfinite
     try:
         check_out_apart(src, Path(out_dir))
         job = ConversionJob.create(src, plan, preset, max_file_bytes, imatrix)

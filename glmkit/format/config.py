@@ -1,15 +1,21 @@
-"""`ModelConfig`: the checked subset of a `glm_moe_dsa` config.json that glmkit reads.
+"""`ModelConfig`: the checked subset of a `glm_moe_dsa` config.json that glmkit reads; untrusted JSON files.
 
 config.json is untrusted input: every dimension is checked against a sane bound before anything
 is sized from it, so a hostile file fails here with a message instead of allocating terabytes.
+`read_json_file` reads any untrusted JSON document (config.json, the shard index, side files): a regular
+file only (a FIFO or device is refused, not read forever), size-capped before reading, UTF-8, nesting
+bounded, no duplicate keys.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
+import stat
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from glmkit.errors import GlmkitError
 
@@ -21,6 +27,12 @@ _MAX_LAYERS = 1024
 _MAX_EXPERTS = 4096
 _MAX_VOCAB = 1 << 22
 _MAX_POSITIONS = 1 << 24
+# routed-expert matrices over all layers (GLM-5: 79 x 256): bounds the tensor list planned from a config
+_MAX_EXPERT_LAYERS = 1 << 18
+_MAX_EOS_IDS = 64
+
+MAX_CONFIG_BYTES = 16 << 20
+MAX_JSON_DEPTH = 64  # GLM-5's config.json nests 3 deep, tokenizer.json 5
 
 
 @dataclass(frozen=True)
@@ -80,12 +92,9 @@ class ModelConfig:
     @classmethod
     def from_file(cls, path: str | Path) -> ModelConfig:
         path = Path(path)
-        try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise GlmkitError(f"{path}: config.json not found") from None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise GlmkitError(f"{path}: not a readable JSON file ({e})") from None
+        if not path.exists() and not path.is_symlink():
+            raise GlmkitError(f"{path}: config.json not found")
+        raw = read_json_file(path, MAX_CONFIG_BYTES)
         if not isinstance(raw, dict):
             raise GlmkitError(f"{path}: config must be a JSON object")
         return cls.from_dict(raw, source=str(path))
@@ -112,8 +121,9 @@ class ModelConfig:
             value = raw.get(key, default)
             if value is None:
                 raise GlmkitError(f"{source}: missing config key {key!r}")
-            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-                raise GlmkitError(f"{source}: {key!r} must be a positive number, got {value!r}")
+            if (isinstance(value, bool) or not isinstance(value, int | float) or not value > 0
+                    or not math.isfinite(value)):
+                raise GlmkitError(f"{source}: {key!r} must be a positive finite number, got {value!r}")
             return float(value)
 
         layers = get_int("num_hidden_layers", 1, _MAX_LAYERS)
@@ -133,16 +143,27 @@ class ModelConfig:
         if rope_type not in ("default", None):
             raise GlmkitError(f"{source}: rope_type {rope_type!r} is not supported (only 'default')")
         rope_theta = rope_params.get("rope_theta", raw.get("rope_theta", 10000.0))
-        if isinstance(rope_theta, bool) or not isinstance(rope_theta, int | float) or rope_theta <= 0:
-            raise GlmkitError(f"{source}: rope_theta must be a positive number, got {rope_theta!r}")
+        if (isinstance(rope_theta, bool) or not isinstance(rope_theta, int | float) or not rope_theta > 0
+                or not math.isfinite(rope_theta)):
+            raise GlmkitError(f"{source}: rope_theta must be a positive finite number, got {rope_theta!r}")
+        norm_topk_prob = raw.get("norm_topk_prob", True)
+        if not isinstance(norm_topk_prob, bool):
+            raise GlmkitError(f"{source}: 'norm_topk_prob' must be true or false, got {norm_topk_prob!r}")
 
+        vocab_size = get_int("vocab_size", 1, _MAX_VOCAB)
         eos = raw.get("eos_token_id", [])
         eos_ids = tuple(eos) if isinstance(eos, list) else (eos,) if eos is not None else ()
-        if not all(isinstance(i, int) and not isinstance(i, bool) for i in eos_ids):
-            raise GlmkitError(f"{source}: eos_token_id must be an integer or a list of integers")
+        if len(eos_ids) > _MAX_EOS_IDS or not all(isinstance(i, int) and not isinstance(i, bool)
+                                                   and 0 <= i < vocab_size for i in eos_ids):
+            raise GlmkitError(f"{source}: eos_token_id must be a token id below vocab_size={vocab_size} or a list "
+                              f"of at most {_MAX_EOS_IDS} of them")
+        nextn = get_int("num_nextn_predict_layers", 0, 1, default=0)
+        if (layers + nextn) * n_experts > _MAX_EXPERT_LAYERS:
+            raise GlmkitError(f"{source}: {layers + nextn} layers of {n_experts} routed experts exceed the supported "
+                              f"{_MAX_EXPERT_LAYERS} expert matrices")
 
         cfg = cls(
-            vocab_size=get_int("vocab_size", 1, _MAX_VOCAB),
+            vocab_size=vocab_size,
             hidden_size=get_int("hidden_size", 1, _MAX_DIM),
             num_hidden_layers=layers,
             num_attention_heads=get_int("num_attention_heads", 1, 1024),
@@ -160,14 +181,14 @@ class ModelConfig:
             topk_group=get_int("topk_group", 1, n_group, default=1),
             first_k_dense_replace=get_int("first_k_dense_replace", 0, layers, default=0),
             routed_scaling_factor=get_float("routed_scaling_factor", 1.0),
-            norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+            norm_topk_prob=norm_topk_prob,
             rms_norm_eps=get_float("rms_norm_eps", 1e-5),
             rope_theta=float(rope_theta),
             index_topk=get_int("index_topk", 1, _MAX_POSITIONS),
             index_n_heads=get_int("index_n_heads", 1, 1024),
             index_head_dim=index_head_dim,
             indexer_types=_indexer_types(raw, layers, source),
-            num_nextn_predict_layers=get_int("num_nextn_predict_layers", 0, 1, default=0),
+            num_nextn_predict_layers=nextn,
             max_position_embeddings=get_int("max_position_embeddings", 1, _MAX_POSITIONS, default=4096),
             eos_token_ids=eos_ids,
         )
@@ -182,7 +203,8 @@ def _indexer_types(raw: dict[str, Any], layers: int, source: str) -> tuple[str, 
     types = raw.get("indexer_types")
     pattern = raw.get("index_topk_pattern")
     if types is not None:
-        if not isinstance(types, list) or len(types) != layers or set(types) - {"full", "shared"}:
+        if (not isinstance(types, list) or len(types) != layers
+                or not all(isinstance(t, str) and t in ("full", "shared") for t in types)):
             raise GlmkitError(f"{source}: indexer_types must list 'full'/'shared' for all {layers} layers")
         types = tuple(types)
     elif pattern is not None:
@@ -192,10 +214,72 @@ def _indexer_types(raw: dict[str, Any], layers: int, source: str) -> tuple[str, 
     else:
         freq = raw.get("index_topk_freq", 1)
         offset = raw.get("index_skip_topk_offset", 2)
-        if not isinstance(freq, int) or not isinstance(offset, int):
-            raise GlmkitError(f"{source}: index_topk_freq/index_skip_topk_offset must be integers")
+        if any(isinstance(v, bool) or not isinstance(v, int) or abs(v) > _MAX_LAYERS for v in (freq, offset)):
+            raise GlmkitError(f"{source}: index_topk_freq/index_skip_topk_offset must be integers of at most "
+                              f"{_MAX_LAYERS}")
         freq = max(freq, 1)
         types = tuple("full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(layers))
     if types[0] != "full":
         raise GlmkitError(f"{source}: layer 0 must be a 'full' indexer layer (a shared layer needs one before it)")
     return types
+
+
+def open_regular_file(path: str | Path) -> BinaryIO:
+    """`path` opened for binary reading, if it is a regular file (symlinks followed). A FIFO, device or directory
+    is refused without blocking on it: the open does not wait for a FIFO's writer."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise GlmkitError(f"{path}: not found") from None
+    except OSError as e:
+        raise GlmkitError(f"{path}: cannot read ({e.strerror})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise GlmkitError(f"{path}: not a regular file (a FIFO, device or directory is never read)")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
+def read_json_file(path: str | Path, max_bytes: int) -> Any:
+    """An untrusted JSON document from a regular file of at most `max_bytes` (checked before reading)."""
+    with open_regular_file(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        raw = f.read(max_bytes + 1) if size <= max_bytes else b""
+    if size > max_bytes or len(raw) > max_bytes:  # the second: it grew while being read
+        raise GlmkitError(f"{path}: {max(size, len(raw))} bytes, more than the {max_bytes} this JSON file may have")
+    return parse_json(raw, str(path))
+
+
+def parse_json(raw: bytes, where: str) -> Any:
+    """Decode untrusted JSON: UTF-8, nesting at most MAX_JSON_DEPTH deep, no key twice in an object."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise GlmkitError(f"{where}: not UTF-8 text (byte {e.start})") from None
+
+    def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        obj = dict(pairs)
+        if len(obj) != len(pairs):
+            seen: set[str] = set()
+            for key, _ in pairs:
+                if key in seen:
+                    raise GlmkitError(f"{where}: key {key!r} appears twice in one JSON object")
+                seen.add(key)
+        return obj
+
+    try:
+        value = json.loads(text, object_pairs_hook=unique_keys)
+    except RecursionError:  # the decoder recurses once per level: far deeper than any real file
+        raise GlmkitError(f"{where}: JSON nested more than {MAX_JSON_DEPTH} levels deep") from None
+    except json.JSONDecodeError as e:
+        raise GlmkitError(f"{where}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    pending = [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise GlmkitError(f"{where}: JSON nested more than {MAX_JSON_DEPTH} levels deep")
+        pending.extend((child, depth + 1) for child in children)
+    return value

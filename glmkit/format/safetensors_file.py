@@ -19,6 +19,7 @@ import ml_dtypes
 import numpy as np
 
 from glmkit.errors import GlmkitError
+from glmkit.format.config import open_regular_file, parse_json
 
 DTYPES: dict[str, np.dtype] = {
     "F64": np.dtype(np.float64),
@@ -53,11 +54,13 @@ class TensorInfo:
 
 
 def read_header(path: str | Path) -> dict[str, TensorInfo]:
-    """Parse and check a safetensors header: sizes, dtypes, shapes and offsets must all agree."""
+    """Parse and check a safetensors header: sizes, dtypes, shapes and offsets must all agree, and the tensors
+    must tile the data section exactly (as the safetensors library requires), so a header length off by a
+    byte, which would shift every tensor, is refused."""
     path = Path(path)
-    try:
-        file_size = path.stat().st_size
-        with open(path, "rb") as f:
+    with open_regular_file(path) as f:
+        try:
+            file_size = os.fstat(f.fileno()).st_size
             prefix = f.read(8)
             if len(prefix) < 8:
                 raise GlmkitError(f"{path}: truncated safetensors file ({file_size} bytes)")
@@ -65,29 +68,42 @@ def read_header(path: str | Path) -> dict[str, TensorInfo]:
             if header_len > min(MAX_HEADER_BYTES, file_size - 8):
                 raise GlmkitError(f"{path}: safetensors header length {header_len} exceeds the file size")
             raw = f.read(header_len)
-    except OSError as e:
-        raise GlmkitError(f"{path}: cannot read ({e.strerror})") from None
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise GlmkitError(f"{path}: safetensors header is not valid JSON") from None
+        except OSError as e:
+            raise GlmkitError(f"{path}: cannot read ({e.strerror})") from None
+    if len(raw) != header_len:
+        raise GlmkitError(f"{path}: truncated safetensors header ({len(raw)} of {header_len} bytes)")
+    header = parse_json(raw, f"{path}: safetensors header")
     if not isinstance(header, dict):
         raise GlmkitError(f"{path}: safetensors header is not a JSON object")
 
     return check_header(path, header, 8 + header_len, file_size - 8 - header_len)
 
 
-def check_header(path: str | Path, header: dict, data_start: int, data_len: int) -> dict[str, TensorInfo]:
-    """Check a decoded header against a data section of `data_len` bytes starting at `data_start`."""
+def check_header(path: str | Path, header: dict, data_start: int, data_len: int, exact: bool = True
+                 ) -> dict[str, TensorInfo]:
+    """Check a decoded header against a data section of `data_len` bytes starting at `data_start`.
+
+    exact: the tensors must cover the data section with neither gap nor overlap (a local file); False only
+    bounds and separates them (a Hub listing, where `data_len` is the whole file's size)."""
     tensors: dict[str, TensorInfo] = {}
     for name, entry in header.items():
         if name == "__metadata__":
+            if not isinstance(entry, dict) or not all(isinstance(v, str) for v in entry.values()):
+                raise GlmkitError(f"{path}: safetensors __metadata__ must map strings to strings")
             continue
         tensors[name] = _check_entry(Path(path), name, entry, data_start, data_len)
-    spans = sorted((t.start, t.start + t.nbytes, t.name) for t in tensors.values())
-    for (_, end, a), (begin, _, b) in zip(spans, spans[1:], strict=False):
+    spans = sorted((t.start - data_start, t.start - data_start + t.nbytes, t.name) for t in tensors.values())
+    end, last = 0, None
+    for begin, stop, name in spans:
         if begin < end:
-            raise GlmkitError(f"{path}: tensors {a!r} and {b!r} overlap")
+            raise GlmkitError(f"{path}: tensors {last!r} and {name!r} overlap")
+        if exact and begin > end:
+            raise GlmkitError(f"{path}: {begin - end} bytes before tensor {name!r} belong to no tensor (data_offsets "
+                              "must be contiguous)")
+        end, last = stop, name
+    if exact and end != data_len:
+        raise GlmkitError(f"{path}: the tensors cover {end} bytes of a {data_len}-byte data section: wrong header "
+                          "length or data_offsets, or trailing bytes")
     return tensors
 
 
@@ -95,22 +111,27 @@ def _check_entry(path: Path, name: str, entry: object, data_start: int, data_len
     if not isinstance(entry, dict):
         raise GlmkitError(f"{path}: header entry for {name!r} is not an object")
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise GlmkitError(f"{path}: tensor {name!r} has unsupported dtype {dtype!r}")
-    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
         raise GlmkitError(f"{path}: tensor {name!r} has an invalid shape {shape!r}")
     if (not isinstance(offsets, list) or len(offsets) != 2
-            or not all(isinstance(o, int) for o in offsets) or not 0 <= offsets[0] <= offsets[1]):
+            or not all(_is_count(o) for o in offsets) or not offsets[0] <= offsets[1]):
         raise GlmkitError(f"{path}: tensor {name!r} has invalid data_offsets {offsets!r}")
     begin, end = offsets
-    expected = math.prod(shape) * DTYPES[dtype].itemsize
-    if end - begin != expected:
-        raise GlmkitError(f"{path}: tensor {name!r} spans {end - begin} bytes but shape {shape} {dtype} "
-                          f"needs {expected}")
     if end > data_len:
         raise GlmkitError(f"{path}: tensor {name!r} ends at byte {data_start + end} past the end of the file "
                           f"({data_start + data_len} bytes): truncated or lying header")
+    expected = math.prod(shape) * DTYPES[dtype].itemsize  # shape is bounded by the file only once this matches
+    if end - begin != expected:
+        raise GlmkitError(f"{path}: tensor {name!r} spans {end - begin} bytes but shape {shape} {dtype} "
+                          f"needs {expected}")
     return TensorInfo(name, dtype, tuple(shape), data_start + begin, end - begin)
+
+
+def _is_count(value: object) -> bool:
+    """A non-negative JSON integer (not a boolean, which Python counts as one)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def read_tensor(path: str | Path, info: TensorInfo, first: int = 0, count: int | None = None) -> np.ndarray:

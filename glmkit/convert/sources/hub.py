@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-import json
 import os
 import sys
 import tempfile
@@ -37,10 +36,17 @@ from huggingface_hub.utils import (
 from tqdm import tqdm
 
 from glmkit.convert.sources.fetch import ShardFetcher
-from glmkit.convert.sources.snapshot import INDEX_NAME, SIDE_FILES, HFSnapshot, sha256_file, shard_names_from_index
+from glmkit.convert.sources.snapshot import (
+    INDEX_NAME,
+    MAX_INDEX_BYTES,
+    SIDE_FILES,
+    HFSnapshot,
+    sha256_file,
+    shard_names_from_index,
+)
 from glmkit.convert.sources.source import Source
 from glmkit.errors import GlmkitError
-from glmkit.format.config import ModelConfig
+from glmkit.format.config import ModelConfig, read_json_file
 from glmkit.format.safetensors_file import check_header
 
 HEADER_THREADS = 8
@@ -107,8 +113,10 @@ class HubSource(Source):
     def _shard_names(self) -> list[str]:
         if INDEX_NAME in self.files:
             try:
-                names = shard_names_from_index(json.loads((self.side_dir / INDEX_NAME).read_text()))
-            except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
+                names = shard_names_from_index(read_json_file(self.side_dir / INDEX_NAME, MAX_INDEX_BYTES))
+            except GlmkitError as e:
+                raise GlmkitError(str(e).replace(str(self.side_dir), self.label)) from None
+            except ValueError:
                 raise GlmkitError(f"{self.label}/{INDEX_NAME}: not a valid safetensors index") from None
             for name in names:
                 if name not in self.files:
@@ -125,7 +133,7 @@ class HubSource(Source):
             meta = self.api.parse_safetensors_file_metadata(self.repo, name, revision=self.commit)
         header = {t: {"dtype": i.dtype, "shape": list(i.shape), "data_offsets": list(i.data_offsets)}
                   for t, i in meta.tensors.items()}
-        return check_header(f"{self.label}/{name}", header, 0, int(self.files[name].size))
+        return check_header(f"{self.label}/{name}", header, 0, int(self.files[name].size), exact=False)
 
     # --- disk, digests, fetching ----------------------------------------------------------------------
 

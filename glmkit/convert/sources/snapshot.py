@@ -9,7 +9,6 @@ routed experts. Every tensor comes back as float32 with its logical HF shape.
 from __future__ import annotations
 
 import hashlib
-import json
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,11 +17,12 @@ from pathlib import Path
 import numpy as np
 
 from glmkit.errors import GlmkitError
-from glmkit.format.config import ModelConfig
+from glmkit.format.config import ModelConfig, read_json_file
 from glmkit.format.safetensors_file import TensorInfo, read_header, read_tensor
 from glmkit.format.schema import TensorSpec
 
 INDEX_NAME = "model.safetensors.index.json"
+MAX_INDEX_BYTES = 128 << 20  # GLM-5's index names ~120,000 tensors in ~12 MB
 FP8_BLOCK = 128
 FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 # Copied verbatim into the container next to the weights.
@@ -44,6 +44,8 @@ class HFSnapshot:
     is on disk yet, shards are `attach`ed as they arrive (their local header must agree) and `detach`ed
     when deleted. `load(spec)` needs the shards `files_for(spec)` names to be attached.
     """
+
+    allow_nonfinite = False  # convert NaN/infinite weights and non-positive FP8 scales instead of refusing them
 
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
@@ -88,10 +90,10 @@ class HFSnapshot:
 
     def _shard_files(self) -> list[Path]:
         index = self.directory / INDEX_NAME
-        if index.is_file():
+        if index.exists() or index.is_symlink():
             try:
-                names = shard_names_from_index(json.loads(index.read_text()))
-            except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
+                names = shard_names_from_index(read_json_file(index, MAX_INDEX_BYTES))
+            except ValueError:
                 raise GlmkitError(f"{index}: not a valid safetensors index (needs a 'weight_map' object)") from None
             files = [self.directory / n for n in names]
             for f in files:
@@ -233,7 +235,18 @@ class HFSnapshot:
     def _to_float32(self, name: str, src: SourceTensor, raw: np.ndarray, expert: int | None = None,
                     rows: tuple[int, int] | None = None) -> np.ndarray:
         """float32 of `raw`: the whole stored tensor, one `expert` of a fused one, or `rows` (first, count) of
-        a stored 2-D one (FP8: `first` on a 128-row block boundary)."""
+        a stored 2-D one (FP8: `first` on a 128-row block boundary). NaN or infinite values are refused (a
+        corrupted or misread shard) unless `allow_nonfinite`."""
+        array = self._dequantize(name, src, raw, expert, rows)
+        if not self.allow_nonfinite and not np.isfinite(array).all():
+            bad = int(array.size - np.count_nonzero(np.isfinite(array)))
+            raise GlmkitError(f"{self._where(src.file)}: tensor {name!r} holds {bad} NaN or infinite values"
+                              f"{_part(expert, rows)}: the shard is corrupted or misread (--allow-nonfinite "
+                              "converts it anyway)")
+        return array
+
+    def _dequantize(self, name: str, src: SourceTensor, raw: np.ndarray, expert: int | None,
+                    rows: tuple[int, int] | None) -> np.ndarray:
         dtype = src.info.dtype
         if dtype in FLOAT_DTYPES:
             return raw.astype(np.float32)
@@ -249,20 +262,32 @@ class HFSnapshot:
                 raise GlmkitError(f"{name}: weight_scale_inv has shape {list(scale_src.info.shape)}, expected "
                                   f"128x128 blocks of a {[total, cols]} weight")
             first, count = rows
-            scales = self._read(scale_src, first // FP8_BLOCK, -(-count // FP8_BLOCK)).astype(np.float32)
+            scales = self._scales(scale_name, scale_src, first // FP8_BLOCK, -(-count // FP8_BLOCK), rows=rows)
             return dequantize_fp8_blocks(raw, scales, name)
         if expert is None:
-            scales = self._read(scale_src).astype(np.float32)
-            return dequantize_fp8_blocks(raw, scales, name)
-        scales = self._read(scale_src, first=expert, count=1).astype(np.float32)[0]
+            return dequantize_fp8_blocks(raw, self._scales(scale_name, scale_src), name)
+        scales = self._scales(scale_name, scale_src, first=expert, count=1, expert=expert)[0]
         weight = raw[0]
         half = weight.shape[0] // 2
         if "gate_up_proj" in name and scales.shape[0] == 2 * -(-half // FP8_BLOCK):
             # fused from per-expert FP8 matrices: gate and up each have their own block grid, stacked
-            rows = scales.shape[0] // 2
-            return np.concatenate([dequantize_fp8_blocks(weight[:half], scales[:rows], name),
-                                   dequantize_fp8_blocks(weight[half:], scales[rows:], name)])[None]
+            grid = scales.shape[0] // 2
+            return np.concatenate([dequantize_fp8_blocks(weight[:half], scales[:grid], name),
+                                   dequantize_fp8_blocks(weight[half:], scales[grid:], name)])[None]
         return dequantize_fp8_blocks(weight, scales, name)[None]
+
+    def _scales(self, scale_name: str, scale_src: SourceTensor, first: int = 0, count: int | None = None,
+                expert: int | None = None, rows: tuple[int, int] | None = None) -> np.ndarray:
+        """FP8 block scales as float32 (rows `first .. first+count`); each must be finite and positive (a zero
+        scale erases its block, a negative one flips it) unless `allow_nonfinite`."""
+        scales = self._read(scale_src, first, count).astype(np.float32)
+        if not self.allow_nonfinite:
+            good = np.isfinite(scales) & (scales > 0)
+            if not good.all():
+                raise GlmkitError(f"{self._where(scale_src.file)}: {scale_name!r} holds {good.size - int(good.sum())} "
+                                  f"NaN, infinite, zero or negative FP8 scales{_part(expert, rows)}: the shard is "
+                                  "corrupted or misread (--allow-nonfinite converts it anyway)")
+        return scales
 
     def _fp8_scale_name(self, name: str) -> str | None:
         base = name.removesuffix(".weight")
@@ -270,6 +295,15 @@ class HFSnapshot:
             if candidate in self.tensors:
                 return candidate
         return None
+
+
+def _part(expert: int | None, rows: tuple[int, int] | None) -> str:
+    """Which piece of a tensor a message is about: one expert of a fused tensor, or a block of rows."""
+    if expert is not None:
+        return f" (expert {expert})"
+    if rows is not None:
+        return f" (rows {rows[0]}-{rows[0] + rows[1] - 1})"
+    return ""
 
 
 def shard_names_from_index(index: object) -> list[str]:
