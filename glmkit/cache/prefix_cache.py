@@ -231,8 +231,9 @@ class PrefixCache:
         parent, pos = self.root, 0
         chunks: list[Chunk] = []
         while pos + self.chunk_tokens <= limit:
-            key = chunk_key(parent, tokens[pos:pos + self.chunk_tokens])
-            chunk = self._load(key, pos, self.chunk_tokens, result)
+            want = tokens[pos:pos + self.chunk_tokens]
+            key = chunk_key(parent, want)
+            chunk = self._load(key, pos, self.chunk_tokens, result, want, parent=parent)
             if chunk is None:
                 break
             self._count(result, key, self.chunk_tokens)
@@ -255,16 +256,17 @@ class PrefixCache:
 
         KV rows of position i depend only on tokens <= i, so the first n rows of a longer chunk are exact.
         """
-        best, best_n = None, 0
-        for key, blob in self.db.execute("SELECT key, tokens FROM entries WHERE parent = ? AND model_hash = ?",
-                                         (parent, self.model_hash)).fetchall():
+        best, best_n, best_len = None, 0, 0
+        for key, n_tokens, blob in self.db.execute(
+                "SELECT key, n_tokens, tokens FROM entries WHERE parent = ? AND model_hash = ?",
+                (parent, self.model_hash)).fetchall():
             n = common_prefix(np.frombuffer(blob, dtype="<i8").tolist(), remaining)
             if n > best_n:
-                best, best_n = key, n
+                best, best_n, best_len = key, n, n_tokens
         if best is None:
             return None
-        row = self.db.execute("SELECT n_tokens FROM entries WHERE key = ?", (best,)).fetchone()
-        chunk = self._load(best, pos, row[0], result) if row else None
+        # the row's tokens only chose the candidate: the blob's own header must hold them too
+        chunk = self._load(best, pos, best_len, result, remaining[:best_n], parent=parent)
         if chunk is None:
             return None
         self._count(result, best, best_n)
@@ -279,28 +281,31 @@ class PrefixCache:
             if len(next(iter(rows.values()))):
                 kv.layer(layer).append(**rows)
 
-    def _load(self, key: str, start: int, n_tokens: int, result: RestoreResult) -> Chunk | None:
+    def _load(self, key: str, start: int, n_tokens: int, result: RestoreResult, expect: list[int],
+              offset: int = 0, parent: str | None = None) -> Chunk | None:
+        """The stored chunk `key` of `n_tokens` tokens at `start`, from RAM or disk, when it holds the rows of the
+        tokens `expect` at `offset` (and, given `parent`, after that chunk). Anything else is a miss, and an entry
+        whose own blob disagrees with what the index said of it is dropped (counted in `result.discarded`)."""
         chunk = self._ram.get(key)
-        if chunk is not None:
+        from_disk = chunk is None
+        if from_disk:
+            if not self._exists(key):
+                return None
+            try:  # the path comes from the key, never from the index row
+                chunk = read_blob(blob_path(self.directory, self.model_hash, key), self.model_hash, self.numerics,
+                                  self.expected_shapes(n_tokens, start))
+            except (OSError, ValueError):
+                chunk = None
+        if chunk is None or not _holds(chunk, key, start, n_tokens, expect, offset, parent):
+            self._forget(key)
+            result.discarded += 1
+            return None
+        if from_disk:
+            self._loaded_from_disk.add(key)
+            self._remember(chunk)
+        else:
             self._ram.move_to_end(key)
-            self._touch(key)
-            return chunk
-        if not self._exists(key):
-            return None
-        try:  # the path comes from the key, never from the index row
-            chunk = read_blob(blob_path(self.directory, self.model_hash, key), self.model_hash, self.numerics,
-                              self.expected_shapes(n_tokens, start))
-        except (OSError, ValueError):
-            self._forget(key)
-            result.discarded += 1
-            return None
-        if chunk.key != key or chunk.start != start:
-            self._forget(key)
-            result.discarded += 1
-            return None
-        self._loaded_from_disk.add(key)
         self._touch(key)
-        self._remember(chunk)
         return chunk
 
     def _count(self, result: RestoreResult, key: str, n_tokens: int) -> None:
@@ -382,9 +387,12 @@ class PrefixCache:
             self._touched.clear()
 
     def _forget(self, key: str) -> None:
+        """Drop an entry: its index row, its blob and any copy in RAM."""
         with self.db:
             self.db.execute("DELETE FROM entries WHERE key = ?", (key,))
         remove_blob(self.directory, self.model_hash, key)
+        if (chunk := self._ram.pop(key, None)) is not None:
+            self._ram_bytes -= chunk.nbytes
         if self.ann is not None:
             self.ann.remove([key])
 
@@ -423,9 +431,10 @@ class PrefixCache:
             except OSError:
                 pass  # a derived file: rebuilt from the sqlite index next time
 
-    def load_piece(self, piece: Piece) -> dict[str, np.ndarray] | None:
-        """The main layers' rows of `piece` (no MTP rows), or None when the entry is gone or damaged."""
-        chunk = self._load(piece.key, piece.chunk_start, piece.chunk_tokens, RestoreResult())
+    def load_piece(self, piece: Piece, tokens: list[int]) -> dict[str, np.ndarray] | None:
+        """The main layers' rows of `piece` (no MTP rows), which must be those of `tokens` (`[piece.count]` ids);
+        None when the entry is gone, damaged or holds other tokens."""
+        chunk = self._load(piece.key, piece.chunk_start, piece.chunk_tokens, RestoreResult(), tokens, piece.offset)
         self.flush_touches()
         if chunk is None:
             return None
@@ -557,6 +566,15 @@ class PrefixCache:
                 self.ann.touch(key)  # recently matched chunks are the last to drop out of the bounded index
                 out += [Run(w + b.a, [Piece(key, entry[1], entry[2], b.b, b.size)], "similar") for b in blocks]
         return out
+
+
+def _holds(chunk: Chunk, key: str, start: int, n_tokens: int, expect: list[int], offset: int,
+           parent: str | None) -> bool:
+    """Whether a chunk read back (its header's key, parent, position and tokens) is the entry asked for and
+    holds the rows of `expect` at `offset`; its key must also be the hash of its own parent and tokens."""
+    return (chunk.key == key and chunk.start == start and len(chunk.tokens) == n_tokens
+            and chunk.tokens[offset:offset + len(expect)] == list(expect) and (parent is None or chunk.parent == parent)
+            and chunk_key(chunk.parent, chunk.tokens) == key)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

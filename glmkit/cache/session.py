@@ -155,7 +155,7 @@ class Session:
                 if piece.count == cut:
                     continue
                 part = Piece(piece.key, piece.chunk_start, piece.chunk_tokens, piece.offset + cut, piece.count - cut)
-                rows = cache.load_piece(part)
+                rows = cache.load_piece(part, ids[q:q + part.count])
                 if rows is not None:  # gone or damaged: those positions are computed instead
                     imports.append((q, part, rows, index))
                 q += part.count
