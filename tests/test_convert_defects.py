@@ -3,6 +3,7 @@ resume, non-finite or misread weights, a config that disagrees with the tensors,
 and rerunning a finished conversion."""
 
 import hashlib
+import json
 import os
 import shutil
 
@@ -16,7 +17,7 @@ from glmkit.format.reader import Container
 from glmkit.format.safetensors_file import read_header
 from tests.runtime_support import FIXTURES
 from tests.test_convert_errors import run_bad
-from tools.synth import make_snapshot
+from tools.synth import TINY_CONFIG, make_snapshot, make_weights
 
 
 def tree_digest(directory) -> dict[str, str]:
@@ -196,3 +197,48 @@ def test_allow_nonfinite_converts_them_as_they_are(tmp_path, capsys):
     weight = c.weight(name)
     assert np.isnan(weight.reshape(-1)[3]) and np.isfinite(np.delete(weight.reshape(-1), 3)).all()
     assert not c.weight(FP8_DENSE)[:128].any() and c.weight(FP8_DENSE)[128:].any()  # its first block row: zero
+
+
+# --- the tensors present must match config.json exactly -----------------------------------------------------------
+
+def _synth(tmp_path, config: dict, weights: dict | None = None):
+    src = tmp_path / "src"
+    make_snapshot(src, weights=weights if weights is not None else make_weights(TINY_CONFIG))
+    (src / "config.json").write_text(json.dumps(config))
+    return src
+
+
+@pytest.mark.parametrize("case,first", [
+    ("one more layer", "model.layers.4.eh_proj.weight"),  # the MTP layer would convert as decoder layer 4
+    ("one layer less, no MTP", "model.layers.2.input_layernorm.weight"),  # layers 2 and 3 would vanish
+    ("one layer less, MTP", "model.layers.2.eh_proj.weight"),  # decoder layer 2 would be the MTP layer
+    ("MTP present but not configured", "model.layers.3.eh_proj.weight"),
+    ("indexer on a shared layer", "model.layers.2.self_attn.indexer.k_norm.bias"),
+])
+def test_config_disagreeing_with_the_tensors_is_refused(tmp_path, capsys, case, first):
+    if case == "one more layer":  # tiny-bf16 schedules its indexers by rule, so 5 layers stay a valid config
+        src = tmp_path / "src"
+        shutil.copytree(FIXTURES / "tiny-bf16", src)
+        config = json.loads((src / "config.json").read_text())
+        (src / "config.json").write_text(json.dumps({**config, "num_hidden_layers": config["num_hidden_layers"] + 1}))
+    else:
+        changes = {"one layer less, no MTP": {"num_hidden_layers": 2, "indexer_types": ["full", "shared"],
+                                              "num_nextn_predict_layers": 0},
+                   "one layer less, MTP": {"num_hidden_layers": 2, "indexer_types": ["full", "shared"]},
+                   "MTP present but not configured": {"num_nextn_predict_layers": 0},
+                   "indexer on a shared layer": {"indexer_types": ["full", "shared", "shared"]}}[case]
+        src = _synth(tmp_path, {**TINY_CONFIG, **changes})
+    err = run_bad(capsys, src, tmp_path / "out")
+    assert f"{first!r}" in err and "num_hidden_layers=" in err and "config.json" in err
+
+
+def test_mtp_copies_of_the_embedding_and_head_are_tolerated(tmp_path):
+    """Some exports copy the main embedding and lm_head into the MTP layer (DeepSeek-V3 style): the MTP layer
+    reuses the main ones, so the copies are left out rather than refused."""
+    weights = make_weights(TINY_CONFIG)
+    weights["model.layers.3.embed_tokens.weight"] = weights["model.embed_tokens.weight"]
+    weights["model.layers.3.shared_head.head.weight"] = weights["lm_head.weight"]
+    out = tmp_path / "out"
+    assert convert_main([str(_synth(tmp_path, TINY_CONFIG, weights)), str(out), "--quiet"]) == 0
+    tensors = Container(out).manifest.tensors
+    assert "model.layers.3.eh_proj.weight" in tensors and "model.layers.3.embed_tokens.weight" not in tensors

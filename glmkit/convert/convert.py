@@ -33,7 +33,7 @@ from glmkit.errors import GlmkitError
 from glmkit.format.imatrix import Imatrix
 from glmkit.format.manifest import FORMAT_VERSION, MANIFEST_NAME, ExpertRange, Manifest, Quant, TensorEntry
 from glmkit.format.packing import pack, packed_row_bytes, quantize
-from glmkit.format.schema import TensorSpec, model_tensors
+from glmkit.format.schema import TensorSpec, layer_prefix, model_tensors
 from glmkit.format.writer import DataFileWriter, FileLayout, PlannedTensor, layout_files
 from glmkit.units import format_size
 
@@ -373,18 +373,51 @@ def dry_run_report(source: str | Path | Source, out_dir: str | Path, plan: Quant
 
 
 def _check_source(source: HFSnapshot) -> list[TensorSpec]:
-    """The tensors to convert; every one must exist. MTP is optional but all-or-nothing."""
+    """The tensors to convert. The source must hold exactly the model config.json describes: every tensor (with
+    the shape config.json implies) and nothing else besides FP8 scales and fused expert tensors, so a layer count
+    that is off (the MTP layer taken for a decoder layer, or the reverse) or an indexer on a layer scheduled
+    without one is refused. MTP is optional but all-or-nothing."""
     cfg = source.config
     specs = model_tensors(cfg, include_mtp=cfg.num_nextn_predict_layers > 0)
     mtp = [s for s in specs if s.layer is not None and s.layer >= cfg.num_hidden_layers]
     present = [s for s in mtp if source.has(s.name)]
     if mtp and not present:
-        print(f"glm-convert: note: {source.label} has no MTP layer tensors; converting without MTP",
-              file=sys.stderr)
         specs = [s for s in specs if s not in mtp]
     for s in specs:
+        if not source.has(s.name):
+            raise GlmkitError(f"{source.label}: tensor {s.name!r} is missing from the source, but the model "
+                              f"config.json describes has it ({_layers_described(source, bool(present))}): "
+                              "config.json does not match these weights")
         source.check(s)
+    used = set().union(*(source.stored_names(s) for s in specs))
+    # exports that copy the main embedding and lm_head into the MTP layer: it reuses the main ones
+    copies = {f"{layer_prefix(cfg.num_hidden_layers)}{n}" for n in ("embed_tokens.weight", "shared_head.head.weight")
+              } if present else set()
+    extra = sorted((n for n in source.tensors if n not in used and n not in copies), key=_layer_order)
+    if extra:
+        raise GlmkitError(f"{source.where(extra[0])}: tensor {extra[0]!r} is not part of the model config.json "
+                          f"describes ({_layers_described(source, bool(present))}): config.json does not match these "
+                          "weights")
+    if mtp and not present:
+        print(f"glm-convert: note: {source.label} has no MTP layer tensors; converting without MTP",
+              file=sys.stderr)
     return specs
+
+
+def _layers_described(source: HFSnapshot, mtp: bool) -> str:
+    """What config.json says the layers are, against the layer indices the source holds (for a mismatch)."""
+    cfg = source.config
+    held = sorted({_layer_order(n)[0] for n in source.tensors} - {-1})
+    where = f"MTP at layer {cfg.num_hidden_layers}" if mtp else "no MTP layer"
+    span = f"layers {held[0]}-{held[-1]}" if held else "no layers"
+    return (f"num_hidden_layers={cfg.num_hidden_layers}, num_nextn_predict_layers={cfg.num_nextn_predict_layers}, "
+            f"{where}; the source holds {span}")
+
+
+def _layer_order(name: str) -> tuple[int, str]:
+    """(decoder layer index or -1, name): source tensors in layer order."""
+    head, _, tail = name.removeprefix("model.layers.").partition(".")
+    return (int(head), name) if name.startswith("model.layers.") and head.isdigit() and tail else (-1, name)
 
 
 def _units(specs: list[TensorSpec], plan: QuantPlan) -> list[list[tuple[TensorSpec, PlannedTensor]]]:

@@ -127,18 +127,26 @@ class HFSnapshot:
     def has(self, name: str) -> bool:
         return name in self.tensors or self._fused(name) is not None
 
-    def files_for(self, spec: TensorSpec) -> set[str]:
-        """The shards `load(spec)` reads: the tensor (or the fused tensor holding it) and its FP8 scales."""
+    def stored_names(self, spec: TensorSpec) -> set[str]:
+        """The source tensors `load(spec)` reads: the tensor (or the fused tensor holding it) and its FP8 scales."""
         if spec.name in self.tensors:
-            name, src = spec.name, self.tensors[spec.name]
+            name = spec.name
         elif fused := self._fused(spec.name):
-            src, name = fused
+            name = fused[1]
         else:
             raise GlmkitError(f"{self.label}: tensor {spec.name!r} is missing from the source")
-        files = {src.file}
-        if src.info.dtype == "F8_E4M3" and (scale := self._fp8_scale_name(name)) is not None:
-            files.add(self.tensors[scale].file)
-        return files
+        names = {name}
+        if self.tensors[name].info.dtype == "F8_E4M3" and (scale := self._fp8_scale_name(name)) is not None:
+            names.add(scale)
+        return names
+
+    def files_for(self, spec: TensorSpec) -> set[str]:
+        """The shards `load(spec)` reads."""
+        return {self.tensors[name].file for name in self.stored_names(spec)}
+
+    def where(self, name: str) -> str:
+        """The shard (path, or Hub label/name) holding source tensor `name`."""
+        return self._where(self.tensors[name].file)
 
     def check(self, spec: TensorSpec) -> None:
         """Fail before converting anything if the tensor is missing or its header shape disagrees with config."""
