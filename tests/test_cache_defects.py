@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import glmkit.cache.prefix_cache as prefix_cache
-from glmkit.cache.prefix_cache import PrefixCache
+from glmkit.cache.prefix_cache import MAGIC, PrefixCache
 from glmkit.cli.cache import main as cache_main
 from glmkit.cli.run import main as run_main
 from glmkit.model.ops import apply_rope, rope_cos_sin
@@ -242,11 +242,40 @@ def test_a_damaged_index_is_moved_aside_and_rebuilt_from_the_blobs(engine, tmp_p
     cache = make_cache(engine, tmp_path)
     err = capsys.readouterr().err
     assert "damaged" in err and len(err.strip().splitlines()) == 1, err
-    assert len(list(tmp_path.glob("index.sqlite.corrupt-*"))) == 1
+    assert len([p for p in tmp_path.glob("index.sqlite.corrupt-*") if not p.name.endswith(("-wal", "-shm"))]) == 1
     kv = engine.model.new_cache()
     result = cache.restore(kv, ids)
     assert result.tokens == 29 and rows_match(engine, kv, ids, 29)  # every entry came back from its blob
     assert cache.db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+
+
+def test_a_missing_index_is_rebuilt_from_the_blobs(engine, tmp_path, capsys):
+    ids = tokens(3, 30)
+    store(engine, tmp_path, ids)
+    (tmp_path / "index.sqlite").unlink()
+    kv = engine.model.new_cache()
+    assert make_cache(engine, tmp_path).restore(kv, ids).tokens == 29 and rows_match(engine, kv, ids, 29)
+    assert capsys.readouterr().err == ""  # nothing was wrong with the blobs: nothing to report
+
+
+def test_blobs_of_an_earlier_version_are_removed_by_name_and_the_rest_kept(engine, tmp_path, capsys):
+    """An index an earlier glmkit wrote (user_version 0) with a blob of the earlier layout: that blob goes, the
+    current ones stay indexed, and nothing but the cache's own files is touched."""
+    ids = tokens(3, 30)
+    store(engine, tmp_path, ids)
+    mine = user_files(tmp_path)
+    old = blob_of(tmp_path, key_at(tmp_path, 24))
+    body = bytearray(old.read_bytes()[:-32])
+    body[len(MAGIC):len(MAGIC) + 4] = struct.pack("<I", 1)
+    old.write_bytes(bytes(body) + hashlib.sha256(bytes(body)).digest())
+    index(tmp_path).execute("PRAGMA user_version = 0")
+    capsys.readouterr()
+    cache = make_cache(engine, tmp_path)
+    err = capsys.readouterr().err
+    assert "removed 1 blobs" in err and len(err.strip().splitlines()) == 1, err
+    assert not old.exists() and all(p.read_text() == "mine" for p in mine)
+    kv = engine.model.new_cache()
+    assert cache.restore(kv, ids).tokens == 24 and rows_match(engine, kv, ids, 24)
 
 
 @pytest.mark.parametrize("command", ["stats", "prune", "ls"])
@@ -261,10 +290,20 @@ def test_glm_cache_on_a_damaged_index_rebuilds_it(engine, tmp_path, capsys, comm
 # ---- 5. hostile entries -----------------------------------------------------------------------------
 
 def forge(path: Path, edit) -> None:
-    """Rewrite a blob's payload with `edit(payload) -> payload` and re-sign it, as a forger would."""
+    """Rewrite a blob's payload with `edit(payload) -> payload` and fix up everything a forger can: the header's
+    payload size and both checksums (a header without `payload_bytes` has no checksum of its own)."""
     data = path.read_bytes()[:-32]
-    payload_at = data.index(b"\x28\xb5\x2f\xfd")  # the zstd frame's magic number
-    body = data[:payload_at] + edit(data[payload_at:])
+    version, head_len = struct.unpack_from("<II", data, len(MAGIC))
+    head_end = len(MAGIC) + 8 + head_len
+    header = json.loads(data[len(MAGIC) + 8:head_end])
+    if "payload_bytes" in header:
+        payload = edit(data[head_end + 32:])
+        header["payload_bytes"] = len(payload)
+        head = json.dumps(header, separators=(",", ":")).encode()
+        span = MAGIC + struct.pack("<II", version, len(head)) + head
+        body = span + hashlib.sha256(span).digest() + payload
+    else:
+        body = data[:head_end] + edit(data[head_end:])
     path.write_bytes(body + hashlib.sha256(body).digest())
 
 

@@ -9,9 +9,13 @@ A blob holds the chunk's KV rows for every main layer (`kv_lat`, `k_rot`, `index
 layers) and, when the model has an MTP layer, the MTP rows one position earlier (the MTP row at
 position i pairs h_i with token i+1, so it belongs with the chunk holding token i+1).
 
-Blob file: `MAGIC | u32 version | u32 header length | header JSON | zstd payload | sha256 of all before`.
-Written to a temp name, fsynced, renamed; only then recorded in the sqlite index. Anything that fails
-a check (magic, version, checksum, model, numerics, dims) is discarded and recomputed, never used.
+Blob file: `MAGIC | u32 version | u32 header length | header JSON | sha256 of all before | zstd payload |
+sha256 of all before`. The header names everything the index records of an entry (model hash, numerics, chain
+root, key, parent, position, token ids, array dims, embedding, payload size) under its own checksum, so a
+damaged or missing index is rebuilt from the headers alone. Written to a temp name, fsynced, renamed; only
+then recorded in the sqlite index. Anything that fails a check (magic, version, checksums, model, numerics,
+dims, the tokens and position being restored) is discarded and recomputed, never used; the index only finds
+candidates, and a blob's path comes from its key.
 
 Exact reuse already extends to the first token that differs from anything stored, not just to the last
 chunk boundary before it (`_best_tail`), so explicit "anchor" boundaries at chat-turn starts would add
@@ -28,7 +32,11 @@ approximate (computed in another context) and are never stored back.
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import difflib
+import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -42,6 +50,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, BinaryIO
 
 import numpy as np
 import zstandard
@@ -51,10 +60,11 @@ from glmkit.model.glm5 import GlmMoeDsaModel
 from glmkit.model.kv_cache import KVCache
 
 MAGIC = b"GLMKVC\x00\x01"
-BLOB_VERSION = 1
+BLOB_VERSION = 2  # 2: the header carries its own checksum, the chain root, the embedding and the payload size
 DEFAULT_CHUNK_TOKENS = 32
 DEFAULT_MAX_BYTES = 20 << 30
 MAX_HEADER_BYTES = 1 << 20
+MAX_ENTRY_TOKENS = 1 << 16  # a header listing more token ids is not one the cache wrote
 RAM_TIER_BYTES = 512 << 20
 _FIELDS = ("kv_lat", "k_rot", "index_k")
 
@@ -293,7 +303,7 @@ class PrefixCache:
                 return None
             try:  # the path comes from the key, never from the index row
                 chunk = read_blob(blob_path(self.directory, self.model_hash, key), self.model_hash, self.numerics,
-                                  self.expected_shapes(n_tokens, start))
+                                  self.expected_shapes(n_tokens, start), self.root)
             except (OSError, ValueError):
                 chunk = None
         if chunk is None or not _holds(chunk, key, start, n_tokens, expect, offset, parent):
@@ -351,18 +361,12 @@ class PrefixCache:
 
     def _write(self, chunk: Chunk) -> None:
         path = blob_path(self.directory, self.model_hash, chunk.key)
-        nbytes = write_blob(path, chunk, self.model_hash, self.numerics)
-        now = time.time()
         # full chunks get an embedding (mean layer-0 kv_lat: see chunk_index) for the similar-chunk search
         emb = chunk.arrays["0.kv_lat"].mean(axis=0).astype("<f4") if len(chunk.tokens) == self.chunk_tokens else None
+        nbytes = write_blob(path, chunk, self.model_hash, self.numerics, self.root, emb)
         with self.db:
-            self.db.execute("INSERT OR REPLACE INTO entries(key, model_hash, parent, start, n_tokens, tokens, file, "
-                            "nbytes, created, last_access, hits, content, root, emb) "
-                            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?, ?, ?)",
-                            (chunk.key, self.model_hash, chunk.parent, chunk.start, len(chunk.tokens),
-                             np.asarray(chunk.tokens, dtype="<i8").tobytes(), str(path.relative_to(self.directory)),
-                             nbytes, now, now,
-                             tokens_hash(chunk.tokens), self.root, None if emb is None else emb.tobytes()))
+            _insert_entry(self.db, "INSERT OR REPLACE", self.directory, path, chunk, self.model_hash, self.root,
+                          emb, nbytes, time.time())
         self.counters.stored_chunks += 1
         self.counters.stored_bytes += nbytes
         self._remember(chunk)
@@ -595,25 +599,85 @@ _ADDED_COLUMNS = (("content", "TEXT"), ("root", "TEXT"), ("emb", "BLOB"))
 
 def open_index(directory: Path, wait_s: float = 30.0) -> sqlite3.Connection:
     """Open (creating if needed) the shared index. Two processes creating it at once can get SQLITE_BUSY
-    from the journal-mode switch without sqlite's busy handler ever running, so setup is retried."""
+    from the journal-mode switch without sqlite's busy handler ever running, so setup is retried.
+
+    A damaged index (not a database, a failed quick_check, not a regular file) is moved aside to
+    `index.sqlite.corrupt-<time>-<pid>` and rebuilt from the blobs' headers, with a one-line notice."""
     deadline = time.monotonic() + wait_s
+    moved: Path | None = None
     while True:
+        path = directory / "index.sqlite"
+        seen = _inode(path)
         try:
-            return _open_index(directory)
+            db, counts = _open_index(directory)
         except sqlite3.OperationalError as e:
             if ("locked" not in str(e) and "busy" not in str(e)) or time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
+            continue
+        except sqlite3.DatabaseError as e:  # SQLITE_CORRUPT, SQLITE_NOTADB: the file itself is damaged
+            if moved is not None or time.monotonic() > deadline:  # a fresh index failing too: not for a rebuild
+                raise
+            moved = _move_damaged_index(directory, seen)
+            if moved is not None:
+                reason = str(e)
+            continue
+        if moved is not None:
+            print(f"glmkit: prefix cache index {path} was damaged ({reason}); moved it to {moved.name} and rebuilt "
+                  f"it from {counts[0] if counts else 0} blobs", file=sys.stderr)
+        return db
 
 
-def _open_index(directory: Path) -> sqlite3.Connection:
-    db = sqlite3.connect(directory / "index.sqlite", timeout=30, isolation_level=None)
+def _inode(path: Path) -> int | None:
     try:
-        _create_schema(db, directory)
+        return os.lstat(path).st_ino
+    except FileNotFoundError:
+        return None
+
+
+def _move_damaged_index(directory: Path, seen: int | None) -> Path | None:
+    """Rename the index found damaged (with its WAL and shared-memory files) out of the way, unless another
+    process did so first; returns the new name of the index, or None."""
+    with _index_lock(directory):
+        path = directory / "index.sqlite"
+        if seen is None or _inode(path) != seen:  # already replaced: open the new one
+            return None
+        aside = path.with_name(f"index.sqlite.corrupt-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+        for suffix in ("-wal", "-shm", ""):
+            with contextlib.suppress(FileNotFoundError):
+                os.rename(f"{path}{suffix}", f"{aside}{suffix}")
+        return aside
+
+
+@contextlib.contextmanager
+def _index_lock(directory: Path) -> Iterator[None]:
+    """An exclusive lock (flock on `DIR/index.lock`) around replacing the index file itself."""
+    fd = os.open(directory / "index.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _open_index(directory: Path) -> tuple[sqlite3.Connection, tuple[int, int] | None]:
+    path = directory / "index.sqlite"
+    if (seen := _lstat(path)) is not None and not stat.S_ISREG(seen.st_mode):
+        raise sqlite3.DatabaseError(f"{path} is not a regular file")
+    db = sqlite3.connect(path, timeout=30, isolation_level=None)
+    try:
+        counts = _create_schema(db, directory)
     except sqlite3.Error:
         db.close()
         raise
-    return db
+    return db, counts
+
+
+def _lstat(path: Path) -> os.stat_result | None:
+    try:
+        return os.lstat(path)
+    except FileNotFoundError:
+        return None
 
 
 _CREATE_ENTRIES = ("CREATE TABLE IF NOT EXISTS entries (key TEXT PRIMARY KEY, model_hash TEXT NOT NULL, "
@@ -623,30 +687,92 @@ _REQUIRED_COLUMNS = {"key", "model_hash", "parent", "start", "n_tokens", "tokens
                      "last_access", "hits"}
 
 
-def _create_schema(db: sqlite3.Connection, directory: Path) -> None:
+def _create_schema(db: sqlite3.Connection, directory: Path) -> tuple[int, int] | None:
+    """Check the index, bring its table to today's layout and, when the index does not yet record this blob
+    version (new, rebuilt, or from an earlier glmkit), index the blobs on disk; returns (indexed, removed)
+    blob counts when it did. Raises sqlite3.DatabaseError when the file is damaged."""
     db.execute("PRAGMA busy_timeout=30000")
     db.execute("PRAGMA journal_mode=WAL")
+    check = db.execute("PRAGMA quick_check(1)").fetchone()
+    if check != ("ok",):
+        found = " ".join(str(check[0]).split())[:120] if check else "no answer"  # one line, however many it reports
+        raise sqlite3.DatabaseError(f"quick_check: {found}")
     db.execute(_CREATE_ENTRIES)
-    have = {row[1] for row in db.execute("PRAGMA table_info(entries)")}
-    if not _REQUIRED_COLUMNS <= have:
-        # an index from an incompatible earlier layout: its entries cannot be matched, so it starts over, and the
-        # blobs only it referenced go with it (found by their names: nothing else in the directory is touched)
-        print(f"glmkit: prefix cache index {directory / 'index.sqlite'} has an old layout; starting it afresh",
-              file=sys.stderr)
-        db.execute("DROP TABLE entries")
-        db.execute(_CREATE_ENTRIES)
-        for path, _, _ in cache_files(directory):
-            remove_cache_file(path)
-        have = {row[1] for row in db.execute("PRAGMA table_info(entries)")}
-    for name, kind in _ADDED_COLUMNS:  # an index made before these columns existed: add them (rows stay NULL)
-        if name not in have:
-            try:
-                db.execute(f"ALTER TABLE entries ADD COLUMN {name} {kind}")
-            except sqlite3.OperationalError:  # another process added it first
-                pass
+    counts = None
+    if db.execute("PRAGMA user_version").fetchone()[0] != BLOB_VERSION:
+        db.execute("BEGIN IMMEDIATE")  # one process migrates; the others then see the new version
+        try:
+            if db.execute("PRAGMA user_version").fetchone()[0] != BLOB_VERSION:
+                counts = _migrate(db, directory)
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
     db.execute("CREATE INDEX IF NOT EXISTS by_parent ON entries(parent)")
     db.execute("CREATE INDEX IF NOT EXISTS by_content ON entries(root, content)")
     db.isolation_level = "DEFERRED"
+    return counts
+
+
+def _migrate(db: sqlite3.Connection, directory: Path) -> tuple[int, int]:
+    """Inside the caller's write transaction: today's columns, then every blob on disk indexed (or removed)."""
+    have = {row[1] for row in db.execute("PRAGMA table_info(entries)")}
+    old_layout = not _REQUIRED_COLUMNS <= have
+    if old_layout:  # an index from an incompatible earlier layout: its rows cannot be matched, so it starts over
+        db.execute("DROP TABLE entries")
+        db.execute(_CREATE_ENTRIES)
+    else:
+        for name, kind in _ADDED_COLUMNS:  # an index made before these columns existed: add them (rows stay NULL)
+            if name not in have:
+                db.execute(f"ALTER TABLE entries ADD COLUMN {name} {kind}")
+    counts = _index_blobs(db, directory)
+    db.execute(f"PRAGMA user_version = {BLOB_VERSION}")
+    if old_layout:
+        print(f"glmkit: prefix cache index {directory / 'index.sqlite'} has an old layout; rebuilt it from "
+              f"{counts[0]} blobs", file=sys.stderr)
+    elif counts[1]:
+        print(f"glmkit: prefix cache {directory}: removed {counts[1]} blobs of an earlier layout or damaged",
+              file=sys.stderr)
+    return counts
+
+
+def _index_blobs(db: sqlite3.Connection, directory: Path) -> tuple[int, int]:
+    """Add a row for every blob whose header checks out and that no row names yet; remove the cache's files
+    that are no blob of this version (found by the cache's naming: nothing else is touched; a blob of a later
+    version is left for the glmkit that wrote it). Returns (indexed, removed)."""
+    indexed = removed = 0
+    for path, key, temp in cache_files(directory):
+        if temp:
+            continue  # a writer's, maybe still running: `glm-cache prune` removes stale ones
+        try:
+            with open_regular_file(path) as f:
+                st = os.fstat(f.fileno())
+                header, _ = _read_header(f, st.st_size, path)
+            if header["key"] != key or header["model_hash"][:16] != path.parent.parent.name:
+                raise ValueError(f"{path}: header names another entry")
+        except _LaterVersionError:
+            continue
+        except (OSError, ValueError):
+            if remove_cache_file(path):
+                removed += 1
+            db.execute("DELETE FROM entries WHERE key = ?", (key,))
+            continue
+        chunk = Chunk(key, header["parent"], header["start"], header["tokens"], {})
+        emb = None if header["emb"] is None else np.frombuffer(base64.b64decode(header["emb"]), dtype="<f4")
+        cursor = _insert_entry(db, "INSERT OR IGNORE", directory, path, chunk, header["model_hash"], header["root"],
+                               emb, st.st_size, st.st_mtime)
+        indexed += cursor.rowcount
+    return indexed, removed
+
+
+def _insert_entry(db: sqlite3.Connection, verb: str, directory: Path, path: Path, chunk: Chunk, model_hash: str,
+                  root: str, emb: np.ndarray | None, nbytes: int, when: float) -> sqlite3.Cursor:
+    """Record a stored chunk (`verb`: "INSERT OR REPLACE" or "INSERT OR IGNORE"), last used at `when`."""
+    return db.execute(f"{verb} INTO entries(key, model_hash, parent, start, n_tokens, tokens, file, nbytes, created, "
+                      "last_access, hits, content, root, emb) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?, ?, ?)",
+                      (chunk.key, model_hash, chunk.parent, chunk.start, len(chunk.tokens),
+                       np.asarray(chunk.tokens, dtype="<i8").tobytes(), str(path.relative_to(directory)), nbytes,
+                       when, when, tokens_hash(chunk.tokens), root, None if emb is None else emb.tobytes()))
 
 
 def prune(db: sqlite3.Connection, directory: Path, max_bytes: int, model_hash: str | None = None,
@@ -734,15 +860,32 @@ def remove_cache_file(path: Path) -> bool:
     except OSError:  # gone already, or not ours to remove (permissions): left as it is
         return False
 
-def write_blob(path: Path, chunk: Chunk, model_hash: str, numerics: str) -> int:
-    """Write atomically (unique temp name, fsync, rename). Returns the file size."""
-    header = {"model_hash": model_hash, "numerics": numerics, "key": chunk.key, "parent": chunk.parent,
-              "start": chunk.start, "tokens": chunk.tokens, "compression": "zstd", "dtype": "float32",
-              "lossy": False, "arrays": [[name, list(a.shape)] for name, a in chunk.arrays.items()]}
-    head = json.dumps(header, separators=(",", ":")).encode()
+def open_regular_file(path: Path) -> BinaryIO:
+    """Open an existing regular file for reading without following a final symlink or waiting on a FIFO;
+    anything else (symlink, FIFO, device, directory) raises OSError."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def write_blob(path: Path, chunk: Chunk, model_hash: str, numerics: str, root: str, emb: np.ndarray | None) -> int:
+    """Write atomically (unique temp name, fsync, rename); `emb` (`[kv_lora_rank]` f32 or None) goes in the
+    header for rebuilding the index. Returns the file size."""
     payload = zstandard.ZstdCompressor(level=3).compress(
         b"".join(np.ascontiguousarray(a, dtype="<f4").tobytes() for a in chunk.arrays.values()))
-    body = MAGIC + struct.pack("<II", BLOB_VERSION, len(head)) + head + payload
+    header = {"model_hash": model_hash, "numerics": numerics, "root": root, "key": chunk.key, "parent": chunk.parent,
+              "start": chunk.start, "tokens": [int(t) for t in chunk.tokens], "compression": "zstd",
+              "dtype": "float32", "lossy": False, "arrays": [[name, list(a.shape)] for name, a in chunk.arrays.items()],
+              "emb": None if emb is None else base64.b64encode(np.asarray(emb, dtype="<f4").tobytes()).decode(),
+              "payload_bytes": len(payload)}
+    head = json.dumps(header, separators=(",", ":")).encode()
+    span = MAGIC + struct.pack("<II", BLOB_VERSION, len(head)) + head
+    body = span + hashlib.sha256(span).digest() + payload
     data = body + hashlib.sha256(body).digest()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{time.monotonic_ns()}")
@@ -754,28 +897,81 @@ def write_blob(path: Path, chunk: Chunk, model_hash: str, numerics: str) -> int:
     return len(data)
 
 
-def read_blob(path: Path, model_hash: str, numerics: str, shapes: dict[str, tuple[int, int]]) -> Chunk:
-    """Read and check a blob; raises ValueError naming what is wrong."""
-    data = path.read_bytes()
-    if len(data) < len(MAGIC) + 8 + 32 or data[:len(MAGIC)] != MAGIC:
+class _LaterVersionError(ValueError):
+    """A blob written by a later glmkit (another layout version): not this version's to use or remove."""
+
+
+_PREFIX_BYTES = len(MAGIC) + 8  # magic, version, header length
+
+
+def _read_header(f: BinaryIO, size: int, path: Path) -> tuple[dict[str, Any], bytes]:
+    """The checked header of an open blob of `size` bytes, and the bytes up to its end (digest included).
+    Reads at most `MAX_HEADER_BYTES` plus a few; raises ValueError for anything the cache would not write."""
+    prefix = f.read(_PREFIX_BYTES)
+    if len(prefix) < _PREFIX_BYTES or prefix[:len(MAGIC)] != MAGIC:
         raise ValueError(f"{path}: not a glmkit KV blob")
-    body, digest = data[:-32], data[-32:]
-    if hashlib.sha256(body).digest() != digest:
-        raise ValueError(f"{path}: checksum mismatch")
-    version, head_len = struct.unpack_from("<II", body, len(MAGIC))
+    version, head_len = struct.unpack_from("<II", prefix, len(MAGIC))
+    if version > BLOB_VERSION:
+        raise _LaterVersionError(f"{path}: blob version {version}")
     if version != BLOB_VERSION:
         raise ValueError(f"{path}: blob version {version}")
-    start = len(MAGIC) + 8
-    if head_len > MAX_HEADER_BYTES or start + head_len > len(body):
+    if head_len > MAX_HEADER_BYTES or _PREFIX_BYTES + head_len + 64 > size:
         raise ValueError(f"{path}: bad header length")
-    header = json.loads(body[start:start + head_len])
-    if header.get("model_hash") != model_hash or header.get("numerics") != numerics:
-        raise ValueError(f"{path}: written for another model or numerics version")
-    names = [tuple(x) for x in header["arrays"]]
-    if {n: tuple(s) for n, s in names} != shapes or [n for n, _ in names] != list(shapes):
-        raise ValueError(f"{path}: array layout does not match this model")
+    rest = f.read(head_len + 32)
+    span = prefix + rest
+    if len(rest) != head_len + 32 or hashlib.sha256(span[:-32]).digest() != span[-32:]:
+        raise ValueError(f"{path}: header checksum mismatch")
+    try:
+        header = json.loads(rest[:-32])
+    except RecursionError:  # nested past the parser's depth: no header the cache writes
+        raise ValueError(f"{path}: malformed header") from None
+    _check_header(header, path)
+    if size != len(span) + header["payload_bytes"] + 32:
+        raise ValueError(f"{path}: file size does not match its header")
+    return header, span
+
+
+def _check_header(h: Any, path: Path) -> None:
+    """Raise ValueError unless `h` has every field the cache writes, of the right kind, and its key is the hash
+    of its own parent and tokens."""
+    def is_int(x: Any) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    ok = (isinstance(h, dict)
+          and all(isinstance(h.get(k), str) and _HEX64.fullmatch(h[k]) for k in ("model_hash", "root", "key", "parent"))
+          and isinstance(h.get("numerics"), str) and is_int(h.get("start")) and h["start"] >= 0
+          and isinstance(h.get("tokens"), list) and 0 < len(h["tokens"]) <= MAX_ENTRY_TOKENS
+          and all(is_int(t) and -(1 << 63) <= t < 1 << 63 for t in h["tokens"])
+          and isinstance(h.get("arrays"), list)
+          and all(isinstance(a, list) and len(a) == 2 and isinstance(a[0], str) and isinstance(a[1], list)
+                  and len(a[1]) == 2 and all(is_int(d) and d >= 0 for d in a[1]) for a in h["arrays"])
+          and (h.get("emb") is None or isinstance(h["emb"], str))
+          and is_int(h.get("payload_bytes")) and h["payload_bytes"] >= 0)
+    if not ok:
+        raise ValueError(f"{path}: malformed header")
+    if h["emb"] is not None and len(base64.b64decode(h["emb"], validate=True)) % 4:
+        raise ValueError(f"{path}: malformed embedding")
+    if chunk_key(h["parent"], h["tokens"]) != h["key"]:
+        raise ValueError(f"{path}: key is not the hash of its parent and tokens")
+
+
+def read_blob(path: Path, model_hash: str, numerics: str, shapes: dict[str, tuple[int, int]],
+              root: str | None = None) -> Chunk:
+    """Read and check a blob (written for `model_hash`, `numerics` and, given, chain `root`, holding arrays of
+    exactly `shapes`); raises ValueError naming what is wrong, OSError for what is not a regular file."""
+    with open_regular_file(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        header, span = _read_header(f, size, path)
+        if header["model_hash"] != model_hash or header["numerics"] != numerics or root not in (None, header["root"]):
+            raise ValueError(f"{path}: written for another model or numerics version")
+        names = [tuple(x) for x in header["arrays"]]
+        if {n: tuple(s) for n, s in names} != shapes or [n for n, _ in names] != list(shapes):
+            raise ValueError(f"{path}: array layout does not match this model")
+        rest = f.read(header["payload_bytes"] + 32)
+    if len(rest) != header["payload_bytes"] + 32 or hashlib.sha256(span + rest[:-32]).digest() != rest[-32:]:
+        raise ValueError(f"{path}: checksum mismatch")
     expected = sum(int(np.prod(s)) for s in shapes.values()) * 4
-    raw = zstandard.ZstdDecompressor().decompress(body[start + head_len:], max_output_size=expected)
+    raw = zstandard.ZstdDecompressor().decompress(rest[:-32], max_output_size=expected)
     if len(raw) != expected:
         raise ValueError(f"{path}: payload size mismatch")
     arrays, offset = {}, 0
