@@ -2,10 +2,14 @@
 resume, non-finite or misread weights, a config that disagrees with the tensors, untrusted JSON side files,
 and rerunning a finished conversion."""
 
+import contextlib
 import hashlib
 import json
 import os
+import resource
 import shutil
+import signal
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -242,3 +246,99 @@ def test_mtp_copies_of_the_embedding_and_head_are_tolerated(tmp_path):
     assert convert_main([str(_synth(tmp_path, TINY_CONFIG, weights)), str(out), "--quiet"]) == 0
     tensors = Container(out).manifest.tensors
     assert "model.layers.3.eh_proj.weight" in tensors and "model.layers.3.embed_tokens.weight" not in tensors
+
+
+# --- config.json and the other JSON side files are untrusted ------------------------------------------------------
+
+class Hang(Exception):
+    """A conversion that ran past its time limit (a read that never ends)."""
+
+
+@contextlib.contextmanager
+def bounded(seconds: float = 10, memory: int = 1 << 30):
+    """Run the body with a wall-clock limit (SIGALRM raises Hang) and at most `memory` more bytes of address
+    space (a bigger allocation raises MemoryError), so a hang or a blow-up fails the test instead of the machine."""
+    vm = int(next(line for line in Path("/proc/self/status").read_text().splitlines()
+                  if line.startswith("VmSize:")).split()[1]) * 1024
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+
+    def expire(signum, frame):
+        raise Hang(f"still running after {seconds} s")
+    previous = signal.signal(signal.SIGALRM, expire)
+    resource.setrlimit(resource.RLIMIT_AS, (vm + memory, hard))
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _replace(path, kind: str) -> None:
+    path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.symlink_to("/dev/zero")
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors.index.json", "generation_config.json",
+                                  "tokenizer.json", "model-00002-of-00003.safetensors"])
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero"])
+def test_side_files_and_shards_must_be_regular_files(tmp_path, capsys, name, kind):
+    src = tmp_path / "src"
+    shutil.copytree(FIXTURES / "tiny-bf16", src)
+    _replace(src / name, kind)
+    with bounded():
+        err = run_bad(capsys, src, tmp_path / "out")
+    assert name in err and "not a regular file" in err
+
+
+def _nested(cfg: dict, depth: int) -> str:
+    """config.json with one more key holding lists nested `depth` deep."""
+    return json.dumps(cfg)[:-1] + ', "extra": ' + "[" * depth + "]" * depth + "}"
+
+
+CONFIG_TEXT_CASES = {
+    "nested 10^4 deep": lambda cfg: _nested(cfg, 10**4),
+    "nested 100 deep": lambda cfg: _nested(cfg, 100),
+    "over 16 MB": lambda cfg: json.dumps(cfg) + " " * (17 << 20),
+    "duplicate key": lambda cfg: json.dumps(cfg)[:-1] + ', "num_hidden_layers": 4}',
+    "not UTF-8": lambda cfg: json.dumps(cfg).replace("glm_moe_dsa", "glm_moe_dsa\udcff"),
+}
+
+
+@pytest.mark.parametrize("case,expected", [
+    ("nested 10^4 deep", "nested more than 64 levels"), ("nested 100 deep", "nested more than 64 levels"),
+    ("over 16 MB", "more than the 16777216"), ("duplicate key", "'num_hidden_layers' appears twice"),
+    ("not UTF-8", "not UTF-8"),
+])
+def test_config_text_is_untrusted(tmp_path, capsys, case, expected):
+    src = _synth(tmp_path, TINY_CONFIG)
+    text = CONFIG_TEXT_CASES[case](TINY_CONFIG)
+    (src / "config.json").write_bytes(text.encode("utf-8", "surrogateescape"))
+    with bounded():
+        err = run_bad(capsys, src, tmp_path / "out")
+    assert "config.json" in err and expected in err
+
+
+@pytest.mark.parametrize("changes,field", [
+    ({"norm_topk_prob": "false"}, "'norm_topk_prob'"),
+    ({"rms_norm_eps": float("inf")}, "'rms_norm_eps'"),
+    ({"routed_scaling_factor": float("nan")}, "'routed_scaling_factor'"),
+    ({"rope_parameters": {"rope_theta": float("nan"), "rope_type": "default"}}, "rope_theta"),
+    ({"eos_token_id": [1, 10**6]}, "eos_token_id"),
+    ({"eos_token_id": -1}, "eos_token_id"),
+    ({"indexer_types": [["full"], "shared", "full"]}, "indexer_types"),
+    ({"num_hidden_layers": 1024, "n_routed_experts": 4096, "indexer_types": None}, "expert matrices"),
+    ({"index_topk_freq": True, "indexer_types": None}, "index_topk_freq"),
+    ({"hidden_size": 0}, "'hidden_size'"), ({"num_attention_heads": -4}, "'num_attention_heads'"),
+    ({"vocab_size": 1.5}, "'vocab_size'"), ({"n_routed_experts": [4]}, "'n_routed_experts'"),
+])
+def test_config_fields_are_checked_before_anything_is_sized_from_them(tmp_path, capsys, changes, field):
+    cfg = {k: v for k, v in {**TINY_CONFIG, **changes}.items() if v is not None}
+    src = _synth(tmp_path, cfg)
+    with bounded():
+        err = run_bad(capsys, src, tmp_path / "out")
+    assert "config.json" in err and field in err

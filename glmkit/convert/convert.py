@@ -27,7 +27,7 @@ from glmkit.convert.quantizers import HessianFactor, choose_scales, gptq_quantiz
 from glmkit.convert.resume import STATE_DIR, ConversionState, DoneFile, differences, source_change
 from glmkit.convert.sources.fetch import peak_alive_bytes
 from glmkit.convert.sources.open import open_source
-from glmkit.convert.sources.snapshot import SIDE_FILES, HFSnapshot
+from glmkit.convert.sources.snapshot import HFSnapshot, copy_side_file
 from glmkit.convert.sources.source import BackgroundDigests, Source
 from glmkit.errors import GlmkitError
 from glmkit.format.imatrix import Imatrix
@@ -178,11 +178,8 @@ def _run(job: ConversionJob, out: Path, force: bool, progress: bool, budget: int
         fetcher.close()
         down_bar.close()
         bar.close()
-        for name in SIDE_FILES:
-            if (job.source.side_dir / name).is_file():
-                tmp = out / (name + ".tmp")
-                shutil.copyfile(job.source.side_dir / name, tmp)
-                tmp.replace(out / name)
+        for name in job.source.side_files:
+            copy_side_file(job.source.side_dir / name, out / name)
         manifest = Manifest(
             model_hash="",
             source={"files": hashing.result(), "origin": job.source.origin},

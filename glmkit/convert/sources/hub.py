@@ -41,8 +41,10 @@ from glmkit.convert.sources.snapshot import (
     MAX_INDEX_BYTES,
     SIDE_FILES,
     HFSnapshot,
+    check_side_files,
     sha256_file,
     shard_names_from_index,
+    side_file_limit,
 )
 from glmkit.convert.sources.source import Source
 from glmkit.errors import GlmkitError
@@ -91,6 +93,9 @@ class HubSource(Source):
         local_dir = None if self.keep_source else self.side_dir
         for name in (*SIDE_FILES, INDEX_NAME):
             if name in self.files:
+                if int(self.files[name].size) > side_file_limit(name):  # before downloading it
+                    raise GlmkitError(f"{self.label}/{name}: {self.files[name].size} bytes, more than the "
+                                      f"{side_file_limit(name)} it may have")
                 self.side_dir = self._fetch_verified(name, local_dir).parent
         shards = self._shard_names()
         sizes = {name: int(self.files[name].size) for name in shards}
@@ -98,6 +103,7 @@ class HubSource(Source):
             headers = dict(zip(shards, pool.map(self._remote_header, shards), strict=True))
         try:
             config = ModelConfig.from_file(self.side_dir / "config.json")
+            self.side_files = check_side_files(self.side_dir)
         except GlmkitError as e:
             raise GlmkitError(str(e).replace(str(self.side_dir), self.label)) from None
         self.snapshot = HFSnapshot.from_headers(config, headers, sizes, self.label)

@@ -9,6 +9,7 @@ routed experts. Every tensor comes back as float32 with its logical HF shape.
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from glmkit.errors import GlmkitError
-from glmkit.format.config import ModelConfig, read_json_file
+from glmkit.format.config import MAX_CONFIG_BYTES, ModelConfig, open_regular_file, read_json_file
 from glmkit.format.safetensors_file import TensorInfo, read_header, read_tensor
 from glmkit.format.schema import TensorSpec
 
@@ -28,6 +29,10 @@ FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 # Copied verbatim into the container next to the weights.
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
               "special_tokens_map.json", "chat_template.jinja", "chat_template.json")
+# Side files the converter also parses, to refuse a broken one before converting (tokenizer.json is parsed by
+# the runtime's tokenizer; config.json by ModelConfig).
+JSON_SIDE_FILES = ("generation_config.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.json")
+MAX_SIDE_FILE_BYTES = 64 << 20  # a large vocabulary's tokenizer.json is ~20 MB
 
 
 @dataclass(frozen=True)
@@ -97,7 +102,7 @@ class HFSnapshot:
                 raise GlmkitError(f"{index}: not a valid safetensors index (needs a 'weight_map' object)") from None
             files = [self.directory / n for n in names]
             for f in files:
-                if not f.is_file():
+                if not f.exists() and not f.is_symlink():
                     raise GlmkitError(f"{index}: names shard {f.name} which is missing")
             return files
         files = sorted(self.directory.glob("*.safetensors"))
@@ -312,6 +317,40 @@ def _part(expert: int | None, rows: tuple[int, int] | None) -> str:
     if rows is not None:
         return f" (rows {rows[0]}-{rows[0] + rows[1] - 1})"
     return ""
+
+
+def side_file_limit(name: str) -> int:
+    """The most bytes side file `name` may have (checked before it is read or downloaded)."""
+    return MAX_CONFIG_BYTES if name == "config.json" else MAX_INDEX_BYTES if name == INDEX_NAME else MAX_SIDE_FILE_BYTES
+
+
+def check_side_files(directory: Path) -> list[str]:
+    """The side files `directory` holds, each a regular file within `side_file_limit`; the JSON ones parse (and
+    config.json was read already). A FIFO, device or oversized file is an error, not skipped or read forever."""
+    present = []
+    for name in SIDE_FILES:
+        path = directory / name
+        if not path.exists() and not path.is_symlink():
+            continue
+        with open_regular_file(path) as f:
+            size = os.fstat(f.fileno()).st_size
+        if size > side_file_limit(name):
+            raise GlmkitError(f"{path}: {size} bytes, more than the {side_file_limit(name)} a side file may have")
+        if name in JSON_SIDE_FILES:
+            read_json_file(path, side_file_limit(name))
+        present.append(name)
+    return present
+
+
+def copy_side_file(source: Path, dest: Path) -> None:
+    """Copy a checked side file (`check_side_files`) under a temporary name, then rename it into place."""
+    tmp = dest.with_name(dest.name + ".tmp")
+    with open_regular_file(source) as f, open(tmp, "wb") as out:
+        out.write(f.read(side_file_limit(source.name) + 1))
+    if tmp.stat().st_size > side_file_limit(source.name):  # it grew since it was checked
+        tmp.unlink()
+        raise GlmkitError(f"{source}: grew past {side_file_limit(source.name)} bytes while being converted")
+    tmp.replace(dest)
 
 
 def shard_names_from_index(index: object) -> list[str]:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from glmkit.convert.sources.fetch import LocalShards
-from glmkit.convert.sources.snapshot import HFSnapshot, shard_identity
+from glmkit.convert.sources.snapshot import HFSnapshot, check_side_files, shard_identity
 from glmkit.errors import GlmkitError
 
 _COMMIT = re.compile(r"[0-9a-f]{40}")
@@ -20,6 +20,7 @@ class Source:
 
     snapshot: HFSnapshot
     side_dir: Path  # holds config.json, tokenizer files, ... (copied into the container)
+    side_files: list[str]  # the SIDE_FILES side_dir holds, checked (check_side_files)
     origin: dict[str, Any]  # manifest `source.origin`: provenance, not part of the model hash
     identity: dict[str, Any]  # what a resumed conversion must match
     remote = False
@@ -60,6 +61,7 @@ class LocalSource(Source):
         self.directory = directory
         self.snapshot = HFSnapshot(snapshot_dir)
         self.side_dir = snapshot_dir
+        self.side_files = check_side_files(snapshot_dir)
         path = str(snapshot_dir.resolve())
         if repo is None:
             self.origin = {"kind": "local", "path": path}
