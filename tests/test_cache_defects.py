@@ -355,6 +355,21 @@ def test_hostile_entries_are_misses(engine, tmp_path, kind):
         assert path.is_dir()  # a directory is never the cache's to delete, whatever its name
 
 
+def test_storing_where_a_directory_took_a_blobs_place_is_a_notice(engine, tmp_path, capsys):
+    ids = tokens(7, 20)
+    store(engine, tmp_path, ids)
+    path = blob_of(tmp_path, key_at(tmp_path, 0))
+    path.unlink()
+    path.mkdir()
+    index(tmp_path).execute("DELETE FROM entries")
+    cache = make_cache(engine, tmp_path)
+    capsys.readouterr()
+    assert cache.store(computed(engine, ids), ids) == 0
+    err = capsys.readouterr().err
+    assert "not stored" in err and len(err.strip().splitlines()) == 1 and path.is_dir(), err
+    assert not list(path.parent.glob("*.tmp-*"))  # no temp file left behind
+
+
 def test_stats_never_count_a_negative_size(engine, tmp_path, capsys):
     store(engine, tmp_path, tokens(5, 30))
     db = index(tmp_path)

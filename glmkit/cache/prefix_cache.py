@@ -64,7 +64,10 @@ BLOB_VERSION = 2  # 2: the header carries its own checksum, the chain root, the 
 DEFAULT_CHUNK_TOKENS = 32
 DEFAULT_MAX_BYTES = 20 << 30
 MAX_HEADER_BYTES = 1 << 20
-MAX_ENTRY_TOKENS = 1 << 16  # a header listing more token ids is not one the cache wrote
+MAX_ENTRY_TOKENS = 1 << 16  # a header or row listing more token ids is not one the cache wrote
+# entries longer than this (and than the cache's own chunk) are not read: one read allocates at most this many
+# tokens' rows, sized by the model's dims
+MAX_CHUNK_TOKENS = 1024
 RAM_TIER_BYTES = 512 << 20
 _FIELDS = ("kv_lat", "k_rot", "index_k")
 
@@ -268,7 +271,7 @@ class PrefixCache:
         """
         best, best_n, best_len = None, 0, 0
         for key, n_tokens, blob in self.db.execute(
-                "SELECT key, n_tokens, tokens FROM entries WHERE parent = ? AND model_hash = ?",
+                f"SELECT key, n_tokens, tokens FROM entries WHERE parent = ? AND model_hash = ? AND {VALID_ENTRY}",
                 (parent, self.model_hash)).fetchall():
             n = common_prefix(np.frombuffer(blob, dtype="<i8").tolist(), remaining)
             if n > best_n:
@@ -299,7 +302,7 @@ class PrefixCache:
         chunk = self._ram.get(key)
         from_disk = chunk is None
         if from_disk:
-            if not self._exists(key):
+            if not 0 < n_tokens <= max(self.chunk_tokens, MAX_CHUNK_TOKENS) or not self._exists(key):
                 return None
             try:  # the path comes from the key, never from the index row
                 chunk = read_blob(blob_path(self.directory, self.model_hash, key), self.model_hash, self.numerics,
@@ -341,7 +344,11 @@ class PrefixCache:
             key = chunk_key(parent, tokens[pos:pos + n])
             if key not in self._ram and not self._exists(key):
                 chunk = Chunk(key, parent, pos, list(tokens[pos:pos + n]), self._rows(kv, pos, n))
-                self._write(chunk)
+                try:
+                    self._write(chunk)
+                except (OSError, ValueError) as e:  # no space, or something not the cache's where its blob goes
+                    print(f"glmkit: prefix cache {self.directory}: chunk not stored ({e})", file=sys.stderr)
+                    break  # the chunks after it would be unreachable
                 stored += 1
             if n < self.chunk_tokens:
                 break
@@ -376,7 +383,7 @@ class PrefixCache:
     # ---- bookkeeping ----
 
     def _exists(self, key: str) -> bool:
-        return self.db.execute("SELECT 1 FROM entries WHERE key = ?", (key,)).fetchone() is not None
+        return self.db.execute(f"SELECT 1 FROM entries WHERE key = ? AND {VALID_ENTRY}", (key,)).fetchone() is not None
 
     def _touch(self, key: str) -> None:
         """Record a use; written in one transaction by `flush_touches` (one per chunk cost ~8 ms each)."""
@@ -425,6 +432,7 @@ class PrefixCache:
         from glmkit.cache.chunk_index import DEFAULT_MAX_ELEMENTS, ChunkIndex
 
         if self.ann is None:
+            drop_damaged_entries(self.db, self.directory)  # the similar-chunk index reads every row of the chain
             self.ann = ChunkIndex(self.db, self.directory, self.root, center, max_elements or DEFAULT_MAX_ELEMENTS)
         return self.ann
 
@@ -490,12 +498,14 @@ class PrefixCache:
             marks = ",".join("?" * len(batch))
             for content, key, start in self.db.execute(
                     f"SELECT content, key, start FROM entries WHERE root = ? AND n_tokens = ? AND content IN ({marks}) "
+                    f"AND {VALID_ENTRY} "
                     "ORDER BY last_access", (self.root, self.chunk_tokens, *batch)):
                 found[content] = (key, start)  # the most recently used copy wins
         return found
 
     def _entry(self, key: str) -> tuple[str, int, int, list[int]] | None:
-        row = self.db.execute("SELECT parent, start, n_tokens, tokens FROM entries WHERE key = ?", (key,)).fetchone()
+        row = self.db.execute(f"SELECT parent, start, n_tokens, tokens FROM entries WHERE key = ? AND {VALID_ENTRY}",
+                              (key,)).fetchone()
         return None if row is None else (row[0], row[1], row[2], np.frombuffer(row[3], dtype="<i8").tolist())
 
     def _extend_back(self, key: str, tokens: list[int], q: int, lo: int) -> list[Piece]:
@@ -525,7 +535,8 @@ class PrefixCache:
         while q < end:
             best, best_n = None, 0
             for child, start, n_tokens, blob in self.db.execute(
-                    "SELECT key, start, n_tokens, tokens FROM entries WHERE parent = ?", (key,)).fetchall():
+                    f"SELECT key, start, n_tokens, tokens FROM entries WHERE parent = ? AND {VALID_ENTRY}",
+                    (key,)).fetchall():
                 n = common_prefix(np.frombuffer(blob, dtype="<i8").tolist(), tokens[q:end])
                 if n > best_n:
                     best, best_n = (child, start, n_tokens), n
@@ -710,6 +721,9 @@ def _create_schema(db: sqlite3.Connection, directory: Path) -> tuple[int, int] |
             raise
     db.execute("CREATE INDEX IF NOT EXISTS by_parent ON entries(parent)")
     db.execute("CREATE INDEX IF NOT EXISTS by_content ON entries(root, content)")
+    if damaged := damaged_entries(db):
+        print(f"glmkit: prefix cache index {directory / 'index.sqlite'}: ignoring {damaged} damaged entries "
+              "(the next store or `glm-cache prune` drops them)", file=sys.stderr)
     db.isolation_level = "DEFERRED"
     return counts
 
@@ -775,12 +789,43 @@ def _insert_entry(db: sqlite3.Connection, verb: str, directory: Path, path: Path
                        when, when, tokens_hash(chunk.tokens), root, None if emb is None else emb.tobytes()))
 
 
+# what a row the cache wrote looks like; any other row is damaged: never returned by a lookup, dropped by `prune`
+VALID_ENTRY = (
+    "(typeof(key) = 'text' AND length(key) = 64 AND key NOT GLOB '*[^0-9a-f]*' "
+    "AND typeof(model_hash) = 'text' AND length(model_hash) = 64 AND model_hash NOT GLOB '*[^0-9a-f]*' "
+    "AND typeof(parent) = 'text' AND length(parent) = 64 AND parent NOT GLOB '*[^0-9a-f]*' "
+    f"AND typeof(start) = 'integer' AND start >= 0 AND typeof(n_tokens) = 'integer' "
+    f"AND n_tokens BETWEEN 1 AND {MAX_ENTRY_TOKENS} AND typeof(tokens) = 'blob' AND length(tokens) = 8 * n_tokens "
+    "AND typeof(nbytes) = 'integer' AND nbytes >= 0 AND typeof(last_access) IN ('integer', 'real') "
+    "AND typeof(hits) IN ('integer', 'real') AND (content IS NULL OR typeof(content) = 'text') "
+    "AND (root IS NULL OR typeof(root) = 'text') AND (emb IS NULL OR (typeof(emb) = 'blob' AND length(emb) % 4 = 0)))"
+)
+
+
+def damaged_entries(db: sqlite3.Connection) -> int:
+    """How many index rows are not rows the cache wrote (ignored by every lookup)."""
+    return db.execute(f"SELECT COUNT(*) FROM entries WHERE {VALID_ENTRY} IS NOT 1").fetchone()[0]
+
+
+def drop_damaged_entries(db: sqlite3.Connection, directory: Path) -> int:
+    """Delete the damaged rows, and the blobs their key names when it is a valid name; returns rows deleted."""
+    rows = db.execute(f"SELECT rowid, key, model_hash FROM entries WHERE {VALID_ENTRY} IS NOT 1").fetchall()
+    if rows:
+        with db:
+            db.executemany("DELETE FROM entries WHERE rowid = ?", [(rowid,) for rowid, _, _ in rows])
+        for _, key, owner in rows:
+            remove_blob(directory, owner, key)
+    return len(rows)
+
+
 def prune(db: sqlite3.Connection, directory: Path, max_bytes: int, model_hash: str | None = None,
           removed_keys: list[str] | None = None) -> int:
     """Evict LRU entries (of one model, or all) until the total is <= max_bytes; returns entries removed
-    (and appends their keys to `removed_keys`)."""
-    where, args = ("WHERE model_hash = ?", (model_hash,)) if model_hash else ("", ())
-    total = db.execute(f"SELECT COALESCE(SUM(nbytes), 0) FROM entries {where}", args).fetchone()[0]
+    (and appends their keys to `removed_keys`). Damaged rows (see `VALID_ENTRY`) are dropped first."""
+    drop_damaged_entries(db, directory)
+    where, args = (f"WHERE {VALID_ENTRY}" + (" AND model_hash = ?" if model_hash else ""),
+                   (model_hash,) if model_hash else ())
+    total = db.execute(f"SELECT TOTAL(nbytes) FROM entries {where}", args).fetchone()[0]
     removed = 0
     for key, owner, nbytes in db.execute(f"SELECT key, model_hash, nbytes FROM entries {where} ORDER BY last_access",
                                          args).fetchall():
@@ -889,11 +934,15 @@ def write_blob(path: Path, chunk: Chunk, model_hash: str, numerics: str, root: s
     data = body + hashlib.sha256(body).digest()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{time.monotonic_ns()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.replace(path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
     return len(data)
 
 
@@ -967,11 +1016,19 @@ def read_blob(path: Path, model_hash: str, numerics: str, shapes: dict[str, tupl
         names = [tuple(x) for x in header["arrays"]]
         if {n: tuple(s) for n, s in names} != shapes or [n for n, _ in names] != list(shapes):
             raise ValueError(f"{path}: array layout does not match this model")
+        expected = sum(int(np.prod(s)) for s in shapes.values()) * 4
+        if header["payload_bytes"] > expected + (expected >> 7) + 1024:  # beyond zstd's worst case for that size
+            raise ValueError(f"{path}: payload larger than its arrays")
         rest = f.read(header["payload_bytes"] + 32)
     if len(rest) != header["payload_bytes"] + 32 or hashlib.sha256(span + rest[:-32]).digest() != rest[-32:]:
         raise ValueError(f"{path}: checksum mismatch")
-    expected = sum(int(np.prod(s)) for s in shapes.values()) * 4
-    raw = zstandard.ZstdDecompressor().decompress(rest[:-32], max_output_size=expected)
+    payload = rest[:-32]
+    try:  # the frame's own size claim is checked first: zstd allocates what a frame header declares
+        if zstandard.frame_content_size(payload) != expected:
+            raise ValueError(f"{path}: payload size mismatch")
+        raw = zstandard.ZstdDecompressor().decompress(payload, max_output_size=expected)
+    except zstandard.ZstdError as e:
+        raise ValueError(f"{path}: bad payload ({e})") from None
     if len(raw) != expected:
         raise ValueError(f"{path}: payload size mismatch")
     arrays, offset = {}, 0

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import os
+import sqlite3
 import sys
 import time
 from pathlib import Path
 
 from glmkit.cache.prefix_cache import (
     DEFAULT_MAX_BYTES,
+    VALID_ENTRY,
     cache_files,
     default_cache_dir,
     open_index,
@@ -41,21 +44,21 @@ def main(argv: list[str] | None = None) -> int:
     directory = args.cache_dir or default_cache_dir()
     try:
         model_hash = Manifest.read(Path(args.model)).model_hash if getattr(args, "model", None) else None
-        if not (directory / "index.sqlite").is_file():
+        if not os.path.lexists(directory / "index.sqlite"):
             print(f"{directory}: empty (no cache yet)")
             return 0
         db = open_index(directory)
         if args.command == "ls":
-            rows = db.execute("SELECT model_hash, COUNT(*), SUM(nbytes), MAX(last_access) FROM entries "
-                              "GROUP BY model_hash ORDER BY MAX(last_access) DESC").fetchall()
+            rows = db.execute(f"SELECT model_hash, COUNT(*), TOTAL(nbytes), MAX(last_access) FROM entries "
+                              f"WHERE {VALID_ENTRY} GROUP BY model_hash ORDER BY MAX(last_access) DESC").fetchall()
             for h, count, nbytes, last in rows:
                 print(f"{h[:16]}  {count:6d} entries  {nbytes / 1e6:10.1f} MB  last used {_ago(last)}")
         elif args.command == "stats":
-            where, params = ("WHERE model_hash = ?", (model_hash,)) if model_hash else ("", ())
+            where, params = (" AND model_hash = ?", (model_hash,)) if model_hash else ("", ())
             count, tokens, nbytes, hits = db.execute(
-                f"SELECT COUNT(*), COALESCE(SUM(n_tokens), 0), COALESCE(SUM(nbytes), 0), COALESCE(SUM(hits), 0) "
-                f"FROM entries {where}", params).fetchone()
-            print(f"entries {count}  tokens {tokens}  size {nbytes / 1e6:.1f} MB  hits {hits}  ({directory})")
+                f"SELECT COUNT(*), TOTAL(n_tokens), TOTAL(nbytes), TOTAL(hits) FROM entries WHERE {VALID_ENTRY}{where}",
+                params).fetchone()
+            print(f"entries {count}  tokens {tokens:.0f}  size {nbytes / 1e6:.1f} MB  hits {hits:.0f}  ({directory})")
         elif args.command == "prune":
             removed = prune(db, directory, int(args.max_gb * (1 << 30)), model_hash)
             stale = _remove_stale_files(db, directory)
@@ -65,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"removed {removed} entries")
     except GlmkitError as e:
         print(f"glm-cache: error: {e}", file=sys.stderr)
+        return 1
+    except (OSError, sqlite3.Error) as e:
+        print(f"glm-cache: error: --cache-dir {directory}: {e}", file=sys.stderr)
         return 1
     return 0
 
