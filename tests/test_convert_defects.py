@@ -342,3 +342,36 @@ def test_config_fields_are_checked_before_anything_is_sized_from_them(tmp_path, 
     with bounded():
         err = run_bad(capsys, src, tmp_path / "out")
     assert "config.json" in err and field in err
+
+
+# --- rerunning a finished conversion ------------------------------------------------------------------------------
+
+def test_rerunning_a_finished_conversion_says_already_converted(tmp_path, capsys):
+    src, out = tmp_path / "src", tmp_path / "out"
+    make_snapshot(src, shards=2)
+    args = [str(src), str(out), "--quiet", "--max-file-size", "64K"]
+    assert convert_main(args) == 0
+    model_hash = Container(out).model_hash
+    before = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.iterdir()}
+    capsys.readouterr()
+    assert convert_main(args) == 0
+    captured = capsys.readouterr()
+    assert f"{out}: already converted (model hash {model_hash[:16]})" in captured.out and not captured.err
+    assert {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.iterdir()} == before  # nothing rewritten
+
+    def refused(*extra: str) -> str:  # OUT keeps its finished container (run_bad's no-manifest check aside)
+        assert convert_main([*args, *extra]) == 1
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith("glm-convert: error: ") and "--force" in err, err
+        return err
+
+    err = refused("--preset", "q8")
+    assert "finished conversion of other inputs" in err and 'conversion.preset: "q4" in OUT vs "q8" now' in err
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, "rms_norm_eps": 1e-6}))
+    assert "config.json differs" in refused()
+    (src / "config.json").write_text(json.dumps(cfg))
+    _edit_same_size(src / "model-00001-of-00002.safetensors", keep_mtime=False)
+    assert "shard model-00001-of-00002.safetensors changed" in refused()
+    assert {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.iterdir()} == before
+    assert convert_main([*args, "--force"]) == 0 and Container(out).model_hash != model_hash

@@ -113,6 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("glm-convert: interrupted; run the same command again to resume", file=sys.stderr)
         return 130
+    if result.already_converted:
+        print(f"{result.out}: already converted (model hash {result.model_hash[:16]}); nothing rewritten "
+              "(--force converts again)")
+        return 0
     seconds = time.perf_counter() - start
     resumed = f" (resumed after {result.resumed_files} complete data files)" if result.resumed_files else ""
     staged = (f"; at most {format_size(result.peak_source_bytes)} of downloaded shards on disk"

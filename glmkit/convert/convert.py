@@ -10,6 +10,7 @@ recorded in OUT (resume.py): re-running the same command continues after the las
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import shutil
 import sys
@@ -27,7 +28,7 @@ from glmkit.convert.quantizers import HessianFactor, choose_scales, gptq_quantiz
 from glmkit.convert.resume import STATE_DIR, ConversionState, DoneFile, differences, source_change
 from glmkit.convert.sources.fetch import peak_alive_bytes
 from glmkit.convert.sources.open import open_source
-from glmkit.convert.sources.snapshot import HFSnapshot, copy_side_file
+from glmkit.convert.sources.snapshot import SIDE_FILES, HFSnapshot, copy_side_file
 from glmkit.convert.sources.source import BackgroundDigests, Source
 from glmkit.errors import GlmkitError
 from glmkit.format.imatrix import Imatrix
@@ -52,6 +53,7 @@ class ConvertResult:
     tensors: int
     resumed_files: int = 0  # data files an earlier, interrupted run had completed
     peak_source_bytes: int = 0  # most bytes of downloaded shards on OUT's disk at once
+    already_converted: bool = False  # OUT held this very conversion, finished: nothing was written
 
 
 @dataclass
@@ -136,6 +138,8 @@ def check_out_apart(source: Source, out: Path) -> None:
 
 def _run(job: ConversionJob, out: Path, force: bool, progress: bool, budget: int) -> ConvertResult:
     state = ConversionState(out)
+    if not force and not state.exists() and (finished := _finished(job, out)) is not None:
+        return finished
     done = _open_output(job, out, state, force, budget)
     snapshot = job.source.snapshot
     todo = job.layouts[len(done):]
@@ -206,6 +210,47 @@ def _run(job: ConversionJob, out: Path, force: bool, progress: bool, budget: int
     return ConvertResult(out, manifest.model_hash, sum(snapshot.source_bytes(s) for s in job.specs),
                          sum(int(f["nbytes"]) for f in files.values()), len(entries), len(done),
                          fetcher.peak_bytes)
+
+
+def _finished(job: ConversionJob, out: Path) -> ConvertResult | None:
+    """OUT's finished container when it is this very conversion (same source, parameters, layout, side files
+    and glmkit version): nothing to do. One of other inputs is an error; None when OUT holds no readable one."""
+    try:
+        manifest = Manifest.read(out)
+    except GlmkitError:
+        return None
+    reasons = differences(manifest.conversion, job.identity["conversion"], "conversion.")
+    version = manifest.created_by.get("glmkit_version")
+    if version != glmkit.__version__:
+        reasons.append(f"written by glmkit {version}, this is {glmkit.__version__}")
+    origin = {k: v for k, v in job.source.identity.items() if k != "files"}
+    if {k: manifest.source.get("origin", {}).get(k) for k in origin} != origin:
+        reasons.append(f"source {_source_name(manifest.source.get('origin', {}))} in OUT vs "
+                       f"{_source_name(job.source.origin)} now")
+    elif (change := job.source.changed_since(manifest.source.get("files", {}),
+                                              (out / MANIFEST_NAME).stat().st_mtime_ns)) is not None:
+        reasons.append(change)
+    if {name: f.get("nbytes") for name, f in manifest.files.items()} != {lay.name: lay.size for lay in job.layouts}:
+        reasons.append("other data files (--max-file-size)")
+    for name in sorted(set(SIDE_FILES) & ({p.name for p in out.iterdir()} | set(job.source.side_files))):
+        if (name not in job.source.side_files or not (out / name).is_file()
+                or (out / name).read_bytes() != (job.source.side_dir / name).read_bytes()):
+            reasons.append(f"{name} differs")
+    if reasons:
+        raise GlmkitError(f"{out}: holds a finished conversion of other inputs ({'; '.join(reasons)}): use --force "
+                          "to overwrite it")
+    for name, record in manifest.files.items():
+        if not (out / name).is_file() or (out / name).stat().st_size != record["nbytes"]:
+            raise GlmkitError(f"{out}: holds this conversion, finished, but its data file {name} is missing or "
+                              "truncated: use --force to convert again")
+    return ConvertResult(out, manifest.model_hash, sum(job.source.snapshot.source_bytes(s) for s in job.specs),
+                         sum(int(f["nbytes"]) for f in manifest.files.values()), len(manifest.tensors),
+                         already_converted=True)
+
+
+def _source_name(origin: dict[str, Any]) -> str:
+    return json.dumps(origin.get("repo") or origin.get("path")) + (f"@{origin['revision'][:12]}"
+                                                                    if origin.get("revision") else "")
 
 
 def _open_output(job: ConversionJob, out: Path, state: ConversionState, force: bool, budget: int

@@ -46,6 +46,13 @@ class Source:
         """Source files and directories on this machine that the conversion reads (OUT must stay apart)."""
         return list(self.cached.values())
 
+    def changed_since(self, recorded: dict[str, dict[str, object]], written_ns: int) -> str | None:
+        """How the shards differ from a finished container's `source.files` (written at `written_ns`), or None.
+        A Hub source compares the Hub's digests, which cost nothing to get."""
+        return _first_change(recorded, self.digests())
+
+
+
     def close(self) -> None:
         pass
 
@@ -72,6 +79,25 @@ class LocalSource(Source):
 
     def local_paths(self) -> list[Path]:
         return [self.directory, self.side_dir, *self.snapshot.paths.values()]
+
+    def changed_since(self, recorded: dict[str, dict[str, object]], written_ns: int) -> str | None:
+        """Without reading the shards again: same names and sizes, none modified after the container was written."""
+        now = {name: {"nbytes": size} for name, size in self.snapshot.shard_bytes.items()}
+        if (change := _first_change({n: {"nbytes": r.get("nbytes")} for n, r in recorded.items()}, now)) is not None:
+            return change
+        for name, path in sorted(self.snapshot.paths.items()):
+            if path.stat().st_mtime_ns > written_ns:
+                return f"shard {name} changed (modified after the conversion)"
+        return None
+
+
+def _first_change(then: dict[str, dict[str, object]], now: dict[str, dict[str, object]]) -> str | None:
+    """The first shard (by name) whose record differs between two `source.files` maps."""
+    for name in sorted(set(then) | set(now)):
+        if then.get(name) != now.get(name):
+            return f"shard {name} " + ("appeared" if name not in then else "disappeared" if name not in now
+                                       else "changed")
+    return None
 
 
 def _resolve_cache_dir(directory: Path, revision: str | None) -> tuple[Path, str | None, str | None]:
