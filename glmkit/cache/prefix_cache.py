@@ -201,7 +201,7 @@ class PrefixCache:
         self._ram_bytes = 0
         self._touched: list[str] = []  # keys used since the last flush_touches
         self._loaded_from_disk: set[str] = set()  # keys `_load` just read from disk (for the counters)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        make_private_dirs(self.directory)
         self.db = open_index(self.directory)
         self.ann = None  # chunk_index.ChunkIndex, opened by `open_similar_index` (approximate reuse only)
 
@@ -433,6 +433,7 @@ class PrefixCache:
 
         if self.ann is None:
             drop_damaged_entries(self.db, self.directory)  # the similar-chunk index reads every row of the chain
+            make_private_dirs(self.directory / "ann")  # its files hold embeddings of prompts: not for other users
             self.ann = ChunkIndex(self.db, self.directory, self.root, center, max_elements or DEFAULT_MAX_ELEMENTS)
         return self.ann
 
@@ -675,6 +676,9 @@ def _open_index(directory: Path) -> tuple[sqlite3.Connection, tuple[int, int] | 
     path = directory / "index.sqlite"
     if (seen := _lstat(path)) is not None and not stat.S_ISREG(seen.st_mode):
         raise sqlite3.DatabaseError(f"{path} is not a regular file")
+    if seen is None:  # sqlite gives its WAL and shared-memory files the index's mode: create it private
+        with contextlib.suppress(FileExistsError):
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
     db = sqlite3.connect(path, timeout=30, isolation_level=None)
     try:
         counts = _create_schema(db, directory)
@@ -932,10 +936,18 @@ def write_blob(path: Path, chunk: Chunk, model_hash: str, numerics: str, root: s
     span = MAGIC + struct.pack("<II", BLOB_VERSION, len(head)) + head
     body = span + hashlib.sha256(span).digest() + payload
     data = body + hashlib.sha256(body).digest()
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_private_dirs(path.parent)
+    write_private_file(path, data)
+    return len(data)
+
+
+def write_private_file(path: Path, data: bytes) -> None:
+    """Replace `path` atomically by `data` (unique temp name, mode 0600, fsync, rename): cache entries and saved
+    sessions hold prompts and transcripts."""
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{time.monotonic_ns()}")
     try:
-        with open(tmp, "wb") as f:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -943,7 +955,15 @@ def write_blob(path: Path, chunk: Chunk, model_hash: str, numerics: str, root: s
     except OSError:
         tmp.unlink(missing_ok=True)
         raise
-    return len(data)
+
+
+def make_private_dirs(path: Path) -> None:
+    """`mkdir -p` whose every new directory is 0700 (the cache and its sessions are one user's)."""
+    path = Path(path)
+    for directory in [*reversed(path.parents), path]:
+        if not directory.is_dir():
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(directory, 0o700)
 
 
 class _LaterVersionError(ValueError):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,13 +32,24 @@ from typing import Any
 import numpy as np
 
 from glmkit.cache.chunk_index import DEFAULT_MAX_ELEMENTS
-from glmkit.cache.prefix_cache import Piece, PrefixCache, common_prefix, rerotate
+from glmkit.cache.prefix_cache import (
+    Piece,
+    PrefixCache,
+    common_prefix,
+    make_private_dirs,
+    open_regular_file,
+    rerotate,
+    write_private_file,
+)
 from glmkit.errors import GlmkitError
 from glmkit.model.glm5 import GlmMoeDsaModel
 from glmkit.model.kv_cache import KVCache
 
 DEFAULT_SIMILARITY = 0.5
 DEFAULT_RECOMPUTE_RATIO = 0.1
+MAX_SESSION_NAME = 64
+SESSION_NAME = re.compile(rf"[A-Za-z0-9_-][A-Za-z0-9._-]{{0,{MAX_SESSION_NAME - 1}}}")
+MAX_SESSION_BYTES = 64 << 20  # a saved conversation beyond this is not one glm-run wrote for a context window
 
 
 @dataclass
@@ -209,27 +221,34 @@ class Session:
 
 
 def session_path(cache_dir: Path, model_hash: str, name: str) -> Path:
-    if not name or "/" in name or name.startswith("."):
-        raise GlmkitError(f"--session: invalid session name {name!r}")
+    """`CACHE_DIR/sessions/<model hash[:16]>/NAME.json`; NAME is 1-64 letters, digits, '.', '_' or '-', not
+    starting with '.' (a file name on every system, inside that directory)."""
+    if not SESSION_NAME.fullmatch(name):
+        shown = repr(name[:40]) + ("..." if len(name) > 40 else "")
+        raise GlmkitError(f"--session: invalid name {shown}: use 1-{MAX_SESSION_NAME} letters, digits, '.', '_' "
+                          "or '-', not starting with '.'")
     return cache_dir / "sessions" / model_hash[:16] / f"{name}.json"
 
 
 def load_messages(path: Path) -> list[dict[str, Any]]:
     """A saved conversation (list of {role, content}); empty when none was saved yet."""
-    if not path.is_file():
+    if not os.path.lexists(path):
         return []
     try:
-        messages = json.loads(path.read_text())["messages"]
+        with open_regular_file(path) as f:
+            data = f.read(MAX_SESSION_BYTES + 1)
+        if len(data) > MAX_SESSION_BYTES:
+            raise ValueError
+        messages = json.loads(data.decode())["messages"]
         if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                    for m in messages):
             raise ValueError
         return messages
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
         raise GlmkitError(f"{path}: not a valid saved session (delete it to start over)") from None
 
 
 def save_messages(path: Path, messages: list[dict[str, Any]]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps({"messages": messages}, ensure_ascii=False, indent=1))
-    tmp.replace(path)
+    """Write the conversation (mode 0600 in 0700 directories: it is a transcript)."""
+    make_private_dirs(path.parent)
+    write_private_file(path, json.dumps({"messages": messages}, ensure_ascii=False, indent=1).encode())
