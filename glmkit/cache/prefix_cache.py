@@ -48,7 +48,7 @@ import sys
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -58,6 +58,7 @@ import zstandard
 from glmkit.format.config import ModelConfig
 from glmkit.model.glm5 import GlmMoeDsaModel
 from glmkit.model.kv_cache import KVCache
+from glmkit.model.ops import rope_cos_sin
 
 MAGIC = b"GLMKVC\x00\x01"
 BLOB_VERSION = 2  # 2: the header carries its own checksum, the chain root, the embedding and the payload size
@@ -89,24 +90,20 @@ def tokens_hash(tokens: list[int] | np.ndarray) -> str:
     return hashlib.sha256(b"glmkit-content|" + np.asarray(tokens, dtype="<i8").tobytes()).hexdigest()
 
 
-def rope_angles(positions: np.ndarray, dim: int, theta: float) -> np.ndarray:
-    """`[S, dim/2]` float32 angles, computed exactly like `model.rope_cos_sin`."""
-    inv_freq = np.float32(1.0) / (np.float32(theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)))
-    return np.asarray(positions).astype(np.float32)[:, None] * inv_freq[None, :]
-
-
 def rerotate(x: np.ndarray, old_start: int, new_start: int, theta: float) -> np.ndarray:
     """Move roped rows `x [n, d]` (de-interleaved `apply_rope` output) from positions old_start.. to new_start...
 
-    The rotation is by the difference of the two float32 angles, taken in float64, so the result is the
-    row roped directly at the new position up to float32 rounding. Same positions: returned unchanged.
+    The rotation undoes the model's own float32 rotation at the old positions and applies the one at the new
+    positions (`rope_cos_sin`, composed in float64), so the result is the row roped directly at the new
+    position up to float32 rounding. Same positions: returned unchanged.
     """
     if old_start == new_start or len(x) == 0:
         return x
     n, dim = x.shape
-    old = rope_angles(np.arange(old_start, old_start + n), dim, theta).astype(np.float64)
-    new = rope_angles(np.arange(new_start, new_start + n), dim, theta).astype(np.float64)
-    cos, sin = np.cos(new - old), np.sin(new - old)
+    cos_old, sin_old = (a.astype(np.float64) for a in rope_cos_sin(np.arange(old_start, old_start + n), dim, theta))
+    cos_new, sin_new = (a.astype(np.float64) for a in rope_cos_sin(np.arange(new_start, new_start + n), dim, theta))
+    cos = cos_new * cos_old + sin_new * sin_old  # cos(new - old)
+    sin = sin_new * cos_old - cos_new * sin_old  # sin(new - old)
     even, odd = x[:, : dim // 2].astype(np.float64), x[:, dim // 2:].astype(np.float64)
     return np.concatenate([even * cos - odd * sin, odd * cos + even * sin], axis=-1).astype(np.float32)
 
@@ -169,14 +166,6 @@ class RestoreResult:
     discarded: int = 0  # entries that failed a check and were deleted
 
 
-@dataclass
-class CacheCounters:
-    lookups: int = 0
-    stored_chunks: int = 0
-    stored_bytes: int = 0
-    last_restore: RestoreResult = field(default_factory=RestoreResult)
-
-
 class PrefixCache:
     """One model's view of the shared cache directory (blobs + sqlite index)."""
 
@@ -196,7 +185,6 @@ class PrefixCache:
         # MTP and non-MTP runs store different row sets, so they get separate chains
         self.root = hashlib.sha256(
             f"glmkit-prefix|{BLOB_VERSION}|{model_hash}|{numerics}|mtp={has_mtp}".encode()).hexdigest()
-        self.counters = CacheCounters()
         self._ram: OrderedDict[str, Chunk] = OrderedDict()
         self._ram_bytes = 0
         self._touched: list[str] = []  # keys used since the last flush_touches
@@ -238,7 +226,6 @@ class PrefixCache:
         for the caller to compute (it needs its logits). With MTP the main layers are cut back one token
         behind the MTP rows, so recomputing that token also yields the hidden state the MTP layer needs."""
         assert kv.length == 0
-        self.counters.lookups += 1
         result = RestoreResult()
         limit = len(tokens) if self.has_mtp else len(tokens) - 1
         parent, pos = self.root, 0
@@ -260,7 +247,6 @@ class PrefixCache:
         if chunks and self.has_mtp:
             kv.truncate(kv.layer(self.config.num_hidden_layers).length)
         result.tokens = kv.length
-        self.counters.last_restore = result
         self.flush_touches()
         return result
 
@@ -374,8 +360,6 @@ class PrefixCache:
         with self.db:
             _insert_entry(self.db, "INSERT OR REPLACE", self.directory, path, chunk, self.model_hash, self.root,
                           emb, nbytes, time.time())
-        self.counters.stored_chunks += 1
-        self.counters.stored_bytes += nbytes
         self._remember(chunk)
         if emb is not None and self.ann is not None:
             self.ann.add(chunk.key, emb)
