@@ -4,51 +4,127 @@ from __future__ import annotations
 
 import hashlib
 import mmap
+import os
+import struct
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
 from glmkit.errors import GlmkitError
-from glmkit.format.config import ModelConfig
-from glmkit.format.manifest import ExpertRange, Manifest, TensorEntry
+from glmkit.format.config import MAX_CONFIG_BYTES, ModelConfig, parse_json
+from glmkit.format.manifest import (
+    MANIFEST_NAME,
+    ExpertRange,
+    Manifest,
+    TensorEntry,
+    collector_paused,
+    load_json,
+    open_in_container,
+    read_container_file,
+    read_exact,
+    short_repr,
+)
 from glmkit.format.safetensors_file import DTYPES
 from glmkit.format.tensors import QuantWeight, Weight
+from glmkit.format.writer import PAD_PREFIX
+
+HEADER_BASE_BYTES = 4096
+HEADER_BYTES_PER_TENSOR = 256
+VERIFY_BLOCK_BYTES = 16 << 20
 
 
 class Container:
-    """Manifest + mapped data files. `weight(name)` returns views into the mapping, never copies."""
+    """Manifest + mapped data files. `weight(name)` returns views into the mapping, never copies.
+
+    Opening checks everything before mapping anything: the manifest (`Manifest.read`), config.json against its
+    recorded digest, the manifest against the model (`Manifest.check_model`), and each data file: a regular file
+    in the container, of the recorded size, whose safetensors header lists exactly the manifest's tensors where
+    the manifest puts them. A container that fails any check raises a one-line GlmkitError.
+    """
 
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
         if not self.directory.is_dir():
             raise GlmkitError(f"{self.directory}: snapshot directory not found")
-        self.manifest = Manifest.read(self.directory)
-        config_path = self.directory / "config.json"
-        if not config_path.is_file():
-            raise GlmkitError(f"{config_path}: missing from the container")
-        if hashlib.sha256(config_path.read_bytes()).hexdigest() != self.manifest.config_sha256:
-            raise GlmkitError(f"{config_path}: does not match the manifest (edited after conversion)")
-        self.config = ModelConfig.from_file(config_path)
+        # kept open for verify_data: it reads the very files that are mapped, with bounded reads
+        self._files: dict[str, BinaryIO] = {}
         self._maps: dict[str, mmap.mmap] = {}
-        for name, record in self.manifest.files.items():
-            self._maps[name] = self._map(name, record["nbytes"])
-        self._experts = {(r.layer, r.expert): r for r in self.manifest.experts}
-        # views on the mappings, made once (decode asks ~300 times a token) and all here, before any compute
-        # allocates: long-lived objects made among freed temporaries would pin the heap (measured +23 MB RSS)
         self._weights: dict[str, Weight] = {}
-        for name, e in self.manifest.tensors.items():
-            if e.role != "scales":
-                self.weight(name)
+        with collector_paused():
+            self.manifest = Manifest.read(self.directory)
+            config_path = self.directory / "config.json"
+            config_bytes = read_container_file(self.directory, "config.json", MAX_CONFIG_BYTES)
+            if hashlib.sha256(config_bytes).hexdigest() != self.manifest.config_sha256:
+                raise GlmkitError(f"{config_path}: does not match the manifest (edited after conversion)")
+            config = parse_json(config_bytes, str(config_path))  # the very bytes hashed, not a second read
+            if not isinstance(config, dict):
+                raise GlmkitError(f"{config_path}: config must be a JSON object")
+            self.config = ModelConfig.from_dict(config, source=str(config_path))
+            self.manifest.check_model(self.directory / MANIFEST_NAME, self.config)
+            self._by_file: dict[str, list[TensorEntry]] = {name: [] for name in self.manifest.files}
+            for e in self.manifest.tensors.values():
+                self._by_file[e.file].append(e)
+            try:
+                for name in self.manifest.files:
+                    self._files[name] = self._open_data_file(name)
+                for name, f in self._files.items():
+                    self._maps[name] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            except BaseException:
+                self.close()
+                raise
+            self._experts = {(r.layer, r.expert): r for r in self.manifest.experts}
+            # views on the mappings, made once (decode asks ~300 times a token) and all here, before any compute
+            # allocates: long-lived objects made among freed temporaries would pin the heap (measured +23 MB RSS)
+            for name, e in self.manifest.tensors.items():
+                if e.role != "scales":
+                    self.weight(name)
 
-    def _map(self, name: str, nbytes: int) -> mmap.mmap:
+    def _open_data_file(self, name: str) -> BinaryIO:
+        """The checked data file, open: a regular file in the container, of the manifest's size, with a
+        safetensors header that agrees with the manifest (`_check_header`)."""
         path = self.directory / name
-        if not path.is_file():
-            raise GlmkitError(f"{path}: data file missing from the container")
-        size = path.stat().st_size
-        if size != nbytes:
-            raise GlmkitError(f"{path}: {size} bytes on disk but the manifest says {nbytes} (truncated?)")
-        with open(path, "rb") as f:
-            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        f = open_in_container(self.directory, name)
+        try:
+            size, nbytes = os.fstat(f.fileno()).st_size, self.manifest.files[name]["nbytes"]
+            if size != nbytes:
+                raise GlmkitError(f"{path}: {size} bytes on disk but the manifest says {nbytes} (truncated?)")
+            self._check_header(path, f.fileno(), self._by_file[name])
+        except BaseException:
+            f.close()
+            raise
+        return f
+
+    @staticmethod
+    def _check_header(path: Path, fd: int, entries: list[TensorEntry]) -> None:
+        """The data file's safetensors header lists exactly the manifest's tensors of this file (and `__pad.N`
+        padding), each with the manifest's storage dtype, shape and byte range."""
+        (header_len,) = struct.unpack("<Q", read_exact(fd, path, 0, 8))
+        size = os.fstat(fd).st_size
+        # the writer's header: ~100 bytes a tensor beyond its name, and as much again for a padding entry
+        limit = HEADER_BASE_BYTES + sum(len(e.name) + HEADER_BYTES_PER_TENSOR for e in entries)
+        if header_len > min(limit, size - 8):
+            raise GlmkitError(f"{path}: safetensors header length {header_len} exceeds what the file holds or its "
+                              f"{len(entries)} tensors need")
+        header = load_json(path, read_exact(fd, path, 8, header_len))
+        if not isinstance(header, dict):
+            raise GlmkitError(f"{path}: safetensors header is not a JSON object")
+        data_start = 8 + header_len
+        for e in entries:
+            got = header.get(e.name)
+            start = e.offset - data_start
+            if (start < 0 or type(got) is not dict or got.get("data_offsets") != [start, start + e.nbytes]
+                    or got.get("dtype") != e.dtype or got.get("shape") != list(e.stored_shape)):
+                want = {"dtype": e.dtype, "shape": list(e.stored_shape), "data_offsets": [start, start + e.nbytes]}
+                raise GlmkitError(f"{path}: tensor {e.name!r}: the file's safetensors header ({data_start} bytes) "
+                                  f"has {short_repr(got)}, the manifest {want}")
+        listed = {e.name for e in entries}
+        extra = next((n for n in header if n not in listed and n != "__metadata__" and not n.startswith(PAD_PREFIX)),
+                     None)
+        if extra is not None:
+            raise GlmkitError(f"{path}: the safetensors header lists tensor {short_repr(extra)}, which the manifest "
+                              "does not")
 
     @property
     def model_hash(self) -> str:
@@ -70,11 +146,9 @@ class Container:
     def raw(self, name: str) -> np.ndarray:
         """The stored array (packed bytes for quantized weights), a read-only view."""
         e = self.entry(name)
-        count = e.nbytes // DTYPES[e.dtype].itemsize
-        shape = e.shape if e.quant is None else (e.shape[0], count // e.shape[0] if e.shape[0] else 0)
         # one array object straight on the mapping (its base): frombuffer + reshape made three, 4x the memory
         # over GLM-5's ~120,000 tensors (measured 560 against 137 bytes per view)
-        return np.ndarray(shape, DTYPES[e.dtype], buffer=self._maps[e.file], offset=e.offset)
+        return np.ndarray(e.stored_shape, DTYPES[e.dtype], buffer=self._maps[e.file], offset=e.offset)
 
     def weight(self, name: str) -> Weight:
         """A float32 view, or a QuantWeight of views for quantized 2-D weights (the same object every call)."""
@@ -106,15 +180,51 @@ class Container:
             start = r.offset - r.offset % mmap.PAGESIZE
             self._maps[r.file].madvise(advice, start, r.offset + r.nbytes - start)
 
-    def verify_data(self) -> list[str]:
-        """Recompute every tensor's sha256; returns the names whose bytes do not match."""
-        bad = []
-        for name, e in self.manifest.tensors.items():
-            view = memoryview(self._maps[e.file])[e.offset:e.offset + e.nbytes]
-            if hashlib.sha256(view).hexdigest() != e.sha256:
-                bad.append(name)
-            view.release()
-        return bad
+    def verify_data(self, progress: Callable[[int], None] | None = None) -> list[str]:
+        """Re-hash the data files against the sha256 digests the converter recorded: each file whole (`files`),
+        and the tensors of a file whose digest differs (`tensors`), to name them.
+
+        Returns the names of the tensors whose bytes differ, in manifest order, then those of the data files whose
+        other bytes (safetensors header, padding) differ; [] when every byte matches. Reads each file once in
+        blocks of VERIFY_BLOCK_BYTES (a damaged file twice), from the descriptors that are mapped; `progress`,
+        if given, is called with each block's byte count. Raises GlmkitError when the container is closed or a
+        data file changed size since it was opened (no block is then read past its end).
+        """
+        if not self._files:
+            raise GlmkitError(f"{self.directory}: the container is closed")
+        block = memoryview(bytearray(VERIFY_BLOCK_BYTES))
+        damaged: set[str] = set()
+        files = []
+        for name, record in self.manifest.files.items():
+            if self._sha256(name, 0, record["nbytes"], block, progress) == record["sha256"]:
+                continue
+            bad = {e.name for e in self._by_file[name]
+                   if self._sha256(name, e.offset, e.nbytes, block, progress) != e.sha256}
+            damaged |= bad
+            if not bad:
+                files.append(name)
+        return [name for name in self.manifest.tensors if name in damaged] + files
+
+    def _sha256(self, name: str, offset: int, nbytes: int, block: memoryview,
+                progress: Callable[[int], None] | None) -> str:
+        """sha256 of bytes `offset .. offset+nbytes` of data file `name`, read through `block`."""
+        fd = self._files[name].fileno()
+        path = self.directory / name
+        size = os.fstat(fd).st_size
+        if size != self.manifest.files[name]["nbytes"]:
+            raise GlmkitError(f"{path}: {size} bytes now, {self.manifest.files[name]['nbytes']} when the container "
+                              "was opened (truncated or changed since)")
+        digest = hashlib.sha256()
+        end = offset + nbytes
+        while offset < end:
+            n = os.preadv(fd, [block[:min(len(block), end - offset)]], offset)
+            if n <= 0:
+                raise GlmkitError(f"{path}: ends at byte {offset}, before byte {end} (truncated since opened)")
+            digest.update(block[:n])
+            offset += n
+            if progress is not None:
+                progress(n)
+        return digest.hexdigest()
 
     def close(self) -> None:
         self._weights.clear()
@@ -124,3 +234,6 @@ class Container:
             except BufferError:
                 pass  # views still alive; the mapping goes away with them
         self._maps.clear()
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
