@@ -12,10 +12,11 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from glmkit.backends.opencl import decode_graph, launch
+from glmkit.backends.opencl import decode_graph
 from glmkit.backends.opencl.backend import OpenCLBackend, Placement
 from glmkit.backends.opencl.decode_graph import DeviceDecodeStep
-from glmkit.backends.opencl.launch import Kernels
+from glmkit.backends.opencl.ops import Kernels
+from glmkit.backends.opencl.program import Launch
 from glmkit.cli import run as cli_run
 from glmkit.cli import serve as serve_cli
 from glmkit.cli import validate as cli_validate
@@ -236,8 +237,8 @@ def test_failure_inside_a_token_leaves_the_cache_as_it_was(snapshots, kernels, m
             raise RuntimeError("device lost")
         return enqueue(self)
 
-    enqueue = launch.Launch.enqueue
-    monkeypatch.setattr(launch.Launch, "enqueue", fail)
+    enqueue = Launch.enqueue
+    monkeypatch.setattr(Launch, "enqueue", fail)
     with pytest.raises(RuntimeError, match="device lost"):
         dev.forward(np.array([9]), cache)
     assert [layer.length for layer in cache.layers[:-1]] == [5] * engine.config.num_hidden_layers

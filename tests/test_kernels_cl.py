@@ -8,13 +8,29 @@ LANES=8 runs the GPU-style code path (several work-items per row, local-memory r
 from __future__ import annotations
 
 import mmap
+import warnings
+from typing import NamedTuple
 
 import numpy as np
 import pyopencl as cl
 import pytest
 
 from glmkit.backends.numpy_backend import NumpyBackend
-from glmkit.backends.opencl.launch import NO_STAGE, Kernels, WeightMemory, x8_eligible
+from glmkit.backends.opencl.buffers import DeviceArray, Int8Codes
+from glmkit.backends.opencl.decode_graph import NO_STAGE
+from glmkit.backends.opencl.decode_launches import (
+    ExpertSlots,
+    bind_experts,
+    bind_experts_x8,
+    bind_matvec_pair,
+    bind_matvec_x8,
+    bind_mla_query,
+    bind_quantize,
+)
+from glmkit.backends.opencl.kernels import source
+from glmkit.backends.opencl.ops import Kernels
+from glmkit.backends.opencl.program import SCALAR_TYPES, kernel_signatures, parse_signatures
+from glmkit.backends.opencl.weights import ExpertShape, WeightMemory, x8_eligible
 from glmkit.format.packing import pack, quantize, unpack
 from glmkit.format.tensors import QuantWeight
 from glmkit.model.ops import apply_rope, rope_cos_sin, silu, topk_mask
@@ -40,6 +56,63 @@ def rng():
     return np.random.default_rng(7)
 
 
+# ---- kernel arguments by name ------------------------------------------------------------------------------
+
+def test_signatures_are_the_compilers(kernels):
+    """Every kernel the program builds, its parameters' names and scalar types as parsed from the source
+    (macro-stamped kernels and shared parameter blocks expanded) against the compiler's own argument info."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the compiler's notes (float16 ABI on AVX2)
+        program = cl.Program(kernels.ctx, source()).build(options=["-cl-kernel-arg-info"])
+    built = program.get_info(cl.program_info.KERNEL_NAMES).split(";")
+    signatures = kernel_signatures()
+    assert sorted(built) == sorted(signatures) and len(built) > 50
+    for name in built:
+        kernel = cl.Kernel(program, name)
+        count = kernel.get_info(cl.kernel_info.NUM_ARGS)
+        names = tuple(kernel.get_arg_info(i, cl.kernel_arg_info.NAME) for i in range(count))
+        types = [kernel.get_arg_info(i, cl.kernel_arg_info.TYPE_NAME) for i in range(count)]
+        assert names == signatures[name].names, name
+        want = tuple(None if t.endswith("*") else SCALAR_TYPES[t] for t in types)
+        assert want == signatures[name].scalars, name
+
+
+def test_parse_signatures_expands_stamping_macros():
+    text = """
+    /* __kernel void commented_out(uint a) */
+    #define ARGS __global const float* w, \\
+                 uint n
+    #define ONE(NAME, T) __kernel void NAME(ARGS, T scale, __global float* y) { }
+    #define TWO(SUFFIX) ONE(a_##SUFFIX, float) \\
+                        ONE(b_##SUFFIX##_x, uint)
+    TWO(q4)
+    __kernel __attribute__((reqd_work_group_size(8, 8, 1))) void plain(__global uchar* bytes, ulong off) { }
+    """
+    sig = parse_signatures(text)
+    assert sorted(sig) == ["a_q4", "b_q4_x", "plain"]
+    assert sig["a_q4"].names == ("w", "n", "scale", "y") and sig["a_q4"].scalars == (None, np.uint32, np.float32, None)
+    assert sig["b_q4_x"].scalars == (None, np.uint32, np.uint32, None)
+    assert sig["plain"].names == ("bytes", "off") and sig["plain"].scalars == (None, np.uint64)
+    with pytest.raises(ValueError, match="half h"):
+        parse_signatures("__kernel void k(half h) { }")
+
+
+def test_launch_arguments_by_name(kernels):
+    """A bound launch takes every parameter by name, and `set` changes single ones between enqueues."""
+    mirror = Mirrors(kernels)
+    y, a, b = mirror.of([1.0, 2.0, 3.0]), mirror.of([10.0, 20.0, 30.0]), mirror.of([100.0, 200.0, 300.0])
+    add = kernels.bind("add_into", (3,), None, y=y.buffer, a=a.buffer, n=3)
+    mirror.launch_bound(add)
+    assert y.host.tolist() == [11.0, 22.0, 33.0]
+    add.set(a=b.buffer, n=2)
+    mirror.launch_bound(add)
+    assert y.host.tolist() == [111.0, 222.0, 33.0]
+    with pytest.raises(TypeError, match="no parameter m"):
+        add.set(m=1)
+    with pytest.raises(TypeError, match=r"missing arguments \['n'\], unknown arguments \['count'\]"):
+        kernels.bind("add_into", (3,), None, y=y.buffer, a=a.buffer, count=3)
+
+
 def make_weight(rng, rows, cols, bits, group):
     w = rng.standard_normal((rows, cols)).astype(np.float32)
     if bits == 32:
@@ -50,7 +123,7 @@ def make_weight(rng, rows, cols, bits, group):
 
 
 def device_weight(k, w, unified=True):
-    mem = WeightMemory(k, unified, 1 << 40)
+    mem = WeightMemory(k.buffers, unified, 1 << 40)
     if isinstance(w, QuantWeight):
         return mem.weight(w.packed, w.scales, w.bits, w.group_size, w.shape)
     return mem.weight(w, None, 32, None, w.shape)
@@ -107,7 +180,7 @@ def test_weights_in_place_from_a_mapping(kernels, rng, tmp_path):
     packed = flat[100:100 + w.packed.nbytes].reshape(w.packed.shape)
     start = 100 + w.packed.nbytes + gap
     scales = flat[start:start + w.scales.nbytes].view(np.float32).reshape(w.scales.shape)
-    mem = WeightMemory(kernels, True, 1 << 40)
+    mem = WeightMemory(kernels.buffers, True, 1 << 40)
     mem.window = 8192  # force several windows over the small file
     cw = mem.weight(packed, scales, 4, 32, w.shape)
     x = rng.standard_normal((1, 96)).astype(np.float32)
@@ -151,34 +224,28 @@ def test_fused_experts(kernels, wide_kernels, rng, bits, group):
     slots = [(0, 1, 0.5), (0, 3, 1.5), (1, 0, 1.0), (2, 1, -0.25), (2, 2, 2.0), (2, 0, 0.1)]  # token 1: one expert
     want = fused_reference(x, experts, slots)
     g, d = experts[0][0], experts[0][2]
-    n_groups = g.scales.shape[1] if g.scales.ndim == 2 else 1
-    inter_groups = d.scales.shape[1] if d.scales.ndim == 2 else 1
+    shape = ExpertShape(bits, group or 0, g.scales.shape[1] if g.scales.ndim == 2 else 1, hidden, inter,
+                        g.packed.shape[1], d.packed.shape[1], d.scales.shape[1] if d.scales.ndim == 2 else 1)
     for k in (kernels, wide_kernels):
-        buf = WeightMemory(k, k.direct, 1 << 40)._own_buffer(blob)[0]
-        got = k.experts(buf, bits, group or 0, n_groups, hidden, inter, g.packed.shape[1], d.packed.shape[1],
-                        inter_groups, x, offs[[s[1] for s in slots]], np.array([s[0] for s in slots], np.uint32),
+        buf = WeightMemory(k.buffers, k.direct, 1 << 40)._own_buffer(blob)[0]
+        got = k.experts(buf, shape, x, offs[[s[1] for s in slots]], np.array([s[0] for s in slots], np.uint32),
                         np.array([0, 2, 3, 6], np.uint32), np.array([s[2] for s in slots], np.float32))
         close(got, want, 5e-6)
         # the device decode step's launches for token 2's slots: gate+up, down per slot, the slots' sum (a fourth
         # slot unused)
         mirror = Mirrors(k)
         step = [s for s in slots if s[0] == 2]
-        host = {}
-        for name, count, dtype, value in (
-                ("x", hidden, np.float32, x[2]), ("offs", 6 * 4, np.uint64, offs[[e for _, e, _ in step] + [0]]),
-                ("tok", 4, np.uint32, [0, 0, 0, 0xffffffff]), ("start", 2, np.uint32, [0, 3]),
-                ("w", 4, np.float32, [w for _, _, w in step] + [9.0]), ("hid", 4 * inter, np.float32, 0),
-                ("part", 4 * hidden, np.float32, 0), ("y", hidden, np.float32, 0)):
-            host[name] = mirror(count, dtype)
-            host[name][0][:] = np.reshape(value, -1) if np.ndim(value) else value
-        b = {name: pair[1] for name, pair in host.items()}
-        for launch in k.bind_experts(buf, bits, group or 0, n_groups, hidden, inter, g.packed.shape[1],
-                                     d.packed.shape[1], inter_groups, b["x"], b["offs"], b["tok"], b["start"], b["w"],
-                                     b["hid"], b["y"], 4, b["part"]):
+        a = {"x": mirror.of(x[2]), "offs": mirror.of(offs[[e for _, e, _ in step] + [0]], np.uint64),
+             "tok": mirror.of([0, 0, 0, 0xffffffff], np.uint32), "start": mirror.of([0, 3], np.uint32),
+             "w": mirror.of([w for _, _, w in step] + [9.0]), "hid": mirror(4 * inter), "part": mirror(4 * hidden),
+             "y": mirror(hidden)}
+        slots_b = ExpertSlots(a["offs"].buffer, a["tok"].buffer, a["start"].buffer, a["w"].buffer, 4)
+        for launch in bind_experts(k, buf, shape, a["x"].buffer, slots_b, a["hid"].buffer, a["part"].buffer,
+                                   a["y"].buffer):
             mirror.launch_bound(launch)
-        close(host["y"][0], want[2], 5e-6)
+        close(a["y"].host, want[2], 5e-6)
         for i, (_, e, _) in enumerate(step):
-            close(host["part"][0][i * hidden:(i + 1) * hidden], REF.expert_mlp(x[2:3], *experts[e])[0], 5e-6)
+            close(a["part"].host[i * hidden:(i + 1) * hidden], REF.expert_mlp(x[2:3], *experts[e])[0], 5e-6)
 
 
 def test_wide_matvec(wide_kernels, rng):
@@ -191,16 +258,12 @@ def test_wide_matvec(wide_kernels, rng):
 
 
 @pytest.mark.parametrize("n", [1, 7, 64, 1000])
-def test_norms_softmax_silu(kernels, wide_kernels, rng, n):
+def test_norms_silu(kernels, wide_kernels, rng, n):
     x = (rng.standard_normal((5, n)) * 3).astype(np.float32)
     w, b = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
     for k in (kernels, wide_kernels):
         close(k.rms_norm(x, w, 1e-6), REF.rms_norm(x, w, 1e-6))
         close(k.layer_norm(x, w, b, 1e-6), REF.layer_norm(x, w, b, 1e-6), 1e-5)
-        masked = x.copy()
-        masked[:, 1::3] = -np.inf  # column 0 stays finite
-        e = np.exp(masked - masked.max(axis=1, keepdims=True))
-        close(k.softmax(masked), e / e.sum(axis=1, keepdims=True))
         close(k.silu_mul(x, w * x), silu(x) * (w * x))
 
 
@@ -246,16 +309,21 @@ def test_index_scores_and_topk(kernels, wide_kernels, rng):
         # where fewer keys than k are allowed
         for row_allowed in (allowed, rng.random(long.shape) < 0.2):
             mirror = Mirrors(k)
-            (sh, sb), (ah, ab), (selh, selb), (ch, cb) = (mirror(long.size), mirror(long.size, np.uint8),
-                                                          mirror(long.size, np.uint8), mirror(2 * 700, np.uint32))
-            sh[:], ah[:] = long.reshape(-1), row_allowed.reshape(-1)
+            scores, allowed_b = mirror.of(long), mirror.of(row_allowed, np.uint8)
+            selected, chosen_b = mirror(long.size, np.uint8), mirror(2 * 700, np.uint32)
             name, size, local = k.topk_kernel(2)
-            mirror.launch(name, size, local, sb, ab, selb, cb, long.shape[1], 700, 2)
+            mirror.launch(name, size, local, scores=scores.buffer, allowed=allowed_b.buffer, selected=selected.buffer,
+                          chosen=chosen_b.buffer, n_keys=long.shape[1], k=700, n_rows=2)
             want = topk_mask(long, row_allowed, 700)
-            assert np.array_equal(selh.reshape(want.shape).astype(bool), want)
+            assert np.array_equal(selected.host.reshape(want.shape).astype(bool), want)
             for row in range(2):
                 chosen = np.flatnonzero(want[row])
-                assert np.array_equal(ch[row * 700: row * 700 + len(chosen)], chosen)
+                assert np.array_equal(chosen_b.host[row * 700: row * 700 + len(chosen)], chosen)
+
+
+def index_scores_reference(q, k, w, scale):
+    """DSA indexer scores: `I[s, t] = sum_h w[s, h] * relu(q[s, h] . k[t] * scale)`, q `[S, nh, d]`, k `[T, d]`."""
+    return np.einsum("sh,sht->st", w, np.maximum(np.einsum("shd,td->sht", q, k) * scale, 0)).astype(np.float32)
 
 
 def check_index_scores_and_topk(kernels, rng):
@@ -263,8 +331,13 @@ def check_index_scores_and_topk(kernels, rng):
     q = rng.standard_normal((n_s, heads, d)).astype(np.float32)
     k = rng.standard_normal((n_keys, d)).astype(np.float32)
     w = rng.standard_normal((n_s, heads)).astype(np.float32)
-    want = REF.index_scores(q, k, w, d ** -0.5)
-    close(kernels.index_scores(q, k, w, d ** -0.5), want)
+    want = index_scores_reference(q, k, w, d ** -0.5)
+    # the scores kernel as the decode step binds it, the head weights scaled in the kernel (w_scale)
+    mirror = Mirrors(kernels)
+    out = mirror(n_s * n_keys)
+    mirror.launch("index_scores", (n_keys, n_s), None, q=mirror.of(q).buffer, k=mirror.of(k).buffer,
+                  w=mirror.of(w).buffer, out=out.buffer, nh=heads, d=d, n_keys=n_keys, scale=d ** -0.5, w_scale=0.5)
+    close(out.host.reshape(n_s, n_keys), 0.5 * want)
     causal = np.arange(n_keys)[None, :] <= (np.array([5, 40, 70, 89]))[:, None]  # row 0 keeps all 6 keys
     distinct = rng.permutation(n_s * n_keys).reshape(n_s, n_keys).astype(np.float32) - 100
     assert np.array_equal(kernels.topk(distinct, causal, topk), topk_mask(distinct, causal, topk))
@@ -284,109 +357,131 @@ def check_index_scores_and_topk(kernels, rng):
 
 # ---- the device decode step's kernels (decode.cl), launched through bound launches ---------------------
 
+class MirroredCodes(NamedTuple):
+    """The arrays of int8-quantized rows (codes, scales, code sums) that a kernel writes or reads."""
+
+    codes: DeviceArray
+    scales: DeviceArray
+    sums: DeviceArray
+
+    @property
+    def buffers(self) -> Int8Codes:
+        return Int8Codes(self.codes.buffer, self.scales.buffer, self.sums.buffer)
+
+
 class Mirrors:
-    """Host arrays and the device buffers kernels see: the same memory on direct devices (the step's case);
-    elsewhere (a discrete GPU) every array is copied in before each launch and back after it."""
+    """Host arrays and the device buffers kernels see (`DeviceArray`s, zeroed): the same memory on direct devices
+    (the step's case); elsewhere (a discrete GPU) every array is copied in before each launch and back after it."""
 
     def __init__(self, k: Kernels):
-        self.k, self.pairs = k, []
+        self.k, self.arrays = k, []
 
-    def __call__(self, count: int, dtype=np.float32) -> tuple[np.ndarray, object]:
+    def __call__(self, count: int, dtype=np.float32) -> DeviceArray:
         if self.k.direct:
-            return self.k.host_buffer(count, dtype)
+            a = self.k.buffers.array(count, dtype)
+            a.host[:] = 0
+            return a
         host = np.zeros(max(count, 1), dtype)
-        buf = cl.Buffer(self.k.ctx, cl.mem_flags.READ_WRITE, host.nbytes)
-        self.pairs.append((host, buf))
-        return host, buf
+        a = DeviceArray(host, cl.Buffer(self.k.ctx, cl.mem_flags.READ_WRITE, host.nbytes))
+        self.arrays.append(a)
+        return a
 
-    def launch(self, name, size, local, *args):
+    def of(self, values, dtype=np.float32) -> DeviceArray:
+        """An array holding `values` (flattened)."""
+        values = np.asarray(values, dtype).reshape(-1)
+        a = self(values.size, dtype)
+        a.host[:] = values
+        return a
+
+    def codes(self, n: int) -> MirroredCodes:
+        """Arrays for the int8 codes of n values (codes, scales, code sums; one block's scale for n < 64)."""
+        blocks = max(n // 64, 1)
+        return MirroredCodes(self(2 * n, np.int8), self(blocks), self(blocks, np.int32))
+
+    def launch(self, name, size, local, **args):
         """Launch kernel `name` once through a bound launch and wait."""
-        self.launch_bound(self.k.bind(name, size, local, *args))
+        self.launch_bound(self.k.bind(name, size, local, **args))
 
     def launch_bound(self, launch):
-        for host, buf in self.pairs:
-            cl.enqueue_copy(self.k.queue, buf, host)
+        for a in self.arrays:
+            cl.enqueue_copy(self.k.queue, a.buffer, a.host)
         launch.enqueue().wait()
-        for host, buf in self.pairs:
-            cl.enqueue_copy(self.k.queue, host, buf, is_blocking=True)
+        for a in self.arrays:
+            cl.enqueue_copy(self.k.queue, a.host, a.buffer, is_blocking=True)
 
 
 def test_decode_norms_and_rope(kernels, rng):
     mirror = Mirrors(kernels)
     n, rope, heads, width = 45, 10, 3, 17
     x, a = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
-    vec_h, vec = mirror(3 * n)
-    vec_h[:] = rng.standard_normal(3 * n).astype(np.float32)
-    xh, xb = mirror(n + 4)
-    ah, ab = mirror(n)
-    yh, yb = mirror(n + 9)
-    xh[4:], ah[:] = x, a
+    vec = mirror.of(rng.standard_normal(3 * n))
+    xa, aa, ya = mirror.of(np.concatenate([np.zeros(4), x])), mirror.of(a), mirror(n + 9)
     red = kernels.red_lanes
-    (range_h, one), (weight_h, weight) = mirror(2, np.uint32), mirror(3)
-    range_h[:], weight_h[:] = (0, 1), 1.0
+    one, weight = mirror.of([0, 1], np.uint32), mirror.of(np.ones(3))
+    unused = Int8Codes.unused(xa.buffer)
+
+    def norm(a_rows, add, w_off, y_off, eps):
+        mirror.launch("residual_rms_norm", (red,), (red,), x=xa.buffer, x_off=4, a=a_rows, a_range=one.buffer,
+                      a_w=weight.buffer, add=add, w=vec.buffer, w_off=w_off, y=ya.buffer, y_off=y_off, n=n, eps=eps,
+                      quantize=0, **unused.args())
+
     # x[4:] += a (one row of weight 1: exact), then the norm with the weights at vec[n:2n] into y[9:]
-    mirror.launch("residual_rms_norm", (red,), (red,), xb, 4, ab, one, weight, 1, vec, n, yb, 9, n, 1e-5, 0, xb, xb,
-                  xb)
-    close(xh[4:], x + a, 0)
-    close(yh[9:], REF.rms_norm((x + a)[None], vec_h[n:2 * n], 1e-5)[0])
-    mirror.launch("residual_rms_norm", (red,), (red,), xb, 4, ab, one, weight, 0, vec, 0, yb, 0, n, 1e-6, 0, xb, xb,
-                  xb)
-    close(xh[4:], x + a, 0)  # add = 0 leaves x alone
-    close(yh[:n], REF.rms_norm((x + a)[None], vec_h[:n], 1e-6)[0])
+    norm(aa.buffer, 1, n, 9, 1e-5)
+    close(xa.host[4:], x + a, 0)
+    close(ya.host[9:], REF.rms_norm((x + a)[None], vec.host[n:2 * n], 1e-5)[0])
+    norm(aa.buffer, 0, 0, 0, 1e-6)
+    close(xa.host[4:], x + a, 0)  # add = 0 leaves x alone
+    close(ya.host[:n], REF.rms_norm((x + a)[None], vec.host[:n], 1e-6)[0])
     # the experts' down rows with their routing weights: x += sum over rows 1 and 2 of w[s] * rows[s] (rows 0: unused)
     rows = rng.standard_normal((3, n)).astype(np.float32)
-    (rows_h, rows_b), base = mirror(3 * n), xh[4:].copy()
-    rows_h[:], range_h[:], weight_h[:] = rows.reshape(-1), (1, 3), (9.0, 0.5, -2.0)
-    mirror.launch("residual_rms_norm", (red,), (red,), xb, 4, rows_b, one, weight, 1, vec, n, yb, 9, n, 1e-5, 0, xb,
-                  xb, xb)
-    close(xh[4:], base + (np.float32(0) + np.float32(0.5) * rows[1] + np.float32(-2.0) * rows[2]), 0)
-    close(yh[9:], REF.rms_norm(xh[None, 4:], vec_h[n:2 * n], 1e-5)[0])
+    rows_a, base = mirror.of(rows), xa.host[4:].copy()
+    one.host[:], weight.host[:] = (1, 3), (9.0, 0.5, -2.0)
+    norm(rows_a.buffer, 1, n, 9, 1e-5)
+    close(xa.host[4:], base + (np.float32(0) + np.float32(0.5) * rows[1] + np.float32(-2.0) * rows[2]), 0)
+    close(ya.host[9:], REF.rms_norm(xa.host[None, 4:], vec.host[n:2 * n], 1e-5)[0])
     # rope on the first `rope` columns of each of `heads` rows of width `width` read at stride 20, offset 2
     cos, sin = rope_cos_sin(np.array([77]), rope, 10000.0)
-    cs_h, cs = mirror(rope)
-    cs_h[:] = np.concatenate([cos[0], sin[0]])
-    src_h, src = mirror(2 + 20 * heads)
-    src_h[:] = rng.standard_normal(src_h.size).astype(np.float32)
-    rows = np.stack([src_h[2 + 20 * h: 2 + 20 * h + width] for h in range(heads)])
-    out_h, out = mirror(width * heads)
-    mirror.launch("rope_rows", (width, heads), None, src, 2, 20, out, 0, width, cs, width, rope // 2)
+    cs = mirror.of(np.concatenate([cos[0], sin[0]]))
+    src = mirror.of(rng.standard_normal(2 + 20 * heads))
+    rows = np.stack([src.host[2 + 20 * h: 2 + 20 * h + width] for h in range(heads)])
+    out = mirror(width * heads)
+    mirror.launch("rope_rows", (width, heads), None, x=src.buffer, x_off=2, x_row=20, y=out.buffer, y_off=0,
+                  y_row=width, cs=cs.buffer, width=width, n_half=rope // 2)
     want = np.concatenate([apply_rope(rows[None, :, :rope], cos, sin)[0], rows[:, rope:]], axis=-1)
-    close(out_h.reshape(heads, width), want)
+    close(out.host.reshape(heads, width), want)
     # the token's rows, the cache rows written at row 2 of the cache arrays: kv_lat = RMSNorm(latent), k_rot =
     # RoPE(rest) of kv_a's output; the query latent RMSNorm(q_a) (64 values, weights at vec[0:64]) and its int8
     # codes; the indexer key LayerNorm(raw) with RoPE on its first columns
     kvl, qn = n - rope, 64
-    lat_h, lat = mirror(3 * kvl)
-    rot_h, rot = mirror(3 * rope)
-    (qa_h, qa), (qlat_h, qlat) = mirror(qn), mirror(qn)
-    codes = [mirror(2 * qn, np.int8), mirror(1), mirror(1, np.int32)]
-    qa_h[:] = rng.standard_normal(qn).astype(np.float32)
-    tmp_h, tmp = mirror(n)
-    key_h, key = mirror(3 * n)
-    raw_h, raw = mirror(n)
-    raw_h[:] = rng.standard_normal(n).astype(np.float32)
-    stage_h, stage = mirror(3 + kvl + rope + n)
+    lat, rot = mirror(3 * kvl), mirror(3 * rope)
+    qa, qlat = mirror.of(rng.standard_normal(qn)), mirror(qn)
+    codes = mirror.codes(qn)
+    tmp, key, raw = mirror(n), mirror(3 * n), mirror.of(rng.standard_normal(n))
+    stage = mirror(3 + kvl + rope + n)
     for index, with_codes in ((0, 1), (1, 0)):  # a layer that shares its indexer writes no key row
-        key_h[:] = 0
-        codes[1][0][:] = 0
-        stage_h[:] = 0
+        key.host[:] = 0
+        codes.scales.host[:] = 0
+        stage.host[:] = 0
         # the first without a staging copy, the second with one, at stage[3:]
-        mirror.launch("token_rows", (red,), (red,), ab, vec, n, lat, rot, 2, kvl, rope, cs, 1e-6, qa, 0, qlat, qn,
-                      with_codes, *(c[1] for c in codes), index, raw, n, 2 * n, tmp, key, n, stage,
-                      3 if index else NO_STAGE)
+        mirror.launch("token_rows", (red,), (red,), comp=aa.buffer, vec=vec.buffer, w_off=n, kv_lat=lat.buffer,
+                      k_rot=rot.buffer, row=2, kvl=kvl, rope=rope, cs=cs.buffer, eps=1e-6, q_a=qa.buffer, qw_off=0,
+                      q_lat=qlat.buffer, qn=qn, quantize=with_codes, **codes.buffers.args(), index=index,
+                      key_raw=raw.buffer, kw_off=n, kb_off=2 * n, tmp=tmp.buffer, index_k=key.buffer, ihd=n,
+                      stage=stage.buffer, stage_off=3 if index else NO_STAGE)
         if index:
-            assert np.array_equal(stage_h[3:], np.concatenate([lat_h[2 * kvl:], rot_h[2 * rope:], key_h[2 * n:]]))
+            assert np.array_equal(stage.host[3:],
+                                  np.concatenate([lat.host[2 * kvl:], rot.host[2 * rope:], key.host[2 * n:]]))
         else:
-            assert not stage_h.any()
-        close(lat_h[2 * kvl:], REF.rms_norm(a[None, :kvl], vec_h[n:n + kvl], 1e-6)[0])
-        close(rot_h[2 * rope:], apply_rope(a[None, kvl:], cos, sin)[0])
-        close(qlat_h, REF.rms_norm(qa_h[None], vec_h[:qn], 1e-6)[0])
-        assert (key_h != 0).any() == bool(index)
-        scale = quantize_activations(qlat_h[None])[1][0]
-        assert np.array_equal(codes[1][0], scale if with_codes else [0.0])
-    assert_codes(codes[0][0], quantize_activations(qlat_h[None])[0])
-    normed = REF.layer_norm(raw_h[None], vec_h[n:2 * n], vec_h[2 * n:], 1e-6)
-    close(key_h[2 * n:], np.concatenate([apply_rope(normed[:, :rope], cos, sin), normed[:, rope:]], axis=-1)[0],
+            assert not stage.host.any()
+        close(lat.host[2 * kvl:], REF.rms_norm(a[None, :kvl], vec.host[n:n + kvl], 1e-6)[0])
+        close(rot.host[2 * rope:], apply_rope(a[None, kvl:], cos, sin)[0])
+        close(qlat.host, REF.rms_norm(qa.host[None], vec.host[:qn], 1e-6)[0])
+        assert (key.host != 0).any() == bool(index)
+        scale = quantize_activations(qlat.host[None])[1][0]
+        assert np.array_equal(codes.scales.host, scale if with_codes else [0.0])
+    assert_codes(codes.codes.host, quantize_activations(qlat.host[None])[0])
+    normed = REF.layer_norm(raw.host[None], vec.host[n:2 * n], vec.host[2 * n:], 1e-6)
+    close(key.host[2 * n:], np.concatenate([apply_rope(normed[:, :rope], cos, sin), normed[:, rope:]], axis=-1)[0],
           1e-5)
 
 
@@ -400,13 +495,13 @@ def test_mla_query(kernels, wide_kernels, rng, bits, group):
     cos, sin = rope_cos_sin(np.array([33]), rope, 10000.0)
     for k in (kernels, wide_kernels):
         mirror = Mirrors(k)
-        (qh, qb), (absh, absb), (roth, rotb), (csh, csb) = (mirror(q.size), mirror(heads * lat), mirror(heads * rope),
-                                                            mirror(rope))
-        qh[:], csh[:] = q.reshape(-1), np.concatenate([cos[0], sin[0]])
+        qa, absorbed, rot = mirror.of(q), mirror(heads * lat), mirror(heads * rope)
+        cs = mirror.of(np.concatenate([cos[0], sin[0]]))
         cw = device_weight(k, w, unified=k.direct)
-        mirror.launch_bound(k.bind_mla_query(cw, qb, nope + rope, absb, nope, nope + v, heads, csb, rotb, rope))
-        close(absh.reshape(heads, lat), REF.head_matmul(q[None, :, :nope], w, 0, nope, transpose=True)[0])
-        close(roth.reshape(heads, rope), apply_rope(q[None, :, nope:], cos, sin)[0])
+        mirror.launch_bound(bind_mla_query(k, cw, qa.buffer, nope + rope, absorbed.buffer, nope, nope + v, heads,
+                                           cs.buffer, rot.buffer, rope))
+        close(absorbed.host.reshape(heads, lat), REF.head_matmul(q[None, :, :nope], w, 0, nope, transpose=True)[0])
+        close(rot.host.reshape(heads, rope), apply_rope(q[None, :, nope:], cos, sin)[0])
 
 
 @pytest.mark.parametrize("n_keys,use_mask,rope", [(1, False, 6), (37, True, 12), (300, True, 6), (129, False, 16)])
@@ -427,26 +522,22 @@ def check_decode_attention(kernels, rng, n_keys, use_mask, rope):
     mask[0] = True
     keys = np.flatnonzero(mask).astype(np.uint32)  # the chosen keys (topk_select's list), read when use_mask
     n = len(keys) if use_mask else n_keys
-    bufs = {}
-    for name, arr, dtype in (("ql", q_lat, np.float32), ("qr", q_rot, np.float32), ("kl", kv_lat, np.float32),
-                             ("kr", k_rot, np.float32), ("keys", keys, np.uint32)):
-        host, buf = mirror(arr.size, dtype)
-        host[:] = arr.reshape(-1)
-        bufs[name] = buf
-    scores_h, scores = mirror(heads * n)
-    out_h, out = mirror(heads * kvl)
+    kl, keys_a = mirror.of(kv_lat), mirror.of(keys, np.uint32)
+    scores, out = mirror(heads * n), mirror(heads * kvl)
     scale = 0.17
     # the CPU launch (every head per item) or the GPU one (an item per key and head)
     apart = heads if kernels.heads_apart else 1
-    mirror.launch("mla_decode_scores", (n, apart), None, bufs["ql"], bufs["qr"], bufs["kl"], bufs["kr"],
-                  bufs["keys"], int(use_mask), scores, heads, n, kvl, rope, scale)
+    mirror.launch("mla_decode_scores", (n, apart), None, q_lat=mirror.of(q_lat).buffer, q_rot=mirror.of(q_rot).buffer,
+                  kv_lat=kl.buffer, k_rot=mirror.of(k_rot).buffer, keys=keys_a.buffer, use_keys=int(use_mask),
+                  scores=scores.buffer, nh=heads, n=n, kvl=kvl, rope=rope, scale=scale)
     red = kernels.red_lanes
-    mirror.launch("mla_decode_values", (heads * red,), (red,), scores, bufs["kl"], out, n, kvl, 0, out, out,
-                  out, bufs["keys"], int(use_mask))
+    mirror.launch("mla_decode_values", (heads * red,), (red,), scores=scores.buffer, kv_lat=kl.buffer, out=out.buffer,
+                  n=n, kvl=kvl, quantize=0, **Int8Codes.unused(out.buffer).args(), keys=keys_a.buffer,
+                  use_keys=int(use_mask))
     q = np.concatenate([q_lat, q_rot], axis=-1)[None].astype(np.float32)
     keys = np.concatenate([kv_lat, k_rot], axis=-1)[:, None, :].astype(np.float32)
     want = REF.attention(q, keys, kv_lat[:, None, :], mask[None], scale)[0]
-    close(out_h.reshape(heads, kvl), want, 5e-6)
+    close(out.host.reshape(heads, kvl), want, 5e-6)
 
 
 @pytest.mark.parametrize("norm", [True, False])
@@ -459,37 +550,33 @@ def test_decode_routing(kernels, rng, norm):
 
     experts, n_group, topk_group, top_k, scaling, stride = 24, 4, 2, 5, 2.5, 32
     buffer_of = np.arange(experts + 1) % 3  # three weight buffers; the shared expert (last) in buffer 0
-    table_h, table = mirror(6 * (experts + 1), np.uint64)
-    table_h[:] = np.arange(table_h.size, dtype=np.uint64) * 1000 + 7
-    where_h, where = mirror(experts + 1, np.uint32)
-    where_h[:] = buffer_of
+    table = mirror.of(np.arange(6 * (experts + 1), dtype=np.uint64) * 1000 + 7, np.uint64)
+    where = mirror.of(buffer_of, np.uint32)
     for _ in range(20):
         logits = (rng.standard_normal(experts) * 2).astype(np.float32)
         bias = (rng.standard_normal(experts) * 0.1).astype(np.float32)
-        lg_h, lg = mirror(experts)
-        vec_h, vec = mirror(experts + 3)
-        lg_h[:], vec_h[3:] = logits, bias
-        offs_h, offs = mirror(3 * stride * 6, np.uint64)
-        w_h, w = mirror(3 * stride)
-        tok_h, tok = mirror(3 * stride, np.uint32)
-        start_h, start = mirror(3 * stride, np.uint32)
-        ids_h, ids = mirror(top_k, np.uint32)
-        mirror.launch("route_noaux_tc", (1,), None, lg, vec, 3, table, where, 3, experts, n_group, topk_group, top_k,
-              int(norm), scaling, 1, offs, w, tok, stride, start, ids)
+        offs, w = mirror(3 * stride * 6, np.uint64), mirror(3 * stride)
+        tok, start, ids = mirror(3 * stride, np.uint32), mirror(3 * stride, np.uint32), mirror(top_k, np.uint32)
+        mirror.launch("route_noaux_tc", (1,), None, logits=mirror.of(logits).buffer,
+                      vec=mirror.of(np.concatenate([np.zeros(3), bias])).buffer, bias_off=3, table=table.buffer,
+                      buffer_of=where.buffer, n_buffers=3, n_experts=experts, n_group=n_group, topk_group=topk_group,
+                      top_k=top_k, norm=int(norm), scaling=scaling, shared=1, offs=offs.buffer, slot_w=w.buffer,
+                      slot_tok=tok.buffer, stride=stride, tok_start=start.buffer, ids=ids.buffer)
         want_ids, want_w = route_noaux_tc(logits[None], bias, top_k, n_group, topk_group, norm, scaling)
         order = np.argsort(want_ids[0])
-        assert ids_h.tolist() == want_ids[0][order].tolist()
+        assert ids.host.tolist() == want_ids[0][order].tolist()
         chosen = np.concatenate([want_ids[0][order], [experts]])
         weights = np.concatenate([want_w[0][order], [1.0]])
         for b in range(3):
             mine = buffer_of[chosen] == b
             n = int(mine.sum())
-            assert start_h[b * stride: b * stride + 2].tolist() == [0, n]
+            assert start.host[b * stride: b * stride + 2].tolist() == [0, n]
             slots = slice(b * stride, b * stride + n)
-            assert tok_h[slots].tolist() == [0] * n and (tok_h[b * stride + n:(b + 1) * stride] == 0xFFFFFFFF).all()
-            np.testing.assert_allclose(w_h[slots], weights[mine], rtol=1e-6)
+            assert tok.host[slots].tolist() == [0] * n
+            assert (tok.host[b * stride + n:(b + 1) * stride] == 0xFFFFFFFF).all()
+            np.testing.assert_allclose(w.host[slots], weights[mine], rtol=1e-6)
             want_offs = (chosen[mine][:, None] * 6 + np.arange(6)) * 1000 + 7
-            assert offs_h.reshape(-1, 6)[slots].tolist() == want_offs.tolist()
+            assert offs.host.reshape(-1, 6)[slots].tolist() == want_offs.tolist()
 
 
 # ---- int8 activations: the device decode step's int4 experts ----------------------------------------------
@@ -546,44 +633,37 @@ def test_fused_experts_int8_activations(kernels, wide_kernels, rng, bits, group)
     x[64:128] = 0.0  # an all-zero block: scale 0, codes 0
     slots = [(1, 0.5), (3, 1.5), (0, 1.0), (2, 7.0)]  # the last slot unused (token 0xffffffff)
     g, d = experts[0][0], experts[0][2]
+    shape = ExpertShape(bits, group, g.scales.shape[1], hidden, inter, g.packed.shape[1], d.packed.shape[1],
+                        d.scales.shape[1])
     for k in (kernels, wide_kernels):
         mirror = Mirrors(k)
-        wbuf = WeightMemory(k, k.direct, 1 << 40)._own_buffer(blob)[0]
-        host = {}
-        for name, count, dtype, value in (
-                ("x", hidden, np.float32, x), ("offs", 6 * len(slots), np.uint64, offs[[e for e, _ in slots]]),
-                ("tok", len(slots), np.uint32, [0, 0, 0, 0xffffffff]), ("start", 2, np.uint32, [0, 3]),
-                ("w", len(slots), np.float32, [s[1] for s in slots]), ("hid", len(slots) * inter, np.float32, 0),
-                ("y", hidden, np.float32, 0), ("xq", 2 * hidden, np.int8, 0), ("xs", hidden // 64, np.float32, 0),
-                ("xsum", hidden // 64, np.int32, 0), ("hq", 2 * len(slots) * inter, np.int8, 0),
-                ("hs", len(slots) * inter // 64, np.float32, 0), ("hsum", len(slots) * inter // 64, np.int32, 0),
-                ("part", len(slots) * hidden, np.float32, 0)):
-            host[name] = mirror(count, dtype)
-            host[name][0][:] = np.reshape(value, -1) if np.ndim(value) else value
-        buf = {name: pair[1] for name, pair in host.items()}
-        x_codes = (buf["xq"], buf["xs"], buf["xsum"])
-        launches = (k.bind_quantize(buf["x"], hidden, 1, x_codes),
-                    *k.bind_experts_x8(wbuf, bits, group, g.scales.shape[1], hidden, inter, g.packed.shape[1],
-                                       d.packed.shape[1], d.scales.shape[1], x_codes, buf["offs"], buf["tok"],
-                                       buf["start"], buf["w"], buf["hid"], buf["y"], len(slots),
-                                       (buf["hq"], buf["hs"], buf["hsum"]), buf["part"]))
+        wbuf = WeightMemory(k.buffers, k.direct, 1 << 40)._own_buffer(blob)[0]
+        xa, offs_a = mirror.of(x), mirror.of(offs[[e for e, _ in slots]], np.uint64)
+        tok, start = mirror.of([0, 0, 0, 0xffffffff], np.uint32), mirror.of([0, 3], np.uint32)
+        weights = mirror.of([s[1] for s in slots])
+        hid, y, part = mirror(len(slots) * inter), mirror(hidden), mirror(len(slots) * hidden)
+        x_codes, hid_codes = mirror.codes(hidden), mirror.codes(len(slots) * inter)
+        launches = (bind_quantize(k, xa.buffer, hidden, 1, x_codes.buffers),
+                    *bind_experts_x8(k, wbuf, shape, x_codes.buffers,
+                                     ExpertSlots(offs_a.buffer, tok.buffer, start.buffer, weights.buffer, len(slots)),
+                                     hid.buffer, hid_codes.buffers, part.buffer, y.buffer))
         for launch in launches:
             mirror.launch_bound(launch)
-        val = {name: pair[0] for name, pair in host.items()}
         q, s = quantize_activations(x[None])
-        assert np.array_equal(val["xs"], s[0]) and np.array_equal(val["xsum"], q.reshape(-1, 64).sum(-1))
-        assert_codes(val["xq"], q)
-        hid = val["hid"].reshape(len(slots), inter)
+        assert np.array_equal(x_codes.scales.host, s[0]) and np.array_equal(x_codes.sums.host,
+                                                                            q.reshape(-1, 64).sum(-1))
+        assert_codes(x_codes.codes.host, q)
+        hidden_rows = hid.host.reshape(len(slots), inter)
         for i, (e, _) in enumerate(slots[:3]):
             gate, up = x8_linear(x[None], experts[e][0])[0], x8_linear(x[None], experts[e][1])[0]
-            close(hid[i], silu(gate) * up, 2e-6)
-        hq, hs = quantize_activations(hid[:3])
-        assert np.array_equal(val["hs"][:3 * inter // 64], hs.reshape(-1))
-        assert np.array_equal(val["hsum"][:3 * inter // 64], hq.reshape(-1, 64).sum(-1))
-        assert_codes(val["hq"][:2 * 3 * inter], hq)
-        want = sum(w * x8_linear(hid[i:i + 1], experts[e][2])[0] for i, (e, w) in enumerate(slots[:3]))
-        close(val["y"], want, 2e-6)
-        close(val["y"], fused_reference(x[None], experts, [(0, e, w) for e, w in slots[:3]])[0], 3e-2)
+            close(hidden_rows[i], silu(gate) * up, 2e-6)
+        hq, hs = quantize_activations(hidden_rows[:3])
+        assert np.array_equal(hid_codes.scales.host[:3 * inter // 64], hs.reshape(-1))
+        assert np.array_equal(hid_codes.sums.host[:3 * inter // 64], hq.reshape(-1, 64).sum(-1))
+        assert_codes(hid_codes.codes.host[:2 * 3 * inter], hq)
+        want = sum(w * x8_linear(hidden_rows[i:i + 1], experts[e][2])[0] for i, (e, w) in enumerate(slots[:3]))
+        close(y.host, want, 2e-6)
+        close(y.host, fused_reference(x[None], experts, [(0, e, w) for e, w in slots[:3]])[0], 3e-2)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -602,11 +682,12 @@ def test_experts_x8_operation(kernels, wide_kernels, rng, bits):
         gate, up = x8_linear(x[tok:tok + 1], experts[e][0])[0], x8_linear(x[tok:tok + 1], experts[e][1])[0]
         want[tok] += w * x8_linear((silu(gate) * up)[None], experts[e][2])[0]
     g, d = experts[0][0], experts[0][2]
+    shape = ExpertShape(bits, 64, g.scales.shape[1], hidden, inter, g.packed.shape[1], d.packed.shape[1],
+                        d.scales.shape[1])
     for k in (kernels, wide_kernels):
-        buf = WeightMemory(k, k.direct, 1 << 40)._own_buffer(blob)[0]
+        buf = WeightMemory(k.buffers, k.direct, 1 << 40)._own_buffer(blob)[0]
         tok, weight = np.array([s[0] for s in slots], np.uint32), np.array([s[2] for s in slots], np.float32)
-        got = k.experts_x8(buf, bits, 64, g.scales.shape[1], hidden, inter, g.packed.shape[1], d.packed.shape[1],
-                           d.scales.shape[1], x, offs[[s[1] for s in slots]], tok, np.array([0, 2, 3, 6], np.uint32),
+        got = k.experts_x8(buf, shape, x, offs[[s[1] for s in slots]], tok, np.array([0, 2, 3, 6], np.uint32),
                            weight)
         close(got, want, 2e-5)  # the hidden rows' codes may round differently where a product differs by an ulp
         close(got, fused_reference(x, experts, slots), 3e-2)
@@ -622,39 +703,37 @@ def test_int8_input_matvec_and_norm(kernels, wide_kernels, rng, bits):
     want = x8_head_products(x, w, head_rows, 5, rows)
     for k in (kernels, wide_kernels):
         mirror = Mirrors(k)
-        (xh, xb), (yh, yb) = mirror(heads * n), mirror(heads * rows)
-        codes = [mirror(2 * heads * n, np.int8), mirror(heads * n // 64), mirror(heads * n // 64, np.int32)]
-        xh[:] = x.reshape(-1)
-        scratch = tuple(c[1] for c in codes)
+        xa, y, codes = mirror.of(x), mirror(heads * rows), mirror.codes(heads * n)
         cw = device_weight(k, w, unified=k.direct)
-        for launch in (k.bind_quantize(xb, n, heads, scratch),
-                       k.bind_matvec_x8(cw, scratch, yb, heads, head_rows, 5, rows)):
+        for launch in (bind_quantize(k, xa.buffer, n, heads, codes.buffers),
+                       bind_matvec_x8(k, cw, codes.buffers, y.buffer, heads, head_rows, 5, rows)):
             mirror.launch_bound(launch)
-        close(yh.reshape(heads, rows), want, 2e-6)
-        norm_codes = [mirror(2 * n, np.int8), mirror(n // 64), mirror(n // 64, np.int32)]
-        (in_h, in_b), (wh, wb), (out_h, out_b) = mirror(n), mirror(n), mirror(n)
-        in_h[:], wh[:] = x[0], rng.standard_normal(n).astype(np.float32)
-        mirror.launch("residual_rms_norm", (k.red_lanes,), (k.red_lanes,), in_b, 0, in_b, in_b, in_b, 0, wb, 0, out_b,
-                      0, n, 1e-6, 1, *(c[1] for c in norm_codes))
-        close(out_h, REF.rms_norm(x[:1], wh, 1e-6)[0])
-        q, s = quantize_activations(out_h[None])
-        assert np.array_equal(norm_codes[1][0], s[0]) and np.array_equal(norm_codes[2][0], q.reshape(-1, 64).sum(-1))
-        assert_codes(norm_codes[0][0], q)
-        assert_codes(codes[0][0], quantize_activations(x)[0])
+        close(y.host.reshape(heads, rows), want, 2e-6)
+        norm_codes = mirror.codes(n)
+        norm_in, norm_w, out = mirror.of(x[0]), mirror.of(rng.standard_normal(n)), mirror(n)
+        mirror.launch("residual_rms_norm", (k.red_lanes,), (k.red_lanes,), x=norm_in.buffer, x_off=0,
+                      a=norm_in.buffer, a_range=norm_in.buffer, a_w=norm_in.buffer, add=0, w=norm_w.buffer, w_off=0,
+                      y=out.buffer, y_off=0, n=n, eps=1e-6, quantize=1, **norm_codes.buffers.args())
+        close(out.host, REF.rms_norm(x[:1], norm_w.host, 1e-6)[0])
+        q, s = quantize_activations(out.host[None])
+        assert np.array_equal(norm_codes.scales.host, s[0])
+        assert np.array_equal(norm_codes.sums.host, q.reshape(-1, 64).sum(-1))
+        assert_codes(norm_codes.codes.host, q)
+        assert_codes(codes.codes.host, quantize_activations(x)[0])
         # the attention values kernel, writing its per-head outputs' codes (o_lat for kv_b's value product)
         keys = 70
-        (sh, sb), (kh, kb), (oh, ob) = mirror(heads * keys), mirror(keys * n), mirror(heads * n)
-        value_codes = [mirror(2 * heads * n, np.int8), mirror(heads * n // 64), mirror(heads * n // 64, np.int32)]
-        sh[:], kh[:] = rng.standard_normal(heads * keys), rng.standard_normal(keys * n)
-        scores = sh.reshape(heads, keys).copy()
-        mirror.launch("mla_decode_values", (heads * k.red_lanes,), (k.red_lanes,), sb, kb, ob, keys, n, 1,
-                      *(c[1] for c in value_codes), sb, 0)
+        scores_a, kv = mirror.of(rng.standard_normal(heads * keys)), mirror.of(rng.standard_normal(keys * n))
+        o, value_codes = mirror(heads * n), mirror.codes(heads * n)
+        scores = scores_a.host.reshape(heads, keys).copy()
+        mirror.launch("mla_decode_values", (heads * k.red_lanes,), (k.red_lanes,), scores=scores_a.buffer,
+                      kv_lat=kv.buffer, out=o.buffer, n=keys, kvl=n, quantize=1, **value_codes.buffers.args(),
+                      keys=scores_a.buffer, use_keys=0)
         probs = np.exp(scores - scores.max(-1, keepdims=True))
-        close(oh.reshape(heads, n), (probs / probs.sum(-1, keepdims=True)) @ kh.reshape(keys, n), 1e-5)
-        q, s = quantize_activations(oh.reshape(heads, n))
-        assert np.array_equal(value_codes[1][0], s.reshape(-1))
-        assert np.array_equal(value_codes[2][0], q.reshape(-1, 64).sum(-1))
-        assert_codes(value_codes[0][0], q)
+        close(o.host.reshape(heads, n), (probs / probs.sum(-1, keepdims=True)) @ kv.host.reshape(keys, n), 1e-5)
+        q, s = quantize_activations(o.host.reshape(heads, n))
+        assert np.array_equal(value_codes.scales.host, s.reshape(-1))
+        assert np.array_equal(value_codes.sums.host, q.reshape(-1, 64).sum(-1))
+        assert_codes(value_codes.codes.host, q)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -670,19 +749,16 @@ def test_matvec_writes_its_codes(kernels, wide_kernels, rng, bits):
     x = rng.standard_normal((heads, n)).astype(np.float32)
     want = x8_head_products(x, w, head_rows, 7, rows)
     mirror = Mirrors(kernels)
-    (xh, xb), (yh, yb) = mirror(heads * n), mirror(heads * rows)
-    codes = [mirror(2 * heads * n, np.int8), mirror(heads * n // 64), mirror(heads * n // 64, np.int32)]
-    out = [mirror(2 * heads * rows, np.int8), mirror(heads * rows // 64), mirror(heads * rows // 64, np.int32)]
-    xh[:] = x.reshape(-1)
-    scratch = tuple(c[1] for c in codes)
+    xa, y = mirror.of(x), mirror(heads * rows)
+    codes, out = mirror.codes(heads * n), mirror.codes(heads * rows)
     cw = device_weight(kernels, w, unified=kernels.direct)
-    for launch in (kernels.bind_quantize(xb, n, heads, scratch),
-                   kernels.bind_matvec_x8(cw, scratch, yb, heads, head_rows, 7, rows, tuple(c[1] for c in out))):
+    for launch in (bind_quantize(kernels, xa.buffer, n, heads, codes.buffers),
+                   bind_matvec_x8(kernels, cw, codes.buffers, y.buffer, heads, head_rows, 7, rows, out.buffers)):
         mirror.launch_bound(launch)
-    close(yh.reshape(heads, rows), want, 2e-6)
-    q, s = quantize_activations(yh[None])
-    assert np.array_equal(out[1][0], s[0]) and np.array_equal(out[2][0], q.reshape(-1, 64).sum(-1))
-    assert_codes(out[0][0], q)
+    close(y.host.reshape(heads, rows), want, 2e-6)
+    q, s = quantize_activations(y.host[None])
+    assert np.array_equal(out.scales.host, s[0]) and np.array_equal(out.sums.host, q.reshape(-1, 64).sum(-1))
+    assert_codes(out.codes.host, q)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -694,12 +770,10 @@ def test_matvec_pair(kernels, wide_kernels, rng, bits):
     x = rng.standard_normal((1, n)).astype(np.float32)
     for k in (kernels, wide_kernels):
         mirror = Mirrors(k)
-        (xh, xb), (yh, yb), (y2h, y2b) = mirror(n), mirror(rows), mirror(rows2)
-        codes = [mirror(2 * n, np.int8), mirror(n // 64), mirror(n // 64, np.int32)]
-        xh[:] = x[0]
-        scratch = tuple(c[1] for c in codes)
+        xa, y, y2, codes = mirror.of(x), mirror(rows), mirror(rows2), mirror.codes(n)
         cw, cw2 = device_weight(k, w, unified=k.direct), device_weight(k, w2, unified=k.direct)
-        for launch in (k.bind_quantize(xb, n, 1, scratch), k.bind_matvec_pair(cw, cw2, scratch, yb, y2b)):
+        for launch in (bind_quantize(k, xa.buffer, n, 1, codes.buffers),
+                       bind_matvec_pair(k, cw, cw2, codes.buffers, y.buffer, y2.buffer)):
             mirror.launch_bound(launch)
-        close(yh, x8_linear(x, w)[0], 2e-6)
-        close(y2h, x8_linear(x, w2)[0], 2e-6)
+        close(y.host, x8_linear(x, w)[0], 2e-6)
+        close(y2.host, x8_linear(x, w2)[0], 2e-6)

@@ -11,9 +11,10 @@ import pytest
 
 from glmkit.backends import devices
 from glmkit.backends.numpy_backend import NumpyBackend
-from glmkit.backends.opencl import launch
+from glmkit.backends.opencl import device as opencl_device
 from glmkit.backends.opencl.backend import OpenCLBackend, Placement, initial_blas_threads
-from glmkit.backends.opencl.launch import Kernels, list_devices
+from glmkit.backends.opencl.device import list_devices
+from glmkit.backends.opencl.ops import Kernels
 from glmkit.cli import run as cli_run
 from glmkit.cli import validate as cli_validate
 from glmkit.errors import GlmkitError
@@ -226,7 +227,7 @@ def test_make_backend_spills_when_the_model_outgrows_a_discrete_device(snapshots
 
 def test_no_platform_means_numpy_with_one_line_notice(snapshots, monkeypatch, capsys):
     snap = snapshots("tiny-bf16", "f32")
-    monkeypatch.setattr(launch, "cl", None)  # as if pyopencl (or every ICD) were missing
+    monkeypatch.setattr(opencl_device, "cl", None)  # as if pyopencl (or every ICD) were missing
     assert list_devices() == []
     engine = Engine(snap, "opencl", load_tokenizer=False)
     assert isinstance(engine.backend, NumpyBackend) and engine.device == "numpy"
@@ -243,13 +244,13 @@ def test_platform_query_errors_are_no_platform(monkeypatch):
         def get_platforms():
             raise RuntimeError("clGetPlatformIDs failed: PLATFORM_NOT_FOUND_KHR")
 
-    monkeypatch.setattr(launch, "cl", Broken)
+    monkeypatch.setattr(opencl_device, "cl", Broken)
     assert list_devices() == []
 
 
 def test_cli_falls_back_and_generates(snapshots, monkeypatch, capsys):
     snap = snapshots("tiny-bf16", "f32")
-    monkeypatch.setattr(launch, "cl", None)
+    monkeypatch.setattr(opencl_device, "cl", None)
     assert cli_run.main([str(snap), "-p", "Hello", "--max-tokens", "3", "--device", "opencl:0:0", "--no-cache"]) == 0
     out, err = capsys.readouterr()
     assert out.strip() and err.count("\n") == 1 and "using numpy" in err

@@ -80,7 +80,8 @@ def worker_glmkit(spec: dict) -> dict:
     device = spec["device"]
     if device.startswith("opencl") or device == "auto":
         from glmkit.backends.devices import parse_device, pick
-        from glmkit.backends.opencl.launch import Kernels, list_devices
+        from glmkit.backends.opencl.device import list_devices
+        from glmkit.backends.opencl.ops import Kernels
 
         _, p, d = parse_device("opencl" if device == "auto" else device)
         found = list_devices()
@@ -216,7 +217,8 @@ def measure_bandwidth(nbytes: int = 512 << 20) -> dict[str, float]:
     out["numpy_read_gbs"] = nbytes / min(times) / 1e9
     try:
         from glmkit.backends.opencl.backend import OpenCLBackend, Placement
-        from glmkit.backends.opencl.launch import Kernels, list_devices
+        from glmkit.backends.opencl.device import list_devices
+        from glmkit.backends.opencl.ops import Kernels
 
         found = [d for d in list_devices() if d.kind == "cpu"]
         if found:

@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from glmkit.backends.numpy_backend import NumpyBackend  # noqa: E402
 from glmkit.backends.opencl.backend import OpenCLBackend, Placement  # noqa: E402
-from glmkit.backends.opencl.launch import Kernels, list_devices  # noqa: E402
+from glmkit.backends.opencl.device import list_devices  # noqa: E402
+from glmkit.backends.opencl.ops import Kernels  # noqa: E402
 from glmkit.cli.convert import main as convert_main  # noqa: E402
 from glmkit.format.reader import Container  # noqa: E402
 from glmkit.model.expert_stream import ExpertStreamer  # noqa: E402

@@ -28,7 +28,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from glmkit.backends.opencl.backend import OpenCLBackend, Placement  # noqa: E402
-from glmkit.backends.opencl.launch import Kernels, list_devices  # noqa: E402
+from glmkit.backends.opencl.device import list_devices  # noqa: E402
+from glmkit.backends.opencl.ops import Kernels  # noqa: E402
 from glmkit.generate.engine import Engine  # noqa: E402
 from glmkit.model.glm5 import GlmMoeDsaModel  # noqa: E402
 from tools.bench_model import DEFAULT_WORK, ensure_bench_snapshot  # noqa: E402

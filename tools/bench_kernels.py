@@ -32,15 +32,20 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from glmkit.backends.opencl import launch  # noqa: E402
+from glmkit.backends.opencl.buffers import Int8Codes  # noqa: E402
+from glmkit.backends.opencl.decode_launches import (  # noqa: E402
+    ExpertSlots,
+    bind_experts,
+    bind_experts_x8,
+    bind_matvec,
+    bind_matvec_x8,
+    bind_quantize,
+)
+from glmkit.backends.opencl.device import available, cl, list_devices  # noqa: E402
+from glmkit.backends.opencl.ops import Kernels  # noqa: E402
+from glmkit.backends.opencl.weights import X8_BLOCK, ClWeight, ExpertShape  # noqa: E402
 
 HIDDEN, INTER, GROUP, SLOTS, EXPERTS = 1024, 512, 64, 9, 32
-
-
-def profiled(kernels: launch.Kernels) -> launch.Kernels:
-    kernels.queue = launch.cl.CommandQueue(kernels.ctx,
-                                           properties=launch.cl.command_queue_properties.PROFILING_ENABLE)
-    return kernels
 
 
 def seconds(event) -> float:
@@ -48,39 +53,34 @@ def seconds(event) -> float:
     return (event.profile.end - event.profile.start) * 1e-9
 
 
-def host_buffer(kernels: launch.Kernels, arr: np.ndarray):
-    flags = launch.cl.mem_flags.READ_ONLY | launch.cl.mem_flags.USE_HOST_PTR
-    return launch.cl.Buffer(kernels.ctx, flags, hostbuf=arr)
-
-
-def bench_launch(kernels: launch.Kernels, runs: int) -> dict[str, float]:
+def bench_launch(kernels: Kernels, runs: int) -> dict[str, float]:
     """Microseconds per empty-kernel launch: waited for one by one, and queued back to back."""
-    program = launch.cl.Program(kernels.ctx, "__kernel void nop(__global float* y) { }").build()
-    nop = launch.cl.Kernel(program, "nop")
-    buf = launch.cl.Buffer(kernels.ctx, launch.cl.mem_flags.READ_WRITE, 4096)  # kept alive while nop runs
+    program = cl.Program(kernels.ctx, "__kernel void nop(__global float* y) { }").build()
+    nop = cl.Kernel(program, "nop")
+    buf = kernels.buffers.device_buffer(4096)  # kept alive while nop runs
     nop.set_args(buf)
     for _ in range(50):
-        launch.cl.enqueue_nd_range_kernel(kernels.queue, nop, (64,), (4,)).wait()
+        cl.enqueue_nd_range_kernel(kernels.queue, nop, (64,), (4,)).wait()
     t = time.perf_counter()
     for _ in range(runs):
-        launch.cl.enqueue_nd_range_kernel(kernels.queue, nop, (64,), (4,)).wait()
+        cl.enqueue_nd_range_kernel(kernels.queue, nop, (64,), (4,)).wait()
     waited = (time.perf_counter() - t) / runs
     t = time.perf_counter()
     for _ in range(runs):
-        event = launch.cl.enqueue_nd_range_kernel(kernels.queue, nop, (64,), (4,))
+        event = cl.enqueue_nd_range_kernel(kernels.queue, nop, (64,), (4,))
     event.wait()
     queued = (time.perf_counter() - t) / runs
     return {"launch_and_wait_us": waited * 1e6, "queued_us": queued * 1e6, **bench_gaps(kernels, runs // 10)}
 
 
-def bench_gaps(kernels: launch.Kernels, runs: int) -> dict[str, float]:
+def bench_gaps(kernels: Kernels, runs: int) -> dict[str, float]:
     """Device idle (us, median, from the profiling queue) between queued launches: after a one-work-group kernel,
     and after a kernel of many work-groups that keeps every worker thread busy for ~50-100 us (on PoCL's pthread
     device the gap after the latter is what a decoded token's ~150 launches mostly pay)."""
     n_big = 1 << 18
-    src, dst = kernels.host_buffer(n_big), kernels.host_buffer(n_big)
-    small = kernels.bind("add_into", (16,), (16,), dst[1], src[1], 16)
-    big = kernels.bind("add_into", (n_big,), None, dst[1], src[1], n_big)
+    src, dst = kernels.buffers.array(n_big), kernels.buffers.array(n_big)
+    small = kernels.bind("add_into", (16,), (16,), y=dst.buffer, a=src.buffer, n=16)
+    big = kernels.bind("add_into", (n_big,), None, y=dst.buffer, a=src.buffer, n=n_big)
     gaps: dict[str, list[float]] = {"gap_after_small_us": [], "gap_after_big_us": []}
     for i in range(runs + 10):
         events = [small.enqueue(), small.enqueue(), big.enqueue(), small.enqueue()]
@@ -91,29 +91,29 @@ def bench_gaps(kernels: launch.Kernels, runs: int) -> dict[str, float]:
     return {name: float(np.median(values)) for name, values in gaps.items()}
 
 
-def x8_scratch(kernels: launch.Kernels, name: str, n: int) -> tuple:
+def x8_scratch(kernels: Kernels, name: str, n: int) -> Int8Codes:
     """Buffers for n int8-quantized inputs: codes (both orders, 2n bytes), scales and code sums per block."""
-    blocks = n // launch.X8_BLOCK
-    return (kernels.out(name + "_q", 2 * n), kernels.out(name + "_s", 4 * blocks),
-            kernels.out(name + "_sum", 4 * blocks))
+    blocks, b = n // X8_BLOCK, kernels.buffers
+    return Int8Codes(b.out(name + "_q", 2 * n), b.out(name + "_s", 4 * blocks), b.out(name + "_sum", 4 * blocks))
 
 
-def bench_matvec(kernels: launch.Kernels, rows: int, runs: int, rng: np.random.Generator, x8: bool,
+def bench_matvec(kernels: Kernels, rows: int, runs: int, rng: np.random.Generator, x8: bool,
                  n_in: int = HIDDEN) -> dict[str, float]:
     """`mv_q4` (x8: `mv_q4_x8` after quantizing the input once) over a random int4 g64 matrix `[rows, n_in]`:
     G codes/s and GB/s of packed weights."""
     packed = rng.integers(0, 256, (rows, n_in // 2), dtype=np.uint8)
     scales = np.full((rows, n_in // GROUP), 0.01, np.float32)
-    w = launch.ClWeight(host_buffer(kernels, packed), 0, host_buffer(kernels, scales), 0, 4, GROUP,
-                        n_in // GROUP, rows, n_in, n_in // 2)
-    xb = kernels.put("x", rng.standard_normal((1, n_in), dtype=np.float32))
-    yb = kernels.out("y", rows * 4)
+    b = kernels.buffers
+    w = ClWeight(b.read_only_in_place(packed), 0, b.read_only_in_place(scales), 0, 4, GROUP, n_in // GROUP, rows,
+                 n_in, n_in // 2)
+    xb = b.put("x", rng.standard_normal((1, n_in), dtype=np.float32))
+    yb = b.out("y", rows * 4)
     if x8:
         scratch = x8_scratch(kernels, "x", n_in)
-        kernels.bind_quantize(xb, n_in, 1, scratch).enqueue().wait()
-        product = kernels.bind_matvec_x8(w, scratch, yb)
+        bind_quantize(kernels, xb, n_in, 1, scratch).enqueue().wait()
+        product = bind_matvec_x8(kernels, w, scratch, yb)
     else:
-        product = kernels.bind_matvec(w, xb, yb)
+        product = bind_matvec(kernels, w, xb, yb)
     times = [seconds(product.enqueue()) for _ in range(runs + 10)][10:]
     t = float(np.median(times))
     return {"ms": t * 1e3, "gcodes_s": rows * n_in / t / 1e9, "gb_s": packed.nbytes / t / 1e9}
@@ -132,34 +132,32 @@ def expert_blob(rng: np.random.Generator, hidden: int, inter: int, experts: int)
     return blob, [e * per for e in range(experts)] + starts
 
 
-def bench_experts(kernels: launch.Kernels, runs: int, rng: np.random.Generator, x8: bool, hidden: int = HIDDEN,
+def bench_experts(kernels: Kernels, runs: int, rng: np.random.Generator, x8: bool, hidden: int = HIDDEN,
                   inter: int = INTER, experts: int = EXPERTS) -> dict[str, float]:
     """The device decode step's expert kernels over SLOTS of `experts` random experts for one token, float or int8
     inputs: G codes/s and GB/s (codes and scales) of gate+up and of down (down per slot plus the slots' sum)."""
     blob, layout = expert_blob(rng, hidden, inter, experts)
     expert_starts, starts = layout[:experts], layout[experts:]
-    buf = host_buffer(kernels, blob)
-    x = kernels.put("x", rng.standard_normal((1, hidden), dtype=np.float32))
-    slot_tok = kernels.put("slot_tok", np.zeros(SLOTS, np.uint32), np.uint32)
-    tok_start = kernels.put("tok_start", np.array([0, SLOTS], np.uint32), np.uint32)
-    slot_w = kernels.put("slot_w", np.ones(SLOTS, np.float32))
-    hid, y = kernels.out("hid", SLOTS * inter * 4), kernels.out("y", hidden * 4)
-    offs, part = kernels.out("offs", SLOTS * 6 * 8), kernels.out("part", SLOTS * hidden * 4)
-    shape = (GROUP, hidden // GROUP, hidden, inter, hidden // 2, inter // 2, inter // GROUP)
+    b = kernels.buffers
+    buf = b.read_only_in_place(blob)
+    x = b.put("x", rng.standard_normal((1, hidden), dtype=np.float32))
+    slots = ExpertSlots(b.out("offs", SLOTS * 6 * 8), b.put("slot_tok", np.zeros(SLOTS, np.uint32), np.uint32),
+                        b.put("tok_start", np.array([0, SLOTS], np.uint32), np.uint32),
+                        b.put("slot_w", np.ones(SLOTS, np.float32)), SLOTS)
+    hid, y, part = b.out("hid", SLOTS * inter * 4), b.out("y", hidden * 4), b.out("part", SLOTS * hidden * 4)
+    shape = ExpertShape(4, GROUP, hidden // GROUP, hidden, inter, hidden // 2, inter // 2, inter // GROUP)
     quantize = None
     if x8:
         x_codes = x8_scratch(kernels, "x", hidden)
-        kernels.bind_quantize(x, hidden, 1, x_codes).enqueue().wait()
-        gate_up, quantize, down, total = kernels.bind_experts_x8(
-            buf, 4, *shape, x_codes, offs, slot_tok, tok_start, slot_w, hid, y, SLOTS,
-            x8_scratch(kernels, "hid", SLOTS * inter), part)
+        bind_quantize(kernels, x, hidden, 1, x_codes).enqueue().wait()
+        gate_up, quantize, down, total = bind_experts_x8(kernels, buf, shape, x_codes, slots, hid,
+                                                         x8_scratch(kernels, "hid", SLOTS * inter), part, y)
     else:
-        gate_up, down, total = kernels.bind_experts(buf, 4, *shape, x, offs, slot_tok, tok_start, slot_w, hid, y,
-                                                    SLOTS, part)
+        gate_up, down, total = bind_experts(kernels, buf, shape, x, slots, hid, part, y)
     times: dict[str, list[float]] = {"gate_up": [], "down": []}
     for _ in range(runs + 10):
         chosen = rng.choice(experts, SLOTS, replace=False)
-        kernels.put("offs", np.array([[expert_starts[e] + s for s in starts] for e in chosen], np.uint64), np.uint64)
+        b.put("offs", np.array([[expert_starts[e] + s for s in starts] for e in chosen], np.uint64), np.uint64)
         times["gate_up"].append(seconds(gate_up.enqueue()))
         if quantize is not None:
             quantize.enqueue()
@@ -181,11 +179,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="GLM-5's shapes only: two attention products and the experts (hidden 6144, "
                     "moe_intermediate 2048; 24 experts)")
     args = ap.parse_args(argv)
-    if not launch.available():
+    if not available() or not list_devices():
         print("bench_kernels: no OpenCL device", file=sys.stderr)
         return 1
-    info = launch.list_devices()[0]
-    kernels = profiled(launch.Kernels(info))
+    info = list_devices()[0]
+    kernels = Kernels(info)
+    kernels.enable_profiling()
     rng = np.random.default_rng(0)
     print(f"device: {info.platform} / {info.name} ({info.kind}), kernels {kernels.version}")
     if args.glm5:

@@ -36,7 +36,7 @@ if [ -n "$nvidia_cl" ] && ! grep -qs libnvidia-opencl /etc/OpenCL/vendors/*.icd;
     mkdir -p /etc/OpenCL/vendors && echo "$nvidia_cl" >/etc/OpenCL/vendors/nvidia.icd
 fi
 dev=$(python3 -c "
-from glmkit.backends.opencl.launch import list_devices
+from glmkit.backends.opencl.device import list_devices
 found = [d for d in list_devices() if d.kind == '$kind']
 print(found[0].spec.removeprefix('opencl:') if found else '')")
 if [ -z "$dev" ]; then

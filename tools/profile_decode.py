@@ -23,8 +23,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from glmkit.backends.opencl import launch  # noqa: E402
 from glmkit.backends.opencl.decode_graph import DeviceDecodeStep  # noqa: E402
+from glmkit.backends.opencl.program import Launch  # noqa: E402
 from glmkit.generate.engine import Engine  # noqa: E402
 from glmkit.generate.generator import Generator  # noqa: E402
 from glmkit.generate.sampling import Sampler, SamplingParams  # noqa: E402
@@ -49,23 +49,21 @@ def main(argv: list[str] | None = None) -> int:
     if not hasattr(engine.backend, "k") or not model.decodes_on_device():
         print("profile_decode: this device/placement has no device decode step", file=sys.stderr)
         return 1
-    kernels = engine.backend.k
-    kernels.queue = launch.cl.CommandQueue(kernels.ctx,
-                                           properties=launch.cl.command_queue_properties.PROFILING_ENABLE)
+    engine.backend.k.enable_profiling()
     model._step = False  # rebuilt on the profiling queue
     events: list[tuple[str, object]] = []
     first_launch: list[float] = []  # per profiled token: when its first kernel was enqueued
     returned: list[float] = []  # when the host got each profiled token's logits back (the first: before token 0)
-    enqueue = launch.Launch.enqueue
+    enqueue = Launch.enqueue
 
-    def recorded(self: launch.Launch):
+    def recorded(self: Launch):
         if len(first_launch) < len(returned):
             first_launch.append(time.perf_counter())
         event = enqueue(self)
         events.append((self.kernel.function_name, event))
         return event
 
-    launch.Launch.enqueue = recorded  # type: ignore[method-assign]
+    Launch.enqueue = recorded  # type: ignore[method-assign]
     queueing: list[float] = []  # host seconds spent queueing each token (launches, copies), the recording included
     step_enqueue = DeviceDecodeStep._enqueue
 
@@ -110,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{np.median(queueing) * 1e3:.2f} ms (median)")
     for name, ms in sorted(busy.items(), key=lambda kv: -kv[1]):
         print(f"  {name:24s} {ms:6.3f} ms  x{sum(1 for n, _ in events if n == name) // args.tokens}")
-    launch.Launch.enqueue = enqueue  # type: ignore[method-assign]
+    Launch.enqueue = enqueue  # type: ignore[method-assign]
     DeviceDecodeStep._enqueue = step_enqueue  # type: ignore[method-assign]
     generator = Generator(model, (), use_mtp=False)
     prompt = np.random.default_rng(0).integers(0, engine.config.vocab_size, args.prompt).tolist()

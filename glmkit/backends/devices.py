@@ -40,8 +40,9 @@ from glmkit.backends.opencl.backend import (
     set_blas_threads,
     weight_budget,
 )
+from glmkit.backends.opencl.device import DeviceInfo, list_devices
 from glmkit.backends.opencl.kernels import kernel_version
-from glmkit.backends.opencl.launch import DeviceInfo, Kernels, list_devices
+from glmkit.backends.opencl.ops import Kernels
 from glmkit.errors import GlmkitError
 from glmkit.format.tensors import QuantWeight
 from glmkit.model.compute import Backend
@@ -274,10 +275,8 @@ def measure_bandwidth(kernels: Kernels, nbytes: int = 64 << 20) -> dict[str, flo
     device_read = nbytes / timeit(lambda: kernels.matvec(cw, x)) / 1e9
     h2d = None
     if not kernels.info.unified:
-        import pyopencl as cl
-
-        buf = cl.Buffer(kernels.ctx, cl.mem_flags.READ_WRITE, nbytes)
-        h2d = nbytes / timeit(lambda: cl.enqueue_copy(kernels.queue, buf, host, is_blocking=True)) / 1e9
+        buf = kernels.buffers.device_buffer(nbytes)
+        h2d = nbytes / timeit(lambda: kernels.buffers.upload(buf, host).wait()) / 1e9
     return {"host_read_gbs": round(host_read, 2), "device_read_gbs": round(device_read, 2),
             "host_to_device_gbs": None if h2d is None else round(h2d, 2)}
 

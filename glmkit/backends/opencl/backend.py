@@ -26,8 +26,10 @@ import numpy as np
 from threadpoolctl import ThreadpoolController
 
 from glmkit.backends.numpy_backend import NumpyBackend
+from glmkit.backends.opencl.buffers import address
 from glmkit.backends.opencl.decode_graph import DeviceDecodeStep, Unsupported
-from glmkit.backends.opencl.launch import ClWeight, Kernels, WeightMemory, address, x8_eligible
+from glmkit.backends.opencl.ops import Kernels
+from glmkit.backends.opencl.weights import ClWeight, ExpertShape, WeightMemory, x8_eligible
 from glmkit.format.config import ModelConfig
 from glmkit.format.tensors import QuantWeight, Weight
 from glmkit.model.compute import ExpertFn, moe_layer
@@ -96,19 +98,18 @@ class Placement:
 
 @dataclass(frozen=True)
 class _ExpertRef:
-    """One expert's fused-MLP weights in one device buffer: 6 byte offsets (gate, scales, up, scales, down, scales)."""
+    """One expert's fused-MLP weights in one device buffer: 6 byte offsets (gate, scales, up, scales, down, scales),
+    read as `shape` says."""
 
     buf: object
     offs: tuple[int, int, int, int, int, int]
-    key: tuple  # (id(buf), bits, group, n_in, inter): experts with equal keys share one launch
-    bits: int
-    group: int
-    n_groups: int
-    n_in: int
-    inter: int
-    in_row_bytes: int
-    inter_row_bytes: int
-    inter_groups: int
+    shape: ExpertShape
+
+    @property
+    def key(self) -> tuple:
+        """(id(buf), bits, group, n_in, inter): experts with equal keys share one launch."""
+        s = self.shape
+        return id(self.buf), s.bits, s.group, s.n_in, s.inter
 
 
 class OpenCLBackend:
@@ -135,7 +136,7 @@ class OpenCLBackend:
         unified = kernels.info.unified if unified is None else unified
         if budget is None:
             budget = 1 << 62 if unified else weight_budget(kernels.info.global_mem)
-        self.memory = WeightMemory(kernels, unified, budget)
+        self.memory = WeightMemory(kernels.buffers, unified, budget)
         self.spill = spill if self.placement.spill_experts else None
         self.model_bytes = model_bytes
         self.device = kernels.info.spec
@@ -207,10 +208,10 @@ class OpenCLBackend:
             inter, n_in = gate.shape
             quant = isinstance(gate, QuantWeight)
             bits, group = (gate.bits, gate.group_size or 0) if quant else (32, 0)
-            ref = _ExpertRef(buf, offs, (id(buf), bits, group, n_in, inter), bits, group,
-                             gate.scales.shape[1] if quant and gate.scales.ndim == 2 else 1, n_in, inter,
-                             arrays[0].shape[1] * arrays[0].itemsize, arrays[4].shape[1] * arrays[4].itemsize,
-                             down.scales.shape[1] if quant and down.scales.ndim == 2 else 1)
+            ref = _ExpertRef(buf, offs, ExpertShape(
+                bits, group, gate.scales.shape[1] if quant and gate.scales.ndim == 2 else 1, n_in, inter,
+                arrays[0].shape[1] * arrays[0].itemsize, arrays[4].shape[1] * arrays[4].itemsize,
+                down.scales.shape[1] if quant and down.scales.ndim == 2 else 1))
         if placed is not None or self.memory.unified or self.memory.used >= self.memory.budget:
             self._experts[cache_key] = ref  # a miss is final once the budget is spent (or memory is unified)
             self._experts_by_id[ids] = ((gate, up, down), ref)
@@ -353,7 +354,8 @@ class OpenCLBackend:
             arrays = [a for w in triple for a in (w.packed, w.scales)]
             starts = [address(a) for a in arrays]
             lo, hi = min(starts), max(st + a.nbytes for st, a in zip(starts, arrays, strict=True))
-            view, base = self.memory._mapping(arrays[0])[:2]
+            mapping = self.memory._mapping(arrays[0])
+            view, base = mapping.view, mapping.base
             pos = -(-pos // 256) * 256
             spans.append((pos, starts, lo, triple))
             parts.append((pos, view[lo - base:hi - base]))
@@ -361,14 +363,13 @@ class OpenCLBackend:
         blob = np.zeros(pos, np.uint8)
         for at, data in parts:
             blob[at:at + data.nbytes] = data
-        buf = self.k.put("stream", blob, np.uint8)
+        buf = self.k.buffers.put("stream", blob, np.uint8)
         for at, starts, lo, (gate, _, down) in spans:
             inter, n_in = gate.shape
             group = gate.group_size or 0
-            refs.append(_ExpertRef(buf, tuple(at + st - lo for st in starts), (id(buf), gate.bits, group, n_in, inter),
-                                   gate.bits, group, gate.scales.shape[1] if gate.scales.ndim == 2 else 1, n_in, inter,
-                                   gate.packed.shape[1], down.packed.shape[1],
-                                   down.scales.shape[1] if down.scales.ndim == 2 else 1))
+            refs.append(_ExpertRef(buf, tuple(at + st - lo for st in starts), ExpertShape(
+                gate.bits, group, gate.scales.shape[1] if gate.scales.ndim == 2 else 1, n_in, inter,
+                gate.packed.shape[1], down.packed.shape[1], down.scales.shape[1] if down.scales.ndim == 2 else 1)))
         return blob, refs
 
     def _run_fused(self, x: np.ndarray, ref: _ExpertRef, slots: list[tuple[int, float, tuple]]) -> np.ndarray:
@@ -380,10 +381,11 @@ class OpenCLBackend:
         offs = np.array([slot[2] for slot in slots], np.uint64)
         slot_w = np.array([slot[1] for slot in slots], np.float32)
         # int8 inputs for int4 experts only, as in the decode step (a q8 model's experts keep float inputs)
-        x8 = self.int8_activations and ref.bits == 4 and x8_eligible(ref.bits, ref.group, ref.n_in, ref.inter)
+        shape = ref.shape
+        x8 = self.int8_activations and shape.bits == 4 and x8_eligible(shape.bits, shape.group, shape.n_in,
+                                                                       shape.inter)
         run = self.k.experts_x8 if x8 else self.k.experts
-        return run(ref.buf, ref.bits, ref.group, ref.n_groups, ref.n_in, ref.inter, ref.in_row_bytes,
-                   ref.inter_row_bytes, ref.inter_groups, x, offs, tok, tok_start, slot_w)
+        return run(ref.buf, shape, x, offs, tok, tok_start, slot_w)
 
     # ---- attention and the indexer ---------------------------------------------------------------
 
@@ -396,11 +398,6 @@ class OpenCLBackend:
         if where == "cl":
             return self.k.attention(q, k, v, allowed, scale)
         return self.host.attention(q, k, v, allowed, scale)
-
-    def index_scores(self, q: np.ndarray, k: np.ndarray, weights: np.ndarray, scale: float) -> np.ndarray:
-        if self.placement.index == "cl":
-            return self.k.index_scores(q, k, weights, scale)
-        return self.host.index_scores(q, k, weights, scale)
 
     def index_topk(self, q: np.ndarray, k: np.ndarray, weights: np.ndarray, scale: float, causal: np.ndarray,
                    topk: int) -> np.ndarray:

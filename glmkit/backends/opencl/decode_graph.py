@@ -32,12 +32,28 @@ expert ids: per token, in ID_SLOTS turns, for the route watcher).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from glmkit.backends.opencl.launch import NO_STAGE, X8_BLOCK, ClWeight, Kernels, Launch, mvt_chunked, x8_eligible
+from glmkit.backends.opencl.buffers import DeviceArray, Int8Codes
+from glmkit.backends.opencl.decode_launches import (
+    ExpertSlots,
+    bind_embed_row,
+    bind_experts,
+    bind_experts_x8,
+    bind_matvec,
+    bind_matvec_pair,
+    bind_matvec_t,
+    bind_matvec_x8,
+    bind_mla_query,
+    bind_quantize,
+)
+from glmkit.backends.opencl.ops import Kernels
+from glmkit.backends.opencl.program import Launch
+from glmkit.backends.opencl.weights import X8_BLOCK, ClWeight, mvt_chunked, x8_eligible
 from glmkit.format.config import ModelConfig
+from glmkit.format.schema import EXPERT_PROJECTIONS, expert_weight_name, layer_prefix
 from glmkit.format.tensors import Weight
 from glmkit.model.kv_cache import KVCache
 from glmkit.model.ops import LATENT_NORM_EPS, rope_cos_sin
@@ -47,6 +63,7 @@ MAX_EXPERT_BUFFERS = 8  # weight buffers one layer's experts may span (MAX_BUFFE
 ID_SLOTS = 32  # routed-id buffers per MoE layer, used in turn by successive tokens: the watcher's callbacks may lag
 INITIAL_KEYS = 1024  # keys the per-key scratch buffers hold at first (they double as the context grows)
 KEY_GROUP = 16  # work-group size of the kernels with one work-item per key
+NO_STAGE = 0xFFFFFFFF  # token_rows: no staging copy of the cache rows (decode.cl)
 
 
 class Unsupported(Exception):
@@ -58,9 +75,13 @@ class Addend(NamedTuple):
     A layer's routed experts leave their per-slot down outputs and routing weights so (the next norm sums them, no
     launch of their own); any other addend is one row of weight 1."""
 
-    rows: object
-    range: object
-    weights: object
+    rows: Any
+    range: Any
+    weights: Any
+
+    def args(self) -> dict[str, Any]:
+        """As residual_rms_norm's arguments."""
+        return {"a": self.rows, "a_range": self.range, "a_w": self.weights}
 
 
 class RouteWatcher:
@@ -73,7 +94,7 @@ class RouteWatcher:
     def __init__(self, kernels: Kernels, hook: Callable[[int, np.ndarray], None]) -> None:
         self.kernels, self.hook = kernels, hook
 
-    def watch(self, event, layer: int, ids: np.ndarray) -> None:
+    def watch(self, event: Any, layer: int, ids: np.ndarray) -> None:
         """Call the hook with `ids` (a host array the launch of `event` writes) once that launch completed."""
         self.kernels.on_complete(event, lambda: self.hook(layer, ids.copy()))
 
@@ -100,8 +121,8 @@ class _Layer:
         self.attention: Launch | None = None  # scores, then softmax and values
         self.values: Launch | None = None
         self.route: Launch | None = None
-        self.ids: list = []  # MoE layers, per token slot: (host array, buffer) of the routed expert ids
-        self.cache_buffers: dict[str, tuple[np.ndarray, object]] = {}  # field -> (its storage array, buffer)
+        self.ids: list[DeviceArray] = []  # MoE layers, per token slot: the routed expert ids
+        self.cache_buffers: dict[str, DeviceArray] = {}  # direct devices: field -> its storage array and buffer
         self.mirrors: dict[str, _CacheMirror] = {}  # discrete devices: field -> its rows in device memory
 
 
@@ -119,14 +140,14 @@ class DeviceDecodeStep:
 
         if cfg.n_routed_experts > MAX_ROUTED_EXPERTS:
             raise Unsupported(f"{cfg.n_routed_experts} routed experts (the routing kernel holds {MAX_ROUTED_EXPERTS})")
-        self.cfg, self.k = cfg, kernels
+        self.cfg, self.k, self.buffers = cfg, kernels, kernels.buffers
         self._weight, self._cw, self._expert_ref = weight, cw, expert_ref
         self.x8_bits = self._int8_input_bits(int8_activations)
         h, nh = cfg.hidden_size, cfg.num_attention_heads
         nope, rope, v_dim, kvl = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         self.red = kernels.red_lanes
         self._vectors = self._pack_vectors()
-        new = self._buf
+        new = self.buffers.array
         self.x, self.u, self.ffn, self.ffn_part = new(h), new(h), new(h), new(h)
         # per token parity (one token may be in flight while the next is queued): cos/sin, the greedy token
         self.cs = [new(rope), new(rope)]
@@ -137,7 +158,7 @@ class DeviceDecodeStep:
         self.stage_width = sum(self.stage_fields.values())
         self.row_stage = [new(cfg.num_hidden_layers * self.stage_width) for _ in range(2)]
         self.staged: list[tuple[KVCache, int] | None] = [None, None]
-        self._cs_users: list[tuple[Launch, int]] = []  # (launch, argument index) of every cos/sin reader
+        self._cs_users: list[Launch] = []  # every launch that reads the position's cos/sin (its argument `cs`)
         self.q_a, self.q_lat = new(cfg.q_lora_rank), new(cfg.q_lora_rank)
         # int8 codes of the normed inputs, written by the norms themselves for the int8-input products
         self.u_x8, self.q_lat_x8, self.hidden_x8 = (
@@ -150,15 +171,16 @@ class DeviceDecodeStep:
         ihd, inh = cfg.index_head_dim, cfg.index_n_heads
         self.key_raw, self.key = new(ihd), new(ihd)
         self.iq, self.iq_rot, self.iw = new(inh * ihd), new(inh * ihd), new(inh)
-        self.chosen = self._buf(max(cfg.index_topk, 1), np.uint32)  # the keys the indexer chose (attention's keys)
-        self.one_row = (self._filled([0, 1], np.uint32), self._filled([1.0]))  # the range, weight of a one-row addend
+        self.chosen = new(max(cfg.index_topk, 1), np.uint32)  # the keys the indexer chose (attention's keys)
+        # the range and weight of a one-row addend
+        self.one_range, self.one_weight = self.buffers.filled([0, 1], np.uint32), self.buffers.filled([1.0])
         self.ffn_out = self._whole(self.ffn)  # the last bound layer's FFN output, as the next norm adds it
         self.capacity = 0  # keys the per-key scratch buffers hold
         # each MoE layer's routed ids, per token slot in one buffer (one read per token on a discrete device)
         n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
-        self.id_stride = self._aligned_items(cfg.num_experts_per_tok)
-        self.route_ids = [self._buf(max(n_moe, 1) * self.id_stride, np.uint32) for _ in range(ID_SLOTS)]
-        self.scratch: dict[str, tuple[np.ndarray, object]] = {}
+        self.id_stride = self.buffers.aligned_items(cfg.num_experts_per_tok)
+        self.route_ids = [new(max(n_moe, 1) * self.id_stride, np.uint32) for _ in range(ID_SLOTS)]
+        self.scratch: dict[str, DeviceArray] = {}
         self.layers: list[_Layer] = []
         self._grow(INITIAL_KEYS)
         for layer in range(cfg.num_hidden_layers):
@@ -167,10 +189,10 @@ class DeviceDecodeStep:
                                      self.hidden_x8)
         (self.lm_head,) = self._matvec(self._matrix("lm_head.weight"), self.hidden, self.logits,
                                        quantized=self.hidden_x8)
-        self.argmax = kernels.bind("argmax_row", (self.red,), (self.red,), self.logits[1], self.logits[0].size,
-                                   self.token_ids[0][1])
+        self.argmax = kernels.bind("argmax_row", (self.red,), (self.red,), x=self.logits.buffer,
+                                   n=self.logits.host.size, token=self.token_ids[0].buffer)
         embed = self._cw(weight("model.embed_tokens.weight"))  # the device-side lookup of pipelined greedy decode
-        self.embed = None if embed is None else kernels.bind_embed_row(embed, self.token_ids[0][1], self.x[1])
+        self.embed = None if embed is None else bind_embed_row(kernels, embed, self.token_ids[0].buffer, self.x.buffer)
         self.owner: GreedyPipeline | None = None  # the pipeline whose token is in flight
         self.watcher: RouteWatcher | None = None  # see watch_routes
         self.tokens = 0  # tokens enqueued: token n's routed ids go to slot n % ID_SLOTS
@@ -178,36 +200,11 @@ class DeviceDecodeStep:
 
     # ---- building ----------------------------------------------------------------------------------
 
-    def _buf(self, count: int, dtype=np.float32) -> tuple[np.ndarray, object]:
-        return self.k.host_buffer(count, dtype)
-
-    def _filled(self, values, dtype=np.float32) -> tuple[np.ndarray, object]:
-        """A buffer pair holding `values` (on the device too)."""
-        values = np.asarray(values, dtype).reshape(-1)
-        pair = self._buf(values.size, dtype)
-        pair[0][:] = values
-        self._to_device(pair)
-        return pair
-
-    def _to_device(self, pair) -> None:
-        """Discrete devices: queue the copy of a pair's host array into its buffer (direct devices share it)."""
-        if not self.k.direct:
-            self.k.upload(pair[1], pair[0])
-
-    def _to_host(self, pair):
-        """Discrete devices: queue the copy of a pair's buffer into its host array; its event (None when direct)."""
-        return None if self.k.direct else self.k.download(pair[0], pair[1])
-
-    def _aligned_items(self, count: int, itemsize: int = 4) -> int:
-        """`count` rounded up so that consecutive regions of it start where sub-buffers may (`base_align`)."""
-        quantum = max(1, self.k.base_align // itemsize)
-        return -(-count // quantum) * quantum
-
-    def _pack_vectors(self) -> tuple[np.ndarray, object]:
+    def _pack_vectors(self) -> DeviceArray:
         """Every 1-D weight of the main layers (norms, biases, router bias) in one buffer, at `self.offsets`."""
         cfg, names = self.cfg, ["model.norm.weight"]
         for layer in range(cfg.num_hidden_layers):
-            p = f"model.layers.{layer}."
+            p = layer_prefix(layer)
             names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight",
                       p + "self_attn.q_a_layernorm.weight", p + "self_attn.kv_a_layernorm.weight"]
             if cfg.indexer_type(layer) == "full":
@@ -216,7 +213,7 @@ class DeviceDecodeStep:
                 names.append(p + "mlp.gate.e_score_correction_bias")
         arrays = [np.asarray(self._weight(n), np.float32).reshape(-1) for n in names]
         self.offsets = dict(zip(names, np.cumsum([0] + [a.size for a in arrays[:-1]]).tolist(), strict=True))
-        return self._filled(np.concatenate(arrays))
+        return self.buffers.filled(np.concatenate(arrays))
 
     def _matrix(self, name: str) -> ClWeight:
         cw = self._cw(self._weight(name))
@@ -224,9 +221,9 @@ class DeviceDecodeStep:
             raise Unsupported(f"{name} cannot be used in place")
         return cw
 
-    def _matvec(self, w: ClWeight, x, y, heads: int = 1, head_rows: int = 0, row_start: int = 0,
-                rows: int | None = None, quantized: tuple | None = None, codes_out: tuple | None = None
-                ) -> tuple[Launch, ...]:
+    def _matvec(self, w: ClWeight, x: DeviceArray, y: DeviceArray, heads: int = 1, head_rows: int = 0,
+                row_start: int = 0, rows: int | None = None, quantized: Int8Codes | None = None,
+                codes_out: Int8Codes | None = None) -> tuple[Launch, ...]:
         """`y[h] = x[h] . W[h * head_rows + row_start ...]` for contiguous rows x[h] (`n_in` apart): int8 inputs
         where `x8_eligible` (x's codes from `quantized`, else a quantize launch first), else float inputs.
         codes_out: y's int8 codes too (`_x8_scratch`), for the product that reads y next: written by the product's
@@ -234,50 +231,57 @@ class DeviceDecodeStep:
         k = self.k
         rows = w.rows if rows is None else rows
         if not self._x8(w.bits, w.group, w.n_in):
-            launches: tuple[Launch, ...] = (k.bind_matvec(w, x[1], y[1], heads, w.n_in, head_rows, row_start, rows),)
+            launches: tuple[Launch, ...] = (
+                bind_matvec(k, w, x.buffer, y.buffer, heads, w.n_in, head_rows, row_start, rows),)
         else:
             launches = ()
             if quantized is None:
                 quantized = self._x8_scratch(heads * w.n_in)
-                launches = (k.bind_quantize(x[1], w.n_in, heads, quantized),)
+                launches = (bind_quantize(k, x.buffer, w.n_in, heads, quantized),)
             if codes_out is not None and k.writes_codes and rows % X8_BLOCK == 0:
-                return (*launches, k.bind_matvec_x8(w, quantized, y[1], heads, head_rows, row_start, rows, codes_out))
-            launches += (k.bind_matvec_x8(w, quantized, y[1], heads, head_rows, row_start, rows),)
+                return (*launches,
+                        bind_matvec_x8(k, w, quantized, y.buffer, heads, head_rows, row_start, rows, codes_out))
+            launches += (bind_matvec_x8(k, w, quantized, y.buffer, heads, head_rows, row_start, rows),)
         if codes_out is not None:
-            launches += (k.bind_quantize(y[1], heads * rows, 1, codes_out),)
+            launches += (bind_quantize(k, y.buffer, heads * rows, 1, codes_out),)
         return launches
 
     def _pairs(self, w: ClWeight, w2: ClWeight) -> bool:
-        """Whether two products of the normed hidden state u run as one launch (`Kernels.bind_matvec_pair`)."""
+        """Whether two products of the normed hidden state u run as one launch (`bind_matvec_pair`)."""
         return (self.u_x8 is not None and self._x8(w.bits, w.group, w.n_in)
                 and (w.bits, w.n_in, w.group, w.row_bytes) == (w2.bits, w2.n_in, w2.group, w2.row_bytes))
 
-    def _matvec_pair(self, w: ClWeight, y, w2: ClWeight, y2) -> tuple[Launch, ...]:
+    def _matvec_pair(self, w: ClWeight, y: DeviceArray, w2: ClWeight, y2: DeviceArray) -> tuple[Launch, ...]:
         """`y = W u` and `y2 = W2 u`: one launch where `_pairs`, else two `_matvec`s."""
         if self._pairs(w, w2):
-            return (self.k.bind_matvec_pair(w, w2, self.u_x8, y[1], y2[1]),)
+            return (bind_matvec_pair(self.k, w, w2, self.u_x8, y.buffer, y2.buffer),)
         return (*self._matvec(w, self.u, y, quantized=self.u_x8), *self._matvec(w2, self.u, y2, quantized=self.u_x8))
 
-    def _whole(self, a) -> Addend:
-        """Buffer pair `a` (host array, buffer) as an addend of one row of weight 1."""
-        return Addend(a[1], self.one_row[0][1], self.one_row[1][1])
+    def _whole(self, a: DeviceArray) -> Addend:
+        """`a` as an addend of one row of weight 1."""
+        return Addend(a.buffer, self.one_range.buffer, self.one_weight.buffer)
 
-    def _norm(self, x, a: Addend | None, weight: str, y, eps: float, n: int, quantized: tuple | None = None
-              ) -> Launch:
+    def _norm(self, x: DeviceArray, a: Addend | None, weight: str, y: DeviceArray, eps: float, n: int,
+              quantized: Int8Codes | None = None) -> Launch:
         """`x += a` (unless None), then `y = RMSNorm(x)` with the 1-D weight `weight`; its int8 codes into
         `quantized` (`_x8_scratch(n)`) when given."""
         add = a or self._whole(x)  # unused buffers when not adding, or not quantizing
-        codes = quantized or (y[1], y[1], y[1])
-        return self.k.bind("residual_rms_norm", (self.red,), (self.red,), x[1], 0, *add, int(a is not None),
-                           self._vectors[1], self.offsets[weight], y[1], 0, n, eps, int(quantized is not None), *codes)
+        codes = quantized or Int8Codes.unused(y.buffer)
+        return self.k.bind("residual_rms_norm", (self.red,), (self.red,), x=x.buffer, x_off=0, **add.args(),
+                           add=int(a is not None), w=self._vectors.buffer, w_off=self.offsets[weight], y=y.buffer,
+                           y_off=0, n=n, eps=eps, quantize=int(quantized is not None), **codes.args())
 
-    def _rope(self, x, x_off: int, x_row: int, y_buf, y_row: int, width: int, rows: int) -> Launch:
-        return self._reads_cs(self.k.bind("rope_rows", (width, rows), None, x[1], x_off, x_row, y_buf, 0, y_row,
-                                          self.cs[0][1], width, self.cfg.qk_rope_head_dim // 2), 6)
+    def _rope(self, x: DeviceArray, x_off: int, x_row: int, y: DeviceArray, y_row: int, width: int, rows: int
+              ) -> Launch:
+        """RoPE on the first rope dims of `rows` rows of x (from float x_off, x_row apart) into y (y_row apart),
+        `width` values per row."""
+        return self._reads_cs(self.k.bind("rope_rows", (width, rows), None, x=x.buffer, x_off=x_off, x_row=x_row,
+                                          y=y.buffer, y_off=0, y_row=y_row, cs=self.cs[0].buffer, width=width,
+                                          n_half=self.cfg.qk_rope_head_dim // 2))
 
-    def _reads_cs(self, launch: Launch, index: int) -> Launch:
-        """Record that argument `index` of `launch` is the cos/sin buffer (set per token parity)."""
-        self._cs_users.append((launch, index))
+    def _reads_cs(self, launch: Launch) -> Launch:
+        """Record that `launch` reads the cos/sin buffer (its argument `cs`, set per token parity)."""
+        self._cs_users.append(launch)
         return launch
 
     def _grow(self, keys: int) -> None:
@@ -287,23 +291,23 @@ class DeviceDecodeStep:
             return
         cap = max(keys, 2 * self.capacity)
         nh = self.cfg.num_attention_heads
-        self.scratch = {"scores": self._buf(nh * cap), "index_scores": self._buf(cap),
-                        "selected": self._buf(cap, np.uint8), "all": self._filled(np.ones(cap), np.uint8)}
+        new = self.buffers.array
+        self.scratch = {"scores": new(nh * cap), "index_scores": new(cap), "selected": new(cap, np.uint8),
+                        "all": self.buffers.filled(np.ones(cap), np.uint8)}
         self.capacity = cap
-        scores, index_scores = self.scratch["scores"][1], self.scratch["index_scores"][1]
-        selected, every = self.scratch["selected"][1], self.scratch["all"][1]
+        scores, index_scores = self.scratch["scores"].buffer, self.scratch["index_scores"].buffer
         for layer in self.layers:  # the bound launches that read the scratch get the new buffers
-            layer.attention.set(6, scores)
-            layer.values.set(0, scores)
+            layer.attention.set(scores=scores)
+            layer.values.set(scores=scores)
             if layer.scores is not None:
-                layer.scores.set(3, index_scores)
-                for index, value in ((0, index_scores), (1, every), (2, selected)):
-                    layer.topk.set(index, value)
+                layer.scores.set(out=index_scores)
+                layer.topk.set(scores=index_scores, allowed=self.scratch["all"].buffer,
+                               selected=self.scratch["selected"].buffer)
 
     def _bind_layer(self, layer: int, latent_eps: float) -> _Layer:
-        """The launches of one decoder layer: `_decoder_layer`'s operations in its order."""
+        """The launches of one decoder layer: `GlmMoeDsaModel.decoder_layer`'s operations in its order."""
         cfg, k, out = self.cfg, self.k, _Layer()
-        p = f"model.layers.{layer}."
+        p = layer_prefix(layer)
         a = p + "self_attn."
         h, nh = cfg.hidden_size, cfg.num_attention_heads
         nope, rope, v_dim, kvl = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
@@ -316,48 +320,62 @@ class DeviceDecodeStep:
         ]
         indexer = cfg.indexer_type(layer) == "full"  # a layer with an indexer of its own (else it shares one)
         ihd, inh = cfg.index_head_dim, cfg.index_n_heads
-        key_norm = (0, 0)  # the offsets of the indexer key's LayerNorm weight and bias
+        key_norm = {"kw_off": 0, "kb_off": 0}  # where the indexer key's LayerNorm weight and bias are
         if indexer:
             wk, weights_proj = self._matrix(a + "indexer.wk.weight"), self._matrix(a + "indexer.weights_proj.weight")
             # weights_proj's head weights matter only once the indexer scores; in the key's launch they cost ~nothing
             paired = self._pairs(wk, weights_proj)
             out.head += (self._matvec_pair(wk, self.key_raw, weights_proj, self.iw) if paired else
                          self._matvec(wk, self.u, self.key_raw, quantized=self.u_x8))
-            key_norm = (self.offsets[a + "indexer.k_norm.weight"], self.offsets[a + "indexer.k_norm.bias"])
-        q_codes = self.q_lat_x8 or (self.q_lat[1],) * 3  # unused buffers when q_b takes float inputs
+            key_norm = {"kw_off": self.offsets[a + "indexer.k_norm.weight"],
+                        "kb_off": self.offsets[a + "indexer.k_norm.bias"]}
+        q_codes = self.q_lat_x8 or Int8Codes.unused(self.q_lat.buffer)  # q_b takes float inputs: not written
+        # the cache rows (kv_lat, k_rot, index_k at `row`) and the staging buffer (stage) are set per token
         out.rows = self._reads_cs(k.bind(
-            "token_rows", (self.red,), (self.red,), self.comp[1], self._vectors[1],
-            self.offsets[a + "kv_a_layernorm.weight"], self.comp[1], self.comp[1], 0, kvl, rope, self.cs[0][1],
-            latent_eps, self.q_a[1], self.offsets[a + "q_a_layernorm.weight"], self.q_lat[1], cfg.q_lora_rank,
-            int(self.q_lat_x8 is not None), *q_codes, int(indexer), self.key_raw[1], *key_norm, self.key[1],
-            self.key[1], ihd, self.row_stage[0][1], NO_STAGE if k.direct else layer * self.stage_width), 8)
+            "token_rows", (self.red,), (self.red,), comp=self.comp.buffer, vec=self._vectors.buffer,
+            w_off=self.offsets[a + "kv_a_layernorm.weight"], kv_lat=self.comp.buffer, k_rot=self.comp.buffer, row=0,
+            kvl=kvl, rope=rope, cs=self.cs[0].buffer, eps=latent_eps, q_a=self.q_a.buffer,
+            qw_off=self.offsets[a + "q_a_layernorm.weight"], q_lat=self.q_lat.buffer, qn=cfg.q_lora_rank,
+            quantize=int(self.q_lat_x8 is not None), **q_codes.args(), index=int(indexer),
+            key_raw=self.key_raw.buffer, **key_norm, tmp=self.key.buffer, index_k=self.key.buffer, ihd=ihd,
+            stage=self.row_stage[0].buffer, stage_off=NO_STAGE if k.direct else layer * self.stage_width))
         out.head += [out.rows,
                      *self._matvec(self._matrix(a + "q_b_proj.weight"), self.q_lat, self.q, quantized=self.q_lat_x8)]
         if mvt_chunked(kv_b):  # the query's absorption and RoPE in one launch
-            out.head.append(self._reads_cs(k.bind_mla_query(kv_b, self.q[1], nope + rope, self.q_abs[1], nope,
-                                                            nope + v_dim, nh, self.cs[0][1], self.q_rot[1], rope), 13))
+            out.head.append(self._reads_cs(bind_mla_query(k, kv_b, self.q.buffer, nope + rope, self.q_abs.buffer,
+                                                          nope, nope + v_dim, nh, self.cs[0].buffer,
+                                                          self.q_rot.buffer, rope)))
         else:
-            out.head += [k.bind_matvec_t(kv_b, self.q[1], self.q_abs[1], nh, nope + rope, nope + v_dim, 0, nope),
-                         self._rope(self.q, nope, nope + rope, self.q_rot[1], rope, rope, nh)]
-        if indexer:
-            out.scores = k.bind("index_scores", (KEY_GROUP, 1), (KEY_GROUP, 1), self.iq_rot[1], self.key[1], self.iw[1],
-                                self.scratch["index_scores"][1], inh, ihd, 1, ihd ** -0.5, inh ** -0.5)
-            out.topk = k.bind(*k.topk_kernel(1), self.scratch["index_scores"][1], self.scratch["all"][1],
-                              self.scratch["selected"][1], self.chosen[1], 1, cfg.index_topk, 1)
+            out.head += [bind_matvec_t(k, kv_b, self.q.buffer, self.q_abs.buffer, nh, nope + rope, nope + v_dim, 0,
+                                       nope),
+                         self._rope(self.q, nope, nope + rope, self.q_rot, rope, rope, nh)]
+        scratch = self.scratch
+        if indexer:  # the key row (`k`) and key count (`n_keys`) are set per token
+            out.scores = k.bind("index_scores", (KEY_GROUP, 1), (KEY_GROUP, 1), q=self.iq_rot.buffer,
+                                k=self.key.buffer, w=self.iw.buffer, out=scratch["index_scores"].buffer, nh=inh,
+                                d=ihd, n_keys=1, scale=ihd ** -0.5, w_scale=inh ** -0.5)
+            name, size, local = k.topk_kernel(1)
+            out.topk = k.bind(name, size, local, scores=scratch["index_scores"].buffer,
+                              allowed=scratch["all"].buffer, selected=scratch["selected"].buffer,
+                              chosen=self.chosen.buffer, n_keys=1, k=cfg.index_topk, n_rows=1)
             out.scoring = [*self._matvec(self._matrix(a + "indexer.wq_b.weight"), self.q_lat, self.iq,
                                          quantized=self.q_lat_x8),
-                           self._rope(self.iq, 0, ihd, self.iq_rot[1], ihd, ihd, inh),
+                           self._rope(self.iq, 0, ihd, self.iq_rot, ihd, ihd, inh),
                            *(() if paired else self._matvec(weights_proj, self.u, self.iw, quantized=self.u_x8)),
                            out.scores, out.topk]
-        scratch = self.scratch
-        out.attention = k.bind("mla_decode_scores", (KEY_GROUP, 1), (KEY_GROUP, 1), self.q_abs[1], self.q_rot[1],
-                               self.comp[1], self.comp[1], self.chosen[1], 0, scratch["scores"][1], nh, 1, kvl,
-                               rope, cfg.qk_head_dim ** -0.5)
+        # the cache rows (kv_lat, k_rot), the key count (n) and whether the indexer chose the keys (use_keys) are
+        # set per token
+        out.attention = k.bind("mla_decode_scores", (KEY_GROUP, 1), (KEY_GROUP, 1), q_lat=self.q_abs.buffer,
+                               q_rot=self.q_rot.buffer, kv_lat=self.comp.buffer, k_rot=self.comp.buffer,
+                               keys=self.chosen.buffer, use_keys=0, scores=scratch["scores"].buffer, nh=nh, n=1,
+                               kvl=kvl, rope=rope, scale=cfg.qk_head_dim ** -0.5)
         # the values kernel writes o_lat's codes too when kv_b's value product takes int8 inputs
         o_lat_x8 = self._x8_scratch(nh * kvl) if self._x8(kv_b.bits, kv_b.group, kv_b.n_in) else None
-        out.values = k.bind("mla_decode_values", (nh * self.red,), (self.red,), scratch["scores"][1], self.comp[1],
-                            self.o_lat[1], 1, kvl, int(o_lat_x8 is not None), *(o_lat_x8 or (self.o_lat[1],) * 3),
-                            self.chosen[1], 0)
+        value_codes = o_lat_x8 or Int8Codes.unused(self.o_lat.buffer)
+        out.values = k.bind("mla_decode_values", (nh * self.red,), (self.red,), scores=scratch["scores"].buffer,
+                            kv_lat=self.comp.buffer, out=self.o_lat.buffer, n=1, kvl=kvl,
+                            quantize=int(o_lat_x8 is not None), **value_codes.args(), keys=self.chosen.buffer,
+                            use_keys=0)
         o_proj = self._matrix(a + "o_proj.weight")
         heads_x8 = self._x8_scratch(nh * v_dim) if self._x8(o_proj.bits, o_proj.group, o_proj.n_in) else None
         out.tail = [out.attention, out.values,
@@ -373,22 +391,25 @@ class DeviceDecodeStep:
         """The FFN of one layer, its output left in `self.ffn_out` for the next norm to add. MoE: router logits,
         routing on the device, then the fused launches per weight buffer the layer's experts lie in (a layer can
         span files of the mapping), summed into `self.ffn` where there are several (or a shared expert apart)."""
-        cfg, k = self.cfg, self.k
-        p = f"model.layers.{layer}.mlp."
+        cfg, k, new = self.cfg, self.k, self.buffers.array
+        p = layer_prefix(layer) + "mlp."
 
-        def triple(prefix: str) -> tuple[Weight, Weight, Weight]:
-            return tuple(self._weight(prefix + f"{proj}.weight") for proj in ("gate_proj", "up_proj", "down_proj"))
+        def mlp(prefix: str) -> tuple[Weight, Weight, Weight]:
+            return tuple(self._weight(f"{prefix}{projection}.weight") for projection in EXPERT_PROJECTIONS)
+
+        def routed(e: int) -> tuple[Weight, Weight, Weight]:
+            return tuple(self._weight(expert_weight_name(layer, e, projection)) for projection in EXPERT_PROJECTIONS)
 
         def scheme(ref) -> tuple:
             return ref.key[1:]  # bits, group, n_in, inter
 
         if not cfg.is_moe_layer(layer):
-            launches, self.ffn_out = self._bind_single(self._ref(triple(p), p), self.ffn, summed=False)
+            launches, self.ffn_out = self._bind_single(self._ref(mlp(p), p), self.ffn, summed=False)
             return list(launches)
-        experts = [self._ref(triple(f"{p}experts.{e}."), f"{p}experts.{e}.") for e in range(cfg.n_routed_experts)]
+        experts = [self._ref(routed(e), f"{p}experts.{e}.") for e in range(cfg.n_routed_experts)]
         if len({scheme(r) for r in experts}) != 1:
             raise Unsupported(f"{p}: routed experts of more than one scheme")
-        shared = [self._ref(triple(p + "shared_experts."), p + "shared_experts.")] if cfg.n_shared_experts else []
+        shared = [self._ref(mlp(p + "shared_experts."), p + "shared_experts.")] if cfg.n_shared_experts else []
         apart = bool(shared) and scheme(shared[0]) != scheme(experts[0])  # e.g. q2: int2 routed, int4 shared
         if apart:
             separate, shared = shared[0], []
@@ -396,34 +417,37 @@ class DeviceDecodeStep:
         buffers = list({id(r.buf): r.buf for r in members}.values())
         if len(buffers) > MAX_EXPERT_BUFFERS:
             raise Unsupported(f"{p}: the experts lie in {len(buffers)} weight buffers")
-        table = self._filled([r.offs for r in members], np.uint64)
-        buffer_of = self._filled([next(b for b, buf in enumerate(buffers) if buf is r.buf) for r in members],
-                                 np.uint32)
+        table = self.buffers.filled([r.offs for r in members], np.uint64)
+        buffer_of = self.buffers.filled([next(b for b, buf in enumerate(buffers) if buf is r.buf) for r in members],
+                                        np.uint32)
         # per buffer: its slots from `stride * b` (sub-buffers must start at base_align multiples)
         n_slots = cfg.num_experts_per_tok + len(shared)
-        stride = self._aligned_items(n_slots)
-        regions = {name: (self._buf(len(buffers) * stride * width, dtype), width, dtype)
-                   for name, width, dtype in (("offs", 6, np.uint64), ("slot_w", 1, np.float32),
-                                              ("slot_tok", 1, np.uint32), ("tok_start", 1, np.uint32))}
+        stride = self.buffers.aligned_items(n_slots)
+        layout = {"offs": (6, np.uint64), "slot_w": (1, np.float32), "slot_tok": (1, np.uint32),
+                  "tok_start": (1, np.uint32)}  # the slot arrays: values per slot, type
+        regions = {name: new(len(buffers) * stride * width, dtype) for name, (width, dtype) in layout.items()}
         top_k, start = cfg.num_experts_per_tok, sum(lay.route is not None for lay in self.layers) * self.id_stride
-        ids = [(host[start:start + top_k], k.sub_buffer(buf, 4 * start, 4 * top_k)) for host, buf in self.route_ids]
-        logits = self._buf(cfg.n_routed_experts)
-        out.route = k.bind("route_noaux_tc", (1,), None, logits[1], self._vectors[1],
-                           self.offsets[p + "gate.e_score_correction_bias"], table[1], buffer_of[1], len(buffers),
-                           cfg.n_routed_experts, cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok,
-                           int(cfg.norm_topk_prob), cfg.routed_scaling_factor, len(shared), regions["offs"][0][1],
-                           regions["slot_w"][0][1], regions["slot_tok"][0][1], stride, regions["tok_start"][0][1],
-                           ids[0][1])
+        ids = [DeviceArray(a.host[start:start + top_k], self.buffers.sub_buffer(a.buffer, 4 * start, 4 * top_k))
+               for a in self.route_ids]
+        logits = new(cfg.n_routed_experts)
+        out.route = k.bind("route_noaux_tc", (1,), None, logits=logits.buffer, vec=self._vectors.buffer,
+                           bias_off=self.offsets[p + "gate.e_score_correction_bias"], table=table.buffer,
+                           buffer_of=buffer_of.buffer, n_buffers=len(buffers), n_experts=cfg.n_routed_experts,
+                           n_group=cfg.n_group, topk_group=cfg.topk_group, top_k=cfg.num_experts_per_tok,
+                           norm=int(cfg.norm_topk_prob), scaling=cfg.routed_scaling_factor, shared=len(shared),
+                           offs=regions["offs"].buffer, slot_w=regions["slot_w"].buffer,
+                           slot_tok=regions["slot_tok"].buffer, stride=stride, tok_start=regions["tok_start"].buffer,
+                           ids=ids[0].buffer)  # ids: set per token slot
         out.ids = ids
-        launches = [k.bind_matvec(self._matrix(p + "gate.weight"), self.u[1], logits[1]), out.route]
+        launches = [bind_matvec(k, self._matrix(p + "gate.weight"), self.u.buffer, logits.buffer), out.route]
         summed = len(buffers) > 1 or apart
         for b, buf in enumerate(buffers):
-            sub = {name: (None, k.sub_buffer(pair[1], b * stride * width * np.dtype(dtype).itemsize,
-                                              n_slots * width * np.dtype(dtype).itemsize))
-                   for name, (pair, width, dtype) in regions.items()}
+            sub = {name: self.buffers.sub_buffer(regions[name].buffer, b * stride * width * np.dtype(dtype).itemsize,
+                                                 n_slots * width * np.dtype(dtype).itemsize)
+                   for name, (width, dtype) in layout.items()}
+            slots = ExpertSlots(sub["offs"], sub["slot_tok"], sub["tok_start"], sub["slot_w"], n_slots)
             y = self.ffn if b == 0 else self.ffn_part
-            bound, self.ffn_out = self._bind_experts(experts[0], sub["offs"], sub["slot_w"], n_slots, y, buf,
-                                                     sub["slot_tok"], sub["tok_start"], summed)
+            bound, self.ffn_out = self._bind_experts(experts[0], slots, y, buf, summed)
             launches += bound
             if b:
                 launches.append(self._add(self.ffn, self.ffn_part))
@@ -433,9 +457,9 @@ class DeviceDecodeStep:
             self.ffn_out = self._whole(self.ffn)
         return launches
 
-    def _add(self, y, a) -> Launch:
+    def _add(self, y: DeviceArray, a: DeviceArray) -> Launch:
         n = self.cfg.hidden_size
-        return self.k.bind("add_into", (n,), None, y[1], a[1], n)
+        return self.k.bind("add_into", (n,), None, y=y.buffer, a=a.buffer, n=n)
 
     def _ref(self, weights: tuple[Weight, Weight, Weight], name: str):
         ref = self._expert_ref(*weights)
@@ -443,28 +467,26 @@ class DeviceDecodeStep:
             raise Unsupported(f"{name}: cannot run as a fused expert in place")
         return ref
 
-    def _bind_single(self, ref, y, summed: bool = True) -> tuple[tuple[Launch, ...], Addend]:
+    def _bind_single(self, ref, y: DeviceArray, summed: bool = True) -> tuple[tuple[Launch, ...], Addend]:
         """One MLP (a dense layer's, or a shared expert) as fused launches over one slot of weight 1."""
-        offs, slot_w, slot_tok, tok_start = (self._filled(ref.offs, np.uint64), self._filled([1.0]),
-                                             self._filled([0], np.uint32), self._filled([0, 1], np.uint32))
-        return self._bind_experts(ref, offs, slot_w, 1, y, ref.buf, slot_tok, tok_start, summed)
+        filled = self.buffers.filled
+        slots = ExpertSlots(filled(ref.offs, np.uint64).buffer, filled([0], np.uint32).buffer,
+                            filled([0, 1], np.uint32).buffer, filled([1.0]).buffer, 1)
+        return self._bind_experts(ref, slots, y, ref.buf, summed)
 
-    def _bind_experts(self, ref, offs, slot_w, n_slots: int, y, wbuf, slot_tok, tok_start, summed: bool
+    def _bind_experts(self, ref, slots: ExpertSlots, y: DeviceArray, wbuf, summed: bool
                       ) -> tuple[tuple[Launch, ...], Addend]:
-        """The fused launches over `n_slots` slots of experts with `ref`'s scheme in weight buffer `wbuf`, and their
-        output as an addend: gate+up (with int8 inputs: and the hidden rows' quantization), down per slot, then the
-        slots' sum into y when `summed`, else the slots' down rows are the addend."""
-        hid, part = self._buf(n_slots * ref.inter), self._buf(n_slots * ref.n_in)[1]
-        shape = (ref.group, ref.n_groups, ref.n_in, ref.inter, ref.in_row_bytes, ref.inter_row_bytes,
-                 ref.inter_groups)
-        slots = (offs[1], slot_tok[1], tok_start[1], slot_w[1], hid[1], y[1], n_slots)
-        if self._x8(ref.bits, ref.group, ref.n_in, ref.inter):  # x: u's codes, written by the post-attention norm
-            launches = self.k.bind_experts_x8(wbuf, ref.bits, *shape, self.u_x8, *slots,
-                                              hid_scratch=self._x8_scratch(n_slots * ref.inter), part=part,
-                                              summed=summed)
+        """The fused launches over `slots` of experts with `ref`'s scheme in weight buffer `wbuf`, and their output
+        as an addend: gate+up (with int8 inputs: and the hidden rows' quantization), down per slot, then the slots'
+        sum into y when `summed`, else the slots' down rows are the addend."""
+        shape = ref.shape
+        hid, part = self.buffers.array(slots.count * shape.inter), self.buffers.array(slots.count * shape.n_in).buffer
+        if self._x8(shape.bits, shape.group, shape.n_in, shape.inter):  # x: u's codes, by the post-attention norm
+            launches = bind_experts_x8(self.k, wbuf, shape, self.u_x8, slots, hid.buffer,
+                                       self._x8_scratch(slots.count * shape.inter), part, y.buffer, summed)
         else:
-            launches = self.k.bind_experts(wbuf, ref.bits, *shape, self.u[1], *slots, part=part, summed=summed)
-        return launches, self._whole(y) if summed else Addend(part, tok_start[1], slot_w[1])
+            launches = bind_experts(self.k, wbuf, shape, self.u.buffer, slots, hid.buffer, part, y.buffer, summed)
+        return launches, self._whole(y) if summed else Addend(part, slots.tok_start, slots.slot_w)
 
     def _int8_input_bits(self, int8_activations: bool) -> frozenset[int]:
         """The weight widths whose products take int8-quantized inputs: int4 always (their own rounding dwarfs
@@ -477,15 +499,16 @@ class DeviceDecodeStep:
         moe = next((i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)), None)
         if moe is None:
             return frozenset({4})
-        expert = self._weight(f"model.layers.{moe}.mlp.experts.0.gate_proj.weight")
+        expert = self._weight(expert_weight_name(moe, 0, "gate_proj"))
         return frozenset({4, 8}) if getattr(expert, "bits", 32) < 8 else frozenset({4})
 
     def _x8(self, bits: int, group: int, *widths: int) -> bool:
         return bits in self.x8_bits and x8_eligible(bits, group, *widths)
 
-    def _x8_scratch(self, n: int) -> tuple[object, object, object]:
+    def _x8_scratch(self, n: int) -> Int8Codes:
         """Buffers of n int8-quantized inputs: codes (two orders: 2n bytes), n / X8_BLOCK scales and code sums."""
-        return (self._buf(2 * n, np.int8)[1], self._buf(n // X8_BLOCK)[1], self._buf(n // X8_BLOCK, np.int32)[1])
+        new = self.buffers.array
+        return Int8Codes(new(2 * n, np.int8).buffer, new(n // X8_BLOCK).buffer, new(n // X8_BLOCK, np.int32).buffer)
 
     # ---- one token ---------------------------------------------------------------------------------
 
@@ -497,20 +520,20 @@ class DeviceDecodeStep:
         if not self.k.direct:
             return self._mirror(layer, kv, name, arr).buf
         have = layer.cache_buffers.get(name)
-        if have is None or have[0] is not arr:
-            have = layer.cache_buffers[name] = (arr, self.k.wrap(arr))
-        return have[1]
+        if have is None or have.host is not arr:
+            have = layer.cache_buffers[name] = DeviceArray(arr, self.buffers.wrap(arr))
+        return have.buffer
 
     def _mirror(self, layer: _Layer, kv, name: str, arr: np.ndarray) -> _CacheMirror:
         m = layer.mirrors.get(name)
         if m is None or m.capacity < len(arr):  # first use, or the host cache grew: every row again
-            m = layer.mirrors[name] = _CacheMirror(kv, self.k.device_buffer(arr.nbytes), len(arr))
+            m = layer.mirrors[name] = _CacheMirror(kv, self.buffers.device_buffer(arr.nbytes), len(arr))
         if m.kv is not kv:  # another sequence's cache
             m.kv, m.rows = kv, 0
         pos = kv.length - 1
         start = min(m.rows, kv.edited_from, pos)
         if start < pos:
-            self.k.upload(m.buf, arr[start:pos], start * arr.strides[0])
+            self.buffers.upload(m.buf, arr[start:pos], start * arr.strides[0])
         m.rows = pos + 1  # row pos: written by this token's kernels
         return m
 
@@ -525,7 +548,7 @@ class DeviceDecodeStep:
         if staged is None:
             return
         cache, pos = staged
-        rows = self.row_stage[parity][0].reshape(len(self.layers), self.stage_width)
+        rows = self.row_stage[parity].host.reshape(len(self.layers), self.stage_width)
         for i, layer in enumerate(self.layers):
             kv, start = cache.layer(i), 0
             for name, width in self.stage_fields.items():
@@ -537,7 +560,7 @@ class DeviceDecodeStep:
         """Append `token` (its embedding row `embed [H]`) at position `cache.length`; see the class docstring."""
         self.settle()
         self.complete(self._enqueue(cache, 0, embed), 0)
-        return self.logits[0][None, :].copy(), self.hidden[0][None, :].copy(), self.routes(0)
+        return self.logits.host[None, :].copy(), self.hidden.host[None, :].copy(), self.routes(0)
 
     def watch_routes(self, hook: Callable[[int, np.ndarray], None]) -> None:
         """From now on call `hook(layer, expert ids [k])` as each MoE layer's routing completes on the device,
@@ -549,7 +572,7 @@ class DeviceDecodeStep:
     def routes(self, parity: int) -> list[tuple[int, np.ndarray]]:
         """`(layer, expert ids [1, k])` of every MoE layer, as the token of this parity routed them."""
         slot = self.slot_of[parity]
-        return [(i, layer.ids[slot][0][None, :].astype(np.int64)) for i, layer in enumerate(self.layers)
+        return [(i, layer.ids[slot].host[None, :].astype(np.int64)) for i, layer in enumerate(self.layers)
                 if layer.route is not None]
 
     def settle(self) -> None:
@@ -574,13 +597,14 @@ class DeviceDecodeStep:
                 self._collect(staged)
         self._grow(keys)
         cos, sin = rope_cos_sin(np.array([pos]), cfg.qk_rope_head_dim, cfg.rope_theta)
-        self.cs[parity][0][:] = np.concatenate([cos[0], sin[0]])
-        self._to_device(self.cs[parity])  # the last token of this parity has finished: its copy was done
-        for launch, index in self._cs_users:
-            launch.set(index, self.cs[parity][1])
+        self.cs[parity].host[:] = np.concatenate([cos[0], sin[0]])
+        self.buffers.to_device(self.cs[parity])  # the last token of this parity has finished: its copy was done
+        cs = self.cs[parity].buffer
+        for launch in self._cs_users:
+            launch.set(cs=cs)
         if embed is not None:
-            self.x[0][:] = embed
-            self._to_device(self.x)
+            self.x.host[:] = embed
+            self.buffers.to_device(self.x)
         scored = keys > cfg.index_topk
         slot = self.slot_of[parity] = self.tokens % ID_SLOTS
         self.tokens += 1
@@ -593,49 +617,45 @@ class DeviceDecodeStep:
         for i in range(cfg.num_hidden_layers):
             cache.layer(i).claim(1)
         if embed is None:
-            self.embed.set(8, self.token_ids[1 - parity][1])
+            self.embed.set(token=self.token_ids[1 - parity].buffer)
             self.embed.enqueue()
         try:
             for i, layer in enumerate(self.layers):
                 kv = cache.layer(i)
                 lat, rot = self._cache_buffer(layer, kv, "kv_lat"), self._cache_buffer(layer, kv, "k_rot")
-                for index, value in ((3, lat), (4, rot), (5, pos)):
-                    layer.rows.set(index, value)
+                layer.rows.set(kv_lat=lat, k_rot=rot, row=pos)
                 if layer.scores is not None:
                     index_k = self._cache_buffer(layer, kv, "index_k")
-                    layer.rows.set(23, index_k)
+                    layer.rows.set(index_k=index_k)
                 if not self.k.direct:
-                    layer.rows.set(25, self.row_stage[parity][1])
+                    layer.rows.set(stage=self.row_stage[parity].buffer)
                     kv.edited_from = kv.length  # the host gets this row with the others (`_collect`)
                 for launch in layer.head:
                     launch.enqueue()
                 if scored and layer.scores is not None:
-                    layer.scores.set(1, index_k)
-                    layer.scores.set(6, keys)
+                    layer.scores.set(k=index_k, n_keys=keys)
                     layer.scores.size = (per_key, 1)
-                    layer.topk.set(4, keys)
+                    layer.topk.set(n_keys=keys)
                     for launch in layer.scoring:
                         launch.enqueue()
-                for index, value in ((2, lat), (3, rot), (5, int(scored)), (8, attended)):
-                    layer.attention.set(index, value)
+                layer.attention.set(kv_lat=lat, k_rot=rot, use_keys=int(scored), n=attended)
                 layer.attention.size = (per_attended, heads)
-                for index, value in ((1, lat), (3, attended), (10, int(scored))):
-                    layer.values.set(index, value)
+                layer.values.set(kv_lat=lat, n=attended, use_keys=int(scored))
                 if layer.route is not None:
-                    layer.route.set(18, layer.ids[slot][1])
+                    layer.route.set(ids=layer.ids[slot].buffer)
                 for launch in layer.tail:
                     event = launch.enqueue()
                     if launch is layer.route and self.watcher is not None:
-                        self.watcher.watch(event, i, layer.ids[slot][0])
+                        self.watcher.watch(event, i, layer.ids[slot].host)
             self.final_norm.enqueue()
             event = self.lm_head.enqueue()
             if greedy:
-                self.argmax.set(2, self.token_ids[parity][1])
+                self.argmax.set(token=self.token_ids[parity].buffer)
                 event = self.argmax.enqueue()
             if not self.k.direct:  # what the host reads of this token, behind its kernels
                 reads = (self.token_ids[parity],) if greedy else (self.logits, self.hidden)
-                for pair in (self.row_stage[parity], self.route_ids[slot], *reads):
-                    event = self._to_host(pair)
+                for a in (self.row_stage[parity], self.route_ids[slot], *reads):
+                    event = self.buffers.to_host(a)
                 self.staged[parity] = (cache, pos)
         except BaseException:
             self.k.finish()
@@ -701,7 +721,7 @@ class GreedyPipeline:
         self.step.complete(event, parity)
         if self.on_routes is not None:
             self.on_routes(self.step.routes(parity))
-        return int(self.step.token_ids[parity][0][0])
+        return int(self.step.token_ids[parity].host[0])
 
     def suspend(self) -> None:
         """Finish the forward in flight and keep its token (another user of the step comes first)."""

@@ -1,4 +1,4 @@
-"""OpenCL C 1.2 kernels (`*.cl`) of the OpenCL backend; `glmkit.backends.opencl.launch` holds their launchers.
+"""OpenCL C 1.2 kernels (`*.cl`) of the OpenCL backend; `glmkit.backends.opencl.program` builds them.
 
 `source()` is the program text: the files concatenated in a fixed order (common helpers first).
 `KERNEL_VERSION` is a digest of that text, so it changes whenever any kernel changes: it is part of the

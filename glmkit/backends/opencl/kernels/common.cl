@@ -8,7 +8,7 @@
  *
  * Compile-time knobs: LANES (work-items cooperating on one matvec row: 1 on CPUs, a warp on GPUs),
  * ROWS (matvec rows per work-item, sharing each loaded chunk of x: 4 on CPUs, 1 on GPUs),
- * RED_LANES (work-group size of the row-reduction kernels: norms, attention, softmax).
+ * RED_LANES (work-group size of the row-reduction kernels: norms, attention, top-k).
  */
 
 /* PoCL does not inline small helpers, not even builtins such as vload16 or mad (each would be a call with a

@@ -54,17 +54,3 @@ __kernel void layer_norm(__global const float* x, __global const float* w, __glo
     const float den = sqrt(group_sum(v, red) / (float)n + eps);
     for (uint i = l; i < n; i += RED_LANES) y[base + i] = (x[base + i] - mean) / den * w[i] + b[i];
 }
-
-/* Softmax over each row of n; -inf entries get probability 0. Global (rows * RED_LANES). */
-__kernel void softmax_rows(__global const float* x, __global float* y, uint n) {
-    __local float red[RED_LANES];
-    const uint l = get_local_id(0);
-    const ulong base = (ulong)get_group_id(0) * n;
-    float m = -INFINITY;
-    for (uint i = l; i < n; i += RED_LANES) m = fmax_(m, x[base + i]);
-    m = group_max(m, red);
-    float s = 0.0f;
-    for (uint i = l; i < n; i += RED_LANES) s += exp(x[base + i] - m);
-    s = group_sum(s, red);
-    for (uint i = l; i < n; i += RED_LANES) y[base + i] = exp(x[base + i] - m) / s;
-}

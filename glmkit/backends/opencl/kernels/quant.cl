@@ -404,11 +404,11 @@ MLA_QUERY(q4, 4)
 
 /* ---- int8 activations (common.cl): the device decode step's int4 and int8 products --------------------
  * quantize_x8: rows of x (stride x_s, n columns, a multiple of 64) -> codes q[2 * (r * n + 64 b) ...] (both
- * orders of common.cl), scales s[r * n / 64 + b] and code sums qsum[...] per block b. Global (n / 64, rows). */
-__kernel void quantize_x8(__global const float* x, uint x_s, uint n, __global char* q, __global float* s,
+ * orders of common.cl), scales qs[r * n / 64 + b] and code sums qsum[...] per block b. Global (n / 64, rows). */
+__kernel void quantize_x8(__global const float* x, uint x_s, uint n, __global char* q, __global float* qs,
                           __global int* qsum) {
     const uint b = get_global_id(0), r = get_global_id(1), at = r * (n / 64) + b;
-    quantize_block(x + r * x_s + 64 * b, q + 2 * (r * n + 64 * b), s + at, qsum + at);
+    quantize_block(x + r * x_s + 64 * b, q + 2 * (r * n + 64 * b), qs + at, qsum + at);
 }
 
 /* mv_*_x8, eg_*_x8, edp_*_x8: mv / eg / expert_down_part of int4 and int8 rows over quantized inputs (x: one row
