@@ -229,20 +229,18 @@ class NumpyBackend:
         self._map(part, [(span, block) for span in spans for block in blocks])
         return out
 
-    def index_scores(self, q: np.ndarray, k: np.ndarray, weights: np.ndarray, scale: float) -> np.ndarray:
-        return self._index_scores(q, k, weights, scale, None)
-
-    def _index_scores(self, q: np.ndarray, k: np.ndarray, weights: np.ndarray, scale: float,
-                      causal: np.ndarray | None) -> np.ndarray:
-        """`index_scores`; with `causal [S, T]` the keys after a query block's last causal key are skipped
-        (their scores are left 0: a top-k over causal keys never reads them)."""
+    def _index_scores(self, q: np.ndarray, k: np.ndarray, weights: np.ndarray, scale: float, causal: np.ndarray
+                      ) -> np.ndarray:
+        """The DSA indexer scores `[S, T]` of `index_topk` (see `Backend.index_topk`); the keys after a query
+        block's last `causal [S, T]` key are skipped (their scores are left 0: a top-k over causal keys never reads
+        them)."""
         seq, heads, _ = q.shape
-        out = np.empty((seq, k.shape[0]), np.float32) if causal is None else np.zeros((seq, k.shape[0]), np.float32)
+        out = np.zeros((seq, k.shape[0]), np.float32)
         step = max(1, self.query_block // (heads * k.shape[0]))
 
         def part(s0: int) -> None:
             s1 = min(seq, s0 + step)
-            total = k.shape[0] if causal is None else _allowed_end(causal[s0:s1])
+            total = _allowed_end(causal[s0:s1])
             per_head = q[s0:s1].transpose(1, 0, 2) @ k[:total].T  # [nh, s, t]: one GEMM per head
             per_head *= np.float32(scale)
             np.maximum(per_head, 0, out=per_head)

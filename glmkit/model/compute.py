@@ -64,15 +64,11 @@ class Backend(Protocol):
         """
         ...
 
-    def index_scores(self, q: np.ndarray, k: np.ndarray, weights: np.ndarray, scale: float) -> np.ndarray:
-        """DSA indexer scores: q `[S, nh, d]`, k `[T, d]`, weights `[S, nh]` ->
-        `I[s, t] = sum_h weights[s, h] * relu(q[s, h] . k[t] * scale)` `[S, T]`."""
-        ...
-
     def index_topk(self, q: np.ndarray, k: np.ndarray, weights: np.ndarray, scale: float, causal: np.ndarray,
                    topk: int) -> np.ndarray:
-        """DSA selection `[S, T]` bool: per query the `min(topk, allowed)` largest `index_scores` among its
-        `causal` keys (`topk_mask` of the scores)."""
+        """DSA selection `[S, T]` bool: per query the `min(topk, allowed)` largest DSA indexer scores among its
+        `causal` keys (`topk_mask` of the scores), the scores of q `[S, nh, d]`, k `[T, d]`, weights `[S, nh]`
+        being `I[s, t] = sum_h weights[s, h] * relu(q[s, h] . k[t] * scale)`."""
         ...
 
     def rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
