@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-try:  # pyopencl is a dependency, but a broken install must never take the NumPy path down with it
+try:
     import pyopencl as cl
 except Exception:  # noqa: BLE001 - any import failure means "no OpenCL"
     cl = None

@@ -36,21 +36,21 @@ class Kernels:
         if cl is None:
             raise RuntimeError("pyopencl is not installed")
         self.info = info
-        self.device = info.open()
+        device = info.open()
         gpu = info.kind == "gpu"
         self.lanes = lanes or (32 if gpu else 1)
         self.red_lanes = red_lanes or (64 if gpu else 16)
         self.rows_per_item = 1 if self.lanes > 1 else 4  # matvec rows per work-item (ROWS in the kernels)
         self.items_per_group = items_per_group or (1 if self.lanes > 1 else 4)
         self.direct = (info.kind == "cpu") if direct is None else direct
-        self.ctx = cl.Context([self.device])
+        self.ctx = cl.Context([device])
         self.queue = cl.CommandQueue(self.ctx)
         options = [f"-DLANES={self.lanes}", f"-DRED_LANES={self.red_lanes}", f"-DROWS={self.rows_per_item}"]
         self.cpu_loads = (info.kind == "cpu") if cpu_loads is None else cpu_loads
         if self.cpu_loads:
             options.append("-DCPU_LOADS")  # plain unaligned vector loads (PoCL does not inline vloadn)
         self.program = Program(self.ctx, options)
-        self.buffers = Buffers(self.ctx, self.queue, self.direct, max(1, self.device.mem_base_addr_align // 8),
+        self.buffers = Buffers(self.ctx, self.queue, self.direct, max(1, device.mem_base_addr_align // 8),
                                info.max_alloc)
         self.version = f"{kernel_version()}-l{self.lanes}r{self.red_lanes}w{self.rows_per_item}" + (
             "c" if self.cpu_loads else "")
