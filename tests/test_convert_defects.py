@@ -96,25 +96,25 @@ def test_resume_refuses_a_source_shard_changed_since_the_first_run(tmp_path, mon
     assert Container(out).model_hash == Container(tmp_path / "fresh").model_hash
 
 
-def test_shard_identity_samples_a_large_shard(tmp_path):
+def test_file_identity_samples_a_large_file(tmp_path):
     """Beyond SAMPLE_BLOCKS blocks, the header and evenly spaced blocks are hashed (from the first data byte to
     the last block); an edit there changes the identity, the file's mtime aside."""
-    from glmkit.convert.sources.snapshot import SAMPLE_BLOCK_BYTES, SAMPLE_BLOCKS, shard_identity
+    from glmkit.convert.sources.snapshot import SAMPLE_BLOCK_BYTES, SAMPLE_BLOCKS, file_identity
 
     path = tmp_path / "big.safetensors"
     header = b'{"x":{"dtype":"U8","shape":[4194304],"data_offsets":[0,4194304]}}'
     path.write_bytes(len(header).to_bytes(8, "little") + header + bytes(4 << 20))
     assert path.stat().st_size > SAMPLE_BLOCKS * SAMPLE_BLOCK_BYTES * 2
-    first = shard_identity(path)
+    first = file_identity(path)
     for offset in (20, 8 + len(header), path.stat().st_size - 1):  # header, first and last sampled bytes
         data = bytearray(path.read_bytes())
         data[offset] ^= 1
         path.write_bytes(bytes(data))
-        changed = shard_identity(path)
+        changed = file_identity(path)
         assert changed["sampled_sha256"] != first["sampled_sha256"] and changed["nbytes"] == first["nbytes"]
         data[offset] ^= 1
         path.write_bytes(bytes(data))
-        assert shard_identity(path)["sampled_sha256"] == first["sampled_sha256"]
+        assert file_identity(path)["sampled_sha256"] == first["sampled_sha256"]
 
 
 # --- non-finite or misread weights --------------------------------------------------------------------------------
@@ -375,3 +375,36 @@ def test_rerunning_a_finished_conversion_says_already_converted(tmp_path, capsys
     assert "shard model-00001-of-00002.safetensors changed" in refused()
     assert {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.iterdir()} == before
     assert convert_main([*args, "--force"]) == 0 and Container(out).model_hash != model_hash
+
+
+# --- the resume state in OUT is untrusted too ---------------------------------------------------------------------
+
+def test_resume_converts_again_a_completed_file_edited_since(tmp_path, monkeypatch, capsys):
+    src, out, args = _interrupted(tmp_path, monkeypatch, capsys)
+    done = [json.loads(line)["file"] for line in (out / ".glm-convert" / "done.jsonl").read_text().splitlines()]
+    edited = out / done[1]
+    data = bytearray(edited.read_bytes())
+    data[-1] ^= 1
+    edited.write_bytes(bytes(data))
+    assert convert_main(args) == 0
+    assert f"resuming {out}: 1 of " in capsys.readouterr().err  # only the file before it is kept
+    assert Container(out).verify_data() == []
+    assert convert_main([str(src), str(tmp_path / "fresh"), *args[2:]]) == 0
+    assert Container(out).model_hash == Container(tmp_path / "fresh").model_hash
+
+
+@pytest.mark.parametrize("damage", ["[" * 10**5, '{"identity": []}', "fifo"])
+def test_damaged_resume_state_is_an_error_that_force_gets_past(tmp_path, monkeypatch, capsys, damage):
+    src, out, args = _interrupted(tmp_path, monkeypatch, capsys)
+    state = out / ".glm-convert" / "state.json"
+    if damage == "fifo":
+        _replace(state, "fifo")
+    else:
+        state.write_text(damage)
+    with bounded():
+        assert convert_main(args) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "state.json" in err and "--force" in err, err
+    with bounded():
+        assert convert_main([*args, "--force"]) == 0
+    Container(out)

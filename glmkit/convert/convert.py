@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import shutil
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +27,12 @@ from glmkit.convert.quantizers import HessianFactor, choose_scales, gptq_quantiz
 from glmkit.convert.resume import STATE_DIR, ConversionState, DoneFile, differences, source_change
 from glmkit.convert.sources.fetch import peak_alive_bytes
 from glmkit.convert.sources.open import open_source
-from glmkit.convert.sources.snapshot import SIDE_FILES, HFSnapshot, copy_side_file
+from glmkit.convert.sources.snapshot import SIDE_FILES, HFSnapshot, copy_side_file, file_identity
 from glmkit.convert.sources.source import BackgroundDigests, Source
 from glmkit.errors import GlmkitError
 from glmkit.format.imatrix import Imatrix
 from glmkit.format.manifest import FORMAT_VERSION, MANIFEST_NAME, ExpertRange, Manifest, Quant, TensorEntry
-from glmkit.format.packing import pack, packed_row_bytes, quantize
+from glmkit.format.packing import pack, quantize
 from glmkit.format.schema import TensorSpec, layer_prefix, model_tensors
 from glmkit.format.writer import DataFileWriter, FileLayout, PlannedTensor, layout_files
 from glmkit.units import format_size
@@ -164,13 +163,15 @@ def _run(job: ConversionJob, out: Path, force: bool, progress: bool, budget: int
         step = 0
         for layout in todo:
             writer = DataFileWriter(out, layout)
+            planned_entries = _planned_entries(job, layout)
             written: dict[str, TensorEntry] = {}
             for planned, _ in layout.tensors:
                 if planned.name not in spec_names:
                     continue  # a `.qs` scales tensor, written together with its weight
                 spec = specs[step]
                 fetcher.acquire(step)
-                written.update(_write_tensor(writer, snapshot, job.plan, spec, job.importance))
+                digests = _write_tensor(writer, snapshot, job.plan, spec, job.importance)
+                written.update({n: replace(planned_entries[n], sha256=d) for n, d in digests.items()})
                 fetcher.release(step)
                 step += 1
                 bar.set_postfix_str(f"{len(job.specs) - len(specs) + step}/{len(job.specs)} tensors", refresh=False)
@@ -178,7 +179,8 @@ def _run(job: ConversionJob, out: Path, force: bool, progress: bool, budget: int
             files[layout.name] = writer.finish()
             writer = None
             entries.update(written)
-            state.record(layout.name, files[layout.name], {n: e.to_json() for n, e in written.items()})
+            state.record(layout.name, files[layout.name], {n: e.to_json() for n, e in written.items()},
+                         file_identity(out / layout.name))
         fetcher.close()
         down_bar.close()
         bar.close()
@@ -264,8 +266,14 @@ def _open_output(job: ConversionJob, out: Path, state: ConversionState, force: b
         raise GlmkitError(f"{out}: output directory is not empty (use --force to overwrite)")
     state.lock()
     try:
-        then = state.identity()
-        resume = then == job.identity
+        try:
+            then = state.identity()
+            recorded = state.done() if then == job.identity else {}
+        except GlmkitError:
+            if not force:
+                raise
+            then, recorded = None, {}  # --force starts over from damaged state
+        resume = then is not None and then == job.identity
         if then is not None and not resume and not force:
             if (change := source_change(then, job.identity)) is not None:
                 raise GlmkitError(f"{out}: holds an unfinished conversion of this source, but its {change} since that "
@@ -277,7 +285,7 @@ def _open_output(job: ConversionJob, out: Path, state: ConversionState, force: b
             raise GlmkitError(f"{out}: holds an unfinished conversion with other inputs "
                               f"({'; '.join(differences(then, job.identity))}): rerun that command{pin} to finish it, "
                               "or use --force to start over")
-        done = _completed_prefix(job, out, state) if resume else {}
+        done = _completed_prefix(job, out, recorded) if resume else {}
         if not force:
             _check_disk(job, out, state, done, budget, reuse_staged=resume)
         if resume:
@@ -292,7 +300,7 @@ def _open_output(job: ConversionJob, out: Path, state: ConversionState, force: b
         state.start(job.identity)
         return {}
     except BaseException:
-        if state.locked and state.identity() is None:  # nothing to resume: leave OUT as it was
+        if state.locked and not state.exists():  # nothing to resume: leave OUT as it was
             state.finish()
             if created and out.is_dir() and not any(out.iterdir()):
                 out.rmdir()
@@ -300,18 +308,34 @@ def _open_output(job: ConversionJob, out: Path, state: ConversionState, force: b
         raise
 
 
-def _completed_prefix(job: ConversionJob, out: Path, state: ConversionState) -> dict[str, DoneFile]:
-    """The data files, in layout order, that a previous run recorded complete and that are still intact."""
-    recorded = state.done()
+def _completed_prefix(job: ConversionJob, out: Path, recorded: dict[str, DoneFile]) -> dict[str, DoneFile]:
+    """The data files, in layout order, that a previous run recorded complete and that are still intact: the
+    record is what writing that layout records, and the file has the size, mtime and sampled bytes it had."""
     done: dict[str, DoneFile] = {}
     for layout in job.layouts:
         finished = recorded.get(layout.name)
         path = out / layout.name
-        if (finished is None or finished.record.get("nbytes") != layout.size or not path.is_file()
-                or path.stat().st_size != layout.size):
+        if (finished is None or not _records_layout(job, layout, finished) or not path.is_file()
+                or path.stat().st_size != layout.size or file_identity(path) != finished.identity):
             break
         done[layout.name] = finished
     return done
+
+
+def _records_layout(job: ConversionJob, layout: FileLayout, finished: DoneFile) -> bool:
+    """Whether a done.jsonl line is what writing `layout` records: its size, a digest and the planned entries."""
+    record, digest = finished.record, finished.record.get("sha256")
+    if record.keys() != {"nbytes", "sha256"} or record["nbytes"] != layout.size or not (
+            isinstance(digest, str) and len(digest) == 64 and set(digest) <= set("0123456789abcdef")):
+        return False
+    planned = _planned_entries(job, layout)
+    if finished.tensors.keys() != planned.keys():
+        return False
+    try:
+        entries = {n: TensorEntry.from_json(n, e) for n, e in finished.tensors.items()}
+    except GlmkitError:
+        return False
+    return all(replace(entries[n], sha256="") == planned[n] for n in planned)
 
 
 def free_bytes(path: Path) -> int:
@@ -571,21 +595,19 @@ STREAM_ELEMS = 1 << 22  # tensors with more elements are read, quantized and wri
 
 
 def _write_tensor(writer: DataFileWriter, source: HFSnapshot, plan: QuantPlan, spec: TensorSpec,
-                  importance: Importance | None = None) -> dict[str, TensorEntry]:
-    """Convert one tensor. Every scheme is row-local (a row's scales and codes depend on that row alone, GPTQ
-    included), so a big stored tensor (embed, lm_head: GB at GLM-5 size) goes through in row blocks: the
-    converter's memory stays at one block, not the tensor."""
+                  importance: Importance | None = None) -> dict[str, str]:
+    """Convert one tensor; returns the sha256 of each stored tensor it became (the weight, and `.qs` scales).
+    Every scheme is row-local (a row's scales and codes depend on that row alone, GPTQ included), so a big
+    stored tensor (embed, lm_head: GB at GLM-5 size) goes through in row blocks: the converter's memory stays
+    at one block, not the tensor."""
     quant = plan.quant_for(spec)
     rows = max(1, STREAM_ELEMS // max(spec.shape[-1], 1))
     if spec.name in source.tensors and len(spec.shape) == 2 and spec.shape[0] > rows:
         blocks = source.row_blocks(spec, rows)
     else:
         blocks = iter([source.load(spec)])
-    file = writer.layout.name
     if quant is None:
-        offset, digest = writer.write_rows(spec.name, blocks)
-        return {spec.name: TensorEntry(spec.name, file, offset, 4 * math.prod(spec.shape), spec.shape, "F32",
-                                       spec.role, digest)}
+        return {spec.name: writer.write_rows(spec.name, blocks)[1]}
     bits, group = quant
     hessian = importance.hessian(spec) if importance is not None and plan.quantizer == "gptq" else None
     weights_importance = importance(spec) if importance is not None and hessian is None else None
@@ -604,16 +626,24 @@ def _write_tensor(writer: DataFileWriter, source: HFSnapshot, plan: QuantPlan, s
             del codes
             yield packed
 
-    offset, digest = writer.write_rows(spec.name, packed_blocks())
-    qs = spec.name + ".qs"
-    s_offset, s_digest = writer.write_rows(qs, scales)
-    packed_bytes = spec.shape[0] * packed_row_bytes(spec.shape[1], bits)
-    scales_shape = (spec.shape[0], *scales[0].shape[1:])
-    return {
-        spec.name: TensorEntry(spec.name, file, offset, packed_bytes, spec.shape, "U8", spec.role, digest,
-                               Quant(bits, group, qs)),
-        qs: TensorEntry(qs, file, s_offset, 4 * math.prod(scales_shape), scales_shape, "F32", "scales", s_digest),
-    }
+    digest = writer.write_rows(spec.name, packed_blocks())[1]
+    return {spec.name: digest, spec.name + ".qs": writer.write_rows(spec.name + ".qs", scales)[1]}
+
+
+def _planned_entries(job: ConversionJob, layout: FileLayout) -> dict[str, TensorEntry]:
+    """The manifest entries of a laid-out data file's tensors, digests left empty: what writing it records."""
+    by_name = {s.name: s for s in job.specs}
+    entries: dict[str, TensorEntry] = {}
+    for planned, offset in layout.tensors:
+        spec = by_name.get(planned.name)
+        if spec is None:  # the `.qs` scales of the weight before it
+            entries[planned.name] = TensorEntry(planned.name, layout.name, offset, planned.nbytes, planned.shape,
+                                                "F32", "scales", "")
+            continue
+        quant = job.plan.quant_for(spec)
+        entries[spec.name] = TensorEntry(spec.name, layout.name, offset, planned.nbytes, spec.shape, planned.dtype,
+                                         spec.role, "", None if quant is None else Quant(*quant, spec.name + ".qs"))
+    return entries
 
 
 def _expert_ranges(specs: list[TensorSpec], entries: dict[str, TensorEntry]) -> list[ExpertRange]:

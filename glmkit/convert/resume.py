@@ -6,12 +6,12 @@ While a conversion runs, OUT holds `.glm-convert/`:
 |---|---|
 | `lock` | `flock`ed by the running converter (the kernel drops it when the process dies, even on kill -9) |
 | `state.json` | the conversion's identity: source (repo + commit, or path + shard records), parameters, layout digest |
-| `done.jsonl` | one line per completed data file, appended after its rename: file record and tensor entries |
+| `done.jsonl` | one line per completed data file, appended after its rename: its record, entries and identity |
 | `source/` | downloaded shards waiting to be converted (deleted as soon as no remaining tensor needs them) |
 
 A re-run with the same identity continues after the last complete data file; data files are written
 deterministically, so the result is byte-identical to an uninterrupted run. A local shard's record is its
-size, mtime and the sha256 of sampled bytes (`shard_identity`), so a resume refuses a source edited since
+size, mtime and the sha256 of sampled bytes (`file_identity`), so a resume refuses a source edited since
 the first run. The directory is removed once manifest.json is written.
 """
 
@@ -26,14 +26,18 @@ from pathlib import Path
 from typing import Any
 
 from glmkit.errors import GlmkitError
+from glmkit.format.config import open_regular_file, parse_json, read_json_file
 
 STATE_DIR = ".glm-convert"
+MAX_STATE_BYTES = 16 << 20
+MAX_DONE_BYTES = 512 << 20  # one line per data file, holding its manifest entries: GLM-5's are ~40 MB in all
 
 
 @dataclass(frozen=True)
 class DoneFile:
     record: dict[str, Any]  # {"nbytes", "sha256"} as in the manifest's `files`
     tensors: dict[str, dict[str, Any]]  # tensor name -> manifest entry JSON
+    identity: dict[str, Any]  # file_identity of the data file once renamed into place
 
 
 class ConversionState:
@@ -48,7 +52,8 @@ class ConversionState:
         return self._lock_fd is not None
 
     def exists(self) -> bool:
-        return (self.dir / "state.json").is_file()
+        """Whether OUT holds conversion state (whatever its shape: `identity` checks it)."""
+        return os.path.lexists(self.dir / "state.json")
 
     def lock(self) -> None:
         """Take OUT's lock, or fail naming the process that holds it."""
@@ -71,27 +76,40 @@ class ConversionState:
             self._lock_fd = None
 
     def identity(self) -> dict[str, Any] | None:
-        try:
-            return json.loads((self.dir / "state.json").read_text())["identity"]
-        except FileNotFoundError:
+        """The identity of the conversion OUT holds unfinished, None when there is none (state.json is read as
+        untrusted: a damaged one is an error that --force gets past)."""
+        path = self.dir / "state.json"
+        if not os.path.lexists(path):
             return None
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
-            raise GlmkitError(f"{self.dir / 'state.json'}: unreadable conversion state; use --force to start "
-                              "over") from None
+        try:
+            state = read_json_file(path, MAX_STATE_BYTES)
+        except GlmkitError as e:
+            raise GlmkitError(f"unreadable conversion state ({e}); use --force to start over") from None
+        if not isinstance(state, dict) or not isinstance(state.get("identity"), dict):
+            raise GlmkitError(f"{path}: unreadable conversion state; use --force to start over")
+        return state["identity"]
 
     def done(self) -> dict[str, DoneFile]:
-        """Completed data files in completion order; a torn last line (killed mid-append) is ignored."""
+        """Completed data files in completion order, up to the first line that is not a whole record (a torn
+        last line, killed mid-append, or a damaged one: the files after it are converted again)."""
         out: dict[str, DoneFile] = {}
-        try:
-            lines = (self.dir / "done.jsonl").read_text().splitlines()
-        except FileNotFoundError:
+        path = self.dir / "done.jsonl"
+        if not os.path.lexists(path):
             return out
-        for line in lines:
+        try:
+            with open_regular_file(path) as f:
+                text = f.read(MAX_DONE_BYTES + 1)
+        except GlmkitError as e:
+            raise GlmkitError(f"unreadable conversion state ({e}); use --force to start over") from None
+        for line in text[:MAX_DONE_BYTES].splitlines():
             try:
-                item = json.loads(line)
-                out[item["file"]] = DoneFile(item["record"], item["tensors"])
-            except (json.JSONDecodeError, KeyError, TypeError):
+                item = parse_json(line, str(path))
+            except GlmkitError:
                 break
+            if not (isinstance(item, dict) and isinstance(item.get("file"), str)
+                    and all(isinstance(item.get(k), dict) for k in ("record", "tensors", "identity"))):
+                break
+            out[item["file"]] = DoneFile(item["record"], item["tensors"], item["identity"])
         return out
 
     def start(self, identity: dict[str, Any]) -> None:
@@ -103,9 +121,11 @@ class ConversionState:
         tmp.write_text(json.dumps({"identity": identity}, indent=1, sort_keys=True) + "\n")
         tmp.replace(self.dir / "state.json")
 
-    def record(self, file: str, record: dict[str, Any], tensors: dict[str, dict[str, Any]]) -> None:
-        """A data file is complete (already renamed into place): append it durably."""
-        line = json.dumps({"file": file, "record": record, "tensors": tensors}, separators=(",", ":")) + "\n"
+    def record(self, file: str, record: dict[str, Any], tensors: dict[str, dict[str, Any]],
+               identity: dict[str, Any]) -> None:
+        """A data file is complete (already renamed into place, `identity` its file_identity): append it durably."""
+        line = json.dumps({"file": file, "record": record, "tensors": tensors, "identity": identity},
+                          separators=(",", ":")) + "\n"
         with open(self.dir / "done.jsonl", "a") as f:
             f.write(line)
             f.flush()

@@ -383,15 +383,16 @@ SAMPLE_BLOCKS = 16
 SAMPLE_BLOCK_BYTES = 64 << 10
 
 
-def shard_identity(path: Path) -> dict[str, int | str]:
-    """What a resumed conversion rechecks a local shard against: its size, mtime (ns) and the sha256 of its
-    header plus SAMPLE_BLOCKS evenly spaced blocks of SAMPLE_BLOCK_BYTES (of the whole file when that is smaller:
-    a same-size edit is caught even when the mtime was put back)."""
-    stat = path.stat()
-    size = stat.st_size
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        header_end = 8 + int.from_bytes(f.read(8), "little")  # checked by read_header when the shard was opened
+def file_identity(path: Path) -> dict[str, int | str]:
+    """What a resumed conversion rechecks a safetensors file against (a local source shard, or a data file it
+    completed): its size, mtime (ns) and the sha256 of its header plus SAMPLE_BLOCKS evenly spaced blocks of
+    SAMPLE_BLOCK_BYTES (of the whole file when that is smaller: a same-size edit is caught even when the mtime
+    was put back)."""
+    with open_regular_file(path) as f:
+        stat = os.fstat(f.fileno())
+        size = stat.st_size
+        h = hashlib.sha256()
+        header_end = 8 + int.from_bytes(f.read(8), "little")  # a lying length only widens the first span
         if size <= header_end + SAMPLE_BLOCKS * SAMPLE_BLOCK_BYTES:
             spans = [(0, size)]
         else:
@@ -400,7 +401,9 @@ def shard_identity(path: Path) -> dict[str, int | str]:
                                           SAMPLE_BLOCK_BYTES) for i in range(SAMPLE_BLOCKS)]
         for start, length in spans:
             f.seek(start)
-            h.update(f.read(length))
+            while length > 0 and (chunk := f.read(min(length, 1 << 20))):
+                h.update(chunk)
+                length -= len(chunk)
     return {"nbytes": size, "mtime_ns": stat.st_mtime_ns, "sampled_sha256": h.hexdigest()}
 
 

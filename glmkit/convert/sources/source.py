@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from glmkit.convert.sources.fetch import LocalShards
-from glmkit.convert.sources.snapshot import HFSnapshot, check_side_files, shard_identity
+from glmkit.convert.sources.snapshot import HFSnapshot, check_side_files, file_identity
 from glmkit.errors import GlmkitError
 
 _COMMIT = re.compile(r"[0-9a-f]{40}")
@@ -75,7 +75,7 @@ class LocalSource(Source):
         else:
             self.origin = {"kind": "hf-cache", "repo": repo, "revision": commit, "path": path}
         self.identity = {**self.origin,
-                         "files": {name: shard_identity(p) for name, p in sorted(self.snapshot.paths.items())}}
+                         "files": {name: file_identity(p) for name, p in sorted(self.snapshot.paths.items())}}
 
     def local_paths(self) -> list[Path]:
         return [self.directory, self.side_dir, *self.snapshot.paths.values()]
