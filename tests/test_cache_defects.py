@@ -83,9 +83,10 @@ def store(engine, directory: Path, ids: list[int]) -> None:
     cache.db.close()
 
 
-def rows_match(engine, kv, ids: list[int], n: int) -> bool:
-    """Whether the first `n` rows of every main layer of `kv` equal those a plain forward over `ids` computes."""
-    want = computed(engine, ids)
+def rows_match(engine, kv, ids: list[int], n: int, want=None) -> bool:
+    """Whether the first `n` rows of every main layer of `kv` equal those a plain forward over `ids` computes
+    (`want`, when given, is that forward's KV cache), up to float32 rounding."""
+    want = computed(engine, ids) if want is None else want
     for layer in range(engine.config.num_hidden_layers):
         fields = ("kv_lat", "k_rot", "index_k") if want.layer(layer).has_index else ("kv_lat", "k_rot")
         for name in fields:
@@ -240,11 +241,11 @@ def test_a_damaged_index_is_moved_aside_and_rebuilt_from_the_blobs(engine, tmp_p
     damage_index(tmp_path, how)
     capsys.readouterr()
     cache = make_cache(engine, tmp_path)
+    kv = engine.model.new_cache()
+    result = cache.restore(kv, ids)  # damage inside the file shows at the first statement that reads it
     err = capsys.readouterr().err
     assert "damaged" in err and len(err.strip().splitlines()) == 1, err
     assert len([p for p in tmp_path.glob("index.sqlite.corrupt-*") if not p.name.endswith(("-wal", "-shm"))]) == 1
-    kv = engine.model.new_cache()
-    result = cache.restore(kv, ids)
     assert result.tokens == 29 and rows_match(engine, kv, ids, 29)  # every entry came back from its blob
     assert cache.db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
 
@@ -289,9 +290,10 @@ def test_glm_cache_on_a_damaged_index_rebuilds_it(engine, tmp_path, capsys, comm
 
 # ---- 5. hostile entries -----------------------------------------------------------------------------
 
-def forge(path: Path, edit) -> None:
-    """Rewrite a blob's payload with `edit(payload) -> payload` and fix up everything a forger can: the header's
-    payload size and both checksums (a header without `payload_bytes` has no checksum of its own)."""
+def forge(path: Path, edit=lambda payload: payload, edit_header=lambda header: None) -> None:
+    """Rewrite a blob's payload with `edit(payload) -> payload` (and its header dict in place with `edit_header`),
+    fixing up everything a forger can: the header's payload size and both checksums (a header without
+    `payload_bytes` has no checksum of its own)."""
     data = path.read_bytes()[:-32]
     version, head_len = struct.unpack_from("<II", data, len(MAGIC))
     head_end = len(MAGIC) + 8 + head_len
@@ -299,6 +301,7 @@ def forge(path: Path, edit) -> None:
     if "payload_bytes" in header:
         payload = edit(data[head_end + 32:])
         header["payload_bytes"] = len(payload)
+        edit_header(header)
         head = json.dumps(header, separators=(",", ":")).encode()
         span = MAGIC + struct.pack("<II", version, len(head)) + head
         body = span + hashlib.sha256(span).digest() + payload

@@ -37,6 +37,7 @@ import contextlib
 import difflib
 import errno
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -166,6 +167,22 @@ class RestoreResult:
     discarded: int = 0  # entries that failed a check and were deleted
 
 
+def _survives_index_damage(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A PrefixCache method that, when the index turns out damaged part-way (`is_index_damage`), replaces it
+    (`recover_index`: moved aside, rebuilt from the blobs) and runs once more. Methods leave the caller's KV cache
+    untouched until their last index access, so the second run starts from the same state."""
+    @functools.wraps(method)
+    def run(self: PrefixCache, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except sqlite3.DatabaseError as e:
+            if not is_index_damage(e):
+                raise
+            self._replace_index(e)
+        return method(self, *args, **kwargs)
+    return run
+
+
 class PrefixCache:
     """One model's view of the shared cache directory (blobs + sqlite index)."""
 
@@ -221,6 +238,7 @@ class PrefixCache:
 
     # ---- lookup and restore ----
 
+    @_survives_index_damage
     def restore(self, kv: KVCache, tokens: list[int]) -> RestoreResult:
         """Append to an EMPTY `kv` the longest cached prefix of `tokens`, leaving at least the last token
         for the caller to compute (it needs its logits). With MTP the main layers are cut back one token
@@ -242,12 +260,12 @@ class PrefixCache:
         tail = self._best_tail(parent, pos, tokens[pos:limit], result)
         if tail is not None:
             chunks.append(tail)
+        self.flush_touches()  # the last use of the index: `kv` is only written once it cannot fail
         for chunk in chunks:
             self._append_rows(kv, chunk)
         if chunks and self.has_mtp:
             kv.truncate(kv.layer(self.config.num_hidden_layers).length)
         result.tokens = kv.length
-        self.flush_touches()
         return result
 
     def _best_tail(self, parent: str, pos: int, remaining: list[int], result: RestoreResult) -> Chunk | None:
@@ -316,6 +334,7 @@ class PrefixCache:
 
     # ---- store ----
 
+    @_survives_index_damage
     def store(self, kv: KVCache, tokens: list[int]) -> int:
         """Store the chunks of `tokens` (whose KV rows `kv` holds) that are not stored yet; returns how many.
 
@@ -373,6 +392,7 @@ class PrefixCache:
         """Record a use; written in one transaction by `flush_touches` (one per chunk cost ~8 ms each)."""
         self._touched.append(key)
 
+    @_survives_index_damage
     def flush_touches(self) -> None:
         if self._touched:
             now = time.time()
@@ -391,6 +411,14 @@ class PrefixCache:
         if self.ann is not None:
             self.ann.remove([key])
 
+    def _replace_index(self, error: sqlite3.Error) -> None:
+        with contextlib.suppress(sqlite3.Error):
+            self.db.close()
+        self.db = recover_index(self.directory, error)
+        self.ann = None  # it reads the old connection: reopened from the new index on the next use
+        self._touched.clear()
+        self._loaded_from_disk.clear()
+
     def _remember(self, chunk: Chunk) -> None:
         self._ram[chunk.key] = chunk
         self._ram_bytes += chunk.nbytes
@@ -398,6 +426,7 @@ class PrefixCache:
             _, old = self._ram.popitem(last=False)
             self._ram_bytes -= old.nbytes
 
+    @_survives_index_damage
     def evict(self) -> int:
         """Delete least-recently-used entries (all models) until the directory is under `max_bytes`."""
         removed: list[str] = []
@@ -411,6 +440,7 @@ class PrefixCache:
 
     # ---- approximate (non-prefix) reuse ----
 
+    @_survives_index_damage
     def open_similar_index(self, center: np.ndarray, max_elements: int | None = None):
         """Open (load, or rebuild from the sqlite index) this chain's hnswlib index; see `chunk_index`."""
         from glmkit.cache.chunk_index import DEFAULT_MAX_ELEMENTS, ChunkIndex
@@ -428,6 +458,7 @@ class PrefixCache:
             except OSError:
                 pass  # a derived file: rebuilt from the sqlite index next time
 
+    @_survives_index_damage
     def load_piece(self, piece: Piece, tokens: list[int]) -> dict[str, np.ndarray] | None:
         """The main layers' rows of `piece` (no MTP rows), which must be those of `tokens` (`[piece.count]` ids);
         None when the entry is gone, damaged or holds other tokens."""
@@ -440,6 +471,7 @@ class PrefixCache:
         return {name: a[piece.offset:piece.offset + piece.count] for name, a in chunk.arrays.items()
                 if int(name.split(".")[0]) < mtp}
 
+    @_survives_index_damage
     def find_runs(self, tokens: list[int], begin: int, end: int,
                   embed: Callable[[list[list[int]]], np.ndarray] | None = None,
                   threshold: float = 0.5, min_block: int = 4) -> list[Run]:
@@ -594,55 +626,77 @@ _ADDED_COLUMNS = (("content", "TEXT"), ("root", "TEXT"), ("emb", "BLOB"))
 
 
 def open_index(directory: Path, wait_s: float = 30.0) -> sqlite3.Connection:
-    """Open (creating if needed) the shared index. Two processes creating it at once can get SQLITE_BUSY
-    from the journal-mode switch without sqlite's busy handler ever running, so setup is retried.
+    """Open (creating if needed) the shared index; a damaged one is replaced (`recover_index`)."""
+    try:
+        return _open_retrying(directory, wait_s)
+    except sqlite3.DatabaseError as e:
+        if not is_index_damage(e):
+            raise
+        return recover_index(directory, e, wait_s)
 
-    A damaged index (not a database, a failed quick_check, not a regular file) is moved aside to
-    `index.sqlite.corrupt-<time>-<pid>` and rebuilt from the blobs' headers, with a one-line notice."""
+
+def is_index_damage(error: sqlite3.Error) -> bool:
+    """Whether an sqlite error says the index file itself is damaged (SQLITE_CORRUPT, SQLITE_NOTADB, or not a
+    regular file): the errors that moving it aside and rebuilding it repairs."""
+    return type(error) is sqlite3.DatabaseError
+
+
+def recover_index(directory: Path, error: sqlite3.Error, wait_s: float = 30.0) -> sqlite3.Connection:
+    """After `error` on the index: move it aside to `index.sqlite.corrupt-<time>-<pid>` (unless it now checks out:
+    another process replaced it first) and open a new one, rebuilt from the blobs' headers; one-line notice."""
+    moved = _move_damaged_index(directory)
+    db = _open_retrying(directory, wait_s)  # a fresh index failing as well is not for a rebuild to repair
+    if moved is not None:
+        indexed = db.execute("SELECT COUNT(*) FROM entries").fetchone()[0]
+        reason = " ".join(str(error).split())[:120]
+        print(f"glmkit: prefix cache index {directory / 'index.sqlite'} was damaged ({reason}); moved it to "
+              f"{moved.name} and rebuilt it from {indexed} blobs", file=sys.stderr)
+    return db
+
+
+def _open_retrying(directory: Path, wait_s: float) -> sqlite3.Connection:
+    """Two processes creating the index at once can get SQLITE_BUSY from the journal-mode switch without sqlite's
+    busy handler ever running, so setup is retried."""
     deadline = time.monotonic() + wait_s
-    moved: Path | None = None
     while True:
-        path = directory / "index.sqlite"
-        seen = _inode(path)
         try:
-            db, counts = _open_index(directory)
+            return _open_index(directory)
         except sqlite3.OperationalError as e:
             if ("locked" not in str(e) and "busy" not in str(e)) or time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
-            continue
-        except sqlite3.DatabaseError as e:  # SQLITE_CORRUPT, SQLITE_NOTADB: the file itself is damaged
-            if moved is not None or time.monotonic() > deadline:  # a fresh index failing too: not for a rebuild
-                raise
-            moved = _move_damaged_index(directory, seen)
-            if moved is not None:
-                reason = str(e)
-            continue
-        if moved is not None:
-            print(f"glmkit: prefix cache index {path} was damaged ({reason}); moved it to {moved.name} and rebuilt "
-                  f"it from {counts[0] if counts else 0} blobs", file=sys.stderr)
-        return db
 
 
-def _inode(path: Path) -> int | None:
-    try:
-        return os.lstat(path).st_ino
-    except FileNotFoundError:
-        return None
-
-
-def _move_damaged_index(directory: Path, seen: int | None) -> Path | None:
-    """Rename the index found damaged (with its WAL and shared-memory files) out of the way, unless another
-    process did so first; returns the new name of the index, or None."""
+def _move_damaged_index(directory: Path) -> Path | None:
+    """Under the index lock: unless the index passes sqlite's integrity check, rename it (with its WAL and
+    shared-memory files) out of the way; returns its new name, or None when it was left in place."""
     with _index_lock(directory):
         path = directory / "index.sqlite"
-        if seen is None or _inode(path) != seen:  # already replaced: open the new one
+        if _index_sound(path):
             return None
         aside = path.with_name(f"index.sqlite.corrupt-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
         for suffix in ("-wal", "-shm", ""):
             with contextlib.suppress(FileNotFoundError):
                 os.rename(f"{path}{suffix}", f"{aside}{suffix}")
         return aside
+
+
+def _index_sound(path: Path) -> bool:
+    """Whether the index file is absent, or a regular file passing `PRAGMA integrity_check` (index b-trees
+    against their tables included). Only run after an error: it reads the whole file."""
+    if (seen := _lstat(path)) is None:
+        return True
+    if not stat.S_ISREG(seen.st_mode):
+        return False
+    db = sqlite3.connect(path, timeout=30)
+    try:
+        return db.execute("PRAGMA integrity_check(1)").fetchone() == ("ok",)
+    except sqlite3.OperationalError:  # busy or locked: a live index another process is using
+        return True
+    except sqlite3.DatabaseError:
+        return False
+    finally:
+        db.close()
 
 
 @contextlib.contextmanager
@@ -656,7 +710,7 @@ def _index_lock(directory: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def _open_index(directory: Path) -> tuple[sqlite3.Connection, tuple[int, int] | None]:
+def _open_index(directory: Path) -> sqlite3.Connection:
     path = directory / "index.sqlite"
     if (seen := _lstat(path)) is not None and not stat.S_ISREG(seen.st_mode):
         raise sqlite3.DatabaseError(f"{path} is not a regular file")
@@ -665,11 +719,11 @@ def _open_index(directory: Path) -> tuple[sqlite3.Connection, tuple[int, int] | 
             os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
     db = sqlite3.connect(path, timeout=30, isolation_level=None)
     try:
-        counts = _create_schema(db, directory)
+        _create_schema(db, directory)
     except sqlite3.Error:
         db.close()
         raise
-    return db, counts
+    return db
 
 
 def _lstat(path: Path) -> os.stat_result | None:
@@ -686,37 +740,35 @@ _REQUIRED_COLUMNS = {"key", "model_hash", "parent", "start", "n_tokens", "tokens
                      "last_access", "hits"}
 
 
-def _create_schema(db: sqlite3.Connection, directory: Path) -> tuple[int, int] | None:
-    """Check the index, bring its table to today's layout and, when the index does not yet record this blob
-    version (new, rebuilt, or from an earlier glmkit), index the blobs on disk; returns (indexed, removed)
-    blob counts when it did. Raises sqlite3.DatabaseError when the file is damaged."""
+def _create_schema(db: sqlite3.Connection, directory: Path) -> None:
+    """Bring the index's table to today's layout and, when the index does not yet record this blob version
+    (new, rebuilt, or from an earlier glmkit), index the blobs on disk. Damage shows as sqlite3.DatabaseError,
+    here or at any later statement (see `PrefixCache`: no full read of the file on every open)."""
     db.execute("PRAGMA busy_timeout=30000")
     db.execute("PRAGMA journal_mode=WAL")
-    check = db.execute("PRAGMA quick_check(1)").fetchone()
-    if check != ("ok",):
-        found = " ".join(str(check[0]).split())[:120] if check else "no answer"  # one line, however many it reports
-        raise sqlite3.DatabaseError(f"quick_check: {found}")
     db.execute(_CREATE_ENTRIES)
-    counts = None
-    if db.execute("PRAGMA user_version").fetchone()[0] != BLOB_VERSION:
+    if not _current(db):
         db.execute("BEGIN IMMEDIATE")  # one process migrates; the others then see the new version
         try:
-            if db.execute("PRAGMA user_version").fetchone()[0] != BLOB_VERSION:
-                counts = _migrate(db, directory)
+            if not _current(db):
+                _migrate(db, directory)
             db.execute("COMMIT")
         except BaseException:
             db.execute("ROLLBACK")
             raise
     db.execute("CREATE INDEX IF NOT EXISTS by_parent ON entries(parent)")
     db.execute("CREATE INDEX IF NOT EXISTS by_content ON entries(root, content)")
-    if damaged := damaged_entries(db):
-        print(f"glmkit: prefix cache index {directory / 'index.sqlite'}: ignoring {damaged} damaged entries "
-              "(the next store or `glm-cache prune` drops them)", file=sys.stderr)
     db.isolation_level = "DEFERRED"
-    return counts
 
 
-def _migrate(db: sqlite3.Connection, directory: Path) -> tuple[int, int]:
+def _current(db: sqlite3.Connection) -> bool:
+    """Whether the index has today's columns and records this blob version."""
+    have = {row[1] for row in db.execute("PRAGMA table_info(entries)")}
+    return (db.execute("PRAGMA user_version").fetchone()[0] == BLOB_VERSION
+            and _REQUIRED_COLUMNS | {name for name, _ in _ADDED_COLUMNS} <= have)
+
+
+def _migrate(db: sqlite3.Connection, directory: Path) -> None:
     """Inside the caller's write transaction: today's columns, then every blob on disk indexed (or removed)."""
     have = {row[1] for row in db.execute("PRAGMA table_info(entries)")}
     old_layout = not _REQUIRED_COLUMNS <= have
@@ -735,7 +787,6 @@ def _migrate(db: sqlite3.Connection, directory: Path) -> tuple[int, int]:
     elif counts[1]:
         print(f"glmkit: prefix cache {directory}: removed {counts[1]} blobs of an earlier layout or damaged",
               file=sys.stderr)
-    return counts
 
 
 def _index_blobs(db: sqlite3.Connection, directory: Path) -> tuple[int, int]:
@@ -777,7 +828,8 @@ def _insert_entry(db: sqlite3.Connection, verb: str, directory: Path, path: Path
                        when, when, tokens_hash(chunk.tokens), root, None if emb is None else emb.tobytes()))
 
 
-# what a row the cache wrote looks like; any other row is damaged: never returned by a lookup, dropped by `prune`
+# what a row the cache wrote looks like; any other row is damaged: never returned by a lookup, dropped by
+# `drop_damaged_entries` (glm-cache prune and clear, and before the similar-chunk index reads a chain)
 VALID_ENTRY = (
     "(typeof(key) = 'text' AND length(key) = 64 AND key NOT GLOB '*[^0-9a-f]*' "
     "AND typeof(model_hash) = 'text' AND length(model_hash) = 64 AND model_hash NOT GLOB '*[^0-9a-f]*' "
@@ -785,7 +837,7 @@ VALID_ENTRY = (
     f"AND typeof(start) = 'integer' AND start >= 0 AND typeof(n_tokens) = 'integer' "
     f"AND n_tokens BETWEEN 1 AND {MAX_ENTRY_TOKENS} AND typeof(tokens) = 'blob' AND length(tokens) = 8 * n_tokens "
     "AND typeof(nbytes) = 'integer' AND nbytes >= 0 AND typeof(last_access) IN ('integer', 'real') "
-    "AND typeof(hits) IN ('integer', 'real') AND (content IS NULL OR typeof(content) = 'text') "
+    "AND typeof(hits) IN ('integer', 'real') AND hits >= 0 AND (content IS NULL OR typeof(content) = 'text') "
     "AND (root IS NULL OR typeof(root) = 'text') AND (emb IS NULL OR (typeof(emb) = 'blob' AND length(emb) % 4 = 0)))"
 )
 
@@ -809,9 +861,9 @@ def drop_damaged_entries(db: sqlite3.Connection, directory: Path) -> int:
 def prune(db: sqlite3.Connection, directory: Path, max_bytes: int, model_hash: str | None = None,
           removed_keys: list[str] | None = None) -> int:
     """Evict LRU entries (of one model, or all) until the total is <= max_bytes; returns entries removed
-    (and appends their keys to `removed_keys`). Damaged rows (see `VALID_ENTRY`) are dropped first."""
-    drop_damaged_entries(db, directory)
-    where, args = (f"WHERE {VALID_ENTRY}" + (" AND model_hash = ?" if model_hash else ""),
+    (and appends their keys to `removed_keys`). Only rows with a size count (`drop_damaged_entries` removes the
+    rest); a row whose names are malformed goes without its blob, which nothing could name."""
+    where, args = ("WHERE typeof(nbytes) = 'integer' AND nbytes >= 0" + (" AND model_hash = ?" if model_hash else ""),
                    (model_hash,) if model_hash else ())
     total = db.execute(f"SELECT TOTAL(nbytes) FROM entries {where}", args).fetchone()[0]
     removed = 0

@@ -13,9 +13,13 @@ from glmkit.cache.prefix_cache import (
     DEFAULT_MAX_BYTES,
     VALID_ENTRY,
     cache_files,
+    damaged_entries,
     default_cache_dir,
+    drop_damaged_entries,
+    is_index_damage,
     open_index,
     prune,
+    recover_index,
     remove_cache_file,
 )
 from glmkit.errors import GlmkitError
@@ -48,24 +52,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{directory}: empty (no cache yet)")
             return 0
         db = open_index(directory)
-        if args.command == "ls":
-            rows = db.execute(f"SELECT model_hash, COUNT(*), TOTAL(nbytes), MAX(last_access) FROM entries "
-                              f"WHERE {VALID_ENTRY} GROUP BY model_hash ORDER BY MAX(last_access) DESC").fetchall()
-            for h, count, nbytes, last in rows:
-                print(f"{h[:16]}  {count:6d} entries  {nbytes / 1e6:10.1f} MB  last used {_ago(last)}")
-        elif args.command == "stats":
-            where, params = (" AND model_hash = ?", (model_hash,)) if model_hash else ("", ())
-            count, tokens, nbytes, hits = db.execute(
-                f"SELECT COUNT(*), TOTAL(n_tokens), TOTAL(nbytes), TOTAL(hits) FROM entries WHERE {VALID_ENTRY}{where}",
-                params).fetchone()
-            print(f"entries {count}  tokens {tokens:.0f}  size {nbytes / 1e6:.1f} MB  hits {hits:.0f}  ({directory})")
-        elif args.command == "prune":
-            removed = prune(db, directory, int(args.max_gb * (1 << 30)), model_hash)
-            stale = _remove_stale_files(db, directory)
-            print(f"removed {removed} entries and {stale} stale or orphaned files")
-        elif args.command == "clear":
-            removed = prune(db, directory, 0, model_hash)
-            print(f"removed {removed} entries")
+        try:
+            _run(args, db, directory, model_hash)
+        except sqlite3.DatabaseError as e:  # damage found past the open: replace the index, then once more
+            if not is_index_damage(e):
+                raise
+            _run(args, recover_index(directory, e), directory, model_hash)
     except GlmkitError as e:
         print(f"glm-cache: error: {e}", file=sys.stderr)
         return 1
@@ -73,6 +65,31 @@ def main(argv: list[str] | None = None) -> int:
         print(f"glm-cache: error: --cache-dir {directory}: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def _run(args: argparse.Namespace, db: sqlite3.Connection, directory: Path, model_hash: str | None) -> None:
+    """One command on an open index (rows the cache would not write are never counted; prune and clear drop
+    them)."""
+    if args.command == "ls":
+        rows = db.execute(f"SELECT model_hash, COUNT(*), TOTAL(nbytes), MAX(last_access) FROM entries "
+                          f"WHERE {VALID_ENTRY} GROUP BY model_hash ORDER BY MAX(last_access) DESC").fetchall()
+        for h, count, nbytes, last in rows:
+            print(f"{h[:16]}  {count:6d} entries  {nbytes / 1e6:10.1f} MB  last used {_ago(last)}")
+    elif args.command == "stats":
+        where, params = (" AND model_hash = ?", (model_hash,)) if model_hash else ("", ())
+        count, tokens, nbytes, hits = db.execute(
+            f"SELECT COUNT(*), TOTAL(n_tokens), TOTAL(nbytes), TOTAL(hits) FROM entries WHERE {VALID_ENTRY}{where}",
+            params).fetchone()
+        damaged = damaged_entries(db)
+        print(f"entries {count}  tokens {tokens:.0f}  size {nbytes / 1e6:.1f} MB  hits {hits:.0f}  "
+              + (f"damaged {damaged} (prune drops them)  " if damaged else "") + f"({directory})")
+    elif args.command == "prune":
+        removed = drop_damaged_entries(db, directory) + prune(db, directory, int(args.max_gb * (1 << 30)), model_hash)
+        stale = _remove_stale_files(db, directory)
+        print(f"removed {removed} entries and {stale} stale or orphaned files")
+    elif args.command == "clear":
+        removed = drop_damaged_entries(db, directory) + prune(db, directory, 0, model_hash)
+        print(f"removed {removed} entries")
 
 
 def _remove_stale_files(db, directory: Path) -> int:
