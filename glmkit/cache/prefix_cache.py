@@ -412,6 +412,7 @@ class PrefixCache:
             self.ann.remove([key])
 
     def _replace_index(self, error: sqlite3.Error) -> None:
+        """Swap the damaged index for a rebuilt one (`recover_index`), forgetting what referred to the old one."""
         with contextlib.suppress(sqlite3.Error):
             self.db.close()
         self.db = recover_index(self.directory, error)
@@ -834,7 +835,7 @@ VALID_ENTRY = (
     "(typeof(key) = 'text' AND length(key) = 64 AND key NOT GLOB '*[^0-9a-f]*' "
     "AND typeof(model_hash) = 'text' AND length(model_hash) = 64 AND model_hash NOT GLOB '*[^0-9a-f]*' "
     "AND typeof(parent) = 'text' AND length(parent) = 64 AND parent NOT GLOB '*[^0-9a-f]*' "
-    f"AND typeof(start) = 'integer' AND start >= 0 AND typeof(n_tokens) = 'integer' "
+    "AND typeof(start) = 'integer' AND start >= 0 AND typeof(n_tokens) = 'integer' "
     f"AND n_tokens BETWEEN 1 AND {MAX_ENTRY_TOKENS} AND typeof(tokens) = 'blob' AND length(tokens) = 8 * n_tokens "
     "AND typeof(nbytes) = 'integer' AND nbytes >= 0 AND typeof(last_access) IN ('integer', 'real') "
     "AND typeof(hits) IN ('integer', 'real') AND hits >= 0 AND (content IS NULL OR typeof(content) = 'text') "
