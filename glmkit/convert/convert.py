@@ -15,6 +15,7 @@ import shutil
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -81,9 +82,13 @@ class ConversionJob:
                     "format_version": FORMAT_VERSION, "layout_sha256": layout_digest}
         return cls(source, plan, preset, specs, layouts, identity, max_file_bytes, importance)
 
+    @cached_property
+    def spec_by_name(self) -> dict[str, TensorSpec]:
+        return {s.name: s for s in self.specs}
+
     def steps(self, layouts: list[FileLayout]) -> tuple[list[TensorSpec], list[set[str]]]:
         """The logical tensors the given files hold, in write order, and the shards each one reads."""
-        by_name = {s.name: s for s in self.specs}
+        by_name = self.spec_by_name
         specs = [by_name[p.name] for layout in layouts for p, _ in layout.tensors if p.name in by_name]
         return specs, [self.source.snapshot.files_for(s) for s in specs]
 
@@ -632,10 +637,9 @@ def _write_tensor(writer: DataFileWriter, source: HFSnapshot, plan: QuantPlan, s
 
 def _planned_entries(job: ConversionJob, layout: FileLayout) -> dict[str, TensorEntry]:
     """The manifest entries of a laid-out data file's tensors, digests left empty: what writing it records."""
-    by_name = {s.name: s for s in job.specs}
     entries: dict[str, TensorEntry] = {}
     for planned, offset in layout.tensors:
-        spec = by_name.get(planned.name)
+        spec = job.spec_by_name.get(planned.name)
         if spec is None:  # the `.qs` scales of the weight before it
             entries[planned.name] = TensorEntry(planned.name, layout.name, offset, planned.nbytes, planned.shape,
                                                 "F32", "scales", "")
