@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from glmkit.backends.opencl.launch import DeviceInfo, list_devices
+from glmkit.backends.opencl.device import DeviceInfo, list_devices
 from glmkit.cli.convert import main as convert_main
 
 FIXTURES = Path(__file__).parent / "fixtures"

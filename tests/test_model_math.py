@@ -196,11 +196,17 @@ def test_attention_shared_key_head_equals_repeated_heads() -> None:
     np.testing.assert_allclose(shared[0], probs @ v[:3, 0], rtol=1e-5, atol=1e-6)
 
 
-def test_index_scores_weighted_relu_sum() -> None:
+def test_index_topk_keeps_the_largest_weighted_relu_sums() -> None:
+    """DSA's index score `sum_h w[s,h] relu(scale q[s,h] . k[t])`: index_topk keeps the k largest causal ones."""
     rng = np.random.default_rng(4)
-    q, k, w = rand(rng, 2, 3, 4), rand(rng, 5, 4), rand(rng, 2, 3)
+    q, k, w = rand(rng, 6, 3, 4), rand(rng, 40, 4), rand(rng, 6, 3)
     expected = np.einsum("sh,sht->st", w, np.maximum(np.einsum("shd,td->sht", q, k) * 0.5, 0))
-    np.testing.assert_allclose(NumpyBackend().index_scores(q, k, w, 0.5), expected, rtol=1e-5, atol=1e-6)
+    causal = causal_mask(34, 6, 40)
+    chosen = NumpyBackend().index_topk(q, k, w, 0.5, causal, 5)
+    assert (chosen.sum(axis=1) == 5).all() and not (chosen & ~causal).any()
+    for row in range(6):  # every kept key scores at least as high as every dropped causal key
+        kept, dropped = expected[row][chosen[row]], expected[row][causal[row] & ~chosen[row]]
+        assert kept.min() >= dropped.max()
 
 
 def test_expert_mlp_is_down_of_silu_gate_times_up() -> None:
@@ -431,12 +437,9 @@ def test_workers_give_the_same_products_indexer_and_moe() -> None:
     causal = causal_mask(7, 23, 30)
     for backend in (serial, pooled):
         backend.query_block = 3 * 30 * 4  # blocks of 4 query rows
-    np.testing.assert_allclose(pooled.index_scores(q, k, hw, 0.5), serial.index_scores(q, k, hw, 0.5),
-                               rtol=1e-5, atol=1e-5)
     expected = np.einsum("sh,sht->st", hw, np.maximum(np.einsum("shd,td->sht", q, k) * 0.5, 0))
-    np.testing.assert_allclose(serial.index_scores(q, k, hw, 0.5), expected, rtol=1e-5, atol=1e-5)
-    np.testing.assert_array_equal(pooled.index_topk(q, k, hw, 0.5, causal, 6),
-                                  topk_mask(expected, causal, 6))
+    for backend in (serial, pooled):
+        np.testing.assert_array_equal(backend.index_topk(q, k, hw, 0.5, causal, 6), topk_mask(expected, causal, 6))
     experts = {e: tuple(quant(rand(rng, *shape), 4, 16) for shape in ((16, 53), (16, 53), (53, 16)))
                for e in range(6)}
     shared = tuple(rand(rng, *shape) for shape in ((16, 53), (16, 53), (53, 16)))
