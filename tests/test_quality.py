@@ -80,7 +80,7 @@ def test_trained_f32_passes_validate_exactly(snapshots):
     assert result["greedy"]["mtp"] and result["greedy"]["mtp_acceptance"] > 0.3  # a trained MTP head drafts well
 
 
-def test_fixture_is_what_the_issue_asks_for():
+def test_fixture_is_a_trained_quality_reference():
     config = json.loads((TRAINED / "config.json").read_text())
     windows = json.loads(EVAL.read_text())
     assert config["n_routed_experts"] == 16 and config["num_nextn_predict_layers"] == 1

@@ -8,8 +8,8 @@
 With `--gpu` the discrete device is the machine's first OpenCL GPU. Without it, the GPU is PoCL's CPU device
 driven as a discrete one (device buffers, weights uploaded within
 `--budget` x the container; `Kernels(direct=False)`), decoding operation by operation as a real GPU would with a
-model over its budget. The routed experts that do not fit run on the host, three ways: the NumPy path (before the
-spill device existed), fused kernels on a CPU OpenCL device with float inputs, and the same with int8 inputs (the
+model over its budget. The routed experts that do not fit run on the host, three ways: the NumPy path (no spill
+device), fused kernels on a CPU OpenCL device with float inputs, and the same with int8 inputs (the
 default). Prints decode tok/s (greedy, 20 tokens after a 64-token prompt; median of `--runs`) and the host's
 expert time per token. Both "devices" share this machine's cores: the expert times are the comparison, the
 tok/s only order the rows (on a real GPU its own share of a token is far smaller).

@@ -1,4 +1,4 @@
-"""The benchmark-size model (issue 4's spec): a random GLM-5-shaped checkpoint, converted once and reused.
+"""The benchmark-size model: a random GLM-5-shaped checkpoint, converted once and reused.
 
 About 0.45B parameters: vocab 8192, hidden 1024, 8 layers (2 dense), 8 heads, q_lora 384, kv_lora 128,
 nope 64, rope 32, v 64, 32 experts top-8 + 1 shared, moe_intermediate 512, intermediate 2816, DSA top-k 256

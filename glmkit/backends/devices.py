@@ -118,7 +118,7 @@ def open_backend(spec: str, container: Any = None, int8_activations: bool = True
     if kind == "auto" and container is not None:
         cached = cached_placement(info, container)
         if cached is not None and not cached.uses_cl():
-            return NumpyBackend(), "numpy"  # measured before: nothing is faster there (no kernel build needed)
+            return NumpyBackend(), "numpy"  # the stored placement keeps everything on the host
     try:
         kernels = Kernels(info)
     except Exception as e:  # noqa: BLE001 - a driver that cannot build the kernels must not stop the run
@@ -157,7 +157,7 @@ def spill_backend(devices: list[DeviceInfo], info: DeviceInfo, model_bytes: int,
         kernels = Kernels(cpu)
         placement = Placement.all_cl(True) if container is None else load_or_measure(kernels, container)
         return OpenCLBackend(kernels, placement)
-    except Exception as e:  # noqa: BLE001 - experts over the budget then run on the NumPy path, as before
+    except Exception as e:  # noqa: BLE001 - experts over the budget then run on the NumPy path
         notice(f"{cpu.name} cannot run the kernels ({_one_line(e)}); routed experts over the weight budget of "
                f"{info.name} run on the NumPy path")
         return None

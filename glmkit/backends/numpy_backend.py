@@ -14,7 +14,7 @@ experts, attention heads, query blocks of the indexer) that run on a thread pool
 single-threaded BLAS: no piece shares a sum with another, so results only differ from the unsplit call by
 the rounding of a GEMM's edge tiles; dequantization and elementwise work run in parallel too (NumPy
 releases the GIL), and a core taken by another process slows the pool down instead of stalling it (multi-
-threaded BLAS spin-waits for its threads on every call: measured 10-50x slower under load here).
+threaded BLAS spin-waits for its threads on every call; docs/BENCHMARKS.md, Setup).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ _Result = TypeVar("_Result")
 MIN_SPLIT_ROWS = 64  # output rows of one piece of a split product (narrower GEMMs lose BLAS efficiency)
 _POOL_THREAD = threading.local()  # `.active` in the worker pools' threads
 # glibc keeps freed blocks in its per-thread arenas; prefill temporaries of the pool threads stay resident
-# through decode unless handed back (measured: ~10 MB of decode RSS on the benchmark model, 1 ms per call)
+# through decode unless handed back
 try:
     _MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc only
 except (OSError, TypeError):  # no C library handle of the process (e.g. Windows)
@@ -280,9 +280,7 @@ SMALL_GEMM_ELEMS = 1 << 18  # weights up to this size: OpenBLAS's GEMM handles 2
 
 def times_transposed(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """`x [S, I] @ w[O, I]^T -> [S, O]`. OpenBLAS runs this transposed GEMM far below GEMV speed when S is a
-    few rows and `w` is not small (measured, one thread: 4096 x 1024, 2 rows: 3.0 ms as one GEMM, 0.56 ms as
-    two GEMVs; 4 rows of a 256 x 1024 block: 0.18 vs 0.06 ms): such calls (MTP verification, short chunks)
-    go row by row."""
+    few rows and `w` is not small: such calls (MTP verification, short chunks) go row by row."""
     rows = x.shape[0]
     if 1 < rows <= GEMV_ROWS and (rows == GEMV_ROWS or w.size > SMALL_GEMM_ELEMS):
         return np.stack([w @ row for row in x])

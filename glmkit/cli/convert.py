@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "temporary --calibrate-preset conversion; implies --quantizer gptq")
     p.add_argument("--calibrate-preset", choices=("q8", "q4", "f32"), default="q8",
                    help="the temporary container --calibrate runs (default q8: a quarter of f32's disk; q4 halves "
-                        "that, for q4/q2 outputs: measured q4 KLD +3%%, q8 +13%% against calibrating on q8)")
+                        "that, fine for q4/q2 outputs; docs/QUALITY.md)")
     p.add_argument("--calibrate-windows", type=int, default=64, metavar="N",
                    help="--calibrate: at most N windows of 512 tokens (default 64)")
     p.add_argument("--max-file-size", type=parse_size, default=DEFAULT_FILE_BYTES, metavar="SIZE",

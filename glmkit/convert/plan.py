@@ -25,7 +25,7 @@ DEFAULT_QUANTIZER = "mse"
 _Q4 = {"routed_expert": 4, "shared_expert": 4, "dense_mlp": 4, "attention": 4,
        "embed": 8, "lm_head": 8, "indexer": 8, "mtp": 8}
 # q8 is the quality preset: its embedding stays F32. Decode reads one embedding row per token from the mapping,
-# so that costs disk (+2.9 GB at GLM-5 size), not RAM or bandwidth; q8's KLD drops 18% (docs/QUALITY.md).
+# so that costs disk (+2.9 GB at GLM-5 size), not RAM or bandwidth, and lowers q8's KLD (docs/QUALITY.md).
 PRESETS: dict[str, dict[str, int]] = {
     "f32": {},
     "q8": dict.fromkeys((r for r in QUANTIZABLE_ROLES if r != "embed"), 8),

@@ -11,7 +11,7 @@
   Vectorised NumPy over blocks of rows (threads over blocks), deterministic.
 
 Element weights `e_j = a_j sqrt(sigma^2 + w_j^2)` (`sigma^2` = the group's mean `w^2`): large weights count
-more, as in llama.cpp's quantizers (measured on the trained fixture: q2 mean KLD -14%, q4 -2%). `a` (importance
+more, as in llama.cpp's quantizers (docs/QUALITY.md). `a` (importance
 per input column, `[I]`) is 1 by default; with an imatrix (`glm-calibrate`) it is the mean square of that
 column's input activation (normalised to mean 1), so the columns the model actually drives get the accuracy:
 for `y = x W^T` the expected output error is `sum_j E[x_j^2] dW_j^2` when inputs are uncorrelated.

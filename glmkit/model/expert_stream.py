@@ -139,7 +139,7 @@ class ExpertStreamer:
         """madvise(WILLNEED) the experts a device decode step has just routed, before their kernels read them:
         the kernel then reads them in the background, many at once, instead of the step's worker threads faulting
         them in a page at a time. Called from the OpenCL runtime's callback threads (`DecodeStep.watch_routes`)."""
-        experts = np.unique(expert_ids).tolist()  # no residency check first: it measured no better
+        experts = np.unique(expert_ids).tolist()  # no residency check first: it costs as much as the advice
         with contextlib.suppress(OSError, ValueError):  # advice only: e.g. the mapping closed at exit
             self.container.advise_experts(layer, experts, mmap.MADV_WILLNEED)
         with self._advised:  # callbacks of several layers may run at once

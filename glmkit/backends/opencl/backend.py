@@ -125,7 +125,7 @@ class OpenCLBackend:
         workers = 1
         if kernels.info.kind == "cpu":
             # OpenBLAS threads spin while they wait for work and take the cores the OpenCL CPU workers need
-            # (measured: host GEMMs 10x slower next to PoCL); host BLAS runs on the calling thread instead, and
+            # (host GEMMs crawl next to PoCL's workers); host BLAS runs on the calling thread instead, and
             # prefill-sized host work is shared by as many NumPy workers as BLAS had threads
             workers = initial_blas_threads() or 1
             set_blas_threads(1)

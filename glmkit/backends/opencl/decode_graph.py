@@ -4,10 +4,10 @@ The OpenCL backend answers each operation with a host array, so a decoded token 
 and on a CPU device every one of them wakes the device's sleeping worker threads. Here the whole token -
 norms, projections, RoPE, the indexer's scores and top-k, absorbed MLA attention, noaux_tc routing, the fused
 experts, the residual adds and the lm_head - is enqueued back to back on buffers that stay put, and the host
-waits once, for the logits. The math is `GlmMoeDsaModel._decoder_layer` for one token (same order of
+waits once, for the logits. The math is `GlmMoeDsaModel.decoder_layer` for one token (same order of
 operations; float sums may associate differently, as in every kernel), except that by default the int4
 products, and a q4/q2 model's int8 ones, take int8-quantized inputs (`_int8_input_bits`, common.cl).
-Every launch costs the device some idle time (~4-5 us on PoCL), so work is merged where it reads the same input
+Every launch costs the device some idle time, so work is merged where it reads the same input
 or is small: two products of the normed hidden state in one launch (`_matvec_pair`), a product that writes its
 output's int8 codes (`codes_out`), the token's cache rows and query latent in one launch (`token_rows`), the
 query's absorption with its RoPE (`mla_query`), and the experts' per-slot down rows summed by the next residual
@@ -86,10 +86,9 @@ class Addend(NamedTuple):
 
 class RouteWatcher:
     """Hands each MoE layer's routed expert ids to `hook(layer, ids [k])` as its routing launch completes, while
-    the device goes on: the experts can be read ahead (madvise) before their kernels fault them in. Measured
-    with the benchmark model in a memory limit smaller than it (experts read from disk each token): decode
-    1.3-2x faster (docs/BENCHMARKS.md). Through OpenCL event callbacks: a helper thread waiting on the events
-    instead ran only after decoding had finished (measured)."""
+    the device goes on: the experts can be read ahead (madvise) before their kernels fault them in, which pays
+    where the model is larger than RAM (docs/BENCHMARKS.md). Through OpenCL event callbacks: a helper thread
+    waiting on the events runs only after decoding has finished."""
 
     def __init__(self, kernels: Kernels, hook: Callable[[int, np.ndarray], None]) -> None:
         self.kernels, self.hook = kernels, hook
@@ -490,9 +489,9 @@ class DeviceDecodeStep:
 
     def _int8_input_bits(self, int8_activations: bool) -> frozenset[int]:
         """The weight widths whose products take int8-quantized inputs: int4 always (their own rounding dwarfs
-        the inputs'); int8 too where the routed experts are int4 or int2 (q4, q2: measured, the KL divergence
-        against f32 grows 0.7%). A q8 model's products keep float inputs: int8 inputs would double its KL
-        divergence (tools/quality_int8_activations.py)."""
+        the inputs'); int8 too where the routed experts are int4 or int2 (q4, q2: a small KL cost, docs/QUALITY.md).
+        A q8 model's products keep float inputs: int8 inputs would double its KL divergence
+        (tools/quality_int8_activations.py)."""
         if not int8_activations:
             return frozenset()
         cfg = self.cfg
@@ -609,7 +608,7 @@ class DeviceDecodeStep:
         slot = self.slot_of[parity] = self.tokens % ID_SLOTS
         self.tokens += 1
         # per-key kernels: work-groups of KEY_GROUP items (a size left to the driver would follow the key count
-        # down to groups of one item for a prime count: one work-group per key, measured ~50 us per launch)
+        # down to groups of one item for a prime count: one work-group per key)
         per_key = -(-keys // KEY_GROUP) * KEY_GROUP
         attended = cfg.index_topk if scored else keys  # the keys attention reads: the indexer's choice, or all
         per_attended = -(-attended // KEY_GROUP) * KEY_GROUP
@@ -677,7 +676,7 @@ class GreedyPipeline:
 
     The forward of a token ends with its argmax on the device, and the forward of that argmax (its embedding
     looked up on the device) is queued while the host still handles the token before it: the device does not
-    sit idle between tokens (measured ~0.6 ms per token on the benchmark model). `advance()` returns the next
+    sit idle between tokens. `advance()` returns the next
     greedy token; the cache then already holds the row of the token it returns. `close()` waits for the forward
     in flight and drops that row, leaving the cache as a one-token-at-a-time loop would.
 

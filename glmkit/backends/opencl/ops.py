@@ -90,7 +90,7 @@ class Kernels:
 
     def topk_kernel(self, rows: int) -> tuple[str, tuple[int], tuple[int] | None]:
         """The top-k selection kernel for `rows` rows, with its global and local size: one work-group per row on GPUs
-        (LANES > 1; one item's serial passes took ~0.3 ms per row there), one work-item per row on CPUs."""
+        (LANES > 1: one item's serial passes are slow there), one work-item per row on CPUs."""
         if self.lanes > 1:
             return "topk_select_group", (rows * self.red_lanes,), (self.red_lanes,)
         return "topk_select", (rows,), None

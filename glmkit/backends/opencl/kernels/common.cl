@@ -145,9 +145,8 @@ INLINE float hsum8(float8 v) {
 /* Reading ahead (CPU devices): each step over a row's columns also prefetches cache line `line` of the
  * `ahead_bytes` at `ahead` (and `ahead2` when sets == 2): the rows the work-item reads next, so their memory
  * reads start early. The hardware prefetcher does not follow ROWS interleaved row streams of a few hundred bytes
- * each; measured on PoCL with the benchmark model, the fused gate+up kernel went from 4.6 to 3.5 ms per token
- * with touching loads, and prefetch instructions beat those (a load that misses holds up retirement until its
- * line arrives, a prefetch retires at once: int8-input gate+up 164 -> 151 us per launch). */
+ * each, and prefetch instructions beat touching loads (a load that misses holds up retirement until its line
+ * arrives, a prefetch retires at once; docs/BENCHMARKS.md, Kernels). */
 #ifdef CPU_LOADS
 #define PREFETCH(p) __builtin_prefetch((p), 0, 3)
 #define PREFETCH_L2(p) __builtin_prefetch((p), 0, 2)
@@ -166,10 +165,8 @@ INLINE float hsum8(float8 v) {
         } \
     } while (0)
 /* The next item's rows go to L2 only (not L1) when they are many: 16 KB or more would evict from L1 the lines the
- * item still reads (GLM-5's gate+up, 24 KB per item: 4.6 -> 3.8 ms per MoE layer, tools/bench_kernels.py --glm5;
- * the benchmark model's 4 KB items were ~20% slower with L2 prefetches). With this macro the benchmark model's down
- * kernel, whose prefetches did not change (L1), also ran 0.76-0.87 -> 0.65-0.73 ms per token (5 alternating
- * profile pairs): PoCL's code generation follows the shape of such branches. */
+ * item still reads, while small items are faster with L1 prefetches (docs/BENCHMARKS.md, Kernels); PoCL's code
+ * generation also follows the shape of this branch. */
 #define AHEAD_FAR(sets, row_bytes) ((sets) * ROWS * (row_bytes) >= 16384u)
 
 /* The row and scale pointers of rows_dot's `sets * ROWS` rows (rows past nrows repeat the last row: valid
@@ -242,7 +239,7 @@ INLINE void rows_dot(const int bits, const int sets, const __global uchar* row, 
  * the 64 in column order (the int8 product's). The int4 order:
  * - X8_PAIRS (AVX2 CPUs): even columns, then odd ones, matching the low and high nibbles of the block's 32
  *   bytes for vpmaddubsw. LLVM forms vpmaddubsw from no generic OpenCL C tried, so it is called by name
- *   (measured on PoCL: 3x the float unpack's codes per second; the portable form below, 2x).
+ *   (docs/BENCHMARKS.md, Kernels).
  * - otherwise: columns 4t, 4t+1, 4t+2, 4t+3 as four runs of 16, matching the nibbles of 16-bit lanes of the
  *   codes (little-endian devices), multiplied in 16 bits.
  * load_x8 reads either half of a block's codes; block_dot (int4 rows) and block_dot8 (int8 rows) use them. */
@@ -362,7 +359,7 @@ INLINE void rows_dot_x8(const int bits, const int sets, const __global uchar* ro
             PREFETCH(sc + ROWS * n_groups + c * 16u);
             if (sets == 2) PREFETCH(sc2 + ROWS * n_groups + c * 16u);
         }
-#pragma unroll  /* the accumulators stay in registers (rolled, they live on the stack: measured 10% slower) */
+#pragma unroll  /* the accumulators stay in registers (rolled, they live on the stack) */
         for (uint k = 0; k < sets * ROWS; k++) {
             const __global uchar* wk = rk[k] + row_block * c;
             const int8 dot = bits == 4 ? block_dot(wk, &xb) : block_dot8(wk, &xb);

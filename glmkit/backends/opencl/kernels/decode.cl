@@ -146,7 +146,7 @@ __kernel void token_rows(__global const float* comp, __global const float* vec, 
     for (uint i = l; i < qn; i += RED_LANES) sq += q_a[i] * q_a[i];
     rms_norm_out(q_a, sq, qn, eps, vec + qw_off, q_lat, quantize, q, qs, qsum, red);
     if (index) index_key_row(key_raw, vec, kw_off, kb_off, tmp, index_k, row, ihd, rope, cs, eps, red);
-    barrier(CLK_GLOBAL_MEM_FENCE);  /* unconditional: PoCL crashed on a barrier under a condition (session 6) */
+    barrier(CLK_GLOBAL_MEM_FENCE);  /* unconditional: PoCL 3.0 crashes on a barrier under a condition */
     if (stage_off == NO_STAGE) return;
     __global float* st = stage + stage_off;
     for (uint i = l; i < kvl; i += RED_LANES) st[i] = kv_lat[(ulong)row * kvl + i];
@@ -211,8 +211,7 @@ __kernel void mla_decode_scores(__global const float* q_lat, __global const floa
 /* out[h] = softmax(scores[h]) @ kv_lat over the n keys of `mla_decode_scores` (keys, use_keys as there), one
  * work-group (RED_LANES items) per head: the row's maximum and sum (the probabilities replace the scores in
  * place), then each item owns groups of VALUE_COLS latent columns. Past index_topk keys of context the indexer's
- * choice keeps both launches at index_topk keys (over every key they took 3-6 ms of a 9-13 ms token at
- * 4,000 keys). With `quantize`, also out's int8 codes, scales and code sums per head (common.cl; kvl a multiple of
+ * choice keeps both launches at index_topk keys. With `quantize`, also out's int8 codes, scales and code sums per head (common.cl; kvl a multiple of
  * 64). scores [nh, n], kv_lat [T, kvl]. Global (nh * RED_LANES). */
 __kernel void mla_decode_values(__global float* scores, __global const float* kv_lat, __global float* out,
                                 uint n, uint kvl, uint quantize, __global char* q, __global float* qs,

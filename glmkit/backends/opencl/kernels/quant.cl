@@ -291,7 +291,7 @@ INLINE void expert_down(const int bits, __global const uchar* wbuf, __global con
 /* Part 2 split in two, for the device decode step: expert_down_part computes part[slot, o] = down_e[o] . hid[slot]
  * (x8: hid's int8 codes hq, hs, hsum; else the float rows) with one work-item per (ROWS rows, slot), so the items
  * of a work-group stream one expert's rows (expert_down's items read every slot's rows: interleaved streams of a
- * few hundred bytes, measured at a third of the memory bandwidth); then expert_sum (or the next residual norm) adds
+ * few hundred bytes, far below streaming bandwidth); then expert_sum (or the next residual norm) adds
  * the slots up in expert_down's order. Slots from tok_start[1] on are unused.
  * Global (ceil(rows / ROWS) * LANES, slots). */
 INLINE void expert_down_part(const int bits, const int x8, __global const uchar* wbuf, __global const ulong* offs,
