@@ -799,7 +799,7 @@ def _index_blobs(db: sqlite3.Connection, directory: Path) -> tuple[int, int]:
         if temp:
             continue  # a writer's, maybe still running: `glm-cache prune` removes stale ones
         try:
-            with open_regular_file(path) as f:
+            with open_own_file(path) as f:
                 st = os.fstat(f.fileno())
                 header, _ = _read_header(f, st.st_size, path)
             if header["key"] != key or header["model_hash"][:16] != path.parent.parent.name:
@@ -946,7 +946,7 @@ def remove_cache_file(path: Path) -> bool:
     except OSError:  # gone already, or not ours to remove (permissions): left as it is
         return False
 
-def open_regular_file(path: Path) -> BinaryIO:
+def open_own_file(path: Path) -> BinaryIO:
     """Open an existing regular file for reading without following a final symlink or waiting on a FIFO;
     anything else (symlink, FIFO, device, directory) raises OSError."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -1065,7 +1065,7 @@ def read_blob(path: Path, model_hash: str, numerics: str, shapes: dict[str, tupl
               root: str | None = None) -> Chunk:
     """Read and check a blob (written for `model_hash`, `numerics` and, given, chain `root`, holding arrays of
     exactly `shapes`); raises ValueError naming what is wrong, OSError for what is not a regular file."""
-    with open_regular_file(path) as f:
+    with open_own_file(path) as f:
         size = os.fstat(f.fileno()).st_size
         header, span = _read_header(f, size, path)
         if header["model_hash"] != model_hash or header["numerics"] != numerics or root not in (None, header["root"]):

@@ -37,7 +37,7 @@ from glmkit.cache.prefix_cache import (
     PrefixCache,
     common_prefix,
     make_private_dirs,
-    open_regular_file,
+    open_own_file,
     rerotate,
     write_private_file,
 )
@@ -235,7 +235,7 @@ def load_messages(path: Path) -> list[dict[str, Any]]:
     if not os.path.lexists(path):
         return []
     try:
-        with open_regular_file(path) as f:
+        with open_own_file(path) as f:
             data = f.read(MAX_SESSION_BYTES + 1)
         if len(data) > MAX_SESSION_BYTES:
             raise ValueError

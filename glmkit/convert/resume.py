@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from glmkit.errors import GlmkitError
-from glmkit.format.config import open_regular_file, parse_json, read_json_file
+from glmkit.format.files import open_regular_file, parse_json, read_json_file
 
 STATE_DIR = ".glm-convert"
 MAX_STATE_BYTES = 16 << 20

@@ -1,23 +1,18 @@
-"""`ModelConfig`: the checked subset of a `glm_moe_dsa` config.json that glmkit reads; untrusted JSON files.
+"""`ModelConfig`: the checked subset of a `glm_moe_dsa` config.json that glmkit reads.
 
-config.json is untrusted input: every dimension is checked against a sane bound before anything
-is sized from it, so a hostile file fails here with a message instead of allocating terabytes.
-`read_json_file` reads any untrusted JSON document (config.json, the shard index, side files): a regular
-file only (a FIFO or device is refused, not read forever), size-capped before reading, UTF-8, nesting
-bounded, no duplicate keys.
+config.json is untrusted input (read through `files.read_json_file`): every dimension is checked against a sane
+bound before anything is sized from it, so a hostile file fails here with a message instead of allocating terabytes.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import stat
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from glmkit.errors import GlmkitError
+from glmkit.format.files import read_json_file
 
 SUPPORTED_MODEL_TYPES = ("glm_moe_dsa",)
 
@@ -32,7 +27,6 @@ _MAX_EXPERT_LAYERS = 1 << 18
 _MAX_EOS_IDS = 64
 
 MAX_CONFIG_BYTES = 16 << 20
-MAX_JSON_DEPTH = 64  # GLM-5's config.json nests 3 deep, tokenizer.json 5
 
 
 @dataclass(frozen=True)
@@ -222,64 +216,3 @@ def _indexer_types(raw: dict[str, Any], layers: int, source: str) -> tuple[str, 
     if types[0] != "full":
         raise GlmkitError(f"{source}: layer 0 must be a 'full' indexer layer (a shared layer needs one before it)")
     return types
-
-
-def open_regular_file(path: str | Path) -> BinaryIO:
-    """`path` opened for binary reading, if it is a regular file (symlinks followed). A FIFO, device or directory
-    is refused without blocking on it: the open does not wait for a FIFO's writer."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise GlmkitError(f"{path}: not found") from None
-    except OSError as e:
-        raise GlmkitError(f"{path}: cannot read ({e.strerror})") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise GlmkitError(f"{path}: not a regular file (a FIFO, device or directory is never read)")
-    os.set_blocking(fd, True)
-    return os.fdopen(fd, "rb")
-
-
-def read_json_file(path: str | Path, max_bytes: int) -> Any:
-    """An untrusted JSON document from a regular file of at most `max_bytes` (checked before reading)."""
-    with open_regular_file(path) as f:
-        size = os.fstat(f.fileno()).st_size
-        raw = f.read(max_bytes + 1) if size <= max_bytes else b""
-    if size > max_bytes or len(raw) > max_bytes:  # the second: it grew while being read
-        raise GlmkitError(f"{path}: {max(size, len(raw))} bytes, more than the {max_bytes} this JSON file may have")
-    return parse_json(raw, str(path))
-
-
-def parse_json(raw: bytes, where: str) -> Any:
-    """Decode untrusted JSON: UTF-8, nesting at most MAX_JSON_DEPTH deep, no key twice in an object."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise GlmkitError(f"{where}: not UTF-8 text (byte {e.start})") from None
-
-    def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        obj = dict(pairs)
-        if len(obj) != len(pairs):
-            seen: set[str] = set()
-            for key, _ in pairs:
-                if key in seen:
-                    raise GlmkitError(f"{where}: key {key!r} appears twice in one JSON object")
-                seen.add(key)
-        return obj
-
-    try:
-        value = json.loads(text, object_pairs_hook=unique_keys)
-    except RecursionError:  # the decoder recurses once per level: far deeper than any real file
-        raise GlmkitError(f"{where}: JSON nested more than {MAX_JSON_DEPTH} levels deep") from None
-    except json.JSONDecodeError as e:
-        raise GlmkitError(f"{where}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
-    pending = [(value, 1)]
-    while pending:
-        item, depth = pending.pop()
-        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
-        if children is None:
-            continue
-        if depth > MAX_JSON_DEPTH:
-            raise GlmkitError(f"{where}: JSON nested more than {MAX_JSON_DEPTH} levels deep")
-        pending.extend((child, depth + 1) for child in children)
-    return value

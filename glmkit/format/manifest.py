@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from glmkit.errors import GlmkitError
-from glmkit.format.config import ModelConfig, open_regular_file
+from glmkit.format.config import ModelConfig
+from glmkit.format.files import open_regular_file, parse_large_json
 from glmkit.format.packing import SUPPORTED_BITS, packed_row_bytes, scales_shape
 from glmkit.format.schema import EXPERT_PROJECTIONS, TensorSpec, expert_weight_name, model_tensors
 
@@ -38,8 +39,6 @@ FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 ALIGNMENT = 64
 MAX_MANIFEST_BYTES = 512 << 20
-# GLM-5's manifest holds 1.5 M JSON values: the bound keeps a hostile one's parse to about a GB
-MAX_JSON_VALUES = 1 << 24
 # Provenance inside `source` that the model hash does not cover (the shard digests next to it are covered).
 UNHASHED_SOURCE_KEYS = ("origin",)
 
@@ -162,7 +161,7 @@ class Manifest:
         path = directory / MANIFEST_NAME
         if not os.path.lexists(path):
             raise GlmkitError(f"{directory}: not a glmkit container (no {MANIFEST_NAME})")
-        raw = load_json(path, read_container_file(directory, MANIFEST_NAME, MAX_MANIFEST_BYTES))
+        raw = parse_large_json(path, read_container_file(directory, MANIFEST_NAME, MAX_MANIFEST_BYTES))
         if not isinstance(raw, dict):
             raise GlmkitError(f"{path}: not a glmkit container manifest (not a JSON object)")
         if raw.get("format") != FORMAT_NAME:
@@ -539,21 +538,3 @@ def collector_paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
-
-
-def load_json(path: Path, raw: bytes) -> Any:
-    """Decode an untrusted JSON document that may be large (a manifest, a data file's header): its count of
-    values is bounded before parsing (every value but the first follows a comma or an opening bracket), its
-    nesting by the decoder's recursion limit. (config.parse_json's per-object checks would double the parse of a
-    GLM-5 manifest; a repeated key here changes nothing the model hash does not cover.)"""
-    values = raw.count(b",") + raw.count(b"[") + raw.count(b"{")
-    if values > MAX_JSON_VALUES:
-        raise GlmkitError(f"{path}: JSON of more than {MAX_JSON_VALUES} values")
-    try:
-        return json.loads(raw)
-    except RecursionError:
-        raise GlmkitError(f"{path}: JSON nested too deeply") from None
-    except UnicodeDecodeError as e:
-        raise GlmkitError(f"{path}: not UTF-8 text (byte {e.start})") from None
-    except json.JSONDecodeError as e:
-        raise GlmkitError(f"{path}: malformed JSON ({e.msg} at line {e.lineno} column {e.colno})") from None

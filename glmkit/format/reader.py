@@ -13,14 +13,14 @@ from typing import BinaryIO
 import numpy as np
 
 from glmkit.errors import GlmkitError
-from glmkit.format.config import MAX_CONFIG_BYTES, ModelConfig, parse_json
+from glmkit.format.config import MAX_CONFIG_BYTES, ModelConfig
+from glmkit.format.files import parse_json, parse_large_json
 from glmkit.format.manifest import (
     MANIFEST_NAME,
     ExpertRange,
     Manifest,
     TensorEntry,
     collector_paused,
-    load_json,
     open_in_container,
     read_container_file,
     read_exact,
@@ -107,7 +107,7 @@ class Container:
         if header_len > min(limit, size - 8):
             raise GlmkitError(f"{path}: safetensors header length {header_len} exceeds what the file holds or its "
                               f"{len(entries)} tensors need")
-        header = load_json(path, read_exact(fd, path, 8, header_len))
+        header = parse_large_json(path, read_exact(fd, path, 8, header_len))
         if not isinstance(header, dict):
             raise GlmkitError(f"{path}: safetensors header is not a JSON object")
         data_start = 8 + header_len

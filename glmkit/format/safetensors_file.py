@@ -19,7 +19,7 @@ import ml_dtypes
 import numpy as np
 
 from glmkit.errors import GlmkitError
-from glmkit.format.config import open_regular_file, parse_json
+from glmkit.format.files import open_regular_file, parse_json
 
 DTYPES: dict[str, np.dtype] = {
     "F64": np.dtype(np.float64),

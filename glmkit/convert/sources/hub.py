@@ -48,7 +48,8 @@ from glmkit.convert.sources.snapshot import (
 )
 from glmkit.convert.sources.source import Source
 from glmkit.errors import GlmkitError
-from glmkit.format.config import ModelConfig, read_json_file
+from glmkit.format.config import ModelConfig
+from glmkit.format.files import read_json_file
 from glmkit.format.safetensors_file import check_header
 
 HEADER_THREADS = 8

@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from glmkit.errors import GlmkitError
-from glmkit.format.config import MAX_CONFIG_BYTES, ModelConfig, open_regular_file, read_json_file
+from glmkit.format.config import MAX_CONFIG_BYTES, ModelConfig
+from glmkit.format.files import open_regular_file, read_json_file
 from glmkit.format.safetensors_file import TensorInfo, read_header, read_tensor
 from glmkit.format.schema import TensorSpec
 

@@ -1,0 +1,96 @@
+"""Untrusted files: regular-file opens (a FIFO or device is refused, never read forever), size caps checked
+before reading, and JSON decoding with bounded nesting and no duplicate keys (config.json, shard indexes, side
+files, resume state, safetensors headers)."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from glmkit.errors import GlmkitError
+
+MAX_JSON_DEPTH = 64  # GLM-5's config.json nests 3 deep, tokenizer.json 5
+# GLM-5's manifest holds 1.5 M JSON values: the bound keeps a hostile one's parse to about a GB
+MAX_JSON_VALUES = 1 << 24
+
+
+def open_regular_file(path: str | Path) -> BinaryIO:
+    """`path` opened for binary reading, if it is a regular file (symlinks followed). A FIFO, device or directory
+    is refused without blocking on it: the open does not wait for a FIFO's writer."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise GlmkitError(f"{path}: not found") from None
+    except OSError as e:
+        raise GlmkitError(f"{path}: cannot read ({e.strerror})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise GlmkitError(f"{path}: not a regular file (a FIFO, device or directory is never read)")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
+def read_json_file(path: str | Path, max_bytes: int) -> Any:
+    """An untrusted JSON document from a regular file of at most `max_bytes` (checked before reading)."""
+    with open_regular_file(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        raw = f.read(max_bytes + 1) if size <= max_bytes else b""
+    if size > max_bytes or len(raw) > max_bytes:  # the second: it grew while being read
+        raise GlmkitError(f"{path}: {max(size, len(raw))} bytes, more than the {max_bytes} this JSON file may have")
+    return parse_json(raw, str(path))
+
+
+def parse_json(raw: bytes, where: str) -> Any:
+    """Decode untrusted JSON: UTF-8, nesting at most MAX_JSON_DEPTH deep, no key twice in an object."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise GlmkitError(f"{where}: not UTF-8 text (byte {e.start})") from None
+
+    def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        obj = dict(pairs)
+        if len(obj) != len(pairs):
+            seen: set[str] = set()
+            for key, _ in pairs:
+                if key in seen:
+                    raise GlmkitError(f"{where}: key {key!r} appears twice in one JSON object")
+                seen.add(key)
+        return obj
+
+    try:
+        value = json.loads(text, object_pairs_hook=unique_keys)
+    except RecursionError:  # the decoder recurses once per level: far deeper than any real file
+        raise GlmkitError(f"{where}: JSON nested more than {MAX_JSON_DEPTH} levels deep") from None
+    except json.JSONDecodeError as e:
+        raise GlmkitError(f"{where}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    pending = [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise GlmkitError(f"{where}: JSON nested more than {MAX_JSON_DEPTH} levels deep")
+        pending.extend((child, depth + 1) for child in children)
+    return value
+
+
+def parse_large_json(path: Path, raw: bytes) -> Any:
+    """Decode an untrusted JSON document that may be large (a manifest, a data file's header): its count of
+    values is bounded before parsing (every value but the first follows a comma or an opening bracket), its
+    nesting by the decoder's recursion limit. (parse_json's per-object checks would double the parse of a
+    GLM-5 manifest; a repeated key here changes nothing the model hash does not cover.)"""
+    values = raw.count(b",") + raw.count(b"[") + raw.count(b"{")
+    if values > MAX_JSON_VALUES:
+        raise GlmkitError(f"{path}: JSON of more than {MAX_JSON_VALUES} values")
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise GlmkitError(f"{path}: JSON nested too deeply") from None
+    except UnicodeDecodeError as e:
+        raise GlmkitError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise GlmkitError(f"{path}: malformed JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
