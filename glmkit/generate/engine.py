@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from glmkit.backends.numpy_backend import NumpyBackend
-from glmkit.errors import GlmkitError
 from glmkit.format.reader import Container
-from glmkit.generate.tokenizer import ChatTokenizer
+from glmkit.generate.tokenizer import ChatTokenizer, read_side_json
 from glmkit.model.compute import Backend
 from glmkit.model.expert_stream import ExpertStreamer, outgrows_memory
 from glmkit.model.glm5 import GlmMoeDsaModel
@@ -65,10 +63,7 @@ def _eos_ids(snapshot: Path, from_config: tuple[int, ...]) -> tuple[int, ...]:
     ids = set(from_config)
     path = snapshot / "generation_config.json"
     if path.is_file():
-        try:
-            eos = json.loads(path.read_text()).get("eos_token_id")
-        except (json.JSONDecodeError, AttributeError):
-            raise GlmkitError(f"{path}: not a valid JSON object") from None
+        eos = read_side_json(path).get("eos_token_id")
         if isinstance(eos, int):
             ids.add(eos)
         elif isinstance(eos, list):

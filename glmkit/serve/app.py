@@ -8,10 +8,14 @@ field checks) is `protocol`'s, chat messages and replies `chat`'s, the worker ch
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
+import signal
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from types import FrameType
 from typing import Any
 
 from starlette.applications import Starlette
@@ -23,15 +27,17 @@ from starlette.routing import Route
 
 from glmkit.errors import GlmkitError
 from glmkit.serve.auth import AuthMiddleware
-from glmkit.serve.bridge import ClientGone, collect, events, submit
+from glmkit.serve.bridge import Channel, ClientGone, collect, events, submit
 from glmkit.serve.chat import ChatText, chat_parts, parse_messages, parse_tools, template_variables
 from glmkit.serve.config import Loaded, ServeConfig, State
 from glmkit.serve.protocol import (
     ApiError,
+    Common,
     SamplingDefaults,
     check_context,
+    check_prompt_chars,
     error_response,
-    generation_failed,
+    internal_error,
     parse_common,
     parse_prompt,
     read_json,
@@ -42,11 +48,14 @@ from glmkit.serve.protocol import (
     usage,
     value_error,
 )
-from glmkit.serve.scheduler import Text
+from glmkit.serve.scheduler import GenerationJob, GenRequest, Text
 from glmkit.serve.toolcalls import parse_tool_calls, prepare_messages
 
 # the names glm-serve's command line builds the app from
 __all__ = ["Loaded", "SamplingDefaults", "ServeConfig", "create_app"]
+
+log = logging.getLogger("glmkit.serve")
+SHUTDOWN_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def create_app(config: ServeConfig, load: Callable[[], Loaded],
@@ -58,7 +67,10 @@ def create_app(config: ServeConfig, load: Callable[[], Loaded],
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         threading.Thread(target=state.run_load, name="glm-serve-load", daemon=True).start()
+        restore_signals = _chain_shutdown_signals(state)
         yield
+        restore_signals()
+        state.begin_shutdown()
         if state.loaded is not None:
             await run_in_threadpool(state.loaded.scheduler.stop)
 
@@ -71,14 +83,46 @@ def create_app(config: ServeConfig, load: Callable[[], Loaded],
         Route("/stats", stats, methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan,
-                    exception_handlers={ApiError: _api_error, HTTPException: _http_error})
+                    exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error})
     app.state.serve = state
     return AuthMiddleware(app, config.api_key)
+
+
+def _chain_shutdown_signals(state: State) -> Callable[[], None]:
+    """Run state.begin_shutdown() on SIGINT / SIGTERM ahead of the server's own handler (uvicorn's waits for the
+    requests in flight, then cancels them mid-response). Returns the undo. Only the main thread's handlers see
+    signals: a server run on another thread (as in the tests) keeps its handlers as they are."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous: dict[int, Callable[[int, FrameType | None], Any]] = {}
+    for sig in SHUTDOWN_SIGNALS:
+        handler = signal.getsignal(sig)
+        if callable(handler):  # not SIG_DFL / SIG_IGN: a server's handler to hand the signal on to
+            previous[sig] = handler
+            signal.signal(sig, functools.partial(_on_shutdown_signal, state, handler))
+
+    def restore() -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+    return restore
+
+
+def _on_shutdown_signal(state: State, handler: Callable[[int, FrameType | None], Any], signum: int,
+                        frame: FrameType | None) -> None:
+    state.begin_shutdown()
+    handler(signum, frame)
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
     return exc.response()
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    """Anything no route handled (a bug): a JSON 500, the traceback only in the server's log (Starlette re-raises
+    the exception to the server, which logs it)."""
+    return internal_error().response()
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -135,6 +179,31 @@ def _fingerprint(loaded: Loaded) -> str:
     return "glmkit-" + loaded.engine.model_hash[:12]
 
 
+def _start(state: State, loaded: Loaded, ids: list[int], common: Common, request_id: str
+           ) -> tuple[GenerationJob, Channel]:
+    request = GenRequest(ids, state.max_tokens(common.max_tokens, len(ids)), common.params, common.stop,
+                         common.ignore_eos, request_id)
+    return submit(loaded.scheduler, state.channels, request)
+
+
+def _event_stream(body: AsyncIterator[str]) -> StreamingResponse:
+    """A streaming response of `body`'s server-sent events. However it ends, the last event is `[DONE]`, after an
+    error event when it failed (generation failed, the server shut down, a bug)."""
+
+    async def guarded() -> AsyncIterator[str]:
+        try:
+            async for event in body:
+                yield event
+        except ApiError as e:
+            yield sse_error(e)
+        except Exception:
+            log.exception("a stream failed")
+            yield sse_error(internal_error())
+        yield sse("[DONE]")
+
+    return StreamingResponse(guarded(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
 # ---- /v1/chat/completions -------------------------------------------------------------------------
 
 async def chat_completions(request: Request) -> Response:
@@ -145,20 +214,24 @@ async def chat_completions(request: Request) -> Response:
     messages = parse_messages(body)
     tools = parse_tools(body)
     thinking, kwargs = template_variables(body)
+    check_prompt_chars(loaded.engine, sum(len(m["content"]) for m in messages), "messages")
     tok = loaded.engine.tokenizer
     template_messages, template_tools = prepare_messages(messages, tools, loaded.support)
 
     def render() -> tuple[str, list[int]]:
         text = tok.render_chat(template_messages, thinking, tools=template_tools, **kwargs)
+        check_prompt_chars(loaded.engine, len(text), "messages")
         return text, tok.encode(text)
 
     try:
         prompt_text, ids = await run_in_threadpool(render)
     except GlmkitError as e:
         raise ApiError(400, str(e), param="messages", code="invalid_messages") from None
+    if not ids:
+        raise ApiError(400, "the chat template rendered an empty prompt", param="messages", code="invalid_messages")
     check_context(loaded.engine, len(ids), "messages")
     request_id = "chatcmpl-" + uuid.uuid4().hex[:24]
-    job, channel = submit(loaded, state, ids, common, request_id)
+    job, channel = _start(state, loaded, ids, common, request_id)
     reasoning = state.config.split_reasoning and prompt_text.rstrip().endswith("<think>")
     router = ChatText(reasoning, tools is not None)
     created = int(time.time())
@@ -167,7 +240,7 @@ async def chat_completions(request: Request) -> Response:
 
     if not common.stream:
         try:
-            text, done = await collect(request, loaded.scheduler, job, channel)
+            text, done = await collect(request, loaded.scheduler, state.channels, job, channel)
         except ClientGone:
             return Response(status_code=499)
         pieces = router.push(text)
@@ -195,14 +268,11 @@ async def chat_completions(request: Request) -> Response:
 
     async def stream() -> AsyncIterator[str]:
         yield chunk({"role": "assistant", "content": ""})
-        async for event in events(loaded.scheduler, job, channel):
+        async for event in events(loaded.scheduler, state.channels, job, channel):
             if isinstance(event, Text):
                 for kind, text in router.push(event.text):
                     yield chunk(delta(kind, text))
                 continue
-            if event.finish_reason == "error":
-                yield sse_error(generation_failed(event))
-                return
             rest, tool_text = router.finish()
             for kind, text in rest:
                 yield chunk(delta(kind, text))
@@ -214,9 +284,8 @@ async def chat_completions(request: Request) -> Response:
             yield chunk({}, "tool_calls" if calls else event.finish_reason)
             if common.include_usage:
                 yield sse({**chunk_base, "choices": [], "usage": usage(event), "timings": timings(event)})
-        yield sse("[DONE]")
 
-    return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return _event_stream(stream())
 
 
 # ---- /v1/completions ------------------------------------------------------------------------------
@@ -232,7 +301,7 @@ async def completions(request: Request) -> Response:
         raise value_error("prompt", "encodes to no tokens")
     check_context(loaded.engine, len(ids), "prompt")
     request_id = "cmpl-" + uuid.uuid4().hex[:24]
-    job, channel = submit(loaded, state, ids, common, request_id)
+    job, channel = _start(state, loaded, ids, common, request_id)
     base = {"id": request_id, "object": "text_completion", "created": int(time.time()),
             "model": state.config.model_name, "system_fingerprint": _fingerprint(loaded)}
 
@@ -241,23 +310,19 @@ async def completions(request: Request) -> Response:
 
     if not common.stream:
         try:
-            text, done = await collect(request, loaded.scheduler, job, channel)
+            text, done = await collect(request, loaded.scheduler, state.channels, job, channel)
         except ClientGone:
             return Response(status_code=499)
         return JSONResponse({**base, "choices": [choice(text, done.finish_reason)], "usage": usage(done),
                              "timings": timings(done)})
 
     async def stream() -> AsyncIterator[str]:
-        async for event in events(loaded.scheduler, job, channel):
+        async for event in events(loaded.scheduler, state.channels, job, channel):
             if isinstance(event, Text):
                 yield sse({**base, "choices": [choice(event.text, None)]})
                 continue
-            if event.finish_reason == "error":
-                yield sse_error(generation_failed(event))
-                return
             yield sse({**base, "choices": [choice("", event.finish_reason)]})
             if common.include_usage:
                 yield sse({**base, "choices": [], "usage": usage(event), "timings": timings(event)})
-        yield sse("[DONE]")
 
-    return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return _event_stream(stream())

@@ -1,5 +1,6 @@
 """The channel between the generation worker thread and a request's asyncio task: submitting a job, and
-reading its events back (all at once, or as a stream), cancelling it when the client goes away."""
+reading its events back (all at once, or as a stream), cancelling it when the client goes away or the
+server shuts down."""
 
 from __future__ import annotations
 
@@ -9,11 +10,14 @@ from collections.abc import AsyncIterator
 
 from starlette.requests import Request
 
-from glmkit.serve.config import Loaded, State
-from glmkit.serve.protocol import ApiError, Common, generation_failed
+from glmkit.serve.protocol import ApiError, generation_failed, shutting_down
 from glmkit.serve.scheduler import Done, GenerationJob, GenRequest, QueueFull, Scheduler, Text
 
 DISCONNECT_POLL_S = 0.2  # how often a non-streaming request checks that its client is still there
+
+
+class Shutdown:
+    """Put into every open channel when the server begins to shut down."""
 
 
 class Channel:
@@ -21,23 +25,36 @@ class Channel:
 
     def __init__(self) -> None:
         self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue[Text | Done] = asyncio.Queue()
+        self.queue: asyncio.Queue[Text | Done | Shutdown] = asyncio.Queue()
 
-    def emit(self, event: Text | Done) -> None:  # worker thread
+    def emit(self, event: Text | Done | Shutdown) -> None:  # any thread
         self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
 
 
-def submit(loaded: Loaded, state: State, ids: list[int], common: Common, request_id: str
-           ) -> tuple[GenerationJob, Channel]:
-    """Queue the prompt `ids` for generation; 429 when the scheduler's queue is full."""
-    remaining = loaded.engine.config.max_position_embeddings - len(ids)
-    max_tokens = common.max_tokens or min(state.config.default_max_tokens, remaining)
-    request = GenRequest(ids, max_tokens, common.params, common.stop, common.ignore_eos, request_id)
+class Channels:
+    """The channels of the requests in flight, so that a shutdown can end each of them with an error."""
+
+    def __init__(self) -> None:
+        self.open: set[Channel] = set()
+        self.closing = False
+
+    def begin_shutdown(self) -> None:
+        """From any thread (a signal handler too): refuse new jobs, end the running ones' requests."""
+        self.closing = True
+        for channel in list(self.open):
+            channel.emit(Shutdown())
+
+
+def submit(scheduler: Scheduler, channels: Channels, request: GenRequest) -> tuple[GenerationJob, Channel]:
+    """Queue `request` for generation; 429 when the scheduler's queue is full, 503 once shutting down."""
+    if channels.closing:
+        raise shutting_down()
     channel = Channel()
     try:
-        job = loaded.scheduler.submit(request, channel.emit)
+        job = scheduler.submit(request, channel.emit)
     except QueueFull as e:
         raise ApiError(429, f"the server is busy ({e}); retry later", "server_error", code="server_busy") from None
+    channels.open.add(channel)
     return job, channel
 
 
@@ -45,9 +62,10 @@ class ClientGone(Exception):
     pass
 
 
-async def collect(request: Request, scheduler: Scheduler, job: GenerationJob, channel: Channel) -> tuple[str, Done]:
-    """All of a request's text (non-streaming); cancels the job when the client disconnects (ClientGone)
-    and raises the OpenAI-shaped 500 when generation failed."""
+async def collect(request: Request, scheduler: Scheduler, channels: Channels, job: GenerationJob, channel: Channel
+                  ) -> tuple[str, Done]:
+    """All of a request's text (non-streaming); cancels the job when the client disconnects (ClientGone),
+    raises the OpenAI-shaped 500 when generation failed and the 503 when the server shuts down."""
     parts: list[str] = []
     checked = time.monotonic()
     try:
@@ -62,6 +80,8 @@ async def collect(request: Request, scheduler: Scheduler, job: GenerationJob, ch
                     raise ClientGone()
             if event is None:
                 continue
+            if isinstance(event, Shutdown):
+                raise shutting_down()
             if isinstance(event, Done):
                 if event.finish_reason == "error":
                     raise generation_failed(event)
@@ -69,15 +89,23 @@ async def collect(request: Request, scheduler: Scheduler, job: GenerationJob, ch
             parts.append(event.text)
     finally:
         scheduler.cancel(job)  # a no-op once the job is done
+        channels.open.discard(channel)
 
 
-async def events(scheduler: Scheduler, job: GenerationJob, channel: Channel) -> AsyncIterator[Text | Done]:
-    """The job's events (streaming). Starlette cancels this when the client disconnects: so is the job."""
+async def events(scheduler: Scheduler, channels: Channels, job: GenerationJob, channel: Channel
+                 ) -> AsyncIterator[Text | Done]:
+    """The job's events (streaming), ending with its Done; raises the OpenAI-shaped 500 when generation failed
+    and the 503 when the server shuts down. Starlette cancels this when the client disconnects: so is the job."""
     try:
         while True:
             event = await channel.queue.get()
+            if isinstance(event, Shutdown):
+                raise shutting_down()
+            if isinstance(event, Done) and event.finish_reason == "error":
+                raise generation_failed(event)
             yield event
             if isinstance(event, Done):
                 return
     finally:
         scheduler.cancel(job)
+        channels.open.discard(channel)

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 
 from glmkit.errors import GlmkitError
 from glmkit.generate.engine import Engine
-from glmkit.serve.protocol import ApiError, SamplingDefaults
+from glmkit.serve.bridge import Channels
+from glmkit.serve.protocol import ApiError, SamplingDefaults, shutting_down
 from glmkit.serve.scheduler import Scheduler
 from glmkit.serve.toolcalls import TemplateSupport
 
@@ -47,6 +48,7 @@ class State:
         self.loaded: Loaded | None = None
         self.load_error: str | None = None
         self.started = time.time()
+        self.channels = Channels()
 
     def run_load(self) -> None:
         try:
@@ -59,11 +61,24 @@ class State:
                 self.on_load_error(self.load_error)
 
     def ready(self) -> Loaded:
+        if self.channels.closing:
+            raise shutting_down()
         if self.loaded is not None:
             return self.loaded
         if self.load_error is not None:
             raise ApiError(500, f"the model failed to load: {self.load_error}", "server_error", code="load_failed")
         raise ApiError(503, "the model is still loading; retry shortly", "server_error", code="model_loading")
+
+    def begin_shutdown(self) -> None:
+        """From any thread: new requests get 503, and those in flight end with an OpenAI-shaped 503 (a stream
+        with an error event, then `[DONE]`) rather than being cut off when the server stops."""
+        self.channels.begin_shutdown()
+
+    def max_tokens(self, requested: int | None, prompt_tokens: int) -> int:
+        """A request's reply limit: its own, else --default-max-tokens capped by what the context leaves."""
+        assert self.loaded is not None
+        remaining = self.loaded.engine.config.max_position_embeddings - prompt_tokens
+        return requested or min(self.config.default_max_tokens, remaining)
 
     @property
     def defaults(self) -> SamplingDefaults:

@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
 from glmkit.generate.engine import Engine
@@ -19,6 +19,12 @@ from glmkit.generate.sampling import SamplingParams
 from glmkit.serve.scheduler import Done
 
 MAX_STOP_SEQUENCES = 16
+MAX_STOP_CHARS = 1024  # each generated token is checked against every prefix of every stop sequence
+MAX_JSON_DEPTH = 64  # nesting of the request body (the deepest OpenAI request is a tool's JSON schema)
+GREEDY_BELOW = 1e-5  # a lower temperature is greedy decoding (and logits / T would overflow near 1e-300)
+# No natural text averages more characters a token: a prompt longer than the context times this cannot fit,
+# and is refused without being tokenized (tokenizing takes about 2 s a megabyte).
+PROMPT_CHARS_PER_TOKEN = 16
 
 
 @dataclass
@@ -43,10 +49,27 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+class _ErrorJSON(JSONResponse):
+    """An error body in ASCII: whatever an error message quotes from the request, it encodes."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
 def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
                    code: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
-                        status_code=status)
+    return _ErrorJSON({"error": {"message": message, "type": type_, "param": param, "code": code}},
+                      status_code=status)
+
+
+def internal_error() -> ApiError:
+    """A server bug: the client learns only that (the details go to the server's log)."""
+    return ApiError(500, "internal server error (see the server log)", "server_error", code="internal_error")
+
+
+def shutting_down() -> ApiError:
+    return ApiError(503, "the server is shutting down; retry on another instance or later", "server_error",
+                    code="server_shutting_down")
 
 
 def unknown_model(name: str) -> ApiError:
@@ -65,21 +88,62 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
         raise too_large
     body = bytearray()
     received = 0
-    async for chunk in request.stream():
-        received += len(chunk)
-        if received > drain_limit:
-            raise too_large
-        if received <= limit:
-            body += chunk
+    try:
+        async for chunk in request.stream():
+            received += len(chunk)
+            if received > drain_limit:
+                raise too_large
+            if received <= limit:
+                body += chunk
+    except ClientDisconnect:
+        raise ApiError(400, "the client went away while sending the body", code="client_disconnected") from None
     if received > limit:
         raise too_large
     try:
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(400, f"the request body is not valid JSON ({e})", code="invalid_json") from None
-    if not isinstance(data, dict):
+    except RecursionError:
+        data = None  # nested past the parser's recursion limit: reported as too deep below
+    if data is not None and not isinstance(data, dict):
         raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+    check_json_values(data, MAX_JSON_DEPTH)
     return data
+
+
+def check_json_values(data: dict[str, Any] | None, max_depth: int) -> None:
+    """400 for a body nested deeper than `max_depth` objects and arrays (None: past the parser's own limit) or
+    holding a string with an unpaired UTF-16 surrogate escape (valid JSON, but no Unicode text: nothing
+    downstream can encode it)."""
+    too_deep = ApiError(400, f"the request body is nested more than {max_depth} levels deep", code="invalid_json")
+    if data is None:
+        raise too_deep
+    level: list[Any] = [data]
+    for _ in range(max_depth):
+        nested: list[Any] = []
+        for value in level:
+            items = value.values() if isinstance(value, dict) else value
+            for item in items:
+                if isinstance(item, dict | list):
+                    nested.append(item)
+                elif isinstance(item, str) and not item.isascii():
+                    _check_text(item)
+            if isinstance(value, dict):
+                for key in value:
+                    if not key.isascii():
+                        _check_text(key)
+        if not nested:
+            return
+        level = nested
+    raise too_deep
+
+
+def _check_text(text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(400, "the request body holds a string with an unpaired UTF-16 surrogate escape "
+                       "(\\ud800-\\udfff)", code="invalid_json") from None
 
 
 _TYPE_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
@@ -166,6 +230,8 @@ def parse_common(body: dict, model_name: str, defaults: SamplingDefaults) -> Com
     temperature = defaults.temperature if temperature is None else temperature
     if not 0 <= temperature <= 2:
         raise value_error("temperature", f"must be between 0 and 2, got {temperature}")
+    if temperature < GREEDY_BELOW:
+        temperature = 0.0
     top_p = opt_number(body, "top_p")
     top_p = defaults.top_p if top_p is None else top_p
     if not 0 < top_p <= 1:
@@ -187,6 +253,8 @@ def parse_common(body: dict, model_name: str, defaults: SamplingDefaults) -> Com
         raise type_error("stop", "a string or an array of strings", stop)
     if len(stops) > MAX_STOP_SEQUENCES:
         raise value_error("stop", f"at most {MAX_STOP_SEQUENCES} sequences")
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise value_error("stop", f"a stop sequence may be at most {MAX_STOP_CHARS} characters long")
     for name in ("logprobs", "top_logprobs", "echo"):
         value = body.get(name)
         if value not in (None, False, 0):
@@ -205,8 +273,10 @@ def parse_prompt(body: dict, engine: Engine) -> list[int] | str:
     if isinstance(prompt, str):
         if not prompt:
             raise value_error("prompt", "must not be empty")
+        check_prompt_chars(engine, len(prompt), "prompt")
         return prompt
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        check_context(engine, len(prompt), "prompt")
         vocab = engine.config.vocab_size
         if not all(0 <= t < vocab for t in prompt):
             raise value_error("prompt", f"token ids must be in [0, {vocab})")
@@ -224,6 +294,15 @@ def check_context(engine: Engine, n_tokens: int, where: str) -> None:
     if n_tokens >= limit:
         raise ApiError(400, f"This model's maximum context length is {limit} tokens. However, your {where} "
                        f"resulted in {n_tokens} tokens.", param=where, code="context_length_exceeded")
+
+
+def check_prompt_chars(engine: Engine, n_chars: int, where: str) -> None:
+    """400, before any tokenizing, for a prompt of `n_chars` characters that cannot fit the context."""
+    limit = engine.config.max_position_embeddings
+    if n_chars > limit * PROMPT_CHARS_PER_TOKEN:
+        raise ApiError(400, f"This model's maximum context length is {limit} tokens. However, your {where} is "
+                       f"{n_chars} characters, more than {limit} tokens can hold (at most {PROMPT_CHARS_PER_TOKEN} "
+                       "characters a token).", param=where, code="context_length_exceeded")
 
 
 # ---- pieces of a response ---------------------------------------------------------------------------
