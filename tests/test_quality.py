@@ -241,27 +241,27 @@ def test_imatrix_digest_is_of_content(imatrix, tmp_path):
 
 
 def test_calibrate_hessian_choices(snapshots):
-    from glmkit.eval.calibration import collect
+    from glmkit.eval.calibration import collect_imatrix
     from glmkit.generate.engine import Engine
 
     engine = Engine(snapshots("tiny-trained", "f32"), "numpy", load_tokenizer=False)
     windows = json.loads(CALIB.read_text())[:2]
-    full = collect(engine, windows, hessians="all")
+    full = collect_imatrix(engine, windows, hessians="all")
     gate, up, down = (f"model.layers.2.mlp.experts.5.{p}_proj.weight" for p in ("gate", "up", "down"))
     assert full.hessians[gate] == full.hessians[up] != full.hessians[down]
     assert full.hessian_data[full.hessians[down]].shape == (96, 96)
-    none = collect(engine, windows, hessians="none")
+    none = collect_imatrix(engine, windows, hessians="none")
     assert none.hessians == {} and none.hessian_data == {}
     np.testing.assert_array_equal(none.values[gate], full.values[gate])
-    dense = collect(engine, windows, hessians="dense")
+    dense = collect_imatrix(engine, windows, hessians="dense")
     assert dense.hessians and not any(".mlp.experts." in n for n in dense.hessians)
-    pooled = collect(engine, windows, hessians="pooled")
+    pooled = collect_imatrix(engine, windows, hessians="pooled")
     assert pooled.hessians[gate] == pooled.hessians[up] == pooled.hessians["model.layers.2.mlp.shared_experts."
                                                                            "up_proj.weight"]
     assert down not in pooled.hessians and pooled.hessian_data.keys() == dense.hessian_data.keys()
     np.testing.assert_allclose(pooled.hessian(gate), full.hessian("model.layers.2.mlp.shared_experts.gate_proj.weight"),
                                rtol=1e-6)  # the layer's input over all tokens, not expert 5's
-    narrow = collect(engine, windows, hessians="pooled", max_hessian_dim=100)  # no shared Hessian: no pooled one
+    narrow = collect_imatrix(engine, windows, hessians="pooled", max_hessian_dim=100)
     assert narrow.hessians and all(full.values[n].shape[0] <= 100 for n in narrow.hessians)
     assert any(v.shape[0] > 100 for v in narrow.values.values())
 

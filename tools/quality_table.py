@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from glmkit.convert.convert import convert  # noqa: E402
 from glmkit.convert.plan import QuantPlan  # noqa: E402
-from glmkit.eval.calibration import collect  # noqa: E402
+from glmkit.eval.calibration import collect_imatrix  # noqa: E402
 from glmkit.eval.evaluation import evaluate  # noqa: E402
 from glmkit.eval.logits_file import LogitsBase, LogitsWriter  # noqa: E402
 from glmkit.format.imatrix import read_imatrix  # noqa: E402
@@ -125,7 +125,7 @@ def run(fixture: Path, work: Path, only: list[str] | None) -> list[dict[str, Any
             metrics = evaluate(engine, windows, save=writer)
             writer.close()
             for kind in ("all", "pooled", "dense"):
-                collect(engine, calib, hessians=kind).write(work / f"imatrix-{kind}.safetensors")
+                collect_imatrix(engine, calib, hessians=kind).write(work / f"imatrix-{kind}.safetensors")
         else:
             metrics = evaluate(engine, windows, LogitsBase(base_path))
         row = {"variant": label, "preset": preset, "group_size": group or None, "quantizer": quantizer,

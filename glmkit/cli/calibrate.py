@@ -28,7 +28,7 @@ from glmkit.cli.common import (
     windows_from_arguments,
 )
 from glmkit.errors import GlmkitError
-from glmkit.eval.calibration import DEFAULT_MAX_HESSIAN_DIM, HESSIAN_CHOICES, collect
+from glmkit.eval.calibration import DEFAULT_MAX_HESSIAN_DIM, HESSIAN_CHOICES, collect_imatrix
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         check_window_arguments(args)
         engine = engine_from_arguments(args, load_tokenizer=args.text is not None)
         windows = windows_from_arguments(engine, args)
-        imatrix = collect(engine, windows, progress=not args.quiet, hessians=args.hessians,
+        imatrix = collect_imatrix(engine, windows, progress=not args.quiet, hessians=args.hessians,
                           max_hessian_dim=args.max_hessian_dim)
         imatrix.write(args.output)
     except GlmkitError as e:

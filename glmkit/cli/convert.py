@@ -138,7 +138,7 @@ def _parent(out: str) -> Path:
 def _calibrate(args: argparse.Namespace, scratch: Path, options: dict[str, object]) -> Imatrix:
     """Convert a temporary container, collect calibration statistics (`--hessians pooled`) on it over
     --calibrate's text, and return them; the temporary container is deleted."""
-    from glmkit.eval.calibration import calibration_windows, collect
+    from glmkit.eval.calibration import calibration_windows, collect_imatrix
     from glmkit.generate.engine import Engine
 
     model_dir = scratch / "model"
@@ -149,7 +149,7 @@ def _calibrate(args: argparse.Namespace, scratch: Path, options: dict[str, objec
             allow_nonfinite=args.allow_nonfinite, **options)
     engine = Engine(model_dir, "numpy", load_tokenizer=args.calibrate.suffix != ".json")
     windows = calibration_windows(engine, args.calibrate)[:args.calibrate_windows]
-    statistics = collect(engine, windows, progress=not args.quiet)
+    statistics = collect_imatrix(engine, windows, progress=not args.quiet)
     del engine
     shutil.rmtree(model_dir)
     path = scratch / "imatrix.safetensors"

@@ -123,8 +123,8 @@ class _RecordingBackend:
         return moe_layer(self, x, ids, weights, expert, shared)  # type: ignore[arg-type]
 
 
-def collect(engine: Engine, windows: list[list[int]], progress: bool = False, hessians: str = "pooled",
-            max_hessian_dim: int = DEFAULT_MAX_HESSIAN_DIM) -> Imatrix:
+def collect_imatrix(engine: Engine, windows: list[list[int]], progress: bool = False, hessians: str = "pooled",
+                    max_hessian_dim: int = DEFAULT_MAX_HESSIAN_DIM) -> Imatrix:
     """Run every window through the main model and the MTP layer, recording linear-input statistics."""
     if hessians not in HESSIAN_CHOICES:
         raise GlmkitError(f"--hessians: {hessians!r} is not one of {', '.join(HESSIAN_CHOICES)}")
