@@ -22,7 +22,7 @@ import pytest
 from glmkit.cli.serve import build_app
 from glmkit.errors import GlmkitError
 from glmkit.generate.engine import Engine
-from glmkit.generate.tokenizer import ChatTokenizer, read_side_file
+from glmkit.generate.tokenizer import ChatTokenizer
 from glmkit.serve.app import Loaded, ServeConfig, create_app
 from glmkit.serve.scheduler import Done, GenRequest, Scheduler, Text
 from tests.runtime_support import FIXTURES
@@ -273,7 +273,7 @@ RENDER_IN_CHILD = """
 import resource, sys
 resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
 from glmkit.errors import GlmkitError
-from glmkit.generate.tokenizer import ChatTokenizer, read_side_file
+from glmkit.generate.tokenizer import ChatTokenizer
 try:
     text = ChatTokenizer(sys.argv[1]).render_chat([{"role": "user", "content": "Hi"}])
     print("rendered", len(text))
@@ -356,11 +356,3 @@ def test_side_files_are_size_capped_before_reading(snapshot, tmp_path, name):
     (copy / name).write_text(json.dumps({"eos_token_id": 1, "padding": "x" * (17 << 20)}))
     with pytest.raises(GlmkitError, match=f"{name}: .*more than"):
         Engine(copy)
-
-
-def test_a_side_file_that_is_not_a_regular_file_is_refused(tmp_path):
-    fifo = tmp_path / "generation_config.json"
-    os.mkfifo(fifo)
-    with pytest.raises(GlmkitError, match="not a regular file"):
-        read_side_file(fifo)  # returns at once: no writer is waited for
-

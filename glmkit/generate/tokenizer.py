@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import stat
 import string
 import threading
 import time
@@ -22,6 +21,7 @@ from jinja2.utils import Namespace
 from tokenizers import Tokenizer
 
 from glmkit.errors import GlmkitError
+from glmkit.format.files import open_regular_file, read_json_file
 
 SIDE_FILE_MAX_BYTES = 16 << 20  # a snapshot's JSON side files (tokenizer_config.json, generation_config.json)
 TEMPLATE_SOURCE_MAX_CHARS = 1 << 20  # the chat template's own text
@@ -102,44 +102,34 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, s
 
 # ---- snapshot side files ---------------------------------------------------------------------------
 
-def read_side_file(path: Path, max_bytes: int = SIDE_FILE_MAX_BYTES) -> str:
-    """A snapshot's small text file: a regular file of at most `max_bytes`, UTF-8. Raises GlmkitError naming it."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # O_NONBLOCK: opening a FIFO must not wait for a writer
-    except OSError as e:
-        raise GlmkitError(f"{path}: cannot open ({e.strerror})") from None
-    with os.fdopen(fd, "rb") as f:
-        info = os.fstat(f.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            raise GlmkitError(f"{path}: not a regular file")
-        if info.st_size > max_bytes:
-            raise GlmkitError(f"{path}: {info.st_size:,} bytes, more than the {max_bytes:,} this file may hold")
-        data = f.read(max_bytes + 1)
-    if len(data) > max_bytes:
-        raise GlmkitError(f"{path}: more than the {max_bytes:,} bytes this file may hold")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise GlmkitError(f"{path}: not UTF-8 text (bad byte at offset {e.start})") from None
-
-
 def read_side_json(path: Path) -> dict[str, Any]:
-    """A snapshot's JSON side file, which must hold an object (read_side_file's checks first)."""
-    text = read_side_file(path)
-    try:
-        data = json.loads(text)
-    except (ValueError, RecursionError) as e:
-        raise GlmkitError(f"{path}: not valid JSON ({type(e).__name__}: {e})") from None
+    """A snapshot's JSON side file (tokenizer_config.json, generation_config.json): a regular file of at most
+    SIDE_FILE_MAX_BYTES, UTF-8 JSON holding an object. Raises GlmkitError naming it."""
+    data = read_json_file(path, SIDE_FILE_MAX_BYTES)
     if not isinstance(data, dict):
         raise GlmkitError(f"{path}: not a valid JSON object")
     return data
+
+
+def _read_template_file(path: Path) -> str:
+    """chat_template.jinja: a regular file of at most 4 bytes a template character, UTF-8."""
+    max_bytes = 4 * TEMPLATE_SOURCE_MAX_CHARS
+    with open_regular_file(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        raw = f.read(max_bytes + 1) if size <= max_bytes else b""
+    if size > max_bytes or len(raw) > max_bytes:  # the second: it grew while being read
+        raise GlmkitError(f"{path}: {max(size, len(raw))} bytes, more than the {max_bytes} a chat template may have")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise GlmkitError(f"{path}: not UTF-8 text (byte {e.start})") from None
 
 
 def _load_chat_template(directory: Path) -> str | None:
     """chat_template.jinja, else tokenizer_config.json's `chat_template` (a named list's "default"); an empty or
     all-whitespace template counts as none."""
     jinja_file = directory / "chat_template.jinja"
-    template = read_side_file(jinja_file, 4 * TEMPLATE_SOURCE_MAX_CHARS) if jinja_file.is_file() else None
+    template = _read_template_file(jinja_file) if jinja_file.is_file() else None
     source = jinja_file
     if not (template or "").strip():
         config = directory / "tokenizer_config.json"

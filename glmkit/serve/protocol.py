@@ -14,13 +14,13 @@ from typing import Any
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
+from glmkit.format.files import MAX_JSON_DEPTH
 from glmkit.generate.engine import Engine
 from glmkit.generate.sampling import SamplingParams
 from glmkit.serve.scheduler import Done
 
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_CHARS = 1024  # each generated token is checked against every prefix of every stop sequence
-MAX_JSON_DEPTH = 64  # nesting of the request body (the deepest OpenAI request is a tool's JSON schema)
 GREEDY_BELOW = 1e-5  # a lower temperature is greedy decoding (and logits / T would overflow near 1e-300)
 # No natural text averages more characters a token: a prompt longer than the context times this cannot fit,
 # and is refused without being tokenized (tokenizing takes about 2 s a megabyte).
