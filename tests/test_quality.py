@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from threadpoolctl import threadpool_limits
 
 from glmkit.cli import calibrate as calibrate_cli
 from glmkit.cli import perplexity as perplexity_cli
@@ -159,11 +160,14 @@ def test_perplexity_bad_inputs(snapshots, tmp_path):
 def test_perplexity_and_calibrate_take_float_activations(snapshots, tmp_path):
     """`--float-activations` (shared with glm-run, glm-serve, glm-validate) reaches the engine's backend."""
     snap = snapshots("tiny-trained", "f32")
-    for cli, rest in ((perplexity_cli, []), (calibrate_cli, ["-o", str(tmp_path / "imatrix.safetensors")])):
-        argv = [str(snap), "--tokens", str(EVAL), "--device", "opencl", *rest]
-        for flags, int8 in (([], True), (["--float-activations"], False)):
-            engine = engine_from_arguments(cli.build_parser().parse_args(argv + flags), load_tokenizer=False)
-            assert engine.device.startswith("opencl:") and engine.backend.int8_activations is int8, (cli, flags)
+    # an OpenCL CPU backend pins OpenBLAS to one thread for the process: restored here, since BLAS's thread count
+    # changes a product's rounding, and later tests compare conversions bit for bit
+    with threadpool_limits(limits=None, user_api="blas"):
+        for cli, rest in ((perplexity_cli, []), (calibrate_cli, ["-o", str(tmp_path / "imatrix.safetensors")])):
+            argv = [str(snap), "--tokens", str(EVAL), "--device", "opencl", *rest]
+            for flags, int8 in (([], True), (["--float-activations"], False)):
+                engine = engine_from_arguments(cli.build_parser().parse_args(argv + flags), load_tokenizer=False)
+                assert engine.device.startswith("opencl:") and engine.backend.int8_activations is int8, (cli, flags)
 
 
 def test_perplexity_on_text(snapshots, tmp_path):
