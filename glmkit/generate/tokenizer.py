@@ -236,11 +236,10 @@ class _Budget:
         if id(value) in self.measured:
             return self.measured[id(value)][1:]
         if isinstance(value, str):
-            if len(value) < 256:
-                return _quoted_size(value), 0
-            self.measured[id(value)] = (value, _quoted_size(value), 0)  # long strings: measured once
-        if id(value) in self.measured:
-            return self.measured[id(value)][1:]
+            size = _quoted_size(value)
+            if len(value) >= 256:  # a long string is scanned once
+                self.measured[id(value)] = (value, size, 0)
+            return size, 0
         if id(value) in changing:
             return changing[id(value)]
         if _children(value) is not None:  # a container that holds itself: printed as '[...]'
@@ -609,7 +608,7 @@ def render_bounded(template: jinja2.Template, variables: dict[str, Any]) -> str:
         raise GlmkitError(f"chat template stopped: {e}") from None
     except jinja2.TemplateError as e:
         raise GlmkitError(f"chat template failed: {e}") from None
-    except (Exception, RecursionError, MemoryError) as e:  # the template is code: anything it raises is its failure
+    except Exception as e:  # the template is code: whatever it raises (RecursionError, MemoryError...) is its failure
         raise GlmkitError(f"chat template failed: {type(e).__name__}: {e}") from None
 
 

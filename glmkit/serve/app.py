@@ -27,15 +27,15 @@ from starlette.routing import Route
 
 from glmkit.errors import GlmkitError
 from glmkit.serve.auth import AuthMiddleware
-from glmkit.serve.bridge import Channel, ClientGone, collect, events, submit
+from glmkit.serve.bridge import Channel, ClientGone, collect, events, submit_job
 from glmkit.serve.chat import ChatText, chat_parts, parse_messages, parse_tools, template_variables
 from glmkit.serve.config import Loaded, ServeConfig, State
 from glmkit.serve.protocol import (
     ApiError,
     Common,
     SamplingDefaults,
-    check_context,
     check_prompt_chars,
+    check_prompt_tokens,
     error_response,
     internal_error,
     parse_common,
@@ -179,11 +179,12 @@ def _fingerprint(loaded: Loaded) -> str:
     return "glmkit-" + loaded.engine.model_hash[:12]
 
 
-def _start(state: State, loaded: Loaded, ids: list[int], common: Common, request_id: str
-           ) -> tuple[GenerationJob, Channel]:
+def _start_generation(state: State, loaded: Loaded, ids: list[int], common: Common, request_id: str
+                      ) -> tuple[GenerationJob, Channel]:
+    """Submit the prompt `ids` with the request's settings; the job and the channel its events come back on."""
     request = GenRequest(ids, state.max_tokens(common.max_tokens, len(ids)), common.params, common.stop,
                          common.ignore_eos, request_id)
-    return submit(loaded.scheduler, state.channels, request)
+    return submit_job(loaded.scheduler, state.channels, request)
 
 
 def _event_stream(body: AsyncIterator[str]) -> StreamingResponse:
@@ -229,9 +230,9 @@ async def chat_completions(request: Request) -> Response:
         raise ApiError(400, str(e), param="messages", code="invalid_messages") from None
     if not ids:
         raise ApiError(400, "the chat template rendered an empty prompt", param="messages", code="invalid_messages")
-    check_context(loaded.engine, len(ids), "messages")
+    check_prompt_tokens(loaded.engine, len(ids), "messages")
     request_id = "chatcmpl-" + uuid.uuid4().hex[:24]
-    job, channel = _start(state, loaded, ids, common, request_id)
+    job, channel = _start_generation(state, loaded, ids, common, request_id)
     reasoning = state.config.split_reasoning and prompt_text.rstrip().endswith("<think>")
     router = ChatText(reasoning, tools is not None)
     created = int(time.time())
@@ -299,9 +300,9 @@ async def completions(request: Request) -> Response:
     ids = await run_in_threadpool(loaded.engine.tokenizer.encode, prompt) if isinstance(prompt, str) else prompt
     if not ids:
         raise value_error("prompt", "encodes to no tokens")
-    check_context(loaded.engine, len(ids), "prompt")
+    check_prompt_tokens(loaded.engine, len(ids), "prompt")
     request_id = "cmpl-" + uuid.uuid4().hex[:24]
-    job, channel = _start(state, loaded, ids, common, request_id)
+    job, channel = _start_generation(state, loaded, ids, common, request_id)
     base = {"id": request_id, "object": "text_completion", "created": int(time.time()),
             "model": state.config.model_name, "system_fingerprint": _fingerprint(loaded)}
 

@@ -45,7 +45,7 @@ class Channels:
             channel.emit(Shutdown())
 
 
-def submit(scheduler: Scheduler, channels: Channels, request: GenRequest) -> tuple[GenerationJob, Channel]:
+def submit_job(scheduler: Scheduler, channels: Channels, request: GenRequest) -> tuple[GenerationJob, Channel]:
     """Queue `request` for generation; 429 when the scheduler's queue is full, 503 once shutting down."""
     if channels.closing:
         raise shutting_down()

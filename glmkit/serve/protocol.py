@@ -276,7 +276,7 @@ def parse_prompt(body: dict, engine: Engine) -> list[int] | str:
         check_prompt_chars(engine, len(prompt), "prompt")
         return prompt
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        check_context(engine, len(prompt), "prompt")
+        check_prompt_tokens(engine, len(prompt), "prompt")
         vocab = engine.config.vocab_size
         if not all(0 <= t < vocab for t in prompt):
             raise value_error("prompt", f"token ids must be in [0, {vocab})")
@@ -288,7 +288,7 @@ def parse_prompt(body: dict, engine: Engine) -> list[int] | str:
     raise type_error("prompt", "a string, an array of token ids, or an array of one of them", prompt)
 
 
-def check_context(engine: Engine, n_tokens: int, where: str) -> None:
+def check_prompt_tokens(engine: Engine, n_tokens: int, where: str) -> None:
     """400 when a prompt of `n_tokens` leaves no room in the model's context."""
     limit = engine.config.max_position_embeddings
     if n_tokens >= limit:
