@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -18,6 +17,7 @@ from glmkit.cli.common import (
     use_mtp_from_arguments,
 )
 from glmkit.errors import GlmkitError
+from glmkit.generate.tokenizer import read_side_json
 from glmkit.serve.app import Loaded, SamplingDefaults, ServeConfig, create_app
 from glmkit.serve.scheduler import Scheduler
 from glmkit.units import parse_size
@@ -67,12 +67,7 @@ def generation_defaults(snapshot: Path) -> SamplingDefaults:
     """temperature / top_p / top_k from the snapshot's generation_config.json (do_sample false = greedy)."""
     defaults = SamplingDefaults()
     path = snapshot / "generation_config.json"
-    try:
-        config = json.loads(path.read_text()) if path.is_file() else {}
-    except (OSError, ValueError):
-        return defaults
-    if not isinstance(config, dict):
-        return defaults
+    config = read_side_json(path) if path.exists() else {}
     if config.get("do_sample") is False:
         return SamplingDefaults(temperature=0.0)
     for name, kind in (("temperature", float), ("top_p", float), ("top_k", int)):

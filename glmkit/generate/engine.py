@@ -11,9 +11,6 @@ from glmkit.model.compute import Backend
 from glmkit.model.expert_stream import ExpertStreamer, outgrows_memory
 from glmkit.model.glm5 import GlmMoeDsaModel
 
-FLOAT_ACTIVATIONS_HELP = ("decode with float inputs to the quantized products (the reference arithmetic, slower) "
-                          "instead of int8-quantized ones in the OpenCL decode step and fused int4 experts")
-
 
 def make_backend(device: str, container: Container | None = None, int8_activations: bool = True
                  ) -> tuple[Backend, str]:
@@ -37,8 +34,8 @@ class Engine:
         self.config = self.container.config
         self.backend, self.device = make_backend(device, self.container, not float_activations)
         self.experts = ExpertStreamer(self.container, ram_budget_bytes, prefetch)
-        # a device decode step's routing is watched only when experts will come from disk: its callbacks cost
-        # ~33% of decode on 2 cores when everything is in RAM (docs/BENCHMARKS.md)
+        # a device decode step's routing is watched only when experts will come from disk: its callbacks cost a
+        # large share of decode when everything is in RAM (docs/BENCHMARKS.md)
         watch = prefetch and outgrows_memory(self.container)
         self.model = GlmMoeDsaModel(self.config, self.experts, self.backend, route_hook=self.experts.on_route,
                                     step_route_hook=self.experts.advise_routed if watch else None)
@@ -52,7 +49,7 @@ class Engine:
     def use_mtp(self, force_on: bool, off: bool) -> bool:
         """MTP speculative decoding for `--mtp` / `--no-mtp`, else by default: on, except where single tokens
         decode as one device step. There a draft's verification (a two-token forward, run operation by operation)
-        costs more than two steps: measured on the benchmark model, MTP off decodes ~3x faster."""
+        costs more than two steps (docs/BENCHMARKS.md)."""
         if force_on or off:
             return force_on
         return self.config.num_nextn_predict_layers > 0 and not self.model.decodes_on_device()
