@@ -24,7 +24,8 @@ from typing import Any
 
 import jinja2
 import jinja2.meta
-import jinja2.sandbox
+
+from glmkit.generate.tokenizer import BoundedSandbox
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
@@ -134,9 +135,9 @@ class TemplateSupport:
         if not template:
             return cls(False, False)
         try:
-            env = jinja2.sandbox.ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"])
-            parsed = env.parse(template)
-            names = jinja2.meta.find_undeclared_variables(parsed)
+            # the bounded sandbox: its intercepted operators are never folded, so analysing a hostile template's
+            # constants (e.g. 'x' * 10 ** 10) builds nothing
+            names = jinja2.meta.find_undeclared_variables(BoundedSandbox().parse(template))
         except jinja2.TemplateError:
             names = set()
         return cls("tools" in names, "tool_calls" in template)
