@@ -15,6 +15,8 @@ import pytest
 
 from glmkit.backends.opencl.device import DeviceInfo, list_devices
 from glmkit.cli.convert import main as convert_main
+from glmkit.convert.sources.snapshot import HFSnapshot
+from glmkit.errors import GlmkitError
 
 FIXTURES = Path(__file__).parent / "fixtures"
 VARIANTS = ("tiny-bf16", "tiny-fp8")
@@ -70,3 +72,16 @@ def opencl_test_device() -> DeviceInfo:
     if not found:
         pytest.fail(f"GLMKIT_TEST_DEVICE={want}: no such OpenCL device among {[d.name for d in devices]}")
     return found[0]
+
+
+def fail_reading(monkeypatch: pytest.MonkeyPatch, prefix: str) -> Any:
+    """Make the source's tensors named `prefix...` fail to read (a conversion that dies part way); returns the
+    real `HFSnapshot.load`, to put back."""
+    real = HFSnapshot.load
+
+    def broken(self: HFSnapshot, spec: Any) -> Any:
+        if spec.name.startswith(prefix):
+            raise GlmkitError(f"{spec.name}: simulated read failure")
+        return real(self, spec)
+    monkeypatch.setattr(HFSnapshot, "load", broken)
+    return real

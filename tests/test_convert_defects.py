@@ -16,10 +16,9 @@ import pytest
 
 from glmkit.cli.convert import main as convert_main
 from glmkit.convert.sources.snapshot import HFSnapshot
-from glmkit.errors import GlmkitError
 from glmkit.format.reader import Container
 from glmkit.format.safetensors_file import read_header
-from tests.runtime_support import FIXTURES
+from tests.runtime_support import FIXTURES, fail_reading
 from tests.test_convert_errors import run_bad
 from tools.synth import TINY_CONFIG, make_snapshot, make_weights
 
@@ -55,13 +54,7 @@ def _interrupted(tmp_path, monkeypatch, capsys):
     """A 2-shard snapshot whose conversion into OUT failed after some data files were complete."""
     src, out = tmp_path / "src", tmp_path / "out"
     make_snapshot(src, shards=2)
-    real = HFSnapshot.load
-
-    def broken(self, spec):
-        if spec.name.startswith("model.layers.3."):
-            raise GlmkitError(f"{spec.name}: simulated read failure")
-        return real(self, spec)
-    monkeypatch.setattr(HFSnapshot, "load", broken)
+    real = fail_reading(monkeypatch, "model.layers.3.")
     args = [str(src), str(out), "--quiet", "--preset", "f32", "--max-file-size", "16K"]
     assert convert_main(args) == 1
     monkeypatch.setattr(HFSnapshot, "load", real)

@@ -23,6 +23,7 @@ from glmkit.errors import GlmkitError
 from glmkit.format.reader import Container
 from glmkit.format.safetensors_file import read_header
 from tests.fake_hub import FakeHub, read_dir
+from tests.runtime_support import fail_reading
 
 FIXTURES = Path(__file__).parent / "fixtures"
 ROOT = Path(__file__).parent.parent
@@ -263,13 +264,7 @@ def test_failed_run_resumes_only_with_the_same_inputs(hub, tmp_path, capsys):
 
 def test_local_source_resumes_too(local_ref, tmp_path, capsys, monkeypatch):
     out = tmp_path / "out"
-    real = HFSnapshot.load
-
-    def broken(self, spec):
-        if spec.name.startswith("model.layers.3."):
-            raise GlmkitError(f"{spec.name}: simulated read failure")
-        return real(self, spec)
-    monkeypatch.setattr(HFSnapshot, "load", broken)
+    real = fail_reading(monkeypatch, "model.layers.3.")
     args = [str(FIXTURES / "tiny-bf16"), str(out), "--quiet", "--max-file-size", "64K"]
     assert convert_main(args) == 1
     assert "simulated read failure" in error_line(capsys)
