@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -142,3 +144,18 @@ def test_chat_text_without_tools_or_reasoning_passes_everything():
     router = ChatText(reasoning=False, tools=False)
     assert router.push("a</think><tool_call>b") == [("content", "a</think><tool_call>b")]
     assert router.finish() == ([], "")
+
+
+def test_reading_a_templates_tool_support_builds_none_of_its_constants():
+    """Analysing a template must not fold its constants (jinja's plain sandbox intercepts no operator, so
+    `{{ 'x' * 10 ** 10 }}` became a 10 GB string): a 200 MB one here, whose folding would show in the child's peak
+    memory (an address-space limit keeps a regression from exhausting the machine)."""
+    code = ("import resource; resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30)); "
+            "from glmkit.serve.toolcalls import TemplateSupport; "
+            "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; "
+            "print(TemplateSupport.of(\"{{ 'x' * 2 * 10 ** 8 }}{{ tools }}\")); "
+            "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-500:]
+    support, grown_mb = proc.stdout.split("\n")[:2]
+    assert "tools=True" in support and int(grown_mb) < 50
