@@ -140,6 +140,7 @@ def test_perplexity_bad_inputs(snapshots, tmp_path):
         "short.json": "[[1]]",
         "range.json": "[[1, 2, 384]]",
         "bools.json": "[[true, 2, 3]]",
+        "deep.json": "[" * 10_000 + "]" * 10_000,
     }
     for name, text in cases.items():
         (tmp_path / name).write_text(text)

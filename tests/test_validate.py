@@ -221,7 +221,7 @@ def test_bad_oracle_is_one_clear_error(snapshots, capsys, tmp_path, case):
     assert str(path) in err
 
 
-@pytest.mark.parametrize("content", ["", "{not json", "[1, 2, 3]", "\"text\"", "\udcff"])
+@pytest.mark.parametrize("content", ["", "{not json", "[1, 2, 3]", "\"text\"", "\udcff", "[" * 10_000 + "]" * 10_000])
 def test_unreadable_oracle_is_one_clear_error(snapshots, capsys, tmp_path, content):
     path = tmp_path / "oracle.json"
     path.write_bytes(content.encode("utf-8", "surrogateescape"))

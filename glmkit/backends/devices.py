@@ -44,6 +44,7 @@ from glmkit.backends.opencl.device import DeviceInfo, list_devices
 from glmkit.backends.opencl.kernels import kernel_version
 from glmkit.backends.opencl.ops import Kernels
 from glmkit.errors import GlmkitError
+from glmkit.format.files import read_json_file
 from glmkit.format.tensors import QuantWeight
 from glmkit.model.compute import Backend
 
@@ -176,11 +177,14 @@ def profile_path(info: DeviceInfo) -> Path:
     return device_cache_dir() / f"{slug}-{digest}.json"
 
 
+MAX_PROFILE_BYTES = 1 << 20  # a device profile is a few KB
+
+
 def read_profile(info: DeviceInfo) -> dict[str, Any]:
     path = profile_path(info)
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
+        data = read_json_file(path, MAX_PROFILE_BYTES)
+    except GlmkitError:  # missing or damaged: measured again
         return {}
     if not isinstance(data, dict) or data.get("version") != PROFILE_VERSION or data.get("key") != info.key:
         return {}

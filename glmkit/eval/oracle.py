@@ -8,13 +8,13 @@ teacher-forcing logits at every position of full_ids), optionally `tf_logits` an
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from glmkit.errors import GlmkitError
+from glmkit.format.files import read_json_file
 from glmkit.generate.engine import Engine
 from glmkit.generate.generator import Generator
 from glmkit.generate.sampling import Sampler, SamplingParams
@@ -24,14 +24,9 @@ MAX_ORACLE_BYTES = 256 << 20
 
 def load_oracle(path: Path, vocab_size: int) -> dict[str, Any]:
     """Read and check an oracle file (untrusted input)."""
-    if not path.is_file():
+    if not path.exists():
         raise GlmkitError(f"{path}: oracle file not found")
-    if path.stat().st_size > MAX_ORACLE_BYTES:
-        raise GlmkitError(f"{path}: oracle larger than {MAX_ORACLE_BYTES >> 20} MB")
-    try:
-        oracle = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise GlmkitError(f"{path}: not valid JSON ({e})") from None
+    oracle = read_json_file(path, MAX_ORACLE_BYTES)  # a regular file, size-capped, nesting bounded
     if not isinstance(oracle, dict):
         raise GlmkitError(f"{path}: oracle must be a JSON object")
     for key in ("prompt_ids", "full_ids", "tf_pred"):

@@ -3,10 +3,10 @@ token-id lists (both untrusted input files)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from glmkit.errors import GlmkitError
+from glmkit.format.files import parse_json
 from glmkit.generate.engine import Engine
 
 DEFAULT_CTX = 512
@@ -27,10 +27,7 @@ def text_windows(engine: Engine, path: Path, ctx: int) -> list[list[int]]:
 
 def token_windows(path: Path, vocab_size: int) -> list[list[int]]:
     """A JSON list of windows, each a list of at least 2 token ids below `vocab_size`."""
-    try:
-        windows = json.loads(_read_input(path))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise GlmkitError(f"{path}: not valid JSON ({e})") from None
+    windows = parse_json(_read_input(path), str(path))  # UTF-8, nesting bounded
     if not isinstance(windows, list) or not windows:
         raise GlmkitError(f"{path}: must be a non-empty JSON list of token-id lists")
     for i, w in enumerate(windows):
