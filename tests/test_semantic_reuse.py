@@ -4,6 +4,7 @@ opt-in), the re-rotation of roped rows, the hnswlib index over stored chunks, an
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -360,6 +361,14 @@ def test_hnsw_index_persists_rebuilds_follows_eviction_and_stays_bounded(engine,
     assert damaged.rebuilt and set(damaged.labels) == labels and damaged.query(probe, k=1)[0][0][0] == best[0]
     index.path.unlink()
     assert reopen().rebuilt
+    for path in (index.path, index.meta_path):  # a FIFO in either file's place is not waited on: rebuilt
+        saved = path.read_bytes() if path.exists() else None
+        path.unlink(missing_ok=True)
+        os.mkfifo(path)
+        assert reopen().rebuilt
+        path.unlink()
+        if saved is not None:
+            path.write_bytes(saved)
 
     # eviction by this process updates the live index; by another process, the next open reconciles
     cache.max_bytes = sum(p.stat().st_size for p in tmp_path.glob("*/*/*.kvc")) // 2

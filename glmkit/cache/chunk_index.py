@@ -30,10 +30,13 @@ from pathlib import Path
 
 import numpy as np
 
+from glmkit.errors import GlmkitError
+from glmkit.format.files import open_regular_file, read_json_file
 from glmkit.model.glm5 import GlmMoeDsaModel
 
 INDEX_VERSION = 1
 DEFAULT_MAX_ELEMENTS = 100_000
+MAX_META_BYTES = 1 << 20  # the index sidecar: a few fields
 REFERENCE_SAMPLE = 4096  # vocabulary ids averaged into the reference vector
 _HNSW = {"M": 16, "ef_construction": 100, "ef": 64}
 
@@ -103,10 +106,11 @@ class ChunkIndex:
 
     def _load(self):
         """The saved index when its sidecar matches this chain and its checksum holds; else None."""
-        try:
-            meta = json.loads(self.meta_path.read_text())
-            data = self.path.read_bytes()
-        except (OSError, ValueError):
+        try:  # regular files only (a FIFO here must not hang the run), the sidecar size-capped
+            meta = read_json_file(self.meta_path, MAX_META_BYTES)
+            with open_regular_file(self.path) as f:
+                data = f.read()
+        except (OSError, GlmkitError):
             return None
         expected = {"version": INDEX_VERSION, "root": self.root, "dim": self.dim, "center": self.center_digest}
         if not isinstance(meta, dict) or any(meta.get(k) != v for k, v in expected.items()) \
