@@ -35,7 +35,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import difflib
-import errno
 import fcntl
 import functools
 import hashlib
@@ -57,6 +56,7 @@ import numpy as np
 import zstandard
 
 from glmkit.format.config import ModelConfig
+from glmkit.format.files import open_regular
 from glmkit.model.glm5 import GlmMoeDsaModel
 from glmkit.model.kv_cache import KVCache
 from glmkit.model.ops import rope_cos_sin
@@ -799,7 +799,7 @@ def _index_blobs(db: sqlite3.Connection, directory: Path) -> tuple[int, int]:
         if temp:
             continue  # a writer's, maybe still running: `glm-cache prune` removes stale ones
         try:
-            with open_own_file(path) as f:
+            with open_regular(path, follow_symlinks=False) as f:
                 st = os.fstat(f.fileno())
                 header, _ = _read_header(f, st.st_size, path)
             if header["key"] != key or header["model_hash"][:16] != path.parent.parent.name:
@@ -946,19 +946,6 @@ def remove_cache_file(path: Path) -> bool:
     except OSError:  # gone already, or not ours to remove (permissions): left as it is
         return False
 
-def open_own_file(path: Path) -> BinaryIO:
-    """Open an existing regular file for reading without following a final symlink or waiting on a FIFO;
-    anything else (symlink, FIFO, device, directory) raises OSError."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", str(path))
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
-
-
 def write_blob(path: Path, chunk: Chunk, model_hash: str, numerics: str, root: str, emb: np.ndarray | None) -> int:
     """Write atomically (unique temp name, fsync, rename); `emb` (`[kv_lora_rank]` f32 or None) goes in the
     header for rebuilding the index. Returns the file size."""
@@ -1065,7 +1052,7 @@ def read_blob(path: Path, model_hash: str, numerics: str, shapes: dict[str, tupl
               root: str | None = None) -> Chunk:
     """Read and check a blob (written for `model_hash`, `numerics` and, given, chain `root`, holding arrays of
     exactly `shapes`); raises ValueError naming what is wrong, OSError for what is not a regular file."""
-    with open_own_file(path) as f:
+    with open_regular(path, follow_symlinks=False) as f:
         size = os.fstat(f.fileno()).st_size
         header, span = _read_header(f, size, path)
         if header["model_hash"] != model_hash or header["numerics"] != numerics or root not in (None, header["root"]):

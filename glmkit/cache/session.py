@@ -37,11 +37,11 @@ from glmkit.cache.prefix_cache import (
     PrefixCache,
     common_prefix,
     make_private_dirs,
-    open_own_file,
     rerotate,
     write_private_file,
 )
 from glmkit.errors import GlmkitError
+from glmkit.format.files import open_regular
 from glmkit.model.glm5 import GlmMoeDsaModel
 from glmkit.model.kv_cache import KVCache
 
@@ -68,7 +68,7 @@ class ApproxPolicy:
 class ReuseStats:
     """Where the prompt's KV rows came from, in tokens."""
 
-    process: int = 0  # exact: this session's KV cache from earlier turns
+    process: int = 0  # exact: the conversation's own KV cache from earlier turns
     ram: int = 0  # exact: the prefix cache's in-process tier
     disk: int = 0  # exact: prefix-cache blobs on disk
     approx: int = 0  # approximate: rows of chunks stored at other positions (or kept from an approximate turn)
@@ -235,7 +235,7 @@ def load_messages(path: Path) -> list[dict[str, Any]]:
     if not os.path.lexists(path):
         return []
     try:
-        with open_own_file(path) as f:
+        with open_regular(path, follow_symlinks=False) as f:
             data = f.read(MAX_SESSION_BYTES + 1)
         if len(data) > MAX_SESSION_BYTES:
             raise ValueError

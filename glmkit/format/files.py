@@ -4,6 +4,7 @@ files, resume state, safetensors headers)."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import stat
@@ -17,20 +18,30 @@ MAX_JSON_DEPTH = 64  # GLM-5's config.json nests 3 deep, tokenizer.json 5
 MAX_JSON_VALUES = 1 << 24
 
 
-def open_regular_file(path: str | Path) -> BinaryIO:
-    """`path` opened for binary reading, if it is a regular file (symlinks followed). A FIFO, device or directory
-    is refused without blocking on it: the open does not wait for a FIFO's writer."""
+def open_regular(path: str | Path, follow_symlinks: bool = True) -> BinaryIO:
+    """`path` opened for binary reading, if it is a regular file; a FIFO, device or directory (and, without
+    `follow_symlinks`, a symlink) raises OSError without blocking on it: the open does not wait for a FIFO's
+    writer."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow_symlinks else os.O_NOFOLLOW)
+    fd = os.open(path, flags)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file (a FIFO, device or directory is never read)", str(path))
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def open_regular_file(path: str | Path) -> BinaryIO:
+    """`open_regular` (symlinks followed) for user-facing files: any failure is a GlmkitError naming `path`."""
+    try:
+        return open_regular(path)
     except FileNotFoundError:
         raise GlmkitError(f"{path}: not found") from None
     except OSError as e:
         raise GlmkitError(f"{path}: cannot read ({e.strerror})") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise GlmkitError(f"{path}: not a regular file (a FIFO, device or directory is never read)")
-    os.set_blocking(fd, True)
-    return os.fdopen(fd, "rb")
 
 
 def read_json_file(path: str | Path, max_bytes: int) -> Any:
