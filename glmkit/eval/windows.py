@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from glmkit.errors import GlmkitError
-from glmkit.format.files import parse_json
+from glmkit.format.files import parse_json, read_capped, read_text_file
 from glmkit.generate.engine import Engine
 
 DEFAULT_CTX = 512
@@ -19,7 +19,7 @@ def text_windows(engine: Engine, path: Path, ctx: int) -> list[list[int]]:
         raise GlmkitError(f"--ctx: must be at least 2, got {ctx}")
     if engine.tokenizer is None:
         raise GlmkitError("internal error: tokenizer not loaded")
-    ids = engine.tokenizer.encode(_read_text(path))
+    ids = engine.tokenizer.encode(read_text_file(path, MAX_INPUT_BYTES))
     if len(ids) < ctx:
         raise GlmkitError(f"{path}: {len(ids)} tokens, fewer than one --ctx window of {ctx}")
     return [ids[i:i + ctx] for i in range(0, len(ids) - ctx + 1, ctx)]
@@ -27,7 +27,7 @@ def text_windows(engine: Engine, path: Path, ctx: int) -> list[list[int]]:
 
 def token_windows(path: Path, vocab_size: int) -> list[list[int]]:
     """A JSON list of windows, each a list of at least 2 token ids below `vocab_size`."""
-    windows = parse_json(_read_input(path), str(path))  # UTF-8, nesting bounded
+    windows = parse_json(read_capped(path, MAX_INPUT_BYTES), str(path))  # UTF-8, nesting bounded
     if not isinstance(windows, list) or not windows:
         raise GlmkitError(f"{path}: must be a non-empty JSON list of token-id lists")
     for i, w in enumerate(windows):
@@ -38,16 +38,3 @@ def token_windows(path: Path, vocab_size: int) -> list[list[int]]:
     return windows
 
 
-def _read_input(path: Path) -> bytes:
-    if not path.is_file():
-        raise GlmkitError(f"{path}: file not found")
-    if path.stat().st_size > MAX_INPUT_BYTES:
-        raise GlmkitError(f"{path}: larger than {MAX_INPUT_BYTES >> 20} MB")
-    return path.read_bytes()
-
-
-def _read_text(path: Path) -> str:
-    try:
-        return _read_input(path).decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise GlmkitError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None

@@ -44,14 +44,29 @@ def open_regular_file(path: str | Path) -> BinaryIO:
         raise GlmkitError(f"{path}: cannot read ({e.strerror})") from None
 
 
-def read_json_file(path: str | Path, max_bytes: int) -> Any:
-    """An untrusted JSON document from a regular file of at most `max_bytes` (checked before reading)."""
+def read_capped(path: str | Path, max_bytes: int, what: str = "this file") -> bytes:
+    """The whole content of a regular file of at most `max_bytes` (its size checked before reading); `what`
+    names the file in the error."""
     with open_regular_file(path) as f:
         size = os.fstat(f.fileno()).st_size
         raw = f.read(max_bytes + 1) if size <= max_bytes else b""
     if size > max_bytes or len(raw) > max_bytes:  # the second: it grew while being read
-        raise GlmkitError(f"{path}: {max(size, len(raw))} bytes, more than the {max_bytes} this JSON file may have")
-    return parse_json(raw, str(path))
+        raise GlmkitError(f"{path}: {max(size, len(raw))} bytes, more than the {max_bytes} {what} may have")
+    return raw
+
+
+def read_text_file(path: str | Path, max_bytes: int, what: str = "this file") -> str:
+    """`read_capped`, decoded as UTF-8 (anything else is a GlmkitError naming the byte)."""
+    raw = read_capped(path, max_bytes, what)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise GlmkitError(f"{path}: not UTF-8 text (byte {e.start})") from None
+
+
+def read_json_file(path: str | Path, max_bytes: int) -> Any:
+    """An untrusted JSON document from a regular file of at most `max_bytes` (checked before reading)."""
+    return parse_json(read_capped(path, max_bytes, "this JSON file"), str(path))
 
 
 def parse_json(raw: bytes, where: str) -> Any:

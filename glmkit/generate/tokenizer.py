@@ -4,7 +4,6 @@ detokenization."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import string
 import threading
@@ -21,7 +20,7 @@ from jinja2.utils import Namespace
 from tokenizers import Tokenizer
 
 from glmkit.errors import GlmkitError
-from glmkit.format.files import open_regular_file, read_json_file
+from glmkit.format.files import read_json_file, read_text_file
 
 SIDE_FILE_MAX_BYTES = 16 << 20  # a snapshot's JSON side files (tokenizer_config.json, generation_config.json)
 TEMPLATE_SOURCE_MAX_CHARS = 1 << 20  # the chat template's own text
@@ -113,16 +112,7 @@ def read_side_json(path: Path) -> dict[str, Any]:
 
 def _read_template_file(path: Path) -> str:
     """chat_template.jinja: a regular file of at most 4 bytes a template character, UTF-8."""
-    max_bytes = 4 * TEMPLATE_SOURCE_MAX_CHARS
-    with open_regular_file(path) as f:
-        size = os.fstat(f.fileno()).st_size
-        raw = f.read(max_bytes + 1) if size <= max_bytes else b""
-    if size > max_bytes or len(raw) > max_bytes:  # the second: it grew while being read
-        raise GlmkitError(f"{path}: {max(size, len(raw))} bytes, more than the {max_bytes} a chat template may have")
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise GlmkitError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    return read_text_file(path, 4 * TEMPLATE_SOURCE_MAX_CHARS, "a chat template")
 
 
 def _load_chat_template(directory: Path) -> str | None:
