@@ -249,13 +249,14 @@ def test_where_the_step_runs(snapshots, direct_kernels, discrete_kernels):
     budget, an explicit per-operation placement and NumPy decode per operation."""
     engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
     cfg, weight, size = engine.config, engine.experts.weight, engine.container.nbytes
-    assert OpenCLBackend(in_place(direct_kernels), Placement()).decode_step(cfg, weight) is not None
-    assert OpenCLBackend(direct_kernels, Placement(decode_step="host")).decode_step(cfg, weight) is None
+    layers = engine.model.layers[:cfg.num_hidden_layers]
+    assert OpenCLBackend(in_place(direct_kernels), Placement()).decode_step(cfg, layers, weight) is not None
+    assert OpenCLBackend(direct_kernels, Placement(decode_step="host")).decode_step(cfg, layers, weight) is None
     discrete = OpenCLBackend(discrete_kernels, Placement(), unified=False, model_bytes=size)
-    assert discrete.decode_step(cfg, weight) is not None and discrete.memory.used > 0
+    assert discrete.decode_step(cfg, layers, weight) is not None and discrete.memory.used > 0
     small = OpenCLBackend(discrete_kernels, Placement(), unified=False, model_bytes=size, budget=size // 2)
-    assert small.decode_step(cfg, weight) is None and small.memory.used == 0
-    assert engine.backend.decode_step(cfg, weight) is None  # NumPy
+    assert small.decode_step(cfg, layers, weight) is None and small.memory.used == 0
+    assert engine.backend.decode_step(cfg, layers, weight) is None  # NumPy
 
 
 def test_validate_passes_with_the_step(snapshots, monkeypatch, capsys):

@@ -47,6 +47,7 @@ from glmkit.errors import GlmkitError
 from glmkit.format.files import read_json_file
 from glmkit.format.tensors import QuantWeight
 from glmkit.model.compute import Backend
+from glmkit.model.layer_spec import LM_HEAD, MLPSpec, MoESpec, layer_spec
 
 PROFILE_VERSION = 4  # 2: Placement.decode_step; 3: on discrete devices too; 4: Placement.spill_experts
 PREFILL_ROWS = 256  # rows of the prefill measurements
@@ -290,10 +291,17 @@ def _moe_layer(cfg) -> int:
 
 
 def _probe_names(cfg, layer: int) -> list[str]:
-    p = f"model.layers.{layer}."
-    return [p + "self_attn.kv_a_proj_with_mqa.weight", p + "self_attn.q_a_proj.weight", p + "self_attn.o_proj.weight",
-            "lm_head.weight", p + "mlp.experts.0.gate_proj.weight", p + "mlp.shared_experts.gate_proj.weight",
-            p + "self_attn.indexer.wq_b.weight", "model.layers.0.mlp.gate_proj.weight"]
+    """The products timed, from layer `layer` (a MoE layer where there is one): decode's first four, then the rest
+    of the kinds of weights a layer holds."""
+    spec = layer_spec(cfg, layer, lambda name: True)
+    a, ffn = spec.attention, spec.ffn
+    names = [a.kv_a, a.q_a, a.o_proj, LM_HEAD]
+    if isinstance(ffn, MoESpec):
+        names += [ffn.expert(0).gate, *([] if ffn.shared is None else [ffn.shared.gate])]
+    if a.indexer is not None:
+        names.append(a.indexer.wq_b)
+    first = layer_spec(cfg, 0, lambda name: True).ffn
+    return names + ([first.gate] if isinstance(first, MLPSpec) else [])
 
 
 def measure(kernels: Kernels, container: Any, bandwidth: dict[str, float] | None = None,
@@ -307,7 +315,7 @@ def measure(kernels: Kernels, container: Any, bandwidth: dict[str, float] | None
     cl_backend = OpenCLBackend(kernels, Placement.all_cl(kernels.direct))
     w = container.weight
     layer = _moe_layer(cfg)
-    prefix = f"model.layers.{layer}."
+    spec = layer_spec(cfg, layer, container.has)
     timings: dict[str, dict[str, float]] = {}
 
     def both(name: str, run_cl: Callable[[], object], run_host: Callable[[], object], **extra: Callable) -> None:
@@ -346,14 +354,14 @@ def measure(kernels: Kernels, container: Any, bandwidth: dict[str, float] | None
 
     # decode MoE: the routed experts of one token plus the shared expert
     k = cfg.num_experts_per_tok
-    if container.has(prefix + "mlp.experts.0.gate_proj.weight"):
-        def triple(e: int | str):
-            base = prefix + (f"mlp.experts.{e}." if isinstance(e, int) else "mlp.shared_experts.")
-            return tuple(w(base + p + ".weight") for p in ("gate_proj", "up_proj", "down_proj"))
+    moe = spec.ffn
+    if isinstance(moe, MoESpec) and container.has(moe.expert(0).gate):
+        def triple(e: int | MLPSpec):
+            return tuple(w(name) for name in (moe.expert(e) if isinstance(e, int) else e).names)
 
         ids = np.arange(k)[None, :] % cfg.n_routed_experts
         gates = np.full((1, k), 1.0 / k, np.float32)
-        shared = triple("shared") if container.has(prefix + "mlp.shared_experts.gate_proj.weight") else None
+        shared = triple(moe.shared) if moe.shared is not None and container.has(moe.shared.gate) else None
         both("experts", lambda: cl_backend.moe(x1, ids, gates, triple, shared),
              lambda: host.moe(x1, ids, gates, triple, shared))
         placement.experts = faster("experts")
@@ -403,7 +411,8 @@ def measure(kernels: Kernels, container: Any, bandwidth: dict[str, float] | None
     placement.vector_prefill = faster("vector_prefill")
 
     # prefill products: NumPy (dequantize in blocks + BLAS), kernel dequantization + BLAS, the tiled kernel
-    probe = next((name for name in (prefix + "mlp.experts.0.gate_proj.weight", prefix + "self_attn.o_proj.weight")
+    probes = ([moe.expert(0).gate] if isinstance(moe, MoESpec) else []) + [spec.attention.o_proj]
+    probe = next((name for name in probes
                   if container.has(name) and isinstance(w(name), QuantWeight)), None)
     if probe is not None:
         weight = w(probe)

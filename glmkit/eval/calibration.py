@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from glmkit.format.tensors import Weight
 from glmkit.generate.engine import Engine
 from glmkit.model.compute import Backend, moe_layer
 from glmkit.model.glm5 import GlmMoeDsaModel, WeightSource
+from glmkit.model.layer_spec import LayerSpec
 from glmkit.model.ops import silu
 
 HESSIAN_CHOICES = ("pooled", "dense", "all", "none")
@@ -92,7 +93,7 @@ class _RecordingBackend:
     def new_window(self) -> None:
         self.seen.clear()
 
-    def decode_step(self, config: ModelConfig, weight: Callable[[str], Weight]) -> None:
+    def decode_step(self, config: ModelConfig, layers: Sequence[LayerSpec], weight: Callable[[str], Weight]) -> None:
         return None  # every product's input must pass through `linear`
 
     def __getattr__(self, name: str) -> Any:

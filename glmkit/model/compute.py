@@ -7,7 +7,7 @@ either a float32 `[O, I]` array or a `QuantWeight` viewed in place from the cont
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -15,6 +15,7 @@ import numpy as np
 from glmkit.format.config import ModelConfig
 from glmkit.format.tensors import Weight
 from glmkit.model.kv_cache import KVCache
+from glmkit.model.layer_spec import LayerSpec
 from glmkit.model.ops import moe_batch_union
 
 ExpertFn = Callable[[int], tuple[Weight, Weight, Weight]]
@@ -88,9 +89,10 @@ class Backend(Protocol):
         """Hand memory freed since the last call back to the OS (the model calls it after a prefill)."""
         ...
 
-    def decode_step(self, config: ModelConfig, weight: Callable[[str], Weight]) -> DecodeStep | None:
-        """A whole single-token forward of the main model in one call (`DecodeStep`), or None: the model then
-        decodes through the operations above."""
+    def decode_step(self, config: ModelConfig, layers: Sequence[LayerSpec], weight: Callable[[str], Weight]
+                    ) -> DecodeStep | None:
+        """A whole single-token forward of the main model, whose decoder layers `layers` describes, in one call
+        (`DecodeStep`), or None: the model then decodes through the operations above."""
         ...
 
 

@@ -1,8 +1,9 @@
 """The GLM-5 (`glm_moe_dsa`) forward pass: MLA attention with the DSA indexer, noaux_tc MoE, MTP.
 
 Math follows DESIGN section 3 (transformers 5.23.0, float32). Rows are vectors and `W` is `[out, in]`:
-`y = x W^T`. The small pure functions below are the paper's equations; `GlmMoeDsaModel` wires them to
-a weight source (Hugging Face tensor names) and a `Backend` that does the heavy lifting.
+`y = x W^T`. The small pure functions below are the paper's equations; `GlmMoeDsaModel` runs each layer's stages
+as `glmkit.model.layer_spec` describes them (tensor names, constants, which stages) over a weight source and a
+`Backend` that does the heavy lifting.
 
 Every layer method takes the positions of its rows explicitly: `forward` appends a contiguous block at the end
 of the cache, and the same methods recompute rows in place at chosen positions (glmkit.cache.blend).
@@ -18,11 +19,21 @@ import numpy as np
 
 from glmkit.errors import GlmkitError
 from glmkit.format.config import ModelConfig
-from glmkit.format.schema import EXPERT_PROJECTIONS, expert_weight_name, layer_prefix
 from glmkit.format.tensors import Weight
 from glmkit.model.compute import Backend, DecodeStep, GreedyDecode, Routes
 from glmkit.model.kv_cache import KVCache, LayerKV
-from glmkit.model.ops import LATENT_NORM_EPS, embed_rows, position_mask, rope_cos_sin, route_noaux_tc
+from glmkit.model.layer_spec import (
+    EMBED,
+    LM_HEAD,
+    AttentionSpec,
+    MLPSpec,
+    MoESpec,
+    NormSpec,
+    final_norm_spec,
+    layer_spec,
+    mtp_spec,
+)
+from glmkit.model.ops import embed_rows, position_mask, rope_cos_sin, route_noaux_tc
 
 
 class WeightSource(Protocol):
@@ -93,39 +104,40 @@ class GlmMoeDsaModel:
     absorb_max_rows: calls appending at most this many tokens to a non-empty cache use the absorbed
     MLA path (decode, MTP verification); others (prefill, rows recomputed in place) reconstruct keys and values.
     route_hook: optional `hook(layer, expert_ids [S, k], u [S, H])` (hit/miss counting, prefetch).
+    device_step: whether single tokens may decode as the backend's decode step (which binds every weight's bytes
+    once: not where the weight source moves experts between buffers).
     """
 
     def __init__(self, config: ModelConfig, weights: WeightSource, backend: Backend,
                  absorb_max_rows: int = 4, route_hook: RouteHook | None = None,
-                 step_route_hook: Callable[[int, np.ndarray], None] | None = None) -> None:
+                 step_route_hook: Callable[[int, np.ndarray], None] | None = None, device_step: bool = True) -> None:
         self.config = config
         self.weights = weights
         self.backend = backend
         self.absorb_max_rows = absorb_max_rows
         self.route_hook = route_hook
         self.step_route_hook = step_route_hook  # a decode step's routing as it happens: `DecodeStep.watch_routes`
-        self._step: DecodeStep | None | bool = False  # the backend's decode step, asked for on first decode
+        # the backend's decode step, asked for on first decode
+        self._step: DecodeStep | None | bool = False if device_step else None
+        self.layers = [layer_spec(config, i, weights.has) for i in range(config.num_layers_with_mtp)]
 
     def _w(self, name: str) -> Weight:
         return self.weights.weight(name)
 
-    def _layer_w(self, layer: int, name: str) -> Weight:
-        """Layer `layer`'s tensor `name` (relative to `model.layers.{layer}.`)."""
-        return self.weights.weight(layer_prefix(layer) + name)
-
-    def _has_indexer(self, layer: int) -> bool:
-        return self.weights.has(layer_prefix(layer) + "self_attn.indexer.wk.weight")
+    def _norm(self, x: np.ndarray, norm: NormSpec) -> np.ndarray:
+        """`x [S, n]` through the RMSNorm (or LayerNorm, with a bias) `norm`."""
+        if norm.bias is None:
+            return self.backend.rms_norm(x, self._w(norm.weight), norm.eps)
+        return self.backend.layer_norm(x, self._w(norm.weight), self._w(norm.bias), norm.eps)
 
     @property
     def has_mtp(self) -> bool:
         """True when the weights include the MTP layer (index num_hidden_layers)."""
-        return self.config.num_nextn_predict_layers > 0 and self.weights.has(
-            layer_prefix(self.config.num_hidden_layers) + "eh_proj.weight")
+        return self.config.num_nextn_predict_layers > 0 and self.weights.has(mtp_spec(self.config).eh_proj)
 
     def new_cache(self) -> KVCache:
-        """An empty cache; indexer keys are kept on every layer that has indexer weights."""
-        layers = range(self.config.num_layers_with_mtp)
-        return KVCache(self.config, index_layers=[i for i in layers if self._has_indexer(i)])
+        """An empty cache; indexer keys are kept on every layer that has an indexer."""
+        return KVCache(self.config, index_layers=[s.index for s in self.layers if s.attention.indexer is not None])
 
     # ---- entry points --------------------------------------------------------------------------
 
@@ -145,7 +157,7 @@ class GlmMoeDsaModel:
             x, allowed = self.decoder_layer(layer, x, positions, cache.layer(layer), allowed)
         hidden = self.final_norm(x)
         head_in = hidden[-1:] if last_logits_only else hidden
-        logits = self.backend.linear(head_in, self._w("lm_head.weight"))
+        logits = self.backend.linear(head_in, self._w(LM_HEAD))
         if len(token_ids) > self.absorb_max_rows:
             self.backend.release_memory()  # a prefill's temporaries are freed; decode should not carry them
         return logits, hidden
@@ -156,7 +168,7 @@ class GlmMoeDsaModel:
 
     def _decode_step(self) -> DecodeStep | None:
         if self._step is False:
-            self._step = self.backend.decode_step(self.config, self._w)
+            self._step = self.backend.decode_step(self.config, self.layers[:self.config.num_hidden_layers], self._w)
             if self._step is not None and self.step_route_hook is not None:
                 self._step.watch_routes(self.step_route_hook)
         return self._step
@@ -192,39 +204,36 @@ class GlmMoeDsaModel:
         at position i, `shared_head.norm` and the main `lm_head`.
         Returns (logits `[S, V]`, the MTP layer's output `[S, H]` before `shared_head.norm`).
         """
-        cfg, b = self.config, self.backend
+        cfg = self.config
         if cfg.num_nextn_predict_layers == 0:
             raise GlmkitError("this model has no MTP layer (num_nextn_predict_layers is 0)")
-        layer = cfg.num_hidden_layers
-        emb = self.embed(next_token_ids)
-        joined = np.concatenate([b.rms_norm(emb, self._layer_w(layer, "enorm.weight"), cfg.rms_norm_eps),
-                                 b.rms_norm(hidden, self._layer_w(layer, "hnorm.weight"), cfg.rms_norm_eps)], axis=-1)
-        x = b.linear(joined, self._layer_w(layer, "eh_proj.weight"))
+        layer, mtp = cfg.num_hidden_layers, mtp_spec(cfg)
+        joined = np.concatenate([self._norm(self.embed(next_token_ids), mtp.enorm), self._norm(hidden, mtp.hnorm)],
+                                axis=-1)  # [S, 2H]
+        x = self.backend.linear(joined, self._w(mtp.eh_proj))  # [S, H]
         kv = cache.layer(layer)
         x, _ = self.decoder_layer(layer, x, np.arange(kv.length, kv.length + len(x)), kv, None)
-        normed = b.rms_norm(x, self._layer_w(layer, "shared_head.norm.weight"), cfg.rms_norm_eps)
-        return b.linear(normed, self._w("lm_head.weight")), x
+        return self.backend.linear(self._norm(x, mtp.head_norm), self._w(LM_HEAD)), x
 
     # ---- the layer math, at explicit positions ----------------------------------------------------
 
     def embed(self, token_ids: np.ndarray) -> np.ndarray:
         """Embedding rows `[S, H]` float32 of `token_ids [S]`."""
-        return embed_rows(self._w("model.embed_tokens.weight"), np.asarray(token_ids))
+        return embed_rows(self._w(EMBED), np.asarray(token_ids))
 
     def final_norm(self, x: np.ndarray) -> np.ndarray:
         """The main model's final RMSNorm of the last layer's output `x [S, H]` (the lm_head's and MTP's input)."""
-        return self.backend.rms_norm(x, self._w("model.norm.weight"), self.config.rms_norm_eps)
+        return self._norm(x, final_norm_spec(self.config))
 
     def decoder_layer(self, layer: int, x: np.ndarray, positions: np.ndarray, kv: LayerKV,
                       prev_allowed: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         """`h = x + Attn(RMSNorm(x))`; `x' = h + FFN(RMSNorm(h))` for the rows `x [S, H]` of the tokens at
         `positions [S]` (see `attention` for how their cache rows are written). Returns (x' `[S, H]`, DSA
         selection `[S, T]`)."""
-        cfg, b = self.config, self.backend
-        attn, allowed = self.attention(layer, self._input_norm(layer, x), positions, kv, prev_allowed)
-        h = x + attn
-        u = b.rms_norm(h, self._layer_w(layer, "post_attention_layernorm.weight"), cfg.rms_norm_eps)
-        return h + self.feed_forward(layer, u), allowed
+        spec = self.layers[layer]
+        attn, allowed = self.attention(layer, self._norm(x, spec.input_norm), positions, kv, prev_allowed)
+        h = x + attn  # [S, H]
+        return h + self.feed_forward(layer, self._norm(h, spec.post_attention_norm)), allowed
 
     def attention(self, layer: int, u: np.ndarray, positions: np.ndarray, kv: LayerKV,
                   prev_allowed: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
@@ -234,83 +243,76 @@ class GlmMoeDsaModel:
         place over rows already there; each query then attends to the cached rows at or before its own
         position. Returns (output `[S, H]`, the selection `[S, T]` this layer attended with).
         """
-        cfg, b = self.config, self.backend
+        spec = self.layers[layer].attention
         seq, start = u.shape[0], kv.length
         appending = seq > 0 and positions[0] == start and positions[-1] == start + seq - 1
-        cos, sin = rope_cos_sin(positions, cfg.qk_rope_head_dim, cfg.rope_theta)
+        cos, sin = rope_cos_sin(positions, spec.rope, spec.rope_theta)  # [S, rope/2] each
 
-        # Main 'full' layers must have indexer weights; an MTP layer shipped without them attends densely.
-        indexed = cfg.indexer_type(layer) == "full" and (layer < cfg.num_hidden_layers or self._has_indexer(layer))
         total = start + seq if appending else start
-        scored = indexed and total > cfg.index_topk  # with at most index_topk keys, all are kept: no scores
-        a = self.attention_inputs(layer, u, cos, sin, indexed, scored)
+        # with at most topk keys, the indexer keeps them all: no scores
+        scored = spec.indexer is not None and total > spec.indexer.topk
+        a = self.attention_inputs(layer, u, cos, sin, scored)
         rows = {"kv_lat": a.kv_lat, "k_rot": a.k_rot}
-        if indexed:
+        if spec.indexer is not None:
             rows["index_k"] = a.index_k
         if appending:
             kv.append(**rows)
         else:
             kv.overwrite(positions, **rows)
-        allowed = self.select_keys(layer, a, kv, position_mask(positions, kv.length), prev_allowed)
+        allowed = self.select_keys(layer, a, kv, position_mask(positions, kv.length), prev_allowed)  # [S, T]
 
-        scale = cfg.qk_head_dim ** -0.5
         absorb = appending and 0 < start and seq <= self.absorb_max_rows
         attend = mla_attend_absorbed if absorb else mla_attend_full
-        out = attend(b, a.q_nope, a.q_rot, kv.kv_lat, kv.k_rot, self._layer_w(layer, "self_attn.kv_b_proj.weight"),
-                     allowed, scale)
-        return b.linear(out.reshape(seq, -1), self._layer_w(layer, "self_attn.o_proj.weight")), allowed
+        out = attend(self.backend, a.q_nope, a.q_rot, kv.kv_lat, kv.k_rot, self._w(spec.kv_b), allowed,
+                     spec.scale)  # [S, nh, v]
+        return self.backend.linear(out.reshape(seq, -1), self._w(spec.o_proj)), allowed
 
     def kv_latent(self, layer: int, x: np.ndarray) -> np.ndarray:
         """The normed latent `kv_lat [S, kv_lora_rank]` layer `layer` caches for rows whose layer input is
         `x [S, H]` (input_layernorm -> kv_a_proj_with_mqa -> kv_a_layernorm); for layer 0, a function of the
         token alone."""
-        return self._kv_compress(layer, self._input_norm(layer, x))[0]
+        return self._kv_compress(self.layers[layer].attention, self._norm(x, self.layers[layer].input_norm))[0]
 
-    def _input_norm(self, layer: int, x: np.ndarray) -> np.ndarray:
-        return self.backend.rms_norm(x, self._layer_w(layer, "input_layernorm.weight"), self.config.rms_norm_eps)
-
-    def _kv_compress(self, layer: int, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _kv_compress(self, spec: AttentionSpec, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """kv_a_proj_with_mqa of normed input `u [S, H]`: (`kv_lat [S, kv_lora_rank]` after kv_a_layernorm, the
         shared key `[S, rope]` before rope)."""
-        kvl = self.config.kv_lora_rank
-        compressed = self.backend.linear(u, self._layer_w(layer, "self_attn.kv_a_proj_with_mqa.weight"))
-        kv_lat = self.backend.rms_norm(compressed[:, :kvl], self._layer_w(layer, "self_attn.kv_a_layernorm.weight"),
-                                       LATENT_NORM_EPS)
-        return kv_lat, compressed[:, kvl:]
+        compressed = self.backend.linear(u, self._w(spec.kv_a))  # [S, kvl + rope]
+        return self._norm(compressed[:, :spec.kv_lora], spec.kv_a_norm), compressed[:, spec.kv_lora:]
 
-    def attention_inputs(self, layer: int, u: np.ndarray, cos: np.ndarray, sin: np.ndarray, indexed: bool,
+    def attention_inputs(self, layer: int, u: np.ndarray, cos: np.ndarray, sin: np.ndarray,
                          scored: bool) -> AttentionInputs:
         """Every projection layer `layer`'s attention needs from its normed input `u [S, H]` (see
-        `AttentionInputs`); the indexer key when `indexed`, its queries and head weights when `scored`."""
-        cfg, b = self.config, self.backend
-        seq, heads, nope, rope_dim = u.shape[0], cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
-        w = lambda name: self._layer_w(layer, "self_attn." + name)  # noqa: E731
-        q_lat = b.rms_norm(b.linear(u, w("q_a_proj.weight")), w("q_a_layernorm.weight"), LATENT_NORM_EPS)
-        q = b.linear(q_lat, w("q_b_proj.weight")).reshape(seq, heads, nope + rope_dim)
-        kv_lat, k_pre = self._kv_compress(layer, u)
-        inputs = AttentionInputs(q[..., :nope], b.rope(q[..., nope:], cos, sin), kv_lat,  # main attention: LAST dims
+        `AttentionInputs`); the indexer key when the layer has an indexer, its queries and head weights when
+        `scored`."""
+        b, spec = self.backend, self.layers[layer].attention
+        seq = u.shape[0]
+        q_lat = self._norm(b.linear(u, self._w(spec.q_a)), spec.q_a_norm)  # [S, q_lora]
+        q = b.linear(q_lat, self._w(spec.q_b)).reshape(seq, spec.heads, spec.nope + spec.rope)
+        kv_lat, k_pre = self._kv_compress(spec, u)
+        inputs = AttentionInputs(q[..., :spec.nope], b.rope(q[..., spec.nope:], cos, sin), kv_lat,  # rope: LAST dims
                                  b.rope(k_pre, cos, sin))
-        if indexed:  # indexer: LayerNorm with bias on the key, rope on the FIRST rope dims
-            key = b.layer_norm(b.linear(u, w("indexer.wk.weight")), w("indexer.k_norm.weight"),
-                               w("indexer.k_norm.bias"), LATENT_NORM_EPS)
-            inputs.index_k = np.concatenate([b.rope(key[:, :rope_dim], cos, sin), key[:, rope_dim:]], axis=-1)
+        ix = spec.indexer
+        if ix is not None:  # indexer: LayerNorm with bias on the key, rope on the FIRST rope dims
+            key = self._norm(b.linear(u, self._w(ix.wk)), ix.key_norm)  # [S, ihd]
+            inputs.index_k = np.concatenate([b.rope(key[:, :spec.rope], cos, sin), key[:, spec.rope:]], axis=-1)
         if scored:
-            iq = b.linear(q_lat, w("indexer.wq_b.weight")).reshape(seq, cfg.index_n_heads, cfg.index_head_dim)
-            inputs.index_q = np.concatenate([b.rope(iq[..., :rope_dim], cos, sin), iq[..., rope_dim:]], axis=-1)
-            head_weights = b.linear(u, w("indexer.weights_proj.weight"))
-            inputs.index_weights = head_weights * np.float32(cfg.index_n_heads ** -0.5)
+            assert ix is not None
+            iq = b.linear(q_lat, self._w(ix.wq_b)).reshape(seq, ix.n_heads, ix.head_dim)
+            inputs.index_q = np.concatenate([b.rope(iq[..., :spec.rope], cos, sin), iq[..., spec.rope:]], axis=-1)
+            inputs.index_weights = b.linear(u, self._w(ix.weights_proj)) * np.float32(ix.head_scale)  # [S, inh]
         return inputs
 
     def select_keys(self, layer: int, inputs: AttentionInputs, kv: LayerKV, causal: np.ndarray,
                     prev_allowed: np.ndarray | None) -> np.ndarray:
-        """The keys `[S, T]` a layer attends to: DSA's top-k when its indexer scored (`inputs.index_q`, against all
-        cached indexer keys), the previous layer's selection on a 'shared' layer, else every causal key."""
-        cfg = self.config
+        """The keys `[S, T]` a layer attends to (`Selection`): DSA's top-k when its indexer scored (`inputs.index_q`,
+        against all cached indexer keys), the previous layer's selection on a 'shared' layer, else every causal
+        key."""
+        spec = self.layers[layer].attention
         if inputs.index_q is not None:
-            assert inputs.index_weights is not None
-            return self.backend.index_topk(inputs.index_q, kv.index_k, inputs.index_weights,
-                                           cfg.index_head_dim ** -0.5, causal, cfg.index_topk)
-        if cfg.indexer_type(layer) == "shared":
+            assert inputs.index_weights is not None and spec.indexer is not None
+            return self.backend.index_topk(inputs.index_q, kv.index_k, inputs.index_weights, spec.indexer.score_scale,
+                                           causal, spec.indexer.topk)
+        if spec.selection == "previous":
             return prev_allowed  # type: ignore[return-value]  # the previous layer's top-k, reused
         return causal
 
@@ -319,28 +321,23 @@ class GlmMoeDsaModel:
     def feed_forward(self, layer: int, u: np.ndarray) -> np.ndarray:
         """Layer `layer`'s feed-forward `[S, H]` on its normed input `u [S, H]`: the MoE on MoE layers, else
         the dense MLP."""
-        if self.config.is_moe_layer(layer):
-            return self._moe(layer, u)
-        return self.backend.expert_mlp(u, *self._mlp_weights(layer_prefix(layer) + "mlp."))
+        ffn = self.layers[layer].ffn
+        if isinstance(ffn, MoESpec):
+            return self._moe(ffn, u)
+        return self.backend.expert_mlp(u, *self._mlp(ffn))
 
-    def _mlp_weights(self, prefix: str) -> tuple[Weight, Weight, Weight]:
-        """(gate, up, down) of the MLP whose tensors are `{prefix}{gate,up,down}_proj.weight`."""
-        gate, up, down = (self._w(f"{prefix}{projection}.weight") for projection in EXPERT_PROJECTIONS)
+    def _mlp(self, spec: MLPSpec) -> tuple[Weight, Weight, Weight]:
+        """(gate, up, down) weights of an MLP."""
+        gate, up, down = (self._w(name) for name in spec.names)
         return gate, up, down
 
-    def _expert_weights(self, layer: int, expert: int) -> tuple[Weight, Weight, Weight]:
-        """(gate, up, down) of routed expert `expert` of layer `layer`."""
-        gate, up, down = (self._w(expert_weight_name(layer, expert, projection)) for projection in EXPERT_PROJECTIONS)
-        return gate, up, down
-
-    def _moe(self, layer: int, u: np.ndarray) -> np.ndarray:
+    def _moe(self, spec: MoESpec, u: np.ndarray) -> np.ndarray:
         """Routed experts (batch-union) plus the shared expert, on `u [S, H]`."""
-        cfg = self.config
-        logits = self.backend.linear(u, self._layer_w(layer, "mlp.gate.weight"))
-        ids, weights = route_noaux_tc(logits, self._layer_w(layer, "mlp.gate.e_score_correction_bias"),
-                                      cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
-                                      cfg.norm_topk_prob, cfg.routed_scaling_factor)
+        r = spec.router
+        logits = self.backend.linear(u, self._w(r.weight))  # [S, E]
+        ids, weights = route_noaux_tc(logits, self._w(r.bias), r.top_k, r.n_group, r.topk_group, r.norm_topk_prob,
+                                      r.scaling)  # [S, k] each
         if self.route_hook is not None:
-            self.route_hook(layer, ids, u)
-        return self.backend.moe(u, ids, weights, lambda e: self._expert_weights(layer, e),
-                                self._mlp_weights(layer_prefix(layer) + "mlp.shared_experts."))
+            self.route_hook(spec.layer, ids, u)
+        return self.backend.moe(u, ids, weights, lambda e: self._mlp(spec.expert(e)),
+                                None if spec.shared is None else self._mlp(spec.shared))

@@ -19,7 +19,7 @@ import hashlib
 import json
 import os
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -33,6 +33,7 @@ from glmkit.backends.opencl.weights import ClWeight, ExpertShape, WeightMemory, 
 from glmkit.format.config import ModelConfig
 from glmkit.format.tensors import QuantWeight, Weight
 from glmkit.model.compute import ExpertFn, moe_layer
+from glmkit.model.layer_spec import LayerSpec
 from glmkit.model.ops import silu
 
 DECODE_ROWS = 4  # calls with at most this many rows are decode calls (MTP verification has 2)
@@ -217,13 +218,14 @@ class OpenCLBackend:
             self._experts_by_id[ids] = ((gate, up, down), ref)
         return ref
 
-    def decode_step(self, config: ModelConfig, weight: Callable[[str], Weight]) -> DeviceDecodeStep | None:
+    def decode_step(self, config: ModelConfig, layers: Sequence[LayerSpec], weight: Callable[[str], Weight]
+                    ) -> DeviceDecodeStep | None:
         """The device decode step for this model (placement.decode_step "cl"; on a discrete device every weight
         must fit the budget), or None: the model then decodes operation by operation."""
         if self.placement.decode_step != "cl" or (not self.memory.unified and self.model_bytes > self.memory.budget):
             return None
         try:
-            return DeviceDecodeStep(config, weight, self._cw, self._expert_ref, self.k, self.int8_activations)
+            return DeviceDecodeStep(config, layers, weight, self._cw, self._expert_ref, self.k, self.int8_activations)
         except Unsupported:
             return None
 

@@ -4,7 +4,9 @@ The OpenCL backend answers each operation with a host array, so a decoded token 
 and on a CPU device every one of them wakes the device's sleeping worker threads. Here the whole token -
 norms, projections, RoPE, the indexer's scores and top-k, absorbed MLA attention, noaux_tc routing, the fused
 experts, the residual adds and the lm_head - is enqueued back to back on buffers that stay put, and the host
-waits once, for the logits. The math is `GlmMoeDsaModel.decoder_layer` for one token (same order of
+waits once, for the logits. Each layer's launches are bound from its description (`glmkit.model.layer_spec`: the
+stages, their tensors and constants, as `GlmMoeDsaModel.decoder_layer` runs them); a layer whose description holds
+something these kernels do not do is refused (`Unsupported`). The math is the model's for one token (same order of
 operations; float sums may associate differently, as in every kernel), except that by default the int4
 products, and a q4/q2 model's int8 ones, take int8-quantized inputs (`_int8_input_bits`, common.cl).
 Every launch costs the device some idle time, so work is merged where it reads the same input
@@ -31,7 +33,7 @@ expert ids: per token, in ID_SLOTS turns, for the route watcher).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -53,10 +55,10 @@ from glmkit.backends.opencl.ops import Kernels
 from glmkit.backends.opencl.program import Launch
 from glmkit.backends.opencl.weights import X8_BLOCK, ClWeight, mvt_chunked, x8_eligible
 from glmkit.format.config import ModelConfig
-from glmkit.format.schema import EXPERT_PROJECTIONS, expert_weight_name, layer_prefix
 from glmkit.format.tensors import Weight
 from glmkit.model.kv_cache import KVCache
-from glmkit.model.ops import LATENT_NORM_EPS, rope_cos_sin
+from glmkit.model.layer_spec import EMBED, LM_HEAD, LayerSpec, MLPSpec, MoESpec, NormSpec, final_norm_spec
+from glmkit.model.ops import rope_cos_sin
 
 MAX_ROUTED_EXPERTS = 1024  # the routing kernel's private arrays (MAX_EXPERTS in decode.cl)
 MAX_EXPERT_BUFFERS = 8  # weight buffers one layer's experts may span (MAX_BUFFERS in decode.cl)
@@ -98,6 +100,37 @@ class RouteWatcher:
         self.kernels.on_complete(event, lambda: self.hook(layer, ids.copy()))
 
 
+def index_topk(layers: Sequence[LayerSpec]) -> int:
+    """The keys the indexers keep (the first indexer's `topk`; 1 where no layer has one)."""
+    return next((spec.attention.indexer.topk for spec in layers if spec.attention.indexer is not None), 1)
+
+
+def check_bindable(layers: Sequence[LayerSpec]) -> None:
+    """Raise `Unsupported` unless every stage of these main layers is one the decode step's kernels do: one shared
+    RoPE and key count, one epsilon for the latent norms (`token_rows` normalizes them together), RMSNorms around
+    the attention, and a 'previous' selection only after a layer with an indexer (the kernels reuse its choice)."""
+    if not layers:
+        raise Unsupported("a model without decoder layers")
+    first, indexed = layers[0].attention, False
+    for spec in layers:
+        a = spec.attention
+        where = f"layer {spec.index}"
+        if (a.rope, a.rope_theta, a.heads) != (first.rope, first.rope_theta, first.heads):
+            raise Unsupported(f"{where}: RoPE or heads differ from layer {layers[0].index}'s")
+        eps = {a.q_a_norm.eps, a.kv_a_norm.eps} | ({a.indexer.key_norm.eps} if a.indexer is not None else set())
+        if len(eps) != 1 or a.q_a_norm.bias or a.kv_a_norm.bias:
+            raise Unsupported(f"{where}: latent norms the token_rows kernel does not compute")
+        if spec.input_norm.bias or spec.post_attention_norm.bias:
+            raise Unsupported(f"{where}: a LayerNorm around the attention")
+        if a.indexer is not None and (a.indexer.key_norm.bias is None or a.indexer.head_dim < a.rope):
+            raise Unsupported(f"{where}: an indexer key the token_rows kernel does not compute")
+        if a.indexer is not None and a.indexer.topk != index_topk(layers):
+            raise Unsupported(f"{where}: its indexer keeps another number of keys than the first one's")
+        if a.selection == "causal" or (a.selection == "previous" and not indexed):
+            raise Unsupported(f"{where}: a {a.selection!r} selection (the kernels reuse the last indexer's choice)")
+        indexed |= a.indexer is not None
+
+
 class _CacheMirror:
     """Discrete devices: one cache field of one layer in device memory. The kernels read and write the rows there;
     `rows` of them are known equal to the host's (the rows the host edited since are uploaded before a token)."""
@@ -134,12 +167,15 @@ class DeviceDecodeStep:
     Built once per model and backend; raises `Unsupported` when some weight cannot be used in place.
     """
 
-    def __init__(self, cfg: ModelConfig, weight: Callable[[str], Weight], cw: Callable[[Weight], ClWeight | None],
-                 expert_ref: Callable, kernels: Kernels, int8_activations: bool = True) -> None:
+    def __init__(self, cfg: ModelConfig, layers: Sequence[LayerSpec], weight: Callable[[str], Weight],
+                 cw: Callable[[Weight], ClWeight | None], expert_ref: Callable, kernels: Kernels,
+                 int8_activations: bool = True) -> None:
 
         if cfg.n_routed_experts > MAX_ROUTED_EXPERTS:
             raise Unsupported(f"{cfg.n_routed_experts} routed experts (the routing kernel holds {MAX_ROUTED_EXPERTS})")
-        self.cfg, self.k, self.buffers = cfg, kernels, kernels.buffers
+        check_bindable(layers)
+        self.cfg, self.specs, self.k, self.buffers = cfg, list(layers), kernels, kernels.buffers
+        self.topk = index_topk(layers)
         self._weight, self._cw, self._expert_ref = weight, cw, expert_ref
         self.x8_bits = self._int8_input_bits(int8_activations)
         h, nh = cfg.hidden_size, cfg.num_attention_heads
@@ -166,11 +202,11 @@ class DeviceDecodeStep:
         self.comp = new(kvl + rope)
         self.q_rot, self.q_abs, self.o_lat = new(nh * rope), new(nh * kvl), new(nh * kvl)
         self.heads_out, self.attn_out = new(nh * v_dim), new(h)
-        self.hidden, self.logits = new(h), new(self._matrix("lm_head.weight").rows)
+        self.hidden, self.logits = new(h), new(self._matrix(LM_HEAD).rows)
         ihd, inh = cfg.index_head_dim, cfg.index_n_heads
         self.key_raw, self.key = new(ihd), new(ihd)
         self.iq, self.iq_rot, self.iw = new(inh * ihd), new(inh * ihd), new(inh)
-        self.chosen = new(max(cfg.index_topk, 1), np.uint32)  # the keys the indexer chose (attention's keys)
+        self.chosen = new(self.topk, np.uint32)  # the keys the indexer chose (attention's keys)
         # the range and weight of a one-row addend
         self.one_range, self.one_weight = self.buffers.filled([0, 1], np.uint32), self.buffers.filled([1.0])
         self.ffn_out = self._whole(self.ffn)  # the last bound layer's FFN output, as the next norm adds it
@@ -182,15 +218,13 @@ class DeviceDecodeStep:
         self.scratch: dict[str, DeviceArray] = {}
         self.layers: list[_Layer] = []
         self._grow(INITIAL_KEYS)
-        for layer in range(cfg.num_hidden_layers):
-            self.layers.append(self._bind_layer(layer, LATENT_NORM_EPS))
-        self.final_norm = self._norm(self.x, self.ffn_out, "model.norm.weight", self.hidden, cfg.rms_norm_eps, h,
-                                     self.hidden_x8)
-        (self.lm_head,) = self._matvec(self._matrix("lm_head.weight"), self.hidden, self.logits,
-                                       quantized=self.hidden_x8)
+        for spec in self.specs:
+            self.layers.append(self._bind_layer(spec))
+        self.final_norm = self._norm(self.x, self.ffn_out, final_norm_spec(cfg), self.hidden, h, self.hidden_x8)
+        (self.lm_head,) = self._matvec(self._matrix(LM_HEAD), self.hidden, self.logits, quantized=self.hidden_x8)
         self.argmax = kernels.bind("argmax_row", (self.red,), (self.red,), x=self.logits.buffer,
                                    n=self.logits.host.size, token=self.token_ids[0].buffer)
-        embed = self._cw(weight("model.embed_tokens.weight"))  # the device-side lookup of pipelined greedy decode
+        embed = self._cw(weight(EMBED))  # the device-side lookup of pipelined greedy decode
         self.embed = None if embed is None else bind_embed_row(kernels, embed, self.token_ids[0].buffer, self.x.buffer)
         self.owner: GreedyPipeline | None = None  # the pipeline whose token is in flight
         self.watcher: RouteWatcher | None = None  # see watch_routes
@@ -201,15 +235,7 @@ class DeviceDecodeStep:
 
     def _pack_vectors(self) -> DeviceArray:
         """Every 1-D weight of the main layers (norms, biases, router bias) in one buffer, at `self.offsets`."""
-        cfg, names = self.cfg, ["model.norm.weight"]
-        for layer in range(cfg.num_hidden_layers):
-            p = layer_prefix(layer)
-            names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight",
-                      p + "self_attn.q_a_layernorm.weight", p + "self_attn.kv_a_layernorm.weight"]
-            if cfg.indexer_type(layer) == "full":
-                names += [p + "self_attn.indexer.k_norm.weight", p + "self_attn.indexer.k_norm.bias"]
-            if cfg.is_moe_layer(layer):
-                names.append(p + "mlp.gate.e_score_correction_bias")
+        names = [final_norm_spec(self.cfg).weight, *(name for spec in self.specs for name in spec.vectors())]
         arrays = [np.asarray(self._weight(n), np.float32).reshape(-1) for n in names]
         self.offsets = dict(zip(names, np.cumsum([0] + [a.size for a in arrays[:-1]]).tolist(), strict=True))
         return self.buffers.filled(np.concatenate(arrays))
@@ -260,15 +286,15 @@ class DeviceDecodeStep:
         """`a` as an addend of one row of weight 1."""
         return Addend(a.buffer, self.one_range.buffer, self.one_weight.buffer)
 
-    def _norm(self, x: DeviceArray, a: Addend | None, weight: str, y: DeviceArray, eps: float, n: int,
+    def _norm(self, x: DeviceArray, a: Addend | None, norm: NormSpec, y: DeviceArray, n: int,
               quantized: Int8Codes | None = None) -> Launch:
-        """`x += a` (unless None), then `y = RMSNorm(x)` with the 1-D weight `weight`; its int8 codes into
-        `quantized` (`_x8_scratch(n)`) when given."""
+        """`x += a` (unless None), then `y = RMSNorm(x)` (`norm`, bias-free); its int8 codes into `quantized`
+        (`_x8_scratch(n)`) when given."""
         add = a or self._whole(x)  # unused buffers when not adding, or not quantizing
         codes = quantized or Int8Codes.unused(y.buffer)
         return self.k.bind("residual_rms_norm", (self.red,), (self.red,), x=x.buffer, x_off=0, **add.args(),
-                           add=int(a is not None), w=self._vectors.buffer, w_off=self.offsets[weight], y=y.buffer,
-                           y_off=0, n=n, eps=eps, quantize=int(quantized is not None), **codes.args())
+                           add=int(a is not None), w=self._vectors.buffer, w_off=self.offsets[norm.weight],
+                           y=y.buffer, y_off=0, n=n, eps=norm.eps, quantize=int(quantized is not None), **codes.args())
 
     def _rope(self, x: DeviceArray, x_off: int, x_row: int, y: DeviceArray, y_row: int, width: int, rows: int
               ) -> Launch:
@@ -276,7 +302,7 @@ class DeviceDecodeStep:
         `width` values per row."""
         return self._reads_cs(self.k.bind("rope_rows", (width, rows), None, x=x.buffer, x_off=x_off, x_row=x_row,
                                           y=y.buffer, y_off=0, y_row=y_row, cs=self.cs[0].buffer, width=width,
-                                          n_half=self.cfg.qk_rope_head_dim // 2))
+                                          n_half=self.specs[0].attention.rope // 2))
 
     def _reads_cs(self, launch: Launch) -> Launch:
         """Record that `launch` reads the cos/sin buffer (its argument `cs`, set per token parity)."""
@@ -303,43 +329,37 @@ class DeviceDecodeStep:
                 layer.topk.set(scores=index_scores, allowed=self.scratch["all"].buffer,
                                selected=self.scratch["selected"].buffer)
 
-    def _bind_layer(self, layer: int, latent_eps: float) -> _Layer:
-        """The launches of one decoder layer: `GlmMoeDsaModel.decoder_layer`'s operations in its order."""
-        cfg, k, out = self.cfg, self.k, _Layer()
-        p = layer_prefix(layer)
-        a = p + "self_attn."
-        h, nh = cfg.hidden_size, cfg.num_attention_heads
-        nope, rope, v_dim, kvl = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
-        kv_b = self._matrix(a + "kv_b_proj.weight")
+    def _bind_layer(self, spec: LayerSpec) -> _Layer:
+        """The launches of one decoder layer: its description's stages in `GlmMoeDsaModel.decoder_layer`'s order."""
+        cfg, k, out, a = self.cfg, self.k, _Layer(), spec.attention
+        h, nh, nope, rope, v_dim, kvl = cfg.hidden_size, a.heads, a.nope, a.rope, a.v_dim, a.kv_lora
+        kv_b = self._matrix(a.kv_b)
         out.head = [
-            self._norm(self.x, self.ffn_out if layer > 0 else None, p + "input_layernorm.weight", self.u,
-                       cfg.rms_norm_eps, h, self.u_x8),
-            *self._matvec_pair(self._matrix(a + "q_a_proj.weight"), self.q_a,
-                               self._matrix(a + "kv_a_proj_with_mqa.weight"), self.comp),
+            self._norm(self.x, self.ffn_out if spec.index > 0 else None, spec.input_norm, self.u, h, self.u_x8),
+            *self._matvec_pair(self._matrix(a.q_a), self.q_a, self._matrix(a.kv_a), self.comp),
         ]
-        indexer = cfg.indexer_type(layer) == "full"  # a layer with an indexer of its own (else it shares one)
+        ix = a.indexer  # a layer with an indexer of its own (else it attends with the previous layer's choice)
         ihd, inh = cfg.index_head_dim, cfg.index_n_heads
         key_norm = {"kw_off": 0, "kb_off": 0}  # where the indexer key's LayerNorm weight and bias are
-        if indexer:
-            wk, weights_proj = self._matrix(a + "indexer.wk.weight"), self._matrix(a + "indexer.weights_proj.weight")
+        if ix is not None:
+            assert ix.key_norm.bias is not None
+            wk, weights_proj = self._matrix(ix.wk), self._matrix(ix.weights_proj)
             # weights_proj's head weights matter only once the indexer scores; in the key's launch they cost ~nothing
             paired = self._pairs(wk, weights_proj)
             out.head += (self._matvec_pair(wk, self.key_raw, weights_proj, self.iw) if paired else
                          self._matvec(wk, self.u, self.key_raw, quantized=self.u_x8))
-            key_norm = {"kw_off": self.offsets[a + "indexer.k_norm.weight"],
-                        "kb_off": self.offsets[a + "indexer.k_norm.bias"]}
+            key_norm = {"kw_off": self.offsets[ix.key_norm.weight], "kb_off": self.offsets[ix.key_norm.bias]}
         q_codes = self.q_lat_x8 or Int8Codes.unused(self.q_lat.buffer)  # q_b takes float inputs: not written
         # the cache rows (kv_lat, k_rot, index_k at `row`) and the staging buffer (stage) are set per token
         out.rows = self._reads_cs(k.bind(
             "token_rows", (self.red,), (self.red,), comp=self.comp.buffer, vec=self._vectors.buffer,
-            w_off=self.offsets[a + "kv_a_layernorm.weight"], kv_lat=self.comp.buffer, k_rot=self.comp.buffer, row=0,
-            kvl=kvl, rope=rope, cs=self.cs[0].buffer, eps=latent_eps, q_a=self.q_a.buffer,
-            qw_off=self.offsets[a + "q_a_layernorm.weight"], q_lat=self.q_lat.buffer, qn=cfg.q_lora_rank,
-            quantize=int(self.q_lat_x8 is not None), **q_codes.args(), index=int(indexer),
+            w_off=self.offsets[a.kv_a_norm.weight], kv_lat=self.comp.buffer, k_rot=self.comp.buffer, row=0,
+            kvl=kvl, rope=rope, cs=self.cs[0].buffer, eps=a.kv_a_norm.eps, q_a=self.q_a.buffer,
+            qw_off=self.offsets[a.q_a_norm.weight], q_lat=self.q_lat.buffer, qn=cfg.q_lora_rank,
+            quantize=int(self.q_lat_x8 is not None), **q_codes.args(), index=int(ix is not None),
             key_raw=self.key_raw.buffer, **key_norm, tmp=self.key.buffer, index_k=self.key.buffer, ihd=ihd,
-            stage=self.row_stage[0].buffer, stage_off=NO_STAGE if k.direct else layer * self.stage_width))
-        out.head += [out.rows,
-                     *self._matvec(self._matrix(a + "q_b_proj.weight"), self.q_lat, self.q, quantized=self.q_lat_x8)]
+            stage=self.row_stage[0].buffer, stage_off=NO_STAGE if k.direct else spec.index * self.stage_width))
+        out.head += [out.rows, *self._matvec(self._matrix(a.q_b), self.q_lat, self.q, quantized=self.q_lat_x8)]
         if mvt_chunked(kv_b):  # the query's absorption and RoPE in one launch
             out.head.append(self._reads_cs(bind_mla_query(k, kv_b, self.q.buffer, nope + rope, self.q_abs.buffer,
                                                           nope, nope + v_dim, nh, self.cs[0].buffer,
@@ -349,16 +369,15 @@ class DeviceDecodeStep:
                                        nope),
                          self._rope(self.q, nope, nope + rope, self.q_rot, rope, rope, nh)]
         scratch = self.scratch
-        if indexer:  # the key row (`k`) and key count (`n_keys`) are set per token
+        if ix is not None:  # the key row (`k`) and key count (`n_keys`) are set per token
             out.scores = k.bind("index_scores", (KEY_GROUP, 1), (KEY_GROUP, 1), q=self.iq_rot.buffer,
                                 k=self.key.buffer, w=self.iw.buffer, out=scratch["index_scores"].buffer, nh=inh,
-                                d=ihd, n_keys=1, scale=ihd ** -0.5, w_scale=inh ** -0.5)
+                                d=ihd, n_keys=1, scale=ix.score_scale, w_scale=ix.head_scale)
             name, size, local = k.topk_kernel(1)
             out.topk = k.bind(name, size, local, scores=scratch["index_scores"].buffer,
                               allowed=scratch["all"].buffer, selected=scratch["selected"].buffer,
-                              chosen=self.chosen.buffer, n_keys=1, k=cfg.index_topk, n_rows=1)
-            out.scoring = [*self._matvec(self._matrix(a + "indexer.wq_b.weight"), self.q_lat, self.iq,
-                                         quantized=self.q_lat_x8),
+                              chosen=self.chosen.buffer, n_keys=1, k=ix.topk, n_rows=1)
+            out.scoring = [*self._matvec(self._matrix(ix.wq_b), self.q_lat, self.iq, quantized=self.q_lat_x8),
                            self._rope(self.iq, 0, ihd, self.iq_rot, ihd, ihd, inh),
                            *(() if paired else self._matvec(weights_proj, self.u, self.iw, quantized=self.u_x8)),
                            out.scores, out.topk]
@@ -367,7 +386,7 @@ class DeviceDecodeStep:
         out.attention = k.bind("mla_decode_scores", (KEY_GROUP, 1), (KEY_GROUP, 1), q_lat=self.q_abs.buffer,
                                q_rot=self.q_rot.buffer, kv_lat=self.comp.buffer, k_rot=self.comp.buffer,
                                keys=self.chosen.buffer, use_keys=0, scores=scratch["scores"].buffer, nh=nh, n=1,
-                               kvl=kvl, rope=rope, scale=cfg.qk_head_dim ** -0.5)
+                               kvl=kvl, rope=rope, scale=a.scale)
         # the values kernel writes o_lat's codes too when kv_b's value product takes int8 inputs
         o_lat_x8 = self._x8_scratch(nh * kvl) if self._x8(kv_b.bits, kv_b.group, kv_b.n_in) else None
         value_codes = o_lat_x8 or Int8Codes.unused(self.o_lat.buffer)
@@ -375,70 +394,62 @@ class DeviceDecodeStep:
                             kv_lat=self.comp.buffer, out=self.o_lat.buffer, n=1, kvl=kvl,
                             quantize=int(o_lat_x8 is not None), **value_codes.args(), keys=self.chosen.buffer,
                             use_keys=0)
-        o_proj = self._matrix(a + "o_proj.weight")
+        o_proj = self._matrix(a.o_proj)
         heads_x8 = self._x8_scratch(nh * v_dim) if self._x8(o_proj.bits, o_proj.group, o_proj.n_in) else None
         out.tail = [out.attention, out.values,
                     *self._matvec(kv_b, self.o_lat, self.heads_out, nh, nope + v_dim, nope, v_dim, quantized=o_lat_x8,
                                   codes_out=heads_x8),
                     *self._matvec(o_proj, self.heads_out, self.attn_out, quantized=heads_x8),
-                    self._norm(self.x, self._whole(self.attn_out), p + "post_attention_layernorm.weight", self.u,
-                               cfg.rms_norm_eps, h, self.u_x8)]
-        out.tail += self._bind_ffn(layer, out)
+                    self._norm(self.x, self._whole(self.attn_out), spec.post_attention_norm, self.u, h, self.u_x8)]
+        out.tail += self._bind_ffn(spec.ffn, out)
         return out
 
-    def _bind_ffn(self, layer: int, out: _Layer) -> list[Launch]:
+    def _bind_ffn(self, ffn: MLPSpec | MoESpec, out: _Layer) -> list[Launch]:
         """The FFN of one layer, its output left in `self.ffn_out` for the next norm to add. MoE: router logits,
         routing on the device, then the fused launches per weight buffer the layer's experts lie in (a layer can
         span files of the mapping), summed into `self.ffn` where there are several (or a shared expert apart)."""
-        cfg, k, new = self.cfg, self.k, self.buffers.array
-        p = layer_prefix(layer) + "mlp."
-
-        def mlp(prefix: str) -> tuple[Weight, Weight, Weight]:
-            return tuple(self._weight(f"{prefix}{projection}.weight") for projection in EXPERT_PROJECTIONS)
-
-        def routed(e: int) -> tuple[Weight, Weight, Weight]:
-            return tuple(self._weight(expert_weight_name(layer, e, projection)) for projection in EXPERT_PROJECTIONS)
+        k, new = self.k, self.buffers.array
 
         def scheme(ref) -> tuple:
             return ref.key[1:]  # bits, group, n_in, inter
 
-        if not cfg.is_moe_layer(layer):
-            launches, self.ffn_out = self._bind_single(self._ref(mlp(p), p), self.ffn, summed=False)
+        if isinstance(ffn, MLPSpec):
+            launches, self.ffn_out = self._bind_single(self._ref(ffn), self.ffn, summed=False)
             return list(launches)
-        experts = [self._ref(routed(e), f"{p}experts.{e}.") for e in range(cfg.n_routed_experts)]
-        if len({scheme(r) for r in experts}) != 1:
-            raise Unsupported(f"{p}: routed experts of more than one scheme")
-        shared = [self._ref(mlp(p + "shared_experts."), p + "shared_experts.")] if cfg.n_shared_experts else []
+        r = ffn.router
+        experts = [self._ref(ffn.expert(e)) for e in range(r.n_experts)]
+        if len({scheme(ref) for ref in experts}) != 1:
+            raise Unsupported(f"{r.weight}: the routed experts use more than one scheme")
+        shared = [] if ffn.shared is None else [self._ref(ffn.shared)]
         apart = bool(shared) and scheme(shared[0]) != scheme(experts[0])  # e.g. q2: int2 routed, int4 shared
         if apart:
             separate, shared = shared[0], []
         members = experts + shared
-        buffers = list({id(r.buf): r.buf for r in members}.values())
+        buffers = list({id(ref.buf): ref.buf for ref in members}.values())
         if len(buffers) > MAX_EXPERT_BUFFERS:
-            raise Unsupported(f"{p}: the experts lie in {len(buffers)} weight buffers")
-        table = self.buffers.filled([r.offs for r in members], np.uint64)
-        buffer_of = self.buffers.filled([next(b for b, buf in enumerate(buffers) if buf is r.buf) for r in members],
-                                        np.uint32)
+            raise Unsupported(f"{r.weight}: the layer's experts lie in {len(buffers)} weight buffers")
+        table = self.buffers.filled([ref.offs for ref in members], np.uint64)
+        buffer_of = self.buffers.filled([next(b for b, buf in enumerate(buffers) if buf is ref.buf)
+                                         for ref in members], np.uint32)
         # per buffer: its slots from `stride * b` (sub-buffers must start at base_align multiples)
-        n_slots = cfg.num_experts_per_tok + len(shared)
+        n_slots = r.top_k + len(shared)
         stride = self.buffers.aligned_items(n_slots)
         layout = {"offs": (6, np.uint64), "slot_w": (1, np.float32), "slot_tok": (1, np.uint32),
                   "tok_start": (1, np.uint32)}  # the slot arrays: values per slot, type
         regions = {name: new(len(buffers) * stride * width, dtype) for name, (width, dtype) in layout.items()}
-        top_k, start = cfg.num_experts_per_tok, sum(lay.route is not None for lay in self.layers) * self.id_stride
-        ids = [DeviceArray(a.host[start:start + top_k], self.buffers.sub_buffer(a.buffer, 4 * start, 4 * top_k))
+        start = sum(lay.route is not None for lay in self.layers) * self.id_stride
+        ids = [DeviceArray(a.host[start:start + r.top_k], self.buffers.sub_buffer(a.buffer, 4 * start, 4 * r.top_k))
                for a in self.route_ids]
-        logits = new(cfg.n_routed_experts)
+        logits = new(r.n_experts)
         out.route = k.bind("route_noaux_tc", (1,), None, logits=logits.buffer, vec=self._vectors.buffer,
-                           bias_off=self.offsets[p + "gate.e_score_correction_bias"], table=table.buffer,
-                           buffer_of=buffer_of.buffer, n_buffers=len(buffers), n_experts=cfg.n_routed_experts,
-                           n_group=cfg.n_group, topk_group=cfg.topk_group, top_k=cfg.num_experts_per_tok,
-                           norm=int(cfg.norm_topk_prob), scaling=cfg.routed_scaling_factor, shared=len(shared),
-                           offs=regions["offs"].buffer, slot_w=regions["slot_w"].buffer,
+                           bias_off=self.offsets[r.bias], table=table.buffer, buffer_of=buffer_of.buffer,
+                           n_buffers=len(buffers), n_experts=r.n_experts, n_group=r.n_group,
+                           topk_group=r.topk_group, top_k=r.top_k, norm=int(r.norm_topk_prob), scaling=r.scaling,
+                           shared=len(shared), offs=regions["offs"].buffer, slot_w=regions["slot_w"].buffer,
                            slot_tok=regions["slot_tok"].buffer, stride=stride, tok_start=regions["tok_start"].buffer,
                            ids=ids[0].buffer)  # ids: set per token slot
         out.ids = ids
-        launches = [bind_matvec(k, self._matrix(p + "gate.weight"), self.u.buffer, logits.buffer), out.route]
+        launches = [bind_matvec(k, self._matrix(r.weight), self.u.buffer, logits.buffer), out.route]
         summed = len(buffers) > 1 or apart
         for b, buf in enumerate(buffers):
             sub = {name: self.buffers.sub_buffer(regions[name].buffer, b * stride * width * np.dtype(dtype).itemsize,
@@ -460,10 +471,10 @@ class DeviceDecodeStep:
         n = self.cfg.hidden_size
         return self.k.bind("add_into", (n,), None, y=y.buffer, a=a.buffer, n=n)
 
-    def _ref(self, weights: tuple[Weight, Weight, Weight], name: str):
-        ref = self._expert_ref(*weights)
+    def _ref(self, mlp: MLPSpec):
+        ref = self._expert_ref(*(self._weight(name) for name in mlp.names))
         if ref is None:
-            raise Unsupported(f"{name}: cannot run as a fused expert in place")
+            raise Unsupported(f"{mlp.gate}: cannot run as a fused expert in place")
         return ref
 
     def _bind_single(self, ref, y: DeviceArray, summed: bool = True) -> tuple[tuple[Launch, ...], Addend]:
@@ -494,11 +505,10 @@ class DeviceDecodeStep:
         (tools/quality_int8_activations.py)."""
         if not int8_activations:
             return frozenset()
-        cfg = self.cfg
-        moe = next((i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)), None)
+        moe = next((spec.ffn for spec in self.specs if isinstance(spec.ffn, MoESpec)), None)
         if moe is None:
             return frozenset({4})
-        expert = self._weight(expert_weight_name(moe, 0, "gate_proj"))
+        expert = self._weight(moe.expert(0).gate)
         return frozenset({4, 8}) if getattr(expert, "bits", 32) < 8 else frozenset({4})
 
     def _x8(self, bits: int, group: int, *widths: int) -> bool:
@@ -595,7 +605,8 @@ class DeviceDecodeStep:
             for staged in (0, 1):  # a device mirror that grows takes every row from the host again
                 self._collect(staged)
         self._grow(keys)
-        cos, sin = rope_cos_sin(np.array([pos]), cfg.qk_rope_head_dim, cfg.rope_theta)
+        attention = self.specs[0].attention  # every layer's RoPE is the same (`check_bindable`)
+        cos, sin = rope_cos_sin(np.array([pos]), attention.rope, attention.rope_theta)
         self.cs[parity].host[:] = np.concatenate([cos[0], sin[0]])
         self.buffers.to_device(self.cs[parity])  # the last token of this parity has finished: its copy was done
         cs = self.cs[parity].buffer
@@ -604,13 +615,13 @@ class DeviceDecodeStep:
         if embed is not None:
             self.x.host[:] = embed
             self.buffers.to_device(self.x)
-        scored = keys > cfg.index_topk
+        scored = keys > self.topk
         slot = self.slot_of[parity] = self.tokens % ID_SLOTS
         self.tokens += 1
         # per-key kernels: work-groups of KEY_GROUP items (a size left to the driver would follow the key count
         # down to groups of one item for a prime count: one work-group per key)
         per_key = -(-keys // KEY_GROUP) * KEY_GROUP
-        attended = cfg.index_topk if scored else keys  # the keys attention reads: the indexer's choice, or all
+        attended = self.topk if scored else keys  # the keys attention reads: the indexer's choice, or all
         per_attended = -(-attended // KEY_GROUP) * KEY_GROUP
         heads = cfg.num_attention_heads if self.k.heads_apart else 1
         for i in range(cfg.num_hidden_layers):
