@@ -137,6 +137,23 @@ def test_pinning_and_no_prefetch_options(snapshot, capsys, tmp_path):
         assert stats["expert_hits"] + stats["expert_misses"] > 0
 
 
+def test_expert_cache_gives_the_same_text_and_reports_reads(snapshot, capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("GLMKIT_CACHE_DIR", str(tmp_path / "cache" / "prefix"))
+    outputs = []
+    for flags in ([], ["--expert-cache", "4M"], ["--expert-cache", "4M"]):
+        stats_path = tmp_path / f"stats{len(outputs)}.json"
+        rc, out, err = run(capsys, snapshot, "-p", "Hello " * 12, "--max-tokens", 6, "--no-cache", "--no-mtp",
+                           "--device", "numpy", "--stats-json", stats_path, *flags)
+        assert rc == 0, err
+        outputs.append((out, json.loads(stats_path.read_text())))
+    assert outputs[0][0] == outputs[1][0] == outputs[2][0]
+    cold, warm = outputs[1][1], outputs[2][1]
+    assert cold["expert_misses"] > 0 and cold["expert_bytes_read"] > 0 and cold["experts_preloaded"] == 0
+    assert 0 <= cold["readahead_recall"] <= 1
+    # the second run starts from the first one's usage scores: its hot set is read before it is asked for
+    assert (tmp_path / "cache" / "experts").is_dir() and warm["experts_preloaded"] > 0
+
+
 # ---- chat ----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("flags", [[], ["--no-mtp"]], ids=["mtp", "no-mtp"])
@@ -191,6 +208,9 @@ ERROR_CASES = {
     "negative seed": lambda snap, tmp: [snap, "-p", "Hello", "--seed", "-1", "--temp", "1"],
     "max-tokens zero": lambda snap, tmp: [snap, "-p", "Hello", "--max-tokens", "0"],
     "unknown device": lambda snap, tmp: [snap, "-p", "Hello", "--device", "tpu"],
+    "expert cache below one layer": lambda snap, tmp: [snap, "-p", "Hello", "--expert-cache", "1K"],
+    "expert cache and ram budget": lambda snap, tmp: [snap, "-p", "Hello", "--expert-cache", "4M", "--ram-budget",
+                                                      "1M"],
     "stats path unwritable": lambda snap, tmp: [snap, "-p", "Hello", "--max-tokens", "2",
                                                 "--stats-json", tmp / "no" / "dir" / "stats.json"],
 }

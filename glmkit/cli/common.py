@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sqlite3
+import sys
 from pathlib import Path
 
 from glmkit.cache.prefix_cache import DEFAULT_CHUNK_TOKENS, DEFAULT_MAX_BYTES, PrefixCache, default_cache_dir
@@ -28,6 +29,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, expert_memory: bool
         parser.add_argument("--ram-budget", type=parse_size, default=0, metavar="SIZE",
                             help="pin the hottest routed experts in RAM up to SIZE (e.g. 8G); default 0 = page "
                                  "cache only")
+        parser.add_argument("--expert-cache", type=expert_cache_size, default=0, metavar="SIZE|auto",
+                            help="keep routed experts in a cache of SIZE (e.g. 96G) read with pread, or 'auto' "
+                                 "(sized from the RAM the process may use), instead of the page cache")
         parser.add_argument("--no-prefetch", action="store_true", help="disable router-driven expert prefetch")
     if mtp:
         group = parser.add_mutually_exclusive_group()
@@ -37,11 +41,21 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, expert_memory: bool
                            help="disable MTP speculative decoding (default: on, except on a device decode step)")
 
 
+def expert_cache_size(text: str) -> int | str:
+    """`--expert-cache`: "auto" or a size."""
+    return "auto" if text == "auto" else parse_size(text)
+
+
 def engine_from_arguments(args: argparse.Namespace, load_tokenizer: bool = True) -> Engine:
-    """The Engine `add_engine_arguments`' flags describe, on `args.snapshot` (no expert-memory flags: defaults)."""
-    return Engine(args.snapshot, args.device, getattr(args, "ram_budget", 0),
-                  prefetch=not getattr(args, "no_prefetch", False), load_tokenizer=load_tokenizer,
-                  float_activations=args.float_activations)
+    """The Engine `add_engine_arguments`' flags describe, on `args.snapshot` (no expert-memory flags: defaults).
+    An expert cache saves its usage scores beside the prefill cache (`experts/` next to its directory)."""
+    engine = Engine(args.snapshot, args.device, getattr(args, "ram_budget", 0),
+                    prefetch=not getattr(args, "no_prefetch", False), load_tokenizer=load_tokenizer,
+                    float_activations=args.float_activations, expert_cache=getattr(args, "expert_cache", 0),
+                    expert_usage_dir=default_cache_dir().parent)
+    if engine.expert_cache_reason:
+        print(f"expert cache {engine.expert_cache_reason}", file=sys.stderr)
+    return engine
 
 
 def use_mtp_from_arguments(engine: Engine, args: argparse.Namespace) -> bool:

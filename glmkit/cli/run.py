@@ -93,17 +93,21 @@ def main(argv: list[str] | None = None) -> int:
             raise GlmkitError("--session: only with --chat")
         policy = approx_policy(args)
         engine = engine_from_arguments(args)
-        if args.verify:
-            verify_snapshot_data(engine.container)
-        use_mtp = use_mtp_from_arguments(engine, args)
-        generator = Generator(engine.model, engine.eos_token_ids, use_mtp=use_mtp)
-        session = Session(engine.model, None if args.no_cache else open_prefix_cache(engine, args, use_mtp), policy)
-        if args.chat:
-            turns = chat(engine, generator, session, params, args)
-        else:
-            turns = [one_shot(engine, generator, session, Sampler(params), args)]
-        if args.stats_json:
-            write_stats(args.stats_json, turns, engine, per_turn=args.chat)
+        try:
+            if args.verify:
+                verify_snapshot_data(engine.container)
+            use_mtp = use_mtp_from_arguments(engine, args)
+            generator = Generator(engine.model, engine.eos_token_ids, use_mtp=use_mtp)
+            prefix_cache = None if args.no_cache else open_prefix_cache(engine, args, use_mtp)
+            session = Session(engine.model, prefix_cache, policy)
+            if args.chat:
+                turns = chat(engine, generator, session, params, args)
+            else:
+                turns = [one_shot(engine, generator, session, Sampler(params), args)]
+            if args.stats_json:
+                write_stats(args.stats_json, turns, engine, per_turn=args.chat)
+        finally:
+            engine.close()  # the expert cache's usage scores, for the next run
     except GlmkitError as e:
         print(f"glm-run: error: {e}", file=sys.stderr)
         return 1

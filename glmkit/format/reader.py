@@ -27,6 +27,7 @@ from glmkit.format.manifest import (
     short_repr,
 )
 from glmkit.format.safetensors_file import DTYPES
+from glmkit.format.schema import EXPERT_PROJECTIONS, expert_weight_name
 from glmkit.format.tensors import QuantWeight, Weight
 from glmkit.format.writer import PAD_PREFIX
 
@@ -170,6 +171,31 @@ class Container:
         """The expert's whole contiguous byte range as a read-only uint8 view."""
         r = self._experts[(layer, expert)]
         return np.frombuffer(self._maps[r.file], dtype=np.uint8, count=r.nbytes, offset=r.offset)
+
+    def expert_weights(self, layer: int, expert: int, data: np.ndarray) -> list[Weight]:
+        """The expert's (gate, up, down) weights as views on `data`, a uint8 copy of its byte range (e.g. read into
+        RAM of the caller's), laid out as `weight` lays them on the mapping."""
+        r = self._experts[(layer, expert)]
+        if data.nbytes < r.nbytes:
+            raise GlmkitError(f"{self.directory}: {data.nbytes} bytes hold no copy of expert {expert} of layer "
+                              f"{layer} ({r.nbytes} bytes)")
+
+        def view(name: str) -> np.ndarray:
+            e = self.entry(name)
+            return np.ndarray(e.stored_shape, DTYPES[e.dtype], buffer=data, offset=e.offset - r.offset)
+
+        out: list[Weight] = []
+        for projection in EXPERT_PROJECTIONS:
+            name = expert_weight_name(layer, expert, projection)
+            e = self.entry(name)
+            out.append(view(name) if e.quant is None else
+                       QuantWeight(view(name), view(e.quant.scales), e.quant.bits, e.quant.group_size,
+                                   (e.shape[0], e.shape[1])))
+        return out
+
+    def data_file(self, name: str) -> BinaryIO:
+        """The open data file `name` of the manifest (for reads of its byte ranges without the mapping)."""
+        return self._files[name]
 
     def advise_experts(self, layer: int, experts: list[int], advice: int = mmap.MADV_WILLNEED) -> None:
         """madvise the byte ranges of these experts (e.g. WILLNEED to prefetch them)."""

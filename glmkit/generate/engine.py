@@ -5,9 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from glmkit.backends.numpy_backend import NumpyBackend
+from glmkit.errors import GlmkitError
 from glmkit.format.reader import Container
 from glmkit.generate.tokenizer import ChatTokenizer, read_side_json
 from glmkit.model.compute import Backend
+from glmkit.model.expert_cache import ExpertCache, auto_cache_bytes, usage_path
 from glmkit.model.expert_stream import ExpertStreamer, outgrows_memory
 from glmkit.model.glm5 import GlmMoeDsaModel
 
@@ -26,21 +28,48 @@ class Engine:
     """device: `numpy` (the library default: scripts and benchmarks get the reference unless they ask),
     `auto` (the CLIs' default: measured placement) or `opencl[:P:D]` (see glmkit.backends.devices).
     float_activations: the device decode step's quantized products take float inputs (the reference arithmetic)
-    instead of int8-quantized ones (faster: docs/BENCHMARKS.md)."""
+    instead of int8-quantized ones (faster: docs/BENCHMARKS.md).
+    expert_cache: routed experts in a cache of this many bytes (`ExpertCache`), or "auto" (sized from the RAM the
+    process may use: `auto_cache_bytes`), instead of the page cache; single tokens then decode operation by
+    operation. expert_usage_dir: where the cache saves its usage scores (per model hash; None: not saved)."""
 
     def __init__(self, snapshot: str | Path, device: str = "numpy", ram_budget_bytes: int = 0,
-                 prefetch: bool = True, load_tokenizer: bool = True, float_activations: bool = False):
+                 prefetch: bool = True, load_tokenizer: bool = True, float_activations: bool = False,
+                 expert_cache: int | str = 0, expert_usage_dir: Path | None = None):
         self.container = Container(snapshot)
         self.config = self.container.config
         self.backend, self.device = make_backend(device, self.container, not float_activations)
-        self.experts = ExpertStreamer(self.container, ram_budget_bytes, prefetch)
-        # a device decode step's routing is watched only when experts will come from disk: its callbacks cost a
-        # large share of decode when everything is in RAM (docs/BENCHMARKS.md)
-        watch = prefetch and outgrows_memory(self.container)
-        self.model = GlmMoeDsaModel(self.config, self.experts, self.backend, route_hook=self.experts.on_route,
-                                    step_route_hook=self.experts.advise_routed if watch else None)
+        self.experts: ExpertStreamer | ExpertCache  # the model's weight source
+        self.expert_cache_reason = ""  # how an "auto" cache was sized
+        if expert_cache == "auto":
+            expert_cache, self.expert_cache_reason = auto_cache_bytes(self.container)
+            if expert_cache == 0:
+                raise GlmkitError(f"--expert-cache auto: no RAM left for experts ({self.expert_cache_reason})")
+        if expert_cache:
+            if getattr(getattr(self.backend, "k", None), "direct", True) is False:
+                raise GlmkitError("--expert-cache: a discrete GPU holds its own copies of the weights; use it with "
+                                  "--device numpy or a CPU OpenCL device")
+            if ram_budget_bytes:
+                raise GlmkitError("--expert-cache and --ram-budget both keep experts in RAM: give one of them")
+            usage = None if expert_usage_dir is None else usage_path(expert_usage_dir, self.container.model_hash)
+            cache = self.experts = ExpertCache(self.container, int(expert_cache), readahead=prefetch,
+                                               usage_file=usage)
+            self.model = GlmMoeDsaModel(self.config, cache, self.backend, route_hook=cache.on_route,
+                                        device_step=False)
+        else:
+            self.experts = ExpertStreamer(self.container, ram_budget_bytes, prefetch)
+            # a device decode step's routing is watched only when experts will come from disk: its callbacks cost
+            # a large share of decode when everything is in RAM (docs/BENCHMARKS.md)
+            watch = prefetch and outgrows_memory(self.container)
+            self.model = GlmMoeDsaModel(self.config, self.experts, self.backend, route_hook=self.experts.on_route,
+                                        step_route_hook=self.experts.advise_routed if watch else None)
         self.tokenizer = ChatTokenizer(snapshot) if load_tokenizer else None
         self.eos_token_ids = _eos_ids(Path(snapshot), self.config.eos_token_ids)
+
+    def close(self) -> None:
+        """Let the expert cache finish its reads and save its usage scores (nothing to do otherwise)."""
+        if isinstance(self.experts, ExpertCache):
+            self.experts.close()
 
     @property
     def model_hash(self) -> str:

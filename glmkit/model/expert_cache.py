@@ -1,0 +1,404 @@
+"""Routed experts in a cache glmkit manages: a fixed arena of slots in anonymous memory, filled with `pread`.
+
+Where the model is larger than the RAM the process may use, the page cache is a poor expert cache: it evicts 4 KB
+pages by recency (hot non-expert weights included), reads ahead by file position and cannot be told which experts
+matter. `ExpertCache` is a weight source (what `GlmMoeDsaModel` reads its tensors from) that instead
+- copies every non-expert weight into anonymous memory once (they are read every token: never evicted);
+- keeps routed experts in equal slots of one arena, each loaded by one `pread` of its contiguous byte range on a
+  small pool of I/O threads (several reads in flight), the page cache's copy dropped after (`POSIX_FADV_DONTNEED`);
+- evicts by frequency with aging (`ExpertScores`: each use counts `2^(uses so far / half_life)`, so a use
+  `half_life` routed tokens ago weighs half of one now), never an expert handed out for the layer being computed;
+- reads ahead: after layer L routes, layer L+1's router applied to L's normed input names its likely experts;
+- persists the scores beside the prefill cache, keyed by the model hash, and loads the hot set from them in the
+  background at start (into free slots only: the first token is not delayed).
+A slot's bytes are the container's bytes, so every path gives the logits it gives on the mapping.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import math
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from glmkit.errors import GlmkitError
+from glmkit.format.files import read_json_file
+from glmkit.format.reader import Container
+from glmkit.format.schema import EXPERT_PROJECTIONS, expert_weight_name
+from glmkit.format.tensors import QuantWeight, Weight
+from glmkit.model.expert_stream import memory_limit_bytes
+from glmkit.model.layer_spec import MoESpec, layer_spec
+from glmkit.model.ops import sigmoid
+from glmkit.units import format_size
+
+SLOT_ALIGN = 4096  # slots start on page boundaries
+USAGE_VERSION = 1
+MAX_USAGE_BYTES = 64 << 20  # a usage file larger than this is not read (GLM-5: ~20k experts, ~1 MB)
+Key = tuple[int, int]  # (layer, expert)
+
+
+class ExpertScores:
+    """Frequency with aging, as one number per expert: a use at routed-token count t adds `2^(t / half_life)`.
+
+    Comparing two experts' sums compares their uses with older ones discounted by half every `half_life` tokens,
+    without touching every score as time passes; sums are rescaled before they overflow."""
+
+    def __init__(self, half_life: float = 256.0) -> None:
+        self.half_life = half_life
+        self.tokens = 0.0  # routed tokens seen (the clock)
+        self.scores: dict[Key, float] = {}
+        self._scale = 0.0  # log2 of the factor every stored score is divided by
+
+    def use(self, key: Key, count: int = 1) -> None:
+        self.scores[key] = self.scores.get(key, 0.0) + count * self._weight()
+
+    def tick(self, tokens: int = 1) -> None:
+        self.tokens += tokens
+        exponent = self.tokens / self.half_life - self._scale
+        if exponent > 512:  # keep every sum far from float overflow: divide all by 2^exponent
+            factor = 2.0 ** -exponent
+            self.scores = {k: v * factor for k, v in self.scores.items()}
+            self._scale += exponent
+
+    def _weight(self) -> float:
+        return 2.0 ** (self.tokens / self.half_life - self._scale)
+
+    def score(self, key: Key) -> float:
+        return self.scores.get(key, 0.0)
+
+    def normalized(self) -> dict[Key, float]:
+        """Scores in units of one use now (what a later process starts from)."""
+        now = self._weight()
+        return {k: v / now for k, v in self.scores.items()}
+
+
+@dataclass
+class CacheStats:
+    """Counters of routed-expert use; `to_json` is what `--stats-json` reports."""
+
+    hits: int = 0  # routed to while in a slot
+    misses: int = 0  # routed to while not in a slot (or still being read)
+    bytes_read: int = 0
+    reads: int = 0
+    io_wait_s: float = 0.0  # compute threads' time waiting for expert reads
+    evictions: int = 0
+    bounced: int = 0  # misses read into a temporary buffer: every slot held an expert of the layer in use
+    predicted: int = 0  # read-ahead: experts named for the next layer
+    predicted_used: int = 0  # ... that it then routed to
+    routed: int = 0  # experts routed to on layers that had a prediction
+    preloaded: int = 0  # experts loaded from the usage file's hot set
+
+    def to_json(self) -> dict[str, float | int | None]:
+        handed = self.hits + self.misses
+        return {"expert_hits": self.hits, "expert_misses": self.misses,
+                "expert_hit_rate": round(self.hits / handed, 4) if handed else None,
+                "expert_bytes_read": self.bytes_read, "expert_reads": self.reads,
+                "expert_io_wait_s": round(self.io_wait_s, 4), "expert_evictions": self.evictions,
+                "expert_bounced": self.bounced, "experts_preloaded": self.preloaded,
+                "readahead_recall": round(self.predicted_used / self.routed, 4) if self.routed else None,
+                "readahead_precision": round(self.predicted_used / self.predicted, 4) if self.predicted else None}
+
+
+def usage_path(cache_dir: Path, model_hash: str) -> Path:
+    return cache_dir / "experts" / f"{model_hash}.json"
+
+
+def read_usage(path: Path, model_hash: str, n_layers: int, n_experts: int) -> dict[Key, float]:
+    """Scores saved by `write_usage`; {} for a missing, corrupt or other model's file (it is only a hint)."""
+    try:
+        raw = read_json_file(path, MAX_USAGE_BYTES)
+    except (GlmkitError, OSError):
+        return {}
+    if not (isinstance(raw, dict) and raw.get("version") == USAGE_VERSION and raw.get("model_hash") == model_hash
+            and isinstance(raw.get("scores"), list)):
+        return {}
+    out: dict[Key, float] = {}
+    for item in raw["scores"]:
+        if not (isinstance(item, list) and len(item) == 3 and all(isinstance(v, int | float) for v in item)
+                and not any(isinstance(v, bool) for v in item)):
+            return {}
+        layer, expert, score = item
+        if not (isinstance(layer, int) and isinstance(expert, int) and 0 <= layer < n_layers
+                and 0 <= expert < n_experts and math.isfinite(score) and score >= 0):
+            return {}
+        out[(layer, expert)] = float(score)
+    return out
+
+
+def write_usage(path: Path, model_hash: str, scores: dict[Key, float]) -> None:
+    """Save scores (atomically: a temporary file renamed; a reader sees the old file or the new one)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    body = {"version": USAGE_VERSION, "model_hash": model_hash,
+            "scores": [[layer, expert, round(score, 6)] for (layer, expert), score in sorted(scores.items())]}
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(body, f)
+    os.replace(tmp, path)
+
+
+def auto_cache_bytes(container: Container, reserve_bytes: int = 1 << 30) -> tuple[int, str]:
+    """A cache size from the RAM this process may use (`memory_limit_bytes`: the cgroup's limit or the machine's),
+    less the non-expert weights it copies into RAM and `reserve_bytes` for the process, KV cache and activations;
+    with the reason, for the log."""
+    limit = memory_limit_bytes()
+    experts = sum(r.nbytes for r in container.manifest.experts)
+    pinned = container.nbytes - experts
+    size = max(0, min(limit - pinned - reserve_bytes, experts))
+    why = (f"{format_size(size)}: {format_size(limit)} may be used, less {format_size(pinned)} of non-expert weights "
+           f"and {format_size(reserve_bytes)} kept for the process; the experts are {format_size(experts)}")
+    return size, why
+
+
+class ExpertCache:
+    """A weight source over `container` with its routed experts in `budget_bytes` of slots (see the module).
+
+    io_threads: reads in flight at most; usage_file: where scores persist (None: they do not). Raises GlmkitError
+    when the budget holds fewer slots than one layer routes to (`num_experts_per_tok`)."""
+
+    def __init__(self, container: Container, budget_bytes: int, io_threads: int = 4, readahead: bool = True,
+                 usage_file: Path | None = None, half_life: float = 256.0) -> None:
+        cfg = self.config = container.config
+        self.container, self.readahead, self.usage_file = container, readahead, usage_file
+        ranges = container.manifest.experts
+        if not ranges:
+            raise GlmkitError(f"{container.directory}: no routed experts to cache")
+        self.slot_bytes = -(-max(r.nbytes for r in ranges) // SLOT_ALIGN) * SLOT_ALIGN
+        self.n_slots = budget_bytes // self.slot_bytes
+        if self.n_slots < cfg.num_experts_per_tok:
+            raise GlmkitError(f"--expert-cache {budget_bytes} bytes holds {self.n_slots} experts of "
+                              f"{self.slot_bytes} bytes; a layer routes to {cfg.num_experts_per_tok}: give at "
+                              f"least {cfg.num_experts_per_tok * self.slot_bytes} bytes")
+        self.arena = np.empty(self.n_slots * self.slot_bytes, np.uint8)  # anonymous memory, touched as slots fill
+        self.stats = CacheStats()
+        self.scores = ExpertScores(half_life)
+        self._names: dict[str, tuple[Key, int]] = {
+            expert_weight_name(r.layer, r.expert, p): ((r.layer, r.expert), i)
+            for r in ranges for i, p in enumerate(EXPERT_PROJECTIONS)}
+        self._pinned: dict[str, Weight] = {}  # every other tensor, copied into RAM once
+        for name, entry in container.manifest.tensors.items():
+            if name not in self._names and entry.role != "scales":
+                self._pinned[name] = _copied(container.weight(name))
+        self._free = list(range(self.n_slots - 1, -1, -1))
+        self._slot: dict[Key, int] = {}  # resident experts
+        self._views: dict[Key, list[Weight]] = {}
+        self._loading: dict[Key, Future] = {}
+        self._in_use: set[Key] = set()  # routed to by the layer being computed: not evicted
+        self._handed: dict[Key, list[Weight]] = {}  # its experts handed out so far
+        self._heap: list[tuple[float, int, Key]] = []  # (score when pushed, tiebreak, key): lazily updated
+        self._tiebreak = 0
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="glmkit-experts")
+        self._predicted: dict[int, set[int]] = {}  # layer -> experts the read-ahead named for it
+        self.moe = {s.index: s.ffn for s in (layer_spec(cfg, i, container.has) for i in range(cfg.num_layers_with_mtp))
+                    if isinstance(s.ffn, MoESpec)}
+        self._closed = False
+        self.preloader: threading.Thread | None = None  # loads the saved hot set into free slots
+        if usage_file is not None:
+            saved = read_usage(usage_file, container.model_hash, cfg.num_layers_with_mtp, cfg.n_routed_experts)
+            cached = {(r.layer, r.expert) for r in ranges}
+            known = {k: v for k, v in saved.items() if k in cached}
+            self.scores.scores.update(known)
+            hot = sorted(known, key=known.get, reverse=True)[:self.n_slots]
+            if hot:
+                self.preloader = threading.Thread(target=self._preload, args=(hot,), daemon=True,
+                                                  name="glmkit-preload")
+                self.preloader.start()
+
+    # ---- the weight source the model reads ----
+
+    def has(self, name: str) -> bool:
+        return self.container.has(name)
+
+    def weight(self, name: str) -> Weight:
+        pinned = self._pinned.get(name)
+        if pinned is not None:
+            return pinned
+        found = self._names.get(name)
+        if found is None:
+            return self.container.weight(name)  # raises the container's error for an unknown name
+        key, projection = found
+        return self.expert(*key)[projection]
+
+    def expert(self, layer: int, expert: int) -> list[Weight]:
+        """The expert's (gate, up, down), from its slot (waiting for its read on a miss); kept until the next layer
+        routes. An expert no route named (a caller outside the model) is read as a miss."""
+        key = (layer, expert)
+        with self._lock:
+            views = self._handed.get(key)
+            if views is not None:
+                return views  # its second and third projection
+            self._in_use.add(key)
+            if key in self._slot and key not in self._loading:
+                views = self._handed[key] = self._views[key]
+                return views
+            future = self._loading.get(key) or self._start_load(key)
+        started = time.perf_counter()
+        views = future.result() if future is not None else self._bounce(key)
+        with self._lock:
+            self.stats.io_wait_s += time.perf_counter() - started
+            self._handed[key] = views
+        return views
+
+    # ---- the model's route hook ----
+
+    def on_route(self, layer: int, expert_ids: np.ndarray, normed: np.ndarray | None = None) -> None:
+        """Layer `layer` routed `expert_ids [S, k]` (its input `normed [S, H]`): count their use, read its misses
+        (several in flight), and read ahead the next MoE layer's likely experts."""
+        used = np.unique(expert_ids).tolist()
+        with self._lock:
+            self._in_use = {(layer, e) for e in used}  # the previous layer's experts have run; these are next
+            self._handed = {}
+            for e in used:
+                key = (layer, e)
+                if key in self._slot and key not in self._loading:
+                    self.stats.hits += 1
+                else:
+                    self.stats.misses += 1
+                self.scores.use(key)
+                self._push(key)
+            if layer == min(self.moe):
+                self.scores.tick(len(expert_ids))
+            predicted = self._predicted.pop(layer, None)
+            if predicted is not None:
+                self.stats.routed += len(used)
+                self.stats.predicted_used += len(predicted & set(used))
+            for e in used:  # its misses, all in flight at once
+                key = (layer, e)
+                if key not in self._slot and self._start_load(key) is None:
+                    break  # every slot holds an expert of this layer: the rest are read as they run
+        if self.readahead and normed is not None:
+            self._read_ahead(layer, normed)
+
+    def _read_ahead(self, layer: int, normed: np.ndarray) -> None:
+        nxt = self.moe.get(layer + 1) if layer + 1 < self.config.num_hidden_layers else None
+        if nxt is None:
+            return
+        r = nxt.router
+        # the next router's choice scores on this layer's input: a cheap estimate of what it will pick
+        scores = sigmoid(normed @ np.asarray(self.weight(r.weight)).T) + self.weight(r.bias)  # [S, E]
+        likely = set(np.unique(np.argpartition(-scores, r.top_k - 1, axis=1)[:, :r.top_k]).tolist())
+        self._predicted[layer + 1] = likely
+        with self._lock:
+            self.stats.predicted += len(likely)
+            for e in sorted(likely):
+                key = (layer + 1, e)
+                if key not in self._slot and self._start_load(key) is None:
+                    break
+
+    # ---- slots ----
+
+    def _start_load(self, key: Key) -> Future | None:
+        """Claim a slot for `key` and queue its read (lock held); None when every slot is held for this layer."""
+        slot = self._claim_slot()
+        if slot is None:
+            return None
+        self._slot[key] = slot
+        future = self._pool.submit(self._load, key, slot)
+        self._loading[key] = future
+        return future
+
+    def _claim_slot(self) -> int | None:
+        if self._free:
+            return self._free.pop()
+        held: list[tuple[float, int, Key]] = []  # resident but not evictable now: back on the heap after
+        try:
+            while self._heap:
+                entry = heapq.heappop(self._heap)
+                score, _, key = entry
+                if key not in self._slot:
+                    continue  # stale: evicted since
+                if key in self._loading or key in self._in_use:
+                    held.append(entry)
+                    continue
+                if score != self.scores.score(key):  # used since it was pushed: back with its score now
+                    heapq.heappush(self._heap, (self.scores.score(key), entry[1], key))
+                    continue
+                slot = self._slot.pop(key)
+                self._views.pop(key, None)
+                self.stats.evictions += 1
+                return slot
+            return None
+        finally:
+            for entry in held:
+                heapq.heappush(self._heap, entry)
+
+    def _push(self, key: Key) -> None:
+        self._tiebreak += 1
+        heapq.heappush(self._heap, (self.scores.score(key), self._tiebreak, key))
+        if len(self._heap) > 4 * self.n_slots + 1024:  # outdated entries pile up: one entry per resident expert
+            self._heap = [(self.scores.score(k), i, k) for i, k in enumerate(self._slot)]
+            heapq.heapify(self._heap)
+
+    def _load(self, key: Key, slot: int) -> list[Weight]:
+        data = self.arena[slot * self.slot_bytes:(slot + 1) * self.slot_bytes]
+        views = self._read_into(key, data)
+        with self._lock:
+            self._views[key] = views
+            self._loading.pop(key, None)
+            self._push(key)
+        return views
+
+    def _bounce(self, key: Key) -> list[Weight]:
+        """A miss with no slot to spare: read into a buffer of its own, not cached."""
+        with self._lock:
+            self.stats.bounced += 1
+        r = self.container.expert_range(*key)
+        return self._read_into(key, np.empty(r.nbytes, np.uint8))
+
+    def _read_into(self, key: Key, data: np.ndarray) -> list[Weight]:
+        """Read the expert's byte range into `data` with pread, then drop the page cache's copy of it."""
+        r = self.container.expert_range(*key)
+        fd = self.container.data_file(r.file).fileno()
+        view, done = memoryview(data)[:r.nbytes], 0
+        while done < r.nbytes:
+            n = os.preadv(fd, [view[done:]], r.offset + done)
+            if n <= 0:
+                raise GlmkitError(f"{self.container.directory / r.file}: expert {key[1]} of layer {key[0]} ends at "
+                                  f"byte {r.offset + done} (the file was truncated while in use?)")
+            done += n
+        os.posix_fadvise(fd, r.offset, r.nbytes, os.POSIX_FADV_DONTNEED)
+        with self._lock:
+            self.stats.bytes_read += r.nbytes
+            self.stats.reads += 1
+        return self.container.expert_weights(key[0], key[1], data)
+
+    def _preload(self, hot: list[Key]) -> None:
+        for key in hot:
+            with self._lock:
+                if self._closed or not self._free:
+                    return
+                if key in self._slot:
+                    continue
+                future = self._start_load(key)
+                self.stats.preloaded += 1
+            if future is not None:
+                future.result()
+
+    def resident(self, layer: int, expert: int) -> bool:
+        with self._lock:
+            return (layer, expert) in self._slot and (layer, expert) not in self._loading
+
+    def close(self) -> None:
+        """Finish the reads in flight and save the scores (when a usage file was given)."""
+        with self._lock:
+            self._closed = True
+        self._pool.shutdown(wait=True)
+        if self.usage_file is not None:
+            try:
+                write_usage(self.usage_file, self.container.model_hash, self.scores.normalized())
+            except OSError:
+                pass  # only a hint for the next process
+
+
+def _copied(w: Weight) -> Weight:
+    if isinstance(w, QuantWeight):
+        return QuantWeight(w.packed.copy(), w.scales.copy(), w.bits, w.group_size, w.shape)
+    return np.array(w)

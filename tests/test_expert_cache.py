@@ -1,0 +1,141 @@
+"""The expert cache (glmkit.model.expert_cache): routed experts in slots read with pread, evicted by frequency with
+aging, read ahead by the next layer's router, their scores persisted. Out-of-core runs must give the in-RAM logits
+bit for bit."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from glmkit.errors import GlmkitError
+from glmkit.generate.engine import Engine
+from glmkit.generate.generator import Generator
+from glmkit.generate.sampling import Sampler, SamplingParams
+from glmkit.model.expert_cache import ExpertCache, ExpertScores, read_usage, usage_path, write_usage
+from tests.runtime_support import Snapshots
+
+
+@pytest.fixture(scope="module")
+def snapshots(tmp_path_factory):
+    return Snapshots(tmp_path_factory)
+
+
+def slot_bytes(engine: Engine) -> int:
+    return ExpertCache(engine.container, 1 << 30).slot_bytes
+
+
+def logits_of(engine: Engine, prompt: list[int], steps: int) -> list[np.ndarray]:
+    """The prompt's logits at every position, then `steps` greedy tokens' logits one at a time."""
+    model, cache = engine.model, engine.model.new_cache()
+    logits, _ = model.forward(np.array(prompt), cache)
+    out = [logits]
+    token = int(logits[-1].argmax())
+    for _ in range(steps):
+        logits, _ = model.forward(np.array([token]), cache)
+        out.append(logits)
+        token = int(logits[-1].argmax())
+    return out
+
+
+@pytest.mark.parametrize("preset", ["q4", "f32"])
+def test_out_of_core_logits_are_bit_identical(snapshots, preset):
+    """Two slots per MoE layer (nearly every expert misses), a prompt past the indexer's top-k (DSA selection on)."""
+    snap = snapshots("tiny-trained", preset)
+    ram = Engine(snap, "numpy", load_tokenizer=False)
+    cfg = ram.config
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers_with_mtp))
+    budget = max(2 * moe_layers, cfg.num_experts_per_tok) * slot_bytes(ram)
+    streamed = Engine(snap, "numpy", load_tokenizer=False, expert_cache_bytes=budget)
+    prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, cfg.index_topk + 8).tolist()
+    for a, b in zip(logits_of(ram, prompt, 6), logits_of(streamed, prompt, 6), strict=True):
+        assert np.array_equal(a, b)
+    stats = streamed.experts.stats
+    assert stats.misses > stats.hits and stats.evictions > 0 and stats.reads > 0
+    # nothing read twice while cached: every read is a miss or a read ahead
+    assert stats.reads <= stats.misses + stats.predicted
+    streamed.close()
+
+
+def test_generation_with_mtp_matches(snapshots):
+    snap = snapshots("tiny-trained", "q4")
+    ram = Engine(snap, "numpy", load_tokenizer=False)
+    streamed = Engine(snap, "numpy", load_tokenizer=False, expert_cache_bytes=8 * slot_bytes(ram))
+    prompt = list(range(5, 45))
+    runs = [list(Generator(e.model, eos_token_ids=(), use_mtp=True).generate(prompt, 12, Sampler(SamplingParams())))
+            for e in (ram, streamed)]
+    assert runs[0] == runs[1] and len(runs[0]) == 12
+
+
+def test_a_budget_below_one_layer_is_refused(snapshots):
+    engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
+    with pytest.raises(GlmkitError, match="layer routes to 4"):
+        ExpertCache(engine.container, 3 * slot_bytes(engine))
+
+
+def test_eviction_keeps_the_frequent_and_never_the_layer_in_use(snapshots):
+    engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
+    cache = ExpertCache(engine.container, 5 * slot_bytes(engine), readahead=False)
+    layer = next(i for i in range(engine.config.num_hidden_layers) if engine.config.is_moe_layer(i))
+    for _ in range(3):  # expert 0 becomes hot
+        cache.on_route(layer, np.array([[0, 1, 2, 3]]))
+        for e in range(4):
+            cache.expert(layer, e)
+    cache.on_route(layer, np.array([[0, 4, 5, 6]]))  # 3 new experts, one free slot: two evictions among 1, 2, 3
+    for e in (0, 4, 5, 6):
+        cache.expert(layer, e)
+    assert cache.resident(layer, 0) and all(cache.resident(layer, e) for e in (4, 5, 6))
+    assert sum(cache.resident(layer, e) for e in (1, 2, 3)) == 1 and cache.stats.evictions == 2
+    cache.close()
+
+
+def test_scores_age_by_half_per_half_life():
+    scores = ExpertScores(half_life=10)
+    scores.use((1, 0), 4)  # four uses at t=0
+    scores.tick(10)
+    scores.use((1, 1), 2)  # two uses one half-life later weigh as much as four then
+    assert scores.score((1, 0)) == pytest.approx(scores.score((1, 1)))
+    scores.tick(10 * 600)  # the sums are rescaled before they overflow
+    scores.use((1, 2))
+    assert np.isfinite(list(scores.scores.values())).all() and scores.score((1, 2)) > scores.score((1, 1))
+    assert scores.normalized()[(1, 2)] == pytest.approx(1.0)
+
+
+def test_usage_persists_and_a_corrupt_file_is_ignored(snapshots, tmp_path):
+    engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
+    c, h = engine.config, engine.container.model_hash
+    path = usage_path(tmp_path, h)
+    cache = ExpertCache(engine.container, 6 * slot_bytes(engine), usage_file=path)
+    layer = c.first_k_dense_replace
+    cache.on_route(layer, np.array([[3, 5, 7, 9]]))
+    cache.close()
+    saved = read_usage(path, h, c.num_layers_with_mtp, c.n_routed_experts)
+    assert set(saved) == {(layer, e) for e in (3, 5, 7, 9)}
+    warm = ExpertCache(engine.container, 6 * slot_bytes(engine), usage_file=path)
+    assert warm.preloader is not None
+    warm.preloader.join(timeout=30)
+    assert all(warm.resident(layer, e) for e in (3, 5, 7, 9)) and warm.stats.preloaded == 4
+    for bad in ("{", json.dumps({"version": 1, "model_hash": h, "scores": [[layer, 10_000, 1.0]]}),
+                json.dumps({"version": 1, "model_hash": "other", "scores": [[layer, 1, 1.0]]}),
+                f'{{"version": 1, "model_hash": "{h}", "scores": [[{layer}, 1, 1e999]]}}',
+                json.dumps({"version": 1, "model_hash": h, "scores": [[True, 1, 1.0]]})):
+        path.write_text(bad)
+        assert read_usage(path, h, c.num_layers_with_mtp, c.n_routed_experts) == {}
+    write_usage(path, h, {(layer, 1): 2.0})
+    assert read_usage(path, h, c.num_layers_with_mtp, c.n_routed_experts) == {(layer, 1): 2.0}
+
+
+def test_a_file_truncated_under_the_cache_is_an_error_naming_it(snapshots, tmp_path):
+    import shutil
+
+    snap = tmp_path / "snap"
+    shutil.copytree(snapshots("tiny-trained", "q4"), snap)
+    engine = Engine(snap, "numpy", load_tokenizer=False)
+    cache = ExpertCache(engine.container, 4 * slot_bytes(engine), readahead=False)
+    layer = engine.config.first_k_dense_replace
+    r = engine.container.expert_range(layer, 15)
+    os.truncate(snap / r.file, r.offset + 10)
+    with pytest.raises(GlmkitError, match=r.file):
+        cache.expert(layer, 15)
