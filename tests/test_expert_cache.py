@@ -48,7 +48,7 @@ def test_out_of_core_logits_are_bit_identical(snapshots, preset):
     cfg = ram.config
     moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers_with_mtp))
     budget = max(2 * moe_layers, cfg.num_experts_per_tok) * slot_bytes(ram)
-    streamed = Engine(snap, "numpy", load_tokenizer=False, expert_cache_bytes=budget)
+    streamed = Engine(snap, "numpy", load_tokenizer=False, expert_cache=budget)
     prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, cfg.index_topk + 8).tolist()
     for a, b in zip(logits_of(ram, prompt, 6), logits_of(streamed, prompt, 6), strict=True):
         assert np.array_equal(a, b)
@@ -62,7 +62,7 @@ def test_out_of_core_logits_are_bit_identical(snapshots, preset):
 def test_generation_with_mtp_matches(snapshots):
     snap = snapshots("tiny-trained", "q4")
     ram = Engine(snap, "numpy", load_tokenizer=False)
-    streamed = Engine(snap, "numpy", load_tokenizer=False, expert_cache_bytes=8 * slot_bytes(ram))
+    streamed = Engine(snap, "numpy", load_tokenizer=False, expert_cache=8 * slot_bytes(ram))
     prompt = list(range(5, 45))
     runs = [list(Generator(e.model, eos_token_ids=(), use_mtp=True).generate(prompt, 12, Sampler(SamplingParams())))
             for e in (ram, streamed)]

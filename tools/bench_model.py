@@ -33,12 +33,12 @@ BENCH_CONFIG = {
 }
 
 
-def ensure_bench_snapshot(preset: str = "q4", work: Path = DEFAULT_WORK) -> Path:
+def ensure_bench_snapshot(preset: str = "q4", work: Path = DEFAULT_WORK, config: dict | None = None) -> Path:
     """The converted benchmark model for `preset` (built on first use under `work`, and again when the preset's
-    layout has changed since)."""
+    layout has changed since); `config`: another shape than BENCH_CONFIG's."""
     source = work / "source"
     if not (source / "config.json").is_file():
-        write_snapshot_streaming(source, BENCH_CONFIG, shards=4)
+        write_snapshot_streaming(source, config or BENCH_CONFIG, shards=4)
     out = work / preset
     if not (out / "manifest.json").is_file() or not layout_is_current(out, preset):
         with contextlib.redirect_stdout(io.StringIO()):

@@ -32,8 +32,8 @@ from glmkit.errors import GlmkitError
 from glmkit.format.files import read_json_file
 from glmkit.format.reader import Container
 from glmkit.format.schema import EXPERT_PROJECTIONS, expert_weight_name
-from glmkit.format.tensors import QuantWeight, Weight
-from glmkit.model.expert_stream import memory_limit_bytes
+from glmkit.format.tensors import Weight
+from glmkit.model.expert_stream import copy_weight, memory_limit_bytes
 from glmkit.model.layer_spec import MoESpec, layer_spec
 from glmkit.model.ops import sigmoid
 from glmkit.units import format_size
@@ -144,11 +144,13 @@ def write_usage(path: Path, model_hash: str, scores: dict[Key, float]) -> None:
     os.replace(tmp, path)
 
 
-def auto_cache_bytes(container: Container, reserve_bytes: int = 1 << 30) -> tuple[int, str]:
+def auto_cache_bytes(container: Container, reserve_bytes: int | None = None) -> tuple[int, str]:
     """A cache size from the RAM this process may use (`memory_limit_bytes`: the cgroup's limit or the machine's),
-    less the non-expert weights it copies into RAM and `reserve_bytes` for the process, KV cache and activations;
-    with the reason, for the log."""
+    less the non-expert weights it copies into RAM and `reserve_bytes` for the process, KV cache and activations
+    (default: a quarter of the limit, at most 1 GB); with the reason, for the log."""
     limit = memory_limit_bytes()
+    if reserve_bytes is None:
+        reserve_bytes = min(1 << 30, limit // 4)
     experts = sum(r.nbytes for r in container.manifest.experts)
     pinned = container.nbytes - experts
     size = max(0, min(limit - pinned - reserve_bytes, experts))
@@ -185,7 +187,7 @@ class ExpertCache:
         self._pinned: dict[str, Weight] = {}  # every other tensor, copied into RAM once
         for name, entry in container.manifest.tensors.items():
             if name not in self._names and entry.role != "scales":
-                self._pinned[name] = _copied(container.weight(name))
+                self._pinned[name] = copy_weight(container.weight(name))
         self._free = list(range(self.n_slots - 1, -1, -1))
         self._slot: dict[Key, int] = {}  # resident experts
         self._views: dict[Key, list[Weight]] = {}
@@ -396,9 +398,3 @@ class ExpertCache:
                 write_usage(self.usage_file, self.container.model_hash, self.scores.normalized())
             except OSError:
                 pass  # only a hint for the next process
-
-
-def _copied(w: Weight) -> Weight:
-    if isinstance(w, QuantWeight):
-        return QuantWeight(w.packed.copy(), w.scales.copy(), w.bits, w.group_size, w.shape)
-    return np.array(w)

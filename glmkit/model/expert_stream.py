@@ -176,13 +176,14 @@ class ExpertStreamer:
                 break
             for proj in EXPERT_PROJECTIONS:
                 name = expert_weight_name(layer, expert, proj)
-                self._pinned[name] = _copy_weight(self.container.weight(name))
+                self._pinned[name] = copy_weight(self.container.weight(name))
             used += r.nbytes
             self.stats.pinned += 1
         self.stats.pinned_bytes = used
 
 
-def _copy_weight(w: Weight) -> Weight:
+def copy_weight(w: Weight) -> Weight:
+    """A copy of the weight's arrays in anonymous memory (out of the mapping)."""
     if isinstance(w, QuantWeight):
         return QuantWeight(w.packed.copy(), w.scales.copy(), w.bits, w.group_size, w.shape)
     return w.copy()

@@ -1,0 +1,178 @@
+"""Out-of-core decode: a 256-expert model larger than the memory its process may use, page cache vs expert cache.
+
+    PYTHONPATH=. python tools/bench_stream.py --fractions none,0.7,0.5,0.3 --json /tmp/stream.json
+
+The model is the benchmark model of tools/bench_model.py with GLM-5's expert count (256 routed experts, top-8),
+converted at q4. Each run is a child process in a fresh memory cgroup (v1 or v2) whose limit is a fraction of the
+container's bytes (its own memory and the page cache it reads are both charged to it), started cold (every
+container file dropped from the page cache first): a 256-token prompt, then 64 greedy tokens (MTP off), on NumPy.
+Modes: `auto` (glm-run's default: `--device auto`, the page cache as the expert cache), `page` (the same on NumPy)
+and `cache` (`--device auto --expert-cache auto`: the operations placed as measured, one at a time).
+Printed per run: decode tok/s, TTFT, bytes read from disk per decoded token (the child's /proc/self/io), the
+expert hit rate, read-ahead recall, and the I/O bound: the expert bytes missed per decoded token over the disk
+bandwidth measured in the same run for expert-sized preads at the expert cache's queue depth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from tools.bench_model import BENCH_CONFIG, DEFAULT_WORK, ensure_bench_snapshot
+
+STREAM_CONFIG = {**BENCH_CONFIG, "n_routed_experts": 256, "n_group": 8, "topk_group": 4}
+PROMPT, TOKENS, QUEUE_DEPTH = 256, 64, 4
+
+
+def ensure_stream_snapshot(work: Path) -> Path:
+    """The 256-expert model at q4 under `work` (written and converted on first use)."""
+    return ensure_bench_snapshot("q4", work, STREAM_CONFIG)
+
+
+def drop_from_page_cache(snapshot: Path) -> None:
+    for path in snapshot.iterdir():
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def disk_bandwidth(snapshot: Path, ranges: list[tuple[str, int, int]], depth: int) -> float:
+    """GB/s of cold preads of these (file, offset, nbytes) ranges, `depth` in flight."""
+    drop_from_page_cache(snapshot)
+    fds = {name: os.open(snapshot / name, os.O_RDONLY) for name in {r[0] for r in ranges}}
+    try:
+        start = time.perf_counter()
+        with ThreadPoolExecutor(depth) as pool:
+            total = sum(pool.map(lambda r: len(os.pread(fds[r[0]], r[2], r[1])), ranges))
+        return total / (time.perf_counter() - start) / 1e9
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def new_cgroup(limit: int | None) -> Path | None:
+    """A fresh memory cgroup below this process's (v1 or v2) holding at most `limit` bytes; None: no limit."""
+    if limit is None:
+        return None
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if controllers == "" and Path("/sys/fs/cgroup/cgroup.controllers").exists():
+            group, knob = Path("/sys/fs/cgroup") / path.lstrip("/") / f"glmkit-stream-{os.getpid()}", "memory.max"
+            break
+        if "memory" in controllers.split(","):
+            group = Path("/sys/fs/cgroup/memory") / path.lstrip("/") / f"glmkit-stream-{os.getpid()}"
+            knob = "memory.limit_in_bytes"
+            break
+    else:
+        raise SystemExit("no memory cgroup controller found")
+    group.mkdir(exist_ok=True)
+    (group / knob).write_text(str(limit))
+    return group
+
+
+def run_child(snapshot: Path, mode: str, limit: int | None, timeout: float) -> dict:
+    group = new_cgroup(limit)
+    drop_from_page_cache(snapshot)
+    argv = [sys.executable, __file__, "--worker", str(snapshot), mode]
+
+    def enter() -> None:
+        if group is not None:
+            (group / "cgroup.procs").write_text(str(os.getpid()))
+
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, preexec_fn=enter,
+                              env={**os.environ, "OPENBLAS_NUM_THREADS": "2"})
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    finally:
+        if group is not None:
+            time.sleep(0.2)
+            group.rmdir()
+    if done.returncode != 0:
+        return {"error": (done.stderr.strip().splitlines() or ["?"])[-1]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def worker(snapshot: str, mode: str) -> dict:
+    import numpy as np
+
+    from glmkit.generate.engine import Engine
+    from glmkit.generate.generator import Generator
+    from glmkit.generate.sampling import Sampler, SamplingParams
+
+    def read_bytes() -> int:
+        return int(next(line.split()[1] for line in Path("/proc/self/io").read_text().splitlines()
+                        if line.startswith("read_bytes")))
+
+    start = time.perf_counter()
+    engine = Engine(snapshot, "numpy" if mode == "page" else "auto", load_tokenizer=False,
+                    expert_cache="auto" if mode == "cache" else 0)
+    prompt = np.random.default_rng(0).integers(0, engine.config.vocab_size, PROMPT).tolist()
+    gen = Generator(engine.model, eos_token_ids=(), use_mtp=False)
+    tokens, first = 0, 0.0
+    before, began = read_bytes(), time.perf_counter()
+    for _ in gen.generate(prompt, TOKENS + 1, Sampler(SamplingParams())):
+        if tokens == 0:
+            first = time.perf_counter()
+            after_prefill, stats_at = read_bytes(), dict(engine.experts.stats.to_json())
+        tokens += 1
+    end = time.perf_counter()
+    stats = engine.experts.stats.to_json()
+    out = {"mode": mode, "open_s": round(began - start, 3), "ttft_s": round(first - began, 3),
+           "decode_tok_s": round(TOKENS / (end - first), 2), "read_gb_total": round((read_bytes() - before) / 1e9, 3),
+           "read_mb_per_token": round((read_bytes() - after_prefill) / TOKENS / 1e6, 3),
+           "cache_reason": getattr(engine, "expert_cache_reason", ""), **stats}
+    if mode == "cache":
+        missed = stats["expert_bytes_read"] - stats_at["expert_bytes_read"]
+        out["expert_mb_read_per_token"] = round(missed / TOKENS / 1e6, 3)
+    engine.close()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:
+        print(json.dumps(worker(argv[1], argv[2])))
+        return 0
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--work", type=Path, default=DEFAULT_WORK.with_name("glmkit-stream-model"))
+    p.add_argument("--fractions", default="none,0.7,0.5,0.3", help="memory limits as fractions of the container")
+    p.add_argument("--modes", default="auto,page,cache")
+    p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--json", type=Path)
+    args = p.parse_args(argv)
+    from glmkit.format.reader import Container
+
+    snapshot = ensure_stream_snapshot(args.work)
+    container = Container(snapshot)
+    size = container.nbytes
+    ranges = [(r.file, r.offset, r.nbytes) for r in container.manifest.experts[::7]][:256]
+    bandwidth = disk_bandwidth(snapshot, ranges, QUEUE_DEPTH)
+    print(f"container {size / 1e9:.2f} GB, expert preads at depth {QUEUE_DEPTH}: {bandwidth:.2f} GB/s")
+    rows = []
+    for fraction in args.fractions.split(","):
+        limit = None if fraction == "none" else int(float(fraction) * size)
+        for mode in args.modes.split(","):
+            row = {"fraction": fraction, "limit_mb": None if limit is None else limit >> 20,
+                   **run_child(snapshot, mode, limit, args.timeout)}
+            if "expert_mb_read_per_token" in row and row["expert_mb_read_per_token"] > 0:
+                row["io_bound_tok_s"] = round(bandwidth * 1e3 / row["expert_mb_read_per_token"], 1)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({"bandwidth_gbs": bandwidth, "container_bytes": size, "rows": rows},
+                                        indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
