@@ -28,6 +28,7 @@ from tools.bench_model import BENCH_CONFIG, DEFAULT_WORK, ensure_bench_snapshot
 
 STREAM_CONFIG = {**BENCH_CONFIG, "n_routed_experts": 256, "n_group": 8, "topk_group": 4}
 PROMPT, TOKENS, QUEUE_DEPTH = 256, 64, 4
+MTP_CHOICES = {"off": (False,), "on": (True,), "both": (False, True)}
 
 
 def ensure_stream_snapshot(work: Path) -> Path:
@@ -79,10 +80,11 @@ def new_cgroup(limit: int | None) -> Path | None:
     return group
 
 
-def run_child(snapshot: Path, mode: str, limit: int | None, timeout: float) -> dict:
+def run_child(snapshot: Path, mode: str, limit: int | None, timeout: float, cache: str = "auto",
+              mtp: bool = False, prompt_file: Path | None = None) -> dict:
     group = new_cgroup(limit)
     drop_from_page_cache(snapshot)
-    argv = [sys.executable, __file__, "--worker", str(snapshot), mode]
+    argv = [sys.executable, __file__, "--worker", str(snapshot), mode, cache, str(int(mtp)), str(prompt_file or "")]
 
     def enter() -> None:
         if group is not None:
@@ -102,7 +104,7 @@ def run_child(snapshot: Path, mode: str, limit: int | None, timeout: float) -> d
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def worker(snapshot: str, mode: str) -> dict:
+def worker(snapshot: str, mode: str, cache: str, mtp: bool, prompt_file: str) -> dict:
     import numpy as np
 
     from glmkit.generate.engine import Engine
@@ -115,9 +117,14 @@ def worker(snapshot: str, mode: str) -> dict:
 
     start = time.perf_counter()
     engine = Engine(snapshot, "numpy" if mode == "page" else "auto", load_tokenizer=False,
-                    expert_cache="auto" if mode == "cache" else 0)
-    prompt = np.random.default_rng(0).integers(0, engine.config.vocab_size, PROMPT).tolist()
-    gen = Generator(engine.model, eos_token_ids=(), use_mtp=False)
+                    expert_cache=(cache if cache == "auto" else int(cache)) if mode == "cache" else 0)
+    if prompt_file:  # a JSON list of token ids, or of windows of them (glm-perplexity's): the first PROMPT ids
+        ids = json.loads(Path(prompt_file).read_text())
+        flat = [t for window in ids for t in window] if ids and isinstance(ids[0], list) else ids
+        prompt = [int(t) for t in flat[:PROMPT]]
+    else:
+        prompt = np.random.default_rng(0).integers(0, engine.config.vocab_size, PROMPT).tolist()
+    gen = Generator(engine.model, eos_token_ids=(), use_mtp=mtp)
     tokens, first = 0, 0.0
     before, began = read_bytes(), time.perf_counter()
     for _ in gen.generate(prompt, TOKENS + 1, Sampler(SamplingParams())):
@@ -134,6 +141,8 @@ def worker(snapshot: str, mode: str) -> dict:
     if mode == "cache":
         missed = stats["expert_bytes_read"] - stats_at["expert_bytes_read"]
         out["expert_mb_read_per_token"] = round(missed / TOKENS / 1e6, 3)
+    if mtp:
+        out["mtp_acceptance"] = gen.stats.mtp_acceptance
     engine.close()
     return out
 
@@ -141,18 +150,24 @@ def worker(snapshot: str, mode: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
-        print(json.dumps(worker(argv[1], argv[2])))
+        print(json.dumps(worker(argv[1], argv[2], argv[3], argv[4] == "1", argv[5])))
         return 0
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--work", type=Path, default=DEFAULT_WORK.with_name("glmkit-stream-model"))
     p.add_argument("--fractions", default="none,0.7,0.5,0.3", help="memory limits as fractions of the container")
     p.add_argument("--modes", default="auto,page,cache")
     p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--snapshot", type=Path, help="a converted snapshot to run instead of the 256-expert model "
+                                                 "(e.g. a q4 conversion of tests/fixtures/tiny-trained)")
+    p.add_argument("--cache", default="auto", help="the cache mode's --expert-cache (bytes or auto)")
+    p.add_argument("--mtp", default="off", help="off, on, or both (MTP speculative decoding)")
+    p.add_argument("--prompt-tokens", type=Path,
+                   help="a JSON list of token ids or of windows of them, the prompt's (default: random ids)")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     from glmkit.format.reader import Container
 
-    snapshot = ensure_stream_snapshot(args.work)
+    snapshot = args.snapshot or ensure_stream_snapshot(args.work)
     container = Container(snapshot)
     size = container.nbytes
     ranges = [(r.file, r.offset, r.nbytes) for r in container.manifest.experts[::7]][:256]
@@ -161,9 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for fraction in args.fractions.split(","):
         limit = None if fraction == "none" else int(float(fraction) * size)
-        for mode in args.modes.split(","):
-            row = {"fraction": fraction, "limit_mb": None if limit is None else limit >> 20,
-                   **run_child(snapshot, mode, limit, args.timeout)}
+        for mode, mtp in [(m, t) for m in args.modes.split(",") for t in MTP_CHOICES[args.mtp]]:
+            row = {"fraction": fraction, "limit_mb": None if limit is None else limit >> 20, "mtp": mtp,
+                   **run_child(snapshot, mode, limit, args.timeout, args.cache, mtp, args.prompt_tokens)}
             if "expert_mb_read_per_token" in row and row["expert_mb_read_per_token"] > 0:
                 row["io_bound_tok_s"] = round(bandwidth * 1e3 / row["expert_mb_read_per_token"], 1)
             rows.append(row)
