@@ -35,7 +35,7 @@ from glmkit.format.schema import EXPERT_PROJECTIONS, expert_weight_name
 from glmkit.format.tensors import Weight
 from glmkit.model.expert_stream import copy_weight, memory_limit_bytes
 from glmkit.model.layer_spec import MoESpec, layer_spec
-from glmkit.model.ops import sigmoid
+from glmkit.model.ops import likely_experts
 from glmkit.units import format_size
 
 SLOT_ALIGN = 4096  # slots start on page boundaries
@@ -201,6 +201,7 @@ class ExpertCache:
         self._predicted: dict[int, set[int]] = {}  # layer -> experts the read-ahead named for it
         self.moe = {s.index: s.ffn for s in (layer_spec(cfg, i, container.has) for i in range(cfg.num_layers_with_mtp))
                     if isinstance(s.ffn, MoESpec)}
+        self._first_moe = min(self.moe)
         self._closed = False
         self.preloader: threading.Thread | None = None  # loads the saved hot set into free slots
         if usage_file is not None:
@@ -266,7 +267,7 @@ class ExpertCache:
                     self.stats.misses += 1
                 self.scores.use(key)
                 self._push(key)
-            if layer == min(self.moe):
+            if layer == self._first_moe:  # one tick per routed token
                 self.scores.tick(len(expert_ids))
             predicted = self._predicted.pop(layer, None)
             if predicted is not None:
@@ -284,9 +285,7 @@ class ExpertCache:
         if nxt is None:
             return
         r = nxt.router
-        # the next router's choice scores on this layer's input: a cheap estimate of what it will pick
-        scores = sigmoid(normed @ np.asarray(self.weight(r.weight)).T) + self.weight(r.bias)  # [S, E]
-        likely = set(np.unique(np.argpartition(-scores, r.top_k - 1, axis=1)[:, :r.top_k]).tolist())
+        likely = set(likely_experts(normed, np.asarray(self.weight(r.weight)), self.weight(r.bias), r.top_k))
         self._predicted[layer + 1] = likely
         with self._lock:
             self.stats.predicted += len(likely)
@@ -341,7 +340,14 @@ class ExpertCache:
 
     def _load(self, key: Key, slot: int) -> list[Weight]:
         data = self.arena[slot * self.slot_bytes:(slot + 1) * self.slot_bytes]
-        views = self._read_into(key, data)
+        try:
+            views = self._read_into(key, data)
+        except BaseException:
+            with self._lock:  # the slot goes back: a failed read holds none
+                self._loading.pop(key, None)
+                self._slot.pop(key, None)
+                self._free.append(slot)
+            raise
         with self._lock:
             self._views[key] = views
             self._loading.pop(key, None)

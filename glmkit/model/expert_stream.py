@@ -27,6 +27,7 @@ import numpy as np
 from glmkit.format.reader import Container
 from glmkit.format.schema import EXPERT_PROJECTIONS, expert_weight_name
 from glmkit.format.tensors import QuantWeight, Weight
+from glmkit.model.ops import likely_experts
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 
@@ -157,10 +158,7 @@ class ExpertStreamer:
             return
         router = self.container.weight(f"model.layers.{nxt}.mlp.gate.weight")
         bias = self.container.weight(f"model.layers.{nxt}.mlp.gate.e_score_correction_bias")
-        # the next router's selection scores on this layer's input: a cheap, usually close prediction
-        scores = 1.0 / (1.0 + np.exp(-(normed @ np.asarray(router).T))) + bias
-        k = self.config.num_experts_per_tok
-        likely = np.unique(np.argpartition(-scores, k - 1, axis=1)[:, :k]).tolist()
+        likely = likely_experts(normed, np.asarray(router), bias, self.config.num_experts_per_tok)
         likely = [e for e in likely if not self._is_resident(nxt, e)]  # advising resident pages is wasted time
         if likely:
             self.container.advise_experts(nxt, likely, mmap.MADV_WILLNEED)

@@ -136,6 +136,14 @@ def moe_batch_union(x: np.ndarray, ids: np.ndarray, weights: np.ndarray,
     return out
 
 
+def likely_experts(x: np.ndarray, router: np.ndarray, bias: np.ndarray, top_k: int) -> list[int]:
+    """The experts a noaux_tc router would likely pick for rows `x [S, H]`: the union over rows of the `top_k` best
+    choice scores `sigmoid(x router^T) + bias` (groups ignored). Read-ahead applies a layer's router to the previous
+    layer's input: a cheap, usually close estimate."""
+    scores = sigmoid(x @ router.T) + bias  # [S, E]
+    return np.unique(np.argpartition(-scores, top_k - 1, axis=1)[:, :top_k]).tolist()
+
+
 def embed_rows(table: Weight, ids: np.ndarray) -> np.ndarray:
     """Embedding rows `[S, H]` float32; a quantized table dequantizes only the gathered rows."""
     if isinstance(table, QuantWeight):

@@ -111,7 +111,7 @@ def check_bindable(layers: Sequence[LayerSpec]) -> None:
     the attention, and a 'previous' selection only after a layer with an indexer (the kernels reuse its choice)."""
     if not layers:
         raise Unsupported("a model without decoder layers")
-    first, indexed = layers[0].attention, False
+    first, indexed, topk = layers[0].attention, False, index_topk(layers)
     for spec in layers:
         a = spec.attention
         where = f"layer {spec.index}"
@@ -124,7 +124,7 @@ def check_bindable(layers: Sequence[LayerSpec]) -> None:
             raise Unsupported(f"{where}: a LayerNorm around the attention")
         if a.indexer is not None and (a.indexer.key_norm.bias is None or a.indexer.head_dim < a.rope):
             raise Unsupported(f"{where}: an indexer key the token_rows kernel does not compute")
-        if a.indexer is not None and a.indexer.topk != index_topk(layers):
+        if a.indexer is not None and a.indexer.topk != topk:
             raise Unsupported(f"{where}: its indexer keeps another number of keys than the first one's")
         if a.selection == "causal" or (a.selection == "previous" and not indexed):
             raise Unsupported(f"{where}: a {a.selection!r} selection (the kernels reuse the last indexer's choice)")
