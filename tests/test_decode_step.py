@@ -24,6 +24,7 @@ from glmkit.generate.engine import Engine
 from glmkit.generate.generator import Generator
 from glmkit.generate.sampling import Sampler, SamplingParams
 from glmkit.model import expert_stream
+from glmkit.model.expert_cache import ExpertCache
 from glmkit.model.glm5 import GlmMoeDsaModel
 from tests.runtime_support import FIXTURES, Snapshots, convert, copy_with_config, opencl_test_device, oracle
 from tools.quality_int8_activations import pad_experts
@@ -176,6 +177,39 @@ def test_experts_across_files(tmp_path, direct_kernels):
     assert max(expert_launches) > 1
     assert_same(want, got)
     assert_same_rows(caches)
+
+
+@pytest.mark.parametrize("variant,preset,int8", [("tiny-trained", "q4", True), ("tiny-fp8", "q2", False)])
+def test_step_reads_experts_from_cache_slots(snapshots, direct_kernels, variant, preset, int8):
+    """The step over an expert cache's slots (top_k of them: nearly every expert misses, each layer waits for its
+    reads) gives the logits of the step on the mapping bit for bit, across the indexer's switch to top-k
+    selection, with int8 inputs and with q2's shared expert apart; the cache sees every routed expert once."""
+    kernels = in_place(direct_kernels)
+    engine = Engine(snapshots(variant, preset), "numpy", load_tokenizer=False)
+    cfg = engine.config
+
+    def backend() -> OpenCLBackend:
+        return OpenCLBackend(kernels, Placement(), int8_activations=int8, model_bytes=engine.container.nbytes)
+
+    mapped = GlmMoeDsaModel(cfg, engine.experts, backend())
+    slots = ExpertCache(engine.container, 1 << 30).slot_bytes * cfg.num_experts_per_tok
+    cache = ExpertCache(engine.container, slots)
+    cached = GlmMoeDsaModel(cfg, cache, backend(), route_hook=cache.on_route, step_experts=cache)
+    ids = np.array(oracle(variant)["full_ids"])
+    topk = cfg.index_topk
+    tokens = ids[topk - 3:topk + 5]
+    caches = mapped.new_cache(), cached.new_cache()
+    for model, kv in zip((mapped, cached), caches, strict=True):
+        model.forward(ids[:topk - 3], kv)
+    before = cache.stats.misses + cache.stats.hits
+    want, got, _ = decode_both(mapped, cached, None, tokens, caches)
+    assert isinstance(cached._step, DeviceDecodeStep) and cached._step.experts is cache
+    assert np.array_equal(want, got)
+    moe_layers = cfg.num_hidden_layers - cfg.first_k_dense_replace
+    # per token and MoE layer: its top_k experts, each once (nothing reported twice through the route hook)
+    assert cache.stats.misses + cache.stats.hits - before == len(tokens) * moe_layers * cfg.num_experts_per_tok
+    assert cache.stats.misses > cache.stats.hits and cache.stats.evictions > 0
+    cache.close()
 
 
 @pytest.mark.parametrize("split", [False, True])

@@ -577,6 +577,28 @@ def test_decode_routing(kernels, rng, norm):
             np.testing.assert_allclose(w.host[slots], weights[mine], rtol=1e-6)
             want_offs = (chosen[mine][:, None] * 6 + np.arange(6)) * 1000 + 7
             assert offs.host.reshape(-1, 6)[slots].tolist() == want_offs.tolist()
+        # the same in two launches, the places written between them (the expert cache's decode step)
+        ids2, routed_w = mirror(top_k, np.uint32), mirror(top_k)
+        mirror.launch("route_select", (1,), None, logits=mirror.of(logits).buffer,
+                      vec=mirror.of(np.concatenate([np.zeros(3), bias])).buffer, bias_off=3, n_experts=experts,
+                      n_group=n_group, topk_group=topk_group, top_k=top_k, norm=int(norm), scaling=scaling,
+                      ids=ids2.buffer, routed_w=routed_w.buffer)
+        assert ids2.host.tolist() == ids.host.tolist()
+        np.testing.assert_allclose(routed_w.host, want_w[0][order], rtol=1e-6)
+        placed = [mirror(3 * stride * 6, np.uint64), mirror(3 * stride), mirror(3 * stride, np.uint32),
+                  mirror(3 * stride, np.uint32)]
+        mirror.launch("route_place", (1,), None, routed_w=routed_w.buffer, top_k=top_k, shared=1,
+                      table=mirror.of(table.host.reshape(-1, 6)[chosen], np.uint64).buffer,
+                      buffer_of=mirror.of(buffer_of[chosen], np.uint32).buffer, n_buffers=3, offs=placed[0].buffer,
+                      slot_w=placed[1].buffer, slot_tok=placed[2].buffer, stride=stride, tok_start=placed[3].buffer)
+        for b in range(3):
+            head, used = slice(b * stride, b * stride + 2), slice(b * stride, (b + 1) * stride)
+            assert placed[3].host[head].tolist() == start.host[head].tolist()
+            assert placed[2].host[used].tolist() == tok.host[used].tolist()
+            n = int(start.host[b * stride + 1])
+            mine = slice(b * stride, b * stride + n)
+            assert placed[1].host[mine].tolist() == w.host[mine].tolist()
+            assert placed[0].host.reshape(-1, 6)[mine].tolist() == offs.host.reshape(-1, 6)[mine].tolist()
 
 
 # ---- int8 activations: the device decode step's int4 experts ----------------------------------------------

@@ -33,17 +33,27 @@ BENCH_CONFIG = {
 }
 
 
-def ensure_bench_snapshot(preset: str = "q4", work: Path = DEFAULT_WORK, config: dict | None = None) -> Path:
+def ensure_bench_snapshot(preset: str = "q4", work: Path = DEFAULT_WORK, config: dict | None = None,
+                          router_bias_std: float = 1.0) -> Path:
     """The converted benchmark model for `preset` (built on first use under `work`, and again when the preset's
-    layout has changed since); `config`: another shape than BENCH_CONFIG's."""
+    layout or the source's parameters have changed since); `config`: another shape than BENCH_CONFIG's;
+    router_bias_std: see `write_snapshot_streaming`."""
     source = work / "source"
-    if not (source / "config.json").is_file():
-        write_snapshot_streaming(source, config or BENCH_CONFIG, shards=4)
+    params = {"seed": 0, "router_bias_std": router_bias_std}
+    fresh = not (source / "config.json").is_file() or _synth_params(source) != params
+    if fresh:
+        write_snapshot_streaming(source, config or BENCH_CONFIG, shards=4, router_bias_std=router_bias_std)
     out = work / preset
-    if not (out / "manifest.json").is_file() or not layout_is_current(out, preset):
+    if fresh or not (out / "manifest.json").is_file() or not layout_is_current(out, preset):
         with contextlib.redirect_stdout(io.StringIO()):
             assert convert_main([str(source), str(out), "--preset", preset, "--quiet", "--force"]) == 0
     return out
+
+
+def _synth_params(source: Path) -> dict:
+    """The generation parameters a source was written with (`synth.json`; older sources: the defaults)."""
+    path = source / "synth.json"
+    return json.loads(path.read_text()) if path.is_file() else {"seed": 0, "router_bias_std": 1.0}
 
 
 def layout_is_current(out: Path, preset: str) -> bool:

@@ -122,16 +122,20 @@ def _fuse_experts(stored: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def write_snapshot_streaming(directory: Path, config: dict, *, shards: int = 8, fp8: bool = False,
-                             seed: int = 0) -> int:
+                             seed: int = 0, router_bias_std: float = 1.0) -> int:
     """Write a large random HF snapshot one tensor at a time (memory: one tensor); returns the bytes written.
 
     Same layout rules as `make_snapshot` (BF16, or FP8 with 128x128 `weight_scale_inv` for 2-D weights other
     than embeddings, lm_head and the router; `e_score_correction_bias` F32; per-expert names), but the
     weights are not returned and tensors are balanced over `shards` files by size. Tensor `i` is drawn from
-    `default_rng([seed, i])`, so the content does not depend on the shard count.
+    `default_rng([seed, i])`, so the content does not depend on the shard count. router_bias_std: the spread of
+    `e_score_correction_bias` (at 1.0 it outweighs the router's sigmoid scores, so every token picks nearly the
+    same experts; a small spread routes each token to its own experts, as a trained, load-balanced router does).
+    The parameters are recorded in `synth.json`.
     """
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config))
+    (directory / "synth.json").write_text(json.dumps({"seed": seed, "router_bias_std": router_bias_std}))
     (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": config.get("eos_token_id")}))
     specs = model_tensors(ModelConfig.from_dict(config))
 
@@ -185,6 +189,8 @@ def write_snapshot_streaming(directory: Path, config: dict, *, shards: int = 8, 
                     continue
                 rng = np.random.default_rng([seed, i])
                 scale = 1.0 if len(shape) == 1 else shape[-1] ** -0.5
+                if name.endswith("e_score_correction_bias"):
+                    scale = router_bias_std
                 w = rng.standard_normal(shape, dtype=np.float32) * np.float32(scale)
                 if dtype == "F8_E4M3":
                     q, pending_scale = _fp8_quantize_blocks(w)

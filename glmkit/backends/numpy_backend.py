@@ -29,7 +29,7 @@ import numpy as np
 
 from glmkit.format.config import ModelConfig
 from glmkit.format.tensors import QuantWeight, Weight
-from glmkit.model.compute import ExpertFn, moe_layer
+from glmkit.model.compute import ExpertArena, ExpertFn, moe_layer
 from glmkit.model.layer_spec import LayerSpec
 from glmkit.model.ops import apply_rope, silu, topk_mask
 
@@ -271,7 +271,8 @@ class NumpyBackend:
         if _MALLOC_TRIM is not None:
             _MALLOC_TRIM(0)
 
-    def decode_step(self, config: ModelConfig, layers: Sequence[LayerSpec], weight: Callable[[str], Weight]) -> None:
+    def decode_step(self, config: ModelConfig, layers: Sequence[LayerSpec], weight: Callable[[str], Weight],
+                    experts: ExpertArena | None = None) -> None:
         return None  # the operations above are the decode step
 
 

@@ -30,8 +30,8 @@ class Engine:
     float_activations: the device decode step's quantized products take float inputs (the reference arithmetic)
     instead of int8-quantized ones (faster: docs/BENCHMARKS.md).
     expert_cache: routed experts in a cache of this many bytes (`ExpertCache`), or "auto" (sized from the RAM the
-    process may use: `auto_cache_bytes`), instead of the page cache; single tokens then decode operation by
-    operation. expert_usage_dir: where the cache saves its usage scores (per model hash; None: not saved)."""
+    process may use: `auto_cache_bytes`), instead of the page cache (the device decode step reads them from its
+    slots). expert_usage_dir: where the cache saves its usage scores (per model hash; None: not saved)."""
 
     def __init__(self, snapshot: str | Path, device: str = "numpy", ram_budget_bytes: int = 0,
                  prefetch: bool = True, load_tokenizer: bool = True, float_activations: bool = False,
@@ -55,7 +55,7 @@ class Engine:
             cache = self.experts = ExpertCache(self.container, int(expert_cache), readahead=prefetch,
                                                usage_file=usage)
             self.model = GlmMoeDsaModel(self.config, cache, self.backend, route_hook=cache.on_route,
-                                        device_step=False)
+                                        step_experts=cache)
         else:
             self.experts = ExpertStreamer(self.container, ram_budget_bytes, prefetch)
             # a device decode step's routing is watched only when experts will come from disk: its callbacks cost

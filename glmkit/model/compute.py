@@ -89,11 +89,33 @@ class Backend(Protocol):
         """Hand memory freed since the last call back to the OS (the model calls it after a prefill)."""
         ...
 
-    def decode_step(self, config: ModelConfig, layers: Sequence[LayerSpec], weight: Callable[[str], Weight]
-                    ) -> DecodeStep | None:
+    def decode_step(self, config: ModelConfig, layers: Sequence[LayerSpec], weight: Callable[[str], Weight],
+                    experts: ExpertArena | None = None) -> DecodeStep | None:
         """A whole single-token forward of the main model, whose decoder layers `layers` describes, in one call
-        (`DecodeStep`), or None: the model then decodes through the operations above."""
+        (`DecodeStep`), or None: the model then decodes through the operations above. experts: where the routed
+        experts are read from instead of `weight` (an expert cache's slots, filled as each layer routes)."""
         ...
+
+
+class ExpertArena(Protocol):
+    """Routed experts in equal slots of one RAM arena, filled as layers route (`glmkit.model.expert_cache`): what a
+    decode step needs to read them in place."""
+
+    arena: np.ndarray  # uint8, slot s at [s * slot_bytes, (s + 1) * slot_bytes)
+    slot_bytes: int
+
+    @property
+    def slot_count(self) -> int: ...
+
+    def slot_weights(self, layer: int, slot: int) -> list[Weight]: ...
+
+    def uniform_layout(self, layer: int) -> bool: ...
+
+    def shared_slot(self, layer: int) -> int | None: ...
+
+    def on_route(self, layer: int, expert_ids: np.ndarray, normed: np.ndarray | None = None) -> None: ...
+
+    def wait_slots(self, layer: int, experts: list[int]) -> list[int]: ...
 
 
 Routes = list[tuple[int, np.ndarray]]

@@ -33,8 +33,8 @@ from glmkit.format.files import read_json_file
 from glmkit.format.reader import Container
 from glmkit.format.schema import EXPERT_PROJECTIONS, expert_weight_name
 from glmkit.format.tensors import Weight
-from glmkit.model.expert_stream import copy_weight, memory_limit_bytes
-from glmkit.model.layer_spec import MoESpec, layer_spec
+from glmkit.model.expert_stream import copy_weight, copy_weights_into, memory_limit_bytes, weights_nbytes
+from glmkit.model.layer_spec import MLPSpec, MoESpec, layer_spec
 from glmkit.model.ops import likely_experts
 from glmkit.units import format_size
 
@@ -178,15 +178,28 @@ class ExpertCache:
             raise GlmkitError(f"--expert-cache {budget_bytes} bytes holds {self.n_slots} experts of "
                               f"{self.slot_bytes} bytes; a layer routes to {cfg.num_experts_per_tok}: give at "
                               f"least {cfg.num_experts_per_tok * self.slot_bytes} bytes")
-        self.arena = np.empty(self.n_slots * self.slot_bytes, np.uint8)  # anonymous memory, touched as slots fill
+        specs = [layer_spec(cfg, i, container.has) for i in range(cfg.num_layers_with_mtp)]
+        self.moe = {s.index: s.ffn for s in specs if isinstance(s.ffn, MoESpec)}
+        # a shared expert that fits a slot is pinned in one past the routed ones: one device buffer holds a
+        # layer's routed and shared experts, as the mapping's file does
+        shared = {layer: ffn.shared for layer, ffn in self.moe.items() if ffn.shared is not None and
+                  weights_nbytes([container.weight(n) for n in ffn.shared.names]) <= self.slot_bytes}
+        self._shared_slot = {layer: self.n_slots + j for j, layer in enumerate(shared)}
+        # anonymous memory, touched as slots fill
+        self.arena = np.empty((self.n_slots + len(shared)) * self.slot_bytes, np.uint8)
         self.stats = CacheStats()
         self.scores = ExpertScores(half_life)
         self._names: dict[str, tuple[Key, int]] = {
             expert_weight_name(r.layer, r.expert, p): ((r.layer, r.expert), i)
             for r in ranges for i, p in enumerate(EXPERT_PROJECTIONS)}
         self._pinned: dict[str, Weight] = {}  # every other tensor, copied into RAM once
+        for layer, mlp in shared.items():
+            self._pin_together(mlp.names, self._slot_data(self._shared_slot[layer]))
+        for ffn in [s.ffn for s in specs if isinstance(s.ffn, MLPSpec)] + [
+                ffn.shared for layer, ffn in self.moe.items() if ffn.shared is not None and layer not in shared]:
+            self._pin_together(ffn.names)  # a dense MLP's (or shared expert's) weights in one block
         for name, entry in container.manifest.tensors.items():
-            if name not in self._names and entry.role != "scales":
+            if name not in self._names and name not in self._pinned and entry.role != "scales":
                 self._pinned[name] = copy_weight(container.weight(name))
         self._free = list(range(self.n_slots - 1, -1, -1))
         self._slot: dict[Key, int] = {}  # resident experts
@@ -199,8 +212,6 @@ class ExpertCache:
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="glmkit-experts")
         self._predicted: dict[int, set[int]] = {}  # layer -> experts the read-ahead named for it
-        self.moe = {s.index: s.ffn for s in (layer_spec(cfg, i, container.has) for i in range(cfg.num_layers_with_mtp))
-                    if isinstance(s.ffn, MoESpec)}
         self._first_moe = min(self.moe)
         self._closed = False
         self.preloader: threading.Thread | None = None  # loads the saved hot set into free slots
@@ -214,6 +225,16 @@ class ExpertCache:
                 self.preloader = threading.Thread(target=self._preload, args=(hot,), daemon=True,
                                                   name="glmkit-preload")
                 self.preloader.start()
+
+    def _slot_data(self, slot: int) -> np.ndarray:
+        return self.arena[slot * self.slot_bytes:(slot + 1) * self.slot_bytes]
+
+    def _pin_together(self, names: tuple[str, ...], data: np.ndarray | None = None) -> None:
+        """Copy these weights into RAM one after another, in `data` (default: a block of their own)."""
+        ws = [self.container.weight(n) for n in names]
+        if data is None:
+            data = np.empty(weights_nbytes(ws), np.uint8)
+        self._pinned.update(zip(names, copy_weights_into(ws, data), strict=True))
 
     # ---- the weight source the model reads ----
 
@@ -389,6 +410,54 @@ class ExpertCache:
                 self.stats.preloaded += 1
             if future is not None:
                 future.result()
+
+    # ---- slots read in place (the device decode step) ----
+
+    @property
+    def slot_count(self) -> int:
+        """Slots in the arena: the routed experts' `n_slots`, then the pinned shared experts'."""
+        return len(self.arena) // self.slot_bytes
+
+    def slot_weights(self, layer: int, slot: int) -> list[Weight]:
+        """(gate, up, down) of `layer`'s routed experts as views where slot `slot` holds one (the layout of the layer's
+        expert 0: `uniform_layout` says whether all share it); nothing is read."""
+        return self.container.expert_weights(layer, 0, self._slot_data(slot))
+
+    def uniform_layout(self, layer: int) -> bool:
+        """Whether every routed expert of `layer` lays its tensors out alike within its byte range."""
+        def layout(expert: int) -> tuple:
+            r = self.container.expert_range(layer, expert)
+            entries = [self.container.entry(expert_weight_name(layer, expert, p)) for p in EXPERT_PROJECTIONS]
+            entries += [self.container.entry(e.quant.scales) for e in entries if e.quant is not None]
+            return tuple((e.offset - r.offset, e.dtype, tuple(e.stored_shape), e.quant and
+                          (e.quant.bits, e.quant.group_size)) for e in entries)
+        return len({layout(e) for e in range(self.config.n_routed_experts)}) == 1
+
+    def shared_slot(self, layer: int) -> int | None:
+        """The slot `layer`'s shared expert is pinned in, or None (no shared expert, or one larger than a slot)."""
+        return self._shared_slot.get(layer)
+
+    def wait_slots(self, layer: int, experts: list[int]) -> list[int]:
+        """The slots of these experts of `layer` (routed by the last `on_route`) once their reads are done; a miss
+        without a slot yet claims one, waiting for reads in flight to give one back where every slot is held."""
+        started, out = time.perf_counter(), []
+        for e in experts:
+            key = (layer, e)
+            while True:
+                with self._lock:
+                    future = self._loading.get(key)
+                    if future is None and key in self._slot:
+                        out.append(self._slot[key])
+                        break
+                    if future is None:
+                        future = self._start_load(key) or next(iter(self._loading.values()), None)
+                    if future is None:
+                        raise GlmkitError(f"the expert cache's {self.n_slots} slots are all held by experts of "
+                                          f"layer {layer}")
+                future.result()
+        with self._lock:
+            self.stats.io_wait_s += time.perf_counter() - started
+        return out
 
     def resident(self, layer: int, expert: int) -> bool:
         with self._lock:

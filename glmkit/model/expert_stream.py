@@ -180,6 +180,33 @@ class ExpertStreamer:
         self.stats.pinned_bytes = used
 
 
+COPY_ALIGN = 256  # where each array of `copy_weights_into` starts (the kernels' widest loads)
+
+
+def _arrays(w: Weight) -> list[np.ndarray]:
+    return [w.packed, w.scales] if isinstance(w, QuantWeight) else [w]
+
+
+def weights_nbytes(ws: list[Weight]) -> int:
+    """The bytes `copy_weights_into` needs for these weights."""
+    return sum(-(-a.nbytes // COPY_ALIGN) * COPY_ALIGN for w in ws for a in _arrays(w))
+
+
+def copy_weights_into(ws: list[Weight], data: np.ndarray) -> list[Weight]:
+    """Copies of the weights' arrays one after another in `data` (uint8, at least `weights_nbytes(ws)` bytes),
+    each at a multiple of COPY_ALIGN: views of one block of memory, so that a fused MLP reads them in place."""
+    pos, out = 0, []
+    for w in ws:
+        copies = []
+        for a in _arrays(w):
+            copy = np.ndarray(a.shape, a.dtype, buffer=data, offset=pos)
+            copy[...] = a
+            copies.append(copy)
+            pos += -(-a.nbytes // COPY_ALIGN) * COPY_ALIGN
+        out.append(QuantWeight(*copies, w.bits, w.group_size, w.shape) if isinstance(w, QuantWeight) else copies[0])
+    return out
+
+
 def copy_weight(w: Weight) -> Weight:
     """A copy of the weight's arrays in anonymous memory (out of the mapping)."""
     if isinstance(w, QuantWeight):

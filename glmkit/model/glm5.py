@@ -20,7 +20,7 @@ import numpy as np
 from glmkit.errors import GlmkitError
 from glmkit.format.config import ModelConfig
 from glmkit.format.tensors import Weight
-from glmkit.model.compute import Backend, DecodeStep, GreedyDecode, Routes
+from glmkit.model.compute import Backend, DecodeStep, ExpertArena, GreedyDecode, Routes
 from glmkit.model.kv_cache import KVCache, LayerKV
 from glmkit.model.layer_spec import (
     EMBED,
@@ -104,21 +104,22 @@ class GlmMoeDsaModel:
     absorb_max_rows: calls appending at most this many tokens to a non-empty cache use the absorbed
     MLA path (decode, MTP verification); others (prefill, rows recomputed in place) reconstruct keys and values.
     route_hook: optional `hook(layer, expert_ids [S, k], u [S, H])` (hit/miss counting, prefetch).
-    device_step: whether single tokens may decode as the backend's decode step (which binds every weight's bytes
-    once: not where the weight source moves experts between buffers).
+    step_experts: where the backend's decode step reads the routed experts when the weight source moves them
+    between slots (an expert cache: `ExpertArena`); None: the step binds every weight's bytes once.
     """
 
     def __init__(self, config: ModelConfig, weights: WeightSource, backend: Backend,
                  absorb_max_rows: int = 4, route_hook: RouteHook | None = None,
-                 step_route_hook: Callable[[int, np.ndarray], None] | None = None, device_step: bool = True) -> None:
+                 step_route_hook: Callable[[int, np.ndarray], None] | None = None,
+                 step_experts: ExpertArena | None = None) -> None:
         self.config = config
         self.weights = weights
         self.backend = backend
         self.absorb_max_rows = absorb_max_rows
         self.route_hook = route_hook
         self.step_route_hook = step_route_hook  # a decode step's routing as it happens: `DecodeStep.watch_routes`
-        # the backend's decode step, asked for on first decode
-        self._step: DecodeStep | None | bool = False if device_step else None
+        self.step_experts = step_experts
+        self._step: DecodeStep | None | bool = False  # the backend's decode step, asked for on first decode
         self.layers = [layer_spec(config, i, weights.has) for i in range(config.num_layers_with_mtp)]
 
     def _w(self, name: str) -> Weight:
@@ -168,7 +169,8 @@ class GlmMoeDsaModel:
 
     def _decode_step(self) -> DecodeStep | None:
         if self._step is False:
-            self._step = self.backend.decode_step(self.config, self.layers[:self.config.num_hidden_layers], self._w)
+            self._step = self.backend.decode_step(self.config, self.layers[:self.config.num_hidden_layers], self._w,
+                                                  self.step_experts)
             if self._step is not None and self.step_route_hook is not None:
                 self._step.watch_routes(self.step_route_hook)
         return self._step

@@ -29,10 +29,17 @@ from glmkit.backends.numpy_backend import NumpyBackend
 from glmkit.backends.opencl.buffers import address
 from glmkit.backends.opencl.decode_graph import DeviceDecodeStep, Unsupported
 from glmkit.backends.opencl.ops import Kernels
-from glmkit.backends.opencl.weights import ClWeight, ExpertShape, WeightMemory, x8_eligible
+from glmkit.backends.opencl.weights import (
+    ClWeight,
+    ExpertShape,
+    WeightMemory,
+    fused_expert_arrays,
+    plain_f32,
+    x8_eligible,
+)
 from glmkit.format.config import ModelConfig
 from glmkit.format.tensors import QuantWeight, Weight
-from glmkit.model.compute import ExpertFn, moe_layer
+from glmkit.model.compute import ExpertArena, ExpertFn, moe_layer
 from glmkit.model.layer_spec import LayerSpec
 from glmkit.model.ops import silu
 
@@ -175,7 +182,7 @@ class OpenCLBackend:
             return cw
         if quant:
             cw = self.memory.weight(w.packed, w.scales, w.bits, w.group_size, w.shape)
-        elif _plain_f32(w):
+        elif plain_f32(w):
             cw = self.memory.weight(w, None, 32, None, w.shape)
         if cw is not None and (self.memory.unified or self.memory.is_kept(data)):
             self._views[key] = cw
@@ -188,17 +195,13 @@ class OpenCLBackend:
         hit = self._experts_by_id.get(ids)
         if hit is not None and all(a is b for a, b in zip(hit[0], (gate, up, down), strict=True)):
             return hit[1]
-        if all(isinstance(w, QuantWeight) for w in (gate, up, down)):
-            if len({(w.bits, w.group_size) for w in (gate, up, down)}) != 1:
-                return None
-            arrays = (gate.packed, gate.scales, up.packed, up.scales, down.packed, down.scales)
-        elif all(_plain_f32(w) for w in (gate, up, down)):
-            arrays = (gate, gate, up, up, down, down)  # float rows have no scales: the kernels never read them
-        else:
+        arrays = fused_expert_arrays(gate, up, down)
+        if arrays is None:
             return None
         starts = [address(a) for a in arrays]
         lo, hi = min(starts), max(s + a.nbytes for s, a in zip(starts, arrays, strict=True))
-        cache_key = (lo, hi)
+        # the same bytes may hold another expert later (a cache's slot): equal only with the same layout
+        cache_key = (lo, hi, *(s - lo for s in starts), *(a.shape for a in arrays), *(w.dtype for w in arrays))
         if cache_key in self._experts:
             return self._experts[cache_key]
         placed = self.memory.locate(lo, hi, arrays)
@@ -218,14 +221,16 @@ class OpenCLBackend:
             self._experts_by_id[ids] = ((gate, up, down), ref)
         return ref
 
-    def decode_step(self, config: ModelConfig, layers: Sequence[LayerSpec], weight: Callable[[str], Weight]
-                    ) -> DeviceDecodeStep | None:
+    def decode_step(self, config: ModelConfig, layers: Sequence[LayerSpec], weight: Callable[[str], Weight],
+                    experts: ExpertArena | None = None) -> DeviceDecodeStep | None:
         """The device decode step for this model (placement.decode_step "cl"; on a discrete device every weight
-        must fit the budget), or None: the model then decodes operation by operation."""
+        must fit the budget), or None: the model then decodes operation by operation. experts: see
+        `DeviceDecodeStep`."""
         if self.placement.decode_step != "cl" or (not self.memory.unified and self.model_bytes > self.memory.budget):
             return None
         try:
-            return DeviceDecodeStep(config, layers, weight, self._cw, self._expert_ref, self.k, self.int8_activations)
+            return DeviceDecodeStep(config, layers, weight, self._cw, self._expert_ref, self.k, self.int8_activations,
+                                    experts)
         except Unsupported:
             return None
 
@@ -415,8 +420,6 @@ def weight_budget(global_mem: int) -> int:
     return int(global_mem * 0.8)
 
 
-def _plain_f32(w: Weight) -> bool:
-    return not isinstance(w, QuantWeight) and w.dtype == np.float32 and w.ndim == 2 and w.flags.c_contiguous
 
 
 def set_blas_threads(n: int) -> int | None:

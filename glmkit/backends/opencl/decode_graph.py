@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from glmkit.backends.opencl.buffers import DeviceArray, Int8Codes
+from glmkit.backends.opencl.buffers import DeviceArray, Int8Codes, address
 from glmkit.backends.opencl.decode_launches import (
     ExpertSlots,
     bind_embed_row,
@@ -53,15 +53,17 @@ from glmkit.backends.opencl.decode_launches import (
 )
 from glmkit.backends.opencl.ops import Kernels
 from glmkit.backends.opencl.program import Launch
-from glmkit.backends.opencl.weights import X8_BLOCK, ClWeight, mvt_chunked, x8_eligible
+from glmkit.backends.opencl.weights import X8_BLOCK, ClWeight, fused_expert_arrays, mvt_chunked, x8_eligible
 from glmkit.format.config import ModelConfig
 from glmkit.format.tensors import Weight
+from glmkit.model.compute import ExpertArena
 from glmkit.model.kv_cache import KVCache
 from glmkit.model.layer_spec import EMBED, LM_HEAD, LayerSpec, MLPSpec, MoESpec, NormSpec, final_norm_spec
 from glmkit.model.ops import rope_cos_sin
 
 MAX_ROUTED_EXPERTS = 1024  # the routing kernel's private arrays (MAX_EXPERTS in decode.cl)
 MAX_EXPERT_BUFFERS = 8  # weight buffers one layer's experts may span (MAX_BUFFERS in decode.cl)
+MAX_TOPK = 64  # experts one token routes to, for the slot placement (MAX_TOPK in decode.cl)
 ID_SLOTS = 32  # routed-id buffers per MoE layer, used in turn by successive tokens: the watcher's callbacks may lag
 INITIAL_KEYS = 1024  # keys the per-key scratch buffers hold at first (they double as the context grows)
 KEY_GROUP = 16  # work-group size of the kernels with one work-item per key
@@ -139,6 +141,17 @@ class _CacheMirror:
         self.kv, self.buf, self.capacity, self.rows = kv, buf, capacity, 0
 
 
+class _ArenaLayer(NamedTuple):
+    """A MoE layer whose routed experts lie in an expert cache's slots: per token the host writes each routed
+    expert's 6 byte offsets (`table`, the layout `rel` from its slot's start) and arena chunk (`where`)."""
+
+    layer: int
+    top_k: int
+    rel: np.ndarray  # uint64 [6]
+    table: DeviceArray
+    where: DeviceArray
+
+
 class _Layer:
     """One decoder layer's bound launches, by name those whose arguments change per token (cache rows, key
     count, token parity)."""
@@ -154,6 +167,8 @@ class _Layer:
         self.values: Launch | None = None
         self.route: Launch | None = None
         self.ids: list[DeviceArray] = []  # MoE layers, per token slot: the routed expert ids
+        self.arena: _ArenaLayer | None = None  # experts in an expert cache's slots: what the host places per token
+        self.after_route: list[Launch] = []  # with `arena`: the launches queued once the host placed the experts
         self.cache_buffers: dict[str, DeviceArray] = {}  # direct devices: field -> its storage array and buffer
         self.mirrors: dict[str, _CacheMirror] = {}  # discrete devices: field -> its rows in device memory
 
@@ -165,11 +180,18 @@ class DeviceDecodeStep:
 
     routes: `(layer, expert ids [1, k])` of each MoE layer, read back after the token ran (for the route hook).
     Built once per model and backend; raises `Unsupported` when some weight cannot be used in place.
+
+    experts: the routed experts lie in an expert cache's slots (`ExpertArena`, a CPU device only). Each MoE layer's
+    routing then ends the queue: the host hands the routed ids to the cache (`on_route`: its misses are read, the
+    next layer's likely experts read ahead), waits for their slots, writes where they lie and queues the rest.
+    The slots' bytes are the container's: the logits are those of the step on the mapping (bit for bit where a
+    layer's experts lie in one buffer in both). routes are then [] (the cache saw them as they happened), and
+    greedy decoding is not pipelined (the host takes part in every token).
     """
 
     def __init__(self, cfg: ModelConfig, layers: Sequence[LayerSpec], weight: Callable[[str], Weight],
                  cw: Callable[[Weight], ClWeight | None], expert_ref: Callable, kernels: Kernels,
-                 int8_activations: bool = True) -> None:
+                 int8_activations: bool = True, experts: ExpertArena | None = None) -> None:
 
         if cfg.n_routed_experts > MAX_ROUTED_EXPERTS:
             raise Unsupported(f"{cfg.n_routed_experts} routed experts (the routing kernel holds {MAX_ROUTED_EXPERTS})")
@@ -177,6 +199,16 @@ class DeviceDecodeStep:
         self.cfg, self.specs, self.k, self.buffers = cfg, list(layers), kernels, kernels.buffers
         self.topk = index_topk(layers)
         self._weight, self._cw, self._expert_ref = weight, cw, expert_ref
+        self.experts = experts
+        if experts is not None:  # the arena in chunks no larger than one buffer may be, slot-aligned
+            if not kernels.direct:
+                raise Unsupported("an expert cache's slots are read in place: CPU OpenCL devices only")
+            self.chunk_slots = max(1, kernels.buffers.max_alloc // experts.slot_bytes)
+            n, size, per = experts.slot_count, experts.slot_bytes, self.chunk_slots
+            self.chunks = [kernels.buffers.read_only_in_place(experts.arena[s * size:min(n, s + per) * size])
+                           for s in range(0, n, per)]
+            if len(self.chunks) > MAX_EXPERT_BUFFERS:
+                raise Unsupported(f"the expert cache's arena spans {len(self.chunks)} device buffers")
         self.x8_bits = self._int8_input_bits(int8_activations)
         h, nh = cfg.hidden_size, cfg.num_attention_heads
         nope, rope, v_dim, kvl = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
@@ -416,6 +448,8 @@ class DeviceDecodeStep:
         if isinstance(ffn, MLPSpec):
             launches, self.ffn_out = self._bind_single(self._ref(ffn), self.ffn, summed=False)
             return list(launches)
+        if self.experts is not None:
+            return self._bind_arena_moe(ffn, out)
         r = ffn.router
         experts = [self._ref(ffn.expert(e)) for e in range(r.n_experts)]
         if len({scheme(ref) for ref in experts}) != 1:
@@ -431,25 +465,38 @@ class DeviceDecodeStep:
         table = self.buffers.filled([ref.offs for ref in members], np.uint64)
         buffer_of = self.buffers.filled([next(b for b, buf in enumerate(buffers) if buf is ref.buf)
                                          for ref in members], np.uint32)
-        # per buffer: its slots from `stride * b` (sub-buffers must start at base_align multiples)
-        n_slots = r.top_k + len(shared)
-        stride = self.buffers.aligned_items(n_slots)
-        layout = {"offs": (6, np.uint64), "slot_w": (1, np.float32), "slot_tok": (1, np.uint32),
-                  "tok_start": (1, np.uint32)}  # the slot arrays: values per slot, type
-        regions = {name: new(len(buffers) * stride * width, dtype) for name, (width, dtype) in layout.items()}
-        start = sum(lay.route is not None for lay in self.layers) * self.id_stride
-        ids = [DeviceArray(a.host[start:start + r.top_k], self.buffers.sub_buffer(a.buffer, 4 * start, 4 * r.top_k))
-               for a in self.route_ids]
+        regions, stride, groups = self._slot_groups(experts[0], buffers, r.top_k + len(shared), apart)
+        out.ids = self._route_ids(r.top_k)
         logits = new(r.n_experts)
         out.route = k.bind("route_noaux_tc", (1,), None, logits=logits.buffer, vec=self._vectors.buffer,
                            bias_off=self.offsets[r.bias], table=table.buffer, buffer_of=buffer_of.buffer,
                            n_buffers=len(buffers), n_experts=r.n_experts, n_group=r.n_group,
                            topk_group=r.topk_group, top_k=r.top_k, norm=int(r.norm_topk_prob), scaling=r.scaling,
-                           shared=len(shared), offs=regions["offs"].buffer, slot_w=regions["slot_w"].buffer,
-                           slot_tok=regions["slot_tok"].buffer, stride=stride, tok_start=regions["tok_start"].buffer,
-                           ids=ids[0].buffer)  # ids: set per token slot
-        out.ids = ids
-        launches = [bind_matvec(k, self._matrix(r.weight), self.u.buffer, logits.buffer), out.route]
+                           shared=len(shared), stride=stride, ids=out.ids[0].buffer,  # ids: set per token slot
+                           **{name: a.buffer for name, a in regions.items()})
+        launches = [bind_matvec(k, self._matrix(r.weight), self.u.buffer, logits.buffer), out.route, *groups]
+        if apart:
+            launches += self._bind_apart(separate)
+        return launches
+
+    def _route_ids(self, top_k: int) -> list[DeviceArray]:
+        """The next MoE layer's routed ids, per token slot (views of `route_ids`)."""
+        start = sum(lay.route is not None for lay in self.layers) * self.id_stride
+        return [DeviceArray(a.host[start:start + top_k], self.buffers.sub_buffer(a.buffer, 4 * start, 4 * top_k))
+                for a in self.route_ids]
+
+    def _slot_groups(self, ref, buffers: list, n_slots: int, apart: bool
+                     ) -> tuple[dict[str, DeviceArray], int, list[Launch]]:
+        """The slot arrays routing fills for experts with `ref`'s scheme in `buffers` (per buffer b, its slots from
+        `stride * b`: sub-buffers start at base_align multiples) and the fused launches per buffer, summed into
+        `self.ffn` where there are several (or a shared expert `apart` follows). Returns (regions, stride,
+        launches); `self.ffn_out` is their output."""
+        stride = self.buffers.aligned_items(n_slots)
+        layout = {"offs": (6, np.uint64), "slot_w": (1, np.float32), "slot_tok": (1, np.uint32),
+                  "tok_start": (1, np.uint32)}  # the slot arrays: values per slot, type
+        regions = {name: self.buffers.array(len(buffers) * stride * width, dtype)
+                   for name, (width, dtype) in layout.items()}
+        launches: list[Launch] = []
         summed = len(buffers) > 1 or apart
         for b, buf in enumerate(buffers):
             sub = {name: self.buffers.sub_buffer(regions[name].buffer, b * stride * width * np.dtype(dtype).itemsize,
@@ -457,15 +504,79 @@ class DeviceDecodeStep:
                    for name, (width, dtype) in layout.items()}
             slots = ExpertSlots(sub["offs"], sub["slot_tok"], sub["tok_start"], sub["slot_w"], n_slots)
             y = self.ffn if b == 0 else self.ffn_part
-            bound, self.ffn_out = self._bind_experts(experts[0], slots, y, buf, summed)
+            bound, self.ffn_out = self._bind_experts(ref, slots, y, buf, summed)
             launches += bound
             if b:
                 launches.append(self._add(self.ffn, self.ffn_part))
-        if apart:  # the shared expert's own launches, added after the routed sum (the model's order)
-            launches += [*self._bind_single(separate, self.ffn_part)[0], self._add(self.ffn, self.ffn_part)]
         if summed:
             self.ffn_out = self._whole(self.ffn)
-        return launches
+        return regions, stride, launches
+
+    def _bind_apart(self, shared) -> list[Launch]:
+        """A shared expert of another scheme than the routed ones: its own launches, added after the routed sum
+        (the model's order)."""
+        return [*self._bind_single(shared, self.ffn_part)[0], self._add(self.ffn, self.ffn_part)]
+
+    def _bind_arena_moe(self, ffn: MoESpec, out: _Layer) -> list[Launch]:
+        """`_bind_ffn` for routed experts in the expert cache's slots: the router and `route_select` (ids and
+        weights) close the layer's queue; after the host placed the experts (`_place`), `route_place` fills the
+        slots per arena chunk and the fused launches per chunk follow (`out.after_route`)."""
+        arena, r, k = self.experts, ffn.router, self.k
+        if not arena.uniform_layout(ffn.layer):
+            raise Unsupported(f"{r.weight}: the layer's experts are laid out unalike")
+        if r.top_k > MAX_TOPK or r.topk_group * (r.n_experts // r.n_group) < r.top_k:
+            raise Unsupported(f"{r.weight}: a routing that may choose fewer than top_k experts")
+        routed, rel = self._slot_ref(arena.slot_weights(ffn.layer, 0), 0)
+        shared_slot = None if ffn.shared is None else arena.shared_slot(ffn.layer)
+        separate = None
+        if ffn.shared is not None:
+            views = [self._weight(name) for name in ffn.shared.names]
+            if shared_slot is not None and self._slot_ref(views, shared_slot)[0].key[1:] == routed.key[1:]:
+                shared_rel = self._slot_ref(views, shared_slot)[1]
+            else:
+                separate, shared_slot = self._ref(ffn.shared), None
+        members = r.top_k + (shared_slot is not None)
+        table, where = self.buffers.array(members * 6, np.uint64), self.buffers.array(members, np.uint32)
+        if shared_slot is not None:
+            rows, chunk = self._slot_offsets(shared_rel, [shared_slot])
+            table.host[r.top_k * 6:], where.host[r.top_k] = rows.reshape(-1), chunk[0]
+        regions, stride, groups = self._slot_groups(routed, self.chunks, members, separate is not None)
+        out.ids = self._route_ids(r.top_k)
+        logits, routed_w = self.buffers.array(r.n_experts), self.buffers.array(r.top_k)
+        out.route = k.bind("route_select", (1,), None, logits=logits.buffer, vec=self._vectors.buffer,
+                           bias_off=self.offsets[r.bias], n_experts=r.n_experts, n_group=r.n_group,
+                           topk_group=r.topk_group, top_k=r.top_k, norm=int(r.norm_topk_prob), scaling=r.scaling,
+                           ids=out.ids[0].buffer, routed_w=routed_w.buffer)  # ids: set per token slot
+        place = k.bind("route_place", (1,), None, routed_w=routed_w.buffer, top_k=r.top_k,
+                       shared=int(shared_slot is not None), table=table.buffer, buffer_of=where.buffer,
+                       n_buffers=len(self.chunks), stride=stride, **{name: a.buffer for name, a in regions.items()})
+        out.arena = _ArenaLayer(ffn.layer, r.top_k, rel, table, where)
+        out.after_route = [place, *groups, *(self._bind_apart(separate) if separate is not None else ())]
+        return [bind_matvec(k, self._matrix(r.weight), self.u.buffer, logits.buffer), out.route]
+
+    def _slot_ref(self, views: Sequence[Weight], slot: int) -> tuple[Any, np.ndarray]:
+        """The fused-expert view of (gate, up, down) lying in arena slot `slot` (for its scheme and shape), and
+        the byte offsets of its 6 arrays from the slot's start (uint64 [6])."""
+        ref, arrays = self._expert_ref(*views), fused_expert_arrays(*views)
+        if ref is None or arrays is None:
+            raise Unsupported(f"slot {slot} of the expert cache: cannot run as a fused expert in place")
+        start = address(self.experts.arena) + slot * self.experts.slot_bytes
+        return ref, np.array([address(a) - start for a in arrays], np.uint64)
+
+    def _slot_offsets(self, rel: np.ndarray, slots: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """(6 byte offsets per slot `[n, 6]` in its arena chunk, the chunk `[n]`) for experts laid out as `rel`."""
+        at = np.asarray(slots, np.uint64)
+        per = np.uint64(self.chunk_slots)
+        return (at % per * np.uint64(self.experts.slot_bytes))[:, None] + rel[None, :], (at // per).astype(np.uint32)
+
+    def _place(self, layer: _Layer, slot: int) -> None:
+        """Hand the layer's routed ids (token slot `slot`) and its input to the cache, wait for their slots and
+        write where they lie for `route_place` (the device has finished the layer's routing)."""
+        a = layer.arena
+        ids = layer.ids[slot].host[:a.top_k].astype(np.int64)
+        self.experts.on_route(a.layer, ids[None, :], self.u.host[None, :].copy())
+        rows, chunk = self._slot_offsets(a.rel, self.experts.wait_slots(a.layer, ids.tolist()))
+        a.table.host[:rows.size], a.where.host[:a.top_k] = rows.reshape(-1), chunk
 
     def _add(self, y: DeviceArray, a: DeviceArray) -> Launch:
         n = self.cfg.hidden_size
@@ -569,7 +680,8 @@ class DeviceDecodeStep:
         """Append `token` (its embedding row `embed [H]`) at position `cache.length`; see the class docstring."""
         self.settle()
         self.complete(self._enqueue(cache, 0, embed), 0)
-        return self.logits.host[None, :].copy(), self.hidden.host[None, :].copy(), self.routes(0)
+        routes = self.routes(0) if self.experts is None else []
+        return self.logits.host[None, :].copy(), self.hidden.host[None, :].copy(), routes
 
     def watch_routes(self, hook: Callable[[int, np.ndarray], None]) -> None:
         """From now on call `hook(layer, expert ids [k])` as each MoE layer's routing completes on the device,
@@ -657,6 +769,11 @@ class DeviceDecodeStep:
                     event = launch.enqueue()
                     if launch is layer.route and self.watcher is not None:
                         self.watcher.watch(event, i, layer.ids[slot].host)
+                if layer.arena is not None:
+                    event.wait()
+                    self._place(layer, slot)
+                    for launch in layer.after_route:
+                        launch.enqueue()
             self.final_norm.enqueue()
             event = self.lm_head.enqueue()
             if greedy:
@@ -677,7 +794,7 @@ class DeviceDecodeStep:
                on_routes: Callable[[list], None] | None = None) -> GreedyPipeline | None:
         """Greedy decoding from `token` with one forward in flight (`GreedyPipeline`); None when the embedding
         cannot be read on the device. embed_of(token): a token's embedding row `[H]`."""
-        if self.embed is None:
+        if self.embed is None or self.experts is not None:
             return None
         return GreedyPipeline(self, cache, token, embed_of, on_routes)
 

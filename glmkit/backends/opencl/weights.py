@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from glmkit.backends.opencl.buffers import ALIGN, Buffers, address
+from glmkit.format.tensors import QuantWeight, Weight
 
 ARENA_BYTES = 256 << 20  # discrete devices: weights are uploaded into arenas of this size (or max alloc)
 BIT_SUFFIX = {32: "f32", 8: "q8", 4: "q4", 2: "q2"}  # a product kernel's weight type: mv_q4, eg_q8_x8, ...
@@ -71,6 +72,23 @@ def mvt_global(w: ClWeight, heads: int) -> tuple[int, int]:
     """matvec_t's global size: a work-item per 16-byte chunk of a row where `mvt_chunked`, else per 8 columns."""
     cols = {4: 32, 8: 16}[w.bits] if mvt_chunked(w) else 8
     return -(-w.n_in // cols), heads
+
+
+def plain_f32(w: Weight) -> bool:
+    """Whether w is a float32 matrix the kernels read as rows in place."""
+    return not isinstance(w, QuantWeight) and w.dtype == np.float32 and w.ndim == 2 and w.flags.c_contiguous
+
+
+def fused_expert_arrays(gate: Weight, up: Weight, down: Weight) -> tuple[np.ndarray, ...] | None:
+    """The 6 arrays a fused expert launch reads (gate, its scales, up, its scales, down, its scales; float weights
+    stand in for their missing scales), or None when the three do not share one scheme."""
+    if all(isinstance(w, QuantWeight) for w in (gate, up, down)):
+        if len({(w.bits, w.group_size) for w in (gate, up, down)}) != 1:
+            return None
+        return gate.packed, gate.scales, up.packed, up.scales, down.packed, down.scales
+    if all(plain_f32(w) for w in (gate, up, down)):
+        return gate, gate, up, up, down, down  # float rows have no scales: the kernels never read them
+    return None
 
 
 @dataclass(frozen=True)
@@ -142,18 +160,25 @@ class WeightMemory:
         self._arenas: list[_Arena] = []
 
     def _mapping(self, arr: np.ndarray) -> _Mapping | None:
-        """The mapping `arr` is a view of, or None."""
-        base = arr
+        """The mapping `arr` is a view of, or None. A view of an array that owns its memory (an arena of RAM copies,
+        e.g. the expert cache's slots) counts as a mapping of that array."""
+        base, root = arr, arr
         while isinstance(base, np.ndarray):
-            base = base.base
+            root, base = base, base.base
         if isinstance(base, memoryview):
             base = base.obj
-        if not isinstance(base, mmap.mmap):
-            return None
-        entry = self._maps.get(id(base))
+        if isinstance(base, mmap.mmap):
+            entry = self._maps.get(id(base))
+            if entry is None:
+                view = np.frombuffer(base, np.uint8)
+                entry = self._maps[id(base)] = _Mapping(view, address(view), view.nbytes, {})
+            return entry
+        if base is not None or root is arr or not root.flags.c_contiguous:
+            return None  # not a view, or of memory owned elsewhere
+        entry = self._maps.get(id(root))
         if entry is None:
-            view = np.frombuffer(base, np.uint8)
-            entry = self._maps[id(base)] = _Mapping(view, address(view), view.nbytes, {})
+            view = root.reshape(-1).view(np.uint8)  # holds root: its id stays this entry's
+            entry = self._maps[id(root)] = _Mapping(view, address(view), view.nbytes, {})
         return entry
 
     def locate(self, start: int, stop: int, arrays: tuple[np.ndarray, ...]) -> tuple[Any, int] | None:

@@ -276,21 +276,14 @@ __kernel void mla_decode_values(__global float* scores, __global const float* kv
 
 #define MAX_EXPERTS 1024
 #define MAX_BUFFERS 8
+#define MAX_TOPK 64
 
-/* noaux_tc routing of one token (one work-item), writing the fused expert launches' slots directly.
+/* noaux_tc selection of one token: the top_k experts' ids, ascending, into `ids`, and their weights into `w`.
  * Selection uses sigmoid(logits) + bias among the topk_group groups with the largest top-2 sums; the weights
- * are the unbiased sigmoid scores (normalized when `norm`) times `scaling`. The experts of a layer may lie in
- * several weight buffers (files of the mapping), one launch pair each: buffer_of[e] says which. Buffer b's
- * slots start at slot b * stride (offs: 6 values per slot; slot_w; slot_tok) and its slot range [0, count) is
- * at tok_start[b * stride]: its selected experts by ascending id, then the shared expert (when `shared`,
- * weight 1) if it lies there; the other slots get token 0xffffffff. table holds 6 byte offsets per expert (gate, gate scales, up,
- * up scales, down, down scales; the shared expert's last). ids: the selected experts, ascending. */
-__kernel void route_noaux_tc(__global const float* logits, __global const float* vec, uint bias_off,
-                             __global const ulong* table, __global const uint* buffer_of, uint n_buffers,
-                             uint n_experts, uint n_group, uint topk_group, uint top_k, uint norm, float scaling,
-                             uint shared, __global ulong* offs, __global float* slot_w, __global uint* slot_tok,
-                             uint stride, __global uint* tok_start, __global uint* ids) {
-    if (get_global_id(0) != 0) return;
+ * are the unbiased sigmoid scores (normalized when `norm`) times `scaling`. Returns how many were selected. */
+static uint route_choose(__global const float* logits, __global const float* vec, uint bias_off, uint n_experts,
+                         uint n_group, uint topk_group, uint top_k, uint norm, float scaling, __global uint* ids,
+                         float* w) {
     float score[MAX_EXPERTS], choice[MAX_EXPERTS];
     uchar state[MAX_EXPERTS];  /* 0: excluded, 1: candidate, 2: selected */
     const uint per = n_experts / n_group;
@@ -331,22 +324,72 @@ __kernel void route_noaux_tc(__global const float* logits, __global const float*
     float total = 0.0f;
     for (uint e = 0; e < n_experts && k < top_k; e++) {
         if (state[e] != 2) continue;
-        ids[k++] = e;
+        ids[k] = e;
+        w[k++] = score[e];
         total += score[e];
     }
+    for (uint i = 0; i < k; i++) w[i] = (norm ? w[i] / (total + 1e-20f) : w[i]) * scaling;
+    return k;
+}
+
+/* The fused expert launches' slots for k routed experts (then the shared one, weight 1, when `shared`). Member i
+ * (of k + shared) reads its 6 byte offsets (gate, gate scales, up, up scales, down, down scales) at
+ * table[row[i] * 6] and lies in weight buffer buffer_of[row[i]] (one launch pair per buffer). Buffer b's slots
+ * start at slot b * stride (offs: 6 values per slot; slot_w; slot_tok) and its slot range [0, count) is at
+ * tok_start[b * stride]: its members in order; the other slots get token 0xffffffff. */
+static void route_fill(uint k, uint shared, const uint* row, const float* w, __global const ulong* table,
+                       __global const uint* buffer_of, uint n_buffers, __global ulong* offs, __global float* slot_w,
+                       __global uint* slot_tok, uint stride, __global uint* tok_start) {
     uint count[MAX_BUFFERS];
     for (uint b = 0; b < n_buffers; b++) count[b] = 0;
-    for (uint i = 0; i <= k; i++) {
-        if (i == k && !shared) break;
-        const uint e = i < k ? ids[i] : n_experts;
-        const uint b = buffer_of[e], slot = b * stride + count[b]++;
-        slot_w[slot] = i == k ? 1.0f : (norm ? score[e] / (total + 1e-20f) : score[e]) * scaling;
+    for (uint i = 0; i < k + (shared ? 1 : 0); i++) {
+        const uint b = buffer_of[row[i]], slot = b * stride + count[b]++;
+        slot_w[slot] = i == k ? 1.0f : w[i];
         slot_tok[slot] = 0;
-        for (uint j = 0; j < 6; j++) offs[slot * 6 + j] = table[e * 6 + j];
+        for (uint j = 0; j < 6; j++) offs[slot * 6 + j] = table[row[i] * 6 + j];
     }
     for (uint b = 0; b < n_buffers; b++) {
         tok_start[b * stride] = 0;
         tok_start[b * stride + 1] = count[b];
         for (uint j = count[b]; j < stride; j++) slot_tok[b * stride + j] = 0xffffffffu;
     }
+}
+
+/* noaux_tc routing of one token (one work-item), writing the fused expert launches' slots directly: table and
+ * buffer_of per expert (the shared expert's last, at n_experts). ids: the selected experts, ascending. */
+__kernel void route_noaux_tc(__global const float* logits, __global const float* vec, uint bias_off,
+                             __global const ulong* table, __global const uint* buffer_of, uint n_buffers,
+                             uint n_experts, uint n_group, uint topk_group, uint top_k, uint norm, float scaling,
+                             uint shared, __global ulong* offs, __global float* slot_w, __global uint* slot_tok,
+                             uint stride, __global uint* tok_start, __global uint* ids) {
+    if (get_global_id(0) != 0) return;
+    float w[MAX_TOPK];
+    const uint k = route_choose(logits, vec, bias_off, n_experts, n_group, topk_group, top_k, norm, scaling, ids, w);
+    uint row[MAX_TOPK + 1];
+    for (uint i = 0; i < k; i++) row[i] = ids[i];
+    row[k] = n_experts;
+    route_fill(k, shared, row, w, table, buffer_of, n_buffers, offs, slot_w, slot_tok, stride, tok_start);
+}
+
+/* The selection alone (one work-item): ids and weights of the top_k experts, for the host to place them. */
+__kernel void route_select(__global const float* logits, __global const float* vec, uint bias_off, uint n_experts,
+                           uint n_group, uint topk_group, uint top_k, uint norm, float scaling, __global uint* ids,
+                           __global float* routed_w) {
+    if (get_global_id(0) != 0) return;
+    float w[MAX_TOPK];
+    const uint k = route_choose(logits, vec, bias_off, n_experts, n_group, topk_group, top_k, norm, scaling, ids, w);
+    for (uint i = 0; i < k; i++) routed_w[i] = w[i];
+}
+
+/* The slots of `route_select`'s top_k experts (then the shared one when `shared`) from the places the host
+ * wrote for them: table and buffer_of per member, in the order of ids (one work-item). */
+__kernel void route_place(__global const float* routed_w, uint top_k, uint shared, __global const ulong* table,
+                          __global const uint* buffer_of, uint n_buffers, __global ulong* offs,
+                          __global float* slot_w, __global uint* slot_tok, uint stride, __global uint* tok_start) {
+    if (get_global_id(0) != 0) return;
+    float w[MAX_TOPK];
+    uint row[MAX_TOPK + 1];
+    for (uint i = 0; i <= top_k; i++) row[i] = i;
+    for (uint i = 0; i < top_k; i++) w[i] = routed_w[i];
+    route_fill(top_k, shared, row, w, table, buffer_of, n_buffers, offs, slot_w, slot_tok, stride, tok_start);
 }
