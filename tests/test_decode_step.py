@@ -183,7 +183,8 @@ def test_experts_across_files(tmp_path, direct_kernels):
 def test_step_reads_experts_from_cache_slots(snapshots, direct_kernels, variant, preset, int8):
     """The step over an expert cache's slots (top_k of them: nearly every expert misses, each layer waits for its
     reads) gives the logits of the step on the mapping bit for bit, across the indexer's switch to top-k
-    selection, with int8 inputs and with q2's shared expert apart; the cache sees every routed expert once."""
+    selection, with int8 inputs and with q2's shared expert apart; where the shared expert lies in the arena (q4)
+    the resident experts' launches go first, the others' once read; the cache sees every routed expert once."""
     kernels = in_place(direct_kernels)
     engine = Engine(snapshots(variant, preset), "numpy", load_tokenizer=False)
     cfg = engine.config
@@ -195,6 +196,16 @@ def test_step_reads_experts_from_cache_slots(snapshots, direct_kernels, variant,
     slots = ExpertCache(engine.container, 1 << 30).slot_bytes * cfg.num_experts_per_tok
     cache = ExpertCache(engine.container, slots)
     cached = GlmMoeDsaModel(cfg, cache, backend(), route_hook=cache.on_route, step_experts=cache)
+    places = []  # what the step learned of each layer's experts before queueing their launches
+
+    def half_ready(layer: int, experts: list[int]) -> list[tuple[int, bool]]:
+        """Every other expert reported as still being read (all are read first: the step then launches both
+        halves apart whatever the timing)."""
+        cache.wait_slots(layer, experts)
+        places.append([(slot, i % 2 == 0) for i, (slot, _) in enumerate(slots_now(layer, experts))])
+        return places[-1]
+
+    slots_now, cache.slots_now = cache.slots_now, half_ready
     ids = np.array(oracle(variant)["full_ids"])
     topk = cfg.index_topk
     tokens = ids[topk - 3:topk + 5]
@@ -209,6 +220,8 @@ def test_step_reads_experts_from_cache_slots(snapshots, direct_kernels, variant,
     # per token and MoE layer: its top_k experts, each once (nothing reported twice through the route hook)
     assert cache.stats.misses + cache.stats.hits - before == len(tokens) * moe_layers * cfg.num_experts_per_tok
     assert cache.stats.misses > cache.stats.hits and cache.stats.evictions > 0
+    # q4: the resident experts' launches, then the others' (q2's shared expert apart: all at once)
+    assert len(places) == (len(tokens) * moe_layers if preset == "q4" else 0)
     cache.close()
 
 

@@ -30,7 +30,7 @@ STREAM_CONFIG = {**BENCH_CONFIG, "n_routed_experts": 256, "n_group": 8, "topk_gr
 # a router bias spread small next to the sigmoid scores: tokens route to their own experts (a trained router's
 # load balancing), not to the same few, so the experts a run touches outgrow the memory limits measured
 ROUTER_BIAS_STD = 0.05
-PROMPT, TOKENS, QUEUE_DEPTH = 256, 64, 4
+PROMPT, TOKENS, QUEUE_DEPTH = 256, 64, 8  # QUEUE_DEPTH: the expert cache's I/O threads
 MTP_CHOICES = {"off": (False,), "on": (True,), "both": (False, True)}
 
 
@@ -99,12 +99,16 @@ def run_child(snapshot: Path, mode: str, limit: int | None, timeout: float, cach
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f} s"}
     finally:
+        peak = None
         if group is not None:
             time.sleep(0.2)
+            knob = next((group / n for n in ("memory.max_usage_in_bytes", "memory.peak") if (group / n).exists()), None)
+            peak = None if knob is None else int(knob.read_text()) >> 20
             group.rmdir()
     if done.returncode != 0:
         return {"error": (done.stderr.strip().splitlines() or ["?"])[-1]}
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    # the group's peak: the process's memory and the page cache it read, against the limit
+    return {**json.loads(done.stdout.strip().splitlines()[-1]), "peak_mb": peak}
 
 
 def worker(snapshot: str, mode: str, cache: str, mtp: bool, prompt_file: str) -> dict:

@@ -193,10 +193,6 @@ class Container:
                                    (e.shape[0], e.shape[1])))
         return out
 
-    def data_file(self, name: str) -> BinaryIO:
-        """The open data file `name` of the manifest (for reads of its byte ranges without the mapping)."""
-        return self._files[name]
-
     def advise_experts(self, layer: int, experts: list[int], advice: int = mmap.MADV_WILLNEED) -> None:
         """madvise the byte ranges of these experts (e.g. WILLNEED to prefetch them)."""
         for expert in experts:

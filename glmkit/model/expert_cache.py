@@ -165,7 +165,7 @@ class ExpertCache:
     io_threads: reads in flight at most; usage_file: where scores persist (None: they do not). Raises GlmkitError
     when the budget holds fewer slots than one layer routes to (`num_experts_per_tok`)."""
 
-    def __init__(self, container: Container, budget_bytes: int, io_threads: int = 4, readahead: bool = True,
+    def __init__(self, container: Container, budget_bytes: int, io_threads: int = 8, readahead: bool = True,
                  usage_file: Path | None = None, half_life: float = 256.0) -> None:
         cfg = self.config = container.config
         self.container, self.readahead, self.usage_file = container, readahead, usage_file
@@ -211,6 +211,12 @@ class ExpertCache:
         self._tiebreak = 0
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="glmkit-experts")
+        # descriptors of the cache's own, with the kernel's read-ahead off (an expert is read whole, once: pages
+        # past it would be read for nothing), leaving the mapping's descriptors as they are
+        self._fds: dict[str, int] = {}
+        for name in {r.file for r in ranges}:
+            fd = self._fds[name] = os.open(container.directory / name, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         self._predicted: dict[int, set[int]] = {}  # layer -> experts the read-ahead named for it
         self._first_moe = min(self.moe)
         self._closed = False
@@ -385,7 +391,7 @@ class ExpertCache:
     def _read_into(self, key: Key, data: np.ndarray) -> list[Weight]:
         """Read the expert's byte range into `data` with pread, then drop the page cache's copy of it."""
         r = self.container.expert_range(*key)
-        fd = self.container.data_file(r.file).fileno()
+        fd = self._fds[r.file]
         view, done = memoryview(data)[:r.nbytes], 0
         while done < r.nbytes:
             n = os.preadv(fd, [view[done:]], r.offset + done)
@@ -437,6 +443,13 @@ class ExpertCache:
         """The slot `layer`'s shared expert is pinned in, or None (no shared expert, or one larger than a slot)."""
         return self._shared_slot.get(layer)
 
+    def slots_now(self, layer: int, experts: list[int]) -> list[tuple[int, bool] | None]:
+        """Per expert of `layer` (routed by the last `on_route`): (its slot, whether its read is done), or None
+        where it has no slot yet (every slot was held when it missed)."""
+        with self._lock:
+            return [None if (layer, e) not in self._slot else (self._slot[(layer, e)], (layer, e) not in self._loading)
+                    for e in experts]
+
     def wait_slots(self, layer: int, experts: list[int]) -> list[int]:
         """The slots of these experts of `layer` (routed by the last `on_route`) once their reads are done; a miss
         without a slot yet claims one, waiting for reads in flight to give one back where every slot is held."""
@@ -468,6 +481,9 @@ class ExpertCache:
         with self._lock:
             self._closed = True
         self._pool.shutdown(wait=True)
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
         if self.usage_file is not None:
             try:
                 write_usage(self.usage_file, self.container.model_hash, self.scores.normalized())

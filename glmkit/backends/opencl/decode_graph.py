@@ -68,6 +68,7 @@ ID_SLOTS = 32  # routed-id buffers per MoE layer, used in turn by successive tok
 INITIAL_KEYS = 1024  # keys the per-key scratch buffers hold at first (they double as the context grows)
 KEY_GROUP = 16  # work-group size of the kernels with one work-item per key
 NO_STAGE = 0xFFFFFFFF  # token_rows: no staging copy of the cache rows (decode.cl)
+UNUSED_SLOT = 0xFFFFFFFF  # the token of an expert slot a launch skips (quant.cl)
 
 
 class Unsupported(Exception):
@@ -150,6 +151,7 @@ class _ArenaLayer(NamedTuple):
     rel: np.ndarray  # uint64 [6]
     table: DeviceArray
     where: DeviceArray
+    masks: tuple[DeviceArray, DeviceArray] | None  # slot tokens of the launches before and after the misses' reads
 
 
 class _Layer:
@@ -169,6 +171,7 @@ class _Layer:
         self.ids: list[DeviceArray] = []  # MoE layers, per token slot: the routed expert ids
         self.arena: _ArenaLayer | None = None  # experts in an expert cache's slots: what the host places per token
         self.after_route: list[Launch] = []  # with `arena`: the launches queued once the host placed the experts
+        self.after_misses: list[Launch] = []  # with `arena.masks`: those queued once the misses are read
         self.cache_buffers: dict[str, DeviceArray] = {}  # direct devices: field -> its storage array and buffer
         self.mirrors: dict[str, _CacheMirror] = {}  # discrete devices: field -> its rows in device memory
 
@@ -485,12 +488,12 @@ class DeviceDecodeStep:
         return [DeviceArray(a.host[start:start + top_k], self.buffers.sub_buffer(a.buffer, 4 * start, 4 * top_k))
                 for a in self.route_ids]
 
-    def _slot_groups(self, ref, buffers: list, n_slots: int, apart: bool
+    def _slot_groups(self, ref, buffers: list, n_slots: int, apart: bool, launch: bool = True
                      ) -> tuple[dict[str, DeviceArray], int, list[Launch]]:
         """The slot arrays routing fills for experts with `ref`'s scheme in `buffers` (per buffer b, its slots from
         `stride * b`: sub-buffers start at base_align multiples) and the fused launches per buffer, summed into
         `self.ffn` where there are several (or a shared expert `apart` follows). Returns (regions, stride,
-        launches); `self.ffn_out` is their output."""
+        launches); `self.ffn_out` is their output. launch False: the slot arrays only."""
         stride = self.buffers.aligned_items(n_slots)
         layout = {"offs": (6, np.uint64), "slot_w": (1, np.float32), "slot_tok": (1, np.uint32),
                   "tok_start": (1, np.uint32)}  # the slot arrays: values per slot, type
@@ -498,7 +501,7 @@ class DeviceDecodeStep:
                    for name, (width, dtype) in layout.items()}
         launches: list[Launch] = []
         summed = len(buffers) > 1 or apart
-        for b, buf in enumerate(buffers):
+        for b, buf in enumerate(buffers if launch else ()):
             sub = {name: self.buffers.sub_buffer(regions[name].buffer, b * stride * width * np.dtype(dtype).itemsize,
                                                  n_slots * width * np.dtype(dtype).itemsize)
                    for name, (width, dtype) in layout.items()}
@@ -508,7 +511,7 @@ class DeviceDecodeStep:
             launches += bound
             if b:
                 launches.append(self._add(self.ffn, self.ffn_part))
-        if summed:
+        if summed and launch:
             self.ffn_out = self._whole(self.ffn)
         return regions, stride, launches
 
@@ -540,7 +543,20 @@ class DeviceDecodeStep:
         if shared_slot is not None:
             rows, chunk = self._slot_offsets(shared_rel, [shared_slot])
             table.host[r.top_k * 6:], where.host[r.top_k] = rows.reshape(-1), chunk[0]
-        regions, stride, groups = self._slot_groups(routed, self.chunks, members, separate is not None)
+        # one chunk, the shared expert in it: the resident experts' launches run while the misses are read, the
+        # others' after, over the same slots (each slot's rows are its own: the logits do not change)
+        split = len(self.chunks) == 1 and separate is None
+        masks = None
+        if split:
+            regions, stride, groups = self._slot_groups(routed, self.chunks, members, False, launch=False)
+            masks = self.buffers.array(members, np.uint32), self.buffers.array(members, np.uint32)
+            scratch = self._expert_scratch(members, routed.shape)
+            (groups, self.ffn_out), (out.after_misses, _) = (self._bind_experts(
+                routed, ExpertSlots(regions["offs"].buffer, mask.buffer, regions["tok_start"].buffer,
+                                    regions["slot_w"].buffer, members), self.ffn, self.chunks[0], False, scratch)
+                for mask in masks)
+        else:
+            regions, stride, groups = self._slot_groups(routed, self.chunks, members, separate is not None)
         out.ids = self._route_ids(r.top_k)
         logits, routed_w = self.buffers.array(r.n_experts), self.buffers.array(r.top_k)
         out.route = k.bind("route_select", (1,), None, logits=logits.buffer, vec=self._vectors.buffer,
@@ -550,7 +566,7 @@ class DeviceDecodeStep:
         place = k.bind("route_place", (1,), None, routed_w=routed_w.buffer, top_k=r.top_k,
                        shared=int(shared_slot is not None), table=table.buffer, buffer_of=where.buffer,
                        n_buffers=len(self.chunks), stride=stride, **{name: a.buffer for name, a in regions.items()})
-        out.arena = _ArenaLayer(ffn.layer, r.top_k, rel, table, where)
+        out.arena = _ArenaLayer(ffn.layer, r.top_k, rel, table, where, masks)
         out.after_route = [place, *groups, *(self._bind_apart(separate) if separate is not None else ())]
         return [bind_matvec(k, self._matrix(r.weight), self.u.buffer, logits.buffer), out.route]
 
@@ -569,14 +585,26 @@ class DeviceDecodeStep:
         per = np.uint64(self.chunk_slots)
         return (at % per * np.uint64(self.experts.slot_bytes))[:, None] + rel[None, :], (at // per).astype(np.uint32)
 
-    def _place(self, layer: _Layer, slot: int) -> None:
-        """Hand the layer's routed ids (token slot `slot`) and its input to the cache, wait for their slots and
-        write where they lie for `route_place` (the device has finished the layer's routing)."""
+    def _place(self, layer: _Layer, slot: int) -> list[int]:
+        """Hand the layer's routed ids (token slot `slot`) and its input to the cache and write where they lie
+        for `route_place` (the device has finished the layer's routing). With `masks`, the experts still being
+        read are returned (the launches of the others go first), else every read is waited for: []."""
         a = layer.arena
-        ids = layer.ids[slot].host[:a.top_k].astype(np.int64)
-        self.experts.on_route(a.layer, ids[None, :], self.u.host[None, :].copy())
-        rows, chunk = self._slot_offsets(a.rel, self.experts.wait_slots(a.layer, ids.tolist()))
+        ids = layer.ids[slot].host[:a.top_k].astype(np.int64).tolist()
+        self.experts.on_route(a.layer, np.array([ids]), self.u.host[None, :].copy())
+        now = None if a.masks is None else self.experts.slots_now(a.layer, ids)
+        if now is None or any(place is None for place in now):
+            slots, ready = self.experts.wait_slots(a.layer, ids), [True] * len(ids)
+        else:
+            slots, ready = [place[0] for place in now], [place[1] for place in now]
+        rows, chunk = self._slot_offsets(a.rel, slots)
         a.table.host[:rows.size], a.where.host[:a.top_k] = rows.reshape(-1), chunk
+        if a.masks is not None:
+            first, later = a.masks
+            members = len(first.host)  # the shared expert's slot (last, if any) runs first
+            first.host[:] = [0 if i >= a.top_k or ready[i] else UNUSED_SLOT for i in range(members)]
+            later.host[:] = [UNUSED_SLOT if i >= a.top_k or ready[i] else 0 for i in range(members)]
+        return [e for e, done in zip(ids, ready, strict=True) if not done]
 
     def _add(self, y: DeviceArray, a: DeviceArray) -> Launch:
         n = self.cfg.hidden_size
@@ -595,13 +623,18 @@ class DeviceDecodeStep:
                             filled([0, 1], np.uint32).buffer, filled([1.0]).buffer, 1)
         return self._bind_experts(ref, slots, y, ref.buf, summed)
 
-    def _bind_experts(self, ref, slots: ExpertSlots, y: DeviceArray, wbuf, summed: bool
-                      ) -> tuple[tuple[Launch, ...], Addend]:
+    def _expert_scratch(self, count: int, shape) -> tuple[DeviceArray, Any]:
+        """(hidden rows, down rows' buffer) of `count` expert slots."""
+        return self.buffers.array(count * shape.inter), self.buffers.array(count * shape.n_in).buffer
+
+    def _bind_experts(self, ref, slots: ExpertSlots, y: DeviceArray, wbuf, summed: bool,
+                      scratch: tuple[DeviceArray, Any] | None = None) -> tuple[tuple[Launch, ...], Addend]:
         """The fused launches over `slots` of experts with `ref`'s scheme in weight buffer `wbuf`, and their output
         as an addend: gate+up (with int8 inputs: and the hidden rows' quantization), down per slot, then the slots'
-        sum into y when `summed`, else the slots' down rows are the addend."""
+        sum into y when `summed`, else the slots' down rows are the addend. scratch: `_expert_scratch`'s (default:
+        new)."""
         shape = ref.shape
-        hid, part = self.buffers.array(slots.count * shape.inter), self.buffers.array(slots.count * shape.n_in).buffer
+        hid, part = scratch or self._expert_scratch(slots.count, shape)
         if self._x8(shape.bits, shape.group, shape.n_in, shape.inter):  # x: u's codes, by the post-attention norm
             launches = bind_experts_x8(self.k, wbuf, shape, self.u_x8, slots, hid.buffer,
                                        self._x8_scratch(slots.count * shape.inter), part, y.buffer, summed)
@@ -771,9 +804,14 @@ class DeviceDecodeStep:
                         self.watcher.watch(event, i, layer.ids[slot].host)
                 if layer.arena is not None:
                     event.wait()
-                    self._place(layer, slot)
+                    missing = self._place(layer, slot)
                     for launch in layer.after_route:
-                        launch.enqueue()
+                        event = launch.enqueue()
+                    if missing:
+                        self.k.flush()  # the resident experts run while the rest are read
+                        self.experts.wait_slots(layer.arena.layer, missing)
+                        for launch in layer.after_misses:
+                            event = launch.enqueue()
             self.final_norm.enqueue()
             event = self.lm_head.enqueue()
             if greedy:

@@ -103,7 +103,8 @@ def bind_experts(k: Kernels, wbuf: Any, shape: ExpertShape, x: Any, slots: Exper
                        slot_tok=slots.slot_tok, **shape.gate_up_args(), x=x, x_s=shape.n_in, hid=hid,
                        inter=shape.inter),
                 k.bind("edp_" + shape.suffix, (g_out, slots.count), l_out, wbuf=wbuf, offs=slots.offs,
-                       tok_start=slots.tok_start, **shape.down_args(), hid=hid, part=part, rows=shape.n_in))
+                       tok_start=slots.tok_start, slot_tok=slots.slot_tok, **shape.down_args(), hid=hid, part=part,
+                       rows=shape.n_in))
     return _summed(k, launches, summed, part, slots, y, shape.n_in)
 
 
@@ -119,8 +120,8 @@ def bind_experts_x8(k: Kernels, wbuf: Any, shape: ExpertShape, x_codes: Int8Code
                        inter=shape.inter),
                 bind_quantize(k, hid, shape.inter, slots.count, hid_codes),
                 k.bind(f"edp_{shape.suffix}_x8", (g_out, slots.count), l_out, wbuf=wbuf, offs=slots.offs,
-                       tok_start=slots.tok_start, **shape.down_args(), **hid_codes.args("h"), part=part,
-                       rows=shape.n_in))
+                       tok_start=slots.tok_start, slot_tok=slots.slot_tok, **shape.down_args(), **hid_codes.args("h"),
+                       part=part, rows=shape.n_in))
     return _summed(k, launches, summed, part, slots, y, shape.n_in)
 
 

@@ -74,6 +74,10 @@ class Kernels:
     def finish(self) -> None:
         self.queue.finish()
 
+    def flush(self) -> None:
+        """Hand the queued commands to the device without waiting for them."""
+        self.queue.flush()
+
     def on_complete(self, event: Any, fn: Callable[[], None]) -> None:
         """Call `fn()` from the OpenCL runtime's callback thread once the command of `event` completed."""
         event.set_callback(cl.command_execution_status.COMPLETE, lambda status: fn())
@@ -190,13 +194,14 @@ class Kernels:
         hid, part = b.out("hid", n_slots * inter * 4), b.out("part", n_slots * n_in * 4)
         g_inter, l_inter = self.rows_global(inter)
         g_out, l_out = self.rows_global(n_in)
+        tokens = b.put("slot_tok", slot_tok, np.uint32)
         self._run("quantize_x8", (n_in // X8_BLOCK, n_tok), None, x=b.put("x", x), x_s=n_in, n=n_in,
                   **x_codes.args())
-        self._run(f"eg_{shape.suffix}_x8", (g_inter, n_slots), l_inter, wbuf=wbuf, offs=ob,
-                  slot_tok=b.put("slot_tok", slot_tok, np.uint32), **shape.gate_up_args(), **x_codes.args("x"),
-                  hid=hid, inter=inter)
+        self._run(f"eg_{shape.suffix}_x8", (g_inter, n_slots), l_inter, wbuf=wbuf, offs=ob, slot_tok=tokens,
+                  **shape.gate_up_args(), **x_codes.args("x"), hid=hid, inter=inter)
         self._run("quantize_x8", (inter // X8_BLOCK, n_slots), None, x=hid, x_s=inter, n=inter, **hid_codes.args())
         evt = self._run(f"edp_{shape.suffix}_x8", (g_out, n_slots), l_out, wbuf=wbuf, offs=ob, tok_start=used,
+                        slot_tok=tokens,
                         **shape.down_args(), **hid_codes.args("h"), part=part, rows=n_in)
         part = b.get("part", (n_slots, n_in), evt) * slot_w[:, None]
         return np.stack([part[tok_start[t]:tok_start[t + 1]].sum(0) for t in range(n_tok)])

@@ -292,16 +292,18 @@ INLINE void expert_down(const int bits, __global const uchar* wbuf, __global con
  * (x8: hid's int8 codes hq, hs, hsum; else the float rows) with one work-item per (ROWS rows, slot), so the items
  * of a work-group stream one expert's rows (expert_down's items read every slot's rows: interleaved streams of a
  * few hundred bytes, far below streaming bandwidth); then expert_sum (or the next residual norm) adds
- * the slots up in expert_down's order. Slots from tok_start[1] on are unused.
+ * the slots up in expert_down's order. Slots from tok_start[1] on, and those whose token is 0xffffffff, are unused
+ * (a slot's row is then left as it is: a later launch over the same slots may fill it).
  * Global (ceil(rows / ROWS) * LANES, slots). */
 INLINE void expert_down_part(const int bits, const int x8, __global const uchar* wbuf, __global const ulong* offs,
-                             __global const uint* tok_start, uint n_in, uint row_bytes, uint group, uint n_groups,
+                             __global const uint* tok_start, __global const uint* slot_tok, uint n_in,
+                             uint row_bytes, uint group, uint n_groups,
                              __global const float* hid, __global const char* hq, __global const float* hs,
                              __global const int* hsum, __global float* part, uint rows, __local float* red) {
     const uint lane = LANES > 1 ? get_local_id(0) : 0;
     const uint r0 = (get_global_id(0) / LANES) * ROWS, slot = get_global_id(1);
     const uint nrows = r0 < rows ? umin_(ROWS, rows - r0) : 0;
-    if (slot >= tok_start[1]) return;  /* uniform over a work-group: its items share the slot */
+    if (slot >= tok_start[1] || slot_tok[slot] == 0xffffffffu) return;  /* uniform over a work-group */
     __global const ulong* o = offs + slot * 6;
     const __global uchar* down = wbuf + o[4] + (ulong)r0 * row_bytes;
     const __global float* down_sc = (const __global float*)(wbuf + o[5]) + (ulong)r0 * n_groups;
@@ -372,10 +374,10 @@ __kernel void ed_##SUFFIX(__global const uchar* wbuf, __global const ulong* offs
     expert_down(BITS, wbuf, offs, tok_start, slot_w, n_in, row_bytes, group, n_groups, hid, y, y_s, rows, red); \
 } \
 __kernel void edp_##SUFFIX(__global const uchar* wbuf, __global const ulong* offs, __global const uint* tok_start, \
-                           uint n_in, uint row_bytes, uint group, uint n_groups, __global const float* hid, \
-                           __global float* part, uint rows) { \
+                           __global const uint* slot_tok, uint n_in, uint row_bytes, uint group, uint n_groups, \
+                           __global const float* hid, __global float* part, uint rows) { \
     __local float red[LANES]; \
-    expert_down_part(BITS, 0, wbuf, offs, tok_start, n_in, row_bytes, group, n_groups, hid, 0, 0, 0, part, rows, \
+    expert_down_part(BITS, 0, wbuf, offs, tok_start, slot_tok, n_in, row_bytes, group, n_groups, hid, 0, 0, 0, part, rows, \
                      red); \
 }
 
@@ -449,11 +451,11 @@ __kernel void eg_##SUFFIX##_x8(__global const uchar* wbuf, __global const ulong*
                    red); \
 } \
 __kernel void edp_##SUFFIX##_x8(__global const uchar* wbuf, __global const ulong* offs, \
-                                __global const uint* tok_start, uint n_in, uint row_bytes, uint group, uint n_groups, \
-                                __global const char* hq, __global const float* hs, __global const int* hsum, \
-                                __global float* part, uint rows) { \
+                                __global const uint* tok_start, __global const uint* slot_tok, uint n_in, \
+                                uint row_bytes, uint group, uint n_groups, __global const char* hq, \
+                                __global const float* hs, __global const int* hsum, __global float* part, uint rows) { \
     __local float red[LANES]; \
-    expert_down_part(BITS, 1, wbuf, offs, tok_start, n_in, row_bytes, group, n_groups, 0, hq, hs, hsum, part, rows, \
+    expert_down_part(BITS, 1, wbuf, offs, tok_start, slot_tok, n_in, row_bytes, group, n_groups, 0, hq, hs, hsum, part, rows, \
                      red); \
 }
 
