@@ -14,6 +14,7 @@ from glmkit.cli.run import main as run_main
 from glmkit.generate.engine import Engine
 from glmkit.generate.generator import Generator
 from glmkit.generate.sampling import Sampler, SamplingParams
+from glmkit.model import expert_cache, expert_stream
 from tests.runtime_support import FIXTURES, convert, copy_with_config
 from tests.test_validate import flip_data_byte
 
@@ -152,6 +153,26 @@ def test_expert_cache_gives_the_same_text_and_reports_reads(snapshot, capsys, tm
     assert 0 <= cold["readahead_recall"] <= 1
     # the second run starts from the first one's usage scores: its hot set is read before it is asked for
     assert (tmp_path / "cache" / "experts").is_dir() and warm["experts_preloaded"] > 0
+
+
+def test_expert_cache_is_on_by_default_only_where_the_model_outgrows_ram(snapshot, capsys, tmp_path, monkeypatch):
+    """Where the container is larger than the RAM the process may use, glm-run keeps its experts in a cache sized
+    from that RAM (said once on stderr) unless told `--expert-cache off`; where it fits, the page cache."""
+    monkeypatch.setenv("GLMKIT_CACHE_DIR", str(tmp_path / "cache" / "prefix"))
+    runs = {}
+    for name, limit, flags in (("fits", 1 << 40, []), ("outgrows", 64 << 20, []),
+                               ("off", 64 << 20, ["--expert-cache", "off"])):
+        monkeypatch.setattr(expert_stream, "memory_limit_bytes", lambda limit=limit: limit)
+        monkeypatch.setattr(expert_cache, "memory_limit_bytes", lambda limit=limit: limit)
+        stats_path = tmp_path / f"{name}.json"
+        rc, out, err = run(capsys, snapshot, "-p", "Hello " * 12, "--max-tokens", 6, "--no-cache", "--no-mtp",
+                           "--device", "numpy", "--stats-json", stats_path, *flags)
+        assert rc == 0, err
+        runs[name] = out, err, json.loads(stats_path.read_text())
+    assert runs["fits"][0] == runs["outgrows"][0] == runs["off"][0]
+    assert "expert_bytes_read" in runs["outgrows"][2] and "expert cache" in runs["outgrows"][1]
+    for name in ("fits", "off"):
+        assert "expert_bytes_read" not in runs[name][2] and "expert cache" not in runs[name][1]
 
 
 # ---- chat ----------------------------------------------------------------------------------------

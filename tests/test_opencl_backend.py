@@ -19,8 +19,9 @@ from glmkit.cli import run as cli_run
 from glmkit.cli import validate as cli_validate
 from glmkit.errors import GlmkitError
 from glmkit.generate.engine import Engine
+from glmkit.model import expert_cache, expert_stream
 from glmkit.model.glm5 import GlmMoeDsaModel
-from tests.runtime_support import FIXTURES, VARIANTS, Snapshots, opencl_test_device
+from tests.runtime_support import FIXTURES, VARIANTS, Snapshots, convert, opencl_test_device
 
 
 @pytest.fixture(scope="module")
@@ -330,7 +331,16 @@ def test_measured_placement_runs_the_step_on_discrete_devices(snapshots, device,
         assert devices.measure(Kernels(device), container).decode_step == "host"
 
 
-def test_list_devices(device, capsys):
+def test_list_devices(device, capsys, tmp_path, monkeypatch):
     assert cli_run.main(["--list-devices"]) == 0
     out = capsys.readouterr().out
     assert device.spec in out and device.name in out and "bandwidth GB/s" in out and "GiB" in out
+    # with a snapshot: where its routed experts would live, by the RAM the process may use
+    snap = str(convert(FIXTURES / "tiny-trained", tmp_path / "q4", "q4"))
+    assert cli_run.main([snap, "--list-devices"]) == 0
+    assert f"{snap}: routed experts in the page cache" in capsys.readouterr().out
+    monkeypatch.setattr(expert_stream, "memory_limit_bytes", lambda: 64 << 20)
+    monkeypatch.setattr(expert_cache, "memory_limit_bytes", lambda: 64 << 20)
+    assert cli_run.main([snap, "--list-devices"]) == 0
+    assert f"{snap}: expert cache " in capsys.readouterr().out
+    assert cli_run.main([str(tmp_path / "missing"), "--list-devices"]) == 2

@@ -3,14 +3,17 @@
     PYTHONPATH=. python tools/bench_stream.py --fractions none,0.7,0.5,0.3 --json /tmp/stream.json
 
 The model is the benchmark model of tools/bench_model.py with GLM-5's expert count (256 routed experts, top-8),
-converted at q4. Each run is a child process in a fresh memory cgroup (v1 or v2) whose limit is a fraction of the
+its router bias drawn with a small spread so that tokens route to experts of their own (as a trained router's
+do), converted at q4. Each run is a child process in a fresh memory cgroup (v1 or v2) whose limit is a fraction of the
 container's bytes (its own memory and the page cache it reads are both charged to it), started cold (every
-container file dropped from the page cache first): a 256-token prompt, then 64 greedy tokens (MTP off), on NumPy.
-Modes: `auto` (glm-run's default: `--device auto`, the page cache as the expert cache), `page` (the same on NumPy)
-and `cache` (`--device auto --expert-cache auto`: the operations placed as measured, one at a time).
+container file dropped from the page cache first): a 256-token prompt, then 64 greedy tokens (MTP off).
+Modes: `page` (`--device auto --expert-cache off`: the page cache as the expert cache, the device decode step on
+the mapping), `cache` (`--device auto --expert-cache auto`, glm-run's default where the model outgrows the limit:
+the device decode step on the cache's slots) and `numpy` (`--device numpy --expert-cache off`).
 Printed per run: decode tok/s, TTFT, bytes read from disk per decoded token (the child's /proc/self/io), the
-expert hit rate, read-ahead recall, and the I/O bound: the expert bytes missed per decoded token over the disk
-bandwidth measured in the same run for expert-sized preads at the expert cache's queue depth.
+expert hit rate, read-ahead recall, the cgroup's peak memory, and the I/O bound: the expert bytes missed per
+decoded token over the disk bandwidth measured in the same run for expert-sized preads at the expert cache's queue
+depth.
 """
 
 from __future__ import annotations
@@ -106,7 +109,8 @@ def run_child(snapshot: Path, mode: str, limit: int | None, timeout: float, cach
             peak = None if knob is None else int(knob.read_text()) >> 20
             group.rmdir()
     if done.returncode != 0:
-        return {"error": (done.stderr.strip().splitlines() or ["?"])[-1]}
+        killed = f"killed by signal {-done.returncode} (over the memory limit?)" if done.returncode < 0 else "?"
+        return {"error": (done.stderr.strip().splitlines() or [killed])[-1]}
     # the group's peak: the process's memory and the page cache it read, against the limit
     return {**json.loads(done.stdout.strip().splitlines()[-1]), "peak_mb": peak}
 
@@ -123,7 +127,7 @@ def worker(snapshot: str, mode: str, cache: str, mtp: bool, prompt_file: str) ->
                         if line.startswith("read_bytes")))
 
     start = time.perf_counter()
-    engine = Engine(snapshot, "numpy" if mode == "page" else "auto", load_tokenizer=False,
+    engine = Engine(snapshot, "numpy" if mode == "numpy" else "auto", load_tokenizer=False,
                     expert_cache=(cache if cache == "auto" else int(cache)) if mode == "cache" else 0)
     if prompt_file:  # a JSON list of token ids, or of windows of them (glm-perplexity's): the first PROMPT ids
         ids = json.loads(Path(prompt_file).read_text())
@@ -162,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--work", type=Path, default=DEFAULT_WORK.with_name("glmkit-stream-model"))
     p.add_argument("--fractions", default="none,0.7,0.5,0.3", help="memory limits as fractions of the container")
-    p.add_argument("--modes", default="auto,page,cache")
+    p.add_argument("--modes", default="page,cache", help="page, cache, numpy (comma-separated)")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--snapshot", type=Path, help="a converted snapshot to run instead of the 256-expert model "
                                                  "(e.g. a q4 conversion of tests/fixtures/tiny-trained)")

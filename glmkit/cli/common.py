@@ -29,9 +29,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, expert_memory: bool
         parser.add_argument("--ram-budget", type=parse_size, default=0, metavar="SIZE",
                             help="pin the hottest routed experts in RAM up to SIZE (e.g. 8G); default 0 = page "
                                  "cache only")
-        parser.add_argument("--expert-cache", type=expert_cache_size, default=0, metavar="SIZE|auto",
+        parser.add_argument("--expert-cache", type=expert_cache_size, default=None, metavar="SIZE|auto|off",
                             help="keep routed experts in a cache of SIZE (e.g. 96G) read with pread, or 'auto' "
-                                 "(sized from the RAM the process may use), instead of the page cache")
+                                 "(sized from the RAM the process may use), instead of the page cache ('off'); "
+                                 "default: auto where the model is larger than that RAM, else off")
         parser.add_argument("--no-prefetch", action="store_true", help="disable router-driven expert prefetch")
     if mtp:
         group = parser.add_mutually_exclusive_group()
@@ -42,8 +43,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, expert_memory: bool
 
 
 def expert_cache_size(text: str) -> int | str:
-    """`--expert-cache`: "auto" or a size."""
-    return "auto" if text == "auto" else parse_size(text)
+    """`--expert-cache`: "auto", "off" (0) or a size."""
+    if text == "auto":
+        return "auto"
+    return 0 if text == "off" else parse_size(text)
 
 
 def engine_from_arguments(args: argparse.Namespace, load_tokenizer: bool = True) -> Engine:
@@ -51,7 +54,7 @@ def engine_from_arguments(args: argparse.Namespace, load_tokenizer: bool = True)
     An expert cache saves its usage scores beside the prefill cache (`experts/` next to its directory)."""
     engine = Engine(args.snapshot, args.device, getattr(args, "ram_budget", 0),
                     prefetch=not getattr(args, "no_prefetch", False), load_tokenizer=load_tokenizer,
-                    float_activations=args.float_activations, expert_cache=getattr(args, "expert_cache", 0),
+                    float_activations=args.float_activations, expert_cache=getattr(args, "expert_cache", None),
                     expert_usage_dir=default_cache_dir().parent)
     if engine.expert_cache_reason:
         print(f"expert cache {engine.expert_cache_reason}", file=sys.stderr)

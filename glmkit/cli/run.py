@@ -32,7 +32,8 @@ from glmkit.cli.common import (
     verify_snapshot_data,
 )
 from glmkit.errors import GlmkitError
-from glmkit.generate.engine import Engine
+from glmkit.format.reader import Container
+from glmkit.generate.engine import Engine, expert_memory_plan
 from glmkit.generate.generator import GenerationStats, Generator
 from glmkit.generate.sampling import Sampler, SamplingParams
 from glmkit.generate.tokenizer import StreamDecoder
@@ -56,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(p, expert_memory=True, mtp=True)
     p.add_argument("--list-devices", action="store_true",
                    help="list OpenCL platforms and devices with memory and measured bandwidths, then exit "
-                        "(use alone: glm-run --list-devices)")
+                        "(glm-run --list-devices; glm-run SNAPSHOT --list-devices also says where its routed "
+                        "experts would live: the page cache or an expert cache, its size and why)")
     p.add_argument("--stats-json", type=Path, metavar="PATH", help="write timing/memory statistics here")
     p.add_argument("--verify", action="store_true",
                    help="before running, check every tensor's bytes against the sha256 in the manifest (reads the "
@@ -78,10 +80,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if "--list-devices" in (sys.argv[1:] if argv is None else argv):
+    words = sys.argv[1:] if argv is None else argv
+    if "--list-devices" in words:
         from glmkit.backends.devices import list_devices_report
 
         print(list_devices_report())
+        snapshot = next((w for w in words if not w.startswith("-")), None)  # glm-run SNAP --list-devices
+        if snapshot is not None:
+            try:
+                print(f"{snapshot}: {expert_memory_plan(Container(snapshot))}")
+            except GlmkitError as e:
+                print(f"glm-run: error: {e}", file=sys.stderr)
+                return 2
         return 0
     args = build_parser().parse_args(argv)
     try:

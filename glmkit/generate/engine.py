@@ -10,8 +10,9 @@ from glmkit.format.reader import Container
 from glmkit.generate.tokenizer import ChatTokenizer, read_side_json
 from glmkit.model.compute import Backend
 from glmkit.model.expert_cache import ExpertCache, auto_cache_bytes, usage_path
-from glmkit.model.expert_stream import ExpertStreamer, outgrows_memory
+from glmkit.model.expert_stream import ExpertStreamer, memory_limit_bytes, outgrows_memory
 from glmkit.model.glm5 import GlmMoeDsaModel
+from glmkit.units import format_size
 
 
 def make_backend(device: str, container: Container | None = None, int8_activations: bool = True
@@ -31,14 +32,20 @@ class Engine:
     instead of int8-quantized ones (faster: docs/BENCHMARKS.md).
     expert_cache: routed experts in a cache of this many bytes (`ExpertCache`), or "auto" (sized from the RAM the
     process may use: `auto_cache_bytes`), instead of the page cache (the device decode step reads them from its
-    slots). expert_usage_dir: where the cache saves its usage scores (per model hash; None: not saved)."""
+    slots); 0: the page cache; None (default): "auto" where the container outgrows that RAM (`outgrows_memory`),
+    unless ram_budget_bytes pins experts or the device is a discrete GPU, else 0. expert_usage_dir: where the
+    cache saves its usage scores (per model hash; None: not saved)."""
 
     def __init__(self, snapshot: str | Path, device: str = "numpy", ram_budget_bytes: int = 0,
                  prefetch: bool = True, load_tokenizer: bool = True, float_activations: bool = False,
-                 expert_cache: int | str = 0, expert_usage_dir: Path | None = None):
+                 expert_cache: int | str | None = None, expert_usage_dir: Path | None = None):
         self.container = Container(snapshot)
         self.config = self.container.config
         self.backend, self.device = make_backend(device, self.container, not float_activations)
+        discrete = getattr(getattr(self.backend, "k", None), "direct", True) is False
+        if expert_cache is None:
+            needed = not ram_budget_bytes and not discrete and outgrows_memory(self.container)
+            expert_cache = "auto" if needed else 0
         self.experts: ExpertStreamer | ExpertCache  # the model's weight source
         self.expert_cache_reason = ""  # how an "auto" cache was sized
         if expert_cache == "auto":
@@ -46,7 +53,7 @@ class Engine:
             if expert_cache == 0:
                 raise GlmkitError(f"--expert-cache auto: no RAM left for experts ({self.expert_cache_reason})")
         if expert_cache:
-            if getattr(getattr(self.backend, "k", None), "direct", True) is False:
+            if discrete:
                 raise GlmkitError("--expert-cache: a discrete GPU holds its own copies of the weights; use it with "
                                   "--device numpy or a CPU OpenCL device")
             if ram_budget_bytes:
@@ -82,6 +89,15 @@ class Engine:
         if force_on or off:
             return force_on
         return self.config.num_nextn_predict_layers > 0 and not self.model.decodes_on_device()
+
+
+def expert_memory_plan(container: Container) -> str:
+    """Where the container's routed experts live by default (the page cache, or an expert cache and its size), with
+    the reason, in one line."""
+    if not outgrows_memory(container):
+        return (f"routed experts in the page cache: the container ({format_size(container.nbytes)}) fits the "
+                f"{format_size(memory_limit_bytes())} the process may use")
+    return f"expert cache {auto_cache_bytes(container)[1]}"
 
 
 def _eos_ids(snapshot: Path, from_config: tuple[int, ...]) -> tuple[int, ...]:

@@ -304,10 +304,14 @@ class ExpertCache:
                 key = (layer, e)
                 if key not in self._slot and self._start_load(key) is None:
                     break  # every slot holds an expert of this layer: the rest are read as they run
-        if self.readahead and normed is not None:
-            self._read_ahead(layer, normed)
+        if normed is not None:
+            self.read_ahead(layer, normed)
 
-    def _read_ahead(self, layer: int, normed: np.ndarray) -> None:
+    def read_ahead(self, layer: int, normed: np.ndarray) -> None:
+        """Start reading the experts layer `layer + 1`'s router picks for `normed [S, H]` (layer `layer`'s MoE input)
+        that are not cached (when read-ahead is on)."""
+        if not self.readahead:
+            return
         nxt = self.moe.get(layer + 1) if layer + 1 < self.config.num_hidden_layers else None
         if nxt is None:
             return

@@ -185,8 +185,9 @@ class DeviceDecodeStep:
     Built once per model and backend; raises `Unsupported` when some weight cannot be used in place.
 
     experts: the routed experts lie in an expert cache's slots (`ExpertArena`, a CPU device only). Each MoE layer's
-    routing then ends the queue: the host hands the routed ids to the cache (`on_route`: its misses are read, the
-    next layer's likely experts read ahead), waits for their slots, writes where they lie and queues the rest.
+    routing then ends the queue: the host hands the routed ids to the cache (`on_route`: its misses are read),
+    writes where they lie, queues the launches of those already read, names the next layer's likely experts to the
+    cache (`read_ahead`), waits for the rest and queues theirs.
     The slots' bytes are the container's: the logits are those of the step on the mapping (bit for bit where a
     layer's experts lie in one buffer in both). routes are then [] (the cache saw them as they happened), and
     greedy decoding is not pipelined (the host takes part in every token).
@@ -591,7 +592,7 @@ class DeviceDecodeStep:
         read are returned (the launches of the others go first), else every read is waited for: []."""
         a = layer.arena
         ids = layer.ids[slot].host[:a.top_k].astype(np.int64).tolist()
-        self.experts.on_route(a.layer, np.array([ids]), self.u.host[None, :].copy())
+        self.experts.on_route(a.layer, np.array([ids]))
         now = None if a.masks is None else self.experts.slots_now(a.layer, ids)
         if now is None or any(place is None for place in now):
             slots, ready = self.experts.wait_slots(a.layer, ids), [True] * len(ids)
@@ -807,8 +808,9 @@ class DeviceDecodeStep:
                     missing = self._place(layer, slot)
                     for launch in layer.after_route:
                         event = launch.enqueue()
+                    self.k.flush()  # the resident experts run while the next layer's are named and the rest read
+                    self.experts.read_ahead(layer.arena.layer, self.u.host[None, :])
                     if missing:
-                        self.k.flush()  # the resident experts run while the rest are read
                         self.experts.wait_slots(layer.arena.layer, missing)
                         for launch in layer.after_misses:
                             event = launch.enqueue()
