@@ -181,8 +181,8 @@ def test_experts_across_files(tmp_path, direct_kernels):
 
 @pytest.mark.parametrize("variant,preset,int8", [("tiny-trained", "q4", True), ("tiny-fp8", "q2", False)])
 def test_step_reads_experts_from_cache_slots(snapshots, direct_kernels, variant, preset, int8):
-    """The step over an expert cache's slots (top_k of them: nearly every expert misses, each layer waits for its
-    reads) gives the logits of the step on the mapping bit for bit, across the indexer's switch to top-k
+    """After the same prefill rows, the step over an expert cache's slots (top_k of them: nearly every expert
+    misses, each layer waits for its reads) gives the logits of the step on the mapping bit for bit, across the indexer's switch to top-k
     selection, with int8 inputs and with q2's shared expert apart; where the shared expert lies in the arena (q4)
     the resident experts' launches go first, the others' once read; the cache sees every routed expert once."""
     kernels = in_place(direct_kernels)
@@ -210,8 +210,9 @@ def test_step_reads_experts_from_cache_slots(snapshots, direct_kernels, variant,
     topk = cfg.index_topk
     tokens = ids[topk - 3:topk + 5]
     caches = mapped.new_cache(), cached.new_cache()
-    for model, kv in zip((mapped, cached), caches, strict=True):
-        model.forward(ids[:topk - 3], kv)
+    mapped.forward(ids[:topk - 3], caches[0])
+    for a, b in zip(*(c.layers for c in caches), strict=True):  # the same prefill rows for both
+        b.append(**{name: a.rows(name) for name in ("kv_lat", "k_rot", "index_k")[:3 if a.has_index else 2]})
     before = cache.stats.misses + cache.stats.hits
     want, got, _ = decode_both(mapped, cached, None, tokens, caches)
     assert isinstance(cached._step, DeviceDecodeStep) and cached._step.experts is cache

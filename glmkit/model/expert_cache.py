@@ -33,7 +33,13 @@ from glmkit.format.files import read_json_file
 from glmkit.format.reader import Container
 from glmkit.format.schema import EXPERT_PROJECTIONS, expert_weight_name
 from glmkit.format.tensors import Weight
-from glmkit.model.expert_stream import copy_weight, copy_weights_into, memory_limit_bytes, weights_nbytes
+from glmkit.model.expert_stream import (
+    anonymous_bytes,
+    copy_weight,
+    copy_weights_into,
+    memory_limit_bytes,
+    weights_nbytes,
+)
 from glmkit.model.layer_spec import MLPSpec, MoESpec, layer_spec
 from glmkit.model.ops import likely_experts
 from glmkit.units import format_size
@@ -185,8 +191,7 @@ class ExpertCache:
         shared = {layer: ffn.shared for layer, ffn in self.moe.items() if ffn.shared is not None and
                   weights_nbytes([container.weight(n) for n in ffn.shared.names]) <= self.slot_bytes}
         self._shared_slot = {layer: self.n_slots + j for j, layer in enumerate(shared)}
-        # anonymous memory, touched as slots fill
-        self.arena = np.empty((self.n_slots + len(shared)) * self.slot_bytes, np.uint8)
+        self.arena = anonymous_bytes((self.n_slots + len(shared)) * self.slot_bytes)
         self.stats = CacheStats()
         self.scores = ExpertScores(half_life)
         self._names: dict[str, tuple[Key, int]] = {
@@ -239,7 +244,7 @@ class ExpertCache:
         """Copy these weights into RAM one after another, in `data` (default: a block of their own)."""
         ws = [self.container.weight(n) for n in names]
         if data is None:
-            data = np.empty(weights_nbytes(ws), np.uint8)
+            data = anonymous_bytes(weights_nbytes(ws))
         self._pinned.update(zip(names, copy_weights_into(ws, data), strict=True))
 
     # ---- the weight source the model reads ----

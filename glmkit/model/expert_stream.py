@@ -187,6 +187,12 @@ def _arrays(w: Weight) -> list[np.ndarray]:
     return [w.packed, w.scales] if isinstance(w, QuantWeight) else [w]
 
 
+def anonymous_bytes(nbytes: int) -> np.ndarray:
+    """`nbytes` of anonymous memory (uint8, zero until written; pages taken as they are touched) over a mapping:
+    weights copied there are used in place by the OpenCL backend, as the container's mapped ones are."""
+    return np.frombuffer(mmap.mmap(-1, max(nbytes, 1)), np.uint8)[:nbytes]
+
+
 def weights_nbytes(ws: list[Weight]) -> int:
     """The bytes `copy_weights_into` needs for these weights."""
     return sum(-(-a.nbytes // COPY_ALIGN) * COPY_ALIGN for w in ws for a in _arrays(w))

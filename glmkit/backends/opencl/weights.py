@@ -160,25 +160,19 @@ class WeightMemory:
         self._arenas: list[_Arena] = []
 
     def _mapping(self, arr: np.ndarray) -> _Mapping | None:
-        """The mapping `arr` is a view of, or None. A view of an array that owns its memory (an arena of RAM copies,
-        e.g. the expert cache's slots) counts as a mapping of that array."""
-        base, root = arr, arr
+        """The mapping `arr` is a view of (a file's, or anonymous memory mapped to hold weights in one block, e.g.
+        the expert cache's slots), or None."""
+        base = arr
         while isinstance(base, np.ndarray):
-            root, base = base, base.base
+            base = base.base
         if isinstance(base, memoryview):
             base = base.obj
-        if isinstance(base, mmap.mmap):
-            entry = self._maps.get(id(base))
-            if entry is None:
-                view = np.frombuffer(base, np.uint8)
-                entry = self._maps[id(base)] = _Mapping(view, address(view), view.nbytes, {})
-            return entry
-        if base is not None or root is arr or not root.flags.c_contiguous:
-            return None  # not a view, or of memory owned elsewhere
-        entry = self._maps.get(id(root))
+        if not isinstance(base, mmap.mmap):
+            return None
+        entry = self._maps.get(id(base))
         if entry is None:
-            view = root.reshape(-1).view(np.uint8)  # holds root: its id stays this entry's
-            entry = self._maps[id(root)] = _Mapping(view, address(view), view.nbytes, {})
+            view = np.frombuffer(base, np.uint8)
+            entry = self._maps[id(base)] = _Mapping(view, address(view), view.nbytes, {})
         return entry
 
     def locate(self, start: int, stop: int, arrays: tuple[np.ndarray, ...]) -> tuple[Any, int] | None:
