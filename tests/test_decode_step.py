@@ -23,7 +23,7 @@ from glmkit.cli import validate as cli_validate
 from glmkit.generate.engine import Engine
 from glmkit.generate.generator import Generator
 from glmkit.generate.sampling import Sampler, SamplingParams
-from glmkit.model import expert_stream
+from glmkit.model import expert_cache, expert_stream
 from glmkit.model.expert_cache import ExpertCache
 from glmkit.model.glm5 import GlmMoeDsaModel
 from tests.runtime_support import FIXTURES, Snapshots, convert, copy_with_config, opencl_test_device, oracle
@@ -182,9 +182,10 @@ def test_experts_across_files(tmp_path, direct_kernels):
 @pytest.mark.parametrize("variant,preset,int8", [("tiny-trained", "q4", True), ("tiny-fp8", "q2", False)])
 def test_step_reads_experts_from_cache_slots(snapshots, direct_kernels, variant, preset, int8):
     """After the same prefill rows, the step over an expert cache's slots (top_k of them: nearly every expert
-    misses, each layer waits for its reads) gives the logits of the step on the mapping bit for bit, across the indexer's switch to top-k
-    selection, with int8 inputs and with q2's shared expert apart; where the shared expert lies in the arena (q4)
-    the resident experts' launches go first, the others' once read; the cache sees every routed expert once."""
+    misses, each layer waits for its reads) gives the logits of the step on the mapping bit for bit, across the
+    indexer's switch to top-k selection, with int8 inputs and with q2's shared expert apart; where the shared
+    expert lies in the arena (q4) the resident experts' launches go first, the others' once read; the cache sees
+    every routed expert once."""
     kernels = in_place(direct_kernels)
     engine = Engine(snapshots(variant, preset), "numpy", load_tokenizer=False)
     cfg = engine.config
@@ -450,6 +451,9 @@ def test_routes_watched_as_they_happen(snapshots, direct_kernels, monkeypatch):
         (layer, tuple(ids)) for layer, ids in seen)
     assert Engine(snap, "opencl", load_tokenizer=False).model.step_route_hook is None  # fits in RAM
     monkeypatch.setattr(expert_stream, "memory_limit_bytes", lambda: 1 << 20)
-    watched = Engine(snap, "opencl", load_tokenizer=False)
+    monkeypatch.setattr(expert_cache, "memory_limit_bytes", lambda: 1 << 20)
+    # 1 MB holds no expert cache (one layer's experts): the page cache streams them, the step's routing watched
+    assert isinstance(Engine(snap, "opencl", load_tokenizer=False).experts, expert_stream.ExpertStreamer)
+    watched = Engine(snap, "opencl", load_tokenizer=False, expert_cache=0)
     assert watched.model.step_route_hook == watched.experts.advise_routed
-    assert not Engine(snap, "opencl", load_tokenizer=False, prefetch=False).model.step_route_hook
+    assert not Engine(snap, "opencl", load_tokenizer=False, expert_cache=0, prefetch=False).model.step_route_hook

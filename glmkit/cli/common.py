@@ -57,7 +57,7 @@ def engine_from_arguments(args: argparse.Namespace, load_tokenizer: bool = True)
                     float_activations=args.float_activations, expert_cache=getattr(args, "expert_cache", None),
                     expert_usage_dir=default_cache_dir().parent)
     if engine.expert_cache_reason:
-        print(f"expert cache {engine.expert_cache_reason}", file=sys.stderr)
+        print(engine.expert_cache_reason, file=sys.stderr)
     return engine
 
 

@@ -33,7 +33,7 @@ from glmkit.cli.common import (
 )
 from glmkit.errors import GlmkitError
 from glmkit.format.reader import Container
-from glmkit.generate.engine import Engine, expert_memory_plan
+from glmkit.generate.engine import Engine, default_expert_cache
 from glmkit.generate.generator import GenerationStats, Generator
 from glmkit.generate.sampling import Sampler, SamplingParams
 from glmkit.generate.tokenizer import StreamDecoder
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         snapshot = next((w for w in words if not w.startswith("-")), None)  # glm-run SNAP --list-devices
         if snapshot is not None:
             try:
-                print(f"{snapshot}: {expert_memory_plan(Container(snapshot))}")
+                print(f"{snapshot}: {default_expert_cache(Container(snapshot))[1]}")
             except GlmkitError as e:
                 print(f"glm-run: error: {e}", file=sys.stderr)
                 return 2

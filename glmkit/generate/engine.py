@@ -9,7 +9,7 @@ from glmkit.errors import GlmkitError
 from glmkit.format.reader import Container
 from glmkit.generate.tokenizer import ChatTokenizer, read_side_json
 from glmkit.model.compute import Backend
-from glmkit.model.expert_cache import ExpertCache, auto_cache_bytes, usage_path
+from glmkit.model.expert_cache import ExpertCache, auto_cache_bytes, expert_slot_bytes, usage_path
 from glmkit.model.expert_stream import ExpertStreamer, memory_limit_bytes, outgrows_memory
 from glmkit.model.glm5 import GlmMoeDsaModel
 from glmkit.units import format_size
@@ -43,15 +43,16 @@ class Engine:
         self.config = self.container.config
         self.backend, self.device = make_backend(device, self.container, not float_activations)
         discrete = getattr(getattr(self.backend, "k", None), "direct", True) is False
-        if expert_cache is None:
-            needed = not ram_budget_bytes and not discrete and outgrows_memory(self.container)
-            expert_cache = "auto" if needed else 0
         self.experts: ExpertStreamer | ExpertCache  # the model's weight source
         self.expert_cache_reason = ""  # how an "auto" cache was sized
-        if expert_cache == "auto":
-            expert_cache, self.expert_cache_reason = auto_cache_bytes(self.container)
+        if expert_cache is None:
+            expert_cache, why = (0, "") if ram_budget_bytes or discrete else default_expert_cache(self.container)
+            self.expert_cache_reason = why if expert_cache else ""
+        elif expert_cache == "auto":
+            expert_cache, why = auto_cache_bytes(self.container)
             if expert_cache == 0:
-                raise GlmkitError(f"--expert-cache auto: no RAM left for experts ({self.expert_cache_reason})")
+                raise GlmkitError(f"--expert-cache auto: no RAM left for experts ({why})")
+            self.expert_cache_reason = f"expert cache {why}"
         if expert_cache:
             if discrete:
                 raise GlmkitError("--expert-cache: a discrete GPU holds its own copies of the weights; use it with "
@@ -91,13 +92,17 @@ class Engine:
         return self.config.num_nextn_predict_layers > 0 and not self.model.decodes_on_device()
 
 
-def expert_memory_plan(container: Container) -> str:
-    """Where the container's routed experts live by default (the page cache, or an expert cache and its size), with
-    the reason, in one line."""
-    if not outgrows_memory(container):
-        return (f"routed experts in the page cache: the container ({format_size(container.nbytes)}) fits the "
-                f"{format_size(memory_limit_bytes())} the process may use")
-    return f"expert cache {auto_cache_bytes(container)[1]}"
+def default_expert_cache(container: Container) -> tuple[int, str]:
+    """Where the container's routed experts live by default: (the bytes of an expert cache, or 0 for the page
+    cache; why, in one line). A cache where the container outgrows the RAM the process may use and that RAM still
+    holds one layer's routed experts."""
+    if not container.manifest.experts or not outgrows_memory(container):
+        return 0, (f"routed experts in the page cache: the container ({format_size(container.nbytes)}) fits the "
+                   f"{format_size(memory_limit_bytes())} the process may use")
+    size, why = auto_cache_bytes(container)
+    if size < container.config.num_experts_per_tok * expert_slot_bytes(container):
+        return 0, f"routed experts in the page cache: an expert cache would get {why}, less than one layer's"
+    return size, f"expert cache {why}"
 
 
 def _eos_ids(snapshot: Path, from_config: tuple[int, ...]) -> tuple[int, ...]:

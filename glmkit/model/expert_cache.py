@@ -150,6 +150,11 @@ def write_usage(path: Path, model_hash: str, scores: dict[Key, float]) -> None:
     os.replace(tmp, path)
 
 
+def expert_slot_bytes(container: Container) -> int:
+    """The bytes of one slot of an expert cache over `container`: its largest routed expert, whole pages."""
+    return -(-max(r.nbytes for r in container.manifest.experts) // SLOT_ALIGN) * SLOT_ALIGN
+
+
 def auto_cache_bytes(container: Container, reserve_bytes: int | None = None) -> tuple[int, str]:
     """A cache size from the RAM this process may use (`memory_limit_bytes`: the cgroup's limit or the machine's),
     less the non-expert weights it copies into RAM and `reserve_bytes` for the process, KV cache and activations
@@ -178,7 +183,7 @@ class ExpertCache:
         ranges = container.manifest.experts
         if not ranges:
             raise GlmkitError(f"{container.directory}: no routed experts to cache")
-        self.slot_bytes = -(-max(r.nbytes for r in ranges) // SLOT_ALIGN) * SLOT_ALIGN
+        self.slot_bytes = expert_slot_bytes(container)
         self.n_slots = budget_bytes // self.slot_bytes
         if self.n_slots < cfg.num_experts_per_tok:
             raise GlmkitError(f"--expert-cache {budget_bytes} bytes holds {self.n_slots} experts of "
