@@ -18,6 +18,8 @@ import uvicorn
 
 from glmkit.cli.run import main as run_main
 from glmkit.cli.serve import build_app, build_parser
+from glmkit.generate.engine import Engine
+from glmkit.model.expert_cache import ExpertCache
 from glmkit.serve.app import Loaded, ServeConfig, create_app
 from glmkit.serve.scheduler import Done, GenRequest, Text
 
@@ -431,6 +433,32 @@ def test_requests_are_interleaved_and_health_stays_responsive(server, client, mo
     assert max(times[0][0], times[1][0]) < min(times[0][-1], times[1][-1])
     assert stats(server)["max_active_seen"] >= 2
     assert max(health_s) < 1.0
+
+
+def test_a_slow_disk_never_stalls_health(snapshot, tmp_path, model, monkeypatch):
+    """glm-serve over an expert cache whose every read takes 0.2 s: the reads hold up the request's tokens, not
+    /health."""
+    read = ExpertCache._read_into
+    monkeypatch.setattr(ExpertCache, "_read_into", lambda self, key, data: (time.sleep(0.2), read(self, key, data))[1])
+    engine = Engine(snapshot)
+    budget = 2 * engine.config.num_experts_per_tok * ExpertCache(engine.container, 1 << 30).slot_bytes
+    srv = ServerThread(build_app(serve_args(snapshot, tmp_path, "--expert-cache", str(budget)))).start()
+    try:
+        done: list[Any] = []
+        worker = threading.Thread(target=lambda: done.append(srv.client().completions.create(
+            model=model, prompt="Story:", max_tokens=6, temperature=0, extra_body=IGNORE_EOS)))
+        worker.start()
+        health_s = []
+        while worker.is_alive():
+            start = time.monotonic()
+            assert raw(srv, "GET", "/health")[0] == 200
+            health_s.append(time.monotonic() - start)
+            time.sleep(0.05)
+        worker.join()
+        assert done and done[0].usage.completion_tokens == 6
+        assert len(health_s) >= 5 and max(health_s) < 1.0  # the request took seconds of reads
+    finally:
+        srv.stop()
 
 
 def test_full_queue_is_429(snapshot, tmp_path, model):
