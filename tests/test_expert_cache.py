@@ -15,6 +15,7 @@ from glmkit.generate.engine import Engine
 from glmkit.generate.generator import Generator
 from glmkit.generate.sampling import Sampler, SamplingParams
 from glmkit.model.expert_cache import ExpertCache, ExpertScores, read_usage, usage_path, write_usage
+from glmkit.model.ops import likely_experts
 from tests.runtime_support import Snapshots
 
 
@@ -88,6 +89,48 @@ def test_eviction_keeps_the_frequent_and_never_the_layer_in_use(snapshots):
         cache.expert(layer, e)
     assert cache.resident(layer, 0) and all(cache.resident(layer, e) for e in (4, 5, 6))
     assert sum(cache.resident(layer, e) for e in (1, 2, 3)) == 1 and cache.stats.evictions == 2
+    cache.close()
+
+
+def test_read_ahead_reads_only_while_it_is_right(snapshots):
+    """Named experts that the next layer does not route to make the read-ahead stop reading (it keeps naming them
+    and measuring); right guesses make it read again."""
+    engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
+    c, k = engine.config, engine.config.num_experts_per_tok
+    cache = ExpertCache(engine.container, 2 * k * slot_bytes(engine))  # the routed ones' slots, and no spare
+    first = c.first_k_dense_replace
+    r = cache.moe[first + 1].router
+    rng = np.random.default_rng(0)
+
+    def named_by(normed: np.ndarray) -> set[int]:
+        return set(likely_experts(normed, np.asarray(cache.weight(r.weight)), cache.weight(r.bias), r.top_k))
+
+    normed = rng.standard_normal((1, c.hidden_size)).astype(np.float32)
+    named = named_by(normed)
+    others = [e for e in range(c.n_routed_experts) if e not in named][:k]
+
+    def token(routed: list[int], normed: np.ndarray = normed) -> int:
+        """Layer `first` routes to experts 0..k-1, then the next one to `routed`; the reads the read-ahead started."""
+        cache.on_route(first, np.array([list(range(k))]))
+        before = cache.stats.read_ahead
+        cache.read_ahead(first, normed)
+        started = cache.stats.read_ahead - before
+        cache.on_route(first + 1, np.array([routed]))
+        cache.wait_slots(first + 1, routed)
+        for future in list(cache._loading.values()):
+            future.result()
+        return started
+
+    assert token(others) == len(named)  # trusted at first
+    wrong = [token(others) for _ in range(30)]
+    assert wrong[-1] == 0 and cache.ahead_precision < 0.5
+    assert cache.stats.predicted == 31 * len(named)  # still named, and measured
+    for _ in range(30):
+        token(sorted(named))
+    assert cache.ahead_precision >= 0.5
+    fresh = next(n for n in (rng.standard_normal((1, c.hidden_size)).astype(np.float32) for _ in range(100))
+                 if not all(cache.resident(first + 1, e) for e in named_by(n)))
+    assert token(sorted(named), fresh) > 0
     cache.close()
 
 

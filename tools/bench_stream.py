@@ -11,9 +11,9 @@ Modes: `page` (`--device auto --expert-cache off`: the page cache as the expert 
 the mapping), `cache` (`--device auto --expert-cache auto`, glm-run's default where the model outgrows the limit:
 the device decode step on the cache's slots) and `numpy` (`--device numpy --expert-cache off`).
 Printed per run: decode tok/s, TTFT, bytes read from disk per decoded token (the child's /proc/self/io), the
-expert hit rate, read-ahead recall, the cgroup's peak memory, and the I/O bound: the expert bytes missed per
-decoded token over the disk bandwidth measured in the same run for expert-sized preads at the expert cache's queue
-depth.
+expert hit rate, read-ahead recall, the cgroup's peak memory, and the I/O bounds: the expert bytes missed per
+decoded token (and the prompt's expert bytes, for the TTFT) over the disk bandwidth measured in the same run for
+expert-sized preads at the expert cache's queue depth.
 """
 
 from __future__ import annotations
@@ -152,6 +152,7 @@ def worker(snapshot: str, mode: str, cache: str, mtp: bool, prompt_file: str) ->
     if mode == "cache":
         missed = stats["expert_bytes_read"] - stats_at["expert_bytes_read"]
         out["expert_mb_read_per_token"] = round(missed / TOKENS / 1e6, 3)
+        out["prefill_expert_mb"] = round(stats_at["expert_bytes_read"] / 1e6, 1)
     if mtp:
         out["mtp_acceptance"] = gen.stats.mtp_acceptance
     engine.close()
@@ -192,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
                    **run_child(snapshot, mode, limit, args.timeout, args.cache, mtp, args.prompt_tokens)}
             if "expert_mb_read_per_token" in row and row["expert_mb_read_per_token"] > 0:
                 row["io_bound_tok_s"] = round(bandwidth * 1e3 / row["expert_mb_read_per_token"], 1)
+            if "prefill_expert_mb" in row:  # the prompt's expert reads alone, at the measured bandwidth
+                row["ttft_io_bound_s"] = round(row["prefill_expert_mb"] / 1e3 / bandwidth, 3)
             rows.append(row)
             print(json.dumps(row), flush=True)
     if args.json:

@@ -8,7 +8,9 @@ matter. `ExpertCache` is a weight source (what `GlmMoeDsaModel` reads its tensor
   small pool of I/O threads (several reads in flight), the page cache's copy dropped after (`POSIX_FADV_DONTNEED`);
 - evicts by frequency with aging (`ExpertScores`: each use counts `2^(uses so far / half_life)`, so a use
   `half_life` routed tokens ago weighs half of one now), never an expert handed out for the layer being computed;
-- reads ahead: after layer L routes, layer L+1's router applied to L's normed input names its likely experts;
+- reads ahead: after layer L routes, layer L+1's router applied to L's normed input names its likely experts,
+  read while the recent share of named experts that were then routed to stays at least READ_AHEAD_PRECISION (a
+  wrong guess costs a read and a slot);
 - persists the scores beside the prefill cache, keyed by the model hash, and loads the hot set from them in the
   background at start (into free slots only: the first token is not delayed).
 A slot's bytes are the container's bytes, so every path gives the logits it gives on the mapping.
@@ -46,6 +48,8 @@ from glmkit.units import format_size
 
 SLOT_ALIGN = 4096  # slots start on page boundaries
 USAGE_VERSION = 1
+READ_AHEAD_PRECISION = 0.5  # read-ahead reads only while at least this share of what it names is routed to
+PRECISION_WEIGHT = 0.05  # weight of one layer's outcome in the moving average of the read-ahead's precision
 MAX_USAGE_BYTES = 64 << 20  # a usage file larger than this is not read (GLM-5: ~20k experts, ~1 MB)
 Key = tuple[int, int]  # (layer, expert)
 
@@ -98,6 +102,7 @@ class CacheStats:
     bounced: int = 0  # misses read into a temporary buffer: every slot held an expert of the layer in use
     predicted: int = 0  # read-ahead: experts named for the next layer
     predicted_used: int = 0  # ... that it then routed to
+    read_ahead: int = 0  # reads the read-ahead started
     routed: int = 0  # experts routed to on layers that had a prediction
     preloaded: int = 0  # experts loaded from the usage file's hot set
 
@@ -109,7 +114,8 @@ class CacheStats:
                 "expert_io_wait_s": round(self.io_wait_s, 4), "expert_evictions": self.evictions,
                 "expert_bounced": self.bounced, "experts_preloaded": self.preloaded,
                 "readahead_recall": round(self.predicted_used / self.routed, 4) if self.routed else None,
-                "readahead_precision": round(self.predicted_used / self.predicted, 4) if self.predicted else None}
+                "readahead_precision": round(self.predicted_used / self.predicted, 4) if self.predicted else None,
+                "readahead_reads": self.read_ahead}
 
 
 def usage_path(cache_dir: Path, model_hash: str) -> Path:
@@ -228,6 +234,7 @@ class ExpertCache:
             fd = self._fds[name] = os.open(container.directory / name, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         self._predicted: dict[int, set[int]] = {}  # layer -> experts the read-ahead named for it
+        self.ahead_precision = 1.0  # recent read-ahead precision (moving average): reads ahead while high enough
         self._first_moe = min(self.moe)
         self._closed = False
         self.preloader: threading.Thread | None = None  # loads the saved hot set into free slots
@@ -310,6 +317,8 @@ class ExpertCache:
             if predicted is not None:
                 self.stats.routed += len(used)
                 self.stats.predicted_used += len(predicted & set(used))
+                right = len(predicted & set(used)) / max(len(predicted), 1)
+                self.ahead_precision += (right - self.ahead_precision) * PRECISION_WEIGHT
             for e in used:  # its misses, all in flight at once
                 key = (layer, e)
                 if key not in self._slot and self._start_load(key) is None:
@@ -330,10 +339,14 @@ class ExpertCache:
         self._predicted[layer + 1] = likely
         with self._lock:
             self.stats.predicted += len(likely)
+            if self.ahead_precision < READ_AHEAD_PRECISION:
+                return  # named (its precision still measured), not read: a wrong guess costs a read and a slot
             for e in sorted(likely):
                 key = (layer + 1, e)
-                if key not in self._slot and self._start_load(key) is None:
-                    break
+                if key not in self._slot:
+                    if self._start_load(key) is None:
+                        break
+                    self.stats.read_ahead += 1
 
     # ---- slots ----
 
