@@ -231,7 +231,7 @@ class ExpertCache:
         # past it would be read for nothing), leaving the mapping's descriptors as they are
         self._fds: dict[str, int] = {}
         for name in {r.file for r in ranges}:
-            fd = self._fds[name] = os.open(container.directory / name, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            fd = self._fds[name] = os.open(container.directory / name, os.O_RDONLY)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         self._predicted: dict[int, set[int]] = {}  # layer -> experts the read-ahead named for it
         self.ahead_precision = 1.0  # recent read-ahead precision (moving average): reads ahead while high enough

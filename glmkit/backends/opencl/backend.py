@@ -420,8 +420,6 @@ def weight_budget(global_mem: int) -> int:
     return int(global_mem * 0.8)
 
 
-
-
 def set_blas_threads(n: int) -> int | None:
     """Set NumPy's BLAS thread count (OpenBLAS's spin-waiting threads fight OpenCL CPU workers for the cores).
 

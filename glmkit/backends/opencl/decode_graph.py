@@ -69,6 +69,8 @@ INITIAL_KEYS = 1024  # keys the per-key scratch buffers hold at first (they doub
 KEY_GROUP = 16  # work-group size of the kernels with one work-item per key
 NO_STAGE = 0xFFFFFFFF  # token_rows: no staging copy of the cache rows (decode.cl)
 UNUSED_SLOT = 0xFFFFFFFF  # the token of an expert slot a launch skips (quant.cl)
+SLOT_ARRAYS = {"offs": (6, np.uint64), "slot_w": (1, np.float32), "slot_tok": (1, np.uint32),
+               "tok_start": (1, np.uint32)}  # what routing writes per expert slot: values per slot, type
 
 
 class Unsupported(Exception):
@@ -489,30 +491,32 @@ class DeviceDecodeStep:
         return [DeviceArray(a.host[start:start + top_k], self.buffers.sub_buffer(a.buffer, 4 * start, 4 * top_k))
                 for a in self.route_ids]
 
-    def _slot_groups(self, ref, buffers: list, n_slots: int, apart: bool, launch: bool = True
-                     ) -> tuple[dict[str, DeviceArray], int, list[Launch]]:
-        """The slot arrays routing fills for experts with `ref`'s scheme in `buffers` (per buffer b, its slots from
-        `stride * b`: sub-buffers start at base_align multiples) and the fused launches per buffer, summed into
-        `self.ffn` where there are several (or a shared expert `apart` follows). Returns (regions, stride,
-        launches); `self.ffn_out` is their output. launch False: the slot arrays only."""
+    def _slot_regions(self, n_buffers: int, n_slots: int) -> tuple[dict[str, DeviceArray], int]:
+        """The slot arrays routing fills for `n_slots` experts in each of `n_buffers` weight buffers (buffer b's
+        slots from `stride * b`: sub-buffers start at base_align multiples). Returns (regions by name, stride)."""
         stride = self.buffers.aligned_items(n_slots)
-        layout = {"offs": (6, np.uint64), "slot_w": (1, np.float32), "slot_tok": (1, np.uint32),
-                  "tok_start": (1, np.uint32)}  # the slot arrays: values per slot, type
-        regions = {name: self.buffers.array(len(buffers) * stride * width, dtype)
-                   for name, (width, dtype) in layout.items()}
+        return {name: self.buffers.array(n_buffers * stride * width, dtype)
+                for name, (width, dtype) in SLOT_ARRAYS.items()}, stride
+
+    def _slot_groups(self, ref, buffers: list, n_slots: int, apart: bool
+                     ) -> tuple[dict[str, DeviceArray], int, list[Launch]]:
+        """`_slot_regions` for experts with `ref`'s scheme in `buffers`, and the fused launches per buffer, summed
+        into `self.ffn` where there are several (or a shared expert `apart` follows). Returns (regions, stride,
+        launches); `self.ffn_out` is their output."""
+        regions, stride = self._slot_regions(len(buffers), n_slots)
         launches: list[Launch] = []
         summed = len(buffers) > 1 or apart
-        for b, buf in enumerate(buffers if launch else ()):
+        for b, buf in enumerate(buffers):
             sub = {name: self.buffers.sub_buffer(regions[name].buffer, b * stride * width * np.dtype(dtype).itemsize,
                                                  n_slots * width * np.dtype(dtype).itemsize)
-                   for name, (width, dtype) in layout.items()}
+                   for name, (width, dtype) in SLOT_ARRAYS.items()}
             slots = ExpertSlots(sub["offs"], sub["slot_tok"], sub["tok_start"], sub["slot_w"], n_slots)
             y = self.ffn if b == 0 else self.ffn_part
             bound, self.ffn_out = self._bind_experts(ref, slots, y, buf, summed)
             launches += bound
             if b:
                 launches.append(self._add(self.ffn, self.ffn_part))
-        if summed and launch:
+        if summed:
             self.ffn_out = self._whole(self.ffn)
         return regions, stride, launches
 
@@ -535,9 +539,8 @@ class DeviceDecodeStep:
         separate = None
         if ffn.shared is not None:
             views = [self._weight(name) for name in ffn.shared.names]
-            if shared_slot is not None and self._slot_ref(views, shared_slot)[0].key[1:] == routed.key[1:]:
-                shared_rel = self._slot_ref(views, shared_slot)[1]
-            else:
+            shared_ref, shared_rel = self._slot_ref(views, shared_slot) if shared_slot is not None else (None, None)
+            if shared_ref is None or shared_ref.key[1:] != routed.key[1:]:
                 separate, shared_slot = self._ref(ffn.shared), None
         members = r.top_k + (shared_slot is not None)
         table, where = self.buffers.array(members * 6, np.uint64), self.buffers.array(members, np.uint32)
@@ -549,8 +552,9 @@ class DeviceDecodeStep:
         split = len(self.chunks) == 1 and separate is None
         masks = None
         if split:
-            regions, stride, groups = self._slot_groups(routed, self.chunks, members, False, launch=False)
+            regions, stride = self._slot_regions(1, members)
             masks = self.buffers.array(members, np.uint32), self.buffers.array(members, np.uint32)
+            masks[0].host[r.top_k:], masks[1].host[r.top_k:] = 0, UNUSED_SLOT  # the shared expert runs first
             scratch = self._expert_scratch(members, routed.shape)
             (groups, self.ffn_out), (out.after_misses, _) = (self._bind_experts(
                 routed, ExpertSlots(regions["offs"].buffer, mask.buffer, regions["tok_start"].buffer,
@@ -601,10 +605,9 @@ class DeviceDecodeStep:
         rows, chunk = self._slot_offsets(a.rel, slots)
         a.table.host[:rows.size], a.where.host[:a.top_k] = rows.reshape(-1), chunk
         if a.masks is not None:
-            first, later = a.masks
-            members = len(first.host)  # the shared expert's slot (last, if any) runs first
-            first.host[:] = [0 if i >= a.top_k or ready[i] else UNUSED_SLOT for i in range(members)]
-            later.host[:] = [UNUSED_SLOT if i >= a.top_k or ready[i] else 0 for i in range(members)]
+            done = np.array(ready)
+            a.masks[0].host[:a.top_k] = np.where(done, 0, UNUSED_SLOT)
+            a.masks[1].host[:a.top_k] = np.where(done, UNUSED_SLOT, 0)
         return [e for e, done in zip(ids, ready, strict=True) if not done]
 
     def _add(self, y: DeviceArray, a: DeviceArray) -> Launch:

@@ -377,8 +377,8 @@ __kernel void edp_##SUFFIX(__global const uchar* wbuf, __global const ulong* off
                            __global const uint* slot_tok, uint n_in, uint row_bytes, uint group, uint n_groups, \
                            __global const float* hid, __global float* part, uint rows) { \
     __local float red[LANES]; \
-    expert_down_part(BITS, 0, wbuf, offs, tok_start, slot_tok, n_in, row_bytes, group, n_groups, hid, 0, 0, 0, part, rows, \
-                     red); \
+    expert_down_part(BITS, 0, wbuf, offs, tok_start, slot_tok, n_in, row_bytes, group, n_groups, hid, 0, 0, 0, \
+                     part, rows, red); \
 }
 
 QUANT_KERNELS(f32, 32)
@@ -455,8 +455,8 @@ __kernel void edp_##SUFFIX##_x8(__global const uchar* wbuf, __global const ulong
                                 uint row_bytes, uint group, uint n_groups, __global const char* hq, \
                                 __global const float* hs, __global const int* hsum, __global float* part, uint rows) { \
     __local float red[LANES]; \
-    expert_down_part(BITS, 1, wbuf, offs, tok_start, slot_tok, n_in, row_bytes, group, n_groups, 0, hq, hs, hsum, part, rows, \
-                     red); \
+    expert_down_part(BITS, 1, wbuf, offs, tok_start, slot_tok, n_in, row_bytes, group, n_groups, 0, hq, hs, hsum, \
+                     part, rows, red); \
 }
 
 X8_KERNELS(q8, 8)
