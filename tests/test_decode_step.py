@@ -202,11 +202,11 @@ def test_step_reads_experts_from_cache_slots(snapshots, direct_kernels, variant,
     def half_ready(layer: int, experts: list[int]) -> list[tuple[int, bool]]:
         """Every other expert reported as still being read (all are read first: the step then launches both
         halves apart whatever the timing)."""
-        cache.wait_slots(layer, experts)
-        places.append([(slot, i % 2 == 0) for i, (slot, _) in enumerate(slots_now(layer, experts))])
+        cache.wait_places(layer, experts)
+        places.append([(at, i % 2 == 0) for i, (at, _) in enumerate(places_now(layer, experts))])
         return places[-1]
 
-    slots_now, cache.slots_now = cache.slots_now, half_ready
+    places_now, cache.places_now = cache.places_now, half_ready
     ids = np.array(oracle(variant)["full_ids"])
     topk = cfg.index_topk
     tokens = ids[topk - 3:topk + 5]

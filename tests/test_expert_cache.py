@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from glmkit.errors import GlmkitError
+from glmkit.format.schema import EXPERT_PROJECTIONS, expert_weight_name
 from glmkit.generate.engine import Engine
 from glmkit.generate.generator import Generator
 from glmkit.generate.sampling import Sampler, SamplingParams
@@ -116,7 +117,7 @@ def test_read_ahead_reads_only_while_it_is_right(snapshots):
         cache.read_ahead(first, normed)
         started = cache.stats.read_ahead - before
         cache.on_route(first + 1, np.array([routed]))
-        cache.wait_slots(first + 1, routed)
+        cache.wait_places(first + 1, routed)
         for future in list(cache._loading.values()):
             future.result()
         return started
@@ -170,13 +171,44 @@ def test_usage_persists_and_a_corrupt_file_is_ignored(snapshots, tmp_path):
     assert read_usage(path, h, c.num_layers_with_mtp, c.n_routed_experts) == {(layer, 1): 2.0}
 
 
-def test_a_file_truncated_under_the_cache_is_an_error_naming_it(snapshots, tmp_path):
+def takes_direct_io(path) -> bool:
+    try:
+        os.close(os.open(path, os.O_RDONLY | os.O_DIRECT))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_direct_and_buffered_reads_give_the_containers_bytes(snapshots, direct):
+    """O_DIRECT reads whole pages into a slot and the expert lies at its offset within its first page; buffered
+    reads lie alike: either way every expert's arrays are the container's, wherever its range starts."""
+    engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
+    cfg, container = engine.config, engine.container
+    cache = ExpertCache(container, 6 * slot_bytes(engine), readahead=False, direct=direct)
+    (fd, is_direct), = cache._fds.values()
+    assert is_direct == (direct and takes_direct_io(container.directory / container.manifest.experts[0].file))
+    layer = cfg.first_k_dense_replace
+    shifts = {container.expert_range(layer, e).offset % 4096 for e in range(cfg.n_routed_experts)}
+    assert len(shifts) > 1  # experts start at several offsets within a page
+    for e in range(cfg.n_routed_experts):
+        cache.on_route(layer, np.array([[e]]))
+        views = cache.expert(layer, e)
+        for view, projection in zip(views, EXPERT_PROJECTIONS, strict=True):
+            mapped = container.weight(expert_weight_name(layer, e, projection))
+            assert np.array_equal(view.packed, mapped.packed) and np.array_equal(view.scales, mapped.scales)
+    assert cache.stats.reads == cfg.n_routed_experts and cache.stats.evictions == cfg.n_routed_experts - 6
+    cache.close()
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_file_truncated_under_the_cache_is_an_error_naming_it(snapshots, tmp_path, direct):
     import shutil
 
     snap = tmp_path / "snap"
     shutil.copytree(snapshots("tiny-trained", "q4"), snap)
     engine = Engine(snap, "numpy", load_tokenizer=False)
-    cache = ExpertCache(engine.container, 4 * slot_bytes(engine), readahead=False)
+    cache = ExpertCache(engine.container, 4 * slot_bytes(engine), readahead=False, direct=direct)
     layer = engine.config.first_k_dense_replace
     r = engine.container.expert_range(layer, 15)
     os.truncate(snap / r.file, r.offset + 10)

@@ -5,7 +5,10 @@ pages by recency (hot non-expert weights included), reads ahead by file position
 matter. `ExpertCache` is a weight source (what `GlmMoeDsaModel` reads its tensors from) that instead
 - copies every non-expert weight into anonymous memory once (they are read every token: never evicted);
 - keeps routed experts in equal slots of one arena, each loaded by one `pread` of its contiguous byte range on a
-  small pool of I/O threads (several reads in flight), the page cache's copy dropped after (`POSIX_FADV_DONTNEED`);
+  small pool of I/O threads (several reads in flight), with `O_DIRECT` where the file system takes it: the disk
+  writes straight into the slot, with no page-cache copy to make, charge to the process and reclaim (the range is
+  widened to whole pages, so an expert lies in its slot at its offset within its first page: `place`); where it
+  does not, a buffered read whose page-cache copy is dropped after (`POSIX_FADV_DONTNEED`);
 - evicts by frequency with aging (`ExpertScores`: each use counts `2^(uses so far / half_life)`, so a use
   `half_life` routed tokens ago weighs half of one now), never an expert handed out for the layer being computed;
 - reads ahead: after layer L routes, layer L+1's router applied to L's normed input names its likely experts,
@@ -156,9 +159,15 @@ def write_usage(path: Path, model_hash: str, scores: dict[Key, float]) -> None:
     os.replace(tmp, path)
 
 
+def page_span(offset: int, nbytes: int) -> tuple[int, int]:
+    """The whole pages (`SLOT_ALIGN`) holding bytes `[offset, offset + nbytes)` of a file: (first byte, length)."""
+    start = offset // SLOT_ALIGN * SLOT_ALIGN
+    return start, -(-(offset + nbytes - start) // SLOT_ALIGN) * SLOT_ALIGN
+
+
 def expert_slot_bytes(container: Container) -> int:
-    """The bytes of one slot of an expert cache over `container`: its largest routed expert, whole pages."""
-    return -(-max(r.nbytes for r in container.manifest.experts) // SLOT_ALIGN) * SLOT_ALIGN
+    """The bytes of one slot of an expert cache over `container`: the most whole pages a routed expert spans."""
+    return max(page_span(r.offset, r.nbytes)[1] for r in container.manifest.experts)
 
 
 def auto_cache_bytes(container: Container, reserve_bytes: int | None = None) -> tuple[int, str]:
@@ -176,14 +185,29 @@ def auto_cache_bytes(container: Container, reserve_bytes: int | None = None) -> 
     return size, why
 
 
+def open_for_experts(path: Path, direct: bool) -> tuple[int, bool]:
+    """A read-only descriptor on `path` for expert reads: (descriptor, whether it reads with O_DIRECT), O_DIRECT
+    when `direct` and the file system takes it, else buffered with the kernel's read-ahead off."""
+    flag = getattr(os, "O_DIRECT", 0) if direct else 0
+    if flag:
+        try:
+            return os.open(path, os.O_RDONLY | flag), True
+        except OSError:
+            pass  # e.g. a file system without direct I/O: buffered reads below
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+    return fd, False
+
+
 class ExpertCache:
     """A weight source over `container` with its routed experts in `budget_bytes` of slots (see the module).
 
-    io_threads: reads in flight at most; usage_file: where scores persist (None: they do not). Raises GlmkitError
+    io_threads: reads in flight at most; usage_file: where scores persist (None: they do not); direct: read with
+    `O_DIRECT` where the file system takes it (False: buffered reads everywhere). Raises GlmkitError
     when the budget holds fewer slots than one layer routes to (`num_experts_per_tok`)."""
 
     def __init__(self, container: Container, budget_bytes: int, io_threads: int = 8, readahead: bool = True,
-                 usage_file: Path | None = None, half_life: float = 256.0) -> None:
+                 usage_file: Path | None = None, half_life: float = 256.0, direct: bool = True) -> None:
         cfg = self.config = container.config
         self.container, self.readahead, self.usage_file = container, readahead, usage_file
         ranges = container.manifest.experts
@@ -227,12 +251,11 @@ class ExpertCache:
         self._tiebreak = 0
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="glmkit-experts")
-        # descriptors of the cache's own, with the kernel's read-ahead off (an expert is read whole, once: pages
-        # past it would be read for nothing), leaving the mapping's descriptors as they are
-        self._fds: dict[str, int] = {}
+        # descriptors of the cache's own, leaving the mapping's as they are: O_DIRECT where it is taken, else with
+        # the kernel's read-ahead off (an expert is read whole, once: pages past it would be read for nothing)
+        self._fds: dict[str, tuple[int, bool]] = {}  # file -> (descriptor, opened with O_DIRECT)
         for name in {r.file for r in ranges}:
-            fd = self._fds[name] = os.open(container.directory / name, os.O_RDONLY)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            self._fds[name] = open_for_experts(container.directory / name, direct)
         self._predicted: dict[int, set[int]] = {}  # layer -> experts the read-ahead named for it
         self.ahead_precision = 1.0  # recent read-ahead precision (moving average): reads ahead while high enough
         self._first_moe = min(self.moe)
@@ -393,7 +416,7 @@ class ExpertCache:
             heapq.heapify(self._heap)
 
     def _load(self, key: Key, slot: int) -> list[Weight]:
-        data = self.arena[slot * self.slot_bytes:(slot + 1) * self.slot_bytes]
+        data = self._slot_data(slot)
         try:
             views = self._read_into(key, data)
         except BaseException:
@@ -413,24 +436,28 @@ class ExpertCache:
         with self._lock:
             self.stats.bounced += 1
         r = self.container.expert_range(*key)
-        return self._read_into(key, np.empty(r.nbytes, np.uint8))
+        return self._read_into(key, anonymous_bytes(page_span(r.offset, r.nbytes)[1]))
 
     def _read_into(self, key: Key, data: np.ndarray) -> list[Weight]:
-        """Read the expert's byte range into `data` with pread, then drop the page cache's copy of it."""
+        """Read the expert's byte range into `data` (page-aligned, a slot's bytes) at its offset within its first
+        page, with one pread: of its whole pages with O_DIRECT, else of its range, the page cache's copy dropped."""
         r = self.container.expert_range(*key)
-        fd = self._fds[r.file]
-        view, done = memoryview(data)[:r.nbytes], 0
-        while done < r.nbytes:
-            n = os.preadv(fd, [view[done:]], r.offset + done)
-            if n <= 0:
+        fd, direct = self._fds[r.file]
+        shift = r.offset % SLOT_ALIGN
+        start, nbytes = page_span(r.offset, r.nbytes) if direct else (r.offset, r.nbytes)
+        view, done, need = memoryview(data)[shift - (r.offset - start):][:nbytes], 0, r.offset + r.nbytes - start
+        while done < need:
+            n = os.preadv(fd, [view[done:]], start + done)
+            done += max(n, 0)
+            if n <= 0 or (direct and done < need and done % SLOT_ALIGN):  # a short direct read: the file's end
                 raise GlmkitError(f"{self.container.directory / r.file}: expert {key[1]} of layer {key[0]} ends at "
-                                  f"byte {r.offset + done} (the file was truncated while in use?)")
-            done += n
-        os.posix_fadvise(fd, r.offset, r.nbytes, os.POSIX_FADV_DONTNEED)
+                                  f"byte {start + done} (the file was truncated while in use?)")
+        if not direct:
+            os.posix_fadvise(fd, r.offset, r.nbytes, os.POSIX_FADV_DONTNEED)
         with self._lock:
             self.stats.bytes_read += r.nbytes
             self.stats.reads += 1
-        return self.container.expert_weights(key[0], key[1], data)
+        return self.container.expert_weights(key[0], key[1], data[shift:shift + r.nbytes])
 
     def _preload(self, hot: list[Key]) -> None:
         for key in hot:
@@ -452,9 +479,13 @@ class ExpertCache:
         return len(self.arena) // self.slot_bytes
 
     def slot_weights(self, layer: int, slot: int) -> list[Weight]:
-        """(gate, up, down) of `layer`'s routed experts as views where slot `slot` holds one (the layout of the layer's
-        expert 0: `uniform_layout` says whether all share it); nothing is read."""
+        """(gate, up, down) of `layer`'s routed experts as views on an expert lying at the start of slot `slot` (the
+        layout of the layer's expert 0: `uniform_layout` says whether all share it); nothing is read."""
         return self.container.expert_weights(layer, 0, self._slot_data(slot))
+
+    def place(self, layer: int, expert: int, slot: int) -> int:
+        """Where in the arena (a byte offset) the expert starts when slot `slot` holds it."""
+        return slot * self.slot_bytes + self.container.expert_range(layer, expert).offset % SLOT_ALIGN
 
     def uniform_layout(self, layer: int) -> bool:
         """Whether every routed expert of `layer` lays its tensors out alike within its byte range."""
@@ -470,16 +501,17 @@ class ExpertCache:
         """The slot `layer`'s shared expert is pinned in, or None (no shared expert, or one larger than a slot)."""
         return self._shared_slot.get(layer)
 
-    def slots_now(self, layer: int, experts: list[int]) -> list[tuple[int, bool] | None]:
-        """Per expert of `layer` (routed by the last `on_route`): (its slot, whether its read is done), or None
-        where it has no slot yet (every slot was held when it missed)."""
+    def places_now(self, layer: int, experts: list[int]) -> list[tuple[int, bool] | None]:
+        """Per expert of `layer` (routed by the last `on_route`): (where it starts in the arena, whether its read
+        is done), or None where it has no slot yet (every slot was held when it missed)."""
         with self._lock:
-            return [None if (layer, e) not in self._slot else (self._slot[(layer, e)], (layer, e) not in self._loading)
-                    for e in experts]
+            return [None if (layer, e) not in self._slot else
+                    (self.place(layer, e, self._slot[(layer, e)]), (layer, e) not in self._loading) for e in experts]
 
-    def wait_slots(self, layer: int, experts: list[int]) -> list[int]:
-        """The slots of these experts of `layer` (routed by the last `on_route`) once their reads are done; a miss
-        without a slot yet claims one, waiting for reads in flight to give one back where every slot is held."""
+    def wait_places(self, layer: int, experts: list[int]) -> list[int]:
+        """Where these experts of `layer` (routed by the last `on_route`) start in the arena once their reads are
+        done; a miss without a slot yet claims one, waiting for reads in flight to give one back where every slot
+        is held."""
         started, out = time.perf_counter(), []
         for e in experts:
             key = (layer, e)
@@ -487,7 +519,7 @@ class ExpertCache:
                 with self._lock:
                     future = self._loading.get(key)
                     if future is None and key in self._slot:
-                        out.append(self._slot[key])
+                        out.append(self.place(layer, e, self._slot[key]))
                         break
                     if future is None:
                         future = self._start_load(key) or next(iter(self._loading.values()), None)
@@ -508,7 +540,7 @@ class ExpertCache:
         with self._lock:
             self._closed = True
         self._pool.shutdown(wait=True)
-        for fd in self._fds.values():
+        for fd, _ in self._fds.values():
             os.close(fd)
         self._fds.clear()
         if self.usage_file is not None:

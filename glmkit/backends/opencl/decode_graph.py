@@ -545,7 +545,7 @@ class DeviceDecodeStep:
         members = r.top_k + (shared_slot is not None)
         table, where = self.buffers.array(members * 6, np.uint64), self.buffers.array(members, np.uint32)
         if shared_slot is not None:
-            rows, chunk = self._slot_offsets(shared_rel, [shared_slot])
+            rows, chunk = self._place_offsets(shared_rel, [shared_slot * arena.slot_bytes])
             table.host[r.top_k * 6:], where.host[r.top_k] = rows.reshape(-1), chunk[0]
         # one chunk, the shared expert in it: the resident experts' launches run while the misses are read, the
         # others' after, over the same slots (each slot's rows are its own: the logits do not change)
@@ -584,11 +584,12 @@ class DeviceDecodeStep:
         start = address(self.experts.arena) + slot * self.experts.slot_bytes
         return ref, np.array([address(a) - start for a in arrays], np.uint64)
 
-    def _slot_offsets(self, rel: np.ndarray, slots: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-        """(6 byte offsets per slot `[n, 6]` in its arena chunk, the chunk `[n]`) for experts laid out as `rel`."""
-        at = np.asarray(slots, np.uint64)
-        per = np.uint64(self.chunk_slots)
-        return (at % per * np.uint64(self.experts.slot_bytes))[:, None] + rel[None, :], (at // per).astype(np.uint32)
+    def _place_offsets(self, rel: np.ndarray, places: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """(6 byte offsets per expert `[n, 6]` in its arena chunk, the chunk `[n]`) for experts laid out as `rel`
+        starting at these byte offsets `places` of the arena."""
+        at = np.asarray(places, np.uint64)
+        chunk = np.uint64(self.chunk_slots * self.experts.slot_bytes)
+        return (at % chunk)[:, None] + rel[None, :], (at // chunk).astype(np.uint32)
 
     def _place(self, layer: _Layer, slot: int) -> list[int]:
         """Hand the layer's routed ids (token slot `slot`) and its input to the cache and write where they lie
@@ -597,12 +598,12 @@ class DeviceDecodeStep:
         a = layer.arena
         ids = layer.ids[slot].host[:a.top_k].astype(np.int64).tolist()
         self.experts.on_route(a.layer, np.array([ids]))
-        now = None if a.masks is None else self.experts.slots_now(a.layer, ids)
+        now = None if a.masks is None else self.experts.places_now(a.layer, ids)
         if now is None or any(place is None for place in now):
-            slots, ready = self.experts.wait_slots(a.layer, ids), [True] * len(ids)
+            places, ready = self.experts.wait_places(a.layer, ids), [True] * len(ids)
         else:
-            slots, ready = [place[0] for place in now], [place[1] for place in now]
-        rows, chunk = self._slot_offsets(a.rel, slots)
+            places, ready = [place[0] for place in now], [place[1] for place in now]
+        rows, chunk = self._place_offsets(a.rel, places)
         a.table.host[:rows.size], a.where.host[:a.top_k] = rows.reshape(-1), chunk
         if a.masks is not None:
             done = np.array(ready)
@@ -814,7 +815,7 @@ class DeviceDecodeStep:
                     self.k.flush()  # the resident experts run while the next layer's are named and the rest read
                     self.experts.read_ahead(layer.arena.layer, self.u.host[None, :])
                     if missing:
-                        self.experts.wait_slots(layer.arena.layer, missing)
+                        self.experts.wait_places(layer.arena.layer, missing)
                         for launch in layer.after_misses:
                             event = launch.enqueue()
             self.final_norm.enqueue()
