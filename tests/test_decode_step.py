@@ -378,6 +378,37 @@ def test_pipelined_greedy_matches_one_token_at_a_time(snapshots, kernels, monkey
     assert cache.length == len(prompt) + 5
 
 
+def test_pipelined_greedy_over_the_expert_cache(snapshots, direct_kernels, monkeypatch):
+    """Greedy decoding pipelined on the step over an expert cache whose slots hold a fraction of the experts: the
+    tokens and cache rows of the pipelined step on the mapping; the cache sees each decoded token's experts once."""
+    kernels = in_place(direct_kernels)
+    engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
+    cfg = engine.config
+
+    def backend() -> OpenCLBackend:
+        return OpenCLBackend(kernels, Placement(), model_bytes=engine.container.nbytes)
+
+    prompt = oracle("tiny-trained")["prompt_ids"]
+    slots = 24  # of 3 MoE layers x 16 experts; each layer's experts for the prompt fit: prefill bounces none
+    cache = ExpertCache(engine.container, slots * ExpertCache(engine.container, 1 << 30).slot_bytes)
+    mapped = GlmMoeDsaModel(cfg, engine.experts, backend())
+    cached = GlmMoeDsaModel(cfg, cache, backend(), route_hook=cache.on_route, step_experts=cache)
+    started = []
+    greedy = DeviceDecodeStep.greedy
+    monkeypatch.setattr(DeviceDecodeStep, "greedy", lambda self, *a: started.append(1) or greedy(self, *a))
+    want, ref_cache = greedy_run(mapped, prompt, 30)
+    routed = cache.stats.hits + cache.stats.misses
+    got, dev_cache = greedy_run(cached, prompt, 30)
+    assert started == [1, 1] and got == want
+    assert_same_rows((ref_cache, dev_cache))
+    moe_layers = cfg.num_hidden_layers - cfg.first_k_dense_replace
+    decoded = cache.stats.hits + cache.stats.misses - routed - moe_layers * len(set(np.ravel(prompt)))
+    assert cache.stats.bounced == 0 and cache.stats.evictions > 0
+    # 29 decoded forwards and the one in flight when the consumer stopped, top_k experts per MoE layer each
+    assert cache.stats.misses > 0 and decoded <= 30 * moe_layers * cfg.num_experts_per_tok
+    cache.close()
+
+
 def test_pipelined_greedy_across_cache_growth(snapshots, kernels):
     """The cache arrays (capacity 256) grow while a forward is in flight: its rows reach the grown arrays (and a
     discrete device's copy of them) like every other row."""

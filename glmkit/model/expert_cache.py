@@ -13,7 +13,7 @@ matter. `ExpertCache` is a weight source (what `GlmMoeDsaModel` reads its tensor
   `half_life` routed tokens ago weighs half of one now), never an expert handed out for the layer being computed;
 - reads ahead: after layer L routes, layer L+1's router applied to L's normed input names its likely experts,
   read while the recent share of named experts that were then routed to stays at least READ_AHEAD_PRECISION (a
-  wrong guess costs a read and a slot);
+  wrong guess costs a read and a slot); below it, only one layer in READ_AHEAD_PROBE is named, to keep measuring;
 - persists the scores beside the prefill cache, keyed by the model hash, and loads the hot set from them in the
   background at start (into free slots only: the first token is not delayed).
 A slot's bytes are the container's bytes, so every path gives the logits it gives on the mapping.
@@ -52,6 +52,7 @@ from glmkit.units import format_size
 SLOT_ALIGN = 4096  # slots start on page boundaries
 USAGE_VERSION = 1
 READ_AHEAD_PRECISION = 0.5  # read-ahead reads only while at least this share of what it names is routed to
+READ_AHEAD_PROBE = 8  # while it does not read, read-ahead names (and measures) one layer's experts in this many
 PRECISION_WEIGHT = 0.05  # weight of one layer's outcome in the moving average of the read-ahead's precision
 MAX_USAGE_BYTES = 64 << 20  # a usage file larger than this is not read (GLM-5: ~20k experts, ~1 MB)
 Key = tuple[int, int]  # (layer, expert)
@@ -258,6 +259,7 @@ class ExpertCache:
             self._fds[name] = open_for_experts(container.directory / name, direct)
         self._predicted: dict[int, set[int]] = {}  # layer -> experts the read-ahead named for it
         self.ahead_precision = 1.0  # recent read-ahead precision (moving average): reads ahead while high enough
+        self._probes = 0  # layers read-ahead passed over while not trusted
         self._first_moe = min(self.moe)
         self._closed = False
         self.preloader: threading.Thread | None = None  # loads the saved hot set into free slots
@@ -322,7 +324,7 @@ class ExpertCache:
     def on_route(self, layer: int, expert_ids: np.ndarray, normed: np.ndarray | None = None) -> None:
         """Layer `layer` routed `expert_ids [S, k]` (its input `normed [S, H]`): count their use, read its misses
         (several in flight), and read ahead the next MoE layer's likely experts."""
-        used = np.unique(expert_ids).tolist()
+        used = sorted(set(expert_ids.ravel().tolist()))
         with self._lock:
             self._in_use = {(layer, e) for e in used}  # the previous layer's experts have run; these are next
             self._handed = {}
@@ -357,6 +359,10 @@ class ExpertCache:
         nxt = self.moe.get(layer + 1) if layer + 1 < self.config.num_hidden_layers else None
         if nxt is None:
             return
+        if self.ahead_precision < READ_AHEAD_PRECISION:
+            self._probes += 1
+            if self._probes % READ_AHEAD_PROBE:
+                return  # not trusted: naming costs a router product; one layer in READ_AHEAD_PROBE keeps measuring
         r = nxt.router
         likely = set(likely_experts(normed, np.asarray(self.weight(r.weight)), self.weight(r.bias), r.top_k))
         self._predicted[layer + 1] = likely

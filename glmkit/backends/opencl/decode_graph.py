@@ -191,8 +191,9 @@ class DeviceDecodeStep:
     writes where they lie, queues the launches of those already read, names the next layer's likely experts to the
     cache (`read_ahead`), waits for the rest and queues theirs.
     The slots' bytes are the container's: the logits are those of the step on the mapping (bit for bit where a
-    layer's experts lie in one buffer in both). routes are then [] (the cache saw them as they happened), and
-    greedy decoding is not pipelined (the host takes part in every token).
+    layer's experts lie in one buffer in both). routes are then [] (the cache saw them as they happened). Greedy
+    decoding is pipelined as on the mapping: the next token's forward is queued up to its first MoE layer's
+    routing while this one finishes, so the device does not wait for the host between tokens.
     """
 
     def __init__(self, cfg: ModelConfig, layers: Sequence[LayerSpec], weight: Callable[[str], Weight],
@@ -718,8 +719,7 @@ class DeviceDecodeStep:
         """Append `token` (its embedding row `embed [H]`) at position `cache.length`; see the class docstring."""
         self.settle()
         self.complete(self._enqueue(cache, 0, embed), 0)
-        routes = self.routes(0) if self.experts is None else []
-        return self.logits.host[None, :].copy(), self.hidden.host[None, :].copy(), routes
+        return self.logits.host[None, :].copy(), self.hidden.host[None, :].copy(), self.routes(0)
 
     def watch_routes(self, hook: Callable[[int, np.ndarray], None]) -> None:
         """From now on call `hook(layer, expert ids [k])` as each MoE layer's routing completes on the device,
@@ -729,7 +729,10 @@ class DeviceDecodeStep:
             self.watcher = RouteWatcher(self.k, hook)
 
     def routes(self, parity: int) -> list[tuple[int, np.ndarray]]:
-        """`(layer, expert ids [1, k])` of every MoE layer, as the token of this parity routed them."""
+        """`(layer, expert ids [1, k])` of every MoE layer, as the token of this parity routed them; [] over an
+        expert cache (it saw them as they happened)."""
+        if self.experts is not None:
+            return []
         slot = self.slot_of[parity]
         return [(i, layer.ids[slot].host[None, :].astype(np.int64)) for i, layer in enumerate(self.layers)
                 if layer.route is not None]
@@ -838,7 +841,7 @@ class DeviceDecodeStep:
                on_routes: Callable[[list], None] | None = None) -> GreedyPipeline | None:
         """Greedy decoding from `token` with one forward in flight (`GreedyPipeline`); None when the embedding
         cannot be read on the device. embed_of(token): a token's embedding row `[H]`."""
-        if self.embed is None or self.experts is not None:
+        if self.embed is None:
             return None
         return GreedyPipeline(self, cache, token, embed_of, on_routes)
 
