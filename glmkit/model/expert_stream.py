@@ -188,9 +188,12 @@ def _arrays(w: Weight) -> list[np.ndarray]:
 
 
 def anonymous_bytes(nbytes: int) -> np.ndarray:
-    """`nbytes` of anonymous memory (uint8, zero until written; pages taken as they are touched) over a mapping:
-    weights copied there are used in place by the OpenCL backend, as the container's mapped ones are."""
-    return np.frombuffer(mmap.mmap(-1, max(nbytes, 1)), np.uint8)[:nbytes]
+    """`nbytes` of anonymous memory (uint8, zeros) over a private mapping whose pages are all taken at once: weights
+    copied there are used in place by the OpenCL backend, as the container's mapped ones are. Every caller fills
+    its block soon (an expert cache's slots with the first prompt), and populating a mapping costs the kernel far
+    less than faulting its pages in one by one while tokens wait."""
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+    return np.frombuffer(mmap.mmap(-1, max(nbytes, 1), flags=flags), np.uint8)[:nbytes]
 
 
 def weights_nbytes(ws: list[Weight]) -> int:
