@@ -49,20 +49,23 @@ def logits_of(engine: Engine, prompt: list[int], steps: int) -> list[np.ndarray]
     return out
 
 
-@pytest.mark.parametrize("preset", ["q4", "f32"])
-def test_out_of_core_logits_are_bit_identical(snapshots, preset):
-    """Two slots per MoE layer (nearly every expert misses), a prompt past the indexer's top-k (DSA selection on)."""
+@pytest.mark.parametrize("preset,device", [("q4", "numpy"), ("f32", "numpy"), ("q4", "opencl")])
+def test_out_of_core_logits_are_bit_identical(snapshots, preset, device):
+    """Two slots per MoE layer (nearly every expert misses), a prompt past the indexer's top-k (DSA selection on),
+    on NumPy and on OpenCL (every product on the device: the prompt's experts that find no slot are read into
+    buffers of their own and run in place like the slots; single tokens run on the device decode step)."""
     snap = snapshots("tiny-trained", preset)
-    ram = Engine(snap, "numpy", load_tokenizer=False)
+    ram = Engine(snap, device, load_tokenizer=False, expert_cache=0)
     cfg = ram.config
     moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers_with_mtp))
     budget = max(2 * moe_layers, cfg.num_experts_per_tok) * slot_bytes(ram)
-    streamed = Engine(snap, "numpy", load_tokenizer=False, expert_cache=budget)
+    streamed = Engine(snap, device, load_tokenizer=False, expert_cache=budget)
     prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, cfg.index_topk + 8).tolist()
     for a, b in zip(logits_of(ram, prompt, 6), logits_of(streamed, prompt, 6), strict=True):
         assert np.array_equal(a, b)
     stats = streamed.experts.stats
-    assert stats.misses > stats.hits and stats.evictions > 0 and stats.reads > 0
+    assert stats.misses > stats.hits and stats.evictions > 0 and stats.reads > 0 and stats.bounced > 0
+    assert (device == "opencl") == streamed.model.decodes_on_device()
     # nothing read twice while cached: every read is a miss or a read ahead
     assert stats.reads <= stats.misses + stats.predicted
     streamed.close()
