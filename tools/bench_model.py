@@ -16,7 +16,7 @@ from glmkit.cli.convert import main as convert_main
 from glmkit.convert.plan import QuantPlan
 from glmkit.format.config import ModelConfig
 from glmkit.format.schema import model_tensors
-from tools.synth import write_snapshot_streaming
+from tools.synth import synth_params, write_snapshot_streaming
 
 DEFAULT_WORK = Path("/tmp/glmkit-bench-model")
 
@@ -34,15 +34,16 @@ BENCH_CONFIG = {
 
 
 def ensure_bench_snapshot(preset: str = "q4", work: Path = DEFAULT_WORK, config: dict | None = None,
-                          router_bias_std: float = 1.0) -> Path:
+                          router_bias_std: float = 1.0, residual_write_scale: float = 1.0) -> Path:
     """The converted benchmark model for `preset` (built on first use under `work`, and again when the preset's
     layout or the source's parameters have changed since); `config`: another shape than BENCH_CONFIG's;
-    router_bias_std: see `write_snapshot_streaming`."""
+    router_bias_std, residual_write_scale: see `write_snapshot_streaming`."""
     source = work / "source"
-    params = {"seed": 0, "router_bias_std": router_bias_std}
+    params = synth_params(0, router_bias_std, residual_write_scale)
     fresh = not (source / "config.json").is_file() or _synth_params(source) != params
     if fresh:
-        write_snapshot_streaming(source, config or BENCH_CONFIG, shards=4, router_bias_std=router_bias_std)
+        write_snapshot_streaming(source, config or BENCH_CONFIG, shards=4, router_bias_std=router_bias_std,
+                                 residual_write_scale=residual_write_scale)
     out = work / preset
     if fresh or not (out / "manifest.json").is_file() or not layout_is_current(out, preset):
         with contextlib.redirect_stdout(io.StringIO()):

@@ -13,7 +13,7 @@ the device decode step on the cache's slots) and `numpy` (`--device numpy --expe
 Printed per run: decode tok/s, TTFT, bytes read from disk per decoded token (the child's /proc/self/io), the
 expert hit rate, read-ahead recall, the cgroup's peak memory, and the I/O bounds: the expert bytes missed per
 decoded token (and the prompt's expert bytes, for the TTFT) over the disk bandwidth measured in the same run for
-expert-sized reads at the expert cache's queue depth, read as it reads them (O_DIRECT).
+expert-sized reads, read as the cache reads them (O_DIRECT), the faster of 1 and 8 (its I/O threads) in flight.
 """
 
 from __future__ import annotations
@@ -38,9 +38,10 @@ PROMPT, TOKENS, QUEUE_DEPTH = 256, 64, 8  # QUEUE_DEPTH: the expert cache's I/O 
 MTP_CHOICES = {"off": (False,), "on": (True,), "both": (False, True)}
 
 
-def ensure_stream_snapshot(work: Path) -> Path:
-    """The 256-expert model at q4 under `work` (written and converted on first use)."""
-    return ensure_bench_snapshot("q4", work, STREAM_CONFIG, ROUTER_BIAS_STD)
+def ensure_stream_snapshot(work: Path, residual_write_scale: float = 1.0) -> Path:
+    """The 256-expert model at q4 under `work` (written and converted on first use); residual_write_scale: see
+    `tools.synth.write_snapshot_streaming`."""
+    return ensure_bench_snapshot("q4", work, STREAM_CONFIG, ROUTER_BIAS_STD, residual_write_scale)
 
 
 def drop_from_page_cache(snapshot: Path) -> None:
@@ -186,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--snapshot", type=Path, help="a converted snapshot to run instead of the 256-expert model "
                                                  "(e.g. a q4 conversion of tests/fixtures/tiny-trained)")
+    p.add_argument("--residual-write-scale", type=float, default=1.0,
+                   help="build the 256-expert model with its residual writers scaled so (e.g. 0.02: each layer a "
+                        "small change of the hidden state, as in a trained model; read-ahead then predicts)")
     p.add_argument("--cache", default="auto", help="the cache mode's --expert-cache (bytes or auto)")
     p.add_argument("--mtp", default="off", help="off, on, or both (MTP speculative decoding)")
     p.add_argument("--prompt-tokens", type=Path,
@@ -194,12 +198,15 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     from glmkit.format.reader import Container
 
-    snapshot = args.snapshot or ensure_stream_snapshot(args.work)
+    snapshot = args.snapshot or ensure_stream_snapshot(args.work, args.residual_write_scale)
     container = Container(snapshot)
     size = container.nbytes
     ranges = [(r.file, r.offset, r.nbytes) for r in container.manifest.experts[::7]][:256]
-    bandwidth = disk_bandwidth(snapshot, ranges, QUEUE_DEPTH)
-    print(f"container {size / 1e9:.2f} GB, expert reads at depth {QUEUE_DEPTH}: {bandwidth:.2f} GB/s")
+    # the bound takes the faster of one read in flight (a decoded token's few misses) and the cache's full depth
+    by_depth = {depth: disk_bandwidth(snapshot, ranges, depth) for depth in (1, QUEUE_DEPTH)}
+    bandwidth = max(by_depth.values())
+    print(f"container {size / 1e9:.2f} GB, expert reads "
+          + ", ".join(f"{bw:.2f} GB/s at depth {depth}" for depth, bw in by_depth.items()))
     rows = []
     for fraction in args.fractions.split(","):
         limit = None if fraction == "none" else int(float(fraction) * size)
@@ -213,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             print(json.dumps(row), flush=True)
     if args.json:
-        args.json.write_text(json.dumps({"bandwidth_gbs": bandwidth, "container_bytes": size, "rows": rows},
+        args.json.write_text(json.dumps({"bandwidth_gbs": by_depth, "container_bytes": size, "rows": rows},
                                         indent=1))
     return 0
 

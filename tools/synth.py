@@ -121,8 +121,11 @@ def _fuse_experts(stored: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return out
 
 
+RESIDUAL_WRITERS = ("self_attn.o_proj.weight", "down_proj.weight")  # the products that add into the residual stream
+
+
 def write_snapshot_streaming(directory: Path, config: dict, *, shards: int = 8, fp8: bool = False,
-                             seed: int = 0, router_bias_std: float = 1.0) -> int:
+                             seed: int = 0, router_bias_std: float = 1.0, residual_write_scale: float = 1.0) -> int:
     """Write a large random HF snapshot one tensor at a time (memory: one tensor); returns the bytes written.
 
     Same layout rules as `make_snapshot` (BF16, or FP8 with 128x128 `weight_scale_inv` for 2-D weights other
@@ -131,11 +134,15 @@ def write_snapshot_streaming(directory: Path, config: dict, *, shards: int = 8, 
     `default_rng([seed, i])`, so the content does not depend on the shard count. router_bias_std: the spread of
     `e_score_correction_bias` (at 1.0 it outweighs the router's sigmoid scores, so every token picks nearly the
     same experts; a small spread routes each token to its own experts, as a trained, load-balanced router does).
-    The parameters are recorded in `synth.json`.
+    residual_write_scale: a factor on the weights that add into the residual stream (attention's output
+    projection, every MLP's and expert's down projection). At 1.0 each layer's output outweighs the stream it adds
+    to, so one layer's hidden state says little of the next's routing; a small factor makes each layer a small
+    change of the stream, as in a trained model, where one layer's router input predicts the next's.
+    The parameters are recorded in `synth.json` (`residual_write_scale` only where it is not 1.0).
     """
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config))
-    (directory / "synth.json").write_text(json.dumps({"seed": seed, "router_bias_std": router_bias_std}))
+    (directory / "synth.json").write_text(json.dumps(synth_params(seed, router_bias_std, residual_write_scale)))
     (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": config.get("eos_token_id")}))
     specs = model_tensors(ModelConfig.from_dict(config))
 
@@ -191,6 +198,8 @@ def write_snapshot_streaming(directory: Path, config: dict, *, shards: int = 8, 
                 scale = 1.0 if len(shape) == 1 else shape[-1] ** -0.5
                 if name.endswith("e_score_correction_bias"):
                     scale = router_bias_std
+                elif name.endswith(RESIDUAL_WRITERS):
+                    scale *= residual_write_scale
                 w = rng.standard_normal(shape, dtype=np.float32) * np.float32(scale)
                 if dtype == "F8_E4M3":
                     q, pending_scale = _fp8_quantize_blocks(w)
@@ -203,6 +212,12 @@ def write_snapshot_streaming(directory: Path, config: dict, *, shards: int = 8, 
     (directory / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": sum(nbytes)}, "weight_map": weight_map}))
     return total
+
+
+def synth_params(seed: int = 0, router_bias_std: float = 1.0, residual_write_scale: float = 1.0) -> dict:
+    """What `synth.json` records of a streaming snapshot's parameters."""
+    params = {"seed": seed, "router_bias_std": router_bias_std}
+    return params if residual_write_scale == 1.0 else {**params, "residual_write_scale": residual_write_scale}
 
 
 def _fp8_quantize_blocks(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
