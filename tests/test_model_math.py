@@ -17,6 +17,7 @@ from glmkit.model.ops import (
     causal_mask,
     embed_rows,
     moe_batch_union,
+    renormalized,
     rope_cos_sin,
     route_noaux_tc,
     silu,
@@ -461,3 +462,17 @@ def test_times_transposed_matches_the_product_for_every_row_count(shape):
         got = times_transposed(x, w)
         assert got.shape == (rows, shape[0]) and got.dtype == np.float32
         np.testing.assert_allclose(got, x.astype(np.float64) @ w.T.astype(np.float64), rtol=1e-4, atol=1e-4)
+
+
+def test_renormalized_is_the_other_norm_of_the_same_hidden_state():
+    """Read-ahead's estimate of the next layer's router input: one layer's normed input re-weighted as the next
+    layer's norm weights it, exactly that norm of the same hidden state (0 where the first weight is 0)."""
+    rng = np.random.default_rng(0)
+    h = rng.standard_normal((3, 16)).astype(np.float32)
+    w, w_next = rng.standard_normal(16).astype(np.float32), rng.standard_normal(16).astype(np.float32)
+    w[5] = 0.0
+    backend = NumpyBackend()
+    got = renormalized(backend.rms_norm(h, w, 1e-6), w, w_next)
+    want = backend.rms_norm(h, w_next, 1e-6)
+    want[:, 5] = 0.0
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)

@@ -11,7 +11,8 @@ matter. `ExpertCache` is a weight source (what `GlmMoeDsaModel` reads its tensor
   does not, a buffered read whose page-cache copy is dropped after (`POSIX_FADV_DONTNEED`);
 - evicts by frequency with aging (`ExpertScores`: each use counts `2^(uses so far / half_life)`, so a use
   `half_life` routed tokens ago weighs half of one now), never an expert handed out for the layer being computed;
-- reads ahead: after layer L routes, layer L+1's router applied to L's normed input names its likely experts,
+- reads ahead: after layer L routes, layer L+1's router applied to L's hidden state (normed as L+1 norms it)
+  names its likely experts,
   read while the recent share of named experts that were then routed to stays at least READ_AHEAD_PRECISION (a
   wrong guess costs a read and a slot); below it, only one layer in READ_AHEAD_PROBE is named, to keep measuring;
 - persists the scores beside the prefill cache, keyed by the model hash, and loads the hot set from them in the
@@ -46,7 +47,7 @@ from glmkit.model.expert_stream import (
     weights_nbytes,
 )
 from glmkit.model.layer_spec import MLPSpec, MoESpec, layer_spec
-from glmkit.model.ops import likely_experts
+from glmkit.model.ops import likely_experts, renormalized
 from glmkit.units import format_size
 
 SLOT_ALIGN = 4096  # slots start on page boundaries
@@ -222,6 +223,7 @@ class ExpertCache:
                               f"least {cfg.num_experts_per_tok * self.slot_bytes} bytes")
         specs = [layer_spec(cfg, i, container.has) for i in range(cfg.num_layers_with_mtp)]
         self.moe = {s.index: s.ffn for s in specs if isinstance(s.ffn, MoESpec)}
+        self._post_attention_norms = [s.post_attention_norm.weight for s in specs]  # read-ahead's estimate
         # a shared expert that fits a slot is pinned in one past the routed ones: one device buffer holds a
         # layer's routed and shared experts, as the mapping's file does
         shared = {layer: ffn.shared for layer, ffn in self.moe.items() if ffn.shared is not None and
@@ -352,8 +354,8 @@ class ExpertCache:
             self.read_ahead(layer, normed)
 
     def read_ahead(self, layer: int, normed: np.ndarray) -> None:
-        """Start reading the experts layer `layer + 1`'s router picks for `normed [S, H]` (layer `layer`'s MoE input)
-        that are not cached (when read-ahead is on)."""
+        """Start reading the experts layer `layer + 1`'s router picks for the hidden state of `normed [S, H]` (layer
+        `layer`'s MoE input), normed as layer `layer + 1` norms it, that are not cached (when read-ahead is on)."""
         if not self.readahead:
             return
         nxt = self.moe.get(layer + 1) if layer + 1 < self.config.num_hidden_layers else None
@@ -363,8 +365,9 @@ class ExpertCache:
             self._probes += 1
             if self._probes % READ_AHEAD_PROBE:
                 return  # not trusted: naming costs a router product; one layer in READ_AHEAD_PROBE keeps measuring
-        r = nxt.router
-        likely = set(likely_experts(normed, np.asarray(self.weight(r.weight)), self.weight(r.bias), r.top_k))
+        r, norms = nxt.router, self._post_attention_norms
+        estimate = renormalized(normed, self.weight(norms[layer]), self.weight(norms[layer + 1]))  # [S, H]
+        likely = set(likely_experts(estimate, np.asarray(self.weight(r.weight)), self.weight(r.bias), r.top_k))
         self._predicted[layer + 1] = likely
         with self._lock:
             self.stats.predicted += len(likely)

@@ -27,7 +27,8 @@ import numpy as np
 from glmkit.format.reader import Container
 from glmkit.format.schema import EXPERT_PROJECTIONS, expert_weight_name
 from glmkit.format.tensors import QuantWeight, Weight
-from glmkit.model.ops import likely_experts
+from glmkit.model.layer_spec import MoESpec, layer_spec
+from glmkit.model.ops import likely_experts, renormalized
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 
@@ -156,9 +157,11 @@ class ExpertStreamer:
         nxt = layer + 1
         if nxt >= self.config.num_hidden_layers or not self.config.is_moe_layer(nxt):
             return
-        router = self.container.weight(f"model.layers.{nxt}.mlp.gate.weight")
-        bias = self.container.weight(f"model.layers.{nxt}.mlp.gate.e_score_correction_bias")
-        likely = likely_experts(normed, np.asarray(router), bias, self.config.num_experts_per_tok)
+        this, following = (layer_spec(self.config, i, self.container.has) for i in (layer, nxt))
+        assert isinstance(following.ffn, MoESpec)
+        r, w = following.ffn.router, self.container.weight
+        estimate = renormalized(normed, w(this.post_attention_norm.weight), w(following.post_attention_norm.weight))
+        likely = likely_experts(estimate, np.asarray(w(r.weight)), w(r.bias), r.top_k)  # [S, H] -> ids
         likely = [e for e in likely if not self._is_resident(nxt, e)]  # advising resident pages is wasted time
         if likely:
             self.container.advise_experts(nxt, likely, mmap.MADV_WILLNEED)

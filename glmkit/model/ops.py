@@ -139,7 +139,7 @@ def moe_batch_union(x: np.ndarray, ids: np.ndarray, weights: np.ndarray,
 def likely_experts(x: np.ndarray, router: np.ndarray, bias: np.ndarray, top_k: int) -> list[int]:
     """The experts a noaux_tc router would likely pick for rows `x [S, H]`: the union over rows of the `top_k` best
     choice scores `sigmoid(x router^T) + bias` (groups ignored). Read-ahead applies a layer's router to the previous
-    layer's input: a cheap, usually close estimate."""
+    layer's hidden state, normed as the layer norms it (`renormalized`): a cheap, usually close estimate."""
     scores = sigmoid(x @ router.T) + bias  # [S, E]
     return np.unique(np.argpartition(-scores, top_k - 1, axis=1)[:, :top_k]).tolist()
 
@@ -149,3 +149,10 @@ def embed_rows(table: Weight, ids: np.ndarray) -> np.ndarray:
     if isinstance(table, QuantWeight):
         return dequantize(table.packed[ids], table.scales[ids], table.bits, table.group_size, table.shape[1])
     return np.asarray(table[ids], dtype=np.float32)
+
+
+def renormalized(normed: np.ndarray, weight: np.ndarray, next_weight: np.ndarray) -> np.ndarray:
+    """`normed [S, H]` = `RMSNorm(h) * weight`, as another RMSNorm of the same `h` gives it: `RMSNorm(h) *
+    next_weight` (exact where `weight` is not 0; 0 where it is)."""
+    ratio = np.divide(next_weight, weight, out=np.zeros(weight.shape, np.float32), where=weight != 0)  # [H]
+    return normed * ratio  # [S, H]
