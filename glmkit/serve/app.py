@@ -1,8 +1,9 @@
-"""glm-serve's HTTP app: OpenAI-compatible routes on Starlette; generation runs in `scheduler`.
+"""glm-serve's HTTP app: OpenAI- and Anthropic-compatible routes on Starlette; generation runs in `scheduler`.
 
 Routes: `GET /health` (no auth), `GET /v1/models[/{id}]`, `POST /v1/chat/completions`,
-`POST /v1/completions`, `GET /stats` (counters and the last requests' numbers). The wire format (errors,
-field checks) is `protocol`'s, chat messages and replies `chat`'s, the worker channel `bridge`'s.
+`POST /v1/completions`, `POST /v1/messages`, `POST /v1/messages/count_tokens`, `GET /stats` (counters and the
+last requests' numbers). OpenAI's wire format (errors, field checks) is `protocol`'s, Anthropic's
+`messages_api`'s; chat messages and replies are `chat`'s, the worker channel `bridge`'s.
 """
 
 from __future__ import annotations
@@ -30,6 +31,14 @@ from glmkit.serve.auth import AuthMiddleware
 from glmkit.serve.bridge import Channel, ClientGone, collect, events, submit_job
 from glmkit.serve.chat import ChatText, chat_parts, parse_messages, parse_tools, template_variables
 from glmkit.serve.config import Loaded, ServeConfig, State
+from glmkit.serve.messages_api import (
+    MessageEvents,
+    error_body,
+    error_event,
+    message_body,
+    new_message_id,
+    parse_messages_request,
+)
 from glmkit.serve.protocol import (
     ApiError,
     Common,
@@ -81,6 +90,8 @@ def create_app(config: ServeConfig, load: Callable[[], Loaded],
         Route("/v1/models/{model_id:path}", model_info, methods=["GET"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/messages", anthropic_messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", anthropic_count_tokens, methods=["POST"]),
         Route("/stats", stats, methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan,
@@ -115,22 +126,31 @@ def _on_shutdown_signal(state: State, handler: Callable[[int, FrameType | None],
     handler(signum, frame)
 
 
+def _anthropic(request: Request) -> bool:
+    """Whether the request is to an Anthropic route (its errors take Anthropic's shape)."""
+    return request.url.path.startswith("/v1/messages")
+
+
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
+    if _anthropic(request):
+        return JSONResponse(error_body(exc.status, exc.message), status_code=exc.status)
     return exc.response()
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
     """Anything no route handled (a bug): a JSON 500, the traceback only in the server's log (Starlette re-raises
     the exception to the server, which logs it)."""
-    return internal_error().response()
+    return await _api_error(request, internal_error())
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
+    message = f"{request.method} {request.url.path}: {exc.detail}"
+    if _anthropic(request):
+        return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code)
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-    return error_response(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", param=None,
-                          code=code)
+    return error_response(exc.status_code, message, param=None, code=code)
 
 
 def serve_state(request: Request) -> State:
@@ -208,14 +228,10 @@ def _event_stream(body: AsyncIterator[str]) -> StreamingResponse:
 
 # ---- /v1/chat/completions -------------------------------------------------------------------------
 
-async def chat_completions(request: Request) -> Response:
-    state = serve_state(request)
-    loaded = state.ready()
-    body = await read_json(request, state.config.max_request_bytes)
-    common = parse_common(body, state.config.model_name, state.defaults)
-    messages = parse_messages(body)
-    tools = parse_tools(body)
-    thinking, kwargs = template_variables(body)
+async def _render_chat(loaded: Loaded, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                       thinking: bool, kwargs: dict[str, Any]) -> tuple[str, list[int]]:
+    """The chat template's prompt for these messages and tools, and its token ids (400s: too long, a template
+    error, an empty prompt)."""
     check_prompt_chars(loaded.engine, sum(len(m["content"]) for m in messages), "messages")
     tok = loaded.engine.tokenizer
     template_messages, template_tools = prepare_messages(messages, tools, loaded.support)
@@ -232,6 +248,18 @@ async def chat_completions(request: Request) -> Response:
     if not ids:
         raise ApiError(400, "the chat template rendered an empty prompt", param="messages", code="invalid_messages")
     check_prompt_tokens(loaded.engine, len(ids), "messages")
+    return prompt_text, ids
+
+
+async def chat_completions(request: Request) -> Response:
+    state = serve_state(request)
+    loaded = state.ready()
+    body = await read_json(request, state.config.max_request_bytes)
+    common = parse_common(body, state.config.model_name, state.defaults)
+    messages = parse_messages(body)
+    tools = parse_tools(body)
+    thinking, kwargs = template_variables(body)
+    prompt_text, ids = await _render_chat(loaded, messages, tools, thinking, kwargs)
     request_id = "chatcmpl-" + uuid.uuid4().hex[:24]
     job, channel = _start_generation(state, loaded, ids, common, request_id)
     reasoning = state.config.split_reasoning and prompt_text.rstrip().endswith("<think>")
@@ -328,3 +356,68 @@ async def completions(request: Request) -> Response:
                 yield sse({**base, "choices": [], "usage": usage(event), "timings": timings(event)})
 
     return _event_stream(stream())
+
+
+# ---- /v1/messages (Anthropic) ---------------------------------------------------------------------
+
+async def anthropic_messages(request: Request) -> Response:
+    state = serve_state(request)
+    loaded = state.ready()
+    body = await read_json(request, state.config.max_request_bytes)
+    parsed = parse_messages_request(body, state.config.model_name, state.defaults)
+    prompt_text, ids = await _render_chat(loaded, parsed.messages, parsed.tools, parsed.thinking, {})
+    message_id = new_message_id()
+    job, channel = _start_generation(state, loaded, ids, parsed.common, message_id)
+    router = ChatText(prompt_text.rstrip().endswith("<think>"), parsed.tools is not None)
+    model = state.config.model_name
+
+    if not parsed.common.stream:
+        try:
+            text, done = await collect(request, loaded.scheduler, state.channels, job, channel)
+        except ClientGone:
+            return Response(status_code=499)
+        pieces = router.push(text)
+        rest, tool_text = router.finish()
+        content, calls = chat_parts(pieces + rest, tool_text, parsed.tools)
+        return JSONResponse(message_body(message_id, model, pieces + rest, content, calls, done))
+
+    async def stream() -> AsyncIterator[str]:
+        out = MessageEvents(message_id, model, len(ids))
+        yield out.start()
+        async for event in events(loaded.scheduler, state.channels, job, channel):
+            if isinstance(event, Text):
+                for kind, text in router.push(event.text):
+                    for line in out.text(kind, text):
+                        yield line
+                continue
+            rest, tool_text = router.finish()
+            for kind, text in rest:
+                for line in out.text(kind, text):
+                    yield line
+            leftover, calls = parse_tool_calls(tool_text, parsed.tools) if tool_text else ("", [])
+            if leftover or (tool_text and not calls):
+                for line in out.text("content", leftover if calls else tool_text):
+                    yield line
+            for line in out.finish(calls, event):
+                yield line
+
+    async def guarded() -> AsyncIterator[str]:
+        try:
+            async for line in stream():
+                yield line
+        except ApiError as e:
+            yield error_event(e)
+        except Exception:
+            log.exception("a stream failed")
+            yield error_event(internal_error())
+
+    return StreamingResponse(guarded(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def anthropic_count_tokens(request: Request) -> Response:
+    state = serve_state(request)
+    loaded = state.ready()
+    body = await read_json(request, state.config.max_request_bytes)
+    parsed = parse_messages_request(body, state.config.model_name, state.defaults, count_only=True)
+    _, ids = await _render_chat(loaded, parsed.messages, parsed.tools, parsed.thinking, {})
+    return JSONResponse({"input_tokens": len(ids)})

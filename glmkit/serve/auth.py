@@ -1,4 +1,4 @@
-"""glm-serve's API key check (`Authorization: Bearer KEY`)."""
+"""glm-serve's API key check: `Authorization: Bearer KEY` (OpenAI's clients) or `x-api-key: KEY` (Anthropic's)."""
 
 from __future__ import annotations
 
@@ -6,12 +6,15 @@ import hmac
 from collections.abc import Callable
 
 from starlette.applications import Starlette
+from starlette.responses import JSONResponse
 
+from glmkit.serve.messages_api import error_body
 from glmkit.serve.protocol import error_response
 
 
 class AuthMiddleware:
-    """`Authorization: Bearer KEY` on every route but /health, when an API key is set."""
+    """The API key on every route but /health, when one is set: as a bearer token or in `x-api-key`. A refusal
+    takes the shape of the route's API (Anthropic's under /v1/messages, else OpenAI's)."""
 
     def __init__(self, app: Starlette, api_key: str | None):
         self.app = app
@@ -20,10 +23,18 @@ class AuthMiddleware:
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] == "http" and self.api_key and scope["path"] != "/health":
-            header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            headers = dict(scope["headers"])
+            header = headers.get(b"authorization", b"").decode("latin-1")
             scheme, _, token = header.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
-                message = "Incorrect API key provided." if header else "Missing API key (Authorization: Bearer KEY)."
-                await error_response(401, message, code="invalid_api_key")(scope, receive, send)
+            given = token.strip() if scheme.lower() == "bearer" else headers.get(b"x-api-key", b"").decode("latin-1")
+            if not hmac.compare_digest(given.encode(), self.api_key.encode()):
+                sent = header or b"x-api-key" in headers
+                message = ("Incorrect API key provided." if sent else
+                           "Missing API key (Authorization: Bearer KEY, or x-api-key: KEY).")
+                if scope["path"].startswith("/v1/messages"):
+                    response = JSONResponse(error_body(401, message), status_code=401)
+                else:
+                    response = error_response(401, message, code="invalid_api_key")
+                await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)

@@ -70,6 +70,7 @@ class Done:
     decode_s: float
     restore_s: float = 0.0  # finding and loading the cached prefix (Session.prepare), part of prefill_s
     error: str = ""
+    stop_sequence: str | None = None  # the request's stop sequence that ended it (None: eos, length, ...)
 
     def record(self, request_id: str) -> dict[str, Any]:
         rounded = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
@@ -94,6 +95,7 @@ class GenerationJob:
         self.tokens: list[int] = []
         self.text = ""
         self.sent = 0  # characters of `text` emitted
+        self.stop_hit: str | None = None  # the stop sequence found in `text`
         self.cached = 0
         self.reuse = ReuseStats()
         self.restore_s = 0.0
@@ -300,8 +302,9 @@ class Scheduler:
             return False
         job.text += piece
         stops = job.request.stop
-        hit = min((i for i in (job.text.find(s, job.sent) for s in stops) if i >= 0), default=-1)
-        if hit >= 0:
+        found = [(at, s) for s in stops if (at := job.text.find(s, job.sent)) >= 0]
+        if found:
+            hit, job.stop_hit = min(found)
             self._emit_upto(job, hit)
             return True
         hold = max((k for s in stops for k in range(1, len(s)) if job.text.endswith(s[:k])), default=0)
@@ -341,7 +344,7 @@ class Scheduler:
                     ttft_s=job.first_token - job.submitted if job.first_token else None,
                     prefill_s=job.first_token - started if job.first_token else None,
                     decode_s=now - job.first_token if job.first_token else 0.0, restore_s=job.restore_s,
-                    error=error)
+                    error=error, stop_sequence=job.stop_hit if reason == "stop" else None)
         with self._cv:
             if job in self._active:
                 self._active.remove(job)
