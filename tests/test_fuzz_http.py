@@ -1,10 +1,11 @@
-"""A seeded, bounded fuzz of glm-serve's two completion routes over real HTTP (a uvicorn server on 127.0.0.1,
-the tiny fixture model): random JSON types in every field, deep nesting, huge numbers, NaN, wrong content types,
-invalid UTF-8, oversized and chunked bodies, streaming and not.
+"""A seeded, bounded fuzz of glm-serve's completion routes over real HTTP (a uvicorn server on 127.0.0.1, the
+tiny fixture model): OpenAI's two and Anthropic's Messages route, random JSON types in every field, deep nesting,
+huge numbers, NaN, wrong content types, invalid UTF-8, oversized and chunked bodies, streaming and not.
 
-Every answer must be a 2xx with a well-formed OpenAI response (or event stream ending in `[DONE]`) or a 4xx
-whose body is an OpenAI-shaped JSON error; never a 5xx (every input here is the client's doing), a plain-text
-error or traceback, a hang, or a dead server (/health is asked after every case). Run with -s for the table.
+Every answer must be a 2xx with a well-formed response of the route's API (or event stream: OpenAI's ending in
+`[DONE]`, Anthropic's from `message_start` to `message_stop`) or a 4xx whose body is a JSON error of that API's
+shape; never a 5xx (every input here is the client's doing), a plain-text error or traceback, a hang, or a dead
+server (/health is asked after every case). Run with -s for the tables.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from tests.test_serve import API_KEY, MAX_BODY, ServerThread, serve_args
 
 SEED = 20240611
 CASES = 2000
+MESSAGES_SEED, MESSAGES_CASES = 20261205, 600
 REQUEST_TIMEOUT_S = 30.0
-CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+CHAT, COMPLETIONS, MESSAGES = "/v1/chat/completions", "/v1/completions", "/v1/messages"
 BAD = ("5xx", "malformed", "hang", "server died")
 
 FIELDS = {
@@ -33,7 +35,12 @@ FIELDS = {
            "logprobs", "best_of"],
     COMPLETIONS: ["model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stop", "stream",
                   "stream_options", "echo", "suffix", "ignore_eos", "logprobs", "best_of"],
+    MESSAGES: ["model", "messages", "max_tokens", "system", "temperature", "top_p", "top_k", "stop_sequences",
+               "stream", "tools", "tool_choice", "thinking", "metadata", "ignore_eos"],
 }
+BLOCKS = [{"type": "text", "text": "Hi"}, {"type": "tool_use", "id": "t1", "name": "lookup", "input": {"q": "x"}},
+          {"type": "tool_result", "tool_use_id": "t1", "content": "found"}, {"type": "thinking", "thinking": "hm"},
+          {"type": "image", "source": {"type": "base64", "data": "AA"}}, {"type": "tool_use", "input": "x"}]
 TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {
     "type": "object", "properties": {"q": {"type": "string"}}}}}
 
@@ -46,8 +53,9 @@ def nested(depth: int) -> Any:
 
 
 class Fuzzer:
-    def __init__(self, seed: int):
-        self.rng = random.Random(seed)
+    def __init__(self, seed: int, paths: tuple[str, ...] = (CHAT, COMPLETIONS)):
+        self.rng, self.seed = random.Random(seed), seed
+        self.paths = paths
 
     def scalar(self) -> Any:
         return self.rng.choice([
@@ -66,9 +74,13 @@ class Fuzzer:
             return {self.rng.choice(keys): self.value(depth + 1) for _ in range(self.rng.randint(0, 4))}
         return nested(self.rng.choice([10, 70, 500]))  # deeper: the raw mangles in case()
 
-    def message(self) -> Any:
+    def message(self, path: str) -> Any:
         if self.rng.random() < 0.2:
             return self.value()
+        if path == MESSAGES:
+            content = self.rng.choice(["Hi", "", None, self.value(), [self.rng.choice(BLOCKS + [self.value()])
+                                                                      for _ in range(self.rng.randint(0, 3))]])
+            return {"role": self.rng.choice(["user", "assistant", "system", None]), "content": content}
         role = self.rng.choice(["system", "developer", "user", "assistant", "tool", "wizard", None, 3])
         message: dict[str, Any] = {"role": role, "content": self.rng.choice(
             ["Hi", "", None, [{"type": "text", "text": "Hi"}], [{"type": "image_url"}], self.value()])}
@@ -83,24 +95,25 @@ class Fuzzer:
     def valid(self, path: str) -> dict[str, Any]:
         body: dict[str, Any] = {"max_tokens": self.rng.randint(1, 6), "temperature": self.rng.choice([0, 0.7]),
                                 "stream": self.rng.random() < 0.4}
-        if path == CHAT:
+        if path in (CHAT, MESSAGES):
             body["messages"] = [{"role": "user", "content": "Hello"}]
             if self.rng.random() < 0.3:
-                body["tools"] = [TOOL]
+                body["tools"] = [TOOL if path == CHAT else {"name": "lookup", "input_schema": TOOL["function"][
+                    "parameters"]}]
         else:
             body["prompt"] = self.rng.choice(["def main():", [10, 20, 30], ["Once"]])
-        if body["stream"] and self.rng.random() < 0.5:
+        if body["stream"] and path != MESSAGES and self.rng.random() < 0.5:
             body["stream_options"] = {"include_usage": True}
         return body
 
     def case(self) -> tuple[str, bytes, dict[str, str], bool]:
         """(path, body bytes, extra headers, send chunked)."""
-        path = self.rng.choice([CHAT, COMPLETIONS])
+        path = self.rng.choice(self.paths)
         body = self.valid(path)
         for _ in range(self.rng.choice([0, 0, 1, 1, 2, 3])):  # some requests stay valid: replies get checked too
             field = self.rng.choice(FIELDS[path])
             if field == "messages" and self.rng.random() < 0.6:
-                body[field] = [self.message() for _ in range(self.rng.randint(0, 3))]
+                body[field] = [self.message(path) for _ in range(self.rng.randint(0, 3))]
             else:
                 body[field] = self.value()
         raw = json.dumps(body, allow_nan=True).encode()
@@ -129,14 +142,22 @@ class Fuzzer:
         return path, raw, headers, self.rng.random() < 0.1
 
 
-def is_error(body: Any) -> bool:
-    return (isinstance(body, dict) and set(body) == {"error"} and isinstance(body["error"], dict)
-            and set(body["error"]) == {"message", "type", "param", "code"}
-            and isinstance(body["error"]["message"], str) and "Traceback" not in body["error"]["message"])
+def is_error(body: Any, path: str = CHAT) -> bool:
+    """An error body of the route's API: OpenAI's `{"error": {...}}` or Anthropic's `{"type": "error", ...}`."""
+    shape = ({"type", "error"}, {"type", "message"}) if path == MESSAGES else ({"error"}, {"message", "type", "param",
+                                                                                         "code"})
+    return (isinstance(body, dict) and set(body) == shape[0] and isinstance(body["error"], dict)
+            and set(body["error"]) == shape[1] and isinstance(body["error"]["message"], str)
+            and "Traceback" not in body["error"]["message"])
 
 
 def is_reply(path: str, body: Any) -> bool:
     """A non-streaming OpenAI reply of route `path`."""
+    if path == MESSAGES:
+        usage = body.get("usage") if isinstance(body, dict) else None
+        return (isinstance(usage, dict) and body.get("type") == "message" and isinstance(body.get("content"), list)
+                and body.get("stop_reason") in ("end_turn", "max_tokens", "stop_sequence", "tool_use")
+                and all(isinstance(usage.get(k), int) for k in ("input_tokens", "output_tokens")))
     if not isinstance(body, dict) or not isinstance(body.get("choices"), list) or len(body["choices"]) != 1:
         return False
     choice, usage = body["choices"][0], body.get("usage") or {}
@@ -152,7 +173,16 @@ def is_reply(path: str, body: Any) -> bool:
 
 
 def is_stream(path: str, events: list[str]) -> bool:
-    """A well-formed event stream: chunks of the route's kind, at most one error event just before `[DONE]`."""
+    """A well-formed event stream: chunks of the route's kind, at most one error event just before `[DONE]`;
+    Anthropic's: from `message_start` to `message_stop`, or to one error event."""
+    if path == MESSAGES:
+        try:
+            data = [json.loads(event) for event in events]
+        except ValueError:
+            return False
+        types = [d.get("type") if isinstance(d, dict) else None for d in data]
+        return (len(types) >= 2 and types[0] == "message_start" and None not in types
+                and (types[-1] == "message_stop" or is_error(data[-1], path)) and "error" not in types[:-1])
     if not events or events[-1] != "[DONE]":
         return False
     kind = "chat.completion.chunk" if path == CHAT else "text_completion"
@@ -204,7 +234,7 @@ def send(port: int, path: str, raw: bytes, headers: dict[str, str], chunked: boo
         return "malformed"  # a plain-text answer
     if 200 <= status < 300:
         return "2xx" if is_reply(path, body) else "malformed"
-    if not is_error(body):
+    if not is_error(body, path):
         return "malformed"
     return "4xx" if status < 500 else "5xx"
 
@@ -226,12 +256,12 @@ def server(snapshot, tmp_path_factory):
     srv.stop()
 
 
-def test_fuzzed_requests_get_openai_answers(server):
-    fuzzer = Fuzzer(SEED)
+def run_fuzz(server: ServerThread, fuzzer: Fuzzer, cases: int, title: str) -> Counter[str]:
+    """Send `cases` of the fuzzer's requests, checking /health after each; print the outcome table."""
     outcomes: Counter[str] = Counter()
     bad_cases: list[str] = []
     start = time.monotonic()
-    for index in range(CASES):
+    for index in range(cases):
         path, raw, headers, chunked = fuzzer.case()
         outcome = send(server.port, path, raw, headers, chunked)
         outcomes["tried"] += 1
@@ -245,10 +275,19 @@ def test_fuzzed_requests_get_openai_answers(server):
     elapsed = time.monotonic() - start
     columns = {"tried": "tried", "2xx": "2xx reply", "4xx": "clean 4xx error", "5xx": "JSON 5xx",
                "malformed": "plain-text / traceback / malformed", "hang": "hang", "server died": "server died"}
-    print(f"\nglm-serve HTTP fuzz (seed {SEED}, {elapsed:.1f} s)")
+    print(f"\n{title} (seed {fuzzer.seed}, {elapsed:.1f} s)")
     print("| " + " | ".join(columns.values()) + " |")
     print("|" + "---|" * len(columns))
     print("| " + " | ".join(str(outcomes[c]) for c in columns) + " |")
-    assert outcomes["tried"] == CASES
+    assert outcomes["tried"] == cases
     assert not any(outcomes[c] for c in BAD), "\n".join(bad_cases[:20])
-    assert outcomes["2xx"] >= CASES // 10 and outcomes["4xx"] >= CASES // 4  # both kinds were exercised
+    assert outcomes["2xx"] >= cases // 10 and outcomes["4xx"] >= cases // 4  # both kinds were exercised
+    return outcomes
+
+
+def test_fuzzed_requests_get_openai_answers(server):
+    run_fuzz(server, Fuzzer(SEED), CASES, "glm-serve HTTP fuzz, OpenAI routes")
+
+
+def test_fuzzed_messages_requests_get_anthropic_answers(server):
+    run_fuzz(server, Fuzzer(MESSAGES_SEED, (MESSAGES,)), MESSAGES_CASES, "glm-serve HTTP fuzz, Anthropic's route")
