@@ -1,8 +1,10 @@
-"""Choosing the next token from logits: greedy, or temperature + top-k + top-p with a seeded RNG."""
+"""Choosing the next token from logits: greedy, or temperature + top-k + top-p with a seeded RNG, optionally among
+the tokens a constraint allows (`glmkit.generate.constraint`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -30,10 +32,21 @@ class SamplingParams:
         return self
 
 
+class LogitsConstraint(Protocol):
+    """Which tokens may come next (`mask`: the others' logits at -inf), told each token chosen (`accept`)."""
+
+    def mask(self, logits: np.ndarray) -> np.ndarray: ...
+
+    def accept(self, token: int) -> None: ...
+
+
 class Sampler:
-    def __init__(self, params: SamplingParams):
+    """Chooses each token of one sequence, in order: with a `constraint`, every call is that sequence's next token."""
+
+    def __init__(self, params: SamplingParams, constraint: LogitsConstraint | None = None):
         self.params = params.check()
         self.rng = np.random.default_rng(params.seed)
+        self.constraint = constraint
 
     @property
     def greedy(self) -> bool:
@@ -41,7 +54,15 @@ class Sampler:
 
     def __call__(self, logits: np.ndarray) -> int:
         """logits `[V]` -> token id: `Generator.choice(V, p=token_probabilities(...))`'s draw (one uniform from the
-        seeded stream, the first token whose cumulative probability exceeds it), over the tokens p keeps."""
+        seeded stream, the first token whose cumulative probability exceeds it), over the tokens p keeps (and the
+        constraint allows)."""
+        if self.constraint is None:
+            return self._choose(logits)
+        token = self._choose(self.constraint.mask(logits))
+        self.constraint.accept(token)
+        return token
+
+    def _choose(self, logits: np.ndarray) -> int:
         if self.greedy:
             return int(np.argmax(logits))
         p = token_probabilities(logits, self.params)

@@ -27,9 +27,17 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from glmkit.errors import GlmkitError
+from glmkit.generate.constraint import TokenConstraint
 from glmkit.serve.auth import AuthMiddleware
 from glmkit.serve.bridge import Channel, ClientGone, collect, events, submit_job
-from glmkit.serve.chat import ChatText, chat_parts, parse_messages, parse_tools, template_variables
+from glmkit.serve.chat import (
+    ChatText,
+    chat_parts,
+    parse_messages,
+    parse_response_format,
+    parse_tools,
+    template_variables,
+)
 from glmkit.serve.config import Loaded, ServeConfig, State
 from glmkit.serve.messages_api import (
     MessageEvents,
@@ -200,11 +208,12 @@ def _fingerprint(loaded: Loaded) -> str:
     return "glmkit-" + loaded.engine.model_hash[:12]
 
 
-def _start_generation(state: State, loaded: Loaded, ids: list[int], common: Common, request_id: str
-                      ) -> tuple[GenerationJob, Channel]:
-    """Submit the prompt `ids` with the request's settings; the job and the channel its events come back on."""
+def _start_generation(state: State, loaded: Loaded, ids: list[int], common: Common, request_id: str,
+                      constraint: TokenConstraint | None = None) -> tuple[GenerationJob, Channel]:
+    """Submit the prompt `ids` with the request's settings (and the constraint on its tokens); the job and the
+    channel its events come back on."""
     request = GenRequest(ids, state.max_tokens(common.max_tokens, len(ids)), common.params, common.stop,
-                         common.ignore_eos, request_id)
+                         common.ignore_eos, request_id, constraint)
     return submit_job(loaded.scheduler, state.channels, request)
 
 
@@ -259,9 +268,16 @@ async def chat_completions(request: Request) -> Response:
     messages = parse_messages(body)
     tools = parse_tools(body)
     thinking, kwargs = template_variables(body)
+    constrained, schema = parse_response_format(body)
+    constraint = None
+    if constrained:
+        if common.ignore_eos:
+            raise value_error("ignore_eos", "cannot be used with response_format (the JSON ends the reply)")
+        constraint = await run_in_threadpool(loaded.json_constraint, schema)
+        thinking = False  # the JSON starts at the first generated token: no thinking block before it
     prompt_text, ids = await _render_chat(loaded, messages, tools, thinking, kwargs)
     request_id = "chatcmpl-" + uuid.uuid4().hex[:24]
-    job, channel = _start_generation(state, loaded, ids, common, request_id)
+    job, channel = _start_generation(state, loaded, ids, common, request_id, constraint)
     reasoning = state.config.split_reasoning and prompt_text.rstrip().endswith("<think>")
     router = ChatText(reasoning, tools is not None)
     created = int(time.time())

@@ -101,6 +101,30 @@ def parse_tools(body: dict) -> list[dict[str, Any]] | None:
     return tools or None
 
 
+def parse_response_format(body: dict) -> tuple[bool, dict[str, Any] | None]:
+    """`response_format`: (whether the reply is constrained to JSON, the JSON schema it must match; None: any JSON
+    object). `text` or absent: not constrained."""
+    fmt = body.get("response_format")
+    if fmt is None:
+        return False, None
+    if not isinstance(fmt, dict):
+        raise type_error("response_format", "an object", fmt)
+    kind = fmt.get("type")
+    if kind == "text":
+        return False, None
+    if kind == "json_object":
+        return True, None
+    if kind != "json_schema":
+        raise value_error("response_format.type", f"must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict):
+        raise type_error("response_format.json_schema", "an object", spec)
+    schema = spec.get("schema")
+    if schema is not None and not isinstance(schema, dict):
+        raise type_error("response_format.json_schema.schema", "an object", schema)
+    return True, schema
+
+
 def template_variables(body: dict) -> tuple[bool, dict[str, Any]]:
     """`chat_template_kwargs`: (enable_thinking, the other variables for the template)."""
     kwargs = body.get("chat_template_kwargs") or {}

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from glmkit.errors import GlmkitError
+from glmkit.generate.constraint import GrammarTokenizer, TokenConstraint, json_grammar
 from glmkit.generate.engine import Engine
 from glmkit.serve.bridge import Channels
 from glmkit.serve.protocol import ApiError, SamplingDefaults, shutting_down
@@ -35,6 +38,28 @@ class Loaded:
 
     def __post_init__(self) -> None:
         self.support = TemplateSupport.of(self.engine.tokenizer.chat_template if self.engine.tokenizer else None)
+        self._grammar_tokenizer: GrammarTokenizer | None = None
+        self._grammar_lock = threading.Lock()
+
+    def json_constraint(self, schema: dict[str, Any] | None) -> TokenConstraint:
+        """A token constraint to JSON matching `schema` (None: any JSON object); 400 naming what the grammar
+        library refuses. Builds the library's view of the vocabulary on first use (about a second)."""
+        with self._grammar_lock:
+            if self._grammar_tokenizer is None:
+                tok = self.engine.tokenizer
+                assert tok is not None
+                self._grammar_tokenizer = GrammarTokenizer(tok.tokenizer, self.engine.config.vocab_size,
+                                                           tuple(self.engine.eos_token_ids))
+        try:
+            grammar = json_grammar(schema)
+        except ValueError as e:
+            raise ApiError(400, f"response_format: the JSON schema cannot be used: {e}", param="response_format",
+                           code="invalid_schema") from None
+        error = self._grammar_tokenizer.check(grammar)
+        if error is not None:
+            raise ApiError(400, f"response_format: the JSON schema cannot be used: {error}", param="response_format",
+                           code="invalid_schema")
+        return self._grammar_tokenizer.constraint(grammar)
 
 
 class State:

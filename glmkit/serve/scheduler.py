@@ -30,7 +30,7 @@ from glmkit.cache.prefix_cache import PrefixCache, common_prefix
 from glmkit.cache.session import ReuseStats, Session
 from glmkit.generate.engine import Engine
 from glmkit.generate.generator import Generator
-from glmkit.generate.sampling import Sampler, SamplingParams
+from glmkit.generate.sampling import LogitsConstraint, Sampler, SamplingParams
 from glmkit.generate.tokenizer import StreamDecoder
 
 log = logging.getLogger("glmkit.serve")
@@ -46,6 +46,7 @@ class GenRequest:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     request_id: str = ""
+    constraint: LogitsConstraint | None = None  # the tokens each step may choose from (a grammar's mask)
 
 
 @dataclass
@@ -275,7 +276,7 @@ class Scheduler:
         request = job.request
         eos = () if request.ignore_eos else self.engine.eos_token_ids
         job.generator = Generator(model, eos, use_mtp=self.use_mtp)
-        job.iterator = job.generator.generate(ids, request.max_tokens, Sampler(request.params), kv)
+        job.iterator = job.generator.generate(ids, request.max_tokens, Sampler(request.params, request.constraint), kv)
         self._decode_step(job)
 
     def _decode_step(self, job: GenerationJob) -> None:

@@ -1,0 +1,71 @@
+"""Output constrained by a grammar: a JSON schema (or any JSON object) compiled by llguidance into a token mask
+applied to each token's logits before sampling.
+
+`GrammarTokenizer` wraps the model's tokenizer once (llguidance's view of the vocabulary: building it takes about
+a second for a large one); `json_grammar` turns a schema into a grammar, checked (`GrammarTokenizer.check`) so that
+a schema the library cannot compile is refused before generation; `TokenConstraint` is one generation's matcher:
+`mask(logits)` leaves the tokens the grammar allows next (end of sequence only once it is complete), `accept(token)`
+advances it. A constraint starts from the first generated token.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import llguidance
+import llguidance.numpy
+import numpy as np
+from tokenizers import Tokenizer
+
+from glmkit.errors import GlmkitError
+
+
+def json_grammar(schema: dict[str, Any] | None) -> str:
+    """The grammar of JSON text matching `schema` (None: any JSON object), compact whitespace allowed."""
+    schema = {"type": "object"} if schema is None else schema
+    return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema),
+                                                         defaults={"whitespace_flexible": False})
+
+
+class GrammarTokenizer:
+    """llguidance's view of a model's vocabulary: `vocab_size` ids (the model's, at least the tokenizer's), the
+    end-of-sequence ids the grammar ends on."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_ids: tuple[int, ...]) -> None:
+        if not eos_ids:
+            raise GlmkitError("constrained output needs an end-of-sequence token id (generation_config.json)")
+        self.vocab_size = vocab_size
+        self.ll = llguidance.LLTokenizer(tokenizer.to_str(), n_vocab=max(vocab_size, tokenizer.get_vocab_size()),
+                                         eos_token=list(eos_ids))
+
+    def check(self, grammar: str) -> str | None:
+        """Why the library cannot use `grammar` (None: it can)."""
+        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.ll)
+        return ("; ".join(messages) or "the grammar does not compile") if failed else None
+
+    def constraint(self, grammar: str) -> TokenConstraint:
+        return TokenConstraint(self, grammar)
+
+
+class TokenConstraint:
+    """One generation's position in a grammar: masks logits `[V]` to the allowed tokens, advances on each token."""
+
+    def __init__(self, tokenizer: GrammarTokenizer, grammar: str) -> None:
+        self.matcher = llguidance.LLMatcher(tokenizer.ll, grammar)
+        if self.matcher.is_error():
+            raise GlmkitError(f"constrained output: {self.matcher.get_error()}")
+        self.vocab_size = tokenizer.vocab_size
+        self.bitmask = llguidance.numpy.allocate_token_bitmask(1, tokenizer.ll.vocab_size)  # [1, ceil(V / 32)]
+
+    def mask(self, logits: np.ndarray) -> np.ndarray:
+        """`logits [V]` with every token the grammar does not allow next at -inf (a new array)."""
+        llguidance.numpy.fill_next_token_bitmask(self.matcher, self.bitmask, 0)
+        bits = np.unpackbits(self.bitmask.view(np.uint8), bitorder="little")[:len(logits)].astype(bool)  # [V]
+        if not bits.any():
+            raise GlmkitError(f"constrained output: no token may follow ({self.matcher.get_error() or 'dead end'})")
+        return np.where(bits, logits, np.float32(-np.inf)).astype(logits.dtype)
+
+    def accept(self, token: int) -> None:
+        if not self.matcher.consume_token(token):
+            raise GlmkitError(f"constrained output: token {token} breaks the grammar ({self.matcher.get_error()})")
