@@ -4,9 +4,11 @@ event stream, stop sequences, tools with a tool_result round trip, thinking bloc
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import anthropic
+import jsonschema
 import pytest
 
 from glmkit.cli.serve import build_app
@@ -185,3 +187,19 @@ def test_errors_take_anthropics_shape(server, client, model):
     assert status == 400 and body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
     status, body = raw(server, "GET", "/v1/messages")
     assert status == 405 and body["error"]["type"] == "invalid_request_error"
+
+
+def test_output_config_format_constrains_the_reply(client, model):
+    """Anthropic's structured output: the reply's text is JSON matching the schema (the random fixture writes none
+    unconstrained); a schema the grammar library refuses is a 400."""
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                               "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+              "required": ["city", "days"], "additionalProperties": False}
+    reply = client.messages.create(model=model, max_tokens=120, messages=[user("Plan a trip")], extra_body=GREEDY,
+                                   output_config={"format": {"type": "json_schema", "schema": schema}})
+    assert reply.stop_reason == "end_turn"
+    jsonschema.validate(json.loads(reply.content[0].text), schema)
+    with pytest.raises(anthropic.BadRequestError) as info:
+        client.messages.create(model=model, max_tokens=4, messages=[user("Hi")], output_config={
+            "format": {"type": "json_schema", "schema": {"type": "string", "pattern": "(?<=a)b"}}})
+    assert "output_config.format" in error_of(info.value)["message"]

@@ -381,9 +381,15 @@ async def anthropic_messages(request: Request) -> Response:
     loaded = state.ready()
     body = await read_json(request, state.config.max_request_bytes)
     parsed = parse_messages_request(body, state.config.model_name, state.defaults)
-    prompt_text, ids = await _render_chat(loaded, parsed.messages, parsed.tools, parsed.thinking, {})
+    constraint, thinking = None, parsed.thinking
+    if parsed.output_schema is not None:
+        if parsed.common.ignore_eos:
+            raise value_error("ignore_eos", "cannot be used with output_config.format (the JSON ends the reply)")
+        constraint = await run_in_threadpool(loaded.json_constraint, parsed.output_schema, "output_config.format")
+        thinking = False  # the JSON starts at the first generated token
+    prompt_text, ids = await _render_chat(loaded, parsed.messages, parsed.tools, thinking, {})
     message_id = new_message_id()
-    job, channel = _start_generation(state, loaded, ids, parsed.common, message_id)
+    job, channel = _start_generation(state, loaded, ids, parsed.common, message_id, constraint)
     router = ChatText(prompt_text.rstrip().endswith("<think>"), parsed.tools is not None)
     model = state.config.model_name
 

@@ -41,9 +41,9 @@ class Loaded:
         self._grammar_tokenizer: GrammarTokenizer | None = None
         self._grammar_lock = threading.Lock()
 
-    def json_constraint(self, schema: dict[str, Any] | None) -> TokenConstraint:
-        """A token constraint to JSON matching `schema` (None: any JSON object); 400 naming what the grammar
-        library refuses. Builds the library's view of the vocabulary on first use (about a second)."""
+    def json_constraint(self, schema: dict[str, Any] | None, field: str = "response_format") -> TokenConstraint:
+        """A token constraint to JSON matching `schema` (None: any JSON object); a 400 on `field` naming what the
+        grammar library refuses. Builds the library's view of the vocabulary on first use."""
         with self._grammar_lock:
             if self._grammar_tokenizer is None:
                 tok = self.engine.tokenizer
@@ -53,11 +53,11 @@ class Loaded:
         try:
             grammar = json_grammar(schema)
         except ValueError as e:
-            raise ApiError(400, f"response_format: the JSON schema cannot be used: {e}", param="response_format",
+            raise ApiError(400, f"{field}: the JSON schema cannot be used: {e}", param=field,
                            code="invalid_schema") from None
         error = self._grammar_tokenizer.check(grammar)
         if error is not None:
-            raise ApiError(400, f"response_format: the JSON schema cannot be used: {error}", param="response_format",
+            raise ApiError(400, f"{field}: the JSON schema cannot be used: {error}", param=field,
                            code="invalid_schema")
         return self._grammar_tokenizer.constraint(grammar)
 

@@ -7,7 +7,8 @@ stop reason and usage, `message_stop`).
 Errors on these routes use Anthropic's shape `{"type": "error", "error": {"type", "message"}}` (`error_body`).
 Content blocks: `text`, `tool_use` and `thinking` (assistant turns), `tool_result` (user turns); images and
 documents are refused with a 400. `tool_choice` `any` and `tool` are accepted but not enforced: the model
-decides whether to call a tool. The sampling fields (`temperature`, `top_p`, `top_k`), which Anthropic's current
+decides whether to call a tool. `output_config.format` (a JSON schema) constrains the reply as `response_format` does
+on the OpenAI route. The sampling fields (`temperature`, `top_p`, `top_k`), which Anthropic's current
 clients no longer send, are taken when given; otherwise the model's generation_config.json decides.
 """
 
@@ -58,6 +59,7 @@ class MessagesRequest:
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None
     thinking: bool
+    output_schema: dict[str, Any] | None  # `output_config.format`'s JSON schema: the reply is constrained to it
 
 
 def parse_messages_request(body: dict, model_name: str, defaults: SamplingDefaults, count_only: bool = False
@@ -95,7 +97,22 @@ def parse_messages_request(body: dict, model_name: str, defaults: SamplingDefaul
     common = Common(opt_bool(body, "stream"), False, max_tokens, params, tuple(s for s in stops if s),
                     opt_bool(body, "ignore_eos"))  # ignore_eos: glm-serve's extension, as on the OpenAI routes
     messages = _system(body.get("system")) + _turns(body)
-    return MessagesRequest(common, messages, _tools(body), _thinking(body.get("thinking")))
+    return MessagesRequest(common, messages, _tools(body), _thinking(body.get("thinking")), _output_schema(body))
+
+
+def _output_schema(body: dict) -> dict[str, Any] | None:
+    """`output_config.format` {"type": "json_schema", "schema": {...}}: the schema the reply must match."""
+    config = body.get("output_config")
+    if config is None:
+        return None
+    if not isinstance(config, dict):
+        raise type_error("output_config", "an object", config)
+    fmt = config.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise value_error("output_config.format", "expected {'type': 'json_schema', 'schema': {...}}")
+    return fmt["schema"]
 
 
 def _system(system: Any) -> list[dict[str, Any]]:
