@@ -65,8 +65,8 @@ from glmkit.serve.protocol import (
     usage,
     value_error,
 )
-from glmkit.serve.scheduler import GenerationJob, GenRequest, Text
-from glmkit.serve.toolcalls import parse_tool_calls, prepare_messages
+from glmkit.serve.scheduler import Done, GenerationJob, GenRequest, Text
+from glmkit.serve.toolcalls import ToolCall, parse_tool_calls, prepare_messages
 
 # the names glm-serve's command line builds the app from
 __all__ = ["Loaded", "SamplingDefaults", "ServeConfig", "create_app"]
@@ -217,20 +217,23 @@ def _start_generation(state: State, loaded: Loaded, ids: list[int], common: Comm
     return submit_job(loaded.scheduler, state.channels, request)
 
 
-def _event_stream(body: AsyncIterator[str]) -> StreamingResponse:
-    """A streaming response of `body`'s server-sent events. However it ends, the last event is `[DONE]`, after an
-    error event when it failed (generation failed, the server shut down, a bug)."""
+def _event_stream(body: AsyncIterator[str], error_event: Callable[[ApiError], str] = sse_error,
+                  last: str | None = sse("[DONE]")) -> StreamingResponse:
+    """A streaming response of `body`'s server-sent events. However it ends, a failure (generation failed, the
+    server shut down, a bug) becomes one `error_event`, and `last` (OpenAI's `[DONE]`; Anthropic's: none) closes
+    the stream."""
 
     async def guarded() -> AsyncIterator[str]:
         try:
             async for event in body:
                 yield event
         except ApiError as e:
-            yield sse_error(e)
+            yield error_event(e)
         except Exception:
             log.exception("a stream failed")
-            yield sse_error(internal_error())
-        yield sse("[DONE]")
+            yield error_event(internal_error())
+        if last is not None:
+            yield last
 
     return StreamingResponse(guarded(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
@@ -260,6 +263,21 @@ async def _render_chat(loaded: Loaded, messages: list[dict[str, Any]], tools: li
     return prompt_text, ids
 
 
+async def _whole_reply(request: Request, state: State, loaded: Loaded, job: GenerationJob, channel: Channel,
+                       router: ChatText, tools: list[dict[str, Any]] | None
+                       ) -> tuple[list[tuple[str, str]], str, list[ToolCall], Done] | None:
+    """A non-streaming chat reply once generation ends: (ChatText's pieces, the content, the tool calls, how it
+    ended); None when the client went away."""
+    try:
+        text, done = await collect(request, loaded.scheduler, state.channels, job, channel)
+    except ClientGone:
+        return None
+    pieces = router.push(text)
+    rest, tool_text = router.finish()
+    content, calls = chat_parts(pieces + rest, tool_text, tools)
+    return pieces + rest, content, calls, done
+
+
 async def chat_completions(request: Request) -> Response:
     state = serve_state(request)
     loaded = state.ready()
@@ -285,14 +303,11 @@ async def chat_completions(request: Request) -> Response:
             "system_fingerprint": _fingerprint(loaded)}
 
     if not common.stream:
-        try:
-            text, done = await collect(request, loaded.scheduler, state.channels, job, channel)
-        except ClientGone:
+        whole = await _whole_reply(request, state, loaded, job, channel, router, tools)
+        if whole is None:
             return Response(status_code=499)
-        pieces = router.push(text)
-        rest, tool_text = router.finish()
-        content, calls = chat_parts(pieces + rest, tool_text, tools)
-        reasoning_text = "".join(t for kind, t in pieces + rest if kind == "reasoning")
+        pieces, content, calls, done = whole
+        reasoning_text = "".join(t for kind, t in pieces if kind == "reasoning")
         message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
         if reasoning:
             message["reasoning_content"] = reasoning_text
@@ -394,14 +409,10 @@ async def anthropic_messages(request: Request) -> Response:
     model = state.config.model_name
 
     if not parsed.common.stream:
-        try:
-            text, done = await collect(request, loaded.scheduler, state.channels, job, channel)
-        except ClientGone:
+        whole = await _whole_reply(request, state, loaded, job, channel, router, parsed.tools)
+        if whole is None:
             return Response(status_code=499)
-        pieces = router.push(text)
-        rest, tool_text = router.finish()
-        content, calls = chat_parts(pieces + rest, tool_text, parsed.tools)
-        return JSONResponse(message_body(message_id, model, pieces + rest, content, calls, done))
+        return JSONResponse(message_body(message_id, model, *whole))
 
     async def stream() -> AsyncIterator[str]:
         out = MessageEvents(message_id, model, len(ids))
@@ -423,17 +434,7 @@ async def anthropic_messages(request: Request) -> Response:
             for line in out.finish(calls, event):
                 yield line
 
-    async def guarded() -> AsyncIterator[str]:
-        try:
-            async for line in stream():
-                yield line
-        except ApiError as e:
-            yield error_event(e)
-        except Exception:
-            log.exception("a stream failed")
-            yield error_event(internal_error())
-
-    return StreamingResponse(guarded(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return _event_stream(stream(), error_event, last=None)
 
 
 async def anthropic_count_tokens(request: Request) -> Response:

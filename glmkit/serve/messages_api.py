@@ -28,11 +28,11 @@ from glmkit.serve.protocol import (
     ApiError,
     Common,
     SamplingDefaults,
+    check_model,
     opt_bool,
     opt_int,
     opt_number,
     type_error,
-    unknown_model,
     value_error,
 )
 from glmkit.serve.scheduler import Done
@@ -65,11 +65,7 @@ class MessagesRequest:
 def parse_messages_request(body: dict, model_name: str, defaults: SamplingDefaults, count_only: bool = False
                            ) -> MessagesRequest:
     """Check and convert a Messages API body (`count_only`: a count_tokens body, which has no `max_tokens`)."""
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise type_error("model", "a string", model)
-    if model and model != model_name:
-        raise unknown_model(model)
+    check_model(body, model_name)
     max_tokens = opt_int(body, "max_tokens")
     if max_tokens is None and not count_only:
         raise ApiError(400, "max_tokens: Field required", param="max_tokens", code="missing_required_parameter")

@@ -203,13 +203,18 @@ class Common:
     ignore_eos: bool
 
 
-def parse_common(body: dict, model_name: str, defaults: SamplingDefaults) -> Common:
-    """The shared fields of a request to the model `model_name`; `defaults` fill in the sampling fields it omits."""
+def check_model(body: dict, model_name: str) -> None:
+    """404 for a request naming another model than `model_name` (naming none is fine)."""
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise type_error("model", "a string", model)
     if model and model != model_name:
         raise unknown_model(model)
+
+
+def parse_common(body: dict, model_name: str, defaults: SamplingDefaults) -> Common:
+    """The shared fields of a request to the model `model_name`; `defaults` fill in the sampling fields it omits."""
+    check_model(body, model_name)
     stream = opt_bool(body, "stream")
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
