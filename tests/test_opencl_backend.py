@@ -18,9 +18,12 @@ from glmkit.backends.opencl.ops import Kernels
 from glmkit.cli import run as cli_run
 from glmkit.cli import validate as cli_validate
 from glmkit.errors import GlmkitError
+from glmkit.format.reader import Container
 from glmkit.generate.engine import Engine
 from glmkit.model import expert_cache, expert_stream
 from glmkit.model.glm5 import GlmMoeDsaModel
+from glmkit.model.kv_cache import KVCache, kv_bytes_per_token
+from glmkit.units import format_size
 from tests.runtime_support import FIXTURES, VARIANTS, Snapshots, convert, opencl_test_device
 
 
@@ -338,7 +341,17 @@ def test_list_devices(device, capsys, tmp_path, monkeypatch):
     # with a snapshot: where its routed experts would live, by the RAM the process may use
     snap = str(convert(FIXTURES / "tiny-trained", tmp_path / "q4", "q4"))
     assert cli_run.main([snap, "--list-devices"]) == 0
-    assert f"{snap}: routed experts in the page cache" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"{snap}: routed experts in the page cache" in out
+    # the context and what a token adds to the KV cache: the bytes a KVCache grows by for one token
+    cache = KVCache(Container(snap).config)
+    for layer in cache.layers:
+        layer.append(**{name: np.zeros((1, layer.storage(name).shape[1]), np.float32) for name in
+                        ("kv_lat", "k_rot", "index_k")[:3 if layer.has_index else 2]})
+    per_token = sum(layer.rows(name).nbytes for layer in cache.layers
+                    for name in ("kv_lat", "k_rot", "index_k")[:3 if layer.has_index else 2])
+    assert kv_bytes_per_token(Container(snap).config) == per_token
+    assert f"{snap}: context 2,048 tokens; KV cache {format_size(per_token)} per token (f32)" in out
     monkeypatch.setattr(expert_stream, "memory_limit_bytes", lambda: 64 << 20)
     monkeypatch.setattr(expert_cache, "memory_limit_bytes", lambda: 64 << 20)
     assert cli_run.main([snap, "--list-devices"]) == 0

@@ -37,7 +37,8 @@ from glmkit.generate.engine import Engine, default_expert_cache
 from glmkit.generate.generator import GenerationStats, Generator
 from glmkit.generate.sampling import Sampler, SamplingParams
 from glmkit.generate.tokenizer import StreamDecoder
-from glmkit.model.kv_cache import KVCache
+from glmkit.model.kv_cache import KVCache, kv_bytes_per_token
+from glmkit.units import format_size
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,7 +89,12 @@ def main(argv: list[str] | None = None) -> int:
         snapshot = next((w for w in words if not w.startswith("-")), None)  # glm-run SNAP --list-devices
         if snapshot is not None:
             try:
-                print(f"{snapshot}: {default_expert_cache(Container(snapshot))[1]}")
+                container = Container(snapshot)
+                print(f"{snapshot}: {default_expert_cache(container)[1]}")
+                cfg = container.config
+                print(f"{snapshot}: context {cfg.max_position_embeddings:,} tokens; KV cache "
+                      f"{format_size(kv_bytes_per_token(cfg))} per token (f32), "
+                      f"{format_size(kv_bytes_per_token(cfg) * cfg.max_position_embeddings)} at the full context")
             except GlmkitError as e:
                 print(f"glm-run: error: {e}", file=sys.stderr)
                 return 2

@@ -95,6 +95,15 @@ class LayerKV:
         self.edited_from = min(self.edited_from, self.length)
 
 
+def kv_bytes_per_token(config: ModelConfig) -> int:
+    """Bytes of KV rows one token adds to a `KVCache` (f32): every layer's latent and roped key, the MTP layer's
+    included, and the indexer key of every 'full' layer."""
+    layers = range(config.num_layers_with_mtp)
+    widths = sum(config.kv_lora_rank + config.qk_rope_head_dim for _ in layers)
+    widths += sum(config.index_head_dim for i in layers if config.indexer_type(i) == "full")
+    return 4 * widths
+
+
 class KVCache:
     """The KV rows of one sequence for every layer, the MTP layer included."""
 
