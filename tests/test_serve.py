@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import openai
 import pytest
 import uvicorn
@@ -19,6 +20,8 @@ import uvicorn
 from glmkit.cli.run import main as run_main
 from glmkit.cli.serve import build_app, build_parser
 from glmkit.generate.engine import Engine
+from glmkit.generate.generator import Generator
+from glmkit.generate.sampling import Sampler, SamplingParams
 from glmkit.model.expert_cache import ExpertCache
 from glmkit.serve.app import Loaded, ServeConfig, create_app
 from glmkit.serve.scheduler import Done, GenRequest, Text
@@ -274,6 +277,43 @@ def test_stop_sequences(client, model):
     streamed = list(client.completions.create(**kwargs, stop=stop, stream=True))
     assert "".join(c.choices[0].text for c in streamed) == text[:at]
     assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+def test_chat_logprobs_are_the_models(client, model, engine):
+    """`logprobs` / `top_logprobs`: one entry per generated token, its log-probability the model's (NumPy's forward
+    over the prompt and the reply, within float noise of the server's kernels), the greedy choice the likeliest;
+    streamed, the same entries."""
+    messages = [user("Hello there")]
+    kwargs = dict(model=model, messages=messages, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3)
+    reply = client.chat.completions.create(**kwargs)
+    entries = reply.choices[0].logprobs.content
+    assert len(entries) == reply.usage.completion_tokens
+    prompt = engine.tokenizer.encode_chat(messages)
+    tokens = list(Generator(engine.model, engine.eos_token_ids, use_mtp=False).generate(
+        prompt, 8, Sampler(SamplingParams())))  # the same greedy reply, here
+    logits, _ = engine.model.forward(np.array(prompt + tokens), engine.model.new_cache())
+    z = logits[len(prompt) - 1:-1].astype(np.float64)  # [n, V]: the logits that chose each reply token
+    logp = z - z.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    assert [e.token for e in entries] == [engine.tokenizer.decode([t]) for t in tokens]
+    for i, entry in enumerate(entries):
+        assert abs(entry.logprob - logp[i, tokens[i]]) < 1e-3
+        assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs),
+                                                                 reverse=True)
+        assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].logprob == entry.logprob  # greedy
+        assert entry.bytes == list(entry.token.encode())
+    streamed = [e for c in client.chat.completions.create(**kwargs, stream=True) if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in entries]  # the prompt now cached: float noise apart
+    assert np.allclose([e.logprob for e in streamed], [e.logprob for e in entries], atol=1e-4)
+    plain = client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0)
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == reply.choices[0].message.content
+    for bad, param in (({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": True, "top_logprobs": 21}, "top_logprobs")):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=model, messages=messages, max_tokens=2, **bad)
+        assert error_of(info.value)["param"] == param
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=model, prompt="Hi", max_tokens=2, logprobs=2)
 
 
 # ---- errors -----------------------------------------------------------------------------------------------

@@ -100,7 +100,7 @@ class Generator:
                     stats.stop_reason = "context"
                     return
                 if draft is None:
-                    if pipe is None and sampler.greedy and sampler.constraint is None and not self.use_mtp:
+                    if pipe is None and sampler.greedy and not sampler.needs_logits and not self.use_mtp:
                         pipe = self.model.greedy_decode(token, cache)
                     if pipe is not None:
                         token = pipe.advance()

@@ -32,6 +32,25 @@ class SamplingParams:
         return self
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A chosen token's log-probability under the model (its raw logits: before temperature, top-k/p and any
+    constraint), and the `top` most likely tokens' (id, log-probability), most likely first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+def token_logprob(logits: np.ndarray, token: int, top: int) -> TokenLogprob:
+    """`TokenLogprob` of `token` from logits `[V]` (log-softmax in float64)."""
+    z = logits.astype(np.float64)
+    logp = z - (z.max() + np.log(np.exp(z - z.max()).sum()))  # [V]
+    best = np.argpartition(-logp, top - 1)[:top] if 0 < top < len(logp) else np.arange(len(logp) if top else 0)
+    best = best[np.argsort(-logp[best], kind="stable")]
+    return TokenLogprob(token, float(logp[token]), tuple((int(i), float(logp[i])) for i in best))
+
+
 class LogitsConstraint(Protocol):
     """Which tokens may come next (`mask`: the others' logits at -inf), told each token chosen (`accept`)."""
 
@@ -43,23 +62,35 @@ class LogitsConstraint(Protocol):
 class Sampler:
     """Chooses each token of one sequence, in order: with a `constraint`, every call is that sequence's next token."""
 
-    def __init__(self, params: SamplingParams, constraint: LogitsConstraint | None = None):
+    def __init__(self, params: SamplingParams, constraint: LogitsConstraint | None = None,
+                 logprobs: int | None = None):
+        """logprobs: record each chosen token's `TokenLogprob` with this many most likely tokens (None: none)."""
         self.params = params.check()
         self.rng = np.random.default_rng(params.seed)
         self.constraint = constraint
+        self.logprobs = logprobs
+        self.chosen: list[TokenLogprob] = []  # with `logprobs`: one per call, in order
 
     @property
     def greedy(self) -> bool:
         return self.params.temperature == 0
+
+    @property
+    def needs_logits(self) -> bool:
+        """Whether every choice needs the logits on the host (a constraint, or logprobs to report)."""
+        return self.constraint is not None or self.logprobs is not None
 
     def __call__(self, logits: np.ndarray) -> int:
         """logits `[V]` -> token id: `Generator.choice(V, p=token_probabilities(...))`'s draw (one uniform from the
         seeded stream, the first token whose cumulative probability exceeds it), over the tokens p keeps (and the
         constraint allows)."""
         if self.constraint is None:
-            return self._choose(logits)
-        token = self._choose(self.constraint.mask(logits))
-        self.constraint.accept(token)
+            token = self._choose(logits)
+        else:
+            token = self._choose(self.constraint.mask(logits))
+            self.constraint.accept(token)
+        if self.logprobs is not None:
+            self.chosen.append(token_logprob(logits, token, self.logprobs))
         return token
 
     def _choose(self, logits: np.ndarray) -> int:

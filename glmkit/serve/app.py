@@ -28,6 +28,7 @@ from starlette.routing import Route
 
 from glmkit.errors import GlmkitError
 from glmkit.generate.constraint import TokenConstraint
+from glmkit.generate.sampling import TokenLogprob
 from glmkit.serve.auth import AuthMiddleware
 from glmkit.serve.bridge import Channel, ClientGone, collect, events, submit_job
 from glmkit.serve.chat import (
@@ -55,6 +56,7 @@ from glmkit.serve.protocol import (
     check_prompt_tokens,
     error_response,
     internal_error,
+    logprobs_content,
     parse_common,
     parse_prompt,
     read_json,
@@ -213,7 +215,7 @@ def _start_generation(state: State, loaded: Loaded, ids: list[int], common: Comm
     """Submit the prompt `ids` with the request's settings (and the constraint on its tokens); the job and the
     channel its events come back on."""
     request = GenRequest(ids, state.max_tokens(common.max_tokens, len(ids)), common.params, common.stop,
-                         common.ignore_eos, request_id, constraint)
+                         common.ignore_eos, request_id, constraint, common.logprobs)
     return submit_job(loaded.scheduler, state.channels, request)
 
 
@@ -265,24 +267,24 @@ async def _render_chat(loaded: Loaded, messages: list[dict[str, Any]], tools: li
 
 async def _whole_reply(request: Request, state: State, loaded: Loaded, job: GenerationJob, channel: Channel,
                        router: ChatText, tools: list[dict[str, Any]] | None
-                       ) -> tuple[list[tuple[str, str]], str, list[ToolCall], Done] | None:
+                       ) -> tuple[list[tuple[str, str]], str, list[ToolCall], Done, list[TokenLogprob]] | None:
     """A non-streaming chat reply once generation ends: (ChatText's pieces, the content, the tool calls, how it
-    ended); None when the client went away."""
+    ended, the tokens' logprobs when asked for); None when the client went away."""
     try:
-        text, done = await collect(request, loaded.scheduler, state.channels, job, channel)
+        text, logprobs, done = await collect(request, loaded.scheduler, state.channels, job, channel)
     except ClientGone:
         return None
     pieces = router.push(text)
     rest, tool_text = router.finish()
     content, calls = chat_parts(pieces + rest, tool_text, tools)
-    return pieces + rest, content, calls, done
+    return pieces + rest, content, calls, done, logprobs
 
 
 async def chat_completions(request: Request) -> Response:
     state = serve_state(request)
     loaded = state.ready()
     body = await read_json(request, state.config.max_request_bytes)
-    common = parse_common(body, state.config.model_name, state.defaults)
+    common = parse_common(body, state.config.model_name, state.defaults, chat=True)
     messages = parse_messages(body)
     tools = parse_tools(body)
     thinking, kwargs = template_variables(body)
@@ -296,6 +298,11 @@ async def chat_completions(request: Request) -> Response:
     prompt_text, ids = await _render_chat(loaded, messages, tools, thinking, kwargs)
     request_id = "chatcmpl-" + uuid.uuid4().hex[:24]
     job, channel = _start_generation(state, loaded, ids, common, request_id, constraint)
+    decode = loaded.engine.tokenizer.decode
+
+    def logprobs_of(chosen: list[TokenLogprob]) -> dict[str, Any] | None:
+        return None if common.logprobs is None else {"content": logprobs_content(chosen, decode)}
+
     reasoning = state.config.split_reasoning and prompt_text.rstrip().endswith("<think>")
     router = ChatText(reasoning, tools is not None)
     created = int(time.time())
@@ -306,7 +313,7 @@ async def chat_completions(request: Request) -> Response:
         whole = await _whole_reply(request, state, loaded, job, channel, router, tools)
         if whole is None:
             return Response(status_code=499)
-        pieces, content, calls, done = whole
+        pieces, content, calls, done, chosen = whole
         reasoning_text = "".join(t for kind, t in pieces if kind == "reasoning")
         message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
         if reasoning:
@@ -314,14 +321,14 @@ async def chat_completions(request: Request) -> Response:
         if calls:
             message["tool_calls"] = [call.to_openai() for call in calls]
         finish = "tool_calls" if calls else done.finish_reason
-        return JSONResponse({**base, "choices": [{"index": 0, "message": message, "logprobs": None,
+        return JSONResponse({**base, "choices": [{"index": 0, "message": message, "logprobs": logprobs_of(chosen),
                                                   "finish_reason": finish}],
                              "usage": usage(done), "timings": timings(done)})
 
     chunk_base = {**base, "object": "chat.completion.chunk"}
 
-    def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
-        return sse({**chunk_base, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+    def chunk(delta: dict[str, Any], finish: str | None = None, chosen: list[TokenLogprob] | None = None) -> str:
+        return sse({**chunk_base, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs_of(chosen or []),
                                                "finish_reason": finish}]})
 
     def delta(kind: str, text: str) -> dict[str, Any]:
@@ -331,8 +338,11 @@ async def chat_completions(request: Request) -> Response:
         yield chunk({"role": "assistant", "content": ""})
         async for event in events(loaded.scheduler, state.channels, job, channel):
             if isinstance(event, Text):
-                for kind, text in router.push(event.text):
-                    yield chunk(delta(kind, text))
+                pieces = router.push(event.text)
+                for i, (kind, text) in enumerate(pieces):  # the event's logprobs go with its first chunk
+                    yield chunk(delta(kind, text), chosen=event.logprobs if i == 0 else None)
+                if event.logprobs and not pieces:
+                    yield chunk({}, chosen=event.logprobs)
                 continue
             rest, tool_text = router.finish()
             for kind, text in rest:
@@ -371,7 +381,7 @@ async def completions(request: Request) -> Response:
 
     if not common.stream:
         try:
-            text, done = await collect(request, loaded.scheduler, state.channels, job, channel)
+            text, _, done = await collect(request, loaded.scheduler, state.channels, job, channel)
         except ClientGone:
             return Response(status_code=499)
         return JSONResponse({**base, "choices": [choice(text, done.finish_reason)], "usage": usage(done),
@@ -412,7 +422,7 @@ async def anthropic_messages(request: Request) -> Response:
         whole = await _whole_reply(request, state, loaded, job, channel, router, parsed.tools)
         if whole is None:
             return Response(status_code=499)
-        return JSONResponse(message_body(message_id, model, *whole))
+        return JSONResponse(message_body(message_id, model, *whole[:4]))
 
     async def stream() -> AsyncIterator[str]:
         out = MessageEvents(message_id, model, len(ids))

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 
 from starlette.requests import Request
 
+from glmkit.generate.sampling import TokenLogprob
 from glmkit.serve.protocol import ApiError, generation_failed, shutting_down
 from glmkit.serve.scheduler import Done, GenerationJob, GenRequest, QueueFull, Scheduler, Text
 
@@ -63,10 +64,12 @@ class ClientGone(Exception):
 
 
 async def collect(request: Request, scheduler: Scheduler, channels: Channels, job: GenerationJob, channel: Channel
-                  ) -> tuple[str, Done]:
-    """All of a request's text (non-streaming); cancels the job when the client disconnects (ClientGone),
-    raises the OpenAI-shaped 500 when generation failed and the 503 when the server shuts down."""
+                  ) -> tuple[str, list[TokenLogprob], Done]:
+    """All of a request's text and its tokens' logprobs (when asked for; non-streaming); cancels the job when the
+    client disconnects (ClientGone), raises the OpenAI-shaped 500 when generation failed and the 503 when the
+    server shuts down."""
     parts: list[str] = []
+    logprobs: list[TokenLogprob] = []
     checked = time.monotonic()
     try:
         while True:
@@ -85,8 +88,9 @@ async def collect(request: Request, scheduler: Scheduler, channels: Channels, jo
             if isinstance(event, Done):
                 if event.finish_reason == "error":
                     raise generation_failed(event)
-                return "".join(parts), event
+                return "".join(parts), logprobs, event
             parts.append(event.text)
+            logprobs += event.logprobs
     finally:
         scheduler.cancel(job)  # a no-op once the job is done
         channels.open.discard(channel)

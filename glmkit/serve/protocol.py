@@ -8,6 +8,7 @@ checked by hand (no schema library): a wrong type is a 400 naming the field.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,10 +17,11 @@ from starlette.responses import JSONResponse
 
 from glmkit.format.files import MAX_JSON_DEPTH
 from glmkit.generate.engine import Engine
-from glmkit.generate.sampling import SamplingParams
+from glmkit.generate.sampling import SamplingParams, TokenLogprob
 from glmkit.serve.scheduler import Done
 
 MAX_STOP_SEQUENCES = 16
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound
 MAX_STOP_CHARS = 1024  # each generated token is checked against every prefix of every stop sequence
 GREEDY_BELOW = 1e-5  # a lower temperature is greedy decoding (and logits / T would overflow near 1e-300)
 # No natural text averages more characters a token: a prompt longer than the context times this cannot fit,
@@ -201,6 +203,7 @@ class Common:
     params: SamplingParams
     stop: tuple[str, ...]
     ignore_eos: bool
+    logprobs: int | None = None  # chat: report each token's logprob and this many likeliest (None: not asked)
 
 
 def check_model(body: dict, model_name: str) -> None:
@@ -212,8 +215,9 @@ def check_model(body: dict, model_name: str) -> None:
         raise unknown_model(model)
 
 
-def parse_common(body: dict, model_name: str, defaults: SamplingDefaults) -> Common:
-    """The shared fields of a request to the model `model_name`; `defaults` fill in the sampling fields it omits."""
+def parse_common(body: dict, model_name: str, defaults: SamplingDefaults, chat: bool = False) -> Common:
+    """The shared fields of a request to the model `model_name`; `defaults` fill in the sampling fields it omits.
+    chat: `logprobs` (a boolean) and `top_logprobs` are taken (/v1/completions' own logprobs are not)."""
     check_model(body, model_name)
     stream = opt_bool(body, "stream")
     options = body.get("stream_options")
@@ -260,14 +264,36 @@ def parse_common(body: dict, model_name: str, defaults: SamplingDefaults) -> Com
         raise value_error("stop", f"at most {MAX_STOP_SEQUENCES} sequences")
     if any(len(s) > MAX_STOP_CHARS for s in stops):
         raise value_error("stop", f"a stop sequence may be at most {MAX_STOP_CHARS} characters long")
-    for name in ("logprobs", "top_logprobs", "echo"):
+    logprobs = _chat_logprobs(body) if chat else None
+    for name in ("echo",) if chat else ("logprobs", "top_logprobs", "echo"):
         value = body.get(name)
         if value not in (None, False, 0):
             raise value_error(name, "not supported by this server")
     if body.get("suffix") not in (None, ""):
         raise value_error("suffix", "not supported by this server")
     return Common(stream, include_usage, max_tokens, params, tuple(s for s in stops if s),
-                  opt_bool(body, "ignore_eos"))
+                  opt_bool(body, "ignore_eos"), logprobs)
+
+
+def _chat_logprobs(body: dict) -> int | None:
+    """`logprobs: true` with `top_logprobs` (0-20): how many likeliest tokens to report; None when not asked."""
+    top = opt_int(body, "top_logprobs")
+    if not opt_bool(body, "logprobs"):
+        if top is not None:
+            raise value_error("top_logprobs", "needs logprobs: true")
+        return None
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise value_error("top_logprobs", f"must be between 0 and {MAX_TOP_LOGPROBS}, got {top}")
+    return top or 0
+
+
+def logprobs_content(chosen: list[TokenLogprob], decode: Callable[[list[int]], str]) -> list[dict[str, Any]]:
+    """OpenAI's `logprobs.content`: per token its text, log-probability, UTF-8 bytes and the likeliest tokens'."""
+    def entry(token: int, logprob: float) -> dict[str, Any]:
+        text = decode([token])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return [{**entry(c.token, c.logprob), "top_logprobs": [entry(t, lp) for t, lp in c.top]} for c in chosen]
 
 
 def parse_prompt(body: dict, engine: Engine) -> list[int] | str:

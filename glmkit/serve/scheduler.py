@@ -30,7 +30,7 @@ from glmkit.cache.prefix_cache import PrefixCache, common_prefix
 from glmkit.cache.session import ReuseStats, Session
 from glmkit.generate.engine import Engine
 from glmkit.generate.generator import Generator
-from glmkit.generate.sampling import LogitsConstraint, Sampler, SamplingParams
+from glmkit.generate.sampling import LogitsConstraint, Sampler, SamplingParams, TokenLogprob
 from glmkit.generate.tokenizer import StreamDecoder
 
 log = logging.getLogger("glmkit.serve")
@@ -47,13 +47,16 @@ class GenRequest:
     ignore_eos: bool = False
     request_id: str = ""
     constraint: LogitsConstraint | None = None  # the tokens each step may choose from (a grammar's mask)
+    logprobs: int | None = None  # report each token's log-probability and this many likeliest (None: none)
 
 
 @dataclass
 class Text:
-    """New generated text (valid UTF-8 up to here, stop sequences held back)."""
+    """New generated text (valid UTF-8 up to here, stop sequences held back); with logprobs requested, those of the
+    tokens generated since the last Text."""
 
     text: str
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass
@@ -97,6 +100,8 @@ class GenerationJob:
         self.text = ""
         self.sent = 0  # characters of `text` emitted
         self.stop_hit: str | None = None  # the stop sequence found in `text`
+        self.sampler: Sampler | None = None
+        self.logprobs_sent = 0  # of the sampler's chosen tokens' logprobs, those sent with a Text
         self.cached = 0
         self.reuse = ReuseStats()
         self.restore_s = 0.0
@@ -276,7 +281,8 @@ class Scheduler:
         request = job.request
         eos = () if request.ignore_eos else self.engine.eos_token_ids
         job.generator = Generator(model, eos, use_mtp=self.use_mtp)
-        job.iterator = job.generator.generate(ids, request.max_tokens, Sampler(request.params, request.constraint), kv)
+        job.sampler = Sampler(request.params, request.constraint, request.logprobs)
+        job.iterator = job.generator.generate(ids, request.max_tokens, job.sampler, kv)
         self._decode_step(job)
 
     def _decode_step(self, job: GenerationJob) -> None:
@@ -312,10 +318,14 @@ class Scheduler:
         self._emit_upto(job, len(job.text) - hold)
         return False
 
-    def _emit_upto(self, job: GenerationJob, end: int) -> None:
-        if end > job.sent:
-            text, job.sent = job.text[job.sent:end], end
-            self._send(job, Text(text))
+    def _emit_upto(self, job: GenerationJob, end: int, everything: bool = False) -> None:
+        """Send the text up to `end` (with the logprobs of the tokens since the last Text); `everything`: send the
+        logprobs left even without text."""
+        chosen = job.sampler.chosen if job.sampler is not None else []
+        if end > job.sent or (everything and len(chosen) > job.logprobs_sent):
+            text, job.sent = job.text[job.sent:end], max(end, job.sent)
+            logprobs, job.logprobs_sent = chosen[job.logprobs_sent:], len(chosen)
+            self._send(job, Text(text, logprobs))
 
     def _send(self, job: GenerationJob, event: Text | Done) -> None:
         try:
@@ -328,6 +338,7 @@ class Scheduler:
             if self._push_text(job, job.decoder.flush()):
                 reason = "stop"
             self._emit_upto(job, len(job.text))  # held-back text that never became a stop sequence
+        self._emit_upto(job, job.sent, everything=True)  # logprobs of tokens whose text was held back or cut
         if job.iterator is not None:
             job.iterator.close()
         broken = reason == "error"
