@@ -312,8 +312,29 @@ def test_chat_logprobs_are_the_models(client, model, engine):
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(model=model, messages=messages, max_tokens=2, **bad)
         assert error_of(info.value)["param"] == param
-    with pytest.raises(openai.BadRequestError):
-        client.completions.create(model=model, prompt="Hi", max_tokens=2, logprobs=2)
+
+
+def test_completion_logprobs(client, model, engine):
+    """/v1/completions' `logprobs: N`: per token its text, log-probability (the chat route's for the same tokens),
+    the N likeliest by text and its offset in the completion; streamed alike."""
+    kwargs = dict(model=model, prompt="def main():", max_tokens=8, temperature=0, logprobs=2,
+                  extra_body=IGNORE_EOS)
+    reply = client.completions.create(**kwargs)
+    lp = reply.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == reply.usage.completion_tokens
+    assert "".join(lp.tokens) == reply.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert len(top) <= 2 and max(top.values()) == logprob and top[token] == logprob  # greedy: the likeliest
+    streamed = [c.choices[0].logprobs for c in client.completions.create(**kwargs, stream=True)]
+    tokens = [t for part in streamed if part for t in part.tokens]
+    offsets = [o for part in streamed if part for o in part.text_offset]
+    assert tokens == lp.tokens and offsets == lp.text_offset
+    assert np.allclose([v for part in streamed if part for v in part.token_logprobs], lp.token_logprobs, atol=1e-4)
+    for bad in (6, -1, "2"):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=model, prompt="Hi", max_tokens=2, logprobs=bad)
+        assert error_of(info.value)["param"] == "logprobs"
 
 
 # ---- errors -----------------------------------------------------------------------------------------------

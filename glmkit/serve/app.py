@@ -54,6 +54,7 @@ from glmkit.serve.protocol import (
     SamplingDefaults,
     check_prompt_chars,
     check_prompt_tokens,
+    completion_logprobs,
     error_response,
     internal_error,
     logprobs_content,
@@ -376,21 +377,29 @@ async def completions(request: Request) -> Response:
     base = {"id": request_id, "object": "text_completion", "created": int(time.time()),
             "model": state.config.model_name, "system_fingerprint": _fingerprint(loaded)}
 
-    def choice(text: str, finish: str | None) -> dict[str, Any]:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    decode = loaded.engine.tokenizer.decode
+    offset = 0  # characters of the completion's tokens reported so far (their logprobs' text offsets)
+
+    def choice(text: str, finish: str | None, chosen: list[TokenLogprob] | None = None) -> dict[str, Any]:
+        nonlocal offset
+        logprobs = None
+        if common.logprobs is not None:
+            logprobs = completion_logprobs(chosen or [], decode, offset)
+            offset += sum(len(t) for t in logprobs["tokens"])
+        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
     if not common.stream:
         try:
-            text, _, done = await collect(request, loaded.scheduler, state.channels, job, channel)
+            text, chosen, done = await collect(request, loaded.scheduler, state.channels, job, channel)
         except ClientGone:
             return Response(status_code=499)
-        return JSONResponse({**base, "choices": [choice(text, done.finish_reason)], "usage": usage(done),
+        return JSONResponse({**base, "choices": [choice(text, done.finish_reason, chosen)], "usage": usage(done),
                              "timings": timings(done)})
 
     async def stream() -> AsyncIterator[str]:
         async for event in events(loaded.scheduler, state.channels, job, channel):
             if isinstance(event, Text):
-                yield sse({**base, "choices": [choice(event.text, None)]})
+                yield sse({**base, "choices": [choice(event.text, None, event.logprobs)]})
                 continue
             yield sse({**base, "choices": [choice("", event.finish_reason)]})
             if common.include_usage:

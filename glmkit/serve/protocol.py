@@ -21,7 +21,8 @@ from glmkit.generate.sampling import SamplingParams, TokenLogprob
 from glmkit.serve.scheduler import Done
 
 MAX_STOP_SEQUENCES = 16
-MAX_TOP_LOGPROBS = 20  # OpenAI's bound
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound (chat)
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound (/v1/completions)
 MAX_STOP_CHARS = 1024  # each generated token is checked against every prefix of every stop sequence
 GREEDY_BELOW = 1e-5  # a lower temperature is greedy decoding (and logits / T would overflow near 1e-300)
 # No natural text averages more characters a token: a prompt longer than the context times this cannot fit,
@@ -217,7 +218,7 @@ def check_model(body: dict, model_name: str) -> None:
 
 def parse_common(body: dict, model_name: str, defaults: SamplingDefaults, chat: bool = False) -> Common:
     """The shared fields of a request to the model `model_name`; `defaults` fill in the sampling fields it omits.
-    chat: `logprobs` (a boolean) and `top_logprobs` are taken (/v1/completions' own logprobs are not)."""
+    chat: `logprobs` is a boolean with `top_logprobs` beside it; else /v1/completions' `logprobs` count."""
     check_model(body, model_name)
     stream = opt_bool(body, "stream")
     options = body.get("stream_options")
@@ -264,8 +265,8 @@ def parse_common(body: dict, model_name: str, defaults: SamplingDefaults, chat: 
         raise value_error("stop", f"at most {MAX_STOP_SEQUENCES} sequences")
     if any(len(s) > MAX_STOP_CHARS for s in stops):
         raise value_error("stop", f"a stop sequence may be at most {MAX_STOP_CHARS} characters long")
-    logprobs = _chat_logprobs(body) if chat else None
-    for name in ("echo",) if chat else ("logprobs", "top_logprobs", "echo"):
+    logprobs = _chat_logprobs(body) if chat else _completion_logprobs(body)
+    for name in ("echo",) if chat else ("top_logprobs", "echo"):
         value = body.get(name)
         if value not in (None, False, 0):
             raise value_error(name, "not supported by this server")
@@ -285,6 +286,33 @@ def _chat_logprobs(body: dict) -> int | None:
     if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
         raise value_error("top_logprobs", f"must be between 0 and {MAX_TOP_LOGPROBS}, got {top}")
     return top or 0
+
+
+def _completion_logprobs(body: dict) -> int | None:
+    """/v1/completions' `logprobs` (0-5): how many likeliest tokens to report with each one; None when not asked."""
+    value = body.get("logprobs")
+    if value is None or value is False:
+        return None
+    top = opt_int(body, "logprobs")
+    if top is None or not 0 <= top <= MAX_COMPLETION_LOGPROBS:
+        raise value_error("logprobs", f"must be an integer between 0 and {MAX_COMPLETION_LOGPROBS}, got {value!r}")
+    return top
+
+
+def completion_logprobs(chosen: list[TokenLogprob], decode: Callable[[list[int]], str], offset: int
+                        ) -> dict[str, Any]:
+    """/v1/completions' `logprobs` object for these tokens, their text starting at character `offset` of the
+    completion: tokens, their log-probabilities, the likeliest tokens' by text, each token's text offset."""
+    texts = [decode([c.token]) for c in chosen]
+    offsets = [offset + sum(len(t) for t in texts[:i]) for i in range(len(texts))]
+    tops: list[dict[str, float]] = []
+    for c in chosen:
+        top: dict[str, float] = {}
+        for t, lp in c.top:  # likeliest first: a text several tokens decode to (a partial character) keeps the best
+            top.setdefault(decode([t]), lp)
+        tops.append(top)
+    return {"tokens": texts, "token_logprobs": [c.logprob for c in chosen], "top_logprobs": tops,
+            "text_offset": offsets}
 
 
 def logprobs_content(chosen: list[TokenLogprob], decode: Callable[[list[int]], str]) -> list[dict[str, Any]]:
