@@ -315,8 +315,8 @@ def test_chat_logprobs_are_the_models(client, model, engine):
 
 
 def test_completion_logprobs(client, model, engine):
-    """/v1/completions' `logprobs: N`: per token its text, log-probability (the chat route's for the same tokens),
-    the N likeliest by text and its offset in the completion; streamed alike."""
+    """/v1/completions' `logprobs: N`: per token its text, log-probability (greedy: the likeliest's), the N
+    likeliest by text and its offset in the completion; streamed alike."""
     kwargs = dict(model=model, prompt="def main():", max_tokens=8, temperature=0, logprobs=2,
                   extra_body=IGNORE_EOS)
     reply = client.completions.create(**kwargs)
