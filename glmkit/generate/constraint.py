@@ -35,7 +35,6 @@ class GrammarTokenizer:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_ids: tuple[int, ...]) -> None:
         if not eos_ids:
             raise GlmkitError("constrained output needs an end-of-sequence token id (generation_config.json)")
-        self.vocab_size = vocab_size
         self.ll = llguidance.LLTokenizer(tokenizer.to_str(), n_vocab=max(vocab_size, tokenizer.get_vocab_size()),
                                          eos_token=list(eos_ids))
 
@@ -55,7 +54,6 @@ class TokenConstraint:
         self.matcher = llguidance.LLMatcher(tokenizer.ll, grammar)
         if self.matcher.is_error():
             raise GlmkitError(f"constrained output: {self.matcher.get_error()}")
-        self.vocab_size = tokenizer.vocab_size
         self.bitmask = llguidance.numpy.allocate_token_bitmask(1, tokenizer.ll.vocab_size)  # [1, ceil(V / 32)]
 
     def mask(self, logits: np.ndarray) -> np.ndarray:

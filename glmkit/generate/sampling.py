@@ -46,8 +46,9 @@ def token_logprob(logits: np.ndarray, token: int, top: int) -> TokenLogprob:
     """`TokenLogprob` of `token` from logits `[V]` (log-softmax in float64)."""
     z = logits.astype(np.float64)
     logp = z - (z.max() + np.log(np.exp(z - z.max()).sum()))  # [V]
-    best = np.argpartition(-logp, top - 1)[:top] if 0 < top < len(logp) else np.arange(len(logp) if top else 0)
-    best = best[np.argsort(-logp[best], kind="stable")]
+    n = min(top, len(logp))
+    best = np.argpartition(-logp, n - 1)[:n] if n else np.zeros(0, np.int64)
+    best = best[np.argsort(-logp[best], kind="stable")]  # most likely first
     return TokenLogprob(token, float(logp[token]), tuple((int(i), float(logp[i])) for i in best))
 
 

@@ -454,7 +454,8 @@ class ExpertCache:
         fd, direct = self._fds[r.file]
         shift = r.offset % SLOT_ALIGN
         start, nbytes = page_span(r.offset, r.nbytes) if direct else (r.offset, r.nbytes)
-        view, done, need = memoryview(data)[shift - (r.offset - start):][:nbytes], 0, r.offset + r.nbytes - start
+        into = 0 if direct else shift  # whole pages land at the slot's start, the bare range at its offset
+        view, done, need = memoryview(data)[into:into + nbytes], 0, r.offset + r.nbytes - start
         while done < need:
             n = os.preadv(fd, [view[done:]], start + done)
             done += max(n, 0)

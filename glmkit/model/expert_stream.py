@@ -101,6 +101,7 @@ class ExpertStreamer:
         self.prefetch = prefetch
         self.pin_after_tokens = pin_after_tokens
         self.stats = ExpertStats()
+        self._specs = [layer_spec(self.config, i, container.has) for i in range(self.config.num_hidden_layers)]
         self._pinned: dict[str, Weight] = {}
         self._routed_tokens = 0
         self._pin_done = False  # pinning runs once, even when the budget holds no expert
@@ -157,7 +158,7 @@ class ExpertStreamer:
         nxt = layer + 1
         if nxt >= self.config.num_hidden_layers or not self.config.is_moe_layer(nxt):
             return
-        this, following = (layer_spec(self.config, i, self.container.has) for i in (layer, nxt))
+        this, following = self._specs[layer], self._specs[nxt]
         assert isinstance(following.ffn, MoESpec)
         r, w = following.ffn.router, self.container.weight
         estimate = renormalized(normed, w(this.post_attention_norm.weight), w(following.post_attention_norm.weight))

@@ -34,6 +34,7 @@ from glmkit.serve.bridge import Channel, ClientGone, collect, events, submit_job
 from glmkit.serve.chat import (
     ChatText,
     chat_parts,
+    closing_pieces,
     parse_messages,
     parse_response_format,
     parse_tools,
@@ -42,8 +43,9 @@ from glmkit.serve.chat import (
 from glmkit.serve.config import Loaded, ServeConfig, State
 from glmkit.serve.messages_api import (
     MessageEvents,
-    error_body,
+    anthropic_error,
     error_event,
+    is_messages_path,
     message_body,
     new_message_id,
     parse_messages_request,
@@ -69,7 +71,7 @@ from glmkit.serve.protocol import (
     value_error,
 )
 from glmkit.serve.scheduler import Done, GenerationJob, GenRequest, Text
-from glmkit.serve.toolcalls import ToolCall, parse_tool_calls, prepare_messages
+from glmkit.serve.toolcalls import ToolCall, prepare_messages
 
 # the names glm-serve's command line builds the app from
 __all__ = ["Loaded", "SamplingDefaults", "ServeConfig", "create_app"]
@@ -137,15 +139,10 @@ def _on_shutdown_signal(state: State, handler: Callable[[int, FrameType | None],
     handler(signum, frame)
 
 
-def _anthropic(request: Request) -> bool:
-    """Whether the request is to an Anthropic route (its errors take Anthropic's shape)."""
-    return request.url.path.startswith("/v1/messages")
-
-
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
-    if _anthropic(request):
-        return JSONResponse(error_body(exc.status, exc.message), status_code=exc.status)
+    if is_messages_path(request.url.path):
+        return anthropic_error(exc.status, exc.message)
     return exc.response()
 
 
@@ -158,8 +155,8 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     message = f"{request.method} {request.url.path}: {exc.detail}"
-    if _anthropic(request):
-        return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code)
+    if is_messages_path(request.url.path):
+        return anthropic_error(exc.status_code, message)
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
     return error_response(exc.status_code, message, param=None, code=code)
 
@@ -266,6 +263,15 @@ async def _render_chat(loaded: Loaded, messages: list[dict[str, Any]], tools: li
     return prompt_text, ids
 
 
+async def _json_constraint(loaded: Loaded, common: Common, schema: dict[str, Any] | None, field: str
+                           ) -> TokenConstraint:
+    """The constraint to JSON matching `schema` (None: any object) asked for in `field`; 400 with `ignore_eos` (the
+    JSON's end is the reply's)."""
+    if common.ignore_eos:
+        raise value_error("ignore_eos", f"cannot be used with {field} (the JSON ends the reply)")
+    return await run_in_threadpool(loaded.json_constraint, schema, field)
+
+
 async def _whole_reply(request: Request, state: State, loaded: Loaded, job: GenerationJob, channel: Channel,
                        router: ChatText, tools: list[dict[str, Any]] | None
                        ) -> tuple[list[tuple[str, str]], str, list[ToolCall], Done, list[TokenLogprob]] | None:
@@ -290,12 +296,8 @@ async def chat_completions(request: Request) -> Response:
     tools = parse_tools(body)
     thinking, kwargs = template_variables(body)
     constrained, schema = parse_response_format(body)
-    constraint = None
-    if constrained:
-        if common.ignore_eos:
-            raise value_error("ignore_eos", "cannot be used with response_format (the JSON ends the reply)")
-        constraint = await run_in_threadpool(loaded.json_constraint, schema)
-        thinking = False  # the JSON starts at the first generated token: no thinking block before it
+    constraint = await _json_constraint(loaded, common, schema, "response_format") if constrained else None
+    thinking = thinking and constraint is None  # the JSON starts at the first generated token: no thinking before
     prompt_text, ids = await _render_chat(loaded, messages, tools, thinking, kwargs)
     request_id = "chatcmpl-" + uuid.uuid4().hex[:24]
     job, channel = _start_generation(state, loaded, ids, common, request_id, constraint)
@@ -345,12 +347,9 @@ async def chat_completions(request: Request) -> Response:
                 if event.logprobs and not pieces:
                     yield chunk({}, chosen=event.logprobs)
                 continue
-            rest, tool_text = router.finish()
+            rest, calls = closing_pieces(router, tools)
             for kind, text in rest:
                 yield chunk(delta(kind, text))
-            leftover, calls = parse_tool_calls(tool_text, tools) if tool_text else ("", [])
-            if leftover or (tool_text and not calls):
-                yield chunk({"content": leftover if calls else tool_text})
             for index, call in enumerate(calls):
                 yield chunk({"tool_calls": [call.to_openai(index)]})
             yield chunk({}, "tool_calls" if calls else event.finish_reason)
@@ -415,12 +414,9 @@ async def anthropic_messages(request: Request) -> Response:
     loaded = state.ready()
     body = await read_json(request, state.config.max_request_bytes)
     parsed = parse_messages_request(body, state.config.model_name, state.defaults)
-    constraint, thinking = None, parsed.thinking
-    if parsed.output_schema is not None:
-        if parsed.common.ignore_eos:
-            raise value_error("ignore_eos", "cannot be used with output_config.format (the JSON ends the reply)")
-        constraint = await run_in_threadpool(loaded.json_constraint, parsed.output_schema, "output_config.format")
-        thinking = False  # the JSON starts at the first generated token
+    constraint = None if parsed.output_schema is None else await _json_constraint(
+        loaded, parsed.common, parsed.output_schema, "output_config.format")
+    thinking = parsed.thinking and constraint is None  # the JSON starts at the first generated token
     prompt_text, ids = await _render_chat(loaded, parsed.messages, parsed.tools, thinking, {})
     message_id = new_message_id()
     job, channel = _start_generation(state, loaded, ids, parsed.common, message_id, constraint)
@@ -442,13 +438,9 @@ async def anthropic_messages(request: Request) -> Response:
                     for line in out.text(kind, text):
                         yield line
                 continue
-            rest, tool_text = router.finish()
+            rest, calls = closing_pieces(router, parsed.tools)
             for kind, text in rest:
                 for line in out.text(kind, text):
-                    yield line
-            leftover, calls = parse_tool_calls(tool_text, parsed.tools) if tool_text else ("", [])
-            if leftover or (tool_text and not calls):
-                for line in out.text("content", leftover if calls else tool_text):
                     yield line
             for line in out.finish(calls, event):
                 yield line

@@ -6,9 +6,8 @@ import hmac
 from collections.abc import Callable
 
 from starlette.applications import Starlette
-from starlette.responses import JSONResponse
 
-from glmkit.serve.messages_api import error_body
+from glmkit.serve.messages_api import anthropic_error, is_messages_path
 from glmkit.serve.protocol import error_response
 
 
@@ -31,10 +30,8 @@ class AuthMiddleware:
                 sent = header or b"x-api-key" in headers
                 message = ("Incorrect API key provided." if sent else
                            "Missing API key (Authorization: Bearer KEY, or x-api-key: KEY).")
-                if scope["path"].startswith("/v1/messages"):
-                    response = JSONResponse(error_body(401, message), status_code=401)
-                else:
-                    response = error_response(401, message, code="invalid_api_key")
+                response = (anthropic_error(401, message) if is_messages_path(scope["path"])
+                            else error_response(401, message, code="invalid_api_key"))
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)

@@ -201,6 +201,17 @@ class ChatText:
         return [(kind, text) for kind, text in pending if text], self.tool_text
 
 
+def closing_pieces(router: ChatText, tools: list[dict[str, Any]] | None
+                   ) -> tuple[list[tuple[str, str]], list[ToolCall]]:
+    """A streamed reply's end: the text ChatText held back (tool-call text that parsed into no call, or what is
+    left around the calls, as content) and the tool calls."""
+    rest, tool_text = router.finish()
+    leftover, calls = parse_tool_calls(tool_text, tools) if tool_text else ("", [])
+    if leftover or (tool_text and not calls):
+        rest.append(("content", leftover if calls else tool_text))
+    return rest, calls
+
+
 def chat_parts(pieces: list[tuple[str, str]], tool_text: str, tools: list[dict[str, Any]] | None
                ) -> tuple[str, list[ToolCall]]:
     """A whole reply's (content, tool calls) from ChatText's pieces and tool-call text."""

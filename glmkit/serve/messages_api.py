@@ -19,6 +19,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from starlette.responses import JSONResponse
+
 from glmkit.generate.sampling import SamplingParams
 from glmkit.serve.chat import text_content
 from glmkit.serve.protocol import (
@@ -43,9 +45,19 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
                429: "rate_limit_error", 499: "invalid_request_error", 503: "overloaded_error"}
 
 
+def is_messages_path(path: str) -> bool:
+    """Whether a request path is one of this API's routes (its errors take Anthropic's shape)."""
+    return path.startswith("/v1/messages")
+
+
 def error_body(status: int, message: str) -> dict[str, Any]:
     """Anthropic's error object for an HTTP status (any other status: `api_error`)."""
     return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}
+
+
+def anthropic_error(status: int, message: str) -> JSONResponse:
+    """An error response in Anthropic's shape."""
+    return JSONResponse(error_body(status, message), status_code=status)
 
 
 # ---- request -> template messages -------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
@@ -304,7 +305,7 @@ def completion_logprobs(chosen: list[TokenLogprob], decode: Callable[[list[int]]
     """/v1/completions' `logprobs` object for these tokens, their text starting at character `offset` of the
     completion: tokens, their log-probabilities, the likeliest tokens' by text, each token's text offset."""
     texts = [decode([c.token]) for c in chosen]
-    offsets = [offset + sum(len(t) for t in texts[:i]) for i in range(len(texts))]
+    offsets = list(accumulate((len(t) for t in texts[:-1]), initial=offset)) if texts else []
     tops: list[dict[str, float]] = []
     for c in chosen:
         top: dict[str, float] = {}
