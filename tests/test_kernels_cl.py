@@ -33,7 +33,7 @@ from glmkit.backends.opencl.program import SCALAR_TYPES, kernel_signatures, pars
 from glmkit.backends.opencl.weights import ExpertShape, WeightMemory, x8_eligible
 from glmkit.format.packing import pack, quantize, unpack
 from glmkit.format.tensors import QuantWeight
-from glmkit.model.ops import apply_rope, rope_cos_sin, silu, topk_mask
+from glmkit.model.ops import apply_rope, chosen_keys, rope_cos_sin, silu, topk_mask
 from tests.runtime_support import opencl_test_device
 
 REF = NumpyBackend()
@@ -304,7 +304,7 @@ def test_index_scores_and_topk(kernels, wide_kernels, rng):
     long = np.round(rng.standard_normal((2, 3000)) * 4).astype(np.float32)
     allowed = rng.random(long.shape) < 0.9
     for k in (kernels, wide_kernels):
-        assert np.array_equal(k.topk(long, allowed, 700), topk_mask(long, allowed, 700))
+        assert np.array_equal(k.topk(long, allowed, 700), chosen_keys(topk_mask(long, allowed, 700), 700))
         # the chosen lists (the decode step's attention keys): each row's selection in ascending order, also
         # where fewer keys than k are allowed
         for row_allowed in (allowed, rng.random(long.shape) < 0.2):
@@ -340,18 +340,18 @@ def check_index_scores_and_topk(kernels, rng):
     close(out.host.reshape(n_s, n_keys), 0.5 * want)
     causal = np.arange(n_keys)[None, :] <= (np.array([5, 40, 70, 89]))[:, None]  # row 0 keeps all 6 keys
     distinct = rng.permutation(n_s * n_keys).reshape(n_s, n_keys).astype(np.float32) - 100
-    assert np.array_equal(kernels.topk(distinct, causal, topk), topk_mask(distinct, causal, topk))
+    assert np.array_equal(kernels.topk(distinct, causal, topk), chosen_keys(topk_mask(distinct, causal, topk), topk))
     # index scores tie at 0 (every head's ReLU off): the same keys as the NumPy selection (lowest indices)
     got = kernels.index_topk(q, k, w, d ** -0.5, causal, topk)
     assert (want == 0).sum() > n_s  # the case is exercised
-    assert np.array_equal(got, topk_mask(want, causal, topk))
+    assert np.array_equal(got, chosen_keys(topk_mask(want, causal, topk), topk))
     # negative scores, exact ties at the threshold: the lowest indices win
     tied = np.array([[-1.0, -3.0, -2.0, -2.0, -2.0, -5.0]], np.float32)
     got = kernels.topk(tied, np.ones_like(tied, bool), 3)
-    assert got.tolist() == [[True, False, True, True, False, False]]
+    assert got.tolist() == [[0, 2, 3]]
     # -0 and +0 tie (an index score is -0 when a negative head weight meets an all-off ReLU): lowest indices win
     zeros = np.array([[0.0, -0.0, 1.0, -0.0, 0.0]], np.float32)
-    assert kernels.topk(zeros, np.ones_like(zeros, bool), 3).tolist() == [[True, True, True, False, False]]
+    assert kernels.topk(zeros, np.ones_like(zeros, bool), 3).tolist() == [[0, 1, 2]]
     assert topk_mask(zeros, np.ones_like(zeros, bool), 3).tolist() == [[True, True, True, False, False]]
 
 

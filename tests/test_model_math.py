@@ -15,6 +15,7 @@ from glmkit.model.kv_cache import KVCache
 from glmkit.model.ops import (
     apply_rope,
     causal_mask,
+    chosen_keys,
     embed_rows,
     moe_batch_union,
     renormalized,
@@ -198,16 +199,41 @@ def test_attention_shared_key_head_equals_repeated_heads() -> None:
 
 
 def test_index_topk_keeps_the_largest_weighted_relu_sums() -> None:
-    """DSA's index score `sum_h w[s,h] relu(scale q[s,h] . k[t])`: index_topk keeps the k largest causal ones."""
+    """DSA's index score `sum_h w[s,h] relu(scale q[s,h] . k[t])`: index_topk keeps the k largest causal ones, as
+    ascending key indices."""
     rng = np.random.default_rng(4)
     q, k, w = rand(rng, 6, 3, 4), rand(rng, 40, 4), rand(rng, 6, 3)
     expected = np.einsum("sh,sht->st", w, np.maximum(np.einsum("shd,td->sht", q, k) * 0.5, 0))
-    causal = causal_mask(34, 6, 40)
-    chosen = NumpyBackend().index_topk(q, k, w, 0.5, causal, 5)
-    assert (chosen.sum(axis=1) == 5).all() and not (chosen & ~causal).any()
+    positions = np.arange(34, 40)
+    chosen = NumpyBackend().index_topk(q, k, w, 0.5, positions, 5)
+    assert chosen.shape == (6, 5) and (np.diff(chosen, axis=1) > 0).all() and (chosen <= positions[:, None]).all()
     for row in range(6):  # every kept key scores at least as high as every dropped causal key
-        kept, dropped = expected[row][chosen[row]], expected[row][causal[row] & ~chosen[row]]
-        assert kept.min() >= dropped.max()
+        dropped = np.setdiff1d(np.arange(positions[row] + 1), chosen[row])
+        assert expected[row][chosen[row]].min() >= expected[row][dropped].max()
+
+
+def test_chosen_keys_lists_each_rows_keys_ascending_padded() -> None:
+    selected = np.array([[0, 1, 0, 1, 1], [1, 0, 0, 0, 0], [0, 0, 0, 0, 0]], bool)
+    assert chosen_keys(selected, 3).tolist() == [[1, 3, 4], [0, -1, -1], [-1, -1, -1]]
+
+
+@pytest.mark.parametrize("kh", [1, 4])
+def test_attention_chosen_is_attention_with_the_chosen_keys_mask(kh: int) -> None:
+    """Each query over its own gathered keys = masked attention with the mask of those keys (f32 rounding), for one
+    shared key head and per-head keys, in blocks of queries and on the worker pool; rows of fewer keys (-1 padded)
+    included."""
+    rng = np.random.default_rng(21)
+    seq, heads, total, width = 19, 4, 60, 7
+    q, k, v = rand(rng, seq, heads, 6), rand(rng, total, kh, 6), rand(rng, total, kh, 5)
+    positions = np.arange(total - seq, total)
+    positions[:3] = [2, 4, 5]  # fewer causal keys than `width`
+    scores = rand(rng, seq, total)
+    selected = topk_mask(scores, causal_mask(0, total, total)[positions], width)
+    chosen = chosen_keys(selected, width)
+    assert (chosen[:3] == -1).any() and (chosen[3:] >= 0).all()
+    expected = reference_attention(q, k, v, selected, 0.3)
+    for backend in (NumpyBackend(), NumpyBackend(query_block=width * 30, workers=3)):
+        np.testing.assert_allclose(backend.attention_chosen(q, k, v, chosen, 0.3), expected, rtol=1e-5, atol=1e-6)
 
 
 def test_expert_mlp_is_down_of_silu_gate_times_up() -> None:
@@ -440,7 +466,8 @@ def test_workers_give_the_same_products_indexer_and_moe() -> None:
         backend.query_block = 3 * 30 * 4  # blocks of 4 query rows
     expected = np.einsum("sh,sht->st", hw, np.maximum(np.einsum("shd,td->sht", q, k) * 0.5, 0))
     for backend in (serial, pooled):
-        np.testing.assert_array_equal(backend.index_topk(q, k, hw, 0.5, causal, 6), topk_mask(expected, causal, 6))
+        np.testing.assert_array_equal(backend.index_topk(q, k, hw, 0.5, np.arange(7, 30), 6),
+                                      chosen_keys(topk_mask(expected, causal, 6), 6))
     experts = {e: tuple(quant(rand(rng, *shape), 4, 16) for shape in ((16, 53), (16, 53), (53, 16)))
                for e in range(6)}
     shared = tuple(rand(rng, *shape) for shape in ((16, 53), (16, 53), (53, 16)))

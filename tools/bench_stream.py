@@ -9,7 +9,8 @@ container's bytes (its own memory and the page cache it reads are both charged t
 container file dropped from the page cache first): a 256-token prompt, then 64 greedy tokens (MTP off).
 Modes: `page` (`--device auto --expert-cache off`: the page cache as the expert cache, the device decode step on
 the mapping), `cache` (`--device auto --expert-cache auto`, glm-run's default where the model outgrows the limit:
-the device decode step on the cache's slots) and `numpy` (`--device numpy --expert-cache off`).
+the device decode step on the cache's slots), `numpy` (`--device numpy --expert-cache off`) and `base` (the
+`page` run of the glmkit in `--baseline-tree`, e.g. a git worktree of an older commit: a baseline in the same run).
 Printed per run: decode tok/s, TTFT, bytes read from disk per decoded token (the child's /proc/self/io), the
 expert hit rate, read-ahead recall, the cgroup's peak memory, and the I/O bounds: the expert bytes missed per
 decoded token (and the prompt's expert bytes, for the TTFT) over the disk bandwidth measured in the same run for
@@ -103,7 +104,7 @@ def new_cgroup(limit: int | None) -> Path | None:
 
 
 def run_child(snapshot: Path, mode: str, limit: int | None, timeout: float, cache: str = "auto",
-              mtp: bool = False, prompt_file: Path | None = None) -> dict:
+              mtp: bool = False, prompt_file: Path | None = None, baseline_tree: Path | None = None) -> dict:
     group = new_cgroup(limit)
     drop_from_page_cache(snapshot)
     argv = [sys.executable, __file__, "--worker", str(snapshot), mode, cache, str(int(mtp)), str(prompt_file or "")]
@@ -112,9 +113,13 @@ def run_child(snapshot: Path, mode: str, limit: int | None, timeout: float, cach
         if group is not None:
             (group / "cgroup.procs").write_text(str(os.getpid()))
 
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "2"}
+    if mode == "base":
+        if baseline_tree is None:
+            raise SystemExit("mode base needs --baseline-tree")
+        env["PYTHONPATH"] = str(baseline_tree.resolve())
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, preexec_fn=enter,
-                              env={**os.environ, "OPENBLAS_NUM_THREADS": "2"})
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, preexec_fn=enter, env=env)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f} s"}
     finally:
@@ -143,8 +148,12 @@ def worker(snapshot: str, mode: str, cache: str, mtp: bool, prompt_file: str) ->
                         if line.startswith("read_bytes")))
 
     start = time.perf_counter()
-    engine = Engine(snapshot, "numpy" if mode == "numpy" else "auto", load_tokenizer=False,
-                    expert_cache=(cache if cache == "auto" else int(cache)) if mode == "cache" else 0)
+    if mode == "base":  # an older glmkit: only the arguments every version takes
+        engine = Engine(snapshot, "auto", load_tokenizer=False)
+    else:
+        engine = Engine(snapshot, "numpy" if mode == "numpy" else "auto", load_tokenizer=False,
+                        expert_cache=(cache if cache == "auto" else int(cache)) if mode == "cache" else 0)
+    stats_of = getattr(engine.experts, "stats", None)
     if prompt_file:  # a JSON list of token ids, or of windows of them (glm-perplexity's): the first PROMPT ids
         ids = json.loads(Path(prompt_file).read_text())
         flat = [t for window in ids for t in window] if ids and isinstance(ids[0], list) else ids
@@ -157,10 +166,10 @@ def worker(snapshot: str, mode: str, cache: str, mtp: bool, prompt_file: str) ->
     for _ in gen.generate(prompt, TOKENS + 1, Sampler(SamplingParams())):
         if tokens == 0:
             first = time.perf_counter()
-            after_prefill, stats_at = read_bytes(), dict(engine.experts.stats.to_json())
+            after_prefill, stats_at = read_bytes(), dict(stats_of.to_json() if stats_of else {})
         tokens += 1
     end = time.perf_counter()
-    stats = engine.experts.stats.to_json()
+    stats = stats_of.to_json() if stats_of else {}
     out = {"mode": mode, "open_s": round(began - start, 3), "ttft_s": round(first - began, 3),
            "decode_tok_s": round(TOKENS / (end - first), 2), "read_gb_total": round((read_bytes() - before) / 1e9, 3),
            "read_mb_per_token": round((read_bytes() - after_prefill) / TOKENS / 1e6, 3),
@@ -171,7 +180,8 @@ def worker(snapshot: str, mode: str, cache: str, mtp: bool, prompt_file: str) ->
         out["prefill_expert_mb"] = round(stats_at["expert_bytes_read"] / 1e6, 1)
     if mtp:
         out["mtp_acceptance"] = gen.stats.mtp_acceptance
-    engine.close()
+    if hasattr(engine, "close"):  # an older glmkit's Engine has no close
+        engine.close()
     return out
 
 
@@ -183,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--work", type=Path, default=DEFAULT_WORK.with_name("glmkit-stream-model"))
     p.add_argument("--fractions", default="none,0.7,0.5,0.3", help="memory limits as fractions of the container")
-    p.add_argument("--modes", default="page,cache", help="page, cache, numpy (comma-separated)")
+    p.add_argument("--modes", default="page,cache", help="page, cache, numpy, base (comma-separated)")
+    p.add_argument("--baseline-tree", type=Path, help="base mode: the source tree whose glmkit it runs")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--snapshot", type=Path, help="a converted snapshot to run instead of the 256-expert model "
                                                  "(e.g. a q4 conversion of tests/fixtures/tiny-trained)")
@@ -212,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
         limit = None if fraction == "none" else int(float(fraction) * size)
         for mode, mtp in [(m, t) for m in args.modes.split(",") for t in MTP_CHOICES[args.mtp]]:
             row = {"fraction": fraction, "limit_mb": None if limit is None else limit >> 20, "mtp": mtp,
-                   **run_child(snapshot, mode, limit, args.timeout, args.cache, mtp, args.prompt_tokens)}
+                   **run_child(snapshot, mode, limit, args.timeout, args.cache, mtp, args.prompt_tokens,
+                               args.baseline_tree)}
             if "expert_mb_read_per_token" in row and row["expert_mb_read_per_token"] > 0:
                 row["io_bound_tok_s"] = round(bandwidth * 1e3 / row["expert_mb_read_per_token"], 1)
             if "prefill_expert_mb" in row:  # the prompt's expert reads alone, at the measured bandwidth

@@ -31,7 +31,7 @@ from glmkit.format.config import ModelConfig
 from glmkit.format.tensors import QuantWeight, Weight
 from glmkit.model.compute import ExpertArena, ExpertFn, moe_layer
 from glmkit.model.layer_spec import LayerSpec
-from glmkit.model.ops import apply_rope, silu, topk_mask
+from glmkit.model.ops import apply_rope, chosen_keys, position_mask, silu, topk_mask
 
 _Item = TypeVar("_Item")
 _Result = TypeVar("_Result")
@@ -76,8 +76,8 @@ class NumpyBackend:
 
     def __init__(self, decode_rows: int = 4, decode_block: int = 1 << 18, prefill_block: int = 1 << 24,
                  query_block: int = 1 << 20, workers: int = 1) -> None:
-        # v4: top-k ties go to the lowest key index; -wN: the split changes rounding
-        self.numerics = "numpy-f32-v4" + (f"-w{workers}" if workers > 1 else "")
+        # v5: DSA attention over the gathered chosen keys; -wN: the split changes rounding
+        self.numerics = "numpy-f32-v5" + (f"-w{workers}" if workers > 1 else "")
         self.decode_rows = decode_rows
         self.decode_block = decode_block
         self.prefill_block = prefill_block
@@ -230,31 +230,55 @@ class NumpyBackend:
         self._map(part, [(span, block) for span in spans for block in blocks])
         return out
 
-    def _index_scores(self, q: np.ndarray, k: np.ndarray, weights: np.ndarray, scale: float, causal: np.ndarray
-                      ) -> np.ndarray:
-        """The DSA indexer scores `[S, T]` of `index_topk` (see `Backend.index_topk`); the keys after a query
-        block's last `causal [S, T]` key are skipped (their scores are left 0: a top-k over causal keys never reads
-        them)."""
-        seq, heads, _ = q.shape
-        out = np.zeros((seq, k.shape[0]), np.float32)
-        step = max(1, self.query_block // (heads * k.shape[0]))
+    def attention_chosen(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, chosen: np.ndarray,
+                         scale: float) -> np.ndarray:
+        seq, heads, dk = q.shape
+        kh, dv, width = k.shape[1], v.shape[2], chosen.shape[1]
+        out = np.empty((seq, heads, dv), np.float32)
+        # a block's scores [s, nh, K] and its gathered keys and values [s, K, kh, dk + dv] stay within query_block
+        step = max(1, self.query_block // (width * (heads + kh * (dk + dv))))
 
         def part(s0: int) -> None:
             s1 = min(seq, s0 + step)
-            total = _allowed_end(causal[s0:s1])
-            per_head = q[s0:s1].transpose(1, 0, 2) @ k[:total].T  # [nh, s, t]: one GEMM per head
-            per_head *= np.float32(scale)
-            np.maximum(per_head, 0, out=per_head)
-            per_head *= weights[s0:s1].T[:, :, None]
-            per_head.sum(axis=0, out=out[s0:s1, :total])
+            picked = chosen[s0:s1]  # [s, K]
+            missing = picked < 0
+            rows = np.where(missing, 0, picked)
+            keys, values = k[rows], v[rows]  # [s, K, kh, dk], [s, K, kh, dv]
+            if kh == 1:  # one shared key head: a GEMM per query over its own keys
+                scores = q[s0:s1] @ keys[:, :, 0].transpose(0, 2, 1)  # [s, nh, K]
+            else:
+                scores = np.einsum("shd,skhd->shk", q[s0:s1], keys)
+            scores *= np.float32(scale)
+            np.copyto(scores, np.float32(-np.inf), where=missing[:, None, :])
+            scores -= scores.max(axis=-1, keepdims=True)
+            np.exp(scores, out=scores)
+            scores /= scores.sum(axis=-1, keepdims=True)
+            if kh == 1:
+                out[s0:s1] = scores @ values[:, :, 0]  # [s, nh, dv]
+            else:
+                out[s0:s1] = np.einsum("shk,skhd->shd", scores, values)
 
         self._map(part, range(0, seq, step))
         return out
 
-    def index_topk(self, q: np.ndarray, k: np.ndarray, weights: np.ndarray, scale: float, causal: np.ndarray,
+    def index_topk(self, q: np.ndarray, k: np.ndarray, weights: np.ndarray, scale: float, positions: np.ndarray,
                    topk: int) -> np.ndarray:
+        seq, heads, _ = q.shape
+        out = np.empty((seq, topk), np.int32)
+        step = max(1, self.query_block // (heads * k.shape[0]))
 
-        return topk_mask(self._index_scores(q, k, weights, scale, causal), causal, topk)
+        def part(s0: int) -> None:
+            s1 = min(seq, s0 + step)
+            total = int(positions[s0:s1].max()) + 1  # the block's keys after this are nobody's
+            per_head = q[s0:s1].transpose(1, 0, 2) @ k[:total].T  # [nh, s, t]: one GEMM per head
+            per_head *= np.float32(scale)
+            np.maximum(per_head, 0, out=per_head)
+            per_head *= weights[s0:s1].T[:, :, None]
+            scores = per_head.sum(axis=0)  # [s, t]
+            out[s0:s1] = chosen_keys(topk_mask(scores, position_mask(positions[s0:s1], total), topk), topk)
+
+        self._map(part, range(0, seq, step))
+        return out
 
     def rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 

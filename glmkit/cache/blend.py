@@ -27,9 +27,9 @@ def forward_at(model: GlmMoeDsaModel, token_ids: np.ndarray, positions: np.ndarr
     states `[S, H]` of those positions. The MTP layer is not touched."""
     positions = np.asarray(positions, dtype=np.int64)
     x = model.embed(np.asarray(token_ids, dtype=np.int64))
-    allowed = None
+    chosen = None
     for layer in range(model.config.num_hidden_layers):
-        x, allowed = model.decoder_layer(layer, x, positions, cache.layer(layer), allowed)
+        x, chosen = model.decoder_layer(layer, x, positions, cache.layer(layer), chosen)
     return model.final_norm(x)
 
 
@@ -45,7 +45,7 @@ def blend_forward(model: GlmMoeDsaModel, token_ids: np.ndarray, positions: np.nd
     those positions)."""
     positions = np.asarray(positions, dtype=np.int64)
     x = model.embed(np.asarray(token_ids, dtype=np.int64))
-    x, allowed = model.decoder_layer(0, x, positions, cache.layer(0), None)
+    x, chosen = model.decoder_layer(0, x, positions, cache.layer(0), None)
     keep = ~np.asarray(imported, dtype=bool)
     reused = np.flatnonzero(~keep)
     count = min(len(reused), int(np.ceil(ratio * len(reused) - 1e-9)))
@@ -54,11 +54,12 @@ def blend_forward(model: GlmMoeDsaModel, token_ids: np.ndarray, positions: np.nd
         old = cache.layer(1).kv_lat[positions[reused]]
         deviation = np.linalg.norm(fresh - old, axis=1) / (np.linalg.norm(old, axis=1) + 1e-6)
         keep[reused[np.argsort(-deviation, kind="stable")[:count]]] = True
-    x, positions, allowed = x[keep], positions[keep], allowed[keep]
+    x, positions = x[keep], positions[keep]
+    chosen = None if chosen is None else chosen[keep]
     if not len(positions):
         return x, positions
     for layer in range(1, model.config.num_hidden_layers):
-        x, allowed = model.decoder_layer(layer, x, positions, cache.layer(layer), allowed)
+        x, chosen = model.decoder_layer(layer, x, positions, cache.layer(layer), chosen)
     return model.final_norm(x), positions
 
 

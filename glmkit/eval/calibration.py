@@ -2,7 +2,8 @@
 each input column, and optionally the full second moment `mean x x^T` `[I, I]` for the `gptq` quantizer.
 
 A recording backend wraps the engine's: every product's input passes through its `linear`, under the name of
-the weight it multiplies (per routed expert only its tokens; the MTP layer included). Weights fed the very same
+the weight it multiplies (per routed expert only its tokens; the MTP layer included); kv_b's, every key's latent
+row, is taken from the KV cache after the window. Weights fed the very same
 input rows (q_a and kv_a, an expert's gate and up) share one Hessian. The runtime collects, the converter only
 reads the file: convert never imports the runtime.
 """
@@ -32,6 +33,7 @@ from glmkit.model.layer_spec import LayerSpec
 from glmkit.model.ops import silu
 
 HESSIAN_CHOICES = ("pooled", "dense", "all", "none")
+KV_B_SUFFIX = "self_attn.kv_b_proj.weight"
 DEFAULT_MAX_HESSIAN_DIM = 8192
 
 
@@ -99,18 +101,21 @@ class _RecordingBackend:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
+    def record(self, name: str, x: np.ndarray) -> None:
+        """Add the input rows `x [n, I]` of weight `name` to its statistics."""
+        energy = np.einsum("si,si->i", x, x, dtype=np.float64)
+        if name in self.sums:
+            self.sums[name] += energy
+        else:
+            self.sums[name] = energy
+        self.counts[name] = self.counts.get(name, 0) + x.shape[0]
+        if self.wants_hessian(name, x.shape[1]):
+            self.record_hessian(name, x)
+
     def linear(self, x: np.ndarray, w: Weight) -> np.ndarray:
         entry = self.weights.names.get(id(w))
-        if entry is not None and entry[1] is w:
-            name = entry[0]
-            energy = np.einsum("si,si->i", x, x, dtype=np.float64)
-            if name in self.sums:
-                self.sums[name] += energy
-            else:
-                self.sums[name] = energy
-            self.counts[name] = self.counts.get(name, 0) + x.shape[0]
-            if self.wants_hessian(name, x.shape[1]):
-                self.record_hessian(name, x)
+        if entry is not None and entry[1] is w and not entry[0].endswith(KV_B_SUFFIX):  # kv_b: see collect_imatrix
+            self.record(entry[0], x)
         return self.inner.linear(x, w)
 
     # Composite operations run here, on top of `linear`, so every weight they use is recorded (a backend's own
@@ -145,6 +150,11 @@ def collect_imatrix(engine: Engine, windows: list[list[int]], progress: bool = F
             _, hidden = model.forward(ids, cache)
             if model.has_mtp and len(ids) > 1:
                 model.mtp_forward(hidden[:-1], ids[1:], cache)
+            # kv_b's input is every key's latent row (what reconstructing its keys multiplies), recorded from the
+            # cache: attention over DSA's chosen keys absorbs kv_b into the queries instead
+            for i, spec in enumerate(model.layers):
+                if cache.layer(i).length:
+                    backend.record(spec.attention.kv_b, cache.layer(i).kv_lat)
             weights.clear()
             bar.update(len(w))
     finally:

@@ -202,6 +202,13 @@ class Container:
             start = r.offset - r.offset % mmap.PAGESIZE
             self._maps[r.file].madvise(advice, start, r.offset + r.nbytes - start)
 
+    def advise_all(self, advice: int = mmap.MADV_WILLNEED, chunk: int = 8 << 20) -> None:
+        """madvise every data file's mapping, `chunk` bytes a call (Linux reads ahead at most its read-ahead window per
+        WILLNEED call: a whole file at once would read only its first megabytes)."""
+        for mapped in list(self._maps.values()):
+            for start in range(0, len(mapped), chunk):
+                mapped.madvise(advice, start, min(chunk, len(mapped) - start))
+
     def verify_data(self, progress: Callable[[int], None] | None = None) -> list[str]:
         """Re-hash the data files against the sha256 digests the converter recorded: each file whole (`files`),
         and the tensors of a file whose digest differs (`tensors`), to name them.

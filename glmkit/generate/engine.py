@@ -71,6 +71,8 @@ class Engine:
             watch = prefetch and outgrows_memory(self.container)
             self.model = GlmMoeDsaModel(self.config, self.experts, self.backend, route_hook=self.experts.on_route,
                                         step_route_hook=self.experts.advise_routed if watch else None)
+            if prefetch and not watch:  # it fits: all of it in the page cache, read in the background
+                self.experts.warm_in_background()
         self.tokenizer = ChatTokenizer(snapshot) if load_tokenizer else None
         self.eos_token_ids = _eos_ids(Path(snapshot), self.config.eos_token_ids)
 

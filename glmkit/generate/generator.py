@@ -15,7 +15,7 @@ forward in flight: the device picks each token (argmax) and queues its forward b
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,6 +23,18 @@ import numpy as np
 from glmkit.generate.sampling import Sampler
 from glmkit.model.glm5 import GlmMoeDsaModel
 from glmkit.model.kv_cache import KVCache
+
+PREFILL_CHUNK = 2048  # prompt tokens per forward: a long prompt's temporaries stay those of one chunk
+
+
+def prefill_part(model: GlmMoeDsaModel, prompt_ids: Sequence[int], end: int, cache: KVCache, use_mtp: bool) -> None:
+    """Append the prompt tokens `prompt_ids[cache.length:end]` (not its last one: no logits are made), and give the MTP
+    layer their rows too when it has kept up (drafting needs every position)."""
+    start = cache.length
+    _, hidden = model.forward(np.asarray(prompt_ids[start:end], dtype=np.int64), cache, last_logits_only=True)
+    mtp = cache.layer(model.config.num_hidden_layers)
+    if use_mtp and mtp.length == start:
+        model.mtp_forward(hidden, np.asarray(prompt_ids[start + 1:end + 1], dtype=np.int64), cache)
 
 
 @dataclass
@@ -52,8 +64,10 @@ class GenerationStats:
 class Generator:
     """Runs one sequence: `generate(prompt_ids, ...)` yields token ids as they are decided."""
 
-    def __init__(self, model: GlmMoeDsaModel, eos_token_ids: tuple[int, ...] = (), use_mtp: bool = True):
+    def __init__(self, model: GlmMoeDsaModel, eos_token_ids: tuple[int, ...] = (), use_mtp: bool = True,
+                 prefill_chunk: int = PREFILL_CHUNK):
         self.model = model
+        self.prefill_chunk = prefill_chunk
         self.eos = set(eos_token_ids)
         self.use_mtp = use_mtp and model.has_mtp
         self.stats = GenerationStats()
@@ -70,10 +84,12 @@ class Generator:
         if max_tokens <= 0:
             stats.stop_reason = "length"
             return
-        new = np.asarray(prompt_ids[cache.length:], dtype=np.int64)
-        if len(new) == 0:  # the whole prompt is cached: recompute its last token to get logits
+        if cache.length == len(prompt_ids):  # the whole prompt is cached: recompute its last token to get logits
             cache.truncate(cache.length - 1)
-            new = np.asarray(prompt_ids[-1:], dtype=np.int64)
+        chunk = self.prefill_chunk
+        while len(prompt_ids) - cache.length > chunk:  # chunks end at multiples of `chunk`: the same rounding however
+            prefill_part(self.model, prompt_ids, (cache.length // chunk + 1) * chunk, cache, self.use_mtp)  # it began
+        new = np.asarray(prompt_ids[cache.length:], dtype=np.int64)
         logits, hidden = self.model.forward(new, cache, last_logits_only=True)
         token = sampler(logits[-1])
         stats.prefill_s = stats.ttft_s = time.perf_counter() - start

@@ -65,11 +65,23 @@ class Backend(Protocol):
         """
         ...
 
-    def index_topk(self, q: np.ndarray, k: np.ndarray, weights: np.ndarray, scale: float, causal: np.ndarray,
+    def attention_chosen(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, chosen: np.ndarray,
+                         scale: float) -> np.ndarray:
+        """Softmax attention of each query over its own chosen keys only (DSA's sparse attention).
+
+        q `[S, nh, dk]`; k `[T, kh, dk]`, v `[T, kh, dv]` as in `attention`; chosen `[S, K]` int32 key indices
+        (-1: none; every row names at least one key). Returns `[S, nh, dv]`: `attention` with the mask of the chosen
+        keys, without an `[S, T]` matrix: the work grows with S x K, not S x T.
+        """
+        ...
+
+    def index_topk(self, q: np.ndarray, k: np.ndarray, weights: np.ndarray, scale: float, positions: np.ndarray,
                    topk: int) -> np.ndarray:
-        """DSA selection `[S, T]` bool: per query the `min(topk, allowed)` largest DSA indexer scores among its
-        `causal` keys (`topk_mask` of the scores), the scores of q `[S, nh, d]`, k `[T, d]`, weights `[S, nh]`
-        being `I[s, t] = sum_h weights[s, h] * relu(q[s, h] . k[t] * scale)`."""
+        """DSA selection: per query the `min(topk, positions[s] + 1)` largest DSA indexer scores among its causal
+        keys `0..positions[s]` (`topk_mask` of the scores), the scores of q `[S, nh, d]`, k `[T, d]`, weights
+        `[S, nh]` being `I[s, t] = sum_h weights[s, h] * relu(q[s, h] . k[t] * scale)`. Returns the chosen keys
+        `[S, topk]` int32 (`chosen_keys`: ascending, -1 padded); scores are made a block of queries at a time
+        (never `[S, T]` at once)."""
         ...
 
     def rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:

@@ -148,6 +148,18 @@ class ExpertStreamer:
         with self._advised:  # callbacks of several layers may run at once
             self.stats.prefetched += len(experts)
 
+    def warm_in_background(self) -> threading.Thread:
+        """Have the kernel read the whole container into the page cache, from a background thread (for a model that
+        fits in memory: a decoded token then never waits for an expert that the prompt did not touch)."""
+
+        def advise() -> None:
+            with contextlib.suppress(OSError, ValueError):  # advice only: e.g. the container closed meanwhile
+                self.container.advise_all(mmap.MADV_WILLNEED)
+
+        thread = threading.Thread(target=advise, name="glmkit-warm", daemon=True)
+        thread.start()
+        return thread
+
     def _is_resident(self, layer: int, expert: int) -> bool:
         """Pinned, or every page of the expert's byte range (gate, up, down and scales) is in RAM."""
         if expert_weight_name(layer, expert, "gate_proj") in self._pinned:

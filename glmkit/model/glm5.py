@@ -66,17 +66,21 @@ def mla_attend_full(backend: Backend, q_nope: np.ndarray, q_rot: np.ndarray, kv_
 
 
 def mla_attend_absorbed(backend: Backend, q_nope: np.ndarray, q_rot: np.ndarray, kv_lat: np.ndarray,
-                        k_rot: np.ndarray, kv_b: Weight, allowed: np.ndarray, scale: float) -> np.ndarray:
+                        k_rot: np.ndarray, kv_b: Weight, keys_seen: np.ndarray, scale: float) -> np.ndarray:
     """MLA with `kv_b` absorbed (same math as `mla_attend_full`, no per-key reconstruction).
 
     `q_nope . (Wk_b kv_lat) = (q_nope Wk_b) . kv_lat`, so queries move into latent space and attend one
     shared key head `[kv_lat | k_rot]`; the weighted sum of `kv_lat` is lifted by `Wv_b` afterwards.
+    keys_seen: a mask `[S, T]` bool, or DSA's chosen keys `[S, K]` int32 (`Backend.attention_chosen`: each query
+    reads its own K latent rows, whatever T is).
     """
     nope = q_nope.shape[2]
     v_dim = kv_b.shape[0] // q_nope.shape[1] - nope
     q_lat = backend.head_matmul(q_nope, kv_b, 0, nope, transpose=True)  # [S, nh, kvl]
+    q = np.concatenate([q_lat, q_rot], axis=-1)  # [S, nh, kvl + rope]
     keys = np.concatenate([kv_lat, k_rot], axis=-1)[:, None, :]  # [T, 1, kvl + rope]
-    o_lat = backend.attention(np.concatenate([q_lat, q_rot], axis=-1), keys, kv_lat[:, None, :], allowed, scale)
+    attend = backend.attention if keys_seen.dtype == bool else backend.attention_chosen
+    o_lat = attend(q, keys, kv_lat[:, None, :], keys_seen, scale)  # [S, nh, kvl]
     return backend.head_matmul(o_lat, kv_b, nope, v_dim, transpose=False)  # [S, nh, v]
 
 
@@ -153,9 +157,9 @@ class GlmMoeDsaModel:
         if len(token_ids) == 1 and cache.length > 0 and self._decode_step() is not None:
             return self._device_decode(int(token_ids[0]), x[0], cache)
         positions = np.arange(cache.length, cache.length + len(token_ids))
-        allowed = None  # the most recent 'full' layer's DSA selection [S, T], reused by 'shared' layers
+        chosen = None  # the most recent 'full' layer's DSA selection [S, K], reused by 'shared' layers
         for layer in range(self.config.num_hidden_layers):
-            x, allowed = self.decoder_layer(layer, x, positions, cache.layer(layer), allowed)
+            x, chosen = self.decoder_layer(layer, x, positions, cache.layer(layer), chosen)
         hidden = self.final_norm(x)
         head_in = hidden[-1:] if last_logits_only else hidden
         logits = self.backend.linear(head_in, self._w(LM_HEAD))
@@ -228,22 +232,23 @@ class GlmMoeDsaModel:
         return self._norm(x, final_norm_spec(self.config))
 
     def decoder_layer(self, layer: int, x: np.ndarray, positions: np.ndarray, kv: LayerKV,
-                      prev_allowed: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+                      prev_chosen: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
         """`h = x + Attn(RMSNorm(x))`; `x' = h + FFN(RMSNorm(h))` for the rows `x [S, H]` of the tokens at
-        `positions [S]` (see `attention` for how their cache rows are written). Returns (x' `[S, H]`, DSA
-        selection `[S, T]`)."""
+        `positions [S]` (see `attention` for how their cache rows are written). Returns (x' `[S, H]`, the DSA
+        selection `[S, K]` it attended with, or None)."""
         spec = self.layers[layer]
-        attn, allowed = self.attention(layer, self._norm(x, spec.input_norm), positions, kv, prev_allowed)
+        attn, chosen = self.attention(layer, self._norm(x, spec.input_norm), positions, kv, prev_chosen)
         h = x + attn  # [S, H]
-        return h + self.feed_forward(layer, self._norm(h, spec.post_attention_norm)), allowed
+        return h + self.feed_forward(layer, self._norm(h, spec.post_attention_norm)), chosen
 
     def attention(self, layer: int, u: np.ndarray, positions: np.ndarray, kv: LayerKV,
-                  prev_allowed: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+                  prev_chosen: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
         """MLA + DSA on normed input `u [S, H]` of the tokens at `positions [S]` (strictly increasing).
 
         Their cache rows are appended when the positions continue the cache (`kv.length..`), else written in
         place over rows already there; each query then attends to the cached rows at or before its own
-        position. Returns (output `[S, H]`, the selection `[S, T]` this layer attended with).
+        position: all of them, or DSA's top-k (`select_keys`), gathered per query. Returns (output `[S, H]`, the
+        selection `[S, K]` this layer attended with, or None for every causal key).
         """
         spec = self.layers[layer].attention
         seq, start = u.shape[0], kv.length
@@ -261,13 +266,16 @@ class GlmMoeDsaModel:
             kv.append(**rows)
         else:
             kv.overwrite(positions, **rows)
-        allowed = self.select_keys(layer, a, kv, position_mask(positions, kv.length), prev_allowed)  # [S, T]
-
-        absorb = appending and 0 < start and seq <= self.absorb_max_rows
-        attend = mla_attend_absorbed if absorb else mla_attend_full
-        out = attend(self.backend, a.q_nope, a.q_rot, kv.kv_lat, kv.k_rot, self._w(spec.kv_b), allowed,
-                     spec.scale)  # [S, nh, v]
-        return self.backend.linear(out.reshape(seq, -1), self._w(spec.o_proj)), allowed
+        chosen = self.select_keys(layer, a, kv, positions, prev_chosen)  # [S, K] or None
+        if chosen is not None:  # sparse: latent form, K gathered rows per query
+            out = mla_attend_absorbed(self.backend, a.q_nope, a.q_rot, kv.kv_lat, kv.k_rot, self._w(spec.kv_b),
+                                      chosen, spec.scale)  # [S, nh, v]
+        else:
+            absorb = appending and 0 < start and seq <= self.absorb_max_rows
+            attend = mla_attend_absorbed if absorb else mla_attend_full
+            out = attend(self.backend, a.q_nope, a.q_rot, kv.kv_lat, kv.k_rot, self._w(spec.kv_b),
+                         position_mask(positions, kv.length), spec.scale)  # [S, nh, v]
+        return self.backend.linear(out.reshape(seq, -1), self._w(spec.o_proj)), chosen
 
     def kv_latent(self, layer: int, x: np.ndarray) -> np.ndarray:
         """The normed latent `kv_lat [S, kv_lora_rank]` layer `layer` caches for rows whose layer input is
@@ -304,19 +312,19 @@ class GlmMoeDsaModel:
             inputs.index_weights = b.linear(u, self._w(ix.weights_proj)) * np.float32(ix.head_scale)  # [S, inh]
         return inputs
 
-    def select_keys(self, layer: int, inputs: AttentionInputs, kv: LayerKV, causal: np.ndarray,
-                    prev_allowed: np.ndarray | None) -> np.ndarray:
-        """The keys `[S, T]` a layer attends to (`Selection`): DSA's top-k when its indexer scored (`inputs.index_q`,
-        against all cached indexer keys), the previous layer's selection on a 'shared' layer, else every causal
-        key."""
+    def select_keys(self, layer: int, inputs: AttentionInputs, kv: LayerKV, positions: np.ndarray,
+                    prev_chosen: np.ndarray | None) -> np.ndarray | None:
+        """The keys `[S, K]` int32 (-1 padded) the queries at `positions` attend to: DSA's top-k when the layer's
+        indexer scored (`inputs.index_q`, against all cached indexer keys), the previous layer's selection on a
+        'shared' layer; None: every causal key."""
         spec = self.layers[layer].attention
         if inputs.index_q is not None:
             assert inputs.index_weights is not None and spec.indexer is not None
             return self.backend.index_topk(inputs.index_q, kv.index_k, inputs.index_weights, spec.indexer.score_scale,
-                                           causal, spec.indexer.topk)
+                                           positions, spec.indexer.topk)
         if spec.selection == "previous":
-            return prev_allowed  # type: ignore[return-value]  # the previous layer's top-k, reused
-        return causal
+            return prev_chosen  # the previous layer's top-k, reused
+        return None
 
     # ---- feed-forward --------------------------------------------------------------------------
 

@@ -88,6 +88,17 @@ def topk_mask(scores: np.ndarray, causal: np.ndarray, k: int) -> np.ndarray:
     return keep & causal
 
 
+def chosen_keys(selected: np.ndarray, k: int) -> np.ndarray:
+    """A selection `[S, T]` bool of at most k keys per row -> its key indices `[S, k]` int32, ascending per row,
+    padded with -1 (rows with fewer than k keys)."""
+    rows, cols = np.nonzero(selected)  # row-major: each row's keys ascending
+    counts = np.bincount(rows, minlength=selected.shape[0])
+    rank = np.arange(len(rows)) - np.repeat(np.cumsum(counts) - counts, counts)  # a key's place in its row
+    out = np.full((selected.shape[0], k), -1, np.int32)
+    out[rows, rank] = cols
+    return out
+
+
 def route_noaux_tc(logits: np.ndarray, bias: np.ndarray, top_k: int, n_group: int, topk_group: int,
                    norm_topk_prob: bool, scaling: float) -> tuple[np.ndarray, np.ndarray]:
     """noaux_tc router: logits `[S, E]` -> (expert ids `[S, k]`, weights `[S, k]`).

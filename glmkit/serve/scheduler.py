@@ -24,12 +24,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from glmkit.cache.prefix_cache import PrefixCache, common_prefix
 from glmkit.cache.session import ReuseStats, Session
 from glmkit.generate.engine import Engine
-from glmkit.generate.generator import Generator
+from glmkit.generate.generator import Generator, prefill_part
 from glmkit.generate.sampling import LogitsConstraint, Sampler, SamplingParams, TokenLogprob
 from glmkit.generate.tokenizer import StreamDecoder
 
@@ -272,11 +270,7 @@ class Scheduler:
         kv = session.kv
         start = kv.length
         if len(ids) - start > self.prefill_chunk:
-            end = start + self.prefill_chunk
-            _, hidden = model.forward(np.asarray(ids[start:end], dtype=np.int64), kv, last_logits_only=True)
-            mtp = kv.layer(model.config.num_hidden_layers)
-            if self.use_mtp and mtp.length == start:  # keep the MTP rows in step, so drafting works later
-                model.mtp_forward(hidden, np.asarray(ids[start + 1:end + 1], dtype=np.int64), kv)
+            prefill_part(model, ids, start + self.prefill_chunk, kv, self.use_mtp)
             return
         request = job.request
         eos = () if request.ignore_eos else self.engine.eos_token_ids

@@ -41,9 +41,10 @@ from glmkit.format.config import ModelConfig
 from glmkit.format.tensors import QuantWeight, Weight
 from glmkit.model.compute import ExpertArena, ExpertFn, moe_layer
 from glmkit.model.layer_spec import LayerSpec
-from glmkit.model.ops import silu
+from glmkit.model.ops import position_mask, silu
 
 DECODE_ROWS = 4  # calls with at most this many rows are decode calls (MTP verification has 2)
+INDEX_BLOCK = 1 << 22  # indexer scores [rows, T] of one prefill launch
 
 
 @dataclass
@@ -406,13 +407,18 @@ class OpenCLBackend:
             return self.k.attention(q, k, v, allowed, scale)
         return self.host.attention(q, k, v, allowed, scale)
 
-    def index_topk(self, q: np.ndarray, k: np.ndarray, weights: np.ndarray, scale: float, causal: np.ndarray,
+    def attention_chosen(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, chosen: np.ndarray,
+                         scale: float) -> np.ndarray:
+        return self.host.attention_chosen(q, k, v, chosen, scale)  # a gather per query: the host's BLAS
+
+    def index_topk(self, q: np.ndarray, k: np.ndarray, weights: np.ndarray, scale: float, positions: np.ndarray,
                    topk: int) -> np.ndarray:
-        if topk >= k.shape[0]:
-            return causal
-        if self.placement.index == "cl":
-            return self.k.index_topk(q, k, weights, scale, causal, topk)
-        return self.host.index_topk(q, k, weights, scale, causal, topk)
+        if self.placement.index != "cl":
+            return self.host.index_topk(q, k, weights, scale, positions, topk)
+        step = max(1, INDEX_BLOCK // k.shape[0])  # query rows whose scores [rows, T] are made at once
+        return np.concatenate([self.k.index_topk(q[s0:s0 + step], k, weights[s0:s0 + step], scale,
+                                                 position_mask(positions[s0:s0 + step], k.shape[0]), topk)
+                               for s0 in range(0, len(q), step)])
 
 
 def weight_budget(global_mem: int) -> int:

@@ -259,15 +259,16 @@ class Kernels:
         return b.get("y", (n_s, heads, dv), evt)
 
     def topk(self, scores: np.ndarray, allowed: np.ndarray, k: int) -> np.ndarray:
-        """`[S, T]` bool: the k largest allowed scores of each row (every allowed key when fewer than k)."""
+        """The k largest allowed scores of each row of `[S, T]` (every allowed key when fewer than k), as key indices
+        `[S, k]` int32 (ascending, -1 padded: `chosen_keys`)."""
         self.buffers.put("scores", scores)
         return self._topk(allowed, k, scores.shape)
 
     def index_topk(self, q: np.ndarray, k: np.ndarray, weights: np.ndarray, scale: float, allowed: np.ndarray,
                    topk: int) -> np.ndarray:
-        """DSA selection `[S, T]` bool: the indexer's scores of q `[S, nh, d]` against the keys k `[T, d]` with head
-        weights `[S, nh]` (`I[s, t] = sum_h weights[s, h] * relu(q[s, h] . k[t] * scale)`), then the top-k of each
-        row's allowed keys, in one round trip (the scores stay on the device)."""
+        """DSA selection: the indexer's scores of q `[S, nh, d]` against the keys k `[T, d]` with head weights
+        `[S, nh]` (`I[s, t] = sum_h weights[s, h] * relu(q[s, h] . k[t] * scale)`), then the top-k of each row's
+        allowed keys `[S, T]`, in one round trip (the scores stay on the device): `[S, topk]` as `topk`."""
         n_s, heads, d = q.shape
         n_keys = k.shape[0]
         b = self.buffers
@@ -283,4 +284,6 @@ class Kernels:
         evt = self._run(name, size, local, scores=b.staged("scores"), allowed=b.put("mask", allowed, np.uint8),
                         selected=b.out("sel", n_s * n_keys), chosen=b.out("chosen", 4 * n_s * k), n_keys=n_keys, k=k,
                         n_rows=n_s)
-        return b.get("sel", shape, evt, np.uint8).astype(bool)
+        chosen = b.get("chosen", (n_s, k), evt, np.uint32).astype(np.int32)
+        chosen[np.arange(k)[None, :] >= allowed.sum(axis=1)[:, None]] = -1  # rows of fewer keys fill only a part
+        return chosen
