@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import mmap
+import os
+import time
 from collections import Counter
 
 import numpy as np
@@ -191,3 +193,31 @@ def test_resident_fraction(snapshots):
     assert resident_fraction(view[:0]) == 1.0  # no pages at all
     anonymous = mmap.mmap(-1, mmap.PAGESIZE)
     assert resident_fraction(np.frombuffer(anonymous, np.uint8)[:0]) == 1.0  # page-aligned and empty
+
+
+def test_warming_reads_the_whole_container_into_the_page_cache(snapshots):
+    """Dropped from the page cache, the container is back in it once the background warm-up has run (and once it
+    is advised in chunks of a few pages): every expert's pages resident."""
+    snapshot = snapshots(VARIANT, "q4")
+    streamer = ExpertStreamer(Container(snapshot))
+    config, container = streamer.config, streamer.container
+    experts = [(layer, e) for layer in range(config.first_k_dense_replace, config.num_hidden_layers)
+               for e in range(config.n_routed_experts)]
+
+    def least_resident() -> float:
+        return min(resident_fraction(container.expert_bytes(*key)) for key in experts)
+
+    for warm in (lambda: streamer.warm_in_background().join(), lambda: container.advise_all(chunk=4 * mmap.PAGESIZE)):
+        for path in snapshot.glob("*.safetensors"):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)  # a file just written has dirty pages, which are not dropped
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        assert least_resident() < 1.0  # really dropped
+        warm()
+        deadline = time.monotonic() + 20
+        while least_resident() < 1.0:
+            assert time.monotonic() < deadline, "the advice did not bring every expert in"
+            time.sleep(0.05)

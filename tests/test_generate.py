@@ -82,6 +82,22 @@ def test_greedy_is_identical_with_and_without_mtp(engines, greedy_runs, variant)
     assert generator.stats.tokens_per_forward == 1.0
 
 
+@pytest.mark.parametrize("use_mtp", [False, True], ids=["no-mtp", "mtp"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_prompt_prefilled_in_chunks_gives_the_same_tokens(engines, greedy_runs, variant, use_mtp):
+    """Chunks of 7 tokens (a long prompt's temporaries bounded, chunk ends at multiples of 7) decode the same greedy
+    tokens as the prompt in one forward; with MTP, every prompt position has its MTP row (drafts start at once)."""
+    model, prompt = engines[variant].model, oracle(variant)["prompt_ids"]
+    assert len(prompt) > 3 * 7
+    generator = Generator(model, (), use_mtp=use_mtp, prefill_chunk=7)
+    cache = model.new_cache()
+    assert generate(model, prompt, N_TOKENS, cache=cache, generator=generator) == greedy_runs[variant]
+    if use_mtp:
+        assert generator.stats.mtp_drafts > 0
+        main, mtp = cache.layer(0).length, cache.layer(model.config.num_hidden_layers).length
+        assert mtp >= main - 2  # the MTP layer trails by at most its pending draft
+
+
 @pytest.mark.parametrize("wrong", [False, True], ids=["right-drafts", "wrong-drafts"])
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_accepted_and_rejected_drafts_keep_greedy_output(engines, greedy_runs, variant, wrong):

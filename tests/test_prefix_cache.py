@@ -212,3 +212,29 @@ def test_concurrent_writers_and_a_new_process_hit(engine, oracle, tmp_path):
     assert greedy(engine, ids, 6, kv) == greedy(engine, ids, 6)
     rows = open_index(tmp_path).execute("SELECT file FROM entries").fetchall()
     assert all((tmp_path / r[0]).is_file() for r in rows)
+
+
+@pytest.mark.parametrize("mtp", [True, False])
+def test_a_prefill_killed_half_way_resumes_from_its_last_chunk(engine, oracle, tmp_path, mtp):
+    """A prompt prefilled in chunks stores each chunk's rows as it goes (`Session.store_progress`): stopped after
+    its second chunk, a new process restores those rows from disk, and the rest gives the tokens of a fresh run."""
+    from glmkit.cache.session import Session
+
+    ids = oracle["full_ids"]
+    session = Session(engine.model, make_cache(engine, tmp_path, mtp))
+    session.prepare(ids)
+    stops = []
+
+    def stop_after_two(prompt_ids):
+        session.store_progress(prompt_ids)
+        stops.append(session.kv.length)
+        if len(stops) == 2:
+            raise KeyboardInterrupt  # killed during the prefill
+
+    generator = Generator(engine.model, engine.eos_token_ids, use_mtp=mtp, prefill_chunk=8, checkpoint=stop_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        list(generator.generate(ids, 4, Sampler(SamplingParams()), session.kv))
+    assert stops == [8, 16]
+    kv = engine.model.new_cache()
+    assert make_cache(engine, tmp_path, mtp).restore(kv, ids).from_disk == 16
+    assert greedy(engine, ids, 6, kv, mtp) == greedy(engine, ids, 6, None, mtp)

@@ -36,6 +36,7 @@ from glmkit.model.ops import apply_rope, chosen_keys, position_mask, silu, topk_
 _Item = TypeVar("_Item")
 _Result = TypeVar("_Result")
 MIN_SPLIT_ROWS = 64  # output rows of one piece of a split product (narrower GEMMs lose BLAS efficiency)
+INDEX_ROWS = 64  # queries the DSA indexer scores together
 _POOL_THREAD = threading.local()  # `.active` in the worker pools' threads
 # glibc keeps freed blocks in its per-thread arenas; prefill temporaries of the pool threads stay resident
 # through decode unless handed back
@@ -265,19 +266,25 @@ class NumpyBackend:
                    topk: int) -> np.ndarray:
         seq, heads, _ = q.shape
         out = np.empty((seq, topk), np.int32)
-        step = max(1, self.query_block // (heads * k.shape[0]))
+        # INDEX_ROWS queries against a tile of keys at a time: each key is read once per block of queries, and the
+        # per-head products [nh, rows, tile] stay within query_block
+        tile = max(64, self.query_block // (heads * INDEX_ROWS))
 
         def part(s0: int) -> None:
-            s1 = min(seq, s0 + step)
+            s1 = min(seq, s0 + INDEX_ROWS)
             total = int(positions[s0:s1].max()) + 1  # the block's keys after this are nobody's
-            per_head = q[s0:s1].transpose(1, 0, 2) @ k[:total].T  # [nh, s, t]: one GEMM per head
-            per_head *= np.float32(scale)
-            np.maximum(per_head, 0, out=per_head)
-            per_head *= weights[s0:s1].T[:, :, None]
-            scores = per_head.sum(axis=0)  # [s, t]
+            queries = q[s0:s1].transpose(1, 0, 2) * np.float32(scale)  # [nh, s, d]
+            head_w = weights[s0:s1].T[:, :, None]  # [nh, s, 1]
+            scores = np.empty((s1 - s0, total), np.float32)
+            for t0 in range(0, total, tile):
+                t1 = min(total, t0 + tile)
+                per_head = queries @ k[t0:t1].T  # [nh, s, t]: one GEMM per head
+                np.maximum(per_head, 0, out=per_head)
+                per_head *= head_w
+                per_head.sum(axis=0, out=scores[:, t0:t1])
             out[s0:s1] = chosen_keys(topk_mask(scores, position_mask(positions[s0:s1], total), topk), topk)
 
-        self._map(part, range(0, seq, step))
+        self._map(part, range(0, seq, INDEX_ROWS))
         return out
 
     def rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:

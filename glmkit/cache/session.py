@@ -125,6 +125,12 @@ class Session:
         self.last_reuse = stats
         return self.kv
 
+    def store_progress(self, prompt_ids: list[int]) -> None:
+        """Store the rows a prefill has computed so far, `prompt_ids[:kv.length]`, when they are exact (a run killed
+        later in the prompt then resumes from them)."""
+        if self.prefix_cache is not None and self.exact_len >= self._prepared_len:
+            self.prefix_cache.store(self.kv, list(prompt_ids[:self.kv.length]))
+
     def commit(self, prompt_ids: list[int], generated: list[int]) -> None:
         """Record a finished request: the KV cache now holds prompt + generated[:-1] (the last token was
         sampled, never fed back). Stores the new chunks of the EXACT part in the prefix cache."""

@@ -113,9 +113,10 @@ def main(argv: list[str] | None = None) -> int:
             if args.verify:
                 verify_snapshot_data(engine.container)
             use_mtp = use_mtp_from_arguments(engine, args)
-            generator = Generator(engine.model, engine.eos_token_ids, use_mtp=use_mtp)
             prefix_cache = None if args.no_cache else open_prefix_cache(engine, args, use_mtp)
             session = Session(engine.model, prefix_cache, policy)
+            generator = Generator(engine.model, engine.eos_token_ids, use_mtp=use_mtp,
+                                  checkpoint=session.store_progress)
             if args.chat:
                 turns = chat(engine, generator, session, params, args)
             else:

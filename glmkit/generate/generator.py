@@ -15,7 +15,7 @@ forward in flight: the device picks each token (argmax) and queues its forward b
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,6 +25,7 @@ from glmkit.model.glm5 import GlmMoeDsaModel
 from glmkit.model.kv_cache import KVCache
 
 PREFILL_CHUNK = 2048  # prompt tokens per forward: a long prompt's temporaries stay those of one chunk
+DECODE_RESERVE = 4096  # KV rows made room for after the prompt, at most
 
 
 def prefill_part(model: GlmMoeDsaModel, prompt_ids: Sequence[int], end: int, cache: KVCache, use_mtp: bool) -> None:
@@ -65,9 +66,13 @@ class Generator:
     """Runs one sequence: `generate(prompt_ids, ...)` yields token ids as they are decided."""
 
     def __init__(self, model: GlmMoeDsaModel, eos_token_ids: tuple[int, ...] = (), use_mtp: bool = True,
-                 prefill_chunk: int = PREFILL_CHUNK):
+                 prefill_chunk: int = PREFILL_CHUNK, checkpoint: Callable[[list[int]], None] | None = None):
+        """prefill_chunk: prompt tokens per forward; checkpoint(prompt_ids): called after each prompt chunk but the
+        last, the cache then holding `prompt_ids[:cache.length]` (glm-run stores them in the prefix cache, so that a
+        long prefill killed half way resumes there)."""
         self.model = model
         self.prefill_chunk = prefill_chunk
+        self.checkpoint = checkpoint
         self.eos = set(eos_token_ids)
         self.use_mtp = use_mtp and model.has_mtp
         self.stats = GenerationStats()
@@ -84,11 +89,16 @@ class Generator:
         if max_tokens <= 0:
             stats.stop_reason = "length"
             return
+        # room for the prompt and the first tokens: a long prompt's rows are not copied as the arrays grow
+        rows = len(prompt_ids) + min(max_tokens, DECODE_RESERVE) + 1
+        cache.reserve(min(rows, self.model.config.max_position_embeddings))
         if cache.length == len(prompt_ids):  # the whole prompt is cached: recompute its last token to get logits
             cache.truncate(cache.length - 1)
         chunk = self.prefill_chunk
         while len(prompt_ids) - cache.length > chunk:  # chunks end at multiples of `chunk`: the same rounding however
             prefill_part(self.model, prompt_ids, (cache.length // chunk + 1) * chunk, cache, self.use_mtp)  # it began
+            if self.checkpoint is not None:
+                self.checkpoint(prompt_ids)
         new = np.asarray(prompt_ids[cache.length:], dtype=np.int64)
         logits, hidden = self.model.forward(new, cache, last_logits_only=True)
         token = sampler(logits[-1])

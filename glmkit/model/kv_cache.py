@@ -79,11 +79,22 @@ class LayerKV:
         needed = self.length + n
         for name, data in self._data.items():
             if needed > len(data):
-                # Amortized doubling: decode appends one row at a time.
-                grown = np.empty((max(needed, 2 * len(data)), data.shape[1]), np.float32)
-                grown[: self.length] = data[: self.length]
-                self._data[name] = grown
+                self._grow(name, max(needed, 2 * len(data)))  # amortized doubling: decode appends one row at a time
         self.length = needed
+
+    def reserve(self, rows: int) -> None:
+        """Make room for `rows` rows in all, so that appending up to them copies nothing (a long prompt's rows
+        would otherwise be copied, twice their bytes held, each time the arrays double). Rows never written take
+        no memory: the arrays' pages are touched only as rows land."""
+        for name, data in self._data.items():
+            if rows > len(data):
+                self._grow(name, rows)
+
+    def _grow(self, name: str, rows: int) -> None:
+        data = self._data[name]
+        grown = np.empty((rows, data.shape[1]), np.float32)
+        grown[: self.length] = data[: self.length]
+        self._data[name] = grown
 
     def storage(self, name: str) -> np.ndarray:
         """The whole row array of field `name` `[capacity, width]` (rows past `length` are unused), valid until
@@ -127,6 +138,11 @@ class KVCache:
 
     def layer(self, index: int) -> LayerKV:
         return self.layers[index]
+
+    def reserve(self, rows: int) -> None:
+        """`LayerKV.reserve` on every layer."""
+        for layer in self.layers:
+            layer.reserve(rows)
 
     def truncate(self, n: int) -> None:
         """Keep the first `n` positions of every layer (rolls back rejected MTP drafts)."""

@@ -92,6 +92,8 @@ def chosen_keys(selected: np.ndarray, k: int) -> np.ndarray:
     """A selection `[S, T]` bool of at most k keys per row -> its key indices `[S, k]` int32, ascending per row,
     padded with -1 (rows with fewer than k keys)."""
     rows, cols = np.nonzero(selected)  # row-major: each row's keys ascending
+    if len(cols) == selected.shape[0] * k:  # every row has k keys (the usual case past k keys)
+        return cols.astype(np.int32).reshape(-1, k)
     counts = np.bincount(rows, minlength=selected.shape[0])
     rank = np.arange(len(rows)) - np.repeat(np.cumsum(counts) - counts, counts)  # a key's place in its row
     out = np.full((selected.shape[0], k), -1, np.int32)

@@ -55,7 +55,8 @@ class Placement:
     matvec_min_bytes: decode products over smaller weights stay on the host (the launch costs more);
     matvec_host_bits: weight formats (2, 4, 8, 32 = float) whose decode products stay on the host;
     experts: the decode MoE (all routed experts + the shared one fused into two launches);
-    attention / attention_prefill; index: indexer scores + top-k; vector / vector_prefill: norms, RoPE, SiLU;
+    attention / attention_prefill; index / index_prefill: indexer scores + top-k; vector / vector_prefill: norms, RoPE,
+    SiLU;
     stream_experts: discrete devices: experts over the VRAM budget are uploaded per use instead of host-computed;
     spill_experts: discrete devices: experts over the VRAM budget run on a CPU OpenCL device (`OpenCLBackend`'s
     spill) instead of the NumPy host path;
@@ -71,6 +72,7 @@ class Placement:
     attention: str = "cl"
     attention_prefill: str = "cl"
     index: str = "cl"
+    index_prefill: str = "cl"
     vector: str = "cl"
     vector_prefill: str = "cl"
     stream_experts: bool = False
@@ -84,8 +86,8 @@ class Placement:
         return cls(matmul="cl+blas" if direct else "cl")
 
     def uses_cl(self) -> bool:
-        return "cl" in (self.matvec, self.experts, self.attention, self.attention_prefill, self.index, self.vector,
-                        self.vector_prefill, self.decode_step) or self.matmul != "host"
+        return "cl" in (self.matvec, self.experts, self.attention, self.attention_prefill, self.index,
+                        self.index_prefill, self.vector, self.vector_prefill, self.decode_step) or self.matmul != "host"
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -95,7 +97,7 @@ class Placement:
     @classmethod
     def all_host(cls) -> Placement:
         return cls(matvec="host", matmul="host", experts="host", attention="host", attention_prefill="host",
-                   index="host", vector="host", vector_prefill="host", decode_step="host")
+                   index="host", index_prefill="host", vector="host", vector_prefill="host", decode_step="host")
 
     @classmethod
     def from_json(cls, d: dict) -> Placement:
@@ -413,7 +415,7 @@ class OpenCLBackend:
 
     def index_topk(self, q: np.ndarray, k: np.ndarray, weights: np.ndarray, scale: float, positions: np.ndarray,
                    topk: int) -> np.ndarray:
-        if self.placement.index != "cl":
+        if (self.placement.index if len(q) <= DECODE_ROWS else self.placement.index_prefill) != "cl":
             return self.host.index_topk(q, k, weights, scale, positions, topk)
         step = max(1, INDEX_BLOCK // k.shape[0])  # query rows whose scores [rows, T] are made at once
         return np.concatenate([self.k.index_topk(q[s0:s0 + step], k, weights[s0:s0 + step], scale,

@@ -46,7 +46,8 @@ INLINE void mark_keys(const __global float* sc, const __global uchar* al, __glob
 /* selected[s, t] = 1 for the k largest scores among the allowed keys of row s (all of them when fewer
  * than k are allowed); ties at the threshold go to the lowest indices. chosen[s, :] lists the selected keys in
  * ascending order (min(k, allowed) of them: the decode step's attention reads only those keys). A radix select
- * over the 32 key bits finds the k-th largest key, then one pass marks. One work-item per row. Global (S). */
+ * over the key's 4 bytes, most significant first (a 256-bin histogram of the keys still in the running per pass),
+ * finds the k-th largest key, then one pass marks. One work-item per row. Global (S). */
 __kernel void topk_select(__global const float* scores, __global const uchar* allowed, __global uchar* selected,
                           __global uint* chosen, uint n_keys, uint k, uint n_rows) {
     const uint s = get_global_id(0);
@@ -61,12 +62,19 @@ __kernel void topk_select(__global const float* scores, __global const uchar* al
         mark_keys(sc, al, sel, ch, 0, n_keys, 0, 0, 0);
         return;
     }
-    uint prefix = 0;  /* the k-th largest key, built from the top bit down */
-    for (int bit = 31; bit >= 0; bit--) {
-        const uint cand = prefix | (1u << bit);
-        uint count = 0;
-        for (uint t = 0; t < n_keys; t++) count += (al[t] && float_key(sc[t]) >= cand) ? 1u : 0u;
-        if (count >= k) prefix = cand;
+    uint prefix = 0, known = 0, need = k;  /* the need-th largest key among those whose `known` bits are prefix's */
+    uint hist[256];
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (uint b = 0; b < 256; b++) hist[b] = 0;
+        for (uint t = 0; t < n_keys; t++) {
+            const uint key = float_key(sc[t]);
+            if (al[t] && (key & known) == prefix) hist[(key >> shift) & 255u]++;
+        }
+        uint digit = 255, above = 0;
+        while (above + hist[digit] < need) above += hist[digit--];
+        need -= above;
+        prefix |= digit << shift;
+        known |= 255u << shift;
     }
     uint above = 0;
     for (uint t = 0; t < n_keys; t++) above += (al[t] && float_key(sc[t]) > prefix) ? 1u : 0u;
