@@ -20,13 +20,14 @@ import sys
 import time
 from pathlib import Path
 
+from glmkit.generate.generator import PREFILL_CHUNK
 from tools.bench_model import BENCH_CONFIG, DEFAULT_WORK, ensure_bench_snapshot
 
 LONG_CONFIG = {**BENCH_CONFIG, "max_position_embeddings": 32768 + 1024}
-DECODE_TOKENS = 32
+DECODE_TOKENS = 64
 
 
-def worker(snapshot: str, length: int) -> dict:
+def worker(snapshot: str, length: int, chunk: int) -> dict:
     import numpy as np
 
     from glmkit.generate.engine import Engine
@@ -36,7 +37,7 @@ def worker(snapshot: str, length: int) -> dict:
 
     engine = Engine(snapshot, "auto", load_tokenizer=False)
     prompt = np.random.default_rng(length).integers(0, engine.config.vocab_size, length).tolist()
-    gen = Generator(engine.model, eos_token_ids=(), use_mtp=False)
+    gen = Generator(engine.model, eos_token_ids=(), use_mtp=False, prefill_chunk=chunk)
     tokens, began = 0, time.perf_counter()
     first = second = began
     for _ in gen.generate(prompt, DECODE_TOKENS + 2, Sampler(SamplingParams())):
@@ -47,7 +48,7 @@ def worker(snapshot: str, length: int) -> dict:
         tokens += 1
     end = time.perf_counter()
     per_token = kv_bytes_per_token(engine.config)
-    out = {"prompt": length, "prefill_tok_s": round(length / (first - began), 1),
+    out = {"prompt": length, "chunk": chunk, "prefill_tok_s": round(length / (first - began), 1),
            "decode_tok_s": round(DECODE_TOKENS / (end - second), 2),
            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10,
            "model_mb": engine.container.nbytes >> 20, "kv_mb": (per_token * (length + tokens)) >> 20,
@@ -59,19 +60,20 @@ def worker(snapshot: str, length: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
-        print(json.dumps(worker(argv[1], int(argv[2]))))
+        print(json.dumps(worker(argv[1], int(argv[2]), int(argv[3]))))
         return 0
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--work", type=Path, default=DEFAULT_WORK.with_name("glmkit-long-model"))
     p.add_argument("--lengths", default="256,1024,4096,16384,32768", help="prompt lengths in tokens")
+    p.add_argument("--chunk", type=int, default=PREFILL_CHUNK, help="prompt tokens per forward")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     snapshot = ensure_bench_snapshot("q4", args.work, LONG_CONFIG)
     rows = []
     for length in (int(n) for n in args.lengths.split(",")):
-        done = subprocess.run([sys.executable, __file__, "--worker", str(snapshot), str(length)], capture_output=True,
-                              text=True, timeout=args.timeout)
+        done = subprocess.run([sys.executable, __file__, "--worker", str(snapshot), str(length), str(args.chunk)],
+                              capture_output=True, text=True, timeout=args.timeout)
         if done.returncode != 0:
             row = {"prompt": length, "error": (done.stderr.strip().splitlines() or ["?"])[-1]}
         else:
