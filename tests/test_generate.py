@@ -242,7 +242,8 @@ def test_top_k_one_is_greedy(engines, greedy_runs):
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=-0.1), SamplingParams(temperature=math.nan), SamplingParams(temperature=math.inf),
     SamplingParams(top_p=0.0), SamplingParams(top_p=-0.5), SamplingParams(top_p=1.01), SamplingParams(top_p=math.nan),
-    SamplingParams(top_k=-1), SamplingParams(seed=-1),
+    SamplingParams(top_k=-1), SamplingParams(seed=-1), SamplingParams(presence_penalty=2.5),
+    SamplingParams(frequency_penalty=-2.01), SamplingParams(frequency_penalty=math.nan),
 ])
 def test_sampling_params_check_rejects_invalid_values(params):
     with pytest.raises(GlmkitError):
@@ -255,6 +256,24 @@ def test_sampling_params_check_accepts_edges():
     for params in (SamplingParams(), SamplingParams(temperature=0.0, top_p=1.0, top_k=0, seed=0),
                    SamplingParams(temperature=2.0, top_p=1e-9, top_k=1_000_000, seed=2**40)):
         assert params.check() is params
+
+
+def test_penalties_lower_the_logits_of_tokens_already_chosen():
+    """Greedy over fixed logits: with no penalty the same token every time; a frequency penalty lowers a token by
+    its count, a presence penalty once, so the choice walks down the logits as OpenAI's definition says."""
+    logits = np.array([3.0, 2.5, 2.0, 0.0], np.float32)
+    plain = Sampler(SamplingParams())
+    assert [plain(logits) for _ in range(4)] == [0, 0, 0, 0] and not plain.needs_logits
+    frequency = Sampler(SamplingParams(frequency_penalty=0.75))
+    # counts after each pick: 3-.75=2.25 < 2.5 -> 1; 2.5-.75=1.75 < 2.25 -> 0; 3-1.5=1.5 < 2 -> 2; ...
+    assert [frequency(logits) for _ in range(5)] == [0, 1, 0, 2, 1] and frequency.needs_logits
+    presence = Sampler(SamplingParams(presence_penalty=0.75))
+    assert [presence(logits) for _ in range(4)] == [0, 1, 0, 0]  # penalized once only: 3 - .75 leads again
+    negative = Sampler(SamplingParams(frequency_penalty=-1.0))  # rewards repeats
+    assert [negative(np.array([2.0, 2.5], np.float32)) for _ in range(3)] == [1, 1, 1]
+    chosen = Sampler(SamplingParams(frequency_penalty=2.0), logprobs=1)
+    chosen(logits), chosen(logits)
+    assert [c.token for c in chosen.chosen] == [0, 1] and chosen.chosen[1].top[0][0] == 0  # logprobs: raw logits
 
 
 def test_token_probabilities_by_hand():

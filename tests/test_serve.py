@@ -207,6 +207,20 @@ def test_seeded_sampling_is_reproducible(client, model):
     assert sample(7) == sample(7)
 
 
+def test_penalties_reach_the_sampler(client, model, engine):
+    """A strong frequency penalty under greedy decoding: no token repeats more than the logits allow, the reply
+    differs from the plain one (whose greedy tokens repeat on this random model), and it is reproducible."""
+    def reply(**extra) -> list[int]:
+        text = client.completions.create(model=model, prompt="Hello", max_tokens=24, temperature=0,
+                                         extra_body={"ignore_eos": True}, **extra).choices[0].text
+        return engine.tokenizer.encode(text)
+
+    plain, penalized = reply(), reply(frequency_penalty=2.0)
+    assert len(set(plain)) < len(plain)  # the case is exercised: greedy repeats itself here
+    assert penalized != plain and penalized == reply(frequency_penalty=2.0)
+    assert len(set(penalized)) > len(set(plain))
+
+
 # ---- the prefill cache --------------------------------------------------------------------------------
 
 def test_follow_up_turn_reuses_the_conversation(server, client, model, engine, snapshot, cache_dir):
@@ -366,6 +380,8 @@ def test_unknown_model_is_404(client):
     ({"temperature": "hot"}, "temperature"),
     ({"temperature": 5}, "temperature"),
     ({"top_p": 0}, "top_p"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": "lots"}, "frequency_penalty"),
     ({"stream": "yes"}, "stream"),
     ({"stop": 42}, "stop"),
     ({"n": 2}, "n"),

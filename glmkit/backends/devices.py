@@ -174,9 +174,11 @@ def _one_line(e: BaseException) -> str:
 # ---- the profile file ----------------------------------------------------------------------------
 
 def profile_path(info: DeviceInfo) -> Path:
+    """Where the device's profile lies; the name carries the profile's version, so that installs of two versions
+    (a rollback, a second checkout) keep a profile each instead of measuring again on every switch."""
     digest = hashlib.sha256(info.key.encode()).hexdigest()[:12]
     slug = re.sub(r"[^A-Za-z0-9]+", "-", info.name).strip("-")[:40] or "device"
-    return device_cache_dir() / f"{slug}-{digest}.json"
+    return device_cache_dir() / f"{slug}-{digest}-v{PROFILE_VERSION}.json"
 
 
 MAX_PROFILE_BYTES = 1 << 20  # a device profile is a few KB

@@ -13,12 +13,15 @@ from glmkit.errors import GlmkitError
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 = greedy. top_k 0 = off. top_p 1 = off."""
+    """temperature 0 = greedy. top_k 0 = off. top_p 1 = off. presence_penalty / frequency_penalty (OpenAI's): each
+    token's logit lowers by `presence * (n > 0) + frequency * n`, n its count among the tokens chosen so far."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def check(self) -> SamplingParams:
         if not np.isfinite(self.temperature) or self.temperature < 0:
@@ -29,7 +32,15 @@ class SamplingParams:
             raise GlmkitError(f"--top-k: must be >= 0, got {self.top_k}")
         if self.seed is not None and self.seed < 0:
             raise GlmkitError(f"--seed: must be >= 0, got {self.seed}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2 <= value <= 2:
+                raise GlmkitError(f"--{name.replace('_', '-')}: must be between -2 and 2, got {value}")
         return self
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty)
 
 
 @dataclass(frozen=True)
@@ -71,6 +82,7 @@ class Sampler:
         self.constraint = constraint
         self.logprobs = logprobs
         self.chosen: list[TokenLogprob] = []  # with `logprobs`: one per call, in order
+        self.counts: dict[int, int] = {}  # with penalties: how often each token was chosen
 
     @property
     def greedy(self) -> bool:
@@ -78,21 +90,33 @@ class Sampler:
 
     @property
     def needs_logits(self) -> bool:
-        """Whether every choice needs the logits on the host (a constraint, or logprobs to report)."""
-        return self.constraint is not None or self.logprobs is not None
+        """Whether every choice needs the logits on the host (a constraint, penalties, or logprobs to report)."""
+        return self.constraint is not None or self.logprobs is not None or self.params.penalized
 
     def __call__(self, logits: np.ndarray) -> int:
         """logits `[V]` -> token id: `Generator.choice(V, p=token_probabilities(...))`'s draw (one uniform from the
         seeded stream, the first token whose cumulative probability exceeds it), over the tokens p keeps (and the
         constraint allows)."""
+        scored = self._penalized(logits) if self.params.penalized else logits
         if self.constraint is None:
-            token = self._choose(logits)
+            token = self._choose(scored)
         else:
-            token = self._choose(self.constraint.mask(logits))
+            token = self._choose(self.constraint.mask(scored))
             self.constraint.accept(token)
         if self.logprobs is not None:
             self.chosen.append(token_logprob(logits, token, self.logprobs))
+        if self.params.penalized:
+            self.counts[token] = self.counts.get(token, 0) + 1
         return token
+
+    def _penalized(self, logits: np.ndarray) -> np.ndarray:
+        """logits `[V]` less each chosen token's presence and frequency penalties (a copy)."""
+        out = np.array(logits, np.float32)
+        if self.counts:
+            ids = np.fromiter(self.counts, np.int64, len(self.counts))
+            times = np.fromiter(self.counts.values(), np.float32, len(self.counts))
+            out[ids] -= np.float32(self.params.presence_penalty) + np.float32(self.params.frequency_penalty) * times
+        return out
 
     def _choose(self, logits: np.ndarray) -> int:
         if self.greedy:

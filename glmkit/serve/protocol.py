@@ -252,7 +252,13 @@ def parse_common(body: dict, model_name: str, defaults: SamplingDefaults, chat: 
     if top_k is None:
         raise value_error("top_k", "must be >= 0 (or -1 for off)")
     seed = opt_int(body, "seed")
-    params = SamplingParams(temperature, top_p, top_k, None if seed is None else seed % (1 << 63))
+    penalties = {}
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = opt_number(body, name)
+        if value is not None and not -2 <= value <= 2:
+            raise value_error(name, f"must be between -2 and 2, got {value}")
+        penalties[name] = value or 0.0
+    params = SamplingParams(temperature, top_p, top_k, None if seed is None else seed % (1 << 63), **penalties)
     stop = body.get("stop")
     if stop is None:
         stops: list[str] = []
