@@ -244,6 +244,7 @@ def test_top_k_one_is_greedy(engines, greedy_runs):
     SamplingParams(top_p=0.0), SamplingParams(top_p=-0.5), SamplingParams(top_p=1.01), SamplingParams(top_p=math.nan),
     SamplingParams(top_k=-1), SamplingParams(seed=-1), SamplingParams(presence_penalty=2.5),
     SamplingParams(frequency_penalty=-2.01), SamplingParams(frequency_penalty=math.nan),
+    SamplingParams(logit_bias=((1, 100.5),)), SamplingParams(logit_bias=((-1, 1.0),)),
 ])
 def test_sampling_params_check_rejects_invalid_values(params):
     with pytest.raises(GlmkitError):
@@ -271,6 +272,8 @@ def test_penalties_lower_the_logits_of_tokens_already_chosen():
     assert [presence(logits) for _ in range(4)] == [0, 1, 0, 0]  # penalized once only: 3 - .75 leads again
     negative = Sampler(SamplingParams(frequency_penalty=-1.0))  # rewards repeats
     assert [negative(np.array([2.0, 2.5], np.float32)) for _ in range(3)] == [1, 1, 1]
+    biased = Sampler(SamplingParams(logit_bias=((3, 3.5), (0, -100.0))))
+    assert [biased(logits) for _ in range(2)] == [3, 3] and biased.needs_logits  # 0 + 3.5 beats 2.5; 0 is banned
     chosen = Sampler(SamplingParams(frequency_penalty=2.0), logprobs=1)
     chosen(logits), chosen(logits)
     assert [c.token for c in chosen.chosen] == [0, 1] and chosen.chosen[1].top[0][0] == 0  # logprobs: raw logits

@@ -219,6 +219,9 @@ def test_penalties_reach_the_sampler(client, model, engine):
     assert len(set(plain)) < len(plain)  # the case is exercised: greedy repeats itself here
     assert penalized != plain and penalized == reply(frequency_penalty=2.0)
     assert len(set(penalized)) > len(set(plain))
+    forced = client.completions.create(model=model, prompt="Hello", max_tokens=4, temperature=0,
+                                       logit_bias={"77": 100}, extra_body={"ignore_eos": True})
+    assert forced.choices[0].text == engine.tokenizer.decode([77] * 4)  # +100: nothing else is ever chosen
 
 
 # ---- the prefill cache --------------------------------------------------------------------------------
@@ -382,6 +385,10 @@ def test_unknown_model_is_404(client):
     ({"top_p": 0}, "top_p"),
     ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"frequency_penalty": "lots"}, "frequency_penalty"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"logit_bias": {"99999999": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"logit_bias": [5]}, "logit_bias"),
     ({"stream": "yes"}, "stream"),
     ({"stop": 42}, "stop"),
     ({"n": 2}, "n"),

@@ -14,7 +14,8 @@ from glmkit.errors import GlmkitError
 @dataclass(frozen=True)
 class SamplingParams:
     """temperature 0 = greedy. top_k 0 = off. top_p 1 = off. presence_penalty / frequency_penalty (OpenAI's): each
-    token's logit lowers by `presence * (n > 0) + frequency * n`, n its count among the tokens chosen so far."""
+    token's logit lowers by `presence * (n > 0) + frequency * n`, n its count among the tokens chosen so far.
+    logit_bias: (token id, bias in [-100, 100]) pairs added to those tokens' logits."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -22,6 +23,7 @@ class SamplingParams:
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def check(self) -> SamplingParams:
         if not np.isfinite(self.temperature) or self.temperature < 0:
@@ -36,11 +38,15 @@ class SamplingParams:
             value = getattr(self, name)
             if not -2 <= value <= 2:
                 raise GlmkitError(f"--{name.replace('_', '-')}: must be between -2 and 2, got {value}")
+        for token, bias in self.logit_bias:
+            if token < 0 or not -100 <= bias <= 100:
+                raise GlmkitError(f"logit_bias: token {token} -> {bias} (ids >= 0, biases in [-100, 100])")
         return self
 
     @property
-    def penalized(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty)
+    def adjusts_logits(self) -> bool:
+        """Whether penalties or biases change the logits before the choice."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
 
 
 @dataclass(frozen=True)
@@ -90,14 +96,14 @@ class Sampler:
 
     @property
     def needs_logits(self) -> bool:
-        """Whether every choice needs the logits on the host (a constraint, penalties, or logprobs to report)."""
-        return self.constraint is not None or self.logprobs is not None or self.params.penalized
+        """Whether every choice needs the logits on the host (a constraint, penalties or biases, logprobs to report)."""
+        return self.constraint is not None or self.logprobs is not None or self.params.adjusts_logits
 
     def __call__(self, logits: np.ndarray) -> int:
         """logits `[V]` -> token id: `Generator.choice(V, p=token_probabilities(...))`'s draw (one uniform from the
         seeded stream, the first token whose cumulative probability exceeds it), over the tokens p keeps (and the
         constraint allows)."""
-        scored = self._penalized(logits) if self.params.penalized else logits
+        scored = self._adjusted(logits) if self.params.adjusts_logits else logits
         if self.constraint is None:
             token = self._choose(scored)
         else:
@@ -105,13 +111,16 @@ class Sampler:
             self.constraint.accept(token)
         if self.logprobs is not None:
             self.chosen.append(token_logprob(logits, token, self.logprobs))
-        if self.params.penalized:
+        if self.params.adjusts_logits:
             self.counts[token] = self.counts.get(token, 0) + 1
         return token
 
-    def _penalized(self, logits: np.ndarray) -> np.ndarray:
-        """logits `[V]` less each chosen token's presence and frequency penalties (a copy)."""
+    def _adjusted(self, logits: np.ndarray) -> np.ndarray:
+        """logits `[V]` plus the logit biases, less each chosen token's presence and frequency penalties (a copy)."""
         out = np.array(logits, np.float32)
+        for token, bias in self.params.logit_bias:
+            if token < len(out):
+                out[token] += np.float32(bias)
         if self.counts:
             ids = np.fromiter(self.counts, np.int64, len(self.counts))
             times = np.fromiter(self.counts.values(), np.float32, len(self.counts))

@@ -291,7 +291,7 @@ async def chat_completions(request: Request) -> Response:
     state = serve_state(request)
     loaded = state.ready()
     body = await read_json(request, state.config.max_request_bytes)
-    common = parse_common(body, state.config.model_name, state.defaults, chat=True)
+    common = parse_common(body, state.config.model_name, state.defaults, loaded.engine.config.vocab_size, chat=True)
     messages = parse_messages(body)
     tools = parse_tools(body)
     thinking, kwargs = template_variables(body)
@@ -365,7 +365,7 @@ async def completions(request: Request) -> Response:
     state = serve_state(request)
     loaded = state.ready()
     body = await read_json(request, state.config.max_request_bytes)
-    common = parse_common(body, state.config.model_name, state.defaults)
+    common = parse_common(body, state.config.model_name, state.defaults, loaded.engine.config.vocab_size)
     prompt = parse_prompt(body, loaded.engine)
     ids = await run_in_threadpool(loaded.engine.tokenizer.encode, prompt) if isinstance(prompt, str) else prompt
     if not ids:

@@ -25,6 +25,7 @@ MAX_STOP_SEQUENCES = 16
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound (chat)
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound (/v1/completions)
 MAX_STOP_CHARS = 1024  # each generated token is checked against every prefix of every stop sequence
+MAX_LOGIT_BIAS = 1024  # tokens one request may bias
 GREEDY_BELOW = 1e-5  # a lower temperature is greedy decoding (and logits / T would overflow near 1e-300)
 # No natural text averages more characters a token: a prompt longer than the context times this cannot fit,
 # and is refused without being tokenized (tokenizing takes about 2 s a megabyte).
@@ -217,9 +218,30 @@ def check_model(body: dict, model_name: str) -> None:
         raise unknown_model(model)
 
 
-def parse_common(body: dict, model_name: str, defaults: SamplingDefaults, chat: bool = False) -> Common:
-    """The shared fields of a request to the model `model_name`; `defaults` fill in the sampling fields it omits.
-    chat: `logprobs` is a boolean with `top_logprobs` beside it; else /v1/completions' `logprobs` count."""
+def parse_logit_bias(body: dict, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """`logit_bias`: an object of token ids (as strings) to biases in [-100, 100], at most MAX_LOGIT_BIAS of them."""
+    value = body.get("logit_bias")
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise type_error("logit_bias", "an object", value)
+    if len(value) > MAX_LOGIT_BIAS:
+        raise value_error("logit_bias", f"at most {MAX_LOGIT_BIAS} tokens, got {len(value)}")
+    out = []
+    for key, bias in value.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 9 and int(key) < vocab_size):
+            raise value_error("logit_bias", f"{key[:20]!r} is not a token id of this model (0-{vocab_size - 1})")
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100 <= bias <= 100:
+            raise value_error("logit_bias", f"the bias of token {key} must be a number in [-100, 100]")
+        out.append((int(key), float(bias)))
+    return tuple(out)
+
+
+def parse_common(body: dict, model_name: str, defaults: SamplingDefaults, vocab_size: int,
+                 chat: bool = False) -> Common:
+    """The shared fields of a request to the model `model_name` (`vocab_size` token ids); `defaults` fill in the
+    sampling fields it omits. chat: `logprobs` is a boolean with `top_logprobs` beside it; else /v1/completions'
+    `logprobs` count."""
     check_model(body, model_name)
     stream = opt_bool(body, "stream")
     options = body.get("stream_options")
@@ -258,7 +280,8 @@ def parse_common(body: dict, model_name: str, defaults: SamplingDefaults, chat: 
         if value is not None and not -2 <= value <= 2:
             raise value_error(name, f"must be between -2 and 2, got {value}")
         penalties[name] = value or 0.0
-    params = SamplingParams(temperature, top_p, top_k, None if seed is None else seed % (1 << 63), **penalties)
+    params = SamplingParams(temperature, top_p, top_k, None if seed is None else seed % (1 << 63), **penalties,
+                            logit_bias=parse_logit_bias(body, vocab_size))
     stop = body.get("stop")
     if stop is None:
         stops: list[str] = []
