@@ -271,6 +271,7 @@ class Scheduler:
         start = kv.length
         if len(ids) - start > self.prefill_chunk:
             prefill_part(model, ids, start + self.prefill_chunk, kv, self.use_mtp)
+            session.store_progress(ids)  # a server stopped during a long prefill resumes it from here
             return
         request = job.request
         eos = () if request.ignore_eos else self.engine.eos_token_ids
