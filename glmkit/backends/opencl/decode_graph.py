@@ -67,7 +67,6 @@ MAX_TOPK = 64  # experts one token routes to, for the slot placement (MAX_TOPK i
 ID_SLOTS = 32  # routed-id buffers per MoE layer, used in turn by successive tokens: the watcher's callbacks may lag
 INITIAL_KEYS = 1024  # keys the per-key scratch buffers hold at first (they double as the context grows)
 KEY_GROUP = 16  # work-group size of the kernels with one work-item per key
-INDEX_GROUP = 128  # the indexer scores' (one item per cached key: at long contexts thousands of work-groups)
 NO_STAGE = 0xFFFFFFFF  # token_rows: no staging copy of the cache rows (decode.cl)
 UNUSED_SLOT = 0xFFFFFFFF  # the token of an expert slot a launch skips (quant.cl)
 SLOT_ARRAYS = {"offs": (6, np.uint64), "slot_w": (1, np.float32), "slot_tok": (1, np.uint32),
@@ -410,7 +409,7 @@ class DeviceDecodeStep:
                          self._rope(self.q, nope, nope + rope, self.q_rot, rope, rope, nh)]
         scratch = self.scratch
         if ix is not None:  # the key row (`k`) and key count (`n_keys`) are set per token
-            out.scores = k.bind("index_scores", (INDEX_GROUP, 1), (INDEX_GROUP, 1), q=self.iq_rot.buffer,
+            out.scores = k.bind("index_scores", (KEY_GROUP, 1), (KEY_GROUP, 1), q=self.iq_rot.buffer,
                                 k=self.key.buffer, w=self.iw.buffer, out=scratch["index_scores"].buffer, nh=inh,
                                 d=ihd, n_keys=1, scale=ix.score_scale, w_scale=ix.head_scale)
             name, size, local = k.topk_kernel(1)
@@ -774,7 +773,7 @@ class DeviceDecodeStep:
         self.tokens += 1
         # per-key kernels: work-groups of KEY_GROUP items (a size left to the driver would follow the key count
         # down to groups of one item for a prime count: one work-group per key)
-        per_key = -(-keys // INDEX_GROUP) * INDEX_GROUP
+        per_key = -(-keys // KEY_GROUP) * KEY_GROUP
         attended = self.topk if scored else keys  # the keys attention reads: the indexer's choice, or all
         per_attended = -(-attended // KEY_GROUP) * KEY_GROUP
         heads = cfg.num_attention_heads if self.k.heads_apart else 1
