@@ -321,6 +321,21 @@ def test_index_scores_and_topk(kernels, wide_kernels, rng):
                 assert np.array_equal(chosen_b.host[row * 700: row * 700 + len(chosen)], chosen)
 
 
+@pytest.mark.parametrize("heads, d", [(8, 64), (11, 20), (16, 24), (3, 17)])
+def test_index_scores_kernel_heads_in_eights_and_the_rest(kernels, rng, heads, d):
+    """index_scores takes 8 heads at a time (their sums reduced together) and the rest one by one, with the columns
+    past the last 8 of each row: against the NumPy scores for head counts and widths that hit each part."""
+    n_s, n_keys = 3, 70
+    q = rng.standard_normal((n_s, heads, d)).astype(np.float32)
+    k = rng.standard_normal((n_keys, d)).astype(np.float32)
+    w = rng.standard_normal((n_s, heads)).astype(np.float32)
+    mirror = Mirrors(kernels)
+    out = mirror(n_s * n_keys)
+    mirror.launch("index_scores", (n_keys, n_s), None, q=mirror.of(q).buffer, k=mirror.of(k).buffer,
+                  w=mirror.of(w).buffer, out=out.buffer, nh=heads, d=d, n_keys=n_keys, scale=d ** -0.5, w_scale=0.5)
+    close(out.host.reshape(n_s, n_keys), 0.5 * index_scores_reference(q, k, w, d ** -0.5))
+
+
 def index_scores_reference(q, k, w, scale):
     """DSA indexer scores: `I[s, t] = sum_h w[s, h] * relu(q[s, h] . k[t] * scale)`, q `[S, nh, d]`, k `[T, d]`."""
     return np.einsum("sh,sht->st", w, np.maximum(np.einsum("shd,td->sht", q, k) * scale, 0)).astype(np.float32)
