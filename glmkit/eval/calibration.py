@@ -33,7 +33,6 @@ from glmkit.model.layer_spec import LayerSpec
 from glmkit.model.ops import silu
 
 HESSIAN_CHOICES = ("pooled", "dense", "all", "none")
-KV_B_SUFFIX = "self_attn.kv_b_proj.weight"
 DEFAULT_MAX_HESSIAN_DIM = 8192
 
 
@@ -71,6 +70,7 @@ class _RecordingBackend:
         self.products: dict[str, np.ndarray] = {}  # owner weight -> sum x x^T, float64 [I, I]
         self.owner: dict[str, str] = {}  # weight -> the owner of its Hessian
         self.seen: dict[bytes, str] = {}  # digest of an input -> owner that accumulated it, this window
+        self.recorded_apart: set[str] = set()  # weights whose inputs the caller records (`record`), not `linear`
 
     def wants_hessian(self, name: str, in_features: int) -> bool:
         if self.hessians == "none" or in_features > self.max_hessian_dim:
@@ -114,7 +114,7 @@ class _RecordingBackend:
 
     def linear(self, x: np.ndarray, w: Weight) -> np.ndarray:
         entry = self.weights.names.get(id(w))
-        if entry is not None and entry[1] is w and not entry[0].endswith(KV_B_SUFFIX):  # kv_b: see collect_imatrix
+        if entry is not None and entry[1] is w and entry[0] not in self.recorded_apart:
             self.record(entry[0], x)
         return self.inner.linear(x, w)
 
@@ -137,6 +137,9 @@ def collect_imatrix(engine: Engine, windows: list[list[int]], progress: bool = F
     weights = _NamedWeights(engine.experts)
     backend = _RecordingBackend(engine.backend, weights, hessians, max_hessian_dim)
     model = GlmMoeDsaModel(engine.config, weights, backend)  # type: ignore[arg-type]
+    # kv_b's input is every key's latent row (what reconstructing its keys multiplies), recorded from the cache after
+    # each window: attention over DSA's chosen keys absorbs kv_b into the queries instead
+    backend.recorded_apart = {spec.attention.kv_b for spec in model.layers}
     limit = engine.config.max_position_embeddings
     bar = tqdm(total=sum(len(w) for w in windows), unit="tok", desc="calibrate", file=sys.stderr,
                disable=not progress)
@@ -150,8 +153,6 @@ def collect_imatrix(engine: Engine, windows: list[list[int]], progress: bool = F
             _, hidden = model.forward(ids, cache)
             if model.has_mtp and len(ids) > 1:
                 model.mtp_forward(hidden[:-1], ids[1:], cache)
-            # kv_b's input is every key's latent row (what reconstructing its keys multiplies), recorded from the
-            # cache: attention over DSA's chosen keys absorbs kv_b into the queries instead
             for i, spec in enumerate(model.layers):
                 if cache.layer(i).length:
                     backend.record(spec.attention.kv_b, cache.layer(i).kv_lat)

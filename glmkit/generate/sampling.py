@@ -89,6 +89,9 @@ class Sampler:
         self.logprobs = logprobs
         self.chosen: list[TokenLogprob] = []  # with `logprobs`: one per call, in order
         self.counts: dict[int, int] = {}  # with penalties: how often each token was chosen
+        bias = params.logit_bias
+        self.bias_ids = np.array([token for token, _ in bias], np.int64)  # made once: applied to every token's logits
+        self.bias_values = np.array([value for _, value in bias], np.float32)
 
     @property
     def greedy(self) -> bool:
@@ -118,9 +121,8 @@ class Sampler:
     def _adjusted(self, logits: np.ndarray) -> np.ndarray:
         """logits `[V]` plus the logit biases, less each chosen token's presence and frequency penalties (a copy)."""
         out = np.array(logits, np.float32)
-        for token, bias in self.params.logit_bias:
-            if token < len(out):
-                out[token] += np.float32(bias)
+        inside = self.bias_ids < len(out)
+        np.add.at(out, self.bias_ids[inside], self.bias_values[inside])  # add.at: a token named twice gets both
         if self.counts:
             ids = np.fromiter(self.counts, np.int64, len(self.counts))
             times = np.fromiter(self.counts.values(), np.float32, len(self.counts))
