@@ -303,7 +303,7 @@ class NumpyBackend:
             _MALLOC_TRIM(0)
 
     def decode_step(self, config: ModelConfig, layers: Sequence[LayerSpec], weight: Callable[[str], Weight],
-                    experts: ExpertArena | None = None) -> None:
+                    experts: ExpertArena | None = None, kv_dtype: str = "f32") -> None:
         return None  # the operations above are the decode step
 
 

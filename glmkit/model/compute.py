@@ -102,10 +102,11 @@ class Backend(Protocol):
         ...
 
     def decode_step(self, config: ModelConfig, layers: Sequence[LayerSpec], weight: Callable[[str], Weight],
-                    experts: ExpertArena | None = None) -> DecodeStep | None:
+                    experts: ExpertArena | None = None, kv_dtype: str = "f32") -> DecodeStep | None:
         """A whole single-token forward of the main model, whose decoder layers `layers` describes, in one call
         (`DecodeStep`), or None: the model then decodes through the operations above. experts: where the routed
-        experts are read from instead of `weight` (an expert cache's slots, filled as each layer routes)."""
+        experts are read from instead of `weight` (an expert cache's slots, filled as each layer routes); kv_dtype:
+        the precision of the cache rows it reads and writes."""
         ...
 
 

@@ -21,7 +21,7 @@ from glmkit.errors import GlmkitError
 from glmkit.format.config import ModelConfig
 from glmkit.format.tensors import Weight
 from glmkit.model.compute import Backend, DecodeStep, ExpertArena, GreedyDecode, Routes
-from glmkit.model.kv_cache import KVCache, LayerKV
+from glmkit.model.kv_cache import KV_DTYPES, KVCache, LayerKV
 from glmkit.model.layer_spec import (
     EMBED,
     LM_HEAD,
@@ -110,13 +110,17 @@ class GlmMoeDsaModel:
     route_hook: optional `hook(layer, expert_ids [S, k], u [S, H])` (hit/miss counting, prefetch).
     step_experts: where the backend's decode step reads the routed experts when the weight source moves them
     between slots (an expert cache: `ExpertArena`); None: the step binds every weight's bytes once.
+    kv_dtype: the precision of the cache rows `new_cache` keeps (`KV_DTYPES`); attention reads them at it.
     """
 
     def __init__(self, config: ModelConfig, weights: WeightSource, backend: Backend,
                  absorb_max_rows: int = 4, route_hook: RouteHook | None = None,
                  step_route_hook: Callable[[int, np.ndarray], None] | None = None,
-                 step_experts: ExpertArena | None = None) -> None:
+                 step_experts: ExpertArena | None = None, kv_dtype: str = "f32") -> None:
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv dtype {kv_dtype!r}: not one of {', '.join(KV_DTYPES)}")
         self.config = config
+        self.kv_dtype = kv_dtype
         self.weights = weights
         self.backend = backend
         self.absorb_max_rows = absorb_max_rows
@@ -142,7 +146,8 @@ class GlmMoeDsaModel:
 
     def new_cache(self) -> KVCache:
         """An empty cache; indexer keys are kept on every layer that has an indexer."""
-        return KVCache(self.config, index_layers=[s.index for s in self.layers if s.attention.indexer is not None])
+        return KVCache(self.config, index_layers=[s.index for s in self.layers if s.attention.indexer is not None],
+                       dtype=self.kv_dtype)
 
     # ---- entry points --------------------------------------------------------------------------
 
@@ -174,7 +179,7 @@ class GlmMoeDsaModel:
     def _decode_step(self) -> DecodeStep | None:
         if self._step is False:
             self._step = self.backend.decode_step(self.config, self.layers[:self.config.num_hidden_layers], self._w,
-                                                  self.step_experts)
+                                                  self.step_experts, self.kv_dtype)
             if self._step is not None and self.step_route_hook is not None:
                 self._step.watch_routes(self.step_route_hook)
         return self._step

@@ -225,7 +225,7 @@ class OpenCLBackend:
         return ref
 
     def decode_step(self, config: ModelConfig, layers: Sequence[LayerSpec], weight: Callable[[str], Weight],
-                    experts: ExpertArena | None = None) -> DeviceDecodeStep | None:
+                    experts: ExpertArena | None = None, kv_dtype: str = "f32") -> DeviceDecodeStep | None:
         """The device decode step for this model (placement.decode_step "cl"; on a discrete device every weight
         must fit the budget), or None: the model then decodes operation by operation. experts: see
         `DeviceDecodeStep`."""
@@ -233,7 +233,7 @@ class OpenCLBackend:
             return None
         try:
             return DeviceDecodeStep(config, layers, weight, self._cw, self._expert_ref, self.k, self.int8_activations,
-                                    experts)
+                                    experts, kv_dtype)
         except Unsupported:
             return None
 
