@@ -20,11 +20,11 @@ layer's new KV row straight into the host `KVCache` arrays, so prefill, MTP, tru
 see the same rows. Rows kept at a lower precision (`--kv-dtype` bf16 or fp8) are read as the codes they are
 stored in by kernels built for them (kv.cl), and each new row is computed in f32 and stored by `kv_store_rows`,
 rounded as the host rounds it (`encode_kv_rows`). On discrete devices (a GPU with memory of its own; every weight
-must fit its budget) the step's buffers are device memory: the cache rows live in a device mirror (`_CacheMirror`) that takes the rows
-the host wrote since (`LayerKV.edited_from`), and each token's new rows, its logits (or greedy token) and routed
-ids are copied back with non-blocking reads behind its kernels. A layer's experts may lie in several weight
-buffers (the files of the mapping: a GLM-5 layer outgrows one 4 GB file): the routing kernel fills the slots of
-each buffer, and each gets its own fused launches. `OpenCLBackend.decode_step` builds the step, or returns None
+must fit its budget) the step's buffers are device memory: the cache rows live in a device mirror
+(`_CacheMirror`) that takes the rows the host wrote since (`LayerKV.edited_from`), and each token's new rows, its
+logits (or greedy token) and routed ids are copied back with non-blocking reads behind its kernels. A layer's
+experts may lie in several weight buffers (the files of the mapping: a GLM-5 layer outgrows one 4 GB file): the
+routing kernel fills the slots of each buffer, and each gets its own fused launches. `OpenCLBackend.decode_step` builds the step, or returns None
 when a weight or an expert cannot be used in place or placed on the device (the per-operation path runs then).
 
 Greedy decoding (`GreedyPipeline`) also takes the argmax and the next embedding on the device, so that the next
@@ -428,7 +428,8 @@ class DeviceDecodeStep:
         if ix is not None:  # the key row (`k`) and key count (`n_keys`) are set per token
             out.scores = k.bind("index_scores", (KEY_GROUP, 1), (KEY_GROUP, 1), kv_dtype=self.kv_dtype,
                                 q=self.iq_rot.buffer, k=self.key.buffer, k_scale=self.key.buffer, w=self.iw.buffer,
-                                out=scratch["index_scores"].buffer, nh=inh, d=ihd, n_keys=1, scale=ix.score_scale, w_scale=ix.head_scale)
+                                out=scratch["index_scores"].buffer, nh=inh, d=ihd, n_keys=1, scale=ix.score_scale,
+                                w_scale=ix.head_scale)
             name, size, local = k.topk_kernel(1)
             out.topk = k.bind(name, size, local, scores=scratch["index_scores"].buffer,
                               allowed=scratch["all"].buffer, selected=scratch["selected"].buffer,
