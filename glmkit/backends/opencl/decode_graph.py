@@ -24,8 +24,9 @@ must fit its budget) the step's buffers are device memory: the cache rows live i
 (`_CacheMirror`) that takes the rows the host wrote since (`LayerKV.edited_from`), and each token's new rows, its
 logits (or greedy token) and routed ids are copied back with non-blocking reads behind its kernels. A layer's
 experts may lie in several weight buffers (the files of the mapping: a GLM-5 layer outgrows one 4 GB file): the
-routing kernel fills the slots of each buffer, and each gets its own fused launches. `OpenCLBackend.decode_step` builds the step, or returns None
-when a weight or an expert cannot be used in place or placed on the device (the per-operation path runs then).
+routing kernel fills the slots of each buffer, and each gets its own fused launches. `OpenCLBackend.decode_step`
+builds the step, or returns None when a weight or an expert cannot be used in place or placed on the device (the
+per-operation path runs then).
 
 Greedy decoding (`GreedyPipeline`) also takes the argmax and the next embedding on the device, so that the next
 token's forward is queued before the host has seen this one: the device does not wait for the host between
