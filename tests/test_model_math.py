@@ -220,8 +220,8 @@ def test_chosen_keys_lists_each_rows_keys_ascending_padded() -> None:
 @pytest.mark.parametrize("kh", [1, 4])
 def test_attention_chosen_is_attention_with_the_chosen_keys_mask(kh: int) -> None:
     """Each query over its own gathered keys = masked attention with the mask of those keys (f32 rounding), for one
-    shared key head and per-head keys, in blocks of queries and on the worker pool; rows of fewer keys (-1 padded)
-    included."""
+    shared key head and per-head keys, whole or in column parts, in blocks of queries and on the worker pool; rows of
+    fewer keys (-1 padded) included."""
     rng = np.random.default_rng(21)
     seq, heads, total, width = 19, 4, 60, 7
     q, k, v = rand(rng, seq, heads, 6), rand(rng, total, kh, 6), rand(rng, total, kh, 5)
@@ -233,7 +233,10 @@ def test_attention_chosen_is_attention_with_the_chosen_keys_mask(kh: int) -> Non
     assert (chosen[:3] == -1).any() and (chosen[3:] >= 0).all()
     expected = reference_attention(q, k, v, selected, 0.3)
     for backend in (NumpyBackend(), NumpyBackend(query_block=width * 30, workers=3)):
-        np.testing.assert_allclose(backend.attention_chosen(q, k, v, chosen, 0.3), expected, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(backend.attention_chosen(q, (k,), v, chosen, 0.3), expected, rtol=1e-5, atol=1e-6)
+        # the keys in column parts (MLA's latent and rope parts): joined per gathered row
+        got = backend.attention_chosen(q, (k[..., :4], k[..., 4:]), v, chosen, 0.3)
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
 
 
 def test_expert_mlp_is_down_of_silu_gate_times_up() -> None:

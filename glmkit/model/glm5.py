@@ -78,9 +78,12 @@ def mla_attend_absorbed(backend: Backend, q_nope: np.ndarray, q_rot: np.ndarray,
     v_dim = kv_b.shape[0] // q_nope.shape[1] - nope
     q_lat = backend.head_matmul(q_nope, kv_b, 0, nope, transpose=True)  # [S, nh, kvl]
     q = np.concatenate([q_lat, q_rot], axis=-1)  # [S, nh, kvl + rope]
-    keys = np.concatenate([kv_lat, k_rot], axis=-1)[:, None, :]  # [T, 1, kvl + rope]
-    attend = backend.attention if keys_seen.dtype == bool else backend.attention_chosen
-    o_lat = attend(q, keys, kv_lat[:, None, :], keys_seen, scale)  # [S, nh, kvl]
+    if keys_seen.dtype == bool:
+        keys = np.concatenate([kv_lat, k_rot], axis=-1)[:, None, :]  # [T, 1, kvl + rope]
+        o_lat = backend.attention(q, keys, kv_lat[:, None, :], keys_seen, scale)  # [S, nh, kvl]
+    else:  # the key parts joined per gathered row, not for all T
+        o_lat = backend.attention_chosen(q, (kv_lat[:, None, :], k_rot[:, None, :]), kv_lat[:, None, :], keys_seen,
+                                         scale)  # [S, nh, kvl]
     return backend.head_matmul(o_lat, kv_b, nope, v_dim, transpose=False)  # [S, nh, v]
 
 

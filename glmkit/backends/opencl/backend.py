@@ -409,7 +409,7 @@ class OpenCLBackend:
             return self.k.attention(q, k, v, allowed, scale)
         return self.host.attention(q, k, v, allowed, scale)
 
-    def attention_chosen(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, chosen: np.ndarray,
+    def attention_chosen(self, q: np.ndarray, k: tuple[np.ndarray, ...], v: np.ndarray, chosen: np.ndarray,
                          scale: float) -> np.ndarray:
         return self.host.attention_chosen(q, k, v, chosen, scale)  # a gather per query: the host's BLAS
 
