@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from glmkit.convert.convert import convert  # noqa: E402
 from glmkit.convert.plan import QuantPlan  # noqa: E402
-from glmkit.convert.quantizers import search_scales  # noqa: E402
+from glmkit.convert.quantizers import normalized_importance, search_scales  # noqa: E402
 from glmkit.eval.evaluation import evaluate  # noqa: E402
 from glmkit.eval.logits_file import LogitsBase, LogitsWriter  # noqa: E402
 from glmkit.format.packing import expand_scales, packed_row_bytes, quantize, scales_shape  # noqa: E402
@@ -64,11 +64,17 @@ def _groups(w: np.ndarray, group: int) -> tuple[np.ndarray, int]:
     return padded.reshape(-1, group), width
 
 
-def nl_dequant(w: np.ndarray, table: np.ndarray, group: int = GROUP) -> np.ndarray:
-    """`w [O, I]` -> `s * table[nearest]` per group, s searched over clip factors and refitted (weighted LS)."""
+def nl_dequant(w: np.ndarray, table: np.ndarray, group: int = GROUP, importance: np.ndarray | None = None
+               ) -> np.ndarray:
+    """`w [O, I]` -> `s * table[nearest]` per group, s searched over clip factors and refitted (weighted LS; input
+    column j's error also weighted by importance[j] when given)."""
     rows, cols = w.shape
     g, width = _groups(w, group)
     e = _element_weights(g)
+    if importance is not None:
+        a = np.zeros(width, np.float32)
+        a[:cols] = importance
+        e *= np.broadcast_to(a, (rows, width)).reshape(-1, group)
     mids = (table[1:] + table[:-1]) / 2
     amax = np.maximum(np.abs(g).max(axis=1), 1e-12)
     top = np.abs(table).max()
@@ -119,54 +125,85 @@ def asym_dequant(w: np.ndarray, bits: int, group: int) -> np.ndarray:
     return best.reshape(rows, width)[:, :cols]
 
 
-def int_dequant(w: np.ndarray, bits: int, group: int | None = GROUP, quantizer: str = "mse") -> np.ndarray:
+def int_dequant(w: np.ndarray, bits: int, group: int | None = GROUP, quantizer: str = "mse",
+                importance: np.ndarray | None = None) -> np.ndarray:
     """Format v1's codes and scales (the converter's `mse` search, or absmax), dequantized."""
-    scales = search_scales(w, bits, group) if quantizer == "mse" else None
+    scales = search_scales(w, bits, group, importance) if quantizer == "mse" else None
     codes, scales = quantize(w, bits, group, scales)
     return codes * expand_scales(scales, w.shape[1], group)
 
 
-Scheme = tuple[Callable[[np.ndarray], np.ndarray], Callable[[tuple[int, int]], int]]
+# (dequantized values of w given its input columns' importance or None, stored bytes of a shape)
+Scheme = tuple[Callable[[np.ndarray, np.ndarray | None], np.ndarray], Callable[[tuple[int, int]], int]]
 
 
 def int_scheme(bits: int, quantizer: str = "mse", group: int = GROUP) -> Scheme:
-    return (lambda w: int_dequant(w, bits, group, quantizer),
+    return (lambda w, a: int_dequant(w, bits, group, quantizer, a),
             lambda shape: shape[0] * packed_row_bytes(shape[1], bits) + 4 * int(np.prod(scales_shape(shape, group))))
 
 
 def nl_scheme(table: np.ndarray, bits: int) -> Scheme:
-    return (lambda w: nl_dequant(w, table),
-            lambda shape: shape[0] * -(-shape[1] * bits // 8) + 4 * int(np.prod(scales_shape(shape, GROUP))))
+    return (lambda w, a: nl_dequant(w, table, importance=a),
+            lambda shape: shape[0] * packed_row_bytes(shape[1], bits) + 4 * int(np.prod(scales_shape(shape, GROUP))))
 
 
 def asym_scheme(bits: int, group: int) -> Scheme:
-    return (lambda w: asym_dequant(w, bits, group),
+    return (lambda w, a: asym_dequant(w, bits, group),
             lambda shape: shape[0] * -(-shape[1] * bits // 8) + 8 * int(np.prod(scales_shape(shape, group))))
+
+
+# the RMSNorm whose output a weight multiplies (input column j is scaled by its gamma_j): a data-free proxy of
+# E[x_j^2]; o_proj and down_proj read no norm's output
+NORM_INPUTS = {"q_a_proj": "input_layernorm", "kv_a_proj_with_mqa": "input_layernorm", "wk": "input_layernorm",
+               "weights_proj": "input_layernorm", "q_b_proj": "self_attn.q_a_layernorm",
+               "wq_b": "self_attn.q_a_layernorm", "kv_b_proj": "self_attn.kv_a_layernorm",
+               "gate_proj": "post_attention_layernorm", "up_proj": "post_attention_layernorm"}
+
+
+def norm_importance(container: Container, name: str) -> np.ndarray | None:
+    """`gamma_j^2` of the norm feeding weight `name` (normalised to mean 1), or None."""
+    if name == "lm_head.weight":
+        gamma = container.weight("model.norm.weight")
+    elif name.endswith("eh_proj.weight"):
+        prefix = name[: -len("eh_proj.weight")]
+        gamma = np.concatenate([container.weight(prefix + "enorm.weight"), container.weight(prefix + "hnorm.weight")])
+    else:
+        parts = name.split(".")
+        norm = NORM_INPUTS.get(parts[-2]) if len(parts) > 3 else None
+        if norm is None:
+            return None
+        gamma = container.weight(".".join(parts[:3]) + "." + norm + ".weight")
+    return normalized_importance(np.asarray(gamma, np.float64) ** 2)
 
 
 INT4_ROLES = ("routed_expert", "shared_expert", "dense_mlp", "attention")
 INT8_ROLES = ("embed", "lm_head", "indexer", "mtp")
-# label -> the schemes of the roles it changes (all other quantized roles: the q4 preset's mse)
-CANDIDATES: dict[str, dict[str, Scheme]] = {
-    "q4 int4 absmax": dict.fromkeys(INT4_ROLES, int_scheme(4, "absmax")),
-    "q4 int4 mse (default)": {},
-    "q4 nl4 IQ4_NL table": dict.fromkeys(INT4_ROLES, nl_scheme(NL4_IQ4, 4)),
-    "q4 asym int4 g128": dict.fromkeys(INT4_ROLES, asym_scheme(4, 128)),
-    "q4 asym int4 g64": dict.fromkeys(INT4_ROLES, asym_scheme(4, 64)),
-    "q3 int3 absmax": {"routed_expert": int_scheme(3, "absmax")},
-    "q3 int3 mse": {"routed_expert": int_scheme(3)},
-    "q3 nl3 normal table": {"routed_expert": nl_scheme(NL3_NORMAL, 3)},
-    "q3 asym int3 g64": {"routed_expert": asym_scheme(3, 64)},
-    "q2 int2 mse": {"routed_expert": int_scheme(2)},
+# label -> (the schemes of the roles it changes (all other quantized roles: the q4 preset's mse), whether every
+# search is weighted by `norm_importance`)
+CANDIDATES: dict[str, tuple[dict[str, Scheme], bool]] = {
+    "q4 int4 absmax": (dict.fromkeys(INT4_ROLES, int_scheme(4, "absmax")), False),
+    "q4 int4 mse (default)": ({}, False),
+    "q4 int4 mse, norm-gamma importance": ({}, True),
+    "q4 nl4 IQ4_NL table": (dict.fromkeys(INT4_ROLES, nl_scheme(NL4_IQ4, 4)), False),
+    "q4 nl4 IQ4_NL table, norm-gamma importance": (dict.fromkeys(INT4_ROLES, nl_scheme(NL4_IQ4, 4)), True),
+    "q4 asym int4 g128": (dict.fromkeys(INT4_ROLES, asym_scheme(4, 128)), False),
+    "q4 asym int4 g64": (dict.fromkeys(INT4_ROLES, asym_scheme(4, 64)), False),
+    "q3 int3 absmax": ({"routed_expert": int_scheme(3, "absmax")}, False),
+    "q3 int3 mse": ({"routed_expert": int_scheme(3)}, False),
+    "q3 nl3 normal table": ({"routed_expert": nl_scheme(NL3_NORMAL, 3)}, False),
+    "q3 asym int3 g64": ({"routed_expert": asym_scheme(3, 64)}, False),
+    "q2 int2 mse": ({"routed_expert": int_scheme(2)}, False),
 }
 
 
-def simulate(f32_dir: Path, out: Path, schemes: dict[str, Scheme]) -> tuple[int, int]:
-    """Copy the f32 container to `out` and overwrite its quantized roles' weights with their dequantized values;
-    returns (bytes the quantized container would store, logical parameters)."""
+def simulate(f32_dir: Path, out: Path, schemes: dict[str, Scheme], by_norms: bool) -> tuple[int, int]:
+    """Copy the f32 container to `out` and overwrite its quantized roles' weights with their dequantized values
+    (`by_norms`: every weight's search weighted by `norm_importance`); returns (bytes the quantized
+    container would store, logical parameters)."""
     shutil.copytree(f32_dir, out)
     defaults = {**dict.fromkeys(INT4_ROLES, int_scheme(4)), **dict.fromkeys(INT8_ROLES, int_scheme(8))}
-    manifest = Container(out).manifest
+    source = Container(f32_dir)
+    manifest = source.manifest
     total = params = 0
     for name, e in manifest.tensors.items():
         count = int(np.prod(e.shape))
@@ -177,7 +214,8 @@ def simulate(f32_dir: Path, out: Path, schemes: dict[str, Scheme]) -> tuple[int,
             continue
         fake, stored = scheme
         data = np.memmap(out / e.file, np.float32, "r+", e.offset, (count,)).reshape(e.shape)
-        data[:] = fake(np.array(data))
+        importance = norm_importance(source, name) if by_norms else None
+        data[:] = fake(np.array(data), importance)
         data.flush()
         total += stored(e.shape)
     return total, params
@@ -192,11 +230,11 @@ def run(fixture: Path, work: Path, only: list[str] | None) -> list[dict[str, Any
     evaluate(engine, windows, save=writer)
     writer.close()
     rows = []
-    for label, schemes in CANDIDATES.items():
+    for label, (schemes, by_norms) in CANDIDATES.items():
         if only and label not in only:
             continue
         out = work / label.replace(" ", "_").replace("(", "").replace(")", "")
-        nbytes, params = simulate(f32_dir, out, schemes)
+        nbytes, params = simulate(f32_dir, out, schemes, by_norms)
         metrics = evaluate(Engine(out, "numpy", load_tokenizer=False), windows, LogitsBase(base_path))
         row = {"variant": label, "bytes": nbytes, "bpw": nbytes * 8 / params, **metrics}
         rows.append(row)

@@ -147,8 +147,11 @@ def _pack_int3(codes: np.ndarray) -> np.ndarray:
 
 def _unpack_int3(packed: np.ndarray, in_features: int) -> np.ndarray:
     """Inverse of `_pack_int3`: bytes `[O, 24 * blocks]` -> int8 codes `[O, in_features]`."""
-    out_features = packed.shape[0]
-    blocks = packed.shape[1] // INT3_BLOCK_BYTES
+    out_features, row_bytes = packed.shape
+    blocks = row_bytes // INT3_BLOCK_BYTES
+    if row_bytes % INT3_BLOCK_BYTES or blocks * INT3_BLOCK < in_features:
+        raise ValueError(f"int3 rows of {row_bytes} bytes cannot hold {in_features} columns: expected "
+                         f"{packed_row_bytes(in_features, 3)} (24 bytes per 64 columns)")
     b = packed.reshape(out_features, blocks, INT3_BLOCK_BYTES)
     low = np.stack([(b[:, :, :16] >> np.uint8(2 * k)) & 3 for k in range(4)], axis=2)  # [.., k, j]
     high = np.stack([(b[:, :, 16:] >> np.uint8(k)) & 1 for k in range(8)], axis=2)
