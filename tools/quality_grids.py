@@ -40,6 +40,7 @@ from glmkit.eval.logits_file import LogitsBase, LogitsWriter  # noqa: E402
 from glmkit.format.packing import expand_scales, packed_row_bytes, quantize, scales_shape  # noqa: E402
 from glmkit.format.reader import Container  # noqa: E402
 from glmkit.generate.engine import Engine  # noqa: E402
+from tools.quality_table import FIXTURE, kl_cells  # noqa: E402
 
 GROUP = 64
 # IQ4_NL's 16 levels (llama.cpp ggml-quants, kvalues_iq4nl): non-uniform, denser near 0
@@ -245,17 +246,13 @@ def run(fixture: Path, work: Path, only: list[str] | None) -> list[dict[str, Any
 
 def markdown(rows: list[dict[str, Any]]) -> str:
     out = ["| candidate | size | bpw | ppl ratio | KLD mean | KLD p99 | top-1 |", "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        out.append(f"| {r['variant']} | {r['bytes'] / 1e6:.3f} MB | {r['bpw']:.2f} | {r['ppl_ratio']:.4f} | "
-                   f"{r['kld_mean']:.5f} | {r['kld_p99']:.4f} | {100 * r['top1_agreement']:.2f}% ± "
-                   f"{100 * r['top1_se']:.2f} |")
+    out += [f"| {r['variant']} | {r['bytes'] / 1e6:.3f} MB | {r['bpw']:.2f} | {kl_cells(r)} |" for r in rows]
     return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--fixture", type=Path, default=Path(__file__).resolve().parent.parent / "tests" / "fixtures"
-                    / "tiny-trained")
+    ap.add_argument("--fixture", type=Path, default=FIXTURE)
     ap.add_argument("--json", type=Path, help="write the raw numbers here")
     ap.add_argument("--only", action="append", help="measure only this candidate (repeatable)")
     args = ap.parse_args(argv)
