@@ -300,22 +300,23 @@ INLINE int8 block_dot(const __global uchar* w, const x8_block* x) {
 }
 
 /* The same for an int3 block (24 bytes at w, x in column order: `even` columns 0..31, `odd` 32..63): the stored
- * values 0..7 unpacked to bytes in column order, then vpmaddubsw as for int4 (at most 2 * 2 * 7 * 127). */
+ * values 0..7 as bytes in column order, then vpmaddubsw as for int4 (at most 2 * 2 * 7 * 127 per 16-bit lane).
+ * Low bit pairs: the 16 bytes and the same shifted by 2 are columns 0..31 (masked with 3), that pair shifted by 4
+ * columns 32..63. High bits: the 8 bytes repeated 4 times, bit c / 8 of byte c % 8 tested for column c (bits 4..7
+ * for columns 32..63), each set one giving 4. */
 INLINE int8 block_dot3(const __global uchar* w, const x8_block* x) {
+    const c32v bit = {1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 4, 4, 4, 4, 4, 4, 4, 4, 8, 8, 8, 8, 8, 8, 8, 8};
+    const c32v three = (c32v)((char32)(3)), four = (c32v)((char32)(4));
     const uchar16 low = LOAD_U16(0, w);
-    const uchar8 high = LOAD_U8(0, w + 16), one = (uchar8)1;
-    const uchar16 m3 = (uchar16)3;
-    const uchar16 h0 = (uchar16)(high & one, (high >> (uchar8)1) & one) << (uchar16)2;
-    const uchar16 h1 = (uchar16)((high >> (uchar8)2) & one, (high >> (uchar8)3) & one) << (uchar16)2;
-    const uchar16 h2 = (uchar16)((high >> (uchar8)4) & one, (high >> (uchar8)5) & one) << (uchar16)2;
-    const uchar16 h3 = (uchar16)((high >> (uchar8)6) & one, high >> (uchar8)7) << (uchar16)2;
-    const uchar16 v0 = (low & m3) | h0, v1 = ((low >> (uchar16)2) & m3) | h1;
-    const uchar16 v2 = ((low >> (uchar16)4) & m3) | h2, v3 = (low >> (uchar16)6) | h3;
-    const c32v lo = (c32v)__builtin_shufflevector(v0, v1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16,
-                                                  17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
-    const c32v hi = (c32v)__builtin_shufflevector(v2, v3, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16,
-                                                  17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
-    const s16v p = __builtin_ia32_pmaddubsw256(lo, x->even) + __builtin_ia32_pmaddubsw256(hi, x->odd);
+    const uchar8 high = LOAD_U8(0, w + 16);
+    const c32v pairs = (c32v)__builtin_shufflevector(low, low >> (uchar16)2, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,
+                                                     13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28,
+                                                     29, 30, 31);
+    const c32v highs = (c32v)__builtin_shufflevector(high, high, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1,
+                                                     2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7);
+    const c32v v0 = (pairs & three) | (((highs & bit) == bit) & four);
+    const c32v v1 = ((c32v)((s16v)pairs >> 4) & three) | ((((c32v)((s16v)highs >> 4) & bit) == bit) & four);
+    const s16v p = __builtin_ia32_pmaddubsw256(v0, x->even) + __builtin_ia32_pmaddubsw256(v1, x->odd);
     return as_int8(__builtin_ia32_pmaddwd256(p, (s16v)((short16)(1))));
 }
 
