@@ -52,6 +52,33 @@ INLINE float fmax_(float a, float b) {  /* no NaN here; -inf is ordered */
 #endif
 #define VALUE_COLS (LANES > 1 ? 1 : 32)  /* latent columns per work-item of mla_decode_values */
 
+/* AVX2 CPUs: 32-byte vectors for the byte products (below) and for unpacking int3 blocks. */
+#if defined(__AVX2__) && defined(CPU_LOADS)
+#define X8_PAIRS 1
+typedef char char32 __attribute__((ext_vector_type(32)));
+typedef char c32v __attribute__((vector_size(32)));
+typedef short s16v __attribute__((vector_size(32)));
+typedef struct __attribute__((packed)) { c32v v; } c32v_u;
+
+/* The stored values 0..7 of an int3 block (24 bytes at w) as bytes in column order: columns 0..31 in *v0, 32..63
+ * in *v1. Low bit pairs: the 16 bytes and the same shifted by 2 are columns 0..31 (masked with 3), that pair
+ * shifted by 4 columns 32..63. High bits: the 8 bytes repeated 4 times, bit c / 8 of byte c % 8 tested for column
+ * c (bits 4..7 for columns 32..63), each set one giving 4. */
+INLINE void int3_block_bytes(const __global uchar* w, c32v* v0, c32v* v1) {
+    const c32v bit = {1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 4, 4, 4, 4, 4, 4, 4, 4, 8, 8, 8, 8, 8, 8, 8, 8};
+    const c32v three = (c32v)((char32)(3)), four = (c32v)((char32)(4));
+    const uchar16 low = LOAD_U16(0, w);
+    const uchar8 high = LOAD_U8(0, w + 16);
+    const c32v pairs = (c32v)__builtin_shufflevector(low, low >> (uchar16)2, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,
+                                                     13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28,
+                                                     29, 30, 31);
+    const c32v highs = (c32v)__builtin_shufflevector(high, high, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1,
+                                                     2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7);
+    *v0 = (pairs & three) | (((highs & bit) == bit) & four);
+    *v1 = ((c32v)((s16v)pairs >> 4) & three) | ((((c32v)((s16v)highs >> 4) & bit) == bit) & four);
+}
+#endif
+
 /* Codes in one storage chunk: 16 floats, 16 int8, 32 int4 or 64 int2 codes (16 bytes), or one int3 block of 64
  * codes (24 bytes). */
 INLINE uint chunk_codes(const int bits) {
@@ -116,9 +143,17 @@ INLINE float8 codes_dot(const int bits, const __global uchar* row, uint c, const
         return LOAD_F8(2 * c, w) * xv[0] + LOAD_F8(2 * c + 1, w) * xv[1];
     }
     if (bits == 3) {
-        const __global uchar* blk = row + 24u * c;
         float8 acc = (float8)(0.0f);
-        for (uint m = 0; m < 8; m++) acc += convert_float8(int3_values8(blk, m)) * xv[m];
+#ifdef X8_PAIRS  /* the block's 64 values unpacked at once, as the int8-input product does */
+        c32v v[2];
+        int3_block_bytes(row + 24u * c, &v[0], &v[1]);
+        for (uint m = 0; m < 8; m++) {
+            const ulong4 q = as_ulong4(v[m >> 2]);
+            acc += convert_float8(as_uchar8(q[m & 3])) * xv[m];
+        }
+#else
+        for (uint m = 0; m < 8; m++) acc += convert_float8(int3_values8(row + 24u * c, m)) * xv[m];
+#endif
         return acc;
     }
     const uchar16 b = LOAD_U16(c, row);
@@ -276,12 +311,7 @@ INLINE void rows_dot(const int bits, const int sets, const __global uchar* row, 
  * - otherwise: columns 4t, 4t+1, 4t+2, 4t+3 as four runs of 16, matching the nibbles of 16-bit lanes of the
  *   codes (little-endian devices), multiplied in 16 bits.
  * load_x8 reads either half of a block's codes; block_dot (int4 rows) and block_dot8 (int8 rows) use them. */
-#if defined(__AVX2__) && defined(CPU_LOADS)
-#define X8_PAIRS 1
-typedef char char32 __attribute__((ext_vector_type(32)));
-typedef char c32v __attribute__((vector_size(32)));
-typedef short s16v __attribute__((vector_size(32)));
-typedef struct __attribute__((packed)) { c32v v; } c32v_u;
+#ifdef X8_PAIRS
 typedef struct { c32v even, odd; } x8_block;
 
 INLINE x8_block load_x8(const __global char* q) {
@@ -299,23 +329,11 @@ INLINE int8 block_dot(const __global uchar* w, const x8_block* x) {
     return as_int8(__builtin_ia32_pmaddwd256(p, (s16v)((short16)(1))));
 }
 
-/* The same for an int3 block (24 bytes at w, x in column order: `even` columns 0..31, `odd` 32..63): the stored
- * values 0..7 as bytes in column order, then vpmaddubsw as for int4 (at most 2 * 2 * 7 * 127 per 16-bit lane).
- * Low bit pairs: the 16 bytes and the same shifted by 2 are columns 0..31 (masked with 3), that pair shifted by 4
- * columns 32..63. High bits: the 8 bytes repeated 4 times, bit c / 8 of byte c % 8 tested for column c (bits 4..7
- * for columns 32..63), each set one giving 4. */
+/* The same for an int3 block (24 bytes at w, x in column order: `even` columns 0..31, `odd` 32..63): its values
+ * as bytes (int3_block_bytes), then vpmaddubsw as for int4 (at most 2 * 2 * 7 * 127 per 16-bit lane). */
 INLINE int8 block_dot3(const __global uchar* w, const x8_block* x) {
-    const c32v bit = {1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 4, 4, 4, 4, 4, 4, 4, 4, 8, 8, 8, 8, 8, 8, 8, 8};
-    const c32v three = (c32v)((char32)(3)), four = (c32v)((char32)(4));
-    const uchar16 low = LOAD_U16(0, w);
-    const uchar8 high = LOAD_U8(0, w + 16);
-    const c32v pairs = (c32v)__builtin_shufflevector(low, low >> (uchar16)2, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,
-                                                     13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28,
-                                                     29, 30, 31);
-    const c32v highs = (c32v)__builtin_shufflevector(high, high, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1,
-                                                     2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7);
-    const c32v v0 = (pairs & three) | (((highs & bit) == bit) & four);
-    const c32v v1 = ((c32v)((s16v)pairs >> 4) & three) | ((((c32v)((s16v)highs >> 4) & bit) == bit) & four);
+    c32v v0, v1;
+    int3_block_bytes(w, &v0, &v1);
     const s16v p = __builtin_ia32_pmaddubsw256(v0, x->even) + __builtin_ia32_pmaddubsw256(v1, x->odd);
     return as_int8(__builtin_ia32_pmaddwd256(p, (s16v)((short16)(1))));
 }
