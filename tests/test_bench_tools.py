@@ -36,3 +36,23 @@ def test_per_round_fractions_beside_the_ceiling_fraction():
     line = ratios(table)[0]
     assert "40% of the ceiling" in line and "per round against that round's bandwidth sample " \
         "50% / 60% / 44%" in line
+
+
+def test_quality_grids_reconstructs_values_on_its_grids():
+    """tools/quality_grids.py's simulated grids: weights already on a table's levels (one scale per group of 64)
+    come back unchanged, and the uniform int3 candidate is the converter's own quantization."""
+    import numpy as np
+
+    from glmkit.format.packing import dequantize, pack, quantize
+    from tools.quality_grids import NL3_NORMAL, NL4_IQ4, int_dequant, nl_dequant
+
+    rng = np.random.default_rng(0)
+    for table in (NL3_NORMAL, NL4_IQ4):
+        scales = rng.uniform(0.001, 0.01, (6, 2)).astype(np.float32)
+        idx = rng.integers(0, len(table), (6, 128))
+        idx[:, 0] = idx[:, 64] = np.argmax(np.abs(table))  # each group reaches the table's largest level
+        w = (table[idx] * np.repeat(scales, 64, axis=1)).astype(np.float32)
+        np.testing.assert_allclose(nl_dequant(w, table), w, rtol=1e-5, atol=1e-9)
+    w = rng.standard_normal((5, 96)).astype(np.float32)
+    codes, s = quantize(w, 3, 64)
+    np.testing.assert_array_equal(int_dequant(w, 3, 64, "absmax"), dequantize(pack(codes, 3), s, 3, 64, 96))

@@ -104,7 +104,7 @@ def _onto(m: dict[str, Any]) -> None:
 def _bits3(m: dict[str, Any]) -> None:
     entry = m["tensors"][EXPERT]
     entry["quant"]["bits"] = 3
-    entry["nbytes"] = entry["shape"][0] * ((entry["shape"][1] * 3 + 7) // 8)
+    entry["nbytes"] = entry["shape"][0] * 24 * -(-entry["shape"][1] // 64)
 
 
 def _f16(name: str) -> Callable[[dict[str, Any]], None]:
@@ -132,7 +132,7 @@ CRAFTED: dict[str, tuple[Callable[[dict[str, Any]], None], tuple[str, ...]]] = {
     "F16 router": (_f16(ROUTER), (ROUTER, "dtype")),
     "dtype not a string": (tensor(NORM, dtype=["F32"]), (NORM, "dtype")),
     "bits 0": (quant(EXPERT, bits=0), (EXPERT, "bits")),
-    "bits 3 with matching bytes": (_bits3, (EXPERT, "bits")),
+    "bits 3 where the conversion says 4": (_bits3, (EXPERT, "bits")),
     "bits as a string": (quant(EXPERT, bits="4"), (EXPERT, "bits")),
     "bits 8 where the conversion says 4": (lambda m: (quant(EXPERT, bits=8)(m), tensor(EXPERT, nbytes=2048)(m)),
                                            (EXPERT,)),
@@ -323,3 +323,18 @@ def test_verify_data_after_close_is_a_clear_error(box):
     c.close()
     with pytest.raises(GlmkitError, match="closed"):
         c.verify_data()
+
+
+def test_truncated_or_odd_shaped_int3_weight_is_refused(tmp_path):
+    """A q3 container whose int3 expert claims the bytes of a plain 3-bit stream (not whole 24-byte blocks), or
+    whose data file lost its tail, is refused naming the tensor or the file."""
+    q3 = convert(FIXTURES / "tiny-bf16", tmp_path / "q3", "q3")
+    odd = Path(shutil.copytree(q3, tmp_path / "odd"))
+    down = EXPERT.replace("gate_proj", "down_proj")  # [64, 32]: one 24-byte block holds a row's 12 bytes of codes
+    rows, cols = json.loads((q3 / "manifest.json").read_text())["tensors"][down]["shape"]
+    craft(odd, tensor(down, nbytes=rows * ((cols * 3 + 7) // 8)))
+    refused(odd, down, "nbytes")
+    cut = Path(shutil.copytree(q3, tmp_path / "cut"))
+    data = sorted(cut.glob("*.safetensors"))[0]
+    os.truncate(data, data.stat().st_size - 24)
+    refused(cut, data.name, "truncated")

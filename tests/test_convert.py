@@ -6,7 +6,7 @@ from safetensors import safe_open
 
 from glmkit.cli.convert import main as convert_main
 from glmkit.format.manifest import ALIGNMENT
-from glmkit.format.packing import dequantize
+from glmkit.format.packing import dequantize, unpack
 from glmkit.format.reader import Container
 from glmkit.format.safetensors_file import read_header
 from tools.synth import TINY_CONFIG, make_snapshot, make_weights
@@ -87,6 +87,28 @@ def test_q2_and_overrides(sharded_source, tmp_path):
     for name, bits in (("model.layers.2.mlp.experts.0.gate_proj.weight", 4), ("lm_head.weight", 8)):
         q = c.manifest.tensors[name].quant
         assert (q.bits, q.group_size) == (bits, None), name
+
+
+def test_q3_preset(sharded_source, tmp_path):
+    """Routed experts int3 g64 (24 bytes per 64 columns), everything else as q4; each int3 weight is its codes
+    times its scales, never further from the source than half a step plus the clipping the mse search chose."""
+    src, exact = sharded_source
+    c = convert(src, tmp_path / "q3", "--preset", "q3")
+    t = c.manifest.tensors
+    expert, down = "model.layers.2.mlp.experts.0.gate_proj.weight", "model.layers.2.mlp.experts.0.down_proj.weight"
+    assert (t[expert].quant.bits, t[expert].quant.group_size) == (3, 64)
+    assert t[down].stored_shape == (t[down].shape[0], 24 * -(-t[down].shape[1] // 64))
+    assert t["model.layers.2.mlp.shared_experts.gate_proj.weight"].quant.bits == 4
+    assert t["lm_head.weight"].quant.bits == 8 and c.manifest.conversion["bits"]["routed_expert"] == 3
+    w = c.weight(expert)
+    codes = unpack(w.packed, 3, w.shape[1])
+    assert codes.min() >= -4 and codes.max() <= 3 and len(np.unique(codes)) == 8
+    np.testing.assert_array_equal(w.dequantize(), codes * np.repeat(w.scales, 64, axis=1)[:, :w.shape[1]])
+    err = ((w.dequantize() - exact[expert]) ** 2).sum()
+    absmax = convert(src, tmp_path / "q3abs", "--preset", "q3", "--quantizer", "absmax").weight(expert)
+    assert err <= ((absmax.dequantize() - exact[expert]) ** 2).sum()
+    # this model's rows are 24-32 wide: each int3 row is one padded block (GLM-5's 2,048-6,144 are whole blocks)
+    assert t[expert].nbytes == t[expert].shape[0] * 24
 
 
 @pytest.mark.parametrize("preset", ["f32", "q4"])

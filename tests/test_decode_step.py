@@ -112,10 +112,11 @@ def assert_same_rows(caches) -> None:
             np.testing.assert_allclose(b.rows(name), a.rows(name), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("variant,preset", [("tiny-trained", "q4"), ("tiny-bf16", "f32"), ("tiny-fp8", "q2")])
+@pytest.mark.parametrize("variant,preset", [("tiny-trained", "q4"), ("tiny-bf16", "f32"), ("tiny-fp8", "q2"),
+                                            ("tiny-trained", "q3")])
 def test_decode_step_matches_numpy(snapshots, kernels, variant, preset):
-    """Before and after the indexer starts selecting (index_topk keys), f32 and quantized experts; q2's
-    shared expert (int4, routed int2) runs in a launch pair of its own."""
+    """Before and after the indexer starts selecting (index_topk keys), f32 and quantized experts; q2's and q3's
+    shared expert (int4, routed int2 / int3) runs in a launch pair of its own."""
     engine = Engine(snapshots(variant, preset), "numpy", load_tokenizer=False)
     ref, dev = models(engine, kernels)
     ids = np.array(oracle(variant)["full_ids"])
@@ -261,20 +262,23 @@ def test_step_reads_experts_from_cache_slots(snapshots, direct_kernels, variant,
     cache.close()
 
 
-@pytest.mark.parametrize("split", [False, True])
-def test_int8_input_experts_step(tmp_path, direct_kernels, split):
+@pytest.mark.parametrize("preset,split", [("q4", False), ("q4", True), ("q3", False)])
+def test_int8_input_experts_step(tmp_path, direct_kernels, preset, split):
     """Routed experts that take int8 inputs (the trained fixture padded to 128 rows, tools/quality_int8_activations):
     in one file the next norm adds the slots' down rows itself (no expert_sum); across files each file's slots are
-    summed into the FFN output first. Within int8 rounding of the float reference, every greedy token kept."""
+    summed into the FFN output first. Within int8 rounding of the float reference, every greedy token kept; int3
+    experts (q3) take the same int8 inputs."""
     padded = pad_experts(FIXTURES / "tiny-trained", tmp_path / "padded")
-    snap = convert(padded, tmp_path / "q4", "q4", *(["--max-file-size", "300K"] if split else []))
+    snap = convert(padded, tmp_path / preset, preset, *(["--max-file-size", "300K"] if split else []))
     engine = Engine(snap, "numpy", load_tokenizer=False)
     ref, dev = models(engine, in_place(direct_kernels), int8_activations=True)
     ids = np.array(oracle("tiny-trained")["full_ids"])
     want, got, _ = decode_both(ref, dev, ids[:20], ids[20:60])
     moe = [[launch.kernel.function_name for launch in layer.tail] for layer in dev._step.layers
            if layer.route is not None]
-    assert all("edp_q4_x8" in names and ("expert_sum" in names) == split for names in moe)
+    # q3's shared expert (int4) runs in a launch pair of its own, after the int3 experts' summed slots
+    assert all(f"edp_{preset}_x8" in names and f"eg_{preset}_x8" in names
+               and ("expert_sum" in names) == (split or preset == "q3") for names in moe)
     assert np.abs(got - want).max() / np.abs(want).max() < 5e-2
     assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.95
 

@@ -136,7 +136,8 @@ def close(got, want, tol=2e-6):
     assert float(np.abs(got - want).max()) <= tol * scale
 
 
-SCHEMES = [(32, None), (8, None), (8, 64), (8, 24), (4, None), (4, 64), (4, 24), (4, 32), (2, None), (2, 64), (2, 24)]
+SCHEMES = [(32, None), (8, None), (8, 64), (8, 24), (4, None), (4, 64), (4, 24), (4, 32), (3, None), (3, 64), (3, 24),
+           (3, 128), (2, None), (2, 64), (2, 24)]
 
 
 @pytest.mark.parametrize("bits,group", SCHEMES)
@@ -154,7 +155,7 @@ def test_matvec_matmul_dequant(kernels, rng, bits, group):
 
 
 @pytest.mark.parametrize("bits,group", [(32, None), (8, 24), (8, None), (8, 64), (4, 64), (4, 32), (4, None),
-                                        (2, None)])
+                                        (3, 64), (3, None), (2, None)])
 @pytest.mark.parametrize("lat", [70, 128])
 def test_head_products(kernels, wide_kernels, rng, bits, group, lat):
     """kv_b's per-head products; lat 128 takes matvec_t's 16-byte chunks for int4/int8 with whole groups."""
@@ -215,7 +216,7 @@ def pack_experts(experts):
     return np.concatenate(parts), np.array(offs, np.uint64)
 
 
-@pytest.mark.parametrize("bits,group", [(8, None), (4, 64), (4, 24), (2, 64)])
+@pytest.mark.parametrize("bits,group", [(8, None), (4, 64), (4, 24), (3, 64), (3, 24), (2, 64)])
 def test_fused_experts(kernels, wide_kernels, rng, bits, group):
     hidden, inter = 70, 45
     experts = [(make_weight(rng, inter, hidden, bits, group)[0], make_weight(rng, inter, hidden, bits, group)[0],
@@ -704,7 +705,7 @@ def assert_codes(codes: np.ndarray, q: np.ndarray) -> None:
     assert np.array_equal(np.sort(blocks[:, 0], axis=-1), np.sort(q.reshape(-1, 64), axis=-1))
 
 
-@pytest.mark.parametrize("bits,group", [(4, 64), (4, 128), (8, 64)])
+@pytest.mark.parametrize("bits,group", [(4, 64), (4, 128), (8, 64), (3, 64), (3, 128)])
 def test_fused_experts_int8_activations(kernels, wide_kernels, rng, bits, group):
     """quantize x, gate+up, quantize hid, down per slot, the slots' sum: each stage against the reference
     arithmetic, on the vpmaddubsw path (AVX2 CPUs) and the portable one (the wide build); unused slots are
@@ -752,7 +753,7 @@ def test_fused_experts_int8_activations(kernels, wide_kernels, rng, bits, group)
         close(y.host, fused_reference(x[None], experts, [(0, e, w) for e, w in slots[:3]])[0], 3e-2)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [3, 4, 8])
 def test_experts_x8_operation(kernels, wide_kernels, rng, bits):
     """`Kernels.experts_x8` (the fused experts of decode rows run operation by operation, e.g. on the CPU device
     that takes a GPU's overflow): three tokens with 2, 1 and 3 slots, each token's sum against the reference
@@ -779,7 +780,7 @@ def test_experts_x8_operation(kernels, wide_kernels, rng, bits):
         close(got, fused_reference(x, experts, slots), 3e-2)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [3, 4, 8])
 def test_int8_input_matvec_and_norm(kernels, wide_kernels, rng, bits):
     """mv_*_x8 over per-head input rows (kv_b's value product) against the reference arithmetic, and the
     RMSNorm that writes its output's codes too (the step's u and q_lat) against quantize_x8's."""
@@ -823,7 +824,7 @@ def test_int8_input_matvec_and_norm(kernels, wide_kernels, rng, bits):
         assert_codes(value_codes.codes.host, q)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [3, 4, 8])
 def test_matvec_writes_its_codes(kernels, wide_kernels, rng, bits):
     """mvq_*_x8 (kv_b's value product, whose output o_proj takes as int8 input): the product as mv_*_x8's, and
     the codes of each 64 output rows its work-group wrote as quantize_x8's; devices with several lanes per row
@@ -848,7 +849,7 @@ def test_matvec_writes_its_codes(kernels, wide_kernels, rng, bits):
     assert_codes(out.codes.host, q)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [3, 4, 8])
 def test_matvec_pair(kernels, wide_kernels, rng, bits):
     """mv2_*_x8: two products of one quantized input in one launch (the step's q_a and kv_a), odd row counts, each
     as mv_*_x8's."""

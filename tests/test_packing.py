@@ -7,7 +7,7 @@ from glmkit.errors import GlmkitError
 from glmkit.format.packing import dequantize, pack, packed_row_bytes, qmax, quantize, unpack
 
 
-@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("in_features", [1, 3, 7, 64, 130])
 def test_pack_unpack_round_trip(bits, in_features):
     rng = np.random.default_rng(bits * 1000 + in_features)
@@ -27,11 +27,33 @@ def test_int2_layout_element_k_at_bits_2k():
     assert packed.tolist() == [[0 | 1 << 2 | 2 << 4 | 3 << 6, 3]]
 
 
+def test_int3_layout_blocks_of_64_in_24_bytes():
+    """Column 16k + j: bits 2k..2k+1 of byte j; column 8k + j: bit k of byte 16 + j (values code + 4); a partial
+    block is padded with code 0 (value 4: low bits 0, high bit 1)."""
+    codes = np.zeros((1, 70), np.int8)  # value 4 everywhere: low pair 00, high bit 1
+    codes[0, 0] = 3  # value 7: low 11 at bits 0-1 of byte 0, high bit at bit 0 of byte 16
+    codes[0, 17] = -4  # value 0: column 16 * 1 + 1 -> bits 2-3 of byte 1; column 8 * 2 + 1 -> bit 2 of byte 17
+    codes[0, 63] = -1  # value 3: column 16 * 3 + 15 -> bits 6-7 of byte 15; column 8 * 7 + 7 -> bit 7 of byte 23
+    packed = pack(codes, 3)
+    assert packed.shape == (1, 48) and packed_row_bytes(70, 3) == 48 and packed_row_bytes(128, 3) == 48
+    want = [0] * 16 + [0xFF] * 8 + [0] * 16 + [0xFF] * 8
+    want[0], want[15] = 0b11, 0b11 << 6
+    want[17], want[23] = 0xFF & ~(1 << 2), 0xFF & ~(1 << 7)
+    assert packed[0].tolist() == want
+
+
+def test_int3_unpack_refuses_rows_that_are_not_whole_blocks():
+    with pytest.raises(ValueError, match="int3 rows of 36 bytes"):
+        unpack(np.zeros((2, 36), np.uint8), 3, 96)
+    with pytest.raises(ValueError, match="expected 48"):
+        unpack(np.zeros((2, 24), np.uint8), 3, 96)
+
+
 def test_int8_is_twos_complement():
     assert pack(np.array([[-128, -1, 0, 127]], np.int8), 8).tolist() == [[128, 255, 0, 127]]
 
 
-@pytest.mark.parametrize("bits,group", [(8, None), (4, None), (4, 64), (4, 5), (2, 64), (2, 3)])
+@pytest.mark.parametrize("bits,group", [(8, None), (4, None), (4, 64), (4, 5), (3, 64), (3, 5), (2, 64), (2, 3)])
 def test_values_on_the_grid_are_exact(bits, group):
     rng = np.random.default_rng(1)
     rows, cols = 6, 133

@@ -120,6 +120,19 @@ def test_quantized_kl_and_mse_beats_absmax_and_gptq_beats_mse(base, imatrix, tmp
     assert code == 0 and "KL divergence mean" in out and "top-1 agreement" in out
 
 
+def test_q3_sits_between_q4_and_q2(base, tmp_path):
+    """--preset q3 (int3 experts) against f32: closer than q2, within reach of q4 (docs/QUALITY.md, all 320 windows:
+    0.053 against 0.032 and 0.165)."""
+    path, _ = base
+    kl = {}
+    for preset in ("q4", "q3", "q2"):
+        code, out, _ = run(perplexity_main, convert(tmp_path / preset, "--preset", preset), "--tokens", EVAL,
+                           "--max-windows", "6", "--kl-base", path, "--json", "--quiet")
+        assert code == 0
+        kl[preset] = json.loads(out)["kld_mean"]
+    assert kl["q4"] < kl["q3"] <= 0.5 * kl["q2"] and kl["q3"] <= 2.5 * kl["q4"], kl
+
+
 def test_perplexity_refuses_a_base_made_from_other_tokens(snapshots, base, tmp_path):
     path, _ = base
     other = tmp_path / "other.json"

@@ -4,6 +4,7 @@
     PYTHONPATH=. python tools/bench_kernels.py                  # the first OpenCL device (PoCL's CPU here)
     POCL_MAX_PTHREAD_COUNT=1 PYTHONPATH=. python tools/bench_kernels.py   # per-core numbers on PoCL
     PYTHONPATH=. python tools/bench_kernels.py --glm5           # the experts only, at GLM-5's shapes
+    PYTHONPATH=. python tools/bench_kernels.py --expert-bits 4,3,2 --glm5   # the experts at int4, int3 and int2
 
 - launch: an empty kernel launched and waited for, one at a time, and launched back to back with one wait
   (the host round trip against the driver's own dispatch cost); and the device's idle time between queued
@@ -15,8 +16,10 @@
   SiLU; `edp_q4` + `expert_sum`, down per slot and the slots' sum) and int8 inputs (`eg_q4_x8`; `edp_q4_x8` +
   `expert_sum`); with `--glm5`, at GLM-5's shapes (hidden 6144, moe_intermediate 2048: 19 MB per expert, a pool
   of 24 so that a token's experts are not in the cache from the token before), and two of its attention
-  products (q_a, o_proj) with int8 inputs.
-GB/s counts the int4 codes and the float scales (one per 64 columns) read. Kernel times come from an OpenCL
+  products (q_a, o_proj) with int8 inputs;
+- with `--expert-bits`, only the experts, at each of those widths in turn (int2 experts take float inputs only),
+  the widths alternated over `--rounds` rounds (medians of each round's median).
+GB/s counts the codes and the float scales (one per 64 columns) read. Kernel times come from an OpenCL
 profiling queue: medians over `--runs` launches after 10 warm-up launches.
 On a shared machine compare rows measured in one run, never across runs.
 """
@@ -43,7 +46,8 @@ from glmkit.backends.opencl.decode_launches import (  # noqa: E402
 )
 from glmkit.backends.opencl.device import available, cl, list_devices  # noqa: E402
 from glmkit.backends.opencl.ops import Kernels  # noqa: E402
-from glmkit.backends.opencl.weights import X8_BLOCK, ClWeight, ExpertShape  # noqa: E402
+from glmkit.backends.opencl.weights import X8_BLOCK, ClWeight, ExpertShape, x8_eligible  # noqa: E402
+from glmkit.format.packing import packed_row_bytes  # noqa: E402
 
 HIDDEN, INTER, GROUP, SLOTS, EXPERTS = 1024, 512, 64, 9, 32
 
@@ -119,10 +123,12 @@ def bench_matvec(kernels: Kernels, rows: int, runs: int, rng: np.random.Generato
     return {"ms": t * 1e3, "gcodes_s": rows * n_in / t / 1e9, "gb_s": packed.nbytes / t / 1e9}
 
 
-def expert_blob(rng: np.random.Generator, hidden: int, inter: int, experts: int) -> tuple[np.ndarray, list[int]]:
-    """`experts` int4 g64 experts laid out like a container: gate, gate scales, up, up scales, down, down scales."""
-    sizes = [inter * hidden // 2, inter * (hidden // GROUP) * 4] * 2 + [hidden * inter // 2,
-                                                                        hidden * (inter // GROUP) * 4]
+def expert_blob(rng: np.random.Generator, hidden: int, inter: int, experts: int, bits: int = 4
+                ) -> tuple[np.ndarray, list[int]]:
+    """`experts` g64 experts of `bits`-bit random codes laid out like a container: gate, gate scales, up, up scales,
+    down, down scales."""
+    sizes = [inter * packed_row_bytes(hidden, bits), inter * (hidden // GROUP) * 4] * 2 + [
+        hidden * packed_row_bytes(inter, bits), hidden * (inter // GROUP) * 4]
     per = sum(sizes)
     blob = rng.integers(0, 256, experts * per, dtype=np.uint8)
     starts = [sum(sizes[:k]) for k in range(6)]
@@ -133,10 +139,11 @@ def expert_blob(rng: np.random.Generator, hidden: int, inter: int, experts: int)
 
 
 def bench_experts(kernels: Kernels, runs: int, rng: np.random.Generator, x8: bool, hidden: int = HIDDEN,
-                  inter: int = INTER, experts: int = EXPERTS) -> dict[str, float]:
-    """The device decode step's expert kernels over SLOTS of `experts` random experts for one token, float or int8
-    inputs: G codes/s and GB/s (codes and scales) of gate+up and of down (down per slot plus the slots' sum)."""
-    blob, layout = expert_blob(rng, hidden, inter, experts)
+                  inter: int = INTER, experts: int = EXPERTS, bits: int = 4) -> dict[str, float]:
+    """The device decode step's expert kernels over SLOTS of `experts` random `bits`-bit experts for one token, float
+    or int8 inputs: G codes/s and GB/s (codes and scales) of gate+up and of down (down per slot plus the slots'
+    sum)."""
+    blob, layout = expert_blob(rng, hidden, inter, experts, bits)
     expert_starts, starts = layout[:experts], layout[experts:]
     b = kernels.buffers
     buf = b.read_only_in_place(blob)
@@ -145,7 +152,8 @@ def bench_experts(kernels: Kernels, runs: int, rng: np.random.Generator, x8: boo
                         b.put("tok_start", np.array([0, SLOTS], np.uint32), np.uint32),
                         b.put("slot_w", np.ones(SLOTS, np.float32)), SLOTS)
     hid, y, part = b.out("hid", SLOTS * inter * 4), b.out("y", hidden * 4), b.out("part", SLOTS * hidden * 4)
-    shape = ExpertShape(4, GROUP, hidden // GROUP, hidden, inter, hidden // 2, inter // 2, inter // GROUP)
+    shape = ExpertShape(bits, GROUP, hidden // GROUP, hidden, inter, packed_row_bytes(hidden, bits),
+                        packed_row_bytes(inter, bits), inter // GROUP)
     quantize = None
     if x8:
         x_codes = x8_scratch(kernels, "x", hidden)
@@ -168,8 +176,26 @@ def bench_experts(kernels: Kernels, runs: int, rng: np.random.Generator, x8: boo
         t = float(np.median(ts[10:]))
         out[f"{name}_ms"] = t * 1e3
         out[f"{name}_gcodes_s"] = codes[name] / t / 1e9
-        out[f"{name}_gb_s"] = codes[name] * (0.5 + 4 / GROUP) / t / 1e9  # int4 codes and a float scale per group
+        out[f"{name}_gb_s"] = codes[name] * (bits / 8 + 4 / GROUP) / t / 1e9  # codes and a float scale per group
     return out
+
+
+def compare_expert_bits(kernels: Kernels, widths: list[int], args: argparse.Namespace,
+                        rng: np.random.Generator) -> None:
+    """The expert kernels at each code width, alternated over rounds; prints one line per width and input type."""
+    hidden, inter, experts = (6144, 2048, 24) if args.glm5 else (HIDDEN, INTER, EXPERTS)
+    cases = [(bits, x8) for bits in widths for x8 in (False, True) if not x8 or x8_eligible(bits, GROUP, hidden,
+                                                                                            inter)]
+    got: dict[tuple[int, bool], list[dict[str, float]]] = {case: [] for case in cases}
+    for _ in range(args.rounds):
+        for bits, x8 in cases:
+            got[bits, x8].append(bench_experts(kernels, args.runs, rng, x8, hidden, inter, experts, bits))
+    for (bits, x8), rounds in got.items():
+        med = {k: float(np.median([r[k] for r in rounds])) for k in rounds[0]}
+        print(f"experts int{bits} g64 ({SLOTS} of {experts}, hidden {hidden}, inter {inter}), "
+              f"{'int8' if x8 else 'float'} inputs: gate+up {med['gate_up_ms']:.3f} ms ({med['gate_up_gb_s']:.1f} "
+              f"GB/s), down {med['down_ms']:.3f} ms ({med['down_gb_s']:.1f} GB/s), per token "
+              f"{med['gate_up_ms'] + med['down_ms']:.3f} ms")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--glm5", action="store_true",
                     help="GLM-5's shapes only: two attention products and the experts (hidden 6144, "
                     "moe_intermediate 2048; 24 experts)")
+    ap.add_argument("--expert-bits", help="comma-separated code widths (e.g. 4,3,2): the experts only, at each")
+    ap.add_argument("--rounds", type=int, default=3, help="with --expert-bits: rounds over the widths (default 3)")
     args = ap.parse_args(argv)
     if not available() or not list_devices():
         print("bench_kernels: no OpenCL device", file=sys.stderr)
@@ -187,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     kernels.enable_profiling()
     rng = np.random.default_rng(0)
     print(f"device: {info.platform} / {info.name} ({info.kind}), kernels {kernels.version}")
+    if args.expert_bits:
+        compare_expert_bits(kernels, [int(b) for b in args.expert_bits.split(",")], args, rng)
+        return 0
     if args.glm5:
         for label, rows, n_in in (("q_a [2048, 6144]", 2048, 6144), ("o_proj [6144, 16384]", 6144, 16384)):
             r = bench_matvec(kernels, rows, args.runs, rng, True, n_in)

@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=1024)
     ap.add_argument("--cols", type=int, default=2048)
-    ap.add_argument("--bits", type=int, default=4, choices=(2, 4, 8))
+    ap.add_argument("--bits", type=int, default=4, choices=(2, 3, 4, 8))
     ap.add_argument("--group-size", type=int, default=64, help="0 = per row")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)

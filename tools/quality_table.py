@@ -64,6 +64,9 @@ VARIANTS: list[tuple[str, str, int, str, str | None]] = [
     ("q4 per-row absmax", "q4", 0, "absmax", None),
     ("q4 per-row mse+imatrix", "q4", 0, "mse", "all"),
     ("q4 per-row gptq", "q4", 0, "gptq", "all"),
+    ("q3 absmax", "q3", 64, "absmax", None),
+    ("q3 mse", "q3", 64, "mse", None),
+    ("q3 gptq, pooled expert Hessians", "q3", 64, "gptq", "pooled"),
     ("q2 absmax", "q2", 64, "absmax", None),
     ("q2 mse", "q2", 64, "mse", None),
     ("q2 mse+imatrix", "q2", 64, "mse", "all"),
@@ -141,18 +144,25 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     out = ["| variant | size | bpw | convert | ppl | ppl ratio | KLD mean | KLD p99 | top-1 | MTP accept (greedy) "
            "| MTP accept (text) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        kl = (f"{r['ppl_ratio']:.4f} | {r['kld_mean']:.5f} | {r['kld_p99']:.4f} | {100 * r['top1_agreement']:.2f}% "
-              f"± {100 * r['top1_se']:.2f}" if "kld_mean" in r else "1 | 0 | 0 | 100%")
+        kl = kl_cells(r) if "kld_mean" in r else "1 | 0 | 0 | 100%"
         out.append(f"| {r['variant']} | {r['bytes'] / 1e6:.2f} MB | {r['bpw']:.2f} | {r['convert_s']:.1f} s | "
                    f"{r['ppl']:.4f} | {kl} | {100 * r['mtp_acceptance']:.1f}% | "
                    f"{100 * r['mtp_acceptance_text']:.1f}% |")
     return "\n".join(out)
 
 
+def kl_cells(r: dict[str, Any]) -> str:
+    """The `ppl ratio | KLD mean | KLD p99 | top-1` cells of a row measured against the f32 base."""
+    return (f"{r['ppl_ratio']:.4f} | {r['kld_mean']:.5f} | {r['kld_p99']:.4f} | {100 * r['top1_agreement']:.2f}% "
+            f"± {100 * r['top1_se']:.2f}")
+
+
+FIXTURE = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "tiny-trained"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--fixture", type=Path, default=Path(__file__).resolve().parent.parent / "tests" / "fixtures"
-                    / "tiny-trained")
+    ap.add_argument("--fixture", type=Path, default=FIXTURE)
     ap.add_argument("--work", type=Path, help="where the containers go (default: a temporary directory)")
     ap.add_argument("--json", type=Path, help="write the raw numbers here")
     ap.add_argument("--only", action="append", help="measure only this variant (repeatable; f32 always runs)")

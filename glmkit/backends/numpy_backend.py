@@ -28,6 +28,7 @@ from typing import TypeVar
 import numpy as np
 
 from glmkit.format.config import ModelConfig
+from glmkit.format.packing import INT3_BLOCK, INT3_BLOCK_BYTES, unpack
 from glmkit.format.tensors import QuantWeight, Weight
 from glmkit.model.compute import ExpertArena, ExpertFn, moe_layer
 from glmkit.model.layer_spec import LayerSpec
@@ -162,6 +163,8 @@ class NumpyBackend:
         codes = scratch[: n * width].reshape(n, width)
         if w.bits == 8:
             np.copyto(codes, w.packed[start:stop].view(np.int8), casting="unsafe")
+        elif w.bits == 3:  # 3-bit fields straddle bytes: no byte -> codes table
+            np.copyto(codes, unpack(w.packed[start:stop], 3, width), casting="unsafe")
         else:
             # One gather through a byte -> codes table unpacks all fields of a byte at once.
             table = _CODE_TABLES[w.bits]
@@ -322,7 +325,9 @@ def times_transposed(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 
 def _code_width(w: QuantWeight) -> int:
-    """Codes per packed row: `I` rounded up to whole bytes."""
+    """Codes per packed row: `I` rounded up to whole bytes (int3: whole blocks of 64)."""
+    if w.bits == 3:
+        return w.packed.shape[1] // INT3_BLOCK_BYTES * INT3_BLOCK
     return w.packed.shape[1] * (8 // w.bits)
 
 

@@ -31,11 +31,13 @@ def build_parser() -> argparse.ArgumentParser:
                                "conversion of the same inputs there is resumed)")
     p.add_argument("--preset", default="q4", choices=list(PRESETS),
                    help="f32 (lossless), q8 (int8 g64, F32 embedding), q4 (default: int4 g64, int8 g64 "
-                        "embed/lm_head/indexer/MTP), q2 (routed experts int2 g64, rest as q4)")
-    p.add_argument("--expert-bits", type=int, choices=(2, 4, 8, 32), help="override routed-expert bits (32 = F32)")
-    p.add_argument("--dense-bits", type=int, choices=(2, 4, 8, 32),
+                        "embed/lm_head/indexer/MTP), q3 (routed experts int3 g64, rest as q4), q2 (routed "
+                        "experts int2 g64, rest as q4)")
+    p.add_argument("--expert-bits", type=int, choices=(2, 3, 4, 8, 32),
+                   help="override routed-expert bits (32 = F32)")
+    p.add_argument("--dense-bits", type=int, choices=(2, 3, 4, 8, 32),
                    help="override attention, dense MLP and shared-expert bits (32 = F32)")
-    p.add_argument("--embed-bits", type=int, choices=(2, 4, 8, 32), help="override embed/lm_head bits (32 = F32)")
+    p.add_argument("--embed-bits", type=int, choices=(2, 3, 4, 8, 32), help="override embed/lm_head bits (32 = F32)")
     p.add_argument("--group-size", type=int, default=DEFAULT_GROUP_SIZE,
                    help=f"scale group size of quantized weights (default {DEFAULT_GROUP_SIZE}; 0 = per row)")
     p.add_argument("--quantizer", choices=QUANTIZERS,

@@ -30,6 +30,7 @@ PRESETS: dict[str, dict[str, int]] = {
     "f32": {},
     "q8": dict.fromkeys((r for r in QUANTIZABLE_ROLES if r != "embed"), 8),
     "q4": _Q4,
+    "q3": {**_Q4, "routed_expert": 3},
     "q2": {**_Q4, "routed_expert": 2},
 }
 
@@ -56,7 +57,7 @@ class QuantPlan:
             if value is None:
                 continue
             if value != 32 and value not in SUPPORTED_BITS:
-                raise GlmkitError(f"{flag}: {value} is not one of 2, 4, 8 or 32 (F32)")
+                raise GlmkitError(f"{flag}: {value} is not one of 2, 3, 4, 8 or 32 (F32)")
             for role in roles:
                 if value == 32:
                     bits.pop(role, None)

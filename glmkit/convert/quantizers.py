@@ -43,6 +43,7 @@ _Block = TypeVar("_Block")
 _GRIDS = {
     8: np.linspace(1.0, 1.5, 8),
     4: np.linspace(1.0, 2.0, 16),
+    3: np.linspace(1.0, 2.5, 16),
     2: np.linspace(1.0, 3.5, 16),
 }
 _BLOCK_ELEMS = 1 << 18  # elements of one row block (the search's working set stays in cache)

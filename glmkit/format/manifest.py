@@ -86,7 +86,7 @@ class TensorEntry:
 
     @property
     def stored_shape(self) -> tuple[int, ...]:
-        """The shape in the data file: `shape`, or `[O, ceil(I * bits / 8)]` bytes for a packed weight."""
+        """The shape in the data file: `shape`, or `[O, packed_row_bytes(I, bits)]` bytes for a packed weight."""
         if self.quant is None:
             return self.shape
         return self.shape[0], packed_row_bytes(self.shape[1], self.quant.bits)
@@ -317,7 +317,7 @@ def _entry_json(e: TensorEntry) -> dict[str, Any]:
 
 def _entry_from_json(where: str, name: str, d: Any, file_sizes: dict[str, int] | None) -> TensorEntry:
     """One `tensors` entry, each field checked, and its storage by the format's rules: F32 `shape`, or a packed
-    U8 `[O, ceil(I * bits / 8)]` weight; 64-byte aligned and, given `file_sizes`, inside its data file."""
+    U8 `[O, packed_row_bytes(I, bits)]` weight; 64-byte aligned and, given `file_sizes`, inside its data file."""
     if type(d) is not dict or d.keys() != ENTRY_KEYS:
         has = sorted(d) if type(d) is dict else type(d).__name__
         raise _entry_error(where, name, f"an entry must hold exactly the keys {sorted(ENTRY_KEYS)}, not "

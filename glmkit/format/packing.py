@@ -7,13 +7,19 @@ unless the caller passes scales (the converter's `mse` quantizer searches them: 
 Each row is packed on its own into `ceil(I * bits / 8)` bytes:
   int8: two's-complement bytes; int4: `q + 8`, the even column in the low nibble;
   int2: `q + 2`, column `4j + k` at bits `2k` of byte `j`.
+int3 packs `u = q + 4` in blocks of 64 columns, 24 bytes each (`24 * ceil(I / 64)` bytes a row, the last block's
+missing columns stored as `u = 4`, code 0): block column `16k + j` (k < 4, j < 16) has its low two bits at bits
+`2k, 2k+1` of block byte `j`, and column `8k + j` (k < 8, j < 8) its high bit at bit `k` of block byte `16 + j`.
+Both planes unpack with whole-vector shifts and masks (kernels/common.cl), as llama.cpp's Q3_K does.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-SUPPORTED_BITS = (2, 4, 8)
+SUPPORTED_BITS = (2, 3, 4, 8)
+INT3_BLOCK = 64  # columns of one int3 storage block
+INT3_BLOCK_BYTES = 24  # its 16 bytes of low bit pairs, then 8 bytes of high bits
 MIN_SCALE = 1e-8
 ROW_BLOCK_ELEMENTS = 1 << 22  # float32 temporaries of quantize(): 16 MB at a time
 
@@ -24,6 +30,8 @@ def qmax(bits: int) -> int:
 
 def packed_row_bytes(in_features: int, bits: int) -> int:
     """Bytes one packed row of `in_features` values occupies."""
+    if bits == 3:
+        return -(-in_features // INT3_BLOCK) * INT3_BLOCK_BYTES
     return (in_features * bits + 7) // 8
 
 
@@ -92,6 +100,8 @@ def pack(codes: np.ndarray, bits: int) -> np.ndarray:
     out_features, in_features = codes.shape
     if bits == 8:
         return codes.astype(np.int8).view(np.uint8).copy()
+    if bits == 3:
+        return _pack_int3(codes)
     per_byte = 8 // bits
     padded_len = packed_row_bytes(in_features, bits) * per_byte
     biased = np.zeros((out_features, padded_len), np.uint8)
@@ -107,6 +117,8 @@ def unpack(packed: np.ndarray, bits: int, in_features: int) -> np.ndarray:
     """Packed bytes `[O, B]` -> integer codes `[O, in_features]` int8 (exact inverse of `pack`)."""
     if bits == 8:
         return packed.view(np.int8)[:, :in_features]
+    if bits == 3:
+        return _unpack_int3(packed, in_features)
     per_byte = 8 // bits
     mask = np.uint8((1 << bits) - 1)
     lanes = np.empty((packed.shape[0], packed.shape[1], per_byte), np.int8)
@@ -114,6 +126,38 @@ def unpack(packed: np.ndarray, bits: int, in_features: int) -> np.ndarray:
         lanes[:, :, k] = ((packed >> np.uint8(bits * k)) & mask).astype(np.int8)
     lanes -= np.int8(1 << (bits - 1))
     return lanes.reshape(packed.shape[0], -1)[:, :in_features]
+
+
+def _pack_int3(codes: np.ndarray) -> np.ndarray:
+    """int3 codes `[O, I]` -> `[O, 24 * ceil(I / 64)]` bytes (the block layout in the module docstring)."""
+    out_features, in_features = codes.shape
+    blocks = -(-in_features // INT3_BLOCK)
+    u = np.full((out_features, blocks * INT3_BLOCK), 4, np.uint8)
+    u[:, :in_features] = (codes.astype(np.int16) + 4).astype(np.uint8)
+    u = u.reshape(out_features, blocks, INT3_BLOCK)
+    low = (u & 3).reshape(out_features, blocks, 4, 16)  # [.., k, j]: column 16k + j
+    high = (u >> 2).reshape(out_features, blocks, 8, 8)  # [.., k, j]: column 8k + j
+    packed = np.zeros((out_features, blocks, INT3_BLOCK_BYTES), np.uint8)
+    for k in range(4):
+        packed[:, :, :16] |= low[:, :, k] << np.uint8(2 * k)
+    for k in range(8):
+        packed[:, :, 16:] |= high[:, :, k] << np.uint8(k)
+    return packed.reshape(out_features, blocks * INT3_BLOCK_BYTES)
+
+
+def _unpack_int3(packed: np.ndarray, in_features: int) -> np.ndarray:
+    """Inverse of `_pack_int3`: bytes `[O, 24 * blocks]` -> int8 codes `[O, in_features]`."""
+    out_features, row_bytes = packed.shape
+    blocks = row_bytes // INT3_BLOCK_BYTES
+    if row_bytes % INT3_BLOCK_BYTES or blocks * INT3_BLOCK < in_features:
+        raise ValueError(f"int3 rows of {row_bytes} bytes cannot hold {in_features} columns: expected "
+                         f"{packed_row_bytes(in_features, 3)} (24 bytes per 64 columns)")
+    b = packed.reshape(out_features, blocks, INT3_BLOCK_BYTES)
+    low = np.stack([(b[:, :, :16] >> np.uint8(2 * k)) & 3 for k in range(4)], axis=2)  # [.., k, j]
+    high = np.stack([(b[:, :, 16:] >> np.uint8(k)) & 1 for k in range(8)], axis=2)
+    u = low.reshape(out_features, blocks, INT3_BLOCK) | (high.reshape(out_features, blocks, INT3_BLOCK) << 2)
+    codes = u.astype(np.int8) - np.int8(4)
+    return codes.reshape(out_features, blocks * INT3_BLOCK)[:, :in_features]
 
 
 def dequantize(packed: np.ndarray, scales: np.ndarray, bits: int, group_size: int | None,

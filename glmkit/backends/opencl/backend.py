@@ -53,7 +53,7 @@ class Placement:
 
     matvec / matmul: decode / prefill weight products ("cl", "host"; matmul also "cl+blas");
     matvec_min_bytes: decode products over smaller weights stay on the host (the launch costs more);
-    matvec_host_bits: weight formats (2, 4, 8, 32 = float) whose decode products stay on the host;
+    matvec_host_bits: weight formats (2, 3, 4, 8, 32 = float) whose decode products stay on the host;
     experts: the decode MoE (all routed experts + the shared one fused into two launches);
     attention / attention_prefill; index / index_prefill: indexer scores + top-k; vector / vector_prefill: norms, RoPE,
     SiLU;
@@ -390,9 +390,9 @@ class OpenCLBackend:
         np.cumsum(np.bincount(tok, minlength=x.shape[0]), out=tok_start[1:])
         offs = np.array([slot[2] for slot in slots], np.uint64)
         slot_w = np.array([slot[1] for slot in slots], np.float32)
-        # int8 inputs for int4 experts only, as in the decode step (a q8 model's experts keep float inputs)
+        # int8 inputs for int4 and int3 experts only, as in the decode step (a q8 model's experts keep float inputs)
         shape = ref.shape
-        x8 = self.int8_activations and shape.bits == 4 and x8_eligible(shape.bits, shape.group, shape.n_in,
+        x8 = self.int8_activations and shape.bits in (3, 4) and x8_eligible(shape.bits, shape.group, shape.n_in,
                                                                        shape.inter)
         run = self.k.experts_x8 if x8 else self.k.experts
         return run(ref.buf, shape, x, offs, tok, tok_start, slot_w)

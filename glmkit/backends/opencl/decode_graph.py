@@ -8,7 +8,7 @@ waits once, for the logits. Each layer's launches are bound from its description
 stages, their tensors and constants, as `GlmMoeDsaModel.decoder_layer` runs them); a layer whose description holds
 something these kernels do not do is refused (`Unsupported`). The math is the model's for one token (same order of
 operations; float sums may associate differently, as in every kernel), except that by default the int4
-products, and a q4/q2 model's int8 ones, take int8-quantized inputs (`_int8_input_bits`, common.cl).
+products (int3 too), and a q4/q3/q2 model's int8 ones, take int8-quantized inputs (`_int8_input_bits`, common.cl).
 Every launch costs the device some idle time, so work is merged where it reads the same input
 or is small: two products of the normed hidden state in one launch (`_matvec_pair`), a product that writes its
 output's int8 codes (`codes_out`), the token's cache rows and query latent in one launch (`token_rows`), the
@@ -670,17 +670,18 @@ class DeviceDecodeStep:
         return launches, self._whole(y) if summed else Addend(part, slots.tok_start, slots.slot_w)
 
     def _int8_input_bits(self, int8_activations: bool) -> frozenset[int]:
-        """The weight widths whose products take int8-quantized inputs: int4 always (their own rounding dwarfs
-        the inputs'); int8 too where the routed experts are int4 or int2 (q4, q2: a small KL cost, docs/QUALITY.md).
+        """The weight widths whose products take int8-quantized inputs: int4 and int3 always (their own rounding
+        dwarfs the inputs'); int8 too where the routed experts are int4, int3 or int2 (q4, q3, q2: a small KL cost,
+        docs/QUALITY.md).
         A q8 model's products keep float inputs: int8 inputs would double its KL divergence
         (tools/quality_int8_activations.py)."""
         if not int8_activations:
             return frozenset()
         moe = next((spec.ffn for spec in self.specs if isinstance(spec.ffn, MoESpec)), None)
         if moe is None:
-            return frozenset({4})
+            return frozenset({3, 4})
         expert = self._weight(moe.expert(0).gate)
-        return frozenset({4, 8}) if getattr(expert, "bits", 32) < 8 else frozenset({4})
+        return frozenset({3, 4, 8}) if getattr(expert, "bits", 32) < 8 else frozenset({3, 4})
 
     def _x8(self, bits: int, group: int, *widths: int) -> bool:
         return bits in self.x8_bits and x8_eligible(bits, group, *widths)

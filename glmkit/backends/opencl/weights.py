@@ -18,14 +18,14 @@ from glmkit.backends.opencl.buffers import ALIGN, Buffers, address
 from glmkit.format.tensors import QuantWeight, Weight
 
 ARENA_BYTES = 256 << 20  # discrete devices: weights are uploaded into arenas of this size (or max alloc)
-BIT_SUFFIX = {32: "f32", 8: "q8", 4: "q4", 2: "q2"}  # a product kernel's weight type: mv_q4, eg_q8_x8, ...
+BIT_SUFFIX = {32: "f32", 8: "q8", 4: "q4", 3: "q3", 2: "q2"}  # a product kernel's weight type: mv_q4, eg_q8_x8, ...
 X8_BLOCK = 64  # columns per scale of int8-quantized activations (common.cl)
 
 
 def x8_eligible(bits: int, group: int, *widths: int) -> bool:
-    """Whether products can take int8 activations: int4 or int8 codes whose scale groups are whole blocks of
+    """Whether products can take int8 activations: int3, int4 or int8 codes whose scale groups are whole blocks of
     X8_BLOCK columns, every input width (a matrix's columns; an MLP's n_in and inter) a whole number of blocks."""
-    return bits in (4, 8) and group > 0 and group % X8_BLOCK == 0 and all(w % X8_BLOCK == 0 for w in widths)
+    return bits in (3, 4, 8) and group > 0 and group % X8_BLOCK == 0 and all(w % X8_BLOCK == 0 for w in widths)
 
 
 @dataclass(frozen=True)

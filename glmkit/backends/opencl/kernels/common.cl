@@ -4,7 +4,9 @@
  * unified-memory devices use it in place) or an upload arena (discrete GPUs). A weight row of a
  * quantized matrix is `row_bytes` packed bytes; its scales (float) are one per row (group == 0) or one
  * per `group` columns (`n_groups` per row). Packing (docs/FORMAT.md): int8 two's complement; int4 code+8,
- * even column in the low nibble; int2 code+2, column 4j+k at bits 2k of byte j. bits == 32: float rows.
+ * even column in the low nibble; int2 code+2, column 4j+k at bits 2k of byte j; int3 code+4 in blocks of 64
+ * columns, 24 bytes each (block column 16k+j: low bits 2k..2k+1 of byte j; column 8k+j: high bit k of byte 16+j).
+ * bits == 32: float rows.
  *
  * Compile-time knobs: LANES (work-items cooperating on one matvec row: 1 on CPUs, a warp on GPUs),
  * ROWS (matvec rows per work-item, sharing each loaded chunk of x: 4 on CPUs, 1 on GPUs),
@@ -17,13 +19,16 @@
 #define INLINE static inline __attribute__((always_inline))
 #ifdef CPU_LOADS
 typedef struct __attribute__((packed)) { uchar16 v; } uchar16_u;
+typedef struct __attribute__((packed)) { uchar8 v; } uchar8_unaligned;
 typedef struct __attribute__((packed)) { float8 v; } float8_u;
 typedef struct __attribute__((packed)) { float4 v; } float4_u;
 #define LOAD_U16(i, p) (((const __global uchar16_u*)(p))[i].v)
+#define LOAD_U8(i, p) (((const __global uchar8_unaligned*)(p))[i].v)
 #define LOAD_F8(i, p) (((const __global float8_u*)(p))[i].v)
 #define LOAD_F4(i, p) (((const __global float4_u*)(p))[i].v)
 #else
 #define LOAD_U16(i, p) vload16((i), (p))
+#define LOAD_U8(i, p) vload8((i), (p))
 #define LOAD_F8(i, p) vload8((i), (p))
 #define LOAD_F4(i, p) vload4((i), (p))
 #endif
@@ -47,14 +52,49 @@ INLINE float fmax_(float a, float b) {  /* no NaN here; -inf is ordered */
 #endif
 #define VALUE_COLS (LANES > 1 ? 1 : 32)  /* latent columns per work-item of mla_decode_values */
 
-/* Codes in one 16-element storage chunk: 16 floats, 16 int8, 32 int4 or 64 int2 codes. */
+/* AVX2 CPUs: 32-byte vectors for the byte products (below) and for unpacking int3 blocks. */
+#if defined(__AVX2__) && defined(CPU_LOADS)
+#define X8_PAIRS 1
+typedef char char32 __attribute__((ext_vector_type(32)));
+typedef char c32v __attribute__((vector_size(32)));
+typedef short s16v __attribute__((vector_size(32)));
+typedef struct __attribute__((packed)) { c32v v; } c32v_u;
+
+/* The stored values 0..7 of an int3 block (24 bytes at w) as bytes in column order: columns 0..31 in *v0, 32..63
+ * in *v1. Low bit pairs: the 16 bytes and the same shifted by 2 are columns 0..31 (masked with 3), that pair
+ * shifted by 4 columns 32..63. High bits: the 8 bytes repeated 4 times, bit c / 8 of byte c % 8 tested for column
+ * c (bits 4..7 for columns 32..63), each set one giving 4. */
+INLINE void int3_block_bytes(const __global uchar* w, c32v* v0, c32v* v1) {
+    const c32v bit = {1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 4, 4, 4, 4, 4, 4, 4, 4, 8, 8, 8, 8, 8, 8, 8, 8};
+    const c32v three = (c32v)((char32)(3)), four = (c32v)((char32)(4));
+    const uchar16 low = LOAD_U16(0, w);
+    const uchar8 high = LOAD_U8(0, w + 16);
+    const c32v pairs = (c32v)__builtin_shufflevector(low, low >> (uchar16)2, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,
+                                                     13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28,
+                                                     29, 30, 31);
+    const c32v highs = (c32v)__builtin_shufflevector(high, high, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1,
+                                                     2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7);
+    *v0 = (pairs & three) | (((highs & bit) == bit) & four);
+    *v1 = ((c32v)((s16v)pairs >> 4) & three) | ((((c32v)((s16v)highs >> 4) & bit) == bit) & four);
+}
+#endif
+
+/* Codes in one storage chunk: 16 floats, 16 int8, 32 int4 or 64 int2 codes (16 bytes), or one int3 block of 64
+ * codes (24 bytes). */
 INLINE uint chunk_codes(const int bits) {
     return bits == 32 ? 16u : (bits == 8 ? 16u : (bits == 4 ? 32u : 64u));
 }
 
+/* Stored int3 values (code + 4, 0..7) of columns 8m .. 8m + 7 of the int3 block at b (m < 8). */
+INLINE uchar8 int3_values8(const __global uchar* b, uint m) {
+    const uchar8 low = LOAD_U8(m & 1u, b), high = LOAD_U8(0, b + 16);
+    return ((low >> (uchar8)(2u * (m >> 1))) & (uchar8)3) | (((high >> (uchar8)m) & (uchar8)1) << (uchar8)2);
+}
+
 /* The x values of storage chunk c arranged like the codes that `codes_dot` unpacks (x starts at the row's
  * column 0): f32/int8: 2 vectors; int4: even and odd columns of each 16-code half; int2: the 4 bit fields of
- * each 32-code half. Returns the chunk's bias term: int4/int2 codes are stored with +8/+2, so
+ * each 32-code half; int3: 8 vectors in column order. Returns the chunk's bias term: int4/int2/int3 codes are
+ * stored with +8/+2/+4, so
  * `sum (stored - 8) * x = sum stored * x - 8 * sum x`, and that second part is shared by every row.
  * Vectors are at most 8 floats wide (an AVX2 register) so that no target splits them. */
 INLINE float8 load_x(const int bits, const __global float* x, uint c, float8* xv) {
@@ -71,6 +111,15 @@ INLINE float8 load_x(const int bits, const __global float* x, uint c, float8* xv
         xv[2] = (float8)(a2.even, a3.even);
         xv[3] = (float8)(a2.odd, a3.odd);
         return 8.0f * ((a0 + a1) + (a2 + a3));
+    }
+    if (bits == 3) {
+        const __global float* xp = x + c * 64u;
+        float8 sum = (float8)(0.0f);
+        for (uint m = 0; m < 8; m++) {
+            xv[m] = LOAD_F8(m, xp);
+            sum += xv[m];
+        }
+        return 4.0f * sum;
     }
     const __global float* xp = x + c * 64u;
     float8 sum = (float8)(0.0f);
@@ -92,6 +141,20 @@ INLINE float8 codes_dot(const int bits, const __global uchar* row, uint c, const
     if (bits == 32) {
         const __global float* w = (const __global float*)row;
         return LOAD_F8(2 * c, w) * xv[0] + LOAD_F8(2 * c + 1, w) * xv[1];
+    }
+    if (bits == 3) {
+        float8 acc = (float8)(0.0f);
+#ifdef X8_PAIRS  /* the block's 64 values unpacked at once, as the int8-input product does */
+        c32v v[2];
+        int3_block_bytes(row + 24u * c, &v[0], &v[1]);
+        for (uint m = 0; m < 8; m++) {
+            const ulong4 q = as_ulong4(v[m >> 2]);
+            acc += convert_float8(as_uchar8(q[m & 3])) * xv[m];
+        }
+#else
+        for (uint m = 0; m < 8; m++) acc += convert_float8(int3_values8(row + 24u * c, m)) * xv[m];
+#endif
+        return acc;
     }
     const uchar16 b = LOAD_U16(c, row);
     if (bits == 8) {
@@ -118,6 +181,11 @@ INLINE float code_at(const int bits, const __global uchar* row, uint i) {
     if (bits == 32) return ((const __global float*)row)[i];
     if (bits == 8) return (float)as_char(row[i]);
     if (bits == 4) return (float)((row[i >> 1] >> ((i & 1u) * 4u)) & 15u) - 8.0f;
+    if (bits == 3) {
+        const __global uchar* b = row + 24u * (i >> 6);
+        const uint t = i & 63u;
+        return (float)(((b[t & 15u] >> (2u * (t >> 4))) & 3u) | (((b[16u + (t & 7u)] >> (t >> 3)) & 1u) << 2)) - 4.0f;
+    }
     return (float)((row[i >> 2] >> ((i & 3u) * 2u)) & 3u) - 2.0f;
 }
 
@@ -243,12 +311,7 @@ INLINE void rows_dot(const int bits, const int sets, const __global uchar* row, 
  * - otherwise: columns 4t, 4t+1, 4t+2, 4t+3 as four runs of 16, matching the nibbles of 16-bit lanes of the
  *   codes (little-endian devices), multiplied in 16 bits.
  * load_x8 reads either half of a block's codes; block_dot (int4 rows) and block_dot8 (int8 rows) use them. */
-#if defined(__AVX2__) && defined(CPU_LOADS)
-#define X8_PAIRS 1
-typedef char char32 __attribute__((ext_vector_type(32)));
-typedef char c32v __attribute__((vector_size(32)));
-typedef short s16v __attribute__((vector_size(32)));
-typedef struct __attribute__((packed)) { c32v v; } c32v_u;
+#ifdef X8_PAIRS
 typedef struct { c32v even, odd; } x8_block;
 
 INLINE x8_block load_x8(const __global char* q) {
@@ -263,6 +326,15 @@ INLINE int8 block_dot(const __global uchar* w, const x8_block* x) {
     const c32v b = ((const __global c32v_u*)w)[0].v, m = (c32v)((char32)(15));
     const c32v lo = b & m, hi = (c32v)((s16v)b >> 4) & m;
     const s16v p = __builtin_ia32_pmaddubsw256(lo, x->even) + __builtin_ia32_pmaddubsw256(hi, x->odd);
+    return as_int8(__builtin_ia32_pmaddwd256(p, (s16v)((short16)(1))));
+}
+
+/* The same for an int3 block (24 bytes at w, x in column order: `even` columns 0..31, `odd` 32..63): its values
+ * as bytes (int3_block_bytes), then vpmaddubsw as for int4 (at most 2 * 2 * 7 * 127 per 16-bit lane). */
+INLINE int8 block_dot3(const __global uchar* w, const x8_block* x) {
+    c32v v0, v1;
+    int3_block_bytes(w, &v0, &v1);
+    const s16v p = __builtin_ia32_pmaddubsw256(v0, x->even) + __builtin_ia32_pmaddubsw256(v1, x->odd);
     return as_int8(__builtin_ia32_pmaddwd256(p, (s16v)((short16)(1))));
 }
 
@@ -289,6 +361,19 @@ INLINE int8 block_dot(const __global uchar* w, const x8_block* x) {
     const ushort16 v = vload16(0, (const __global ushort*)w), m = (ushort16)(15);
     const short16 p = as_short16(v & m) * x->c0 + as_short16((v >> (ushort16)4) & m) * x->c1
                     + as_short16((v >> (ushort16)8) & m) * x->c2 + as_short16(v >> (ushort16)12) * x->c3;
+    return convert_int8(p.lo) + convert_int8(p.hi);
+}
+
+/* int3 (x in column order: c0..c3 = columns 16m .. 16m + 15): stored values 0..7 times the codes, in 16 bits. */
+INLINE int8 block_dot3(const __global uchar* w, const x8_block* x) {
+    const uchar16 low = vload16(0, w), m3 = (uchar16)3;
+    const uchar8 high = vload8(0, w + 16), one = (uchar8)1;
+    short16 p = (short16)(0);
+    for (uint m = 0; m < 4; m++) {
+        const uchar16 hi = (uchar16)((high >> (uchar8)(2u * m)) & one, (high >> (uchar8)(2u * m + 1u)) & one);
+        const short16 v = convert_short16(((low >> (uchar16)(2u * m)) & m3) | (hi << (uchar16)2));
+        p += v * (m == 0 ? x->c0 : m == 1 ? x->c1 : m == 2 ? x->c2 : x->c3);
+    }
     return convert_int8(p.lo) + convert_int8(p.hi);
 }
 
@@ -334,9 +419,9 @@ INLINE void quantize_block(const __global float* xp, __global char* qp, __global
     *qsum = s4.x + s4.y + s4.z + s4.w;
 }
 
-/* rows_dot for int4 or int8 rows (bits; group a multiple of 64) and int8-quantized x: codes xq (128 bytes per
- * block), scales xs and code sums xsum per block. n: a multiple of 64. Read ahead: a block is 32 (int4) or 64
- * (int8) bytes of each of ROWS rows, so 2 or 4 lines per block. */
+/* rows_dot for int3, int4 or int8 rows (bits; group a multiple of 64) and int8-quantized x: codes xq (128 bytes
+ * per block), scales xs and code sums xsum per block. n: a multiple of 64. Read ahead: a block is 24 (int3), 32
+ * (int4) or 64 (int8) bytes of each of ROWS rows, so 1, 2 or 4 lines per block. */
 INLINE void rows_dot_x8(const int bits, const int sets, const __global uchar* row, const __global uchar* row2,
                         uint row_bytes, const __global float* sc, const __global float* sc2, uint n_groups,
                         uint nrows, uint n, uint group, const __global char* xq, const __global float* xs, const __global int* xsum,
@@ -347,11 +432,12 @@ INLINE void rows_dot_x8(const int bits, const int sets, const __global uchar* ro
     float8 acc[2 * ROWS];
     row_sets(sets, row, row2, row_bytes, sc, sc2, n_groups, nrows, rk, sk, acc);
     const uint blocks = n / 64u, per = group / 64u;
-    const uint lines = bits / 2u, row_block = bits * 8u;
+    const uint lines = bits / 2u, row_block = bits * 8u;  /* int3: 1 line, 24 bytes */
     const bool ahead_far = AHEAD_FAR(sets, row_bytes);
     for (uint c = lane; c < blocks; c += LANES) {
-        const x8_block xb = load_x8(xq + 128u * c + (bits == 8 ? 64u : 0u));
-        const int8 bias = (int8)(bits == 4 ? xsum[c] : 0);  /* int4: 8 lanes of xsum, 8 * xsum in their total */
+        const x8_block xb = load_x8(xq + 128u * c + (bits == 4 ? 0u : 64u));
+        /* int4: 8 lanes of xsum, 8 * xsum in their total; int3: 4 lanes, 4 * xsum */
+        const int8 bias = bits == 4 ? (int8)(xsum[c]) : (bits == 3 ? (int8)((int4)(xsum[c]), (int4)(0)) : (int8)(0));
         const float s = xs[c];
         const uint gi = c / per;
         for (uint t = 0; t < lines; t++) READ_AHEAD(lines * c + t);  /* the next item's rows */
@@ -362,7 +448,7 @@ INLINE void rows_dot_x8(const int bits, const int sets, const __global uchar* ro
 #pragma unroll  /* the accumulators stay in registers (rolled, they live on the stack) */
         for (uint k = 0; k < sets * ROWS; k++) {
             const __global uchar* wk = rk[k] + row_block * c;
-            const int8 dot = bits == 4 ? block_dot(wk, &xb) : block_dot8(wk, &xb);
+            const int8 dot = bits == 4 ? block_dot(wk, &xb) : (bits == 3 ? block_dot3(wk, &xb) : block_dot8(wk, &xb));
             acc[k] += convert_float8(dot - bias) * (sk[k][gi] * s);
         }
     }

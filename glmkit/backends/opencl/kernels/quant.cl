@@ -1,6 +1,6 @@
 /* Quantized matrix products: decode matvec (one pass over the packed weight), transposed per-head
  * matvec (MLA absorption), tiled prefill matmul, dequantization, and the fused routed-expert MLP.
- * Each is stamped out for f32 (bits 32), int8, int4 and int2 weights by the macros at the end.
+ * Each is stamped out for f32 (bits 32), int8, int4, int3 and int2 weights by the macros at the end.
  *
  * Weight argument block (WARGS): wbuf + w_off: the packed rows (byte offset of row 0); sbuf + s_off: the
  * float scales; n_in: columns; row_bytes: bytes per packed row; group: scale group (0 = per row);
@@ -76,6 +76,8 @@ INLINE float8 weights8(const int bits, const __global uchar* row, const __global
         const uchar4 b = (uchar4)(row[4 * j], row[4 * j + 1], row[4 * j + 2], row[4 * j + 3]);
         const uchar8 q = (uchar8)(b.x & 15, b.x >> 4, b.y & 15, b.y >> 4, b.z & 15, b.z >> 4, b.w & 15, b.w >> 4);
         w = convert_float8(q) - 8.0f;
+    } else if (bits == 3) {
+        w = convert_float8(int3_values8(row + 24 * (j / 8), j % 8)) - 4.0f;
     } else {
         const uchar b0 = row[2 * j], b1 = row[2 * j + 1];
         const uchar8 q = (uchar8)(b0 & 3, (b0 >> 2) & 3, (b0 >> 4) & 3, b0 >> 6, b1 & 3, (b1 >> 2) & 3, (b1 >> 4) & 3,
@@ -384,6 +386,7 @@ __kernel void edp_##SUFFIX(__global const uchar* wbuf, __global const ulong* off
 QUANT_KERNELS(f32, 32)
 QUANT_KERNELS(q8, 8)
 QUANT_KERNELS(q4, 4)
+QUANT_KERNELS(q3, 3)
 QUANT_KERNELS(q2, 2)
 
 /* The query of MLA's absorbed decode attention, per head h (the device decode step's): q_abs[h] = x[h, :rows] @
@@ -404,7 +407,7 @@ __kernel void mla_query_##SUFFIX(WARGS, __global const float* x, uint x_h, __glo
 MLA_QUERY(q8, 8)
 MLA_QUERY(q4, 4)
 
-/* ---- int8 activations (common.cl): the device decode step's int4 and int8 products --------------------
+/* ---- int8 activations (common.cl): the device decode step's int3, int4 and int8 products --------------------
  * quantize_x8: rows of x (stride x_s, n columns, a multiple of 64) -> codes q[2 * (r * n + 64 b) ...] (both
  * orders of common.cl), scales qs[r * n / 64 + b] and code sums qsum[...] per block b. Global (n / 64, rows). */
 __kernel void quantize_x8(__global const float* x, uint x_s, uint n, __global char* q, __global float* qs,
@@ -413,7 +416,7 @@ __kernel void quantize_x8(__global const float* x, uint x_s, uint n, __global ch
     quantize_block(x + r * x_s + 64 * b, q + 2 * (r * n + 64 * b), qs + at, qsum + at);
 }
 
-/* mv_*_x8, eg_*_x8, edp_*_x8: mv / eg / expert_down_part of int4 and int8 rows over quantized inputs (x: one row
+/* mv_*_x8, eg_*_x8, edp_*_x8: mv / eg / expert_down_part of int3, int4 and int8 rows over quantized inputs (x: one row
  * per token or head, offsets x_s and x_h counted as for float x; hid: one row per slot). mvq_*_x8: mv_*_x8 also
  * writing its output's int8 codes (codes_out in matvec). mv2_*_x8: two products of one input in one launch (the
  * step's q_a and kv_a both read the normed hidden state): y = W x by the first `items` work-items (ceil(rows /
@@ -461,3 +464,4 @@ __kernel void edp_##SUFFIX##_x8(__global const uchar* wbuf, __global const ulong
 
 X8_KERNELS(q8, 8)
 X8_KERNELS(q4, 4)
+X8_KERNELS(q3, 3)
