@@ -19,16 +19,19 @@
 #define INLINE static inline __attribute__((always_inline))
 #ifdef CPU_LOADS
 typedef struct __attribute__((packed)) { uchar16 v; } uchar16_u;
-typedef struct __attribute__((packed)) { uchar8 v; } uchar8_unaligned;
+typedef struct __attribute__((packed)) { uchar8 v; } uchar8_u;
+typedef struct __attribute__((packed)) { ushort8 v; } ushort8_u;
 typedef struct __attribute__((packed)) { float8 v; } float8_u;
 typedef struct __attribute__((packed)) { float4 v; } float4_u;
 #define LOAD_U16(i, p) (((const __global uchar16_u*)(p))[i].v)
-#define LOAD_U8(i, p) (((const __global uchar8_unaligned*)(p))[i].v)
+#define LOAD_U8(i, p) (((const __global uchar8_u*)(p))[i].v)
+#define LOAD_US8(i, p) (((const __global ushort8_u*)(p))[i].v)
 #define LOAD_F8(i, p) (((const __global float8_u*)(p))[i].v)
 #define LOAD_F4(i, p) (((const __global float4_u*)(p))[i].v)
 #else
 #define LOAD_U16(i, p) vload16((i), (p))
 #define LOAD_U8(i, p) vload8((i), (p))
+#define LOAD_US8(i, p) vload8((i), (p))
 #define LOAD_F8(i, p) vload8((i), (p))
 #define LOAD_F4(i, p) vload4((i), (p))
 #endif

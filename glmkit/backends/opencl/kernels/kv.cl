@@ -6,16 +6,6 @@
 #define KV_TYPE 0
 #endif
 
-#ifdef CPU_LOADS
-typedef struct __attribute__((packed)) { ushort8 v; } ushort8_u;
-typedef struct __attribute__((packed)) { uchar8 v; } uchar8_u;
-#define LOAD_US8(i, p) (((const __global ushort8_u*)(p))[i].v)
-#define LOAD_UC8(i, p) (((const __global uchar8_u*)(p))[i].v)
-#else
-#define LOAD_US8(i, p) vload8((i), (p))
-#define LOAD_UC8(i, p) vload8((i), (p))
-#endif
-
 /* e4m3 (bias 7, no infinities) to float: normal codes by moving their bits into a float's, subnormal ones
  * (exponent 0) as mantissa * 2^-9. */
 INLINE float e4m3_float(uchar b) {
@@ -56,7 +46,7 @@ typedef ushort kv_t;
 #define KV_AT(p, i) as_float((uint)(p)[i] << 16)
 #else
 typedef uchar kv_t;
-#define LOAD_KV8(i, p) e4m3_float8(LOAD_UC8(i, p))
+#define LOAD_KV8(i, p) e4m3_float8(LOAD_U8(i, p))
 #define KV_AT(p, i) e4m3_float((p)[i])
 #endif
 #define ROW_SCALE(s, t) (KV_TYPE == 2 ? (s)[t] : 1.0f)
