@@ -8,6 +8,10 @@ a prompt of random ids prefilled by the Generator (chunks of `PREFILL_CHUNK` tok
 `index_topk` keys), then greedy tokens (MTP off; decode timed from the second one, the first also builds the decode
 step). Printed per length: prefill tok/s, decode tok/s, the peak RSS, and the model's bytes and the KV rows' bytes
 beside it. `--kv-dtypes f32,bf16,fp8`: each length once per KV row precision, in turn.
+
+`--decode-only`: in one process, decode speed alone after each length, per KV precision, in alternating rounds: the
+cache is filled with random rows (no prefill; the indexer's choice over random keys costs what it costs over real
+ones), then `--tokens` greedy tokens on the decode step per round, timed from the second.
 """
 
 from __future__ import annotations
@@ -57,6 +61,38 @@ def worker(snapshot: str, length: int, chunk: int, kv_dtype: str) -> dict:
     return out
 
 
+def decode_rounds(snapshot: str, lengths: list[int], dtypes: list[str], tokens: int, rounds: int) -> list[dict]:
+    """`--decode-only`: tok/s per (length, dtype), each round over every dtype in turn; median and range."""
+    import numpy as np
+
+    from glmkit.generate.engine import Engine
+
+    engines = {dtype: Engine(snapshot, "auto", load_tokenizer=False, kv_dtype=dtype) for dtype in dtypes}
+    rows = []
+    for length in lengths:
+        speeds: dict[str, list[float]] = {dtype: [] for dtype in dtypes}
+        for _ in range(rounds):
+            for dtype, engine in engines.items():
+                model, rng = engine.model, np.random.default_rng(length)
+                cache = model.new_cache()
+                cache.reserve(length + tokens + 1)
+                for layer in cache.layers[:engine.config.num_hidden_layers]:
+                    names = ("kv_lat", "k_rot", "index_k") if layer.has_index else ("kv_lat", "k_rot")
+                    layer.append(**{n: rng.standard_normal((length, layer.width(n))).astype(np.float32)
+                                    for n in names})
+                token = int(rng.integers(engine.config.vocab_size))
+                for i in range(tokens + 1):
+                    if i == 1:
+                        began = time.perf_counter()
+                    token = int(model.forward(np.array([token]), cache)[0][-1].argmax())
+                speeds[dtype].append(tokens / (time.perf_counter() - began))
+        for dtype, got in speeds.items():
+            rows.append({"context": length, "kv_dtype": dtype, "decode_tok_s": round(float(np.median(got)), 1),
+                         "range": [round(min(got), 1), round(max(got), 1)]})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
@@ -67,10 +103,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lengths", default="256,1024,4096,16384,32768", help="prompt lengths in tokens")
     p.add_argument("--chunk", type=int, default=PREFILL_CHUNK, help="prompt tokens per forward")
     p.add_argument("--kv-dtypes", default="f32", help="KV row precisions, each run in turn per length")
+    p.add_argument("--decode-only", action="store_true", help="decode speed alone, over random cache rows")
+    p.add_argument("--tokens", type=int, default=32, help="--decode-only: tokens per round")
+    p.add_argument("--rounds", type=int, default=3, help="--decode-only: rounds over the dtypes")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     snapshot = ensure_bench_snapshot("q4", args.work, LONG_CONFIG)
+    if args.decode_only:
+        rows = decode_rounds(str(snapshot), [int(n) for n in args.lengths.split(",")], args.kv_dtypes.split(","),
+                             args.tokens, args.rounds)
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=1))
+        return 0
     rows = []
     runs = [(int(n), dtype) for n in args.lengths.split(",") for dtype in args.kv_dtypes.split(",")]
     for length, dtype in runs:
