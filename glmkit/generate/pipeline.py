@@ -40,6 +40,7 @@ from glmkit.model.kv_cache import KVCache
 from glmkit.units import format_size
 
 DEFAULT_PIPELINE_CHUNK = 256  # prompt tokens per piece streamed through the stages
+STAGE_START_TIMEOUT_S = 120  # a stage not started by then cannot be placed (or cannot open the container)
 INSTALL_HINT = 'pip install "glmkit[distributed]"'
 
 
@@ -278,7 +279,8 @@ class Pipeline:
         try:
             return ray.get(pending + refs)[len(pending):]
         except ray.exceptions.RayActorError as e:
-            self.broken = f"{self._dead_stage(e)} died ({_first_line(e)}); its KV rows are lost: start again"
+            self.broken = (f"{self._dead_stage(e)} died (its process or machine is gone: {type(e).__name__}); its KV "
+                           "rows are lost: start again")
         except ray.exceptions.RayTaskError as e:
             cause = e.cause if isinstance(e.cause, Exception) else e
             self.broken = f"pipeline stage failed: {_first_line(cause)}"
@@ -357,10 +359,15 @@ def open_pipeline(snapshot: str | Path, container: Container, stages: int | str,
         actors.append(remote.options(**options).remote(str(snapshot), i, layers, device, float_activations, prefetch))
     pipeline = Pipeline(ray, actors, plan, [{"host": "?", "ip": "?", "pid": "?"}] * len(actors), chunk)
     try:
-        pipeline.where = pipeline.wait([actor.describe.remote() for actor in actors])
-    except GlmkitError:
+        pipeline.where = ray.get([actor.describe.remote() for actor in actors], timeout=STAGE_START_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
         pipeline.close()
-        raise
+        raise GlmkitError(f"--pipeline: the {len(actors)} stages did not all start within {STAGE_START_TIMEOUT_S} s "
+                          f"(each takes 1 CPU of the Ray cluster; it has {ray.available_resources().get('CPU', 0):g} "
+                          "free)") from None
+    except ray.exceptions.RayError as e:
+        pipeline.close()
+        raise GlmkitError(f"--pipeline: a stage failed to start ({_first_line(e)})") from None
     if verbose:
         print(plan.describe([f"{w['host']} ({w['ip']}), {w['device']}" for w in pipeline.where]), file=sys.stderr)
     return pipeline
