@@ -18,6 +18,7 @@ import ray
 from glmkit.cache.prefix_cache import PrefixCache
 from glmkit.cache.session import Session
 from glmkit.cli.run import main as run_main
+from glmkit.cli.serve import build_app, build_parser
 from glmkit.errors import GlmkitError
 from glmkit.generate.engine import Engine
 from glmkit.generate.generator import Generator
@@ -25,6 +26,7 @@ from glmkit.generate.pipeline import PipelineEngine, import_ray, layer_nbytes, p
 from glmkit.generate.sampling import Sampler, SamplingParams
 from glmkit.model.glm5 import GlmMoeDsaModel
 from tests.runtime_support import FIXTURES, Snapshots
+from tests.test_serve import ServerThread, glm_run
 
 CHUNK = 16  # pipeline pieces: a 70-token prompt is 5 pieces in flight at once
 PROMPT = json.loads((FIXTURES / "tiny-trained" / "eval_tokens.json").read_text())[0][:70]  # > index_topk (32)
@@ -183,6 +185,20 @@ def test_glm_run_pipeline_prints_the_single_process_reply(cluster, snapshot, cap
     assert out == alone and len(out.strip()) > 10
     assert "pipeline stage 0: layers 0-1" in err and "pipeline stage 1: layers 2-3" in err
     assert json.loads((tmp_path / "s.json").read_text())["cached_tokens"] > 0  # the first run's prompt, restored
+
+
+def test_glm_serve_pipeline_completes_as_glm_run(cluster, snapshot, capsys, tmp_path):
+    expected = glm_run(capsys, snapshot, "def main():", 12, "--raw-prompt", "--device", "numpy")
+    args = build_parser().parse_args([str(snapshot), "--pipeline", "3", "--device", "numpy",
+                                      "--cache-dir", str(tmp_path)])
+    server = ServerThread(build_app(args)).start()
+    try:
+        client = server.client(api_key="unused")
+        for _ in range(2):  # the second request reuses the first one's rows, kept on the stages
+            reply = client.completions.create(model=snapshot.name, prompt="def main():", max_tokens=12, temperature=0)
+            assert reply.choices[0].text == expected and len(expected) > 5
+    finally:
+        server.stop()
 
 
 def test_pipeline_flags_are_checked(snapshot, capsys, monkeypatch):
