@@ -184,7 +184,9 @@ def test_glm_run_pipeline_prints_the_single_process_reply(cluster, snapshot, cap
     out, err = capsys.readouterr()
     assert out == alone and len(out.strip()) > 10
     assert "pipeline stage 0: layers 0-1" in err and "pipeline stage 1: layers 2-3" in err
-    assert json.loads((tmp_path / "s.json").read_text())["cached_tokens"] > 0  # the first run's prompt, restored
+    record = json.loads((tmp_path / "s.json").read_text())
+    assert record["cached_tokens"] > 0  # the first run's prompt, restored into the stages
+    assert record["expert_hits"] + record["expert_misses"] > 0  # counted by the stages, which run the experts
 
 
 def test_glm_serve_pipeline_completes_as_glm_run(cluster, snapshot, capsys, tmp_path):

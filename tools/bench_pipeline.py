@@ -4,9 +4,11 @@ layers split over 1, 2 and 3 stage processes against one process.
     PYTHONPATH=. python tools/bench_pipeline.py --rounds 3 --json /tmp/pipeline.json
 
 The benchmark model (tools/bench_model.py) at q4, NumPy backend everywhere (the head and every stage: the logits are
-bit-identical to the single process's, tests/test_pipeline.py). A local Ray cluster is started in this process (or
-`--ray-address` joins one); the pipelines are opened once and measured round-robin with the single process (this
-process's own model) after one uncounted warm-up run of each, so a change of load hits every configuration alike.
+bit-identical to the single process's, tests/test_pipeline.py), `--blas` BLAS threads in every process (default 1:
+on two shared cores, two threads per process spin while they wait for a core). A local Ray cluster is started in
+this process (or `--ray-address` joins one); the pipelines are opened once and measured round-robin with the single
+process (this process's own model) after one uncounted warm-up run of each, so a change of load hits every
+configuration alike.
 Per round and configuration:
 - hop: `--hops` round trips of one token's hidden state `[1, H]` through N actors that return it untouched (the
   head submits the N calls chained and waits once, as a decode step does): milliseconds per token per hop;
@@ -27,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import ray
+from threadpoolctl import threadpool_limits
 
 from glmkit.generate.engine import Engine
 from glmkit.generate.generator import Generator
@@ -75,10 +78,12 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=128, help="prefill piece, pipeline and single (default %(default)s)")
     p.add_argument("--hops", type=int, default=200, help="round trips per hop measurement (default %(default)s)")
     p.add_argument("--ray-address", help="join this Ray cluster instead of starting a local one")
+    p.add_argument("--blas", type=int, default=1, help="BLAS threads, this process and every stage (default 1)")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
 
     snapshot = ensure_bench_snapshot("q4", args.work)
+    threadpool_limits(args.blas, user_api="blas")
     if args.ray_address:
         ray.init(address=args.ray_address, log_to_driver=False, logging_level="warning")
     else:
@@ -89,7 +94,7 @@ def main() -> None:
     engines: dict[str, Engine] = {"single": single}
     for n in counts:
         engines[f"{n} stage{'s' if n > 1 else ''}"] = PipelineEngine(snapshot, n, device="numpy", chunk=args.chunk,
-                                                                     load_tokenizer=False)
+                                                                     load_tokenizer=False, blas_threads=args.blas)
     rng = np.random.default_rng(0)
     vocab = single.config.vocab_size - 2  # never an eos id: every run decodes all its tokens
     decode_prompt = rng.integers(0, vocab, args.prompt).tolist()
@@ -128,7 +133,8 @@ def main() -> None:
     for engine in engines.values():
         engine.close()
     if args.json:
-        meta = {"snapshot": str(snapshot), "rounds": args.rounds, "prompt": args.prompt, "tokens": args.tokens,
+        meta = {"snapshot": str(snapshot), "rounds": args.rounds, "blas_threads": args.blas, "prompt": args.prompt,
+                "tokens": args.tokens,
                 "prefill": args.prefill, "chunk": args.chunk, "load_start": load_start, "load_end": load_end,
                 "cores": os.cpu_count()}
         args.json.write_text(json.dumps({"meta": meta, "results": table}, indent=1) + "\n")

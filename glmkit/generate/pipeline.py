@@ -147,11 +147,11 @@ class PipelineStage:
     (`cache_id` -> a KVCache whose other layers stay empty). Run as a Ray actor; plain methods, plain arrays."""
 
     def __init__(self, snapshot: str, index: int, layers: range, device: str, float_activations: bool,
-                 prefetch: bool) -> None:
+                 prefetch: bool, blas_threads: int | None = None) -> None:
+        """blas_threads: BLAS threads (None: the CPUs this process may use, as in a process of its own; Ray starts an
+        actor of one CPU with OMP_NUM_THREADS=1, and the thread count changes the float sums' order)."""
         self.index, self.layer_range = index, layers
-        # Ray starts an actor of one CPU with OMP_NUM_THREADS=1; BLAS gets the threads it has in a process of its own
-        # on this machine (its thread count changes the float sums' order: the logits would not be those of one process)
-        threadpool_limits(len(os.sched_getaffinity(0)), user_api="blas")
+        threadpool_limits(blas_threads or len(os.sched_getaffinity(0)), user_api="blas")
         container = Container(snapshot)
         backend, self.device = make_backend(device, container, not float_activations)
         self.experts = ExpertStreamer(container, 0, prefetch)
@@ -329,10 +329,11 @@ def _first_line(error: BaseException) -> str:
 
 def open_pipeline(snapshot: str | Path, container: Container, stages: int | str, address: str | None = None,
                   device: str = "numpy", float_activations: bool = False, prefetch: bool = True,
-                  chunk: int = DEFAULT_PIPELINE_CHUNK, verbose: bool = True) -> Pipeline:
+                  chunk: int = DEFAULT_PIPELINE_CHUNK, verbose: bool = True, blas_threads: int | None = None
+                  ) -> Pipeline:
     """Start one stage actor per range of the plan on the Ray cluster at `address` (None: the cluster `ray start`
     made on this machine, else a new local one; already connected: that one), wait until each has opened the
-    container, and print the plan on stderr when `verbose`."""
+    container, and print the plan on stderr when `verbose`. blas_threads: see `PipelineStage`."""
     ray = import_ray()
     if chunk < 1:
         raise GlmkitError(f"--pipeline-chunk: must be >= 1, got {chunk}")
@@ -356,7 +357,8 @@ def open_pipeline(snapshot: str | Path, container: Container, stages: int | str,
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
         else:
             options["scheduling_strategy"] = "SPREAD"
-        actors.append(remote.options(**options).remote(str(snapshot), i, layers, device, float_activations, prefetch))
+        actors.append(remote.options(**options).remote(str(snapshot), i, layers, device, float_activations, prefetch,
+                                                       blas_threads))
     pipeline = Pipeline(ray, actors, plan, [{"host": "?", "ip": "?", "pid": "?"}] * len(actors), chunk)
     try:
         pipeline.where = ray.get([actor.describe.remote() for actor in actors], timeout=STAGE_START_TIMEOUT_S)
@@ -474,6 +476,17 @@ class PipelineModel(GlmMoeDsaModel):
         return None  # the decode step runs a whole model in one call: here the layers are elsewhere
 
 
+class StageExpertStats:
+    """The routed-expert counters of `--stats-json` and glm-serve's /stats: the stages' (`ExpertStats.to_json`'s
+    keys, summed over the stages; empty once the pipeline is broken)."""
+
+    def __init__(self, pipeline: Pipeline) -> None:
+        self.pipeline = pipeline
+
+    def to_json(self) -> dict[str, int]:
+        return {} if self.pipeline.broken else self.pipeline.expert_stats()
+
+
 class PipelineEngine(Engine):
     """An Engine whose model is a `PipelineModel` over stage actors (see `open_pipeline` for the arguments). The head
     maps the container too but reads only the embedding, the final norm, lm_head and the MTP layer: no routed expert
@@ -481,12 +494,13 @@ class PipelineEngine(Engine):
 
     def __init__(self, snapshot: str | Path, stages: int | str, address: str | None = None, device: str = "numpy",
                  float_activations: bool = False, prefetch: bool = True, chunk: int = DEFAULT_PIPELINE_CHUNK,
-                 load_tokenizer: bool = True, verbose: bool = True) -> None:
+                 load_tokenizer: bool = True, verbose: bool = True, blas_threads: int | None = None) -> None:
         super().__init__(snapshot, device, prefetch=False, load_tokenizer=load_tokenizer,
                          float_activations=float_activations, expert_cache=0)
         self.pipeline = open_pipeline(snapshot, self.container, stages, address, device, float_activations, prefetch,
-                                      chunk, verbose)
+                                      chunk, verbose, blas_threads)
         self.model = PipelineModel(self.config, self.experts, self.backend, self.pipeline)
+        self.experts.stats = StageExpertStats(self.pipeline)  # type: ignore[assignment]  # the head routes nothing
 
     def close(self) -> None:
         self.pipeline.close()
