@@ -40,11 +40,22 @@ from tools.bench_model import DEFAULT_WORK, ensure_bench_snapshot
 GREEDY = SamplingParams()
 
 
-def decode_rate(engine: Engine, prompt: list[int], tokens: int) -> float:
+def stage_busy_s(engine: Engine) -> float:
+    """Seconds the engine's stages have spent computing, summed (0 for a single process)."""
+    if not isinstance(engine, PipelineEngine):
+        return 0.0
+    return sum(ray.get([actor.__ray_call__.remote(lambda stage: stage.busy_s) for actor in engine.pipeline.actors]))
+
+
+def decode_rate(engine: Engine, prompt: list[int], tokens: int) -> tuple[float, float]:
+    """(decode tok/s, the stages' compute in ms per decoded token)."""
     generator = Generator(engine.model, (), use_mtp=False)
-    out = list(generator.generate(prompt, tokens, Sampler(GREEDY)))
-    assert len(out) == tokens
-    return (tokens - 1) / generator.stats.decode_s
+    busy = None
+    for _ in generator.generate(prompt, tokens, Sampler(GREEDY)):
+        if busy is None:  # the first token: the prefill is over
+            busy = stage_busy_s(engine)
+    assert generator.stats.decode_tokens == tokens
+    return (tokens - 1) / generator.stats.decode_s, (stage_busy_s(engine) - busy) / (tokens - 1) * 1e3
 
 
 def prefill_rate(engine: Engine, prompt: list[int], chunk: int) -> float:
@@ -100,13 +111,16 @@ def main() -> None:
     decode_prompt = rng.integers(0, vocab, args.prompt).tolist()
     prefill_prompt = rng.integers(0, vocab, args.prefill).tolist()
     load_start = os.getloadavg()[0]
-    results: dict[str, dict[str, list[float]]] = {name: {"decode": [], "prefill": [], "hop": []} for name in engines}
+    results: dict[str, dict[str, list[float]]] = {name: {"decode": [], "prefill": [], "hop": [], "stage_ms": []}
+                                                  for name in engines}
     for engine in engines.values():  # warm-up, not counted: weights into the page cache, first-call costs
         decode_rate(engine, decode_prompt[:8], 4)
         prefill_rate(engine, prefill_prompt[:args.chunk + 1], args.chunk)
     for _ in range(args.rounds):
         for name, engine in engines.items():
-            results[name]["decode"].append(decode_rate(engine, decode_prompt, args.tokens))
+            rate, stage_ms = decode_rate(engine, decode_prompt, args.tokens)
+            results[name]["decode"].append(rate)
+            results[name]["stage_ms"].append(stage_ms)
             results[name]["prefill"].append(prefill_rate(engine, prefill_prompt, args.chunk))
             if isinstance(engine, PipelineEngine):
                 results[name]["hop"].append(hop_ms(engine, single.config.hidden_size, args.hops))
@@ -114,9 +128,9 @@ def main() -> None:
     single_ms = 1e3 / statistics.median(results["single"]["decode"])
     print(f"{snapshot}: {single.config.num_hidden_layers} layers; {args.rounds} rounds, medians; "
           f"load average {load_start:.1f} -> {load_end:.1f}")
-    print("| configuration | layers per stage | decode tok/s | ms per token | decode ms per token per hop over the "
-          "single process | echo hop ms | prefill tok/s |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print("| configuration | layers per stage | decode tok/s | ms per token | stages' compute ms per token | rest ms "
+          "per token per stage | over the single process, ms per token per stage | echo hop ms | prefill tok/s |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     table = {}
     for name, engine in engines.items():
         r = results[name]
@@ -125,11 +139,19 @@ def main() -> None:
         stages = 0 if name == "single" else len(engine.pipeline.layers)
         per_hop = (1e3 / decode - single_ms) / stages if stages else None
         hop = statistics.median(r["hop"]) if r["hop"] else None
+        stage_ms = statistics.median(r["stage_ms"])
+        # per token: head work + hops = the token's time less the stages' compute, per stage
+        rest = statistics.median([(1e3 / d - s) / stages for d, s in zip(r["decode"], r["stage_ms"], strict=True)]
+                                 ) if stages else None
         table[name] = {"decode_tok_s": decode, "prefill_tok_s": prefill, "ms_per_token": 1e3 / decode,
+                       "stage_compute_ms_per_token": stage_ms, "rest_ms_per_token_per_stage": rest,
                        "decode_ms_per_hop": per_hop, "echo_hop_ms": hop, "layers": layers, "runs": r}
-        print(f"| {name} | {layers} | {decode:.2f} | {1e3 / decode:.1f} | "
-              f"{'-' if per_hop is None else f'{per_hop:.2f}'} | {'-' if hop is None else f'{hop:.2f}'} | "
-              f"{prefill:.1f} |")
+
+        def cell(value: float | None) -> str:
+            return "-" if value is None else f"{value:.2f}"
+
+        print(f"| {name} | {layers} | {decode:.2f} | {1e3 / decode:.1f} | {cell(stage_ms if stages else None)} | "
+              f"{cell(rest)} | {cell(per_hop)} | {cell(hop)} | {prefill:.1f} |")
     for engine in engines.values():
         engine.close()
     if args.json:

@@ -16,9 +16,11 @@ every later call (its KV rows are gone), never computing with rows it no longer 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
+import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -147,16 +149,22 @@ class PipelineStage:
     (`cache_id` -> a KVCache whose other layers stay empty). Run as a Ray actor; plain methods, plain arrays."""
 
     def __init__(self, snapshot: str, index: int, layers: range, device: str, float_activations: bool,
-                 prefetch: bool, blas_threads: int | None = None) -> None:
+                 prefetch: bool, blas_threads: int | None = None, niceness: int = 0) -> None:
         """blas_threads: BLAS threads (None: the CPUs this process may use, as in a process of its own; Ray starts an
-        actor of one CPU with OMP_NUM_THREADS=1, and the thread count changes the float sums' order)."""
+        actor of one CPU with OMP_NUM_THREADS=1, and the thread count changes the float sums' order). niceness: the
+        scheduling priority to run at, the head's (Ray starts its workers at 15, behind any other work on the
+        machine); kept at Ray's where the process may not raise its priority (`RAY_worker_niceness=0 ray start`
+        then does it for every worker)."""
         self.index, self.layer_range = index, layers
         threadpool_limits(blas_threads or len(os.sched_getaffinity(0)), user_api="blas")
+        with contextlib.suppress(PermissionError):
+            os.setpriority(os.PRIO_PROCESS, 0, niceness)
         container = Container(snapshot)
         backend, self.device = make_backend(device, container, not float_activations)
         self.experts = ExpertStreamer(container, 0, prefetch)
         self.model = GlmMoeDsaModel(container.config, self.experts, backend, route_hook=self.experts.on_route)
         self.caches: dict[int, KVCache] = {}
+        self.busy_s = 0.0  # seconds spent in `run`: the compute a pipeline's hops are compared with
         if prefetch:
             self.experts.warm_in_background(layers)
 
@@ -177,6 +185,7 @@ class PipelineStage:
             ) -> tuple[np.ndarray, np.ndarray | None]:
         """This stage's layers on the rows `carried[0] [S, H]` of the tokens appended at `start..`, `carried[1]` the
         DSA selection `[S, K]` the layer before them chose (or None). Returns the same pair after the last layer."""
+        began = time.perf_counter()
         x, chosen = carried
         cache = self._cache(cache_id)
         held = cache.layer(self.layer_range.start).length
@@ -185,6 +194,7 @@ class PipelineStage:
         out = self.model.run_layers(self.layer_range, x, np.arange(start, start + len(x)), cache, chosen)
         if len(x) > self.model.absorb_max_rows:
             self.model.backend.release_memory()
+        self.busy_s += time.perf_counter() - began
         return out
 
     def truncate(self, cache_id: int, n: int) -> None:
@@ -358,7 +368,7 @@ def open_pipeline(snapshot: str | Path, container: Container, stages: int | str,
         else:
             options["scheduling_strategy"] = "SPREAD"
         actors.append(remote.options(**options).remote(str(snapshot), i, layers, device, float_activations, prefetch,
-                                                       blas_threads))
+                                                       blas_threads, os.getpriority(os.PRIO_PROCESS, 0)))
     pipeline = Pipeline(ray, actors, plan, [{"host": "?", "ip": "?", "pid": "?"}] * len(actors), chunk)
     try:
         pipeline.where = ray.get([actor.describe.remote() for actor in actors], timeout=STAGE_START_TIMEOUT_S)
