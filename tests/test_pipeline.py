@@ -159,6 +159,23 @@ def test_prefix_cache_stores_and_restores_through_the_stages(single, pipelines, 
     assert list(Generator(single.model, (), use_mtp=True).generate(PROMPT, 12, Sampler(GREEDY), kv)) == reference
 
 
+def test_rows_read_back_are_the_stages_current_ones(single, pipelines):
+    """Rows fetched from the stages (what the prefix cache stores) follow truncation and new rows at the same
+    length, and equal one process's."""
+    model, ref = pipelines[2].model, single.model
+    caches = (model.new_cache(), ref.new_cache())
+    for m, c in zip((model, ref), caches, strict=True):
+        m.forward(np.asarray(PROMPT[:16]), c)
+    before = caches[0].layer(3).rows("kv_lat")
+    for m, c in zip((model, ref), caches, strict=True):
+        c.truncate(10)
+        m.forward(np.asarray(PROMPT[40:46]), c)  # other tokens, back to 16 rows
+    for layer in range(single.config.num_hidden_layers):
+        for name in ("kv_lat", "k_rot", "index_k") if caches[1].layer(layer).has_index else ("kv_lat", "k_rot"):
+            assert np.array_equal(caches[0].layer(layer).rows(name), caches[1].layer(layer).rows(name))
+    assert not np.array_equal(before, caches[0].layer(3).rows("kv_lat"))
+
+
 def test_a_killed_stage_is_a_clear_error(cluster, snapshot):
     engine = PipelineEngine(snapshot, 2, chunk=CHUNK, load_tokenizer=False, verbose=False)
     try:

@@ -395,27 +395,32 @@ class RemoteLayerKV:
         self.pipeline, self.cache_id, self.layer, self.has_index = pipeline, cache_id, layer, has_index
         self.stage = pipeline.stage_of(layer)
         self.length = 0
-        self._fetched: tuple[int, dict[str, np.ndarray]] | None = None  # (length, rows) last fetched
+        self._fetched: dict[str, np.ndarray] | None = None  # the rows last fetched, until the rows change
 
     def rows(self, name: str) -> np.ndarray:
         """The first `length` rows of field `name` (a copy from the stage, read-only)."""
-        if self._fetched is None or self._fetched[0] != self.length:
-            rows = self.pipeline.call(self.stage, "rows", self.cache_id, self.layer)
-            self._fetched = (self.length, rows)
-        array = self._fetched[1][name]
+        if self._fetched is None:
+            self._fetched = self.pipeline.call(self.stage, "rows", self.cache_id, self.layer)
+        array = self._fetched[name]
         array.flags.writeable = False
         return array
 
-    def append(self, **rows: np.ndarray) -> None:
-        n = len(next(iter(rows.values())))
-        self.pipeline.send(self.stage, "append", self.cache_id, self.layer, rows)
+    def grow(self, n: int) -> None:
+        """Count `n` rows the stage appended."""
         self.length += n
+        self._fetched = None
+
+    def append(self, **rows: np.ndarray) -> None:
+        self.pipeline.send(self.stage, "append", self.cache_id, self.layer, rows)
+        self.grow(len(next(iter(rows.values()))))
 
     def overwrite(self, positions: np.ndarray, **rows: np.ndarray) -> None:
         raise GlmkitError("--pipeline: rows cannot be rewritten in place (approximate reuse is not supported)")
 
     def truncate(self, n: int) -> None:
-        self.length = min(self.length, max(n, 0))
+        if n < self.length:
+            self.length = max(n, 0)
+            self._fetched = None
 
 
 class PipelineCache(KVCache):
@@ -434,7 +439,7 @@ class PipelineCache(KVCache):
     def advance(self, n: int) -> None:
         """Count `n` rows the stages appended to every main layer."""
         for layer in self.layers[:self.num_main_layers]:
-            layer.length += n
+            layer.grow(n)
 
     def reserve(self, rows: int) -> None:
         self.layers[self.num_main_layers].reserve(rows)
