@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -22,7 +23,14 @@ from glmkit.cli.serve import build_app, build_parser
 from glmkit.errors import GlmkitError
 from glmkit.generate.engine import Engine
 from glmkit.generate.generator import Generator
-from glmkit.generate.pipeline import PipelineEngine, import_ray, layer_nbytes, plan_stages, split_layers
+from glmkit.generate.pipeline import (
+    PipelineEngine,
+    check_reachable,
+    import_ray,
+    layer_nbytes,
+    plan_stages,
+    split_layers,
+)
 from glmkit.generate.sampling import Sampler, SamplingParams
 from glmkit.model.glm5 import GlmMoeDsaModel
 from tests.runtime_support import FIXTURES, Snapshots
@@ -225,6 +233,11 @@ def test_pipeline_flags_are_checked(snapshot, capsys, monkeypatch):
     assert "not with --pipeline" in capsys.readouterr().err
     assert run_main([str(snapshot), "-p", "x", "--pipeline", "2", "--expert-cache", "1G"]) == 1
     assert "--expert-cache: not with --pipeline" in capsys.readouterr().err
+    with socket.socket() as closed:  # a port nobody listens on
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    with pytest.raises(GlmkitError, match=f"--ray-address 127.0.0.1:{port}: cannot reach a Ray cluster"):
+        check_reachable(f"127.0.0.1:{port}", timeout_s=2)
     monkeypatch.setitem(sys.modules, "ray", None)  # as if the distributed extra were not installed
     with pytest.raises(GlmkitError, match=r'pip install "glmkit\[distributed\]"'):
         import_ray()

@@ -337,6 +337,17 @@ def _first_line(error: BaseException) -> str:
     return text[0] if text else type(error).__name__
 
 
+def check_reachable(address: str | None, timeout_s: float = 10.0) -> None:
+    """A `host:port` address must accept a TCP connection (Ray itself would retry an unreachable one for minutes)."""
+    if address is None or address.count(":") != 1:
+        return  # None, "auto", "ray://...": left to Ray
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except (OSError, ValueError) as e:
+        raise GlmkitError(f"--ray-address {address}: cannot reach a Ray cluster there ({e})") from None
+
+
 def open_pipeline(snapshot: str | Path, container: Container, stages: int | str, address: str | None = None,
                   device: str = "numpy", float_activations: bool = False, prefetch: bool = True,
                   chunk: int = DEFAULT_PIPELINE_CHUNK, verbose: bool = True, blas_threads: int | None = None
@@ -348,6 +359,7 @@ def open_pipeline(snapshot: str | Path, container: Container, stages: int | str,
     if chunk < 1:
         raise GlmkitError(f"--pipeline-chunk: must be >= 1, got {chunk}")
     if not ray.is_initialized():
+        check_reachable(address)
         try:
             ray.init(address=address, logging_level="warning", log_to_driver=False)
         except (ConnectionError, RuntimeError, ValueError) as e:
