@@ -363,7 +363,10 @@ def open_pipeline(snapshot: str | Path, container: Container, stages: int | str,
         try:
             ray.init(address=address, logging_level="warning", log_to_driver=False)
         except (ConnectionError, RuntimeError, ValueError) as e:
-            raise GlmkitError(f"--ray-address {address}: cannot connect to a Ray cluster ({_first_line(e)})") from None
+            hint = "" if os.environ.get("RAY_AUTH_MODE") == "token" else \
+                "; a cluster with token authentication (`ray start`'s default) needs RAY_AUTH_MODE=token and its token"
+            raise GlmkitError(f"--ray-address {address}: cannot connect to a Ray cluster ({_first_line(e)}{hint})"
+                              ) from None
     plan = plan_stages(container, stages, ray.nodes() if stages == "auto" else None)
     # the stages import the same glmkit as the head (a source checkout or an installed package on every machine)
     package_root = str(Path(__file__).resolve().parents[2])
