@@ -43,8 +43,9 @@ GREEDY = SamplingParams()
 
 @pytest.fixture(scope="module")
 def cluster():
-    """One local Ray cluster for the module (8 logical CPUs: a stage takes one, 7 are alive at most)."""
-    ray.init(num_cpus=8, object_store_memory=100 << 20, include_dashboard=False, log_to_driver=False,
+    """One local Ray cluster of the module's own, whatever cluster `ray start` may have made on this machine (8 logical
+    CPUs: a stage takes one, 7 are alive at most)."""
+    ray.init(address="local", num_cpus=8, object_store_memory=100 << 20, include_dashboard=False, log_to_driver=False,
              logging_level="warning")
     yield
     ray.shutdown()
@@ -196,6 +197,21 @@ def test_a_killed_stage_is_a_clear_error(cluster, snapshot):
             model.forward(np.asarray([7]), cache)
         with pytest.raises(GlmkitError, match="pipeline stage 1"):  # and stays broken: no output from lost rows
             model.forward(np.asarray([7]), model.new_cache())
+    finally:
+        engine.close()
+
+
+def test_a_stage_never_computes_out_of_step(cluster, snapshot):
+    """A call whose position is not the end of the stage's rows is refused, named, and breaks the pipeline."""
+    engine = PipelineEngine(snapshot, 1, load_tokenizer=False, verbose=False)
+    try:
+        pipeline = engine.pipeline
+        x = engine.model.embed(np.asarray(PROMPT[:3]))
+        with pytest.raises(GlmkitError, match=r"pipeline stage 0 \(layers 0-3, .*\) failed: GlmkitError: pipeline "
+                                              r"stage 0: holds 0 KV rows, asked to append at 5"):
+            pipeline.run(engine.model.new_cache().cache_id, x, 5)
+        with pytest.raises(GlmkitError, match="holds 0 KV rows"):
+            engine.model.forward(np.asarray(PROMPT[:3]), engine.model.new_cache())
     finally:
         engine.close()
 

@@ -98,8 +98,8 @@ def main() -> None:
     if args.ray_address:
         ray.init(address=args.ray_address, log_to_driver=False, logging_level="warning")
     else:
-        ray.init(num_cpus=8, object_store_memory=200 << 20, include_dashboard=False, log_to_driver=False,
-                 logging_level="warning")
+        ray.init(address="local", num_cpus=8, object_store_memory=200 << 20, include_dashboard=False,
+                 log_to_driver=False, logging_level="warning")
     single = Engine(snapshot, "numpy", load_tokenizer=False)
     counts = [int(n) for n in args.stages.split(",")]
     engines: dict[str, Engine] = {"single": single}

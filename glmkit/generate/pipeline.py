@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
 import sys
 import time
@@ -293,7 +294,12 @@ class Pipeline:
                            "rows are lost: start again")
         except ray.exceptions.RayTaskError as e:
             cause = e.cause if isinstance(e.cause, Exception) else e
-            self.broken = f"pipeline stage failed: {_first_line(cause)}"
+            # the worker's pid: an attribute of a plain RayTaskError, in the message of one also of its cause's type
+            found = re.search(r"pid=(\d+)", str(e))
+            pid = getattr(e, "pid", None) or (int(found.group(1)) if found else None)
+            stage = next((self.stage_name(i) for i, w in enumerate(self.where) if w.get("pid") == pid),
+                         "a pipeline stage")
+            self.broken = f"{stage} failed: {type(cause).__name__}: {_first_line(cause)}"
         raise GlmkitError(self.broken)
 
     def _dead_stage(self, error: Exception) -> str:
