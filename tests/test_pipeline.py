@@ -232,7 +232,7 @@ def test_glm_run_pipeline_prints_the_single_process_reply(cluster, snapshot, cap
 
 def test_glm_serve_pipeline_completes_as_glm_run(cluster, snapshot, capsys, tmp_path):
     expected = glm_run(capsys, snapshot, "def main():", 12, "--raw-prompt", "--device", "numpy")
-    args = build_parser().parse_args([str(snapshot), "--pipeline", "3", "--device", "numpy",
+    args = build_parser().parse_args([str(snapshot), "--pipeline", "2", "--device", "numpy",
                                       "--cache-dir", str(tmp_path)])
     server = ServerThread(build_app(args)).start()
     try:
