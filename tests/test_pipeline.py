@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import ray
+from threadpoolctl import threadpool_limits
 
 from glmkit.cache.prefix_cache import PrefixCache
 from glmkit.cache.session import Session
@@ -49,6 +50,14 @@ def cluster():
              logging_level="warning")
     yield
     ray.shutdown()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def blas_threads():
+    """This process's BLAS at the thread count a stage takes by default (its machine's CPUs): the float sums of the
+    single process then have the stages' order, whatever an earlier test set (the OpenCL backend sets one thread)."""
+    with threadpool_limits(len(os.sched_getaffinity(0)), user_api="blas"):
+        yield
 
 
 @pytest.fixture(scope="module")
