@@ -84,6 +84,22 @@ def test_no_mtp_gives_the_same_text(snapshot, capsys, tmp_path):
     assert with_mtp["mtp_acceptance"] is not None and with_mtp["tokens_per_forward"] >= 1
 
 
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+def test_kv_dtype_option(snapshot, capsys, tmp_path, kv_dtype):
+    """`--kv-dtype`: the reply of a model whose KV rows are kept at that precision; a second run restores the
+    prompt's rows from the prefill cache (stored at that precision) and prints the same text."""
+    engine = Engine(snapshot, kv_dtype=kv_dtype)
+    _, text = reply(engine, engine.tokenizer.encode_chat([user("Hello")], enable_thinking=True), 8)
+    cached = []
+    for turn in range(2):
+        stats_path = tmp_path / f"stats{turn}.json"
+        rc, out, err = run(capsys, snapshot, "-p", "Hello", "--max-tokens", 8, "--no-mtp", "--kv-dtype", kv_dtype,
+                           "--cache-dir", tmp_path / "cache", "--stats-json", stats_path)
+        assert rc == 0 and out == text + "\n", err
+        cached.append(json.loads(stats_path.read_text())["cached_tokens"])
+    assert cached[0] == 0 and cached[1] > 0
+
+
 def test_raw_prompt_skips_the_chat_template(snapshot, engine, capsys, tmp_path):
     stats_path = tmp_path / "stats.json"
     rc, out, _ = run(capsys, snapshot, "-p", "def main():", "--raw-prompt", "--max-tokens", 6,

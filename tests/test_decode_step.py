@@ -74,14 +74,14 @@ class Routes:
             self.seen.append((layer, sorted(ids[0].tolist())))
 
 
-def models(engine: Engine, kernels: Kernels, int8_activations: bool = False
+def models(engine: Engine, kernels: Kernels, int8_activations: bool = False, kv_dtype: str = "f32"
            ) -> tuple[GlmMoeDsaModel, GlmMoeDsaModel]:
-    """(NumPy reference, OpenCL with the device decode step), each with its own route recorder. The step's
-    int4 experts take float inputs, the reference's arithmetic, unless int8_activations."""
-    ref = GlmMoeDsaModel(engine.config, engine.experts, engine.backend, route_hook=Routes())
+    """(NumPy reference, OpenCL with the device decode step), each with its own route recorder and KV rows at
+    kv_dtype. The step's int4 experts take float inputs, the reference's arithmetic, unless int8_activations."""
+    ref = GlmMoeDsaModel(engine.config, engine.experts, engine.backend, route_hook=Routes(), kv_dtype=kv_dtype)
     backend = OpenCLBackend(kernels, Placement(), int8_activations=int8_activations,
                             unified=None if kernels.direct else False, model_bytes=engine.container.nbytes)
-    dev = GlmMoeDsaModel(engine.config, engine.experts, backend, route_hook=Routes())
+    dev = GlmMoeDsaModel(engine.config, engine.experts, backend, route_hook=Routes(), kv_dtype=kv_dtype)
     return ref, dev
 
 
@@ -128,6 +128,40 @@ def test_decode_step_matches_numpy(snapshots, kernels, variant, preset):
     assert dev.route_hook.seen == ref.route_hook.seen  # the same experts, reported per token and layer
     assert len(dev.route_hook.seen) == len(tokens) * (engine.config.num_hidden_layers
                                                      - engine.config.first_k_dense_replace)
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+def test_decode_step_over_compact_kv_rows(snapshots, kernels, kv_dtype):
+    """KV rows at bf16 / fp8: the step reads the stored codes (kv.cl built for them) and stores each new row as
+    the host's `encode_kv_rows` would; logits as the NumPy model's over the same precision, across index_topk keys,
+    a truncation and rows the host rewrote (a discrete device's mirror takes the codes and the scales)."""
+    engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
+    ref, dev = models(engine, kernels, kv_dtype=kv_dtype)
+    ids = np.array(oracle("tiny-trained")["full_ids"])
+    topk = engine.config.index_topk
+    want, got, caches = decode_both(ref, dev, ids[:topk - 3], ids[topk - 3:topk + 5])
+    assert isinstance(dev._step, DeviceDecodeStep) and dev._step.kv_dtype == kv_dtype
+    assert caches[1].layer(0).storage("kv_lat").dtype.itemsize == (2 if kv_dtype == "bf16" else 1)
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+    # a code may round the other way where the two paths' f32 rows differ in their last bits: one code's step
+    tolerance = 2 ** -8 if kv_dtype == "bf16" else 2 ** -3
+    for a, b in zip(caches[0].layers[:engine.config.num_hidden_layers], caches[1].layers, strict=False):
+        for name in ("kv_lat", "k_rot", "index_k") if a.has_index else ("kv_lat", "k_rot"):
+            rows_a, rows_b = a.rows(name), b.rows(name)
+            scale = np.abs(rows_a).max(axis=-1, keepdims=True)
+            assert (np.abs(rows_b - rows_a) <= tolerance * scale).all()
+            # nearly every code is the same
+            same = a.storage(name)[:a.length].view(np.uint8) == b.storage(name)[:b.length].view(np.uint8)
+            assert same.mean() > 0.99
+    rng = np.random.default_rng(5)
+    chunk = rng.integers(0, engine.config.vocab_size, 3)
+    for model, cache in zip((ref, dev), caches, strict=True):
+        cache.truncate(topk - 1)
+        model.forward(chunk, cache)  # rows rewritten by the host
+    want, got, caches = decode_both(ref, dev, None, rng.integers(0, engine.config.vocab_size, 4), caches)
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+    assert (got.argmax(-1) == want.argmax(-1)).all()
 
 
 def launch_names(step: DeviceDecodeStep) -> set[str]:

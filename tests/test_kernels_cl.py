@@ -33,6 +33,7 @@ from glmkit.backends.opencl.program import SCALAR_TYPES, kernel_signatures, pars
 from glmkit.backends.opencl.weights import ExpertShape, WeightMemory, x8_eligible
 from glmkit.format.packing import pack, quantize, unpack
 from glmkit.format.tensors import QuantWeight
+from glmkit.model.kv_cache import decode_kv_rows, encode_kv_rows
 from glmkit.model.ops import apply_rope, chosen_keys, rope_cos_sin, silu, topk_mask
 from tests.runtime_support import opencl_test_device
 
@@ -331,7 +332,8 @@ def test_index_scores_kernel_heads_in_eights_and_the_rest(kernels, rng, heads, d
     w = rng.standard_normal((n_s, heads)).astype(np.float32)
     mirror = Mirrors(kernels)
     out = mirror(n_s * n_keys)
-    mirror.launch("index_scores", (n_keys, n_s), None, q=mirror.of(q).buffer, k=mirror.of(k).buffer,
+    keys = mirror.of(k).buffer
+    mirror.launch("index_scores", (n_keys, n_s), None, q=mirror.of(q).buffer, k=keys, k_scale=keys,
                   w=mirror.of(w).buffer, out=out.buffer, nh=heads, d=d, n_keys=n_keys, scale=d ** -0.5, w_scale=0.5)
     close(out.host.reshape(n_s, n_keys), 0.5 * index_scores_reference(q, k, w, d ** -0.5))
 
@@ -350,7 +352,8 @@ def check_index_scores_and_topk(kernels, rng):
     # the scores kernel as the decode step binds it, the head weights scaled in the kernel (w_scale)
     mirror = Mirrors(kernels)
     out = mirror(n_s * n_keys)
-    mirror.launch("index_scores", (n_keys, n_s), None, q=mirror.of(q).buffer, k=mirror.of(k).buffer,
+    keys = mirror.of(k).buffer
+    mirror.launch("index_scores", (n_keys, n_s), None, q=mirror.of(q).buffer, k=keys, k_scale=keys,
                   w=mirror.of(w).buffer, out=out.buffer, nh=heads, d=d, n_keys=n_keys, scale=d ** -0.5, w_scale=0.5)
     close(out.host.reshape(n_s, n_keys), 0.5 * want)
     causal = np.arange(n_keys)[None, :] <= (np.array([5, 40, 70, 89]))[:, None]  # row 0 keeps all 6 keys
@@ -527,32 +530,78 @@ def test_decode_attention(kernels, wide_kernels, rng, n_keys, use_mask, rope):
         check_decode_attention(k, rng, n_keys, use_mask, rope)
 
 
-def check_decode_attention(kernels, rng, n_keys, use_mask, rope):
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+def test_decode_attention_over_compact_rows(kernels, rng, kv_dtype):
+    """The attention kernels built for bf16 / fp8 cache rows (kv.cl's KV_TYPE): the same attention as over the
+    rows those codes decode to (`decode_kv_rows`)."""
+    for n_keys, use_mask, rope in [(37, True, 12), (129, False, 16)]:
+        check_decode_attention(kernels, rng, n_keys, use_mask, rope, kv_dtype)
+
+
+def mirror_rows(mirror: Mirrors, rows: np.ndarray, kv_dtype: str) -> tuple[DeviceArray, DeviceArray, np.ndarray]:
+    """Rows `[n, w]` as a cache holds them at `kv_dtype`: (codes, scales (fp8; else the codes again), the float
+    rows they decode to)."""
+    codes, scales = encode_kv_rows(kv_dtype, rows)
+    raw = codes.view({"f32": np.float32, "bf16": np.uint16, "fp8": np.uint8}[kv_dtype])
+    codes_a = mirror.of(raw, raw.dtype)
+    return codes_a, codes_a if scales is None else mirror.of(scales), decode_kv_rows(codes, scales)
+
+
+def check_decode_attention(kernels, rng, n_keys, use_mask, rope, kv_dtype="f32"):
     mirror = Mirrors(kernels)
     # kvl (and some ropes) not a multiple of 8: the kernels' scalar tails; 11 heads: a partial second 8 in scores
     heads, kvl = (11 if n_keys > 100 else 3), 36
     q_lat, q_rot = rng.standard_normal((heads, kvl)).astype(np.float32), rng.standard_normal((heads, rope))
-    kv_lat, k_rot = rng.standard_normal((n_keys, kvl)).astype(np.float32), rng.standard_normal((n_keys, rope))
+    kl, kl_scale, kv_lat = mirror_rows(mirror, rng.standard_normal((n_keys, kvl)), kv_dtype)
+    kr, kr_scale, k_rot = mirror_rows(mirror, rng.standard_normal((n_keys, rope)), kv_dtype)
     mask = rng.random(n_keys) < 0.5 if use_mask else np.ones(n_keys, bool)
     mask[0] = True
     keys = np.flatnonzero(mask).astype(np.uint32)  # the chosen keys (topk_select's list), read when use_mask
     n = len(keys) if use_mask else n_keys
-    kl, keys_a = mirror.of(kv_lat), mirror.of(keys, np.uint32)
+    keys_a = mirror.of(keys, np.uint32)
     scores, out = mirror(heads * n), mirror(heads * kvl)
     scale = 0.17
     # the CPU launch (every head per item) or the GPU one (an item per key and head)
     apart = heads if kernels.heads_apart else 1
-    mirror.launch("mla_decode_scores", (n, apart), None, q_lat=mirror.of(q_lat).buffer, q_rot=mirror.of(q_rot).buffer,
-                  kv_lat=kl.buffer, k_rot=mirror.of(k_rot).buffer, keys=keys_a.buffer, use_keys=int(use_mask),
-                  scores=scores.buffer, nh=heads, n=n, kvl=kvl, rope=rope, scale=scale)
+    mirror.launch("mla_decode_scores", (n, apart), None, kv_dtype=kv_dtype, q_lat=mirror.of(q_lat).buffer,
+                  q_rot=mirror.of(q_rot).buffer, kv_lat=kl.buffer, kv_lat_scale=kl_scale.buffer, k_rot=kr.buffer,
+                  k_rot_scale=kr_scale.buffer, keys=keys_a.buffer, use_keys=int(use_mask), scores=scores.buffer,
+                  nh=heads, n=n, kvl=kvl, rope=rope, scale=scale)
     red = kernels.red_lanes
-    mirror.launch("mla_decode_values", (heads * red,), (red,), scores=scores.buffer, kv_lat=kl.buffer, out=out.buffer,
-                  n=n, kvl=kvl, quantize=0, **Int8Codes.unused(out.buffer).args(), keys=keys_a.buffer,
-                  use_keys=int(use_mask))
+    mirror.launch("mla_decode_values", (heads * red,), (red,), kv_dtype=kv_dtype, scores=scores.buffer,
+                  kv_lat=kl.buffer, kv_lat_scale=kl_scale.buffer, out=out.buffer, n=n, kvl=kvl, quantize=0,
+                  **Int8Codes.unused(out.buffer).args(), keys=keys_a.buffer, use_keys=int(use_mask))
     q = np.concatenate([q_lat, q_rot], axis=-1)[None].astype(np.float32)
     keys = np.concatenate([kv_lat, k_rot], axis=-1)[:, None, :].astype(np.float32)
     want = REF.attention(q, keys, kv_lat[:, None, :], mask[None], scale)[0]
     close(out.host.reshape(heads, kvl), want, 5e-6)
+
+
+@pytest.mark.parametrize("kv_dtype", ["f32", "bf16", "fp8"])
+def test_kv_store_rows_codes_as_the_host_encodes_them(kernels, rng, kv_dtype):
+    """kv_store_rows (the decode step's new cache row) writes the codes and scales `encode_kv_rows` makes, bit for
+    bit: ties of bf16's and e4m3's rounding, values below e4m3's normal range, a zero row, negative zeros."""
+    kvl, rope, ihd = 40, 12, 24
+    rows = [rng.standard_normal(w).astype(np.float32) * 10.0 ** rng.integers(-3, 3) for w in (kvl, rope, ihd)]
+    rows[0][:4] = np.array([1 + 2 ** -8, 1 + 3 * 2 ** -8, -0.0, 2 ** -12], np.float32) * np.abs(rows[0]).max()
+    rows[0][4:8] = np.float32(np.abs(rows[0]).max()) * np.array([9 / 448, 4.5 / 448, 1e-4, -3e-5], np.float32)
+    rows[1][:] = 0.0  # a zero row: scale 1
+    mirror = Mirrors(kernels)
+    outs = [mirror_rows(mirror, np.zeros((3, w), np.float32), kv_dtype)[:2] for w in (kvl, rope, ihd)]
+    red = kernels.red_lanes
+    mirror.launch("kv_store_rows", (red,), (red,), kv_dtype=kv_dtype, lat=mirror.of(rows[0]).buffer,
+                  rot=mirror.of(rows[1]).buffer, idx=mirror.of(rows[2]).buffer, kv_lat=outs[0][0].buffer,
+                  kv_lat_scale=outs[0][1].buffer, k_rot=outs[1][0].buffer, k_rot_scale=outs[1][1].buffer,
+                  index_k=outs[2][0].buffer, index_k_scale=outs[2][1].buffer, row=1, kvl=kvl, rope=rope, ihd=ihd,
+                  index=1)
+    for row, (codes, scales) in zip(rows, outs, strict=True):
+        want_codes, want_scales = encode_kv_rows(kv_dtype, row[None])
+        width = len(row)
+        got = codes.host.reshape(3, width)
+        assert np.array_equal(got[1].view(np.uint8), want_codes[0].view(np.uint8)), (kv_dtype, width)
+        assert not got[0].any() and not got[2].any()  # only row 1 written
+        if want_scales is not None:
+            assert scales.host[1] == want_scales[0]
 
 
 @pytest.mark.parametrize("norm", [True, False])
@@ -763,7 +812,8 @@ def test_int8_input_matvec_and_norm(kernels, wide_kernels, rng, bits):
         o, value_codes = mirror(heads * n), mirror.codes(heads * n)
         scores = scores_a.host.reshape(heads, keys).copy()
         mirror.launch("mla_decode_values", (heads * k.red_lanes,), (k.red_lanes,), scores=scores_a.buffer,
-                      kv_lat=kv.buffer, out=o.buffer, n=keys, kvl=n, quantize=1, **value_codes.buffers.args(),
+                      kv_lat=kv.buffer, kv_lat_scale=kv.buffer, out=o.buffer, n=keys, kvl=n, quantize=1,
+                      **value_codes.buffers.args(),
                       keys=scores_a.buffer, use_keys=0)
         probs = np.exp(scores - scores.max(-1, keepdims=True))
         close(o.host.reshape(heads, n), (probs / probs.sum(-1, keepdims=True)) @ kv.host.reshape(keys, n), 1e-5)

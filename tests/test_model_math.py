@@ -11,7 +11,7 @@ from glmkit.format.config import ModelConfig
 from glmkit.format.packing import pack, quantize
 from glmkit.format.tensors import QuantWeight, Weight
 from glmkit.model.glm5 import GlmMoeDsaModel, mla_attend_absorbed, mla_attend_full
-from glmkit.model.kv_cache import KVCache
+from glmkit.model.kv_cache import KVCache, decode_kv_rows, encode_kv_rows, kv_bytes_per_token
 from glmkit.model.ops import (
     apply_rope,
     causal_mask,
@@ -220,8 +220,8 @@ def test_chosen_keys_lists_each_rows_keys_ascending_padded() -> None:
 @pytest.mark.parametrize("kh", [1, 4])
 def test_attention_chosen_is_attention_with_the_chosen_keys_mask(kh: int) -> None:
     """Each query over its own gathered keys = masked attention with the mask of those keys (f32 rounding), for one
-    shared key head and per-head keys, in blocks of queries and on the worker pool; rows of fewer keys (-1 padded)
-    included."""
+    shared key head and per-head keys, whole or in column parts, in blocks of queries and on the worker pool; rows of
+    fewer keys (-1 padded) included."""
     rng = np.random.default_rng(21)
     seq, heads, total, width = 19, 4, 60, 7
     q, k, v = rand(rng, seq, heads, 6), rand(rng, total, kh, 6), rand(rng, total, kh, 5)
@@ -233,7 +233,10 @@ def test_attention_chosen_is_attention_with_the_chosen_keys_mask(kh: int) -> Non
     assert (chosen[:3] == -1).any() and (chosen[3:] >= 0).all()
     expected = reference_attention(q, k, v, selected, 0.3)
     for backend in (NumpyBackend(), NumpyBackend(query_block=width * 30, workers=3)):
-        np.testing.assert_allclose(backend.attention_chosen(q, k, v, chosen, 0.3), expected, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(backend.attention_chosen(q, (k,), v, chosen, 0.3), expected, rtol=1e-5, atol=1e-6)
+        # the keys in column parts (MLA's latent and rope parts): joined per gathered row
+        got = backend.attention_chosen(q, (k[..., :4], k[..., 4:]), v, chosen, 0.3)
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
 
 
 def test_expert_mlp_is_down_of_silu_gate_times_up() -> None:
@@ -305,6 +308,50 @@ def test_kv_cache_grows_truncates_and_appends_again() -> None:
         layer.append(**{name: value[120:] for (j, name), value in full.items() if j == i})
     for (i, name), value in full.items():
         np.testing.assert_array_equal(cache.layer(i).rows(name), value)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_kv_cache_at_lower_precision(dtype) -> None:
+    """Rows stored at bf16 / fp8 read back as their rounding (`encode_kv_rows` then `decode_kv_rows`: bf16 to 2^-8
+    of each value, fp8 to 2^-4 of the row's largest), through growth, truncation, overwrites, one device-written
+    row (`put_row`) and a copy of the stored codes (`encoded` into `append_encoded`: bit for bit)."""
+    config = tiny_config()
+    rng = np.random.default_rng(9)
+    cache = KVCache(config, dtype=dtype)
+    layer = cache.layer(0)
+    rows = {"kv_lat": rand(rng, 300, 16) * 100, "k_rot": rand(rng, 300, 4), "index_k": rand(rng, 300, 8) * 1e-3}
+    rows["kv_lat"][7] = 0.0  # a zero row (fp8: scale 1)
+    for start in range(0, 300, 50):
+        layer.append(**{name: value[start:start + 50] for name, value in rows.items()})
+    assert layer.storage("kv_lat").dtype.itemsize == (2 if dtype == "bf16" else 1)
+    assert (layer.scales("kv_lat") is None) == (dtype == "bf16")
+    bound = {"bf16": lambda x: 2 ** -8 * np.abs(x), "fp8": lambda x: 2 ** -4 * np.abs(x).max(-1, keepdims=True)}
+    for name, value in rows.items():
+        got = layer.rows(name)
+        assert got.dtype == np.float32 and got.shape == value.shape
+        np.testing.assert_array_equal(got, decode_kv_rows(*encode_kv_rows(dtype, value)))
+        assert (np.abs(got - value) <= bound[dtype](value)).all() and not np.array_equal(got, value)
+        np.testing.assert_array_equal(layer.gather(name, np.array([[3, 250], [7, 0]])), got[[[3, 250], [7, 0]]])
+        np.testing.assert_array_equal(layer.rows(name, 10, 20), got[10:20])
+    assert not layer.rows("kv_lat")[7].any()
+    layer.edited_from = 300
+    layer.overwrite(np.array([4, 9]), **{name: value[:2] * 2 for name, value in rows.items()})
+    layer.put_row(11, "k_rot", rows["k_rot"][0] * 3)
+    assert layer.edited_from == 4  # put_row: the device's own row, not an edit
+    def rounded(x: np.ndarray) -> np.ndarray:
+        return decode_kv_rows(*encode_kv_rows(dtype, x))
+
+    np.testing.assert_array_equal(layer.rows("kv_lat")[[4, 9]], rounded(rows["kv_lat"][:2] * 2))
+    np.testing.assert_array_equal(layer.rows("k_rot")[11], rounded(rows["k_rot"][:1] * 3)[0])
+    layer.truncate(120)
+    copy = KVCache(config, dtype=dtype).layer(0)
+    copy.append_encoded({name: layer.encoded(name, 0, 120) for name in rows})
+    for name in rows:
+        np.testing.assert_array_equal(copy.storage(name)[:120].view(np.uint8), layer.storage(name)[:120].view(np.uint8))
+        np.testing.assert_array_equal(copy.rows(name), layer.rows(name))
+    assert kv_bytes_per_token(config, dtype) < kv_bytes_per_token(config) / (1.9 if dtype == "bf16" else 2.5)
+    with pytest.raises(ValueError, match="kv dtype"):
+        KVCache(config, dtype="f16")
 
 
 def test_kv_cache_overwrites_rows_in_place_and_marks_them_edited() -> None:

@@ -343,15 +343,21 @@ def test_list_devices(device, capsys, tmp_path, monkeypatch):
     assert cli_run.main([snap, "--list-devices"]) == 0
     out = capsys.readouterr().out
     assert f"{snap}: routed experts in the page cache" in out
-    # the context and what a token adds to the KV cache: the bytes a KVCache grows by for one token
-    cache = KVCache(Container(snap).config)
-    for layer in cache.layers:
-        layer.append(**{name: np.zeros((1, layer.storage(name).shape[1]), np.float32) for name in
-                        ("kv_lat", "k_rot", "index_k")[:3 if layer.has_index else 2]})
-    per_token = sum(layer.rows(name).nbytes for layer in cache.layers
-                    for name in ("kv_lat", "k_rot", "index_k")[:3 if layer.has_index else 2])
-    assert kv_bytes_per_token(Container(snap).config) == per_token
-    assert f"{snap}: context 2,048 tokens; KV cache {format_size(per_token)} per token (f32)" in out
+    # the context and what a token adds to the KV cache at each precision: the bytes a KVCache grows by for one
+    # token (its codes, and fp8's scales)
+    config = Container(snap).config
+    per_token = {}
+    for dtype in ("f32", "bf16", "fp8"):
+        cache, per_token[dtype] = KVCache(config, dtype=dtype), 0
+        for layer in cache.layers:
+            names = ("kv_lat", "k_rot", "index_k")[:3 if layer.has_index else 2]
+            layer.append(**{name: np.ones((1, layer.width(name)), np.float32) for name in names})
+            per_token[dtype] += sum(layer.storage(name)[:1].nbytes + 4 * (layer.scales(name) is not None)
+                                    for name in names)
+        assert kv_bytes_per_token(config, dtype) == per_token[dtype]
+    assert per_token["f32"] == 2 * per_token["bf16"] > 3 * per_token["fp8"]
+    assert (f"{snap}: context 2,048 tokens; KV cache per token " + ", ".join(
+        f"{format_size(n)} ({dtype})" for dtype, n in per_token.items())) in out
     monkeypatch.setattr(expert_stream, "memory_limit_bytes", lambda: 64 << 20)
     monkeypatch.setattr(expert_cache, "memory_limit_bytes", lambda: 64 << 20)
     assert cli_run.main([snap, "--list-devices"]) == 0

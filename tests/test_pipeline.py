@@ -227,7 +227,7 @@ def test_a_stage_never_computes_out_of_step(cluster, snapshot):
 
 def test_glm_run_pipeline_prints_the_single_process_reply(cluster, snapshot, capsys, tmp_path):
     argv = [str(snapshot), "--raw-prompt", "-p", "def __repr__(self):", "--max-tokens", "20", "--device", "numpy",
-            "--cache-dir", str(tmp_path)]
+            "--cache-dir", str(tmp_path), "--kv-dtype", "fp8"]  # rows kept, fetched and restored as fp8 codes
     assert run_main(argv) == 0
     alone = capsys.readouterr().out
     assert run_main(argv + ["--pipeline", "2", "--pipeline-chunk", "4", "--stats-json", str(tmp_path / "s.json")]) == 0

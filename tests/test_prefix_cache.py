@@ -16,6 +16,8 @@ from glmkit.cli.convert import main as convert_main
 from glmkit.generate.engine import Engine
 from glmkit.generate.generator import Generator
 from glmkit.generate.sampling import Sampler, SamplingParams
+from glmkit.model.glm5 import GlmMoeDsaModel
+from glmkit.model.kv_cache import KVCache
 
 FIXTURE = Path(__file__).parent / "fixtures" / "tiny-bf16"
 ROOT = Path(__file__).parent.parent
@@ -90,6 +92,42 @@ def test_other_model_or_numerics_never_sees_entries(engine, oracle, tmp_path):
     other_kernels = PrefixCache(tmp_path, engine.model_hash, engine.config, "opencl-test", True,
                                 [i for i in range(5) if kv.layer(i).has_index], 8)
     assert other_kernels.restore(kv, ids).tokens == 0
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+def test_rows_at_lower_precision_are_stored_as_they_are_held(engine, oracle, tmp_path, kv_dtype):
+    """A bf16 / fp8 run stores the codes (and fp8 scales) its cache holds: restored, they are the same bits and
+    give the logits of the run that computed them; the blobs are that much smaller; runs at another precision
+    never see them."""
+    ids = oracle["full_ids"]
+    model = GlmMoeDsaModel(engine.config, engine.experts, engine.backend, kv_dtype=kv_dtype)
+    index_layers = [i for i in range(engine.config.num_layers_with_mtp) if model.new_cache().layer(i).has_index]
+
+    def cache_at(precision: str) -> PrefixCache:
+        return PrefixCache(tmp_path, engine.model_hash, engine.config, "numpy-test", False, index_layers, 8,
+                           kv_dtype=precision)
+
+    computed = model.new_cache()
+    ref, _ = model.forward(np.array(ids), computed)
+    cache_at(kv_dtype).store(computed, ids[:32])
+    kv = model.new_cache()
+    assert cache_at(kv_dtype).restore(kv, ids).tokens == 32
+    for a, b in zip(computed.layers[:engine.config.num_hidden_layers], kv.layers, strict=False):
+        for name in ("kv_lat", "k_rot", "index_k") if a.has_index else ("kv_lat", "k_rot"):
+            assert np.array_equal(a.storage(name)[:32].view(np.uint8), b.storage(name)[:32].view(np.uint8))
+            if kv_dtype == "fp8":
+                assert np.array_equal(a.scales(name)[:32], b.scales(name)[:32])
+    hit, _ = model.forward(np.array(ids[32:]), kv)
+    assert np.abs(ref[32:] - hit).max() <= 1e-5 * np.abs(ref).max()
+    sizes = sum(p.stat().st_size for p in _blob_paths(tmp_path))
+    f32_rows = engine.model.new_cache()
+    engine.model.forward(np.array(ids[:32]), f32_rows)
+    f32_dir = tmp_path.parent / f"{tmp_path.name}-f32"
+    PrefixCache(f32_dir, engine.model_hash, engine.config, "numpy-test", False, index_layers, 8).store(f32_rows,
+                                                                                                       ids[:32])
+    assert sizes < sum(p.stat().st_size for p in _blob_paths(f32_dir)) / 1.5
+    for other in {"f32", "bf16", "fp8"} - {kv_dtype}:
+        assert cache_at(other).restore(KVCache(engine.config, index_layers, other), ids).tokens == 0
 
 
 def test_index_from_an_old_layout_starts_afresh(engine, oracle, tmp_path, capsys):

@@ -258,7 +258,7 @@ def test_shuffled_documents_are_reused_approximately_and_never_stored(engine, tm
     for key in keys:
         ids = chain_tokens(db, key, root)
         rel, start, n = db.execute("SELECT file, start, n_tokens FROM entries WHERE key = ?", (key,)).fetchone()
-        chunk = read_blob(tmp_path / rel, engine.model_hash, engine.model.backend.numerics,
+        chunk = read_blob(tmp_path / rel, engine.model_hash, cache.numerics,
                           cache.expected_shapes(n, start))
         exact = engine.model.new_cache()
         engine.model.forward(np.asarray(ids), exact)

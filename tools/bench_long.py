@@ -7,7 +7,7 @@ converted at q4. Each length runs in a child process (its own peak RSS): the eng
 a prompt of random ids prefilled by the Generator (chunks of `PREFILL_CHUNK` tokens, DSA's sparse attention past
 `index_topk` keys), then greedy tokens (MTP off; decode timed from the second one, the first also builds the decode
 step). Printed per length: prefill tok/s, decode tok/s, the peak RSS, and the model's bytes and the KV rows' bytes
-beside it.
+beside it. `--kv-dtypes f32,bf16,fp8`: each length once per KV row precision, in turn.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ LONG_CONFIG = {**BENCH_CONFIG, "max_position_embeddings": 32768 + 1024}
 DECODE_TOKENS = 64
 
 
-def worker(snapshot: str, length: int, chunk: int) -> dict:
+def worker(snapshot: str, length: int, chunk: int, kv_dtype: str) -> dict:
     import numpy as np
 
     from glmkit.generate.engine import Engine
@@ -35,7 +35,7 @@ def worker(snapshot: str, length: int, chunk: int) -> dict:
     from glmkit.generate.sampling import Sampler, SamplingParams
     from glmkit.model.kv_cache import kv_bytes_per_token
 
-    engine = Engine(snapshot, "auto", load_tokenizer=False)
+    engine = Engine(snapshot, "auto", load_tokenizer=False, kv_dtype=kv_dtype)
     prompt = np.random.default_rng(length).integers(0, engine.config.vocab_size, length).tolist()
     gen = Generator(engine.model, eos_token_ids=(), use_mtp=False, prefill_chunk=chunk)
     tokens, began = 0, time.perf_counter()
@@ -47,8 +47,8 @@ def worker(snapshot: str, length: int, chunk: int) -> dict:
             second = time.perf_counter()
         tokens += 1
     end = time.perf_counter()
-    per_token = kv_bytes_per_token(engine.config)
-    out = {"prompt": length, "chunk": chunk, "prefill_tok_s": round(length / (first - began), 1),
+    per_token = kv_bytes_per_token(engine.config, kv_dtype)
+    out = {"prompt": length, "chunk": chunk, "kv_dtype": kv_dtype, "prefill_tok_s": round(length / (first - began), 1),
            "decode_tok_s": round(DECODE_TOKENS / (end - second), 2),
            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10,
            "model_mb": engine.container.nbytes >> 20, "kv_mb": (per_token * (length + tokens)) >> 20,
@@ -60,22 +60,24 @@ def worker(snapshot: str, length: int, chunk: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
-        print(json.dumps(worker(argv[1], int(argv[2]), int(argv[3]))))
+        print(json.dumps(worker(argv[1], int(argv[2]), int(argv[3]), argv[4])))
         return 0
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--work", type=Path, default=DEFAULT_WORK.with_name("glmkit-long-model"))
     p.add_argument("--lengths", default="256,1024,4096,16384,32768", help="prompt lengths in tokens")
     p.add_argument("--chunk", type=int, default=PREFILL_CHUNK, help="prompt tokens per forward")
+    p.add_argument("--kv-dtypes", default="f32", help="KV row precisions, each run in turn per length")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     snapshot = ensure_bench_snapshot("q4", args.work, LONG_CONFIG)
     rows = []
-    for length in (int(n) for n in args.lengths.split(",")):
-        done = subprocess.run([sys.executable, __file__, "--worker", str(snapshot), str(length), str(args.chunk)],
-                              capture_output=True, text=True, timeout=args.timeout)
+    runs = [(int(n), dtype) for n in args.lengths.split(",") for dtype in args.kv_dtypes.split(",")]
+    for length, dtype in runs:
+        done = subprocess.run([sys.executable, __file__, "--worker", str(snapshot), str(length), str(args.chunk),
+                               dtype], capture_output=True, text=True, timeout=args.timeout)
         if done.returncode != 0:
-            row = {"prompt": length, "error": (done.stderr.strip().splitlines() or ["?"])[-1]}
+            row = {"prompt": length, "kv_dtype": dtype, "error": (done.stderr.strip().splitlines() or ["?"])[-1]}
         else:
             row = json.loads(done.stdout.strip().splitlines()[-1])
         rows.append(row)

@@ -231,10 +231,10 @@ class NumpyBackend:
         self._map(part, [(span, block) for span in spans for block in blocks])
         return out
 
-    def attention_chosen(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, chosen: np.ndarray,
+    def attention_chosen(self, q: np.ndarray, k: tuple[np.ndarray, ...], v: np.ndarray, chosen: np.ndarray,
                          scale: float) -> np.ndarray:
         seq, heads, dk = q.shape
-        kh, dv, width = k.shape[1], v.shape[2], chosen.shape[1]
+        kh, dv, width = k[0].shape[1], v.shape[2], chosen.shape[1]
         out = np.empty((seq, heads, dv), np.float32)
         # a block's scores [s, nh, K] and its gathered keys and values [s, K, kh, dk + dv] stay within query_block
         step = max(1, self.query_block // (width * (heads + kh * (dk + dv))))
@@ -244,7 +244,8 @@ class NumpyBackend:
             picked = chosen[s0:s1]  # [s, K]
             missing = picked < 0
             rows = np.where(missing, 0, picked)
-            keys, values = k[rows], v[rows]  # [s, K, kh, dk], [s, K, kh, dv]
+            keys = np.concatenate([part[rows] for part in k], axis=-1)  # [s, K, kh, dk]
+            values = v[rows]  # [s, K, kh, dv]
             if kh == 1:  # one shared key head: a GEMM per query over its own keys
                 scores = q[s0:s1] @ keys[:, :, 0].transpose(0, 2, 1)  # [s, nh, K]
             else:
@@ -303,7 +304,7 @@ class NumpyBackend:
             _MALLOC_TRIM(0)
 
     def decode_step(self, config: ModelConfig, layers: Sequence[LayerSpec], weight: Callable[[str], Weight],
-                    experts: ExpertArena | None = None) -> None:
+                    experts: ExpertArena | None = None, kv_dtype: str = "f32") -> None:
         return None  # the operations above are the decode step
 
 

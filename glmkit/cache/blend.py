@@ -66,5 +66,5 @@ def blend_forward(model: GlmMoeDsaModel, token_ids: np.ndarray, positions: np.nd
 def reserve(cache: KVCache, n: int) -> None:
     """Append `n` zero rows to every main layer (placeholders that `forward_at` or an import overwrites)."""
     for layer in cache.layers[:cache.num_main_layers]:
-        layer.append(**{name: np.zeros((n, layer.rows(name).shape[1]), np.float32)
+        layer.append(**{name: np.zeros((n, layer.width(name)), np.float32)
                         for name in ("kv_lat", "k_rot", "index_k") if name != "index_k" or layer.has_index})

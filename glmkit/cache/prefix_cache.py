@@ -7,7 +7,9 @@ entry can only be used by the same converted model, the same kernels and the sam
 
 A blob holds the chunk's KV rows for every main layer (`kv_lat`, `k_rot`, `index_k` on indexer
 layers) and, when the model has an MTP layer, the MTP rows one position earlier (the MTP row at
-position i pairs h_i with token i+1, so it belongs with the chunk holding token i+1).
+position i pairs h_i with token i+1, so it belongs with the chunk holding token i+1). Rows are stored as the
+running KV cache holds them (`--kv-dtype`: f32, bf16 codes, or fp8 codes with a `{layer}.{field}.scale` array of
+one f32 per row), so a restore copies them back without rounding again; the dtype is part of the numerics key.
 
 Blob file: `MAGIC | u32 version | u32 header length | header JSON | sha256 of all before | zstd payload |
 sha256 of all before`. The header names everything the index records of an entry (model hash, numerics, chain
@@ -58,11 +60,12 @@ import zstandard
 from glmkit.format.config import ModelConfig
 from glmkit.format.files import open_regular
 from glmkit.model.glm5 import GlmMoeDsaModel
-from glmkit.model.kv_cache import KVCache
+from glmkit.model.kv_cache import KVCache, decode_kv_rows, kv_storage_dtype
 from glmkit.model.ops import rope_cos_sin
 
 MAGIC = b"GLMKVC\x00\x01"
-BLOB_VERSION = 2  # 2: the header carries its own checksum, the chain root, the embedding and the payload size
+# 2: the header carries its own checksum, the chain root, the embedding and the payload size; 3: rows at the KV dtype
+BLOB_VERSION = 3
 DEFAULT_CHUNK_TOKENS = 32
 DEFAULT_MAX_BYTES = 20 << 30
 MAX_HEADER_BYTES = 1 << 20
@@ -188,13 +191,16 @@ class PrefixCache:
 
     def __init__(self, directory: str | Path, model_hash: str, config: ModelConfig, numerics: str,
                  has_mtp: bool, index_layers: list[int], chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                 max_bytes: int = DEFAULT_MAX_BYTES):
+                 max_bytes: int = DEFAULT_MAX_BYTES, kv_dtype: str = "f32"):
+        """numerics: the backend's numerics version; the KV dtype is added to it (rows of another precision are
+        another chain)."""
         if not _HEX64.fullmatch(model_hash):
             raise ValueError(f"model hash {model_hash!r}: not 64 hex digits")
         self.directory = Path(directory)
         self.model_hash = model_hash
         self.config = config
-        self.numerics = numerics
+        self.kv_dtype = kv_dtype
+        self.numerics = f"{numerics}|kv={kv_dtype}"
         self.has_mtp = has_mtp
         self.index_layers = set(index_layers)
         self.chunk_tokens = chunk_tokens
@@ -216,24 +222,25 @@ class PrefixCache:
         """The cache for a model as it runs: its backend's numerics, whether MTP rows are kept."""
         index_layers = [i for i, layer in enumerate(model.new_cache().layers) if layer.has_index]
         return cls(directory, model_hash, model.config, model.numerics, use_mtp and model.has_mtp,
-                   index_layers, chunk_tokens, max_bytes)
+                   index_layers, chunk_tokens, max_bytes, model.kv_dtype)
 
     # ---- layout of one chunk's arrays ----
 
     def expected_shapes(self, n_tokens: int, start: int) -> dict[str, tuple[int, int]]:
+        """The arrays of a chunk of `n_tokens` at `start`, in blob order: `{layer}.{field}` `[rows, width]` (and at
+        fp8 `{layer}.{field}.scale` `[rows, 1]`)."""
         cfg = self.config
         widths = {"kv_lat": cfg.kv_lora_rank, "k_rot": cfg.qk_rope_head_dim, "index_k": cfg.index_head_dim}
+        fields = [(layer, n_tokens) for layer in range(cfg.num_hidden_layers)]
+        if self.has_mtp:  # MTP rows [start-1, start+n-1) clipped at 0
+            fields.append((cfg.num_hidden_layers, n_tokens - (1 if start == 0 else 0)))
         shapes = {}
-        for layer in range(cfg.num_hidden_layers):
+        for layer, rows in fields:
             for name in _FIELDS:
                 if name != "index_k" or layer in self.index_layers:
-                    shapes[f"{layer}.{name}"] = (n_tokens, widths[name])
-        if self.has_mtp:
-            mtp = cfg.num_hidden_layers
-            rows = n_tokens - (1 if start == 0 else 0)  # MTP rows [start-1, start+n-1) clipped at 0
-            for name in _FIELDS:
-                if name != "index_k" or mtp in self.index_layers:
-                    shapes[f"{mtp}.{name}"] = (rows, widths[name])
+                    shapes[f"{layer}.{name}"] = (rows, widths[name])
+                    if self.kv_dtype == "fp8":
+                        shapes[f"{layer}.{name}.scale"] = (rows, 1)
         return shapes
 
     # ---- lookup and restore ----
@@ -290,13 +297,14 @@ class PrefixCache:
         return chunk.prefix(best_n, self.config.num_hidden_layers)
 
     def _append_rows(self, kv: KVCache, chunk: Chunk) -> None:
-        by_layer: dict[int, dict[str, np.ndarray]] = {}
+        by_layer: dict[int, dict[str, tuple[np.ndarray, np.ndarray | None]]] = {}
         for name, array in chunk.arrays.items():
-            layer, fname = name.split(".")
-            by_layer.setdefault(int(layer), {})[fname] = array
-        for layer, rows in sorted(by_layer.items()):
-            if len(next(iter(rows.values()))):
-                kv.layer(layer).append(**rows)
+            layer, fname, *scale = name.split(".")
+            if not scale:
+                by_layer.setdefault(int(layer), {})[fname] = (array, _scales_of(chunk, name))
+        for layer, fields in sorted(by_layer.items()):
+            if len(next(iter(fields.values()))[0]):
+                kv.layer(layer).append_encoded(fields)
 
     def _load(self, key: str, start: int, n_tokens: int, result: RestoreResult, expect: list[int],
               offset: int = 0, parent: str | None = None) -> Chunk | None:
@@ -310,7 +318,7 @@ class PrefixCache:
                 return None
             try:  # the path comes from the key, never from the index row
                 chunk = read_blob(blob_path(self.directory, self.model_hash, key), self.model_hash, self.numerics,
-                                  self.expected_shapes(n_tokens, start), self.root)
+                                  self.expected_shapes(n_tokens, start), self.root, self.kv_dtype)
             except (OSError, ValueError):
                 chunk = None
         if chunk is None or not _holds(chunk, key, start, n_tokens, expect, offset, parent):
@@ -363,19 +371,25 @@ class PrefixCache:
         return stored
 
     def _rows(self, kv: KVCache, start: int, n: int) -> dict[str, np.ndarray]:
+        """The stored codes (and fp8 scales) of rows [start, start + n) as `expected_shapes` names them."""
         arrays = {}
         for name in self.expected_shapes(n, start):
-            layer, fname = name.split(".")
-            rows = kv.layer(int(layer)).rows(fname)
-            lo = start if int(layer) < self.config.num_hidden_layers else max(start - 1, 0)
-            arrays[name] = rows[lo:start + n - (int(layer) >= self.config.num_hidden_layers)].copy()
+            layer, fname, *scale = name.split(".")
+            if scale:
+                continue  # with its rows
+            mtp = int(layer) >= self.config.num_hidden_layers
+            lo = max(start - 1, 0) if mtp else start
+            arrays[name], scales = kv.layer(int(layer)).encoded(fname, lo, start + n - mtp)
+            if scales is not None:
+                arrays[f"{name}.scale"] = scales[:, None]
         return arrays
 
     def _write(self, chunk: Chunk) -> None:
         path = blob_path(self.directory, self.model_hash, chunk.key)
         # full chunks get an embedding (mean layer-0 kv_lat: see chunk_index) for the similar-chunk search
-        emb = chunk.arrays["0.kv_lat"].mean(axis=0).astype("<f4") if len(chunk.tokens) == self.chunk_tokens else None
-        nbytes = write_blob(path, chunk, self.model_hash, self.numerics, self.root, emb)
+        emb = (chunk_rows(chunk, "0.kv_lat").mean(axis=0).astype("<f4") if len(chunk.tokens) == self.chunk_tokens
+               else None)
+        nbytes = write_blob(path, chunk, self.model_hash, self.numerics, self.root, emb, self.kv_dtype)
         with self.db:
             _insert_entry(self.db, "INSERT OR REPLACE", self.directory, path, chunk, self.model_hash, self.root,
                           emb, nbytes, time.time())
@@ -469,8 +483,8 @@ class PrefixCache:
             return None
         self._loaded_from_disk.discard(piece.key)
         mtp = self.config.num_hidden_layers
-        return {name: a[piece.offset:piece.offset + piece.count] for name, a in chunk.arrays.items()
-                if int(name.split(".")[0]) < mtp}
+        return {name: chunk_rows(chunk, name)[piece.offset:piece.offset + piece.count] for name in chunk.arrays
+                if int(name.split(".")[0]) < mtp and not name.endswith(".scale")}
 
     @_survives_index_damage
     def find_runs(self, tokens: list[int], begin: int, end: int,
@@ -946,14 +960,39 @@ def remove_cache_file(path: Path) -> bool:
     except OSError:  # gone already, or not ours to remove (permissions): left as it is
         return False
 
-def write_blob(path: Path, chunk: Chunk, model_hash: str, numerics: str, root: str, emb: np.ndarray | None) -> int:
+def _blob_dtype(name: str, kv_dtype: str) -> np.dtype:
+    """How a blob stores array `name`: fp8 scales as little-endian f32, rows as the KV dtype's codes (f32, or the
+    bits of bf16 / e4m3 as little-endian unsigned integers)."""
+    if name.endswith(".scale") or kv_dtype == "f32":
+        return np.dtype("<f4")
+    return np.dtype("<u2" if kv_dtype == "bf16" else "u1")
+
+
+def _scales_of(chunk: Chunk, name: str) -> np.ndarray | None:
+    """The per-row scales `[n]` of chunk array `name` (fp8), else None."""
+    scales = chunk.arrays.get(f"{name}.scale")
+    return None if scales is None else scales[:, 0]
+
+
+def chunk_rows(chunk: Chunk, name: str) -> np.ndarray:
+    """Chunk array `name` (`{layer}.{field}`) as float32 rows `[n, width]`."""
+    array = chunk.arrays[name]
+    return array if array.dtype == np.float32 else decode_kv_rows(array, _scales_of(chunk, name))
+
+
+def write_blob(path: Path, chunk: Chunk, model_hash: str, numerics: str, root: str, emb: np.ndarray | None,
+               kv_dtype: str = "f32") -> int:
     """Write atomically (unique temp name, fsync, rename); `emb` (`[kv_lora_rank]` f32 or None) goes in the
     header for rebuilding the index. Returns the file size."""
-    payload = zstandard.ZstdCompressor(level=3).compress(
-        b"".join(np.ascontiguousarray(a, dtype="<f4").tobytes() for a in chunk.arrays.values()))
+    def stored(name: str, a: np.ndarray) -> bytes:  # the array's bits, as `_blob_dtype` stores them
+        dtype = _blob_dtype(name, kv_dtype)
+        return np.ascontiguousarray(a).view(dtype.newbyteorder("=")).astype(dtype).tobytes()
+
+    payload = zstandard.ZstdCompressor(level=3).compress(b"".join(stored(n, a) for n, a in chunk.arrays.items()))
     header = {"model_hash": model_hash, "numerics": numerics, "root": root, "key": chunk.key, "parent": chunk.parent,
               "start": chunk.start, "tokens": [int(t) for t in chunk.tokens], "compression": "zstd",
-              "dtype": "float32", "lossy": False, "arrays": [[name, list(a.shape)] for name, a in chunk.arrays.items()],
+              "dtype": kv_dtype, "lossy": kv_dtype != "f32",
+              "arrays": [[name, list(a.shape)] for name, a in chunk.arrays.items()],
               "emb": None if emb is None else base64.b64encode(np.asarray(emb, dtype="<f4").tobytes()).decode(),
               "payload_bytes": len(payload)}
     head = json.dumps(header, separators=(",", ":")).encode()
@@ -1049,18 +1088,21 @@ def _check_header(h: Any, path: Path) -> None:
 
 
 def read_blob(path: Path, model_hash: str, numerics: str, shapes: dict[str, tuple[int, int]],
-              root: str | None = None) -> Chunk:
+              root: str | None = None, kv_dtype: str = "f32") -> Chunk:
     """Read and check a blob (written for `model_hash`, `numerics` and, given, chain `root`, holding arrays of
-    exactly `shapes`); raises ValueError naming what is wrong, OSError for what is not a regular file."""
+    exactly `shapes` at `kv_dtype`); raises ValueError naming what is wrong, OSError for what is not a regular
+    file."""
     with open_regular(path, follow_symlinks=False) as f:
         size = os.fstat(f.fileno()).st_size
         header, span = _read_header(f, size, path)
-        if header["model_hash"] != model_hash or header["numerics"] != numerics or root not in (None, header["root"]):
-            raise ValueError(f"{path}: written for another model or numerics version")
+        if (header["model_hash"] != model_hash or header["numerics"] != numerics or root not in (None, header["root"])
+                or header.get("dtype") != kv_dtype):
+            raise ValueError(f"{path}: written for another model, numerics version or KV dtype")
         names = [tuple(x) for x in header["arrays"]]
         if {n: tuple(s) for n, s in names} != shapes or [n for n, _ in names] != list(shapes):
             raise ValueError(f"{path}: array layout does not match this model")
-        expected = sum(int(np.prod(s)) for s in shapes.values()) * 4
+        sizes = {name: int(np.prod(shape)) * _blob_dtype(name, kv_dtype).itemsize for name, shape in shapes.items()}
+        expected = sum(sizes.values())
         if header["payload_bytes"] > expected + (expected >> 7) + 1024:  # beyond zstd's worst case for that size
             raise ValueError(f"{path}: payload larger than its arrays")
         rest = f.read(header["payload_bytes"] + 32)
@@ -1077,7 +1119,9 @@ def read_blob(path: Path, model_hash: str, numerics: str, shapes: dict[str, tupl
         raise ValueError(f"{path}: payload size mismatch")
     arrays, offset = {}, 0
     for name, shape in shapes.items():
-        count = int(np.prod(shape))
-        arrays[name] = np.frombuffer(raw, dtype="<f4", count=count, offset=offset).reshape(shape)
-        offset += count * 4
+        dtype = _blob_dtype(name, kv_dtype)
+        array = np.frombuffer(raw, dtype=dtype, count=int(np.prod(shape)), offset=offset).reshape(shape)
+        arrays[name] = array if dtype.kind == "f" else array.astype(dtype.newbyteorder("=")).view(
+            kv_storage_dtype(kv_dtype))
+        offset += sizes[name]
     return Chunk(header["key"], header["parent"], int(header["start"]), list(header["tokens"]), arrays)

@@ -216,6 +216,7 @@ class Session:
         `k_rot` (rope on all its dims) and the indexer key (rope on its FIRST qk_rope_head_dim dims)."""
         cfg = self.model.config
         theta, rope = cfg.rope_theta, cfg.qk_rope_head_dim
+        by_layer: dict[int, dict[str, np.ndarray]] = {}
         for name, array in rows.items():
             layer, field = name.split(".")
             if field == "k_rot":
@@ -223,7 +224,10 @@ class Session:
             elif field == "index_k":
                 array = np.concatenate([rerotate(array[:, :rope], old_start, new_start, theta), array[:, rope:]],
                                        axis=-1)
-            self.kv.layer(int(layer)).rows(field)[new_start:new_start + len(array)] = array
+            by_layer.setdefault(int(layer), {})[field] = array
+        for layer, fields in by_layer.items():
+            count = len(next(iter(fields.values())))
+            self.kv.layer(layer).overwrite(np.arange(new_start, new_start + count), **fields)
 
 
 def session_path(cache_dir: Path, model_hash: str, name: str) -> Path:

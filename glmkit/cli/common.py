@@ -14,6 +14,7 @@ from glmkit.eval.windows import DEFAULT_CTX, text_windows, token_windows
 from glmkit.format.reader import Container
 from glmkit.generate.engine import Engine
 from glmkit.generate.pipeline import DEFAULT_PIPELINE_CHUNK, pipeline_stages
+from glmkit.model.kv_cache import KV_DTYPES
 from glmkit.units import parse_size
 
 DEVICE_HELP = "auto (a GPU if any, else the fastest CPU path measured) | numpy | opencl[:platform:device]"
@@ -23,11 +24,14 @@ FLOAT_ACTIVATIONS_HELP = ("float inputs to the quantized products (the reference
 
 def add_engine_arguments(parser: argparse.ArgumentParser, *, expert_memory: bool = False, mtp: bool = False,
                          pipeline: bool = False) -> None:
-    """`--device` and `--float-activations`; with `expert_memory` also `--ram-budget` and `--no-prefetch`, with `mtp`
-    the `--mtp` / `--no-mtp` pair (read by `use_mtp_from_arguments`), with `pipeline` the Ray pipeline's flags
-    (`--pipeline`, `--ray-address`, `--pipeline-chunk`)."""
+    """`--device`, `--float-activations` and `--kv-dtype`; with `expert_memory` also `--ram-budget` and
+    `--no-prefetch`, with `mtp` the `--mtp` / `--no-mtp` pair (read by `use_mtp_from_arguments`), with `pipeline` the
+    Ray pipeline's flags (`--pipeline`, `--ray-address`, `--pipeline-chunk`)."""
     parser.add_argument("--device", default="auto", help=DEVICE_HELP)
     parser.add_argument("--float-activations", action="store_true", help=FLOAT_ACTIVATIONS_HELP)
+    parser.add_argument("--kv-dtype", choices=KV_DTYPES, default="f32",
+                        help="precision of the KV rows in memory and in the prefill cache: f32 (exact, default), "
+                             "bf16 (half the bytes) or fp8 (e4m3 with a scale per row, about a quarter)")
     if pipeline:
         group = parser.add_argument_group("pipeline parallelism over Ray (pip install \"glmkit[distributed]\")")
         group.add_argument("--pipeline", type=_pipeline_stages, metavar="N|auto",
@@ -78,7 +82,7 @@ def engine_from_arguments(args: argparse.Namespace, load_tokenizer: bool = True)
     engine = Engine(args.snapshot, args.device, getattr(args, "ram_budget", 0),
                     prefetch=not getattr(args, "no_prefetch", False), load_tokenizer=load_tokenizer,
                     float_activations=args.float_activations, expert_cache=getattr(args, "expert_cache", None),
-                    expert_usage_dir=default_cache_dir().parent)
+                    expert_usage_dir=default_cache_dir().parent, kv_dtype=args.kv_dtype)
     if engine.expert_cache_reason:
         print(engine.expert_cache_reason, file=sys.stderr)
     return engine
@@ -97,7 +101,7 @@ def pipeline_engine_from_arguments(args: argparse.Namespace, load_tokenizer: boo
 
     return PipelineEngine(args.snapshot, args.pipeline, args.ray_address, args.device, args.float_activations,
                           prefetch=not getattr(args, "no_prefetch", False), chunk=args.pipeline_chunk,
-                          load_tokenizer=load_tokenizer)
+                          load_tokenizer=load_tokenizer, kv_dtype=args.kv_dtype)
 
 
 def use_mtp_from_arguments(engine: Engine, args: argparse.Namespace) -> bool:

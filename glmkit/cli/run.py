@@ -37,7 +37,7 @@ from glmkit.generate.engine import Engine, default_expert_cache
 from glmkit.generate.generator import GenerationStats, Generator
 from glmkit.generate.sampling import Sampler, SamplingParams
 from glmkit.generate.tokenizer import StreamDecoder
-from glmkit.model.kv_cache import KVCache, kv_bytes_per_token
+from glmkit.model.kv_cache import KV_DTYPES, KVCache, kv_bytes_per_token
 from glmkit.units import format_size
 
 
@@ -96,9 +96,10 @@ def main(argv: list[str] | None = None) -> int:
                 container = Container(snapshot)
                 print(f"{snapshot}: {default_expert_cache(container)[1]}")
                 cfg = container.config
-                print(f"{snapshot}: context {cfg.max_position_embeddings:,} tokens; KV cache "
-                      f"{format_size(kv_bytes_per_token(cfg))} per token (f32), "
-                      f"{format_size(kv_bytes_per_token(cfg) * cfg.max_position_embeddings)} at the full context")
+                per_token = {dtype: kv_bytes_per_token(cfg, dtype) for dtype in KV_DTYPES}
+                print(f"{snapshot}: context {cfg.max_position_embeddings:,} tokens; KV cache per token "
+                      + ", ".join(f"{format_size(n)} ({dtype})" for dtype, n in per_token.items())
+                      + f"; {format_size(per_token['f32'] * cfg.max_position_embeddings)} at the full context (f32)")
             except GlmkitError as e:
                 print(f"glm-run: error: {e}", file=sys.stderr)
                 return 2

@@ -95,7 +95,8 @@ class _RecordingBackend:
     def new_window(self) -> None:
         self.seen.clear()
 
-    def decode_step(self, config: ModelConfig, layers: Sequence[LayerSpec], weight: Callable[[str], Weight]) -> None:
+    def decode_step(self, config: ModelConfig, layers: Sequence[LayerSpec], weight: Callable[[str], Weight],
+                    experts: None = None, kv_dtype: str = "f32") -> None:
         return None  # every product's input must pass through `linear`
 
     def __getattr__(self, name: str) -> Any:

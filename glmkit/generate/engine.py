@@ -34,11 +34,13 @@ class Engine:
     process may use: `auto_cache_bytes`), instead of the page cache (the device decode step reads them from its
     slots); 0: the page cache; None (default): "auto" where the container outgrows that RAM (`outgrows_memory`),
     unless ram_budget_bytes pins experts or the device is a discrete GPU, else 0. expert_usage_dir: where the
-    cache saves its usage scores (per model hash; None: not saved)."""
+    cache saves its usage scores (per model hash; None: not saved). kv_dtype: the KV rows' precision
+    (`glmkit.model.kv_cache.KV_DTYPES`)."""
 
     def __init__(self, snapshot: str | Path, device: str = "numpy", ram_budget_bytes: int = 0,
                  prefetch: bool = True, load_tokenizer: bool = True, float_activations: bool = False,
-                 expert_cache: int | str | None = None, expert_usage_dir: Path | None = None):
+                 expert_cache: int | str | None = None, expert_usage_dir: Path | None = None,
+                 kv_dtype: str = "f32"):
         self.container = Container(snapshot)
         self.config = self.container.config
         self.backend, self.device = make_backend(device, self.container, not float_activations)
@@ -63,14 +65,15 @@ class Engine:
             cache = self.experts = ExpertCache(self.container, int(expert_cache), readahead=prefetch,
                                                usage_file=usage)
             self.model = GlmMoeDsaModel(self.config, cache, self.backend, route_hook=cache.on_route,
-                                        step_experts=cache)
+                                        step_experts=cache, kv_dtype=kv_dtype)
         else:
             self.experts = ExpertStreamer(self.container, ram_budget_bytes, prefetch)
             # a device decode step's routing is watched only when experts will come from disk: its callbacks cost
             # a large share of decode when everything is in RAM (docs/BENCHMARKS.md)
             watch = prefetch and outgrows_memory(self.container)
             self.model = GlmMoeDsaModel(self.config, self.experts, self.backend, route_hook=self.experts.on_route,
-                                        step_route_hook=self.experts.advise_routed if watch else None)
+                                        step_route_hook=self.experts.advise_routed if watch else None,
+                                        kv_dtype=kv_dtype)
             if prefetch and not watch:  # it fits: all of it in the page cache, read in the background
                 self.experts.warm_in_background()
         self.tokenizer = ChatTokenizer(snapshot) if load_tokenizer else None

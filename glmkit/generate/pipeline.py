@@ -39,7 +39,7 @@ from glmkit.generate.engine import Engine, make_backend
 from glmkit.model.compute import Backend, DecodeStep
 from glmkit.model.expert_stream import ExpertStreamer
 from glmkit.model.glm5 import GlmMoeDsaModel, WeightSource
-from glmkit.model.kv_cache import KVCache
+from glmkit.model.kv_cache import KVCache, decode_kv_rows, encode_kv_rows
 from glmkit.units import format_size
 
 DEFAULT_PIPELINE_CHUNK = 256  # prompt tokens per piece streamed through the stages
@@ -150,12 +150,12 @@ class PipelineStage:
     (`cache_id` -> a KVCache whose other layers stay empty). Run as a Ray actor; plain methods, plain arrays."""
 
     def __init__(self, snapshot: str, index: int, layers: range, device: str, float_activations: bool,
-                 prefetch: bool, blas_threads: int | None = None, niceness: int = 0) -> None:
+                 prefetch: bool, blas_threads: int | None = None, niceness: int = 0, kv_dtype: str = "f32") -> None:
         """blas_threads: BLAS threads (None: the CPUs this process may use, as in a process of its own; Ray starts an
         actor of one CPU with OMP_NUM_THREADS=1, and the thread count changes the float sums' order). niceness: the
         scheduling priority to run at, the head's (Ray starts its workers at 15, behind any other work on the
         machine); kept at Ray's where the process may not raise its priority (`RAY_worker_niceness=0 ray start`
-        then does it for every worker)."""
+        then does it for every worker). kv_dtype: the precision its KV rows are kept at (`KV_DTYPES`)."""
         self.index, self.layer_range = index, layers
         threadpool_limits(blas_threads or len(os.sched_getaffinity(0)), user_api="blas")
         with contextlib.suppress(PermissionError):
@@ -163,7 +163,8 @@ class PipelineStage:
         container = Container(snapshot)
         backend, self.device = make_backend(device, container, not float_activations)
         self.experts = ExpertStreamer(container, 0, prefetch)
-        self.model = GlmMoeDsaModel(container.config, self.experts, backend, route_hook=self.experts.on_route)
+        self.model = GlmMoeDsaModel(container.config, self.experts, backend, route_hook=self.experts.on_route,
+                                    kv_dtype=kv_dtype)
         self.caches: dict[int, KVCache] = {}
         self.busy_s = 0.0  # seconds spent in `run`: the compute a pipeline's hops are compared with
         if prefetch:
@@ -209,14 +210,15 @@ class PipelineStage:
     def drop(self, cache_id: int) -> None:
         self.caches.pop(cache_id, None)
 
-    def rows(self, cache_id: int, layer: int) -> dict[str, np.ndarray]:
-        """Copies of every field of layer `layer`'s rows `[T, width]`."""
+    def encoded(self, cache_id: int, layer: int) -> dict[str, tuple[np.ndarray, np.ndarray | None]]:
+        """Every field of layer `layer`'s rows as stored (`LayerKV.encoded`: codes `[T, width]`, fp8 scales `[T]`)."""
         kv = self._cache(cache_id).layer(layer)
         names = ("kv_lat", "k_rot", "index_k") if kv.has_index else ("kv_lat", "k_rot")
-        return {name: kv.rows(name).copy() for name in names}
+        return {name: kv.encoded(name, 0, kv.length) for name in names}
 
-    def append(self, cache_id: int, layer: int, rows: dict[str, np.ndarray]) -> None:
-        self._cache(cache_id).layer(layer).append(**rows)
+    def append_encoded(self, cache_id: int, layer: int, fields: dict[str, tuple[np.ndarray, np.ndarray | None]]
+                       ) -> None:
+        self._cache(cache_id).layer(layer).append_encoded(fields)
 
     def expert_stats(self) -> dict[str, int]:
         return self.experts.stats.to_json()
@@ -356,11 +358,11 @@ def check_reachable(address: str | None, timeout_s: float = 10.0) -> None:
 
 def open_pipeline(snapshot: str | Path, container: Container, stages: int | str, address: str | None = None,
                   device: str = "numpy", float_activations: bool = False, prefetch: bool = True,
-                  chunk: int = DEFAULT_PIPELINE_CHUNK, verbose: bool = True, blas_threads: int | None = None
-                  ) -> Pipeline:
+                  chunk: int = DEFAULT_PIPELINE_CHUNK, verbose: bool = True, blas_threads: int | None = None,
+                  kv_dtype: str = "f32") -> Pipeline:
     """Start one stage actor per range of the plan on the Ray cluster at `address` (None: the cluster `ray start`
     made on this machine, else a new local one; already connected: that one), wait until each has opened the
-    container, and print the plan on stderr when `verbose`. blas_threads: see `PipelineStage`."""
+    container, and print the plan on stderr when `verbose`. blas_threads, kv_dtype: see `PipelineStage`."""
     ray = import_ray()
     if chunk < 1:
         raise GlmkitError(f"--pipeline-chunk: must be >= 1, got {chunk}")
@@ -389,7 +391,7 @@ def open_pipeline(snapshot: str | Path, container: Container, stages: int | str,
         else:
             options["scheduling_strategy"] = "SPREAD"
         actors.append(remote.options(**options).remote(str(snapshot), i, layers, device, float_activations, prefetch,
-                                                       blas_threads, os.getpriority(os.PRIO_PROCESS, 0)))
+                                                       blas_threads, os.getpriority(os.PRIO_PROCESS, 0), kv_dtype))
     pipeline = Pipeline(ray, actors, plan, [{"host": "?", "ip": "?", "pid": "?"}] * len(actors), chunk)
     try:
         pipeline.where = ray.get([actor.describe.remote() for actor in actors], timeout=STAGE_START_TIMEOUT_S)
@@ -412,19 +414,25 @@ class RemoteLayerKV:
     """A main layer's KV rows, held by the stage that runs the layer: its length is mirrored here (the head makes
     every change), its rows are fetched on demand (the prefix cache stores them) and appended remotely."""
 
-    def __init__(self, pipeline: Pipeline, cache_id: int, layer: int, has_index: bool) -> None:
+    def __init__(self, pipeline: Pipeline, cache_id: int, layer: int, has_index: bool, dtype: str) -> None:
         self.pipeline, self.cache_id, self.layer, self.has_index = pipeline, cache_id, layer, has_index
+        self.dtype = dtype
         self.stage = pipeline.stage_of(layer)
         self.length = 0
-        self._fetched: dict[str, np.ndarray] | None = None  # the rows last fetched, until the rows change
+        # the rows last fetched as stored (codes, fp8 scales), until the rows change
+        self._fetched: dict[str, tuple[np.ndarray, np.ndarray | None]] | None = None
 
-    def rows(self, name: str) -> np.ndarray:
-        """The first `length` rows of field `name` (a copy from the stage, read-only)."""
+    def encoded(self, name: str, start: int, stop: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Copies of the stored codes `[n, width]` and (fp8) scales `[n]` of rows [start, stop) of field `name`,
+        fetched from the stage."""
         if self._fetched is None:
-            self._fetched = self.pipeline.call(self.stage, "rows", self.cache_id, self.layer)
-        array = self._fetched[name]
-        array.flags.writeable = False
-        return array
+            self._fetched = self.pipeline.call(self.stage, "encoded", self.cache_id, self.layer)
+        codes, scales = self._fetched[name]
+        return codes[start:stop].copy(), None if scales is None else scales[start:stop].copy()
+
+    def rows(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Rows [start, stop) (default: all `length`) of field `name` as float32 `[n, width]`."""
+        return decode_kv_rows(*self.encoded(name, start, self.length if stop is None else min(stop, self.length)))
 
     def grow(self, n: int) -> None:
         """Count `n` rows the stage appended."""
@@ -432,8 +440,13 @@ class RemoteLayerKV:
         self._fetched = None
 
     def append(self, **rows: np.ndarray) -> None:
-        self.pipeline.send(self.stage, "append", self.cache_id, self.layer, rows)
-        self.grow(len(next(iter(rows.values()))))
+        """Append float32 rows `[n, width]` (stored at the layer's dtype, on the stage)."""
+        self.append_encoded({name: encode_kv_rows(self.dtype, r) for name, r in rows.items()})
+
+    def append_encoded(self, fields: dict[str, tuple[np.ndarray, np.ndarray | None]]) -> None:
+        """Append rows already at the layer's dtype (`LayerKV.append_encoded`)."""
+        self.pipeline.send(self.stage, "append_encoded", self.cache_id, self.layer, fields)
+        self.grow(len(next(iter(fields.values()))[0]))
 
     def overwrite(self, positions: np.ndarray, **rows: np.ndarray) -> None:
         raise GlmkitError("--pipeline: rows cannot be rewritten in place (approximate reuse is not supported)")
@@ -448,12 +461,13 @@ class PipelineCache(KVCache):
     """The KV cache of one sequence run through a pipeline: the MTP layer's rows here, every main layer's on its
     stage (`RemoteLayerKV`); dropped on the stages when this object is collected."""
 
-    def __init__(self, config: ModelConfig, index_layers: list[int], pipeline: Pipeline) -> None:
-        super().__init__(config, [i for i in index_layers if i >= config.num_hidden_layers])
+    def __init__(self, config: ModelConfig, index_layers: list[int], pipeline: Pipeline, dtype: str = "f32") -> None:
+        super().__init__(config, [i for i in index_layers if i >= config.num_hidden_layers], dtype)
         self.pipeline = pipeline
         self.cache_id = pipeline.new_cache_id()
         for i in range(config.num_hidden_layers):
-            self.layers[i] = RemoteLayerKV(pipeline, self.cache_id, i, i in index_layers)  # type: ignore[call-overload]
+            remote = RemoteLayerKV(pipeline, self.cache_id, i, i in index_layers, dtype)
+            self.layers[i] = remote  # type: ignore[call-overload]
         finalizer = weakref.finalize(self, _drop_remote, pipeline, self.cache_id)
         finalizer.atexit = False
 
@@ -485,8 +499,9 @@ class PipelineModel(GlmMoeDsaModel):
     """The head's model: embedding, final norm, lm_head and MTP run here; the main decoder layers on the stages.
     Every single-token forward runs through the operations (no device decode step at the head)."""
 
-    def __init__(self, config: ModelConfig, weights: WeightSource, backend: Backend, pipeline: Pipeline) -> None:
-        super().__init__(config, weights, backend)
+    def __init__(self, config: ModelConfig, weights: WeightSource, backend: Backend, pipeline: Pipeline,
+                 kv_dtype: str = "f32") -> None:
+        super().__init__(config, weights, backend, kv_dtype=kv_dtype)
         self.pipeline = pipeline
         stage_numerics = sorted({w["numerics"] for w in pipeline.where})
         self._numerics = backend.numerics if stage_numerics == [backend.numerics] else \
@@ -499,7 +514,7 @@ class PipelineModel(GlmMoeDsaModel):
 
     def new_cache(self) -> PipelineCache:
         return PipelineCache(self.config, [s.index for s in self.layers if s.attention.indexer is not None],
-                             self.pipeline)
+                             self.pipeline, self.kv_dtype)
 
     def main_layers(self, x: np.ndarray, cache: KVCache) -> np.ndarray:
         if not isinstance(cache, PipelineCache) or cache.pipeline is not self.pipeline:
@@ -530,12 +545,13 @@ class PipelineEngine(Engine):
 
     def __init__(self, snapshot: str | Path, stages: int | str, address: str | None = None, device: str = "numpy",
                  float_activations: bool = False, prefetch: bool = True, chunk: int = DEFAULT_PIPELINE_CHUNK,
-                 load_tokenizer: bool = True, verbose: bool = True, blas_threads: int | None = None) -> None:
+                 load_tokenizer: bool = True, verbose: bool = True, blas_threads: int | None = None,
+                 kv_dtype: str = "f32") -> None:
         super().__init__(snapshot, device, prefetch=False, load_tokenizer=load_tokenizer,
-                         float_activations=float_activations, expert_cache=0)
+                         float_activations=float_activations, expert_cache=0, kv_dtype=kv_dtype)
         self.pipeline = open_pipeline(snapshot, self.container, stages, address, device, float_activations, prefetch,
-                                      chunk, verbose, blas_threads)
-        self.model = PipelineModel(self.config, self.experts, self.backend, self.pipeline)
+                                      chunk, verbose, blas_threads, kv_dtype)
+        self.model = PipelineModel(self.config, self.experts, self.backend, self.pipeline, kv_dtype)
         self.experts.stats = StageExpertStats(self.pipeline)  # type: ignore[assignment]  # the head routes nothing
 
     def close(self) -> None:

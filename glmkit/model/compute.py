@@ -65,13 +65,14 @@ class Backend(Protocol):
         """
         ...
 
-    def attention_chosen(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, chosen: np.ndarray,
+    def attention_chosen(self, q: np.ndarray, k: tuple[np.ndarray, ...], v: np.ndarray, chosen: np.ndarray,
                          scale: float) -> np.ndarray:
         """Softmax attention of each query over its own chosen keys only (DSA's sparse attention).
 
-        q `[S, nh, dk]`; k `[T, kh, dk]`, v `[T, kh, dv]` as in `attention`; chosen `[S, K]` int32 key indices
-        (-1: none; every row names at least one key). Returns `[S, nh, dv]`: `attention` with the mask of the chosen
-        keys, without an `[S, T]` matrix: the work grows with S x K, not S x T.
+        q `[S, nh, dk]`; k: the keys `[T, kh, dk]` as column parts `[T, kh, dk_i]` (joined only for the rows a query
+        gathers: MLA's latent and rope parts stay apart), v `[T, kh, dv]` as in `attention`; chosen `[S, K]` int32
+        key indices (-1: none; every row names at least one key). Returns `[S, nh, dv]`: `attention` with the mask of
+        the chosen keys, without an `[S, T]` matrix or a copy of the keys: the work grows with S x K, not S x T.
         """
         ...
 
@@ -102,10 +103,11 @@ class Backend(Protocol):
         ...
 
     def decode_step(self, config: ModelConfig, layers: Sequence[LayerSpec], weight: Callable[[str], Weight],
-                    experts: ExpertArena | None = None) -> DecodeStep | None:
+                    experts: ExpertArena | None = None, kv_dtype: str = "f32") -> DecodeStep | None:
         """A whole single-token forward of the main model, whose decoder layers `layers` describes, in one call
         (`DecodeStep`), or None: the model then decodes through the operations above. experts: where the routed
-        experts are read from instead of `weight` (an expert cache's slots, filled as each layer routes)."""
+        experts are read from instead of `weight` (an expert cache's slots, filled as each layer routes); kv_dtype:
+        the precision of the cache rows it reads and writes."""
         ...
 
 

@@ -21,7 +21,7 @@ from glmkit.errors import GlmkitError
 from glmkit.format.config import ModelConfig
 from glmkit.format.tensors import Weight
 from glmkit.model.compute import Backend, DecodeStep, ExpertArena, GreedyDecode, Routes
-from glmkit.model.kv_cache import KVCache, LayerKV
+from glmkit.model.kv_cache import KV_DTYPES, KVCache, LayerKV
 from glmkit.model.layer_spec import (
     EMBED,
     LM_HEAD,
@@ -78,9 +78,12 @@ def mla_attend_absorbed(backend: Backend, q_nope: np.ndarray, q_rot: np.ndarray,
     v_dim = kv_b.shape[0] // q_nope.shape[1] - nope
     q_lat = backend.head_matmul(q_nope, kv_b, 0, nope, transpose=True)  # [S, nh, kvl]
     q = np.concatenate([q_lat, q_rot], axis=-1)  # [S, nh, kvl + rope]
-    keys = np.concatenate([kv_lat, k_rot], axis=-1)[:, None, :]  # [T, 1, kvl + rope]
-    attend = backend.attention if keys_seen.dtype == bool else backend.attention_chosen
-    o_lat = attend(q, keys, kv_lat[:, None, :], keys_seen, scale)  # [S, nh, kvl]
+    if keys_seen.dtype == bool:
+        keys = np.concatenate([kv_lat, k_rot], axis=-1)[:, None, :]  # [T, 1, kvl + rope]
+        o_lat = backend.attention(q, keys, kv_lat[:, None, :], keys_seen, scale)  # [S, nh, kvl]
+    else:  # the key parts joined per gathered row, not for all T
+        o_lat = backend.attention_chosen(q, (kv_lat[:, None, :], k_rot[:, None, :]), kv_lat[:, None, :], keys_seen,
+                                         scale)  # [S, nh, kvl]
     return backend.head_matmul(o_lat, kv_b, nope, v_dim, transpose=False)  # [S, nh, v]
 
 
@@ -110,13 +113,17 @@ class GlmMoeDsaModel:
     route_hook: optional `hook(layer, expert_ids [S, k], u [S, H])` (hit/miss counting, prefetch).
     step_experts: where the backend's decode step reads the routed experts when the weight source moves them
     between slots (an expert cache: `ExpertArena`); None: the step binds every weight's bytes once.
+    kv_dtype: the precision of the cache rows `new_cache` keeps (`KV_DTYPES`); attention reads them at it.
     """
 
     def __init__(self, config: ModelConfig, weights: WeightSource, backend: Backend,
                  absorb_max_rows: int = 4, route_hook: RouteHook | None = None,
                  step_route_hook: Callable[[int, np.ndarray], None] | None = None,
-                 step_experts: ExpertArena | None = None) -> None:
+                 step_experts: ExpertArena | None = None, kv_dtype: str = "f32") -> None:
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv dtype {kv_dtype!r}: not one of {', '.join(KV_DTYPES)}")
         self.config = config
+        self.kv_dtype = kv_dtype
         self.weights = weights
         self.backend = backend
         self.absorb_max_rows = absorb_max_rows
@@ -142,7 +149,8 @@ class GlmMoeDsaModel:
 
     def new_cache(self) -> KVCache:
         """An empty cache; indexer keys are kept on every layer that has an indexer."""
-        return KVCache(self.config, index_layers=[s.index for s in self.layers if s.attention.indexer is not None])
+        return KVCache(self.config, index_layers=[s.index for s in self.layers if s.attention.indexer is not None],
+                       dtype=self.kv_dtype)
 
     # ---- entry points --------------------------------------------------------------------------
 
@@ -190,7 +198,7 @@ class GlmMoeDsaModel:
     def _decode_step(self) -> DecodeStep | None:
         if self._step is False:
             self._step = self.backend.decode_step(self.config, self.layers[:self.config.num_hidden_layers], self._w,
-                                                  self.step_experts)
+                                                  self.step_experts, self.kv_dtype)
             if self._step is not None and self.step_route_hook is not None:
                 self._step.watch_routes(self.step_route_hook)
         return self._step

@@ -4,36 +4,92 @@ Per token and layer MLA only needs the normed latent `kv_lat [kv_lora_rank]` and
 `k_rot [qk_rope_head_dim]`; layers with their own DSA indexer also keep the roped, layer-normed indexer
 key `index_k [index_head_dim]`. The MTP layer (index num_hidden_layers) has its own rows; its length may
 differ from the main layers' (its position i holds h'_i, which needs token i+1).
+
+Rows are kept at one of three precisions (`KV_DTYPES`, DESIGN section 6): `f32` (exact), `bf16` (the top half of
+each float, rounded to nearest even) or `fp8` (e4m3 codes times one f32 scale per row and field, the row's largest
+magnitude over 448). Readers get float32 rows (`rows`); the device decode step reads and writes the stored codes
+(`storage`, `scales`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+import ml_dtypes
 import numpy as np
 
 from glmkit.format.config import ModelConfig
 
+KV_DTYPES = ("f32", "bf16", "fp8")
+FP8_MAX = 448.0  # the largest finite e4m3 magnitude
+_STORED = {"f32": np.dtype(np.float32), "bf16": np.dtype(ml_dtypes.bfloat16),
+           "fp8": np.dtype(ml_dtypes.float8_e4m3fn)}
+
+
+def kv_storage_dtype(dtype: str) -> np.dtype:
+    """The NumPy dtype rows of KV dtype `dtype` are stored as."""
+    return _STORED[dtype]
+
+
+def encode_kv_rows(dtype: str, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """`rows [n, w]` f32 as stored at `dtype`: (codes `[n, w]`, per-row scales `[n]` f32 for fp8, else None)."""
+    rows = np.asarray(rows, dtype=np.float32)
+    if dtype != "fp8":
+        return rows.astype(_STORED[dtype]), None
+    amax = np.abs(rows).max(axis=-1) if rows.shape[-1] else np.zeros(len(rows), np.float32)
+    scale = np.where(amax > 0, amax / np.float32(FP8_MAX), np.float32(1)).astype(np.float32)  # [n]
+    inverse = (np.float32(FP8_MAX) / np.where(amax > 0, amax, np.float32(FP8_MAX))).astype(np.float32)  # [n]
+    return (rows * inverse[:, None]).astype(_STORED["fp8"]), scale
+
+
+def decode_kv_rows(codes: np.ndarray, scales: np.ndarray | None) -> np.ndarray:
+    """float32 rows `[n, w]` from `encode_kv_rows`' codes and scales."""
+    rows = codes.astype(np.float32)
+    return rows if scales is None else rows * scales[:, None]
+
 
 class LayerKV:
-    """Growable row arrays of one layer: `kv_lat [T, kv_lora_rank]`, `k_rot [T, rope]`, `index_k [T, ihd]`."""
+    """Growable row arrays of one layer: `kv_lat [T, kv_lora_rank]`, `k_rot [T, rope]`, `index_k [T, ihd]`,
+    stored at `dtype` (`KV_DTYPES`)."""
 
-    def __init__(self, kv_lora_rank: int, rope_dim: int, index_dim: int | None, capacity: int = 256) -> None:
+    def __init__(self, kv_lora_rank: int, rope_dim: int, index_dim: int | None, capacity: int = 256,
+                 dtype: str = "f32") -> None:
+        if dtype not in KV_DTYPES:
+            raise ValueError(f"kv dtype {dtype!r}: not one of {', '.join(KV_DTYPES)}")
+        self.dtype = dtype
         self.length = 0
         # the first row `append` or `truncate` changed since the device decode step last had the rows (a discrete
         # device's copy of them, decode_step._CacheMirror, re-sends the rows from here on)
         self.edited_from = 0
         widths = {"kv_lat": kv_lora_rank, "k_rot": rope_dim, "index_k": index_dim}
-        self._data = {name: np.empty((capacity, width), np.float32)
+        self._data = {name: np.empty((capacity, width), _STORED[dtype])
                       for name, width in widths.items() if width is not None}
+        # fp8: one scale per row and field
+        self._scales = {name: np.empty(capacity, np.float32) for name in self._data} if dtype == "fp8" else {}
 
     @property
     def has_index(self) -> bool:
         return "index_k" in self._data
 
-    def rows(self, name: str) -> np.ndarray:
-        """The first `length` rows of field `name` (a view, valid until the next append)."""
-        return self._data[name][: self.length]
+    def width(self, name: str) -> int:
+        return self._data[name].shape[1]
+
+    def rows(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Rows [start, stop) (default: all `length`) of field `name` as float32 `[n, width]`: a view at f32
+        (valid until the next append), a new array at lower precisions."""
+        stop = self.length if stop is None else min(stop, self.length)
+        codes = self._data[name][start:stop]
+        if self.dtype == "f32":
+            return codes
+        return decode_kv_rows(codes, self._scales[name][start:stop] if self._scales else None)
+
+    def gather(self, name: str, index: np.ndarray) -> np.ndarray:
+        """Rows `index [...]` (each below `length`) of field `name` as float32 `[..., width]`."""
+        codes = self._data[name][index]
+        if self.dtype == "f32":
+            return codes
+        rows = codes.astype(np.float32)
+        return rows if not self._scales else rows * self._scales[name][index][..., None]
 
     @property
     def kv_lat(self) -> np.ndarray:
@@ -48,30 +104,55 @@ class LayerKV:
         return self.rows("index_k")
 
     def append(self, **rows: np.ndarray) -> None:
-        """Append `n` rows to every field this layer stores (`kv_lat=`, `k_rot=`, `index_k=` `[n, width]`)."""
-        if set(rows) != set(self._data):
-            raise ValueError(f"expected rows for {sorted(self._data)}, got {sorted(rows)}")
-        counts = {len(r) for r in rows.values()}
-        if len(counts) != 1:
-            raise ValueError("all fields must get the same number of rows")
+        """Append `n` rows to every field this layer stores (`kv_lat=`, `k_rot=`, `index_k=` `[n, width]` f32)."""
+        self.append_encoded({name: encode_kv_rows(self.dtype, r) for name, r in self._checked(rows).items()})
+
+    def append_encoded(self, fields: dict[str, tuple[np.ndarray, np.ndarray | None]]) -> None:
+        """Append rows already stored at this layer's dtype (`field -> (codes [n, width], scales [n] or None)`, as
+        `encoded` returns them): a restored prefix is copied, not rounded again."""
+        self._checked({name: codes for name, (codes, _) in fields.items()})
         start = self.length
         self.edited_from = min(self.edited_from, start)
-        self.claim(counts.pop())
-        for name, data in self._data.items():
-            data[start: self.length] = rows[name]
+        self.claim(len(next(iter(fields.values()))[0]))
+        for name, (codes, scales) in fields.items():
+            self._data[name][start: self.length] = codes
+            if self._scales:
+                self._scales[name][start: self.length] = scales
+
+    def encoded(self, name: str, start: int, stop: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Copies of the stored codes `[n, width]` and (fp8) scales `[n]` of rows [start, stop) of field `name`."""
+        return (self._data[name][start:stop].copy(),
+                self._scales[name][start:stop].copy() if self._scales else None)
+
+    def put_row(self, pos: int, name: str, row: np.ndarray) -> None:
+        """Row `pos` (below `length`) of field `name` from f32 `row [width]`, not counted as edited: a discrete
+        device's decode step computed it, and its own copy already holds it."""
+        codes, scales = encode_kv_rows(self.dtype, row[None])
+        self._data[name][pos] = codes[0]
+        if self._scales:
+            self._scales[name][pos] = scales[0]
+
+    def _checked(self, rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if set(rows) != set(self._data):
+            raise ValueError(f"expected rows for {sorted(self._data)}, got {sorted(rows)}")
+        if len({len(r) for r in rows.values()}) != 1:
+            raise ValueError("all fields must get the same number of rows")
+        return rows
 
     def overwrite(self, positions: np.ndarray, **rows: np.ndarray) -> None:
         """Replace the rows at `positions [n]` (each below `length`) of every field this layer stores
-        (`kv_lat=`, `k_rot=`, `index_k=` `[n, width]`)."""
-        if set(rows) != set(self._data):
-            raise ValueError(f"expected rows for {sorted(self._data)}, got {sorted(rows)}")
+        (`kv_lat=`, `k_rot=`, `index_k=` `[n, width]` f32)."""
+        self._checked(rows)
         if len(positions) == 0:
             return
         if positions.min() < 0 or positions.max() >= self.length:
             raise ValueError(f"positions must lie in [0, {self.length}) to be overwritten")
         self.edited_from = min(self.edited_from, int(positions.min()))
         for name, data in self._data.items():
-            data[positions] = rows[name]
+            codes, scales = encode_kv_rows(self.dtype, rows[name])
+            data[positions] = codes
+            if self._scales:
+                self._scales[name][positions] = scales
 
     def claim(self, n: int) -> None:
         """Extend by `n` rows that the caller fills in place, through `storage` (the device decode step's
@@ -92,43 +173,53 @@ class LayerKV:
 
     def _grow(self, name: str, rows: int) -> None:
         data = self._data[name]
-        grown = np.empty((rows, data.shape[1]), np.float32)
+        grown = np.empty((rows, data.shape[1]), data.dtype)
         grown[: self.length] = data[: self.length]
         self._data[name] = grown
+        if self._scales:
+            scales = np.empty(rows, np.float32)
+            scales[: self.length] = self._scales[name][: self.length]
+            self._scales[name] = scales
 
     def storage(self, name: str) -> np.ndarray:
-        """The whole row array of field `name` `[capacity, width]` (rows past `length` are unused), valid until
-        the next append or claim grows it."""
+        """The whole code array of field `name` `[capacity, width]` at the stored dtype (rows past `length` are
+        unused), valid until the next append or claim grows it."""
         return self._data[name]
+
+    def scales(self, name: str) -> np.ndarray | None:
+        """fp8: the whole per-row scale array of field `name` `[capacity]` (as `storage`); else None."""
+        return self._scales.get(name)
 
     def truncate(self, n: int) -> None:
         self.length = min(self.length, max(n, 0))
         self.edited_from = min(self.edited_from, self.length)
 
 
-def kv_bytes_per_token(config: ModelConfig) -> int:
-    """Bytes of KV rows one token adds to a `KVCache` (f32): every layer's latent and roped key, the MTP layer's
-    included, and the indexer key of every 'full' layer."""
+def kv_bytes_per_token(config: ModelConfig, dtype: str = "f32") -> int:
+    """Bytes of KV rows one token adds to a `KVCache` at `dtype`: every layer's latent and roped key, the MTP
+    layer's included, and the indexer key of every 'full' layer (fp8: and a 4-byte scale per field)."""
     layers = range(config.num_layers_with_mtp)
-    widths = sum(config.kv_lora_rank + config.qk_rope_head_dim for _ in layers)
-    widths += sum(config.index_head_dim for i in layers if config.indexer_type(i) == "full")
-    return 4 * widths
+    fields = [config.kv_lora_rank, config.qk_rope_head_dim] * len(layers)
+    fields += [config.index_head_dim for i in layers if config.indexer_type(i) == "full"]
+    return sum(fields) * _STORED[dtype].itemsize + (4 * len(fields) if dtype == "fp8" else 0)
 
 
 class KVCache:
     """The KV rows of one sequence for every layer, the MTP layer included."""
 
-    def __init__(self, config: ModelConfig, index_layers: Iterable[int] | None = None) -> None:
-        """index_layers: layers that keep indexer keys; default: every layer whose type is 'full'."""
+    def __init__(self, config: ModelConfig, index_layers: Iterable[int] | None = None, dtype: str = "f32") -> None:
+        """index_layers: layers that keep indexer keys; default: every layer whose type is 'full'. dtype: the rows'
+        precision (`KV_DTYPES`)."""
         n_layers = config.num_layers_with_mtp
         if index_layers is None:
             index_layers = [i for i in range(n_layers) if config.indexer_type(i) == "full"]
         index_set = set(index_layers)
         self.layers = [
             LayerKV(config.kv_lora_rank, config.qk_rope_head_dim,
-                    config.index_head_dim if i in index_set else None)
+                    config.index_head_dim if i in index_set else None, dtype=dtype)
             for i in range(n_layers)
         ]
+        self.dtype = dtype
         self.num_main_layers = config.num_hidden_layers
 
     @property

@@ -225,7 +225,7 @@ class OpenCLBackend:
         return ref
 
     def decode_step(self, config: ModelConfig, layers: Sequence[LayerSpec], weight: Callable[[str], Weight],
-                    experts: ExpertArena | None = None) -> DeviceDecodeStep | None:
+                    experts: ExpertArena | None = None, kv_dtype: str = "f32") -> DeviceDecodeStep | None:
         """The device decode step for this model (placement.decode_step "cl"; on a discrete device every weight
         must fit the budget), or None: the model then decodes operation by operation. experts: see
         `DeviceDecodeStep`."""
@@ -233,7 +233,7 @@ class OpenCLBackend:
             return None
         try:
             return DeviceDecodeStep(config, layers, weight, self._cw, self._expert_ref, self.k, self.int8_activations,
-                                    experts)
+                                    experts, kv_dtype)
         except Unsupported:
             return None
 
@@ -409,7 +409,7 @@ class OpenCLBackend:
             return self.k.attention(q, k, v, allowed, scale)
         return self.host.attention(q, k, v, allowed, scale)
 
-    def attention_chosen(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, chosen: np.ndarray,
+    def attention_chosen(self, q: np.ndarray, k: tuple[np.ndarray, ...], v: np.ndarray, chosen: np.ndarray,
                          scale: float) -> np.ndarray:
         return self.host.attention_chosen(q, k, v, chosen, scale)  # a gather per query: the host's BLAS
 

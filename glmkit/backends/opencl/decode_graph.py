@@ -17,13 +17,16 @@ norm (`Addend`).
 
 On `direct` devices (CPU OpenCL devices such as PoCL's, whose buffers are host memory) the kernels write each
 layer's new KV row straight into the host `KVCache` arrays, so prefill, MTP, truncation and the prefill cache all
-see the same rows. On discrete devices (a GPU with memory of its own; every weight must fit its budget) the
-step's buffers are device memory: the cache rows live in a device mirror (`_CacheMirror`) that takes the rows
-the host wrote since (`LayerKV.edited_from`), and each token's new rows, its logits (or greedy token) and routed
-ids are copied back with non-blocking reads behind its kernels. A layer's experts may lie in several weight
-buffers (the files of the mapping: a GLM-5 layer outgrows one 4 GB file): the routing kernel fills the slots of
-each buffer, and each gets its own fused launches. `OpenCLBackend.decode_step` builds the step, or returns None
-when a weight or an expert cannot be used in place or placed on the device (the per-operation path runs then).
+see the same rows. Rows kept at a lower precision (`--kv-dtype` bf16 or fp8) are read as the codes they are
+stored in by kernels built for them (kv.cl), and each new row is computed in f32 and stored by `kv_store_rows`,
+rounded as the host rounds it (`encode_kv_rows`). On discrete devices (a GPU with memory of its own; every weight
+must fit its budget) the step's buffers are device memory: the cache rows live in a device mirror
+(`_CacheMirror`) that takes the rows the host wrote since (`LayerKV.edited_from`), and each token's new rows, its
+logits (or greedy token) and routed ids are copied back with non-blocking reads behind its kernels. A layer's
+experts may lie in several weight buffers (the files of the mapping: a GLM-5 layer outgrows one 4 GB file): the
+routing kernel fills the slots of each buffer, and each gets its own fused launches. `OpenCLBackend.decode_step`
+builds the step, or returns None when a weight or an expert cannot be used in place or placed on the device (the
+per-operation path runs then).
 
 Greedy decoding (`GreedyPipeline`) also takes the argmax and the next embedding on the device, so that the next
 token's forward is queued before the host has seen this one: the device does not wait for the host between
@@ -165,6 +168,7 @@ class _Layer:
         self.scoring: list[Launch] = []  # indexer queries, scores, top-k (only with more than index_topk keys)
         self.tail: list[Launch] = []  # attention, output projection, FFN
         self.rows: Launch | None = None  # writes kv_lat[row], k_rot[row], index_k[row] and the query latent
+        self.store: Launch | None = None  # at a lower precision: stores the rows `rows` wrote in f32
         self.scores: Launch | None = None
         self.topk: Launch | None = None
         self.attention: Launch | None = None  # scores, then softmax and values
@@ -198,12 +202,13 @@ class DeviceDecodeStep:
 
     def __init__(self, cfg: ModelConfig, layers: Sequence[LayerSpec], weight: Callable[[str], Weight],
                  cw: Callable[[Weight], ClWeight | None], expert_ref: Callable, kernels: Kernels,
-                 int8_activations: bool = True, experts: ExpertArena | None = None) -> None:
+                 int8_activations: bool = True, experts: ExpertArena | None = None, kv_dtype: str = "f32") -> None:
 
         if cfg.n_routed_experts > MAX_ROUTED_EXPERTS:
             raise Unsupported(f"{cfg.n_routed_experts} routed experts (the routing kernel holds {MAX_ROUTED_EXPERTS})")
         check_bindable(layers)
         self.cfg, self.specs, self.k, self.buffers = cfg, list(layers), kernels, kernels.buffers
+        self.kv_dtype = kv_dtype
         self.topk = index_topk(layers)
         self._weight, self._cw, self._expert_ref = weight, cw, expert_ref
         self.experts = experts
@@ -244,6 +249,8 @@ class DeviceDecodeStep:
         self.hidden, self.logits = new(h), new(self._matrix(LM_HEAD).rows)
         ihd, inh = cfg.index_head_dim, cfg.index_n_heads
         self.key_raw, self.key = new(ihd), new(ihd)
+        # a lower precision's new cache rows in f32, as token_rows computes them (kv_store_rows stores them)
+        self.new_rows = None if kv_dtype == "f32" else {"kv_lat": new(kvl), "k_rot": new(rope), "index_k": new(ihd)}
         self.iq, self.iq_rot, self.iw = new(inh * ihd), new(inh * ihd), new(inh)
         self.chosen = new(self.topk, np.uint32)  # the keys the indexer chose (attention's keys)
         # the range and weight of a one-row addend
@@ -389,16 +396,27 @@ class DeviceDecodeStep:
                          self._matvec(wk, self.u, self.key_raw, quantized=self.u_x8))
             key_norm = {"kw_off": self.offsets[ix.key_norm.weight], "kb_off": self.offsets[ix.key_norm.bias]}
         q_codes = self.q_lat_x8 or Int8Codes.unused(self.q_lat.buffer)  # q_b takes float inputs: not written
-        # the cache rows (kv_lat, k_rot, index_k at `row`) and the staging buffer (stage) are set per token
+        # the cache rows (kv_lat, k_rot, index_k at `row`) and the staging buffer (stage) are set per token; at a
+        # lower precision the rows go to `new_rows` and `kv_store_rows` stores them
+        new_rows = {name: a.buffer for name, a in (self.new_rows or {}).items()}
         out.rows = self._reads_cs(k.bind(
             "token_rows", (self.red,), (self.red,), comp=self.comp.buffer, vec=self._vectors.buffer,
-            w_off=self.offsets[a.kv_a_norm.weight], kv_lat=self.comp.buffer, k_rot=self.comp.buffer, row=0,
+            w_off=self.offsets[a.kv_a_norm.weight], kv_lat=new_rows.get("kv_lat", self.comp.buffer),
+            k_rot=new_rows.get("k_rot", self.comp.buffer), row=0,
             kvl=kvl, rope=rope, cs=self.cs[0].buffer, eps=a.kv_a_norm.eps, q_a=self.q_a.buffer,
             qw_off=self.offsets[a.q_a_norm.weight], q_lat=self.q_lat.buffer, qn=cfg.q_lora_rank,
             quantize=int(self.q_lat_x8 is not None), **q_codes.args(), index=int(ix is not None),
-            key_raw=self.key_raw.buffer, **key_norm, tmp=self.key.buffer, index_k=self.key.buffer, ihd=ihd,
-            stage=self.row_stage[0].buffer, stage_off=NO_STAGE if k.direct else spec.index * self.stage_width))
-        out.head += [out.rows, *self._matvec(self._matrix(a.q_b), self.q_lat, self.q, quantized=self.q_lat_x8)]
+            key_raw=self.key_raw.buffer, **key_norm, tmp=self.key.buffer,
+            index_k=new_rows.get("index_k", self.key.buffer), ihd=ihd, stage=self.row_stage[0].buffer,
+            stage_off=NO_STAGE if k.direct else spec.index * self.stage_width))
+        out.head.append(out.rows)
+        if new_rows:  # the cache rows and scales (and `row`) are set per token
+            out.store = k.bind("kv_store_rows", (self.red,), (self.red,), kv_dtype=self.kv_dtype,
+                               lat=new_rows["kv_lat"], rot=new_rows["k_rot"], idx=new_rows["index_k"],
+                               **{f"{name}{part}": self.comp.buffer for name in new_rows for part in ("", "_scale")},
+                               row=0, kvl=kvl, rope=rope, ihd=ihd, index=int(ix is not None))
+            out.head.append(out.store)
+        out.head += self._matvec(self._matrix(a.q_b), self.q_lat, self.q, quantized=self.q_lat_x8)
         if mvt_chunked(kv_b):  # the query's absorption and RoPE in one launch
             out.head.append(self._reads_cs(bind_mla_query(k, kv_b, self.q.buffer, nope + rope, self.q_abs.buffer,
                                                           nope, nope + v_dim, nh, self.cs[0].buffer,
@@ -409,9 +427,10 @@ class DeviceDecodeStep:
                          self._rope(self.q, nope, nope + rope, self.q_rot, rope, rope, nh)]
         scratch = self.scratch
         if ix is not None:  # the key row (`k`) and key count (`n_keys`) are set per token
-            out.scores = k.bind("index_scores", (KEY_GROUP, 1), (KEY_GROUP, 1), q=self.iq_rot.buffer,
-                                k=self.key.buffer, w=self.iw.buffer, out=scratch["index_scores"].buffer, nh=inh,
-                                d=ihd, n_keys=1, scale=ix.score_scale, w_scale=ix.head_scale)
+            out.scores = k.bind("index_scores", (KEY_GROUP, 1), (KEY_GROUP, 1), kv_dtype=self.kv_dtype,
+                                q=self.iq_rot.buffer, k=self.key.buffer, k_scale=self.key.buffer, w=self.iw.buffer,
+                                out=scratch["index_scores"].buffer, nh=inh, d=ihd, n_keys=1, scale=ix.score_scale,
+                                w_scale=ix.head_scale)
             name, size, local = k.topk_kernel(1)
             out.topk = k.bind(name, size, local, scores=scratch["index_scores"].buffer,
                               allowed=scratch["all"].buffer, selected=scratch["selected"].buffer,
@@ -422,15 +441,17 @@ class DeviceDecodeStep:
                            out.scores, out.topk]
         # the cache rows (kv_lat, k_rot), the key count (n) and whether the indexer chose the keys (use_keys) are
         # set per token
-        out.attention = k.bind("mla_decode_scores", (KEY_GROUP, 1), (KEY_GROUP, 1), q_lat=self.q_abs.buffer,
-                               q_rot=self.q_rot.buffer, kv_lat=self.comp.buffer, k_rot=self.comp.buffer,
+        out.attention = k.bind("mla_decode_scores", (KEY_GROUP, 1), (KEY_GROUP, 1), kv_dtype=self.kv_dtype,
+                               q_lat=self.q_abs.buffer, q_rot=self.q_rot.buffer, kv_lat=self.comp.buffer,
+                               kv_lat_scale=self.comp.buffer, k_rot=self.comp.buffer, k_rot_scale=self.comp.buffer,
                                keys=self.chosen.buffer, use_keys=0, scores=scratch["scores"].buffer, nh=nh, n=1,
                                kvl=kvl, rope=rope, scale=a.scale)
         # the values kernel writes o_lat's codes too when kv_b's value product takes int8 inputs
         o_lat_x8 = self._x8_scratch(nh * kvl) if self._x8(kv_b.bits, kv_b.group, kv_b.n_in) else None
         value_codes = o_lat_x8 or Int8Codes.unused(self.o_lat.buffer)
-        out.values = k.bind("mla_decode_values", (nh * self.red,), (self.red,), scores=scratch["scores"].buffer,
-                            kv_lat=self.comp.buffer, out=self.o_lat.buffer, n=1, kvl=kvl,
+        out.values = k.bind("mla_decode_values", (nh * self.red,), (self.red,), kv_dtype=self.kv_dtype,
+                            scores=scratch["scores"].buffer, kv_lat=self.comp.buffer, kv_lat_scale=self.comp.buffer,
+                            out=self.o_lat.buffer, n=1, kvl=kvl,
                             quantize=int(o_lat_x8 is not None), **value_codes.args(), keys=self.chosen.buffer,
                             use_keys=0)
         o_proj = self._matrix(a.o_proj)
@@ -671,11 +692,17 @@ class DeviceDecodeStep:
 
     # ---- one token ---------------------------------------------------------------------------------
 
+    def _fields(self, layer: _Layer) -> list[str]:
+        """The cache arrays a layer's kernels read: its fields' rows, and at fp8 their scales (`{field}.scale`)."""
+        fields = ["kv_lat", "k_rot"] + (["index_k"] if layer.scores is not None else [])
+        return fields + [f"{name}.scale" for name in fields] if self.kv_dtype == "fp8" else fields
+
     def _cache_buffer(self, layer: _Layer, kv, name: str):
-        """The buffer the kernels find a cache field's rows in, up to date for a token at row `kv.length - 1`: on
-        direct devices one over the host storage (a new one after the cache grew it), else the field's device
-        mirror, given the rows the host wrote since it last had them (`LayerKV.edited_from`)."""
-        arr = kv.storage(name)
+        """The buffer the kernels find a cache array's rows in (`_fields`), up to date for a token at row
+        `kv.length - 1`: on direct devices one over the host storage (a new one after the cache grew it), else the
+        array's device mirror, given the rows the host wrote since it last had them (`LayerKV.edited_from`)."""
+        field, _, scale = name.partition(".")
+        arr = kv.scales(field) if scale else kv.storage(field)
         if not self.k.direct:
             return self._mirror(layer, kv, name, arr).buf
         have = layer.cache_buffers.get(name)
@@ -712,7 +739,7 @@ class DeviceDecodeStep:
             kv, start = cache.layer(i), 0
             for name, width in self.stage_fields.items():
                 if name in layer.mirrors and pos < kv.length:
-                    kv.storage(name)[pos] = rows[i, start:start + width]
+                    kv.put_row(pos, name, rows[i, start:start + width])
                 start += width
 
     def __call__(self, token: int, cache: KVCache, embed: np.ndarray) -> tuple[np.ndarray, np.ndarray, list]:
@@ -749,6 +776,8 @@ class DeviceDecodeStep:
         the other parity's greedy token, looked up on the device. greedy: also store this token's argmax."""
 
         cfg = self.cfg
+        if cache.dtype != self.kv_dtype:
+            raise ValueError(f"a cache of {cache.dtype} rows given to a decode step built for {self.kv_dtype}")
         pos = cache.length
         keys = pos + 1
         grows = keys > self.capacity or any(
@@ -785,25 +814,31 @@ class DeviceDecodeStep:
         try:
             for i, layer in enumerate(self.layers):
                 kv = cache.layer(i)
-                lat, rot = self._cache_buffer(layer, kv, "kv_lat"), self._cache_buffer(layer, kv, "k_rot")
-                layer.rows.set(kv_lat=lat, k_rot=rot, row=pos)
+                rows = {name: self._cache_buffer(layer, kv, name) for name in self._fields(layer)}
+                lat, rot = rows["kv_lat"], rows["k_rot"]
+                scaled = {f"{name}_scale": rows.get(f"{name}.scale", rows[name]) for name in ("kv_lat", "k_rot")}
+                if layer.store is None:
+                    layer.rows.set(kv_lat=lat, k_rot=rot, row=pos)
+                else:
+                    layer.store.set(row=pos, **{name.replace(".", "_"): b for name, b in rows.items()})
                 if layer.scores is not None:
-                    index_k = self._cache_buffer(layer, kv, "index_k")
-                    layer.rows.set(index_k=index_k)
+                    index_k = rows["index_k"]
+                    if layer.store is None:
+                        layer.rows.set(index_k=index_k)
                 if not self.k.direct:
                     layer.rows.set(stage=self.row_stage[parity].buffer)
                     kv.edited_from = kv.length  # the host gets this row with the others (`_collect`)
                 for launch in layer.head:
                     launch.enqueue()
                 if scored and layer.scores is not None:
-                    layer.scores.set(k=index_k, n_keys=keys)
+                    layer.scores.set(k=index_k, k_scale=rows.get("index_k.scale", index_k), n_keys=keys)
                     layer.scores.size = (per_key, 1)
                     layer.topk.set(n_keys=keys)
                     for launch in layer.scoring:
                         launch.enqueue()
-                layer.attention.set(kv_lat=lat, k_rot=rot, use_keys=int(scored), n=attended)
+                layer.attention.set(kv_lat=lat, k_rot=rot, **scaled, use_keys=int(scored), n=attended)
                 layer.attention.size = (per_attended, heads)
-                layer.values.set(kv_lat=lat, n=attended, use_keys=int(scored))
+                layer.values.set(kv_lat=lat, kv_lat_scale=scaled["kv_lat_scale"], n=attended, use_keys=int(scored))
                 if layer.route is not None:
                     layer.route.set(ids=layer.ids[slot].buffer)
                 for launch in layer.tail:

@@ -20,6 +20,8 @@ from glmkit.backends.opencl.kernels import kernel_version
 from glmkit.backends.opencl.program import Launch, Program
 from glmkit.backends.opencl.weights import X8_BLOCK, ClWeight, ExpertShape, mvt_global
 
+KV_TYPES = {"f32": 0, "bf16": 1, "fp8": 2}  # kv.cl's KV_TYPE for each of kv_cache.KV_DTYPES
+
 
 class Kernels:
     """One device: context, in-order queue, the built program, its buffers and a launcher per operation.
@@ -49,7 +51,9 @@ class Kernels:
         self.cpu_loads = (info.kind == "cpu") if cpu_loads is None else cpu_loads
         if self.cpu_loads:
             options.append("-DCPU_LOADS")  # plain unaligned vector loads (PoCL does not inline vloadn)
+        self.options = options
         self.program = Program(self.ctx, options)
+        self._kv_programs: dict[str, Program] = {}
         self.buffers = Buffers(self.ctx, self.queue, self.direct, max(1, device.mem_base_addr_align // 8),
                                info.max_alloc)
         self.version = f"{kernel_version()}-l{self.lanes}r{self.red_lanes}w{self.rows_per_item}" + (
@@ -57,9 +61,19 @@ class Kernels:
 
     # ---- the queue ---------------------------------------------------------------------------------
 
-    def bind(self, name: str, size: tuple[int, ...], local: tuple[int, ...] | None, **args: Any) -> Launch:
-        """A launch of kernel `name` with its arguments set once, by name (see `Launch`)."""
-        return Launch(self.program, self.queue, name, size, local, args)
+    def bind(self, name: str, size: tuple[int, ...], local: tuple[int, ...] | None, kv_dtype: str = "f32",
+             **args: Any) -> Launch:
+        """A launch of kernel `name` with its arguments set once, by name (see `Launch`); kv_dtype: the cache rows'
+        precision that kv.cl's kernels are built for (`KV_TYPES`)."""
+        return Launch(self.kv_program(kv_dtype), self.queue, name, size, local, args)
+
+    def kv_program(self, kv_dtype: str) -> Program:
+        """The program built for cache rows at `kv_dtype` (f32: the program itself; others on first use)."""
+        if kv_dtype == "f32":
+            return self.program
+        if kv_dtype not in self._kv_programs:
+            self._kv_programs[kv_dtype] = Program(self.ctx, [*self.options, f"-DKV_TYPE={KV_TYPES[kv_dtype]}"])
+        return self._kv_programs[kv_dtype]
 
     def _run(self, name: str, size: tuple[int, ...], local: tuple[int, ...] | None, **args: Any) -> Any:
         """Enqueue kernel `name` once with every argument named; its event."""
@@ -272,7 +286,8 @@ class Kernels:
         n_s, heads, d = q.shape
         n_keys = k.shape[0]
         b = self.buffers
-        self._run("index_scores", (n_keys, n_s), None, q=b.put("q", q), k=b.put("k", k), w=b.put("iw", weights),
+        keys = b.put("k", k)
+        self._run("index_scores", (n_keys, n_s), None, q=b.put("q", q), k=keys, k_scale=keys, w=b.put("iw", weights),
                   out=b.out("scores", n_s * n_keys * 4), nh=heads, d=d, n_keys=n_keys, scale=scale, w_scale=1.0)
         return self._topk(allowed, topk, (n_s, n_keys))
 

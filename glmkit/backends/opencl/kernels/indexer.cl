@@ -1,58 +1,4 @@
-/* DSA indexer: scores and top-k selection.
- * out[s, t] = sum_h (w[s, h] * w_scale) * relu(q[s, h] . k[t] * scale); q [S, nh, d], k [T, d], w [S, nh]
- * (w_scale: the decode step applies the head weights' nh^-1/2 here, rounded as the model does).
- * Heads go 8 at a time: each 8 columns of the key are loaded once for the 8 heads' sums, which are then reduced
- * together (a transpose-add to one vector of 8 dots) instead of one horizontal sum per head; the heads past the
- * last 8 one at a time. Global (T, S). */
-INLINE float8 dots8(float8 a0, float8 a1, float8 a2, float8 a3, float8 a4, float8 a5, float8 a6, float8 a7) {
-    const float8 b0 = (float8)(a0.lo + a0.hi, a1.lo + a1.hi), b1 = (float8)(a2.lo + a2.hi, a3.lo + a3.hi);
-    const float8 b2 = (float8)(a4.lo + a4.hi, a5.lo + a5.hi), b3 = (float8)(a6.lo + a6.hi, a7.lo + a7.hi);
-    const float8 c0 = (float8)(b0.even + b0.odd, b1.even + b1.odd), c1 = (float8)(b2.even + b2.odd, b3.even + b3.odd);
-    return (float8)(c0.even + c0.odd, c1.even + c1.odd);  /* (sum a0, sum a1, ..., sum a7) */
-}
-
-__kernel void index_scores(__global const float* q, __global const float* k, __global const float* w,
-                           __global float* out, uint nh, uint d, uint n_keys, float scale, float w_scale) {
-    const uint t = get_global_id(0), s = get_global_id(1);
-    if (t >= n_keys) return;
-    const __global float* kt = k + (ulong)t * d;
-    const __global float* qs = q + (ulong)s * nh * d;
-    const __global float* ws = w + (ulong)s * nh;
-    const uint d8 = d / 8;  /* 8-wide: one AVX2 register per load on CPUs */
-    float total = 0.0f;
-    uint h = 0;
-    for (; h + 8 <= nh; h += 8) {
-        const __global float* qh = qs + (ulong)h * d;
-        float8 a0 = (float8)(0.0f), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-        for (uint j = 0; j < d8; j++) {
-            const float8 kv = LOAD_F8(j, kt);
-            a0 += LOAD_F8(j, qh) * kv;
-            a1 += LOAD_F8(j, qh + d) * kv;
-            a2 += LOAD_F8(j, qh + 2 * d) * kv;
-            a3 += LOAD_F8(j, qh + 3 * d) * kv;
-            a4 += LOAD_F8(j, qh + 4 * d) * kv;
-            a5 += LOAD_F8(j, qh + 5 * d) * kv;
-            a6 += LOAD_F8(j, qh + 6 * d) * kv;
-            a7 += LOAD_F8(j, qh + 7 * d) * kv;
-        }
-        float8 dots = dots8(a0, a1, a2, a3, a4, a5, a6, a7);
-        for (uint j = d8 * 8; j < d; j++) {
-            const float kj = kt[j];
-            dots += (float8)(qh[j], qh[d + j], qh[2 * d + j], qh[3 * d + j], qh[4 * d + j], qh[5 * d + j],
-                             qh[6 * d + j], qh[7 * d + j]) * kj;
-        }
-        total += hsum8((LOAD_F8(0, ws + h) * w_scale) * fmax(dots * scale, (float8)(0.0f)));
-    }
-    for (; h < nh; h++) {
-        const __global float* qh = qs + (ulong)h * d;
-        float8 acc = (float8)(0.0f);
-        for (uint j = 0; j < d8; j++) acc += LOAD_F8(j, qh) * LOAD_F8(j, kt);
-        float dot_ = hsum8(acc);
-        for (uint j = d8 * 8; j < d; j++) dot_ += qh[j] * kt[j];
-        total += (ws[h] * w_scale) * (fmax_(dot_ * scale, 0.0f));
-    }
-    out[(ulong)s * n_keys + t] = total;
-}
+/* DSA indexer: the top-k selection over the indexer's scores (the scores: kv.cl's `index_scores`). */
 
 /* Order-preserving map of a float to uint (larger float -> larger key); NaN never occurs here. -0 maps to +0's
  * key: the two compare equal (a tie, lowest index first, as NumPy's selection), and an index score is -0 where
@@ -80,8 +26,9 @@ INLINE void mark_keys(const __global float* sc, const __global uchar* al, __glob
 /* selected[s, t] = 1 for the k largest scores among the allowed keys of row s (all of them when fewer
  * than k are allowed); ties at the threshold go to the lowest indices. chosen[s, :] lists the selected keys in
  * ascending order (min(k, allowed) of them: the decode step's attention reads only those keys). A radix select
- * over the key's 4 bytes, most significant first (a 256-bin histogram of the keys still in the running per pass),
- * finds the k-th largest key, then one pass marks. One work-item per row. Global (S). */
+ * over the key's 4 bytes, most significant first (a 256-bin histogram of the keys still in the running per pass; the
+ * first also counts the allowed keys), finds the k-th largest key, then one pass marks. One work-item per row.
+ * Global (S). */
 __kernel void topk_select(__global const float* scores, __global const uchar* allowed, __global uchar* selected,
                           __global uint* chosen, uint n_keys, uint k, uint n_rows) {
     const uint s = get_global_id(0);
@@ -90,12 +37,6 @@ __kernel void topk_select(__global const float* scores, __global const uchar* al
     const __global uchar* al = allowed + (ulong)s * n_keys;
     __global uchar* sel = selected + (ulong)s * n_keys;
     __global uint* ch = chosen + (ulong)s * k;
-    uint n_allowed = 0;
-    for (uint t = 0; t < n_keys; t++) n_allowed += al[t] ? 1u : 0u;
-    if (n_allowed <= k) {
-        mark_keys(sc, al, sel, ch, 0, n_keys, 0, 0, 0);
-        return;
-    }
     uint prefix = 0, known = 0, need = k;  /* the need-th largest key among those whose `known` bits are prefix's */
     uint hist[256];
     for (int shift = 24; shift >= 0; shift -= 8) {
@@ -104,15 +45,23 @@ __kernel void topk_select(__global const float* scores, __global const uchar* al
             const uint key = float_key(sc[t]);
             if (al[t] && (key & known) == prefix) hist[(key >> shift) & 255u]++;
         }
+        if (shift == 24) {  /* the first pass counts every allowed key: are there more than k? */
+            uint n_allowed = 0;
+            for (uint b = 0; b < 256; b++) n_allowed += hist[b];
+            if (n_allowed <= k) {
+                mark_keys(sc, al, sel, ch, 0, n_keys, 0, 0, 0);
+                return;
+            }
+        }
         uint digit = 255, above = 0;
         while (above + hist[digit] < need) above += hist[digit--];
         need -= above;
         prefix |= digit << shift;
         known |= 255u << shift;
     }
-    uint above = 0;
-    for (uint t = 0; t < n_keys; t++) above += (al[t] && float_key(sc[t]) > prefix) ? 1u : 0u;
-    mark_keys(sc, al, sel, ch, 0, n_keys, prefix, k - above, 0);
+    /* the keys above the k-th are those above it at some pass (k - need of them): the first `need` equal to it
+     * complete the k */
+    mark_keys(sc, al, sel, ch, 0, n_keys, prefix, need, 0);
 }
 
 /* topk_select with one work-group (RED_LANES items) per row, for GPUs, where the single work-item's serial passes
