@@ -221,7 +221,7 @@ class PrefixCache:
                   chunk_tokens: int = DEFAULT_CHUNK_TOKENS, max_bytes: int = DEFAULT_MAX_BYTES) -> PrefixCache:
         """The cache for a model as it runs: its backend's numerics, whether MTP rows are kept."""
         index_layers = [i for i, layer in enumerate(model.new_cache().layers) if layer.has_index]
-        return cls(directory, model_hash, model.config, model.backend.numerics, use_mtp and model.has_mtp,
+        return cls(directory, model_hash, model.config, model.numerics, use_mtp and model.has_mtp,
                    index_layers, chunk_tokens, max_bytes, model.kv_dtype)
 
     # ---- layout of one chunk's arrays ----

@@ -13,6 +13,7 @@ from glmkit.errors import GlmkitError
 from glmkit.eval.windows import DEFAULT_CTX, text_windows, token_windows
 from glmkit.format.reader import Container
 from glmkit.generate.engine import Engine
+from glmkit.generate.pipeline import DEFAULT_PIPELINE_CHUNK, pipeline_stages
 from glmkit.model.kv_cache import KV_DTYPES
 from glmkit.units import parse_size
 
@@ -21,14 +22,26 @@ FLOAT_ACTIVATIONS_HELP = ("float inputs to the quantized products (the reference
                           "int8-quantized ones in the OpenCL decode step and fused int4 experts")
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser, *, expert_memory: bool = False, mtp: bool = False) -> None:
+def add_engine_arguments(parser: argparse.ArgumentParser, *, expert_memory: bool = False, mtp: bool = False,
+                         pipeline: bool = False) -> None:
     """`--device`, `--float-activations` and `--kv-dtype`; with `expert_memory` also `--ram-budget` and
-    `--no-prefetch`, with `mtp` the `--mtp` / `--no-mtp` pair (read by `use_mtp_from_arguments`)."""
+    `--no-prefetch`, with `mtp` the `--mtp` / `--no-mtp` pair (read by `use_mtp_from_arguments`), with `pipeline` the
+    Ray pipeline's flags (`--pipeline`, `--ray-address`, `--pipeline-chunk`)."""
     parser.add_argument("--device", default="auto", help=DEVICE_HELP)
     parser.add_argument("--float-activations", action="store_true", help=FLOAT_ACTIVATIONS_HELP)
     parser.add_argument("--kv-dtype", choices=KV_DTYPES, default="f32",
                         help="precision of the KV rows in memory and in the prefill cache: f32 (exact, default), "
                              "bf16 (half the bytes) or fp8 (e4m3 with a scale per row, about a quarter)")
+    if pipeline:
+        group = parser.add_argument_group("pipeline parallelism over Ray (pip install \"glmkit[distributed]\")")
+        group.add_argument("--pipeline", type=_pipeline_stages, metavar="N|auto",
+                           help="split the decoder layers by bytes over N Ray actors (stages), spread over the "
+                                "cluster's machines; auto: one stage per node, split by each node's memory")
+        group.add_argument("--ray-address", metavar="ADDR",
+                           help="the Ray cluster to use (default: the one `ray start` made on this machine, else a "
+                                "new local one)")
+        group.add_argument("--pipeline-chunk", type=int, default=DEFAULT_PIPELINE_CHUNK, metavar="N",
+                           help="prompt tokens per piece streamed through the stages (default %(default)s)")
     if expert_memory:
         parser.add_argument("--ram-budget", type=parse_size, default=0, metavar="SIZE",
                             help="pin the hottest routed experts in RAM up to SIZE (e.g. 8G); default 0 = page "
@@ -46,6 +59,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, expert_memory: bool
                            help="disable MTP speculative decoding (default: on, except on a device decode step)")
 
 
+def _pipeline_stages(text: str) -> int | str:
+    try:
+        return pipeline_stages(text)
+    except GlmkitError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--pipeline: ")) from None
+
+
 def expert_cache_size(text: str) -> int | str:
     """`--expert-cache`: "auto", "off" (0) or a size."""
     if text == "auto":
@@ -55,7 +75,10 @@ def expert_cache_size(text: str) -> int | str:
 
 def engine_from_arguments(args: argparse.Namespace, load_tokenizer: bool = True) -> Engine:
     """The Engine `add_engine_arguments`' flags describe, on `args.snapshot` (no expert-memory flags: defaults).
-    An expert cache saves its usage scores beside the prefill cache (`experts/` next to its directory)."""
+    An expert cache saves its usage scores beside the prefill cache (`experts/` next to its directory). With
+    `--pipeline`, a `PipelineEngine` whose stages run on the Ray cluster."""
+    if getattr(args, "pipeline", None) is not None:
+        return pipeline_engine_from_arguments(args, load_tokenizer)
     engine = Engine(args.snapshot, args.device, getattr(args, "ram_budget", 0),
                     prefetch=not getattr(args, "no_prefetch", False), load_tokenizer=load_tokenizer,
                     float_activations=args.float_activations, expert_cache=getattr(args, "expert_cache", None),
@@ -63,6 +86,22 @@ def engine_from_arguments(args: argparse.Namespace, load_tokenizer: bool = True)
     if engine.expert_cache_reason:
         print(engine.expert_cache_reason, file=sys.stderr)
     return engine
+
+
+def pipeline_engine_from_arguments(args: argparse.Namespace, load_tokenizer: bool = True) -> Engine:
+    """The `PipelineEngine` of `--pipeline`; the flags that place routed experts in this process's RAM are refused
+    (each stage keeps its layers' experts in its machine's page cache)."""
+    for flag, value in (("--expert-cache", getattr(args, "expert_cache", None)),
+                        ("--ram-budget", getattr(args, "ram_budget", 0))):
+        if value:
+            raise GlmkitError(f"{flag}: not with --pipeline (each stage reads its experts from its page cache)")
+    if args.pipeline_chunk < 1:
+        raise GlmkitError(f"--pipeline-chunk: must be >= 1, got {args.pipeline_chunk}")
+    from glmkit.generate.pipeline import PipelineEngine
+
+    return PipelineEngine(args.snapshot, args.pipeline, args.ray_address, args.device, args.float_activations,
+                          prefetch=not getattr(args, "no_prefetch", False), chunk=args.pipeline_chunk,
+                          load_tokenizer=load_tokenizer, kv_dtype=args.kv_dtype)
 
 
 def use_mtp_from_arguments(engine: Engine, args: argparse.Namespace) -> bool:

@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="reply limit when a request sets no max_tokens (default 4096; the context caps it too)")
     p.add_argument("--split-reasoning", action="store_true",
                    help="chat: return the text before </think> as message.reasoning_content, not content")
-    add_engine_arguments(p, expert_memory=True, mtp=True)
+    add_engine_arguments(p, expert_memory=True, mtp=True, pipeline=True)
     add_cache_arguments(p, "prefill cache",
                         "no reuse at all: every request prefills its whole prompt (for comparisons)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])

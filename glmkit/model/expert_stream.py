@@ -148,13 +148,18 @@ class ExpertStreamer:
         with self._advised:  # callbacks of several layers may run at once
             self.stats.prefetched += len(experts)
 
-    def warm_in_background(self) -> threading.Thread:
+    def warm_in_background(self, layers: range | None = None) -> threading.Thread:
         """Have the kernel read the whole container into the page cache, from a background thread (for a model that
-        fits in memory: a decoded token then never waits for an expert that the prompt did not touch)."""
+        fits in memory: a decoded token then never waits for an expert that the prompt did not touch); with
+        `layers`, only those layers' routed experts (a pipeline stage's share)."""
 
         def advise() -> None:
             with contextlib.suppress(OSError, ValueError):  # advice only: e.g. the container closed meanwhile
-                self.container.advise_all(mmap.MADV_WILLNEED)
+                if layers is None:
+                    self.container.advise_all(mmap.MADV_WILLNEED)
+                else:
+                    for layer in layers:
+                        self.container.advise_experts(layer, list(range(self.config.n_routed_experts)))
 
         thread = threading.Thread(target=advise, name="glmkit-warm", daemon=True)
         thread.start()

@@ -164,16 +164,32 @@ class GlmMoeDsaModel:
         x = self.embed(token_ids)
         if len(token_ids) == 1 and cache.length > 0 and self._decode_step() is not None:
             return self._device_decode(int(token_ids[0]), x[0], cache)
-        positions = np.arange(cache.length, cache.length + len(token_ids))
-        chosen = None  # the most recent 'full' layer's DSA selection [S, K], reused by 'shared' layers
-        for layer in range(self.config.num_hidden_layers):
-            x, chosen = self.decoder_layer(layer, x, positions, cache.layer(layer), chosen)
-        hidden = self.final_norm(x)
+        hidden = self.final_norm(self.main_layers(x, cache))
         head_in = hidden[-1:] if last_logits_only else hidden
         logits = self.backend.linear(head_in, self._w(LM_HEAD))
         if len(token_ids) > self.absorb_max_rows:
             self.backend.release_memory()  # a prefill's temporaries are freed; decode should not carry them
         return logits, hidden
+
+    def main_layers(self, x: np.ndarray, cache: KVCache) -> np.ndarray:
+        """Every decoder layer of the main model on the embedded rows `x [S, H]` of the tokens appended at
+        `cache.length..`; returns the last layer's output `[S, H]` (before the final norm)."""
+        positions = np.arange(cache.length, cache.length + len(x))
+        return self.run_layers(range(self.config.num_hidden_layers), x, positions, cache, None)[0]
+
+    def run_layers(self, layers: range, x: np.ndarray, positions: np.ndarray, cache: KVCache,
+                   chosen: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
+        """The decoder layers `layers` in order on `x [S, H]` at `positions [S]`; chosen: the DSA selection `[S, K]`
+        of the 'full' layer before them, reused by a leading 'shared' layer (None at layer 0). Returns (the last
+        layer's output `[S, H]`, the selection the next layer would reuse)."""
+        for layer in layers:
+            x, chosen = self.decoder_layer(layer, x, positions, cache.layer(layer), chosen)
+        return x, chosen
+
+    @property
+    def numerics(self) -> str:
+        """The arithmetic the KV rows are computed in (the prefix cache's key): the backend's `numerics`."""
+        return self.backend.numerics
 
     def decodes_on_device(self) -> bool:
         """Whether a single-token forward runs as the backend's decode step (e.g. OpenCL on a CPU device)."""

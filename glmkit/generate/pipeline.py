@@ -1,0 +1,559 @@
+"""Pipeline parallelism over Ray: the decoder layers split into contiguous stages, each a Ray actor (one process,
+on whichever machine of the cluster Ray places it) that opens the container, runs only its layers with the
+model's own layer code (`GlmMoeDsaModel.run_layers`) and holds their KV rows; the head process keeps the
+embedding, the final norm, lm_head, the MTP layer (its KV rows too) and the sampler.
+
+A forward sends the embedded rows `[S, H]` (and the DSA selection a 'shared' layer reuses) from stage to stage
+as Ray object references: the head submits every stage's call at once and waits once, for the last stage. A
+block of more than `chunk` rows is cut at multiples of `chunk` positions and every piece is submitted before
+any is awaited, so stage 2 runs piece 1 while stage 1 runs piece 2 (each actor runs its calls in the order
+they were submitted). The logits equal those of one process that prefills in pieces of `chunk` tokens.
+
+Ray is an optional dependency (`pip install glmkit[distributed]`): it is imported here only, and only when a
+pipeline is opened. A stage that dies raises a GlmkitError naming it and its machine; the pipeline then refuses
+every later call (its KV rows are gone), never computing with rows it no longer has.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import socket
+import sys
+import time
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from threadpoolctl import threadpool_limits
+
+from glmkit.errors import GlmkitError
+from glmkit.format.config import ModelConfig
+from glmkit.format.reader import Container
+from glmkit.format.schema import layer_prefix
+from glmkit.generate.engine import Engine, make_backend
+from glmkit.model.compute import Backend, DecodeStep
+from glmkit.model.expert_stream import ExpertStreamer
+from glmkit.model.glm5 import GlmMoeDsaModel, WeightSource
+from glmkit.model.kv_cache import KVCache, decode_kv_rows, encode_kv_rows
+from glmkit.units import format_size
+
+DEFAULT_PIPELINE_CHUNK = 256  # prompt tokens per piece streamed through the stages
+STAGE_START_TIMEOUT_S = 120  # a stage not started by then cannot be placed (or cannot open the container)
+INSTALL_HINT = 'pip install "glmkit[distributed]"'
+
+
+def import_ray() -> Any:
+    """The `ray` module, or a one-line GlmkitError saying how to install it."""
+    try:
+        import ray
+    except ImportError:
+        raise GlmkitError(f"--pipeline: needs Ray, which is not installed ({INSTALL_HINT})") from None
+    return ray
+
+
+# ---- the plan -------------------------------------------------------------------------------------------
+
+def layer_nbytes(container: Container) -> list[int]:
+    """Bytes of each main decoder layer's tensors in the container (routed experts and scales included)."""
+    cfg = container.config
+    sizes = [0] * cfg.num_hidden_layers
+    prefixes = [layer_prefix(i) for i in range(cfg.num_hidden_layers)]
+    for name, entry in container.manifest.tensors.items():
+        if name.startswith("model.layers."):
+            layer = int(name.split(".", 3)[2])
+            if layer < cfg.num_hidden_layers and name.startswith(prefixes[layer]):
+                sizes[layer] += entry.nbytes
+    return sizes
+
+
+def split_layers(sizes: Sequence[int], shares: Sequence[float]) -> list[range]:
+    """Contiguous ranges of the layers whose bytes are `sizes`, one per share, each holding as close to its share of
+    the bytes as the layer boundaries allow (cut where the running total is nearest each cumulative share) and at
+    least one layer."""
+    n, stages = len(sizes), len(shares)
+    if stages < 1 or any(s <= 0 for s in shares):
+        raise GlmkitError(f"--pipeline: needs at least one stage with a positive share, got {list(shares)}")
+    if stages > n:
+        raise GlmkitError(f"--pipeline {stages}: the model has only {n} decoder layers")
+    running = np.concatenate([[0], np.cumsum(np.asarray(sizes, dtype=np.float64))])  # bytes before layer i
+    targets = np.cumsum(shares) / float(sum(shares)) * running[-1]
+    cuts = [0]
+    for k in range(1, stages):
+        lo, hi = cuts[-1] + 1, n - (stages - k)  # leave a layer for every stage still to come
+        cuts.append(lo + int(np.argmin(np.abs(running[lo:hi + 1] - targets[k - 1]))))
+    cuts.append(n)
+    return [range(a, b) for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+
+
+@dataclass
+class StagePlan:
+    """Where each stage runs: its layers, their bytes, and (with `--pipeline auto`) the Ray node it is pinned to."""
+
+    layers: list[range]
+    nbytes: list[int]
+    node_ids: list[str | None]
+    node_memory: list[int | None]
+
+    def describe(self, where: Sequence[str]) -> str:
+        """The plan as lines: one per stage, with the machine it landed on."""
+        lines = []
+        for i, (layers, size) in enumerate(zip(self.layers, self.nbytes, strict=True)):
+            memory = self.node_memory[i]
+            room = f" of the node's {format_size(memory)} memory" if memory else ""
+            lines.append(f"pipeline stage {i}: layers {layers.start}-{layers.stop - 1} ({format_size(size)}{room}) "
+                         f"on {where[i]}")
+        return "\n".join(lines)
+
+
+def plan_stages(container: Container, stages: int | str, nodes: list[dict[str, Any]] | None = None) -> StagePlan:
+    """The split of `container`'s layers: `stages` equal shares of the bytes, or "auto": one stage per alive node of
+    `nodes` (Ray's `ray.nodes()` records), shared by each node's memory resource."""
+    sizes = layer_nbytes(container)
+    if stages == "auto":
+        alive = [n for n in nodes or [] if n.get("Alive") and n.get("Resources", {}).get("memory", 0) > 0]
+        if not alive:
+            raise GlmkitError("--pipeline auto: the Ray cluster reports no alive node with memory")
+        alive = alive[:len(sizes)]
+        memory = [int(n["Resources"]["memory"]) for n in alive]
+        ranges = split_layers(sizes, memory)
+        ids: list[str | None] = [n["NodeID"] for n in alive]
+        node_memory: list[int | None] = list(memory)
+    else:
+        assert isinstance(stages, int)
+        ranges = split_layers(sizes, [1.0] * stages)
+        ids, node_memory = [None] * stages, [None] * stages
+    return StagePlan(ranges, [sum(sizes[r.start:r.stop]) for r in ranges], ids, node_memory)
+
+
+def pipeline_stages(text: str) -> int | str:
+    """`--pipeline`: a stage count (at least 1) or "auto"."""
+    if text == "auto":
+        return "auto"
+    try:
+        count = int(text)
+    except ValueError:
+        raise GlmkitError(f"--pipeline: a number of stages or 'auto', got {text!r}") from None
+    if count < 1:
+        raise GlmkitError(f"--pipeline: needs at least 1 stage, got {count}")
+    return count
+
+
+# ---- one stage (a Ray actor) ------------------------------------------------------------------------------
+
+class PipelineStage:
+    """The decoder layers `layers` of the model in `snapshot`, with the KV rows of every sequence the head runs
+    (`cache_id` -> a KVCache whose other layers stay empty). Run as a Ray actor; plain methods, plain arrays."""
+
+    def __init__(self, snapshot: str, index: int, layers: range, device: str, float_activations: bool,
+                 prefetch: bool, blas_threads: int | None = None, niceness: int = 0, kv_dtype: str = "f32") -> None:
+        """blas_threads: BLAS threads (None: the CPUs this process may use, as in a process of its own; Ray starts an
+        actor of one CPU with OMP_NUM_THREADS=1, and the thread count changes the float sums' order). niceness: the
+        scheduling priority to run at, the head's (Ray starts its workers at 15, behind any other work on the
+        machine); kept at Ray's where the process may not raise its priority (`RAY_worker_niceness=0 ray start`
+        then does it for every worker). kv_dtype: the precision its KV rows are kept at (`KV_DTYPES`)."""
+        self.index, self.layer_range = index, layers
+        threadpool_limits(blas_threads or len(os.sched_getaffinity(0)), user_api="blas")
+        with contextlib.suppress(PermissionError):
+            os.setpriority(os.PRIO_PROCESS, 0, niceness)
+        container = Container(snapshot)
+        backend, self.device = make_backend(device, container, not float_activations)
+        self.experts = ExpertStreamer(container, 0, prefetch)
+        self.model = GlmMoeDsaModel(container.config, self.experts, backend, route_hook=self.experts.on_route,
+                                    kv_dtype=kv_dtype)
+        self.caches: dict[int, KVCache] = {}
+        self.busy_s = 0.0  # seconds spent in `run`: the compute a pipeline's hops are compared with
+        if prefetch:
+            self.experts.warm_in_background(layers)
+
+    def describe(self) -> dict[str, Any]:
+        """Where this stage runs: host name, IP address, process id, device, numerics."""
+        import ray
+
+        return {"host": socket.gethostname(), "ip": ray.util.get_node_ip_address(), "pid": os.getpid(),
+                "device": self.device, "numerics": self.model.numerics}
+
+    def _cache(self, cache_id: int) -> KVCache:
+        cache = self.caches.get(cache_id)
+        if cache is None:
+            cache = self.caches[cache_id] = self.model.new_cache()
+        return cache
+
+    def run(self, cache_id: int, carried: tuple[np.ndarray, np.ndarray | None], start: int
+            ) -> tuple[np.ndarray, np.ndarray | None]:
+        """This stage's layers on the rows `carried[0] [S, H]` of the tokens appended at `start..`, `carried[1]` the
+        DSA selection `[S, K]` the layer before them chose (or None). Returns the same pair after the last layer."""
+        began = time.perf_counter()
+        x, chosen = carried
+        cache = self._cache(cache_id)
+        held = cache.layer(self.layer_range.start).length
+        if held != start:  # never compute against rows that are not the ones the head counts on
+            raise GlmkitError(f"pipeline stage {self.index}: holds {held} KV rows, asked to append at {start}")
+        out = self.model.run_layers(self.layer_range, x, np.arange(start, start + len(x)), cache, chosen)
+        if len(x) > self.model.absorb_max_rows:
+            self.model.backend.release_memory()
+        self.busy_s += time.perf_counter() - began
+        return out
+
+    def truncate(self, cache_id: int, n: int) -> None:
+        self._cache(cache_id).truncate(n)
+
+    def reserve(self, cache_id: int, rows: int) -> None:
+        cache = self._cache(cache_id)
+        for layer in self.layer_range:
+            cache.layer(layer).reserve(rows)
+
+    def drop(self, cache_id: int) -> None:
+        self.caches.pop(cache_id, None)
+
+    def encoded(self, cache_id: int, layer: int) -> dict[str, tuple[np.ndarray, np.ndarray | None]]:
+        """Every field of layer `layer`'s rows as stored (`LayerKV.encoded`: codes `[T, width]`, fp8 scales `[T]`)."""
+        kv = self._cache(cache_id).layer(layer)
+        names = ("kv_lat", "k_rot", "index_k") if kv.has_index else ("kv_lat", "k_rot")
+        return {name: kv.encoded(name, 0, kv.length) for name in names}
+
+    def append_encoded(self, cache_id: int, layer: int, fields: dict[str, tuple[np.ndarray, np.ndarray | None]]
+                       ) -> None:
+        self._cache(cache_id).layer(layer).append_encoded(fields)
+
+    def expert_stats(self) -> dict[str, int]:
+        return self.experts.stats.to_json()
+
+    def echo(self, carried: Any) -> Any:
+        """The argument back (measures a hop's cost without compute: tools/bench_pipeline.py)."""
+        return carried
+
+
+# ---- the head's handle on the stages ----------------------------------------------------------------------
+
+class Pipeline:
+    """The stage actors in order, their plan, and the calls the head makes on them."""
+
+    def __init__(self, ray: Any, actors: list[Any], plan: StagePlan, where: list[dict[str, Any]], chunk: int) -> None:
+        self.ray, self.actors, self.plan, self.where, self.chunk = ray, actors, plan, where, chunk
+        self.broken: str | None = None  # the error that broke the pipeline: every later call raises it again
+        self._pending: list[Any] = []  # refs of calls whose failure must surface at the next wait
+        self._next_cache = 0
+
+    @property
+    def layers(self) -> list[range]:
+        return self.plan.layers
+
+    def stage_name(self, i: int) -> str:
+        w, layers = self.where[i], self.plan.layers[i]
+        return f"pipeline stage {i} (layers {layers.start}-{layers.stop - 1}, {w['host']} {w['ip']} pid {w['pid']})"
+
+    def stage_of(self, layer: int) -> int:
+        return next(i for i, r in enumerate(self.plan.layers) if layer in r)
+
+    def new_cache_id(self) -> int:
+        self._next_cache += 1
+        return self._next_cache
+
+    def send(self, stage: int, method: str, *args: Any) -> None:
+        """Call `method` on stage `stage` without waiting (in order with its other calls; a failure surfaces at the
+        next `wait`)."""
+        self._check()
+        self._pending.append(getattr(self.actors[stage], method).remote(*args))
+
+    def send_all(self, method: str, *args: Any) -> None:
+        for stage in range(len(self.actors)):
+            self.send(stage, method, *args)
+
+    def call(self, stage: int, method: str, *args: Any) -> Any:
+        """Call `method` on stage `stage` and wait for its result."""
+        self._check()
+        return self.wait([getattr(self.actors[stage], method).remote(*args)])[0]
+
+    def run(self, cache_id: int, x: np.ndarray, start: int) -> np.ndarray:
+        """Every stage's layers on `x [S, H]` appended at `start..` of sequence `cache_id`: the last layer's output
+        `[S, H]`. Pieces end at multiples of `chunk` positions, all in flight at once."""
+        self._check()
+        ends = list(range((start // self.chunk + 1) * self.chunk, start + len(x), self.chunk)) + [start + len(x)]
+        outputs, lo = [], start
+        for hi in ends:
+            carried: Any = (x[lo - start:hi - start], None)
+            for actor in self.actors:
+                carried = actor.run.remote(cache_id, carried, lo)
+            outputs.append(carried)
+            lo = hi
+        done = self.wait(outputs)
+        return done[0][0] if len(done) == 1 else np.concatenate([rows for rows, _ in done])
+
+    def wait(self, refs: list[Any]) -> list[Any]:
+        """The results of `refs` (after every call sent before them); a stage's death or error becomes a
+        GlmkitError naming the stage, and breaks the pipeline."""
+        ray = self.ray
+        pending, self._pending = self._pending, []
+        try:
+            return ray.get(pending + refs)[len(pending):]
+        except ray.exceptions.RayActorError as e:
+            self.broken = (f"{self._dead_stage(e)} died (its process or machine is gone: {type(e).__name__}); its KV "
+                           "rows are lost: start again")
+        except ray.exceptions.RayTaskError as e:
+            cause = e.cause if isinstance(e.cause, Exception) else e
+            # the worker's pid: an attribute of a plain RayTaskError, in the message of one also of its cause's type
+            found = re.search(r"pid=(\d+)", str(e))
+            pid = getattr(e, "pid", None) or (int(found.group(1)) if found else None)
+            stage = next((self.stage_name(i) for i, w in enumerate(self.where) if w.get("pid") == pid),
+                         "a pipeline stage")
+            self.broken = f"{stage} failed: {type(cause).__name__}: {_first_line(cause)}"
+        raise GlmkitError(self.broken)
+
+    def _dead_stage(self, error: Exception) -> str:
+        """The name of the stage whose actor `error` is about, else of the first stage that does not answer."""
+        actor_id = getattr(error, "actor_id", None)
+        for i, actor in enumerate(self.actors):
+            if actor_id is not None and actor._actor_id.hex() == actor_id:
+                return self.stage_name(i)
+        for i, actor in enumerate(self.actors):
+            try:
+                self.ray.get(actor.describe.remote(), timeout=10)
+            except Exception:  # noqa: BLE001 - any failure to answer marks the stage
+                return self.stage_name(i)
+        return "a pipeline stage"
+
+    def _check(self) -> None:
+        if self.broken is not None:
+            raise GlmkitError(self.broken)
+
+    def expert_stats(self) -> dict[str, int]:
+        """The stages' expert counters, summed."""
+        total: dict[str, int] = {}
+        for i in range(len(self.actors)):
+            for name, value in self.call(i, "expert_stats").items():
+                total[name] = total.get(name, 0) + value
+        return total
+
+    def close(self) -> None:
+        """End the stage actors (their processes and KV rows)."""
+        for actor in self.actors:
+            try:
+                self.ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        self.actors = []
+        self.broken = self.broken or "the pipeline is closed"
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__
+
+
+def check_reachable(address: str | None, timeout_s: float = 10.0) -> None:
+    """A `host:port` address must accept a TCP connection (Ray itself would retry an unreachable one for minutes)."""
+    if address is None or address.count(":") != 1:
+        return  # None, "auto", "ray://...": left to Ray
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except (OSError, ValueError) as e:
+        raise GlmkitError(f"--ray-address {address}: cannot reach a Ray cluster there ({e})") from None
+
+
+def open_pipeline(snapshot: str | Path, container: Container, stages: int | str, address: str | None = None,
+                  device: str = "numpy", float_activations: bool = False, prefetch: bool = True,
+                  chunk: int = DEFAULT_PIPELINE_CHUNK, verbose: bool = True, blas_threads: int | None = None,
+                  kv_dtype: str = "f32") -> Pipeline:
+    """Start one stage actor per range of the plan on the Ray cluster at `address` (None: the cluster `ray start`
+    made on this machine, else a new local one; already connected: that one), wait until each has opened the
+    container, and print the plan on stderr when `verbose`. blas_threads, kv_dtype: see `PipelineStage`."""
+    ray = import_ray()
+    if chunk < 1:
+        raise GlmkitError(f"--pipeline-chunk: must be >= 1, got {chunk}")
+    if not ray.is_initialized():
+        check_reachable(address)
+        try:
+            ray.init(address=address, logging_level="warning", log_to_driver=False)
+        except (ConnectionError, RuntimeError, ValueError) as e:
+            hint = "" if os.environ.get("RAY_AUTH_MODE") == "token" else \
+                "; a cluster with token authentication (`ray start`'s default) needs RAY_AUTH_MODE=token and its token"
+            raise GlmkitError(f"--ray-address {address}: cannot connect to a Ray cluster ({_first_line(e)}{hint})"
+                              ) from None
+    plan = plan_stages(container, stages, ray.nodes() if stages == "auto" else None)
+    # the stages import the same glmkit as the head (a source checkout or an installed package on every machine)
+    package_root = str(Path(__file__).resolve().parents[2])
+    path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH", "")) if p)
+    remote = ray.remote(PipelineStage)
+    actors = []
+    for i, layers in enumerate(plan.layers):
+        options: dict[str, Any] = {"num_cpus": 1, "max_restarts": 0, "runtime_env": {"env_vars": {"PYTHONPATH": path}}}
+        node = plan.node_ids[i]
+        if node is not None:
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
+        else:
+            options["scheduling_strategy"] = "SPREAD"
+        actors.append(remote.options(**options).remote(str(snapshot), i, layers, device, float_activations, prefetch,
+                                                       blas_threads, os.getpriority(os.PRIO_PROCESS, 0), kv_dtype))
+    pipeline = Pipeline(ray, actors, plan, [{"host": "?", "ip": "?", "pid": "?"}] * len(actors), chunk)
+    try:
+        pipeline.where = ray.get([actor.describe.remote() for actor in actors], timeout=STAGE_START_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        pipeline.close()
+        raise GlmkitError(f"--pipeline: the {len(actors)} stages did not all start within {STAGE_START_TIMEOUT_S} s "
+                          f"(each takes 1 CPU of the Ray cluster; it has {ray.available_resources().get('CPU', 0):g} "
+                          "free)") from None
+    except ray.exceptions.RayError as e:
+        pipeline.close()
+        raise GlmkitError(f"--pipeline: a stage failed to start ({_first_line(e)})") from None
+    if verbose:
+        print(plan.describe([f"{w['host']} ({w['ip']}), {w['device']}" for w in pipeline.where]), file=sys.stderr)
+    return pipeline
+
+
+# ---- the head's model and KV cache ------------------------------------------------------------------------
+
+class RemoteLayerKV:
+    """A main layer's KV rows, held by the stage that runs the layer: its length is mirrored here (the head makes
+    every change), its rows are fetched on demand (the prefix cache stores them) and appended remotely."""
+
+    def __init__(self, pipeline: Pipeline, cache_id: int, layer: int, has_index: bool, dtype: str) -> None:
+        self.pipeline, self.cache_id, self.layer, self.has_index = pipeline, cache_id, layer, has_index
+        self.dtype = dtype
+        self.stage = pipeline.stage_of(layer)
+        self.length = 0
+        # the rows last fetched as stored (codes, fp8 scales), until the rows change
+        self._fetched: dict[str, tuple[np.ndarray, np.ndarray | None]] | None = None
+
+    def encoded(self, name: str, start: int, stop: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Copies of the stored codes `[n, width]` and (fp8) scales `[n]` of rows [start, stop) of field `name`,
+        fetched from the stage."""
+        if self._fetched is None:
+            self._fetched = self.pipeline.call(self.stage, "encoded", self.cache_id, self.layer)
+        codes, scales = self._fetched[name]
+        return codes[start:stop].copy(), None if scales is None else scales[start:stop].copy()
+
+    def rows(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Rows [start, stop) (default: all `length`) of field `name` as float32 `[n, width]`."""
+        return decode_kv_rows(*self.encoded(name, start, self.length if stop is None else min(stop, self.length)))
+
+    def grow(self, n: int) -> None:
+        """Count `n` rows the stage appended."""
+        self.length += n
+        self._fetched = None
+
+    def append(self, **rows: np.ndarray) -> None:
+        """Append float32 rows `[n, width]` (stored at the layer's dtype, on the stage)."""
+        self.append_encoded({name: encode_kv_rows(self.dtype, r) for name, r in rows.items()})
+
+    def append_encoded(self, fields: dict[str, tuple[np.ndarray, np.ndarray | None]]) -> None:
+        """Append rows already at the layer's dtype (`LayerKV.append_encoded`)."""
+        self.pipeline.send(self.stage, "append_encoded", self.cache_id, self.layer, fields)
+        self.grow(len(next(iter(fields.values()))[0]))
+
+    def overwrite(self, positions: np.ndarray, **rows: np.ndarray) -> None:
+        raise GlmkitError("--pipeline: rows cannot be rewritten in place (approximate reuse is not supported)")
+
+    def truncate(self, n: int) -> None:
+        if n < self.length:
+            self.length = max(n, 0)
+            self._fetched = None
+
+
+class PipelineCache(KVCache):
+    """The KV cache of one sequence run through a pipeline: the MTP layer's rows here, every main layer's on its
+    stage (`RemoteLayerKV`); dropped on the stages when this object is collected."""
+
+    def __init__(self, config: ModelConfig, index_layers: list[int], pipeline: Pipeline, dtype: str = "f32") -> None:
+        super().__init__(config, [i for i in index_layers if i >= config.num_hidden_layers], dtype)
+        self.pipeline = pipeline
+        self.cache_id = pipeline.new_cache_id()
+        for i in range(config.num_hidden_layers):
+            remote = RemoteLayerKV(pipeline, self.cache_id, i, i in index_layers, dtype)
+            self.layers[i] = remote  # type: ignore[call-overload]
+        finalizer = weakref.finalize(self, _drop_remote, pipeline, self.cache_id)
+        finalizer.atexit = False
+
+    def advance(self, n: int) -> None:
+        """Count `n` rows the stages appended to every main layer."""
+        for layer in self.layers[:self.num_main_layers]:
+            layer.grow(n)
+
+    def reserve(self, rows: int) -> None:
+        self.layers[self.num_main_layers].reserve(rows)
+        self.pipeline.send_all("reserve", self.cache_id, rows)
+
+    def truncate(self, n: int) -> None:
+        if any(layer.length > n for layer in self.layers[:self.num_main_layers]):
+            self.pipeline.send_all("truncate", self.cache_id, n)
+        for layer in self.layers:
+            layer.truncate(n)
+
+
+def _drop_remote(pipeline: Pipeline, cache_id: int) -> None:
+    if pipeline.broken is None:
+        try:
+            pipeline.send_all("drop", cache_id)
+        except Exception:  # noqa: BLE001 - the cluster is already gone at exit
+            pass
+
+
+class PipelineModel(GlmMoeDsaModel):
+    """The head's model: embedding, final norm, lm_head and MTP run here; the main decoder layers on the stages.
+    Every single-token forward runs through the operations (no device decode step at the head)."""
+
+    def __init__(self, config: ModelConfig, weights: WeightSource, backend: Backend, pipeline: Pipeline,
+                 kv_dtype: str = "f32") -> None:
+        super().__init__(config, weights, backend, kv_dtype=kv_dtype)
+        self.pipeline = pipeline
+        stage_numerics = sorted({w["numerics"] for w in pipeline.where})
+        self._numerics = backend.numerics if stage_numerics == [backend.numerics] else \
+            "pipeline:" + "|".join([backend.numerics, *stage_numerics])
+
+    @property
+    def numerics(self) -> str:
+        """The head's numerics where every stage computes in the same, else all of them (the prefix cache key)."""
+        return self._numerics
+
+    def new_cache(self) -> PipelineCache:
+        return PipelineCache(self.config, [s.index for s in self.layers if s.attention.indexer is not None],
+                             self.pipeline, self.kv_dtype)
+
+    def main_layers(self, x: np.ndarray, cache: KVCache) -> np.ndarray:
+        if not isinstance(cache, PipelineCache) or cache.pipeline is not self.pipeline:
+            raise GlmkitError("--pipeline: this KV cache is not one of the pipeline's (use model.new_cache())")
+        out = self.pipeline.run(cache.cache_id, x, cache.length)
+        cache.advance(len(x))
+        return out
+
+    def _decode_step(self) -> DecodeStep | None:
+        return None  # the decode step runs a whole model in one call: here the layers are elsewhere
+
+
+class StageExpertStats:
+    """The routed-expert counters of `--stats-json` and glm-serve's /stats: the stages' (`ExpertStats.to_json`'s
+    keys, summed over the stages; empty once the pipeline is broken)."""
+
+    def __init__(self, pipeline: Pipeline) -> None:
+        self.pipeline = pipeline
+
+    def to_json(self) -> dict[str, int]:
+        return {} if self.pipeline.broken else self.pipeline.expert_stats()
+
+
+class PipelineEngine(Engine):
+    """An Engine whose model is a `PipelineModel` over stage actors (see `open_pipeline` for the arguments). The head
+    maps the container too but reads only the embedding, the final norm, lm_head and the MTP layer: no routed expert
+    is read ahead here."""
+
+    def __init__(self, snapshot: str | Path, stages: int | str, address: str | None = None, device: str = "numpy",
+                 float_activations: bool = False, prefetch: bool = True, chunk: int = DEFAULT_PIPELINE_CHUNK,
+                 load_tokenizer: bool = True, verbose: bool = True, blas_threads: int | None = None,
+                 kv_dtype: str = "f32") -> None:
+        super().__init__(snapshot, device, prefetch=False, load_tokenizer=load_tokenizer,
+                         float_activations=float_activations, expert_cache=0, kv_dtype=kv_dtype)
+        self.pipeline = open_pipeline(snapshot, self.container, stages, address, device, float_activations, prefetch,
+                                      chunk, verbose, blas_threads, kv_dtype)
+        self.model = PipelineModel(self.config, self.experts, self.backend, self.pipeline, kv_dtype)
+        self.experts.stats = StageExpertStats(self.pipeline)  # type: ignore[assignment]  # the head routes nothing
+
+    def close(self) -> None:
+        self.pipeline.close()
+        super().close()

@@ -1,0 +1,271 @@
+"""Pipeline parallelism over Ray (glmkit.generate.pipeline): 2 and 3 stage processes of a local Ray cluster give the
+logits and tokens of one process, the prefix cache stores and restores rows through the stages, a dead stage is a
+clear error; the layer split and the `--pipeline` flags."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import ray
+from threadpoolctl import threadpool_limits
+
+from glmkit.cache.prefix_cache import PrefixCache
+from glmkit.cache.session import Session
+from glmkit.cli.run import main as run_main
+from glmkit.cli.serve import build_app, build_parser
+from glmkit.errors import GlmkitError
+from glmkit.generate.engine import Engine
+from glmkit.generate.generator import Generator
+from glmkit.generate.pipeline import (
+    PipelineEngine,
+    check_reachable,
+    import_ray,
+    layer_nbytes,
+    plan_stages,
+    split_layers,
+)
+from glmkit.generate.sampling import Sampler, SamplingParams
+from glmkit.model.glm5 import GlmMoeDsaModel
+from tests.runtime_support import FIXTURES, Snapshots
+from tests.test_serve import ServerThread, glm_run
+
+CHUNK = 16  # pipeline pieces: a 70-token prompt is 5 pieces in flight at once
+PROMPT = json.loads((FIXTURES / "tiny-trained" / "eval_tokens.json").read_text())[0][:70]  # > index_topk (32)
+GREEDY = SamplingParams()
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """One local Ray cluster of the module's own, whatever cluster `ray start` may have made on this machine (8 logical
+    CPUs: a stage takes one, 7 are alive at most)."""
+    ray.init(address="local", num_cpus=8, object_store_memory=100 << 20, include_dashboard=False, log_to_driver=False,
+             logging_level="warning")
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def blas_threads():
+    """This process's BLAS at the thread count a stage takes by default (its machine's CPUs): the float sums of the
+    single process then have the stages' order, whatever an earlier test set (the OpenCL backend sets one thread)."""
+    with threadpool_limits(len(os.sched_getaffinity(0)), user_api="blas"):
+        yield
+
+
+@pytest.fixture(scope="module")
+def snapshot(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return Snapshots(tmp_path_factory)("tiny-trained", "q4")
+
+
+@pytest.fixture(scope="module")
+def single(snapshot) -> Engine:
+    return Engine(snapshot, load_tokenizer=False)
+
+
+@pytest.fixture(scope="module")
+def pipelines(cluster, snapshot):
+    engines = {n: PipelineEngine(snapshot, n, chunk=CHUNK, load_tokenizer=False, verbose=False) for n in (2, 3)}
+    yield engines
+    for engine in engines.values():
+        engine.close()
+
+
+def forward_outputs(model: GlmMoeDsaModel, chunk: int) -> list[np.ndarray]:
+    """Prefill PROMPT in pieces ending at multiples of `chunk`, then 3 single tokens and a two-token forward:
+    (post-norm hidden of the prompt, the last prompt logits, every later forward's logits)."""
+    cache = model.new_cache()
+    hidden, lo = [], 0
+    while lo < len(PROMPT):
+        hi = min((lo // chunk + 1) * chunk, len(PROMPT))
+        logits, h = model.forward(np.asarray(PROMPT[lo:hi]), cache, last_logits_only=True)
+        hidden.append(h)
+        lo = hi
+    outputs = [np.concatenate(hidden), logits]
+    for tokens in ([5], [17], [230], [40, 41]):
+        outputs.append(model.forward(np.asarray(tokens), cache)[0])
+    assert cache.length == len(PROMPT) + 5
+    return outputs
+
+
+def test_layers_split_contiguously_by_bytes():
+    assert split_layers([10, 10, 10, 10], [1, 1]) == [range(0, 2), range(2, 4)]
+    assert split_layers([10, 10, 10, 10], [3, 1]) == [range(0, 3), range(3, 4)]  # a node with 3x the memory
+    assert split_layers([100, 1, 1, 1], [1, 1, 1]) == [range(0, 1), range(1, 2), range(2, 4)]  # a layer each at least
+    assert split_layers([1, 1, 1, 100], [1, 1]) == [range(0, 3), range(3, 4)]
+    with pytest.raises(GlmkitError, match="only 4 decoder layers"):
+        split_layers([1, 1, 1, 1], [1] * 5)
+
+
+def test_auto_plan_follows_each_node_memory(snapshot):
+    from glmkit.format.reader import Container
+
+    container = Container(snapshot)
+    sizes = layer_nbytes(container)
+    assert len(sizes) == 4 and all(s > 0 for s in sizes)
+    assert sum(sizes) < container.nbytes  # embed, lm_head and the MTP layer stay out of the stages
+    nodes = [{"NodeID": "a", "Alive": True, "Resources": {"memory": 3e9}},
+             {"NodeID": "dead", "Alive": False, "Resources": {"memory": 1e12}},
+             {"NodeID": "b", "Alive": True, "Resources": {"memory": 1e9}}]
+    plan = plan_stages(container, "auto", nodes)
+    assert plan.node_ids == ["a", "b"]
+    assert plan.layers == split_layers(sizes, [3e9, 1e9])
+    assert plan.layers[0].stop > 2  # the bigger node takes more than half the layers
+    assert "pipeline stage 1: layers" in plan.describe(["x", "y"])
+    with pytest.raises(GlmkitError, match="no alive node"):
+        plan_stages(container, "auto", [])
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_logits_are_those_of_one_process(single, pipelines, stages):
+    pipeline = pipelines[stages]
+    layers = pipeline.pipeline.layers
+    assert layers == split_layers(layer_nbytes(single.container), [1] * stages)
+    assert [r.start for r in layers[1:]] == ([2] if stages == 2 else [2, 3])
+    assert single.config.indexer_type(2) == "shared"  # a hop carries the DSA selection layer 2 reuses
+    assert pipeline.model.numerics == single.model.numerics  # the same rows: the prefix cache is shared
+    reference = forward_outputs(single.model, CHUNK)
+    # one forward of the whole prompt: the pipeline cuts it into the same pieces and streams them
+    cache = pipeline.model.new_cache()
+    logits, hidden = pipeline.model.forward(np.asarray(PROMPT), cache, last_logits_only=True)
+    got = [hidden, logits] + [pipeline.model.forward(np.asarray(t), cache)[0] for t in ([5], [17], [230], [40, 41])]
+    for ref, out in zip(reference, got, strict=True):
+        assert ref.shape == out.shape and np.array_equal(ref, out)
+    assert not np.array_equal(reference[2], reference[3])  # the compared logits are not all alike
+
+
+@pytest.mark.parametrize("mtp", [False, True])
+def test_greedy_output_is_identical(single, pipelines, mtp):
+    reference = list(Generator(single.model, (), use_mtp=mtp).generate(PROMPT, 24, Sampler(GREEDY)))
+    generator = Generator(pipelines[3].model, (), use_mtp=mtp)
+    assert list(generator.generate(PROMPT, 24, Sampler(GREEDY))) == reference
+    assert (generator.stats.mtp_drafts > 0) == mtp
+
+
+def test_prefix_cache_stores_and_restores_through_the_stages(single, pipelines, tmp_path):
+    model = pipelines[2].model
+
+    def cache() -> PrefixCache:
+        return PrefixCache.for_model(model, single.model_hash, tmp_path, use_mtp=True, chunk_tokens=16)
+
+    reference = list(Generator(single.model, (), use_mtp=True).generate(PROMPT, 12, Sampler(GREEDY)))
+    first = Session(model, cache())
+    kv = first.prepare(PROMPT)
+    assert kv.length == 0
+    out = list(Generator(model, (), use_mtp=True).generate(PROMPT, 12, Sampler(GREEDY), kv))
+    first.commit(PROMPT, out)
+    assert out == reference
+    # a new session (another request, another process's cache object) restores the rows into the stages
+    second = Session(model, cache())
+    kv = second.prepare(PROMPT)
+    restored = kv.length
+    assert second.last_reuse.disk == restored >= 64  # 16-token chunks and the tail, now held by the stages
+    generator = Generator(model, (), use_mtp=True)
+    assert list(generator.generate(PROMPT, 12, Sampler(GREEDY), kv)) == reference
+    assert generator.stats.cached_tokens == restored
+    # the rows the stages sent to the cache are the single process's: it restores and continues identically
+    local = Session(single.model, PrefixCache.for_model(single.model, single.model_hash, tmp_path, True, 16))
+    kv = local.prepare(PROMPT)
+    assert kv.length == restored
+    assert list(Generator(single.model, (), use_mtp=True).generate(PROMPT, 12, Sampler(GREEDY), kv)) == reference
+
+
+def test_rows_read_back_are_the_stages_current_ones(single, pipelines):
+    """Rows fetched from the stages (what the prefix cache stores) follow truncation and new rows at the same
+    length, and equal one process's."""
+    model, ref = pipelines[2].model, single.model
+    caches = (model.new_cache(), ref.new_cache())
+    for m, c in zip((model, ref), caches, strict=True):
+        m.forward(np.asarray(PROMPT[:16]), c)
+    before = caches[0].layer(3).rows("kv_lat")
+    for m, c in zip((model, ref), caches, strict=True):
+        c.truncate(10)
+        m.forward(np.asarray(PROMPT[40:46]), c)  # other tokens, back to 16 rows
+    for layer in range(single.config.num_hidden_layers):
+        for name in ("kv_lat", "k_rot", "index_k") if caches[1].layer(layer).has_index else ("kv_lat", "k_rot"):
+            assert np.array_equal(caches[0].layer(layer).rows(name), caches[1].layer(layer).rows(name))
+    assert not np.array_equal(before, caches[0].layer(3).rows("kv_lat"))
+
+
+def test_a_killed_stage_is_a_clear_error(cluster, snapshot):
+    engine = PipelineEngine(snapshot, 2, chunk=CHUNK, load_tokenizer=False, verbose=False)
+    try:
+        model = engine.model
+        cache = model.new_cache()
+        model.forward(np.asarray(PROMPT[:20]), cache)
+        os.kill(engine.pipeline.where[1]["pid"], signal.SIGKILL)
+        time.sleep(0.5)
+        with pytest.raises(GlmkitError, match=r"pipeline stage 1 \(layers 2-3, .* pid \d+\) died"):
+            model.forward(np.asarray([7]), cache)
+        with pytest.raises(GlmkitError, match="pipeline stage 1"):  # and stays broken: no output from lost rows
+            model.forward(np.asarray([7]), model.new_cache())
+    finally:
+        engine.close()
+
+
+def test_a_stage_never_computes_out_of_step(cluster, snapshot):
+    """A call whose position is not the end of the stage's rows is refused, named, and breaks the pipeline."""
+    engine = PipelineEngine(snapshot, 1, load_tokenizer=False, verbose=False)
+    try:
+        pipeline = engine.pipeline
+        x = engine.model.embed(np.asarray(PROMPT[:3]))
+        with pytest.raises(GlmkitError, match=r"pipeline stage 0 \(layers 0-3, .*\) failed: GlmkitError: pipeline "
+                                              r"stage 0: holds 0 KV rows, asked to append at 5"):
+            pipeline.run(engine.model.new_cache().cache_id, x, 5)
+        with pytest.raises(GlmkitError, match="holds 0 KV rows"):
+            engine.model.forward(np.asarray(PROMPT[:3]), engine.model.new_cache())
+    finally:
+        engine.close()
+
+
+def test_glm_run_pipeline_prints_the_single_process_reply(cluster, snapshot, capsys, tmp_path):
+    argv = [str(snapshot), "--raw-prompt", "-p", "def __repr__(self):", "--max-tokens", "20", "--device", "numpy",
+            "--cache-dir", str(tmp_path), "--kv-dtype", "fp8"]  # rows kept, fetched and restored as fp8 codes
+    assert run_main(argv) == 0
+    alone = capsys.readouterr().out
+    assert run_main(argv + ["--pipeline", "2", "--pipeline-chunk", "4", "--stats-json", str(tmp_path / "s.json")]) == 0
+    out, err = capsys.readouterr()
+    assert out == alone and len(out.strip()) > 10
+    assert "pipeline stage 0: layers 0-1" in err and "pipeline stage 1: layers 2-3" in err
+    record = json.loads((tmp_path / "s.json").read_text())
+    assert record["cached_tokens"] > 0  # the first run's prompt, restored into the stages
+    assert record["expert_hits"] + record["expert_misses"] > 0  # counted by the stages, which run the experts
+
+
+def test_glm_serve_pipeline_completes_as_glm_run(cluster, snapshot, capsys, tmp_path):
+    expected = glm_run(capsys, snapshot, "def main():", 12, "--raw-prompt", "--device", "numpy")
+    args = build_parser().parse_args([str(snapshot), "--pipeline", "2", "--device", "numpy",
+                                      "--cache-dir", str(tmp_path)])
+    server = ServerThread(build_app(args)).start()
+    try:
+        client = server.client(api_key="unused")
+        for _ in range(2):  # the second request reuses the first one's rows, kept on the stages
+            reply = client.completions.create(model=snapshot.name, prompt="def main():", max_tokens=12, temperature=0)
+            assert reply.choices[0].text == expected and len(expected) > 5
+    finally:
+        server.stop()
+
+
+def test_pipeline_flags_are_checked(snapshot, capsys, monkeypatch):
+    assert run_main([str(snapshot), "-p", "x", "--pipeline", "2", "--reuse", "approximate"]) == 1
+    assert "not with --pipeline" in capsys.readouterr().err
+    assert run_main([str(snapshot), "-p", "x", "--pipeline", "2", "--expert-cache", "1G"]) == 1
+    assert "--expert-cache: not with --pipeline" in capsys.readouterr().err
+    with socket.socket() as closed:  # a port nobody listens on
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    with pytest.raises(GlmkitError, match=f"--ray-address 127.0.0.1:{port}: cannot reach a Ray cluster"):
+        check_reachable(f"127.0.0.1:{port}", timeout_s=2)
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if the distributed extra were not installed
+    with pytest.raises(GlmkitError, match=r'pip install "glmkit\[distributed\]"'):
+        import_ray()
+    assert run_main([str(snapshot), "-p", "x", "--pipeline", "2"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and 'needs Ray, which is not installed (pip install "glmkit[distributed]")' in err

@@ -1,0 +1,166 @@
+"""Pipeline parallelism over Ray on one machine: what a hop between stages costs, and decode / prefill speed with the
+layers split over 1, 2 and 3 stage processes against one process.
+
+    PYTHONPATH=. python tools/bench_pipeline.py --rounds 3 --json /tmp/pipeline.json
+
+The benchmark model (tools/bench_model.py) at q4, NumPy backend everywhere (the head and every stage: the logits are
+bit-identical to the single process's, tests/test_pipeline.py), `--blas` BLAS threads in every process (default 1:
+on two shared cores, two threads per process spin while they wait for a core). A local Ray cluster is started in
+this process (or `--ray-address` joins one); the pipelines are opened once and measured round-robin with the single
+process (this process's own model) after one uncounted warm-up run of each, so a change of load hits every
+configuration alike.
+Per round and configuration:
+- hop: `--hops` round trips of one token's hidden state `[1, H]` through N actors that return it untouched (the
+  head submits the N calls chained and waits once, as a decode step does): milliseconds per token per hop;
+- decode: a `--prompt`-token random prompt, then `--tokens` greedy tokens (MTP off): decode tok/s, and the time per
+  token over the single process's divided by N, the hop cost as decoding sees it;
+- prefill: a `--prefill`-token random prompt, one token out: prompt tok/s, the pipeline streaming pieces of
+  `--chunk` tokens and the single process prefilling in pieces of the same size (the same arithmetic).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import ray
+from threadpoolctl import threadpool_limits
+
+from glmkit.generate.engine import Engine
+from glmkit.generate.generator import Generator
+from glmkit.generate.pipeline import PipelineEngine
+from glmkit.generate.sampling import Sampler, SamplingParams
+from tools.bench_model import DEFAULT_WORK, ensure_bench_snapshot
+
+GREEDY = SamplingParams()
+
+
+def stage_busy_s(engine: Engine) -> float:
+    """Seconds the engine's stages have spent computing, summed (0 for a single process)."""
+    if not isinstance(engine, PipelineEngine):
+        return 0.0
+    return sum(ray.get([actor.__ray_call__.remote(lambda stage: stage.busy_s) for actor in engine.pipeline.actors]))
+
+
+def decode_rate(engine: Engine, prompt: list[int], tokens: int) -> tuple[float, float]:
+    """(decode tok/s, the stages' compute in ms per decoded token)."""
+    generator = Generator(engine.model, (), use_mtp=False)
+    busy = None
+    for _ in generator.generate(prompt, tokens, Sampler(GREEDY)):
+        if busy is None:  # the first token: the prefill is over
+            busy = stage_busy_s(engine)
+    assert generator.stats.decode_tokens == tokens
+    return (tokens - 1) / generator.stats.decode_s, (stage_busy_s(engine) - busy) / (tokens - 1) * 1e3
+
+
+def prefill_rate(engine: Engine, prompt: list[int], chunk: int) -> float:
+    generator = Generator(engine.model, (), use_mtp=False, prefill_chunk=chunk)
+    list(generator.generate(prompt, 1, Sampler(GREEDY)))
+    return len(prompt) / generator.stats.prefill_s
+
+
+def hop_ms(engine: PipelineEngine, hidden: int, trips: int) -> float:
+    """Milliseconds per token per hop: `[1, hidden]` sent through every stage's `echo`, chained, waited for once."""
+    actors = engine.pipeline.actors
+    x = np.zeros((1, hidden), np.float32)
+    ray.get(actors[0].echo.remote(x))
+    start = time.perf_counter()
+    for _ in range(trips):
+        carried = x
+        for actor in actors:
+            carried = actor.echo.remote(carried)
+        ray.get(carried)
+    return (time.perf_counter() - start) / trips / len(actors) * 1e3
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--work", type=Path, default=DEFAULT_WORK, help="where the benchmark model is built and reused")
+    p.add_argument("--stages", default="1,2,3", help="stage counts to measure (default %(default)s)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--prompt", type=int, default=64, help="decode runs' prompt tokens (default %(default)s)")
+    p.add_argument("--tokens", type=int, default=32, help="decoded tokens per run (default %(default)s)")
+    p.add_argument("--prefill", type=int, default=512, help="prefill runs' prompt tokens (default %(default)s)")
+    p.add_argument("--chunk", type=int, default=128, help="prefill piece, pipeline and single (default %(default)s)")
+    p.add_argument("--hops", type=int, default=200, help="round trips per hop measurement (default %(default)s)")
+    p.add_argument("--ray-address", help="join this Ray cluster instead of starting a local one")
+    p.add_argument("--blas", type=int, default=1, help="BLAS threads, this process and every stage (default 1)")
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+
+    snapshot = ensure_bench_snapshot("q4", args.work)
+    threadpool_limits(args.blas, user_api="blas")
+    if args.ray_address:
+        ray.init(address=args.ray_address, log_to_driver=False, logging_level="warning")
+    else:
+        ray.init(address="local", num_cpus=8, object_store_memory=200 << 20, include_dashboard=False,
+                 log_to_driver=False, logging_level="warning")
+    single = Engine(snapshot, "numpy", load_tokenizer=False)
+    counts = [int(n) for n in args.stages.split(",")]
+    engines: dict[str, Engine] = {"single": single}
+    for n in counts:
+        engines[f"{n} stage{'s' if n > 1 else ''}"] = PipelineEngine(snapshot, n, device="numpy", chunk=args.chunk,
+                                                                     load_tokenizer=False, blas_threads=args.blas)
+    rng = np.random.default_rng(0)
+    vocab = single.config.vocab_size - 2  # never an eos id: every run decodes all its tokens
+    decode_prompt = rng.integers(0, vocab, args.prompt).tolist()
+    prefill_prompt = rng.integers(0, vocab, args.prefill).tolist()
+    load_start = os.getloadavg()[0]
+    results: dict[str, dict[str, list[float]]] = {name: {"decode": [], "prefill": [], "hop": [], "stage_ms": []}
+                                                  for name in engines}
+    for engine in engines.values():  # warm-up, not counted: weights into the page cache, first-call costs
+        decode_rate(engine, decode_prompt[:8], 4)
+        prefill_rate(engine, prefill_prompt[:args.chunk + 1], args.chunk)
+    for _ in range(args.rounds):
+        for name, engine in engines.items():
+            rate, stage_ms = decode_rate(engine, decode_prompt, args.tokens)
+            results[name]["decode"].append(rate)
+            results[name]["stage_ms"].append(stage_ms)
+            results[name]["prefill"].append(prefill_rate(engine, prefill_prompt, args.chunk))
+            if isinstance(engine, PipelineEngine):
+                results[name]["hop"].append(hop_ms(engine, single.config.hidden_size, args.hops))
+    load_end = os.getloadavg()[0]
+    single_ms = 1e3 / statistics.median(results["single"]["decode"])
+    print(f"{snapshot}: {single.config.num_hidden_layers} layers; {args.rounds} rounds, medians; "
+          f"load average {load_start:.1f} -> {load_end:.1f}")
+    print("| configuration | layers per stage | decode tok/s | ms per token | stages' compute ms per token | rest ms "
+          "per token per stage | over the single process, ms per token per stage | echo hop ms | prefill tok/s |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    table = {}
+    for name, engine in engines.items():
+        r = results[name]
+        decode, prefill = statistics.median(r["decode"]), statistics.median(r["prefill"])
+        layers = "-" if name == "single" else "/".join(str(len(x)) for x in engine.pipeline.layers)
+        stages = 0 if name == "single" else len(engine.pipeline.layers)
+        per_hop = (1e3 / decode - single_ms) / stages if stages else None
+        hop = statistics.median(r["hop"]) if r["hop"] else None
+        stage_ms = statistics.median(r["stage_ms"])
+        # per token: head work + hops = the token's time less the stages' compute, per stage
+        rest = statistics.median([(1e3 / d - s) / stages for d, s in zip(r["decode"], r["stage_ms"], strict=True)]
+                                 ) if stages else None
+        table[name] = {"decode_tok_s": decode, "prefill_tok_s": prefill, "ms_per_token": 1e3 / decode,
+                       "stage_compute_ms_per_token": stage_ms, "rest_ms_per_token_per_stage": rest,
+                       "decode_ms_per_hop": per_hop, "echo_hop_ms": hop, "layers": layers, "runs": r}
+
+        def cell(value: float | None) -> str:
+            return "-" if value is None else f"{value:.2f}"
+
+        print(f"| {name} | {layers} | {decode:.2f} | {1e3 / decode:.1f} | {cell(stage_ms if stages else None)} | "
+              f"{cell(rest)} | {cell(per_hop)} | {cell(hop)} | {prefill:.1f} |")
+    for engine in engines.values():
+        engine.close()
+    if args.json:
+        meta = {"snapshot": str(snapshot), "rounds": args.rounds, "blas_threads": args.blas, "prompt": args.prompt,
+                "tokens": args.tokens,
+                "prefill": args.prefill, "chunk": args.chunk, "load_start": load_start, "load_end": load_end,
+                "cores": os.cpu_count()}
+        args.json.write_text(json.dumps({"meta": meta, "results": table}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
