@@ -68,11 +68,14 @@ class Generator:
     """Runs one sequence: `generate(prompt_ids, ...)` yields token ids as they are decided."""
 
     def __init__(self, model: GlmMoeDsaModel, eos_token_ids: tuple[int, ...] = (), use_mtp: bool = True,
-                 prefill_chunk: int = PREFILL_CHUNK, checkpoint: Callable[[list[int]], None] | None = None):
+                 prefill_chunk: int = PREFILL_CHUNK, checkpoint: Callable[[list[int]], None] | None = None,
+                 pipelined: bool = True):
         """prefill_chunk: prompt tokens per forward; checkpoint(prompt_ids): called after each prompt chunk but the
         last, the cache then holding `prompt_ids[:cache.length]` (glm-run stores them in the prefix cache, so that a
-        long prefill killed half way resumes there)."""
+        long prefill killed half way resumes there); pipelined: False decodes one token at a time even where the
+        device could choose the tokens (the same tokens; tools/bench_sampling.py compares the two)."""
         self.model = model
+        self.pipelined = pipelined
         self.prefill_chunk = prefill_chunk
         self.checkpoint = checkpoint
         self.eos = set(eos_token_ids)
@@ -113,7 +116,8 @@ class Generator:
             draft = self._mtp_catch_up(prompt_ids, hidden, token, cache)
         emitted = 0
         pipe = None  # decoding with the next forward in flight (the device decode step)
-        pipelined = not sampler.needs_logits and not self.use_mtp  # tried once; off again once the pipe stops
+        # tried once; off again once the pipe stops
+        pipelined = self.pipelined and not sampler.needs_logits and not self.use_mtp
         try:
             while True:
                 # stats are final before each yield: a consumer may stop iterating at an eos token

@@ -1,0 +1,95 @@
+#!/usr/bin/env python3
+"""Sampled against greedy decode on the device decode step: does sampling keep the next forward in flight?
+
+    PYTHONPATH=. python tools/bench_sampling.py            # bench model, q4, --device auto placement
+
+Prefills a random `--prompt`-token prompt on the benchmark model (tools/bench_model.py), then decodes `--tokens`
+tokens (MTP off, no EOS) with each row's sampler through `Generator`, rows in turn, `--rounds` times, so that the
+machine's load hits every row alike. Rows: greedy (pipelined: the argmax on the device), and per sampling setting
+the device draw (pipelined, the default: sample.cl) and the host draw (`Generator(pipelined=False)`: each token's
+forward queued after the host drew it, as before device sampling). Prints per row the median tok/s, its median
+ratio to greedy's of the same round, how many tokens the host chose instead of the device, and whether the two
+draws gave the same tokens (they must: same seed, same logits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from glmkit.backends.opencl import decode_graph  # noqa: E402
+from glmkit.generate.engine import Engine  # noqa: E402
+from glmkit.generate.generator import Generator  # noqa: E402
+from glmkit.generate.sampling import Sampler, SamplingParams  # noqa: E402
+from tools.bench_model import DEFAULT_WORK, ensure_bench_snapshot  # noqa: E402
+
+SETTINGS = {  # name -> sampling settings (seeded: the device and host draws are comparable token for token)
+    "T 0.7, top-k 40, top-p 0.95": SamplingParams(temperature=0.7, top_k=40, top_p=0.95, seed=1),
+    "T 1.0": SamplingParams(temperature=1.0, seed=2),
+    "T 0.7, top-p 0.95": SamplingParams(temperature=0.7, top_p=0.95, seed=3),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="q4")
+    ap.add_argument("--tokens", type=int, default=64, help="decoded tokens per run (default %(default)s)")
+    ap.add_argument("--prompt", type=int, default=256, help="prompt tokens (default %(default)s)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds over every row (default %(default)s)")
+    ap.add_argument("--work", type=Path, default=DEFAULT_WORK, help="where the bench model lives")
+    args = ap.parse_args(argv)
+    engine = Engine(ensure_bench_snapshot(args.preset, args.work), "auto", load_tokenizer=False)
+    model = engine.model
+    if not model.decodes_on_device():
+        print("bench_sampling: this device/placement has no device decode step", file=sys.stderr)
+        return 1
+    prompt = np.random.default_rng(0).integers(0, engine.config.vocab_size, args.prompt).tolist()
+    rows = [("greedy", SamplingParams(), True)] + [
+        (f"{name}, {where}", params, where == "device") for name, params in SETTINGS.items()
+        for where in ("device", "host")]
+    pipes: list = []
+    pipeline = decode_graph.DeviceDecodeStep.pipeline
+
+    def counted(self, *a, **k):  # the pipelines, for their host-chosen token counts
+        pipes.append(pipeline(self, *a, **k))
+        return pipes[-1]
+
+    decode_graph.DeviceDecodeStep.pipeline = counted  # type: ignore[method-assign]
+    speed: dict[str, list[float]] = {name: [] for name, _, _ in rows}
+    ratio: dict[str, list[float]] = {name: [] for name, _, _ in rows}
+    tokens: dict[str, list[int]] = {}
+    by_host: dict[str, int] = {}
+    for r in range(-1, args.rounds):  # round -1: warm-up (kernel builds, first touches), not counted
+        for name, params, pipelined in rows:
+            pipes.clear()
+            generator = Generator(model, (), use_mtp=False, pipelined=pipelined)
+            out = list(generator.generate(prompt, args.tokens + 1, Sampler(params)))
+            stats = generator.stats
+            if r < 0:
+                continue
+            speed[name].append((stats.decode_tokens - 1) / stats.decode_s)
+            tokens.setdefault(name, out)
+            host = sum(p.fallbacks for p in pipes if p is not None)
+            by_host[name] = host if pipelined else stats.decode_tokens - 1
+        for name in speed if r >= 0 else ():
+            ratio[name].append(speed[name][-1] / speed["greedy"][-1])
+    print(f"{engine.device}, preset {args.preset}, {args.prompt}-token prompt, {args.tokens} tokens, "
+          f"{args.rounds} rounds (medians)")
+    print("| decoding | tok/s | / greedy | tokens chosen by the host | same tokens as the host draw |")
+    print("|---|---|---|---|---|")
+    for name, _, _ in rows:
+        same = "" if not name.endswith(", device") else (
+            "yes" if tokens[name] == tokens[name.removesuffix(", device") + ", host"] else "NO")
+        print(f"| {name} | {statistics.median(speed[name]):.1f} | {statistics.median(ratio[name]):.2f} | "
+              f"{by_host[name]} of {args.tokens} | {same} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
