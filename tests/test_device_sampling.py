@@ -190,3 +190,24 @@ def test_fallback_to_the_host(snapshots, kernels, monkeypatch):
               Sampler(SamplingParams(temperature=0.8, presence_penalty=0.5, seed=1)),
               Sampler(SamplingParams(temperature=0.8, top_k=decode_graph.SAMPLE_CANDIDATES, seed=1))]
     assert got_others == [sampled_run(dev, prompt, 12, sampler)[0] for sampler in others]
+
+
+def test_interleaved_sampled_pipelines(snapshots, kernels, monkeypatch):
+    """Two sampled sequences and a greedy one decoded in turns on one step (as glm-serve's scheduler does): each
+    pipeline lets the other finish its forward in flight first, and each gets the host path's tokens."""
+    engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
+    dev = models(engine, kernels)
+    ids = oracle("tiny-trained")["full_ids"]
+    runs = [(ids[:20], SAMPLED[0]), (ids[5:40], SAMPLED[2]), (ids[3:30], SamplingParams())]
+
+    def turns() -> list[list[int]]:
+        streams = [Generator(dev, (), use_mtp=False).generate(list(p), 20, Sampler(params)) for p, params in runs]
+        got: list[list[int]] = [[] for _ in runs]
+        for _ in range(20):
+            for s, stream in enumerate(streams):
+                got[s].append(next(stream))
+        return got
+
+    got = turns()
+    host_only(monkeypatch)
+    assert got == turns()
