@@ -194,19 +194,26 @@ def test_fallback_to_the_host(snapshots, kernels, monkeypatch):
 
 def test_interleaved_sampled_pipelines(snapshots, kernels, monkeypatch):
     """Two sampled sequences and a greedy one decoded in turns on one step (as glm-serve's scheduler does): each
-    pipeline lets the other finish its forward in flight first, and each gets the host path's tokens."""
+    pipeline lets the other finish its forward in flight first, and each gets the host path's tokens and leaves
+    its sampler's stream where the host path does when the consumer stops early."""
     engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
     dev = models(engine, kernels)
     ids = oracle("tiny-trained")["full_ids"]
-    runs = [(ids[:20], SAMPLED[0]), (ids[5:40], SAMPLED[2]), (ids[3:30], SamplingParams())]
+    runs = [(ids[:20], SAMPLED[0]), (ids[5:40], SAMPLED[2]), (ids[3:30], SamplingParams(seed=9))]
 
-    def turns() -> list[list[int]]:
-        streams = [Generator(dev, (), use_mtp=False).generate(list(p), 20, Sampler(params)) for p, params in runs]
+    def turns() -> tuple[list[list[int]], list[float]]:
+        """Each sequence's tokens, then each sampler's next uniform once its stream is closed (some while another
+        pipeline holds the step: their next token is known, not used)."""
+        samplers = [Sampler(params) for _, params in runs]
+        streams = [Generator(dev, (), use_mtp=False).generate(list(p), 30, sampler)
+                   for (p, _), sampler in zip(runs, samplers, strict=True)]
         got: list[list[int]] = [[] for _ in runs]
         for _ in range(20):
             for s, stream in enumerate(streams):
                 got[s].append(next(stream))
-        return got
+        for stream in streams:
+            stream.close()
+        return got, [sampler.rng.random() for sampler in samplers]
 
     got = turns()
     host_only(monkeypatch)

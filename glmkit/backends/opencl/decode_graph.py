@@ -238,9 +238,6 @@ class DeviceDecodeStep:
         # chose and whether the host must choose instead (1: sample_token could not decide)
         self.cs = [new(rope), new(rope)]
         self.token_ids = [new(2, np.uint32), new(2, np.uint32)]
-        self.token_ids[0].host[:] = self.token_ids[1].host[:] = 0  # argmax_row leaves the host's flag at 0
-        self.buffers.to_device(self.token_ids[0])
-        self.buffers.to_device(self.token_ids[1])
         # discrete devices, per parity: every layer's new cache rows ([kv_lat | k_rot | index_k], token_rows writes
         # them) for one read back, and the (cache, position) they belong to until `_collect` stores them there
         self.stage_fields = {"kv_lat": kvl, "k_rot": rope, "index_k": cfg.index_head_dim}  # name -> width
@@ -970,6 +967,10 @@ class TokenChoice(Protocol):
         """The last forward queued is dropped before its token is decided."""
         ...
 
+    def unuse(self) -> None:
+        """The token decided last is not used after all (the pipeline closes while holding it)."""
+        ...
+
     def release(self) -> None:
         """The pipeline stops: no forward still queued will be decided."""
         ...
@@ -991,6 +992,9 @@ class ArgmaxChoice:
     def discard(self) -> None:
         pass
 
+    def unuse(self) -> None:
+        pass
+
     def release(self) -> None:
         pass
 
@@ -1010,6 +1014,7 @@ class SampledChoice:
         self.launches = SampleLaunches(step.k, step.logits.buffer, draws.params, step.sample_scratch)
         self.queued: deque[tuple[float, dict]] = deque()  # (uniform, the stream's state before it) per forward
         self.spare: list[tuple[float, dict]] = []  # uniforms of dropped forwards, for the next ones queued
+        self.last: tuple[float, dict] | None = None  # the uniform of the token decided last
 
     @staticmethod
     def fits(step: DeviceDecodeStep, draws: TokenDraws) -> bool:
@@ -1030,7 +1035,8 @@ class SampledChoice:
                                      self.step.sample_scratch.held[parity].buffer)
 
     def decided(self, parity: int) -> tuple[int, bool]:
-        u, _ = self.queued.popleft()
+        self.last = self.queued.popleft()
+        u = self.last[0]
         token, host = self.step.token_ids[parity].host[:2]
         if not host:
             return int(token), True
@@ -1038,6 +1044,9 @@ class SampledChoice:
 
     def discard(self) -> None:
         self.spare.append(self.queued.pop())
+
+    def unuse(self) -> None:
+        self.spare.insert(0, self.last)
 
     def release(self) -> None:
         unused = self.spare or self.queued  # a dropped forward's uniform was drawn before any queued after it
@@ -1141,6 +1150,7 @@ class DecodePipeline:
         if self.pending is not None:
             self._drop()
         elif self.known is not None:
+            self.choice.unuse()
             self.cache.truncate(self.cache.length - 1)
         self.known = None
         self.choice.release()
