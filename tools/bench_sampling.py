@@ -9,7 +9,9 @@ machine's load hits every row alike. Rows: greedy (pipelined: the argmax on the 
 the device draw (pipelined, the default: sample.cl) and the host draw (`Generator(pipelined=False)`: each token's
 forward queued after the host drew it, as before device sampling). Prints per row the median tok/s, its median
 ratio to greedy's of the same round, how many tokens the host chose instead of the device, and whether the two
-draws gave the same tokens (they must: same seed, same logits).
+draws gave the same tokens (they must: same seed, same logits). Then the draw's kernels alone on the same device
+(`--kernels`: 0 skips), per vocabulary (the benchmark model's and GLM-5's) and setting, against greedy's argmax:
+ms per token over 50 launches of normal x3 random logits, rows alternated, best of 3.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +27,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from glmkit.backends.opencl import decode_graph  # noqa: E402
+from glmkit.backends.opencl.decode_graph import SampleLaunches, SampleScratch  # noqa: E402
+from glmkit.backends.opencl.ops import Kernels  # noqa: E402
 from glmkit.generate.engine import Engine  # noqa: E402
 from glmkit.generate.generator import Generator  # noqa: E402
 from glmkit.generate.sampling import Sampler, SamplingParams  # noqa: E402
@@ -36,6 +41,32 @@ SETTINGS = {  # name -> sampling settings (seeded: the device and host draws are
 }
 
 
+VOCABULARIES = (8192, 154880)  # the benchmark model's, GLM-5's
+
+
+def kernel_times(k: Kernels, launches: int) -> dict[tuple[int, str], float]:
+    """(vocabulary, row) -> ms per draw of the draw's launches alone (greedy: argmax_row), rows alternated, best
+    of 3."""
+    best: dict[tuple[int, str], float] = {}
+    for vocab in VOCABULARIES:
+        logits = k.buffers.filled(np.random.default_rng(0).standard_normal(vocab) * 3)
+        scratch, token = SampleScratch(k.buffers, vocab), k.buffers.array(2, np.uint32)
+        argmax = k.bind("argmax_row", (k.red_lanes,), (k.red_lanes,), x=logits.buffer, n=vocab, token=token.buffer)
+        draws = {name: SampleLaunches(k, logits.buffer, params, scratch) for name, params in SETTINGS.items()}
+        for _ in range(3):
+            for name in ["greedy", *draws]:
+                start = time.perf_counter()
+                for _ in range(launches):
+                    if name == "greedy":
+                        argmax.enqueue()
+                    else:
+                        draws[name].enqueue(0.5, token.buffer, scratch.held[0].buffer)
+                k.finish()
+                ms = (time.perf_counter() - start) / launches * 1e3
+                best[vocab, name] = min(best.get((vocab, name), ms), ms)
+    return best
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="q4")
@@ -43,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt", type=int, default=256, help="prompt tokens (default %(default)s)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds over every row (default %(default)s)")
     ap.add_argument("--work", type=Path, default=DEFAULT_WORK, help="where the bench model lives")
+    ap.add_argument("--kernels", type=int, default=50, help="launches per kernel timing (default %(default)s)")
     args = ap.parse_args(argv)
     engine = Engine(ensure_bench_snapshot(args.preset, args.work), "auto", load_tokenizer=False)
     model = engine.model
@@ -88,6 +120,12 @@ def main(argv: list[str] | None = None) -> int:
             "yes" if tokens[name] == tokens[name.removesuffix(", device") + ", host"] else "NO")
         print(f"| {name} | {statistics.median(speed[name]):.1f} | {statistics.median(ratio[name]):.2f} | "
               f"{by_host[name]} of {args.tokens} | {same} |")
+    if args.kernels and hasattr(engine.backend, "k"):
+        times = kernel_times(engine.backend.k, args.kernels)
+        print("\n| draw kernels, ms per token | " + " | ".join(f"vocab {v:,}" for v in VOCABULARIES) + " |")
+        print("|---|" + "---|" * len(VOCABULARIES))
+        for name in ["greedy", *SETTINGS]:
+            print(f"| {name} | " + " | ".join(f"{times[v, name]:.3f}" for v in VOCABULARIES) + " |")
     return 0
 
 

@@ -14,20 +14,7 @@
 #define SAMPLE_CANDIDATES 1024  /* the most candidates one draw sorts (decode_graph.SAMPLE_CANDIDATES) */
 #define SAMPLE_TOLERANCE 1e-9   /* how near a float64 sum a decision is left to the host */
 
-/* The sum of every work-item's v over the work-group (float64, pairwise over the items). */
-INLINE double group_sum_f64(double v, __local double* red) {
-    const uint l = get_local_id(0);
-    red[l] = v;
-    barrier(CLK_LOCAL_MEM_FENCE);
-    for (uint w = RED_LANES / 2; w > 0; w >>= 1) {
-        if (l < w) red[l] += red[l + w];
-        barrier(CLK_LOCAL_MEM_FENCE);
-    }
-    const double s = red[0];
-    barrier(CLK_LOCAL_MEM_FENCE);
-    return s;
-}
-
+GROUP_SUM(group_sum_f64, double)
 
 /* Hands the draw to the host where out[1] is set (the logits into `held`), and writes token[0..1]. */
 INLINE void sample_out(const __global float* logits, uint n, __local const uint* out, __global uint* token,
@@ -53,13 +40,7 @@ __kernel void sample_whole(__global const float* logits, uint n, double temperat
     const uint l = get_local_id(0);
     float m = -INFINITY;
     for (uint t = l; t < n; t += RED_LANES) m = fmax_(m, logits[t]);
-    best[l] = m;
-    barrier(CLK_LOCAL_MEM_FENCE);
-    for (uint w = RED_LANES / 2; w > 0; w >>= 1) {
-        if (l < w) best[l] = fmax_(best[l], best[l + w]);
-        barrier(CLK_LOCAL_MEM_FENCE);
-    }
-    const double zmax = (double)best[0] / temperature;
+    const double zmax = (double)group_max(m, best) / temperature;
     const uint chunk = (n + RED_LANES - 1) / RED_LANES;
     const uint t0 = min(l * chunk, n), t1 = min(t0 + chunk, n);
     double s = 0.0;
