@@ -15,7 +15,7 @@ import pytest
 
 from glmkit.backends.opencl import decode_graph
 from glmkit.backends.opencl.backend import OpenCLBackend, Placement
-from glmkit.backends.opencl.decode_graph import DeviceDecodeStep, SampleLaunches, SampleScratch
+from glmkit.backends.opencl.decode_graph import DeviceDecodeStep, SampledChoice, SampleLaunches, SampleScratch
 from glmkit.backends.opencl.ops import Kernels
 from glmkit.generate.engine import Engine
 from glmkit.generate.generator import Generator
@@ -146,12 +146,13 @@ def test_sampled_generation_is_the_host_paths(snapshots, kernels, monkeypatch):
     engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
     dev = models(engine, kernels)
     prompt = oracle("tiny-trained")["prompt_ids"]
-    started = []
+    pipes = []
     pipeline = DeviceDecodeStep.pipeline
-    monkeypatch.setattr(DeviceDecodeStep, "pipeline",
-                        lambda self, *a: started.append(a[3] is not None) or pipeline(self, *a))
+    monkeypatch.setattr(DeviceDecodeStep, "pipeline", lambda self, *a: pipes.append(pipeline(self, *a)) or pipes[-1])
     got = [sampled_run(dev, prompt, 40, Sampler(params)) for params in SAMPLED]
-    assert started == [True] * len(SAMPLED)
+    # a sampled pipeline each, whose every token the device drew
+    assert [isinstance(p.choice, SampledChoice) and p.decided == 39 and not p.fallbacks for p in pipes] == [
+        True] * len(SAMPLED)
     stream = Generator(dev, (), use_mtp=False).generate(list(prompt), 40, Sampler(SAMPLED[0]))
     first = [next(stream) for _ in range(7)]
     stream.close()
