@@ -4,14 +4,15 @@
     PYTHONPATH=. python tools/bench_sampling.py            # bench model, q4, --device auto placement
 
 Prefills a random `--prompt`-token prompt on the benchmark model (tools/bench_model.py), then decodes `--tokens`
-tokens (MTP off, no EOS) with each row's sampler through `Generator`, rows in turn, `--rounds` times, so that the
-machine's load hits every row alike. Rows: greedy (pipelined: the argmax on the device), and per sampling setting
-the device draw (pipelined, the default: sample.cl) and the host draw (`Generator(pipelined=False)`: each token's
-forward queued after the host drew it, as before device sampling). Prints per row the median tok/s, its median
-ratio to greedy's of the same round, how many tokens the host chose instead of the device, and whether the two
-draws gave the same tokens (they must: same seed, same logits). Then the draw's kernels alone on the same device
-(`--kernels`: 0 skips), per vocabulary (the benchmark model's and GLM-5's) and setting, against greedy's argmax:
-ms per token over 50 launches of normal x3 random logits, rows alternated, best of 3.
+tokens (MTP off, no EOS) with each row's sampler through `Generator`, each row right after a greedy run (pipelined:
+the argmax on the device), rows in turn, `--rounds` times, so that the machine's load hits every row and its
+greedy run alike. Rows: greedy against greedy (the pairs' noise), and per sampling setting the device draw
+(pipelined, the default: sample.cl) and the host draw (`Generator(pipelined=False)`: each token's forward queued
+after the host drew it, as before device sampling). Prints per row the median tok/s, the median (and range) of
+its ratio to the greedy run just before it, how many tokens the host chose instead of the device, and whether
+the two draws gave the same tokens (they must: same seed, same logits). Then the draw's kernels alone on the same
+device (`--kernels`: 0 skips), per vocabulary (the benchmark model's and GLM-5's) and setting, against greedy's
+argmax: ms per token over 50 launches of normal x3 random logits, rows alternated, best of 3.
 """
 
 from __future__ import annotations
@@ -97,29 +98,34 @@ def main(argv: list[str] | None = None) -> int:
     ratio: dict[str, list[float]] = {name: [] for name, _, _ in rows}
     tokens: dict[str, list[int]] = {}
     by_host: dict[str, int] = {}
+
+    def run(params: SamplingParams, pipelined: bool) -> tuple[float, list[int], int]:
+        """(decode tok/s, the tokens, how many of them the host chose)."""
+        pipes.clear()
+        generator = Generator(model, (), use_mtp=False, pipelined=pipelined)
+        out = list(generator.generate(prompt, args.tokens + 1, Sampler(params)))
+        stats = generator.stats
+        host = sum(p.fallbacks for p in pipes if p is not None) if pipelined else stats.decode_tokens - 1
+        return (stats.decode_tokens - 1) / stats.decode_s, out, host
+
     for r in range(-1, args.rounds):  # round -1: warm-up (kernel builds, first touches), not counted
-        for name, params, pipelined in rows:
-            pipes.clear()
-            generator = Generator(model, (), use_mtp=False, pipelined=pipelined)
-            out = list(generator.generate(prompt, args.tokens + 1, Sampler(params)))
-            stats = generator.stats
-            if r < 0:
-                continue
-            speed[name].append((stats.decode_tokens - 1) / stats.decode_s)
-            tokens.setdefault(name, out)
-            host = sum(p.fallbacks for p in pipes if p is not None)
-            by_host[name] = host if pipelined else stats.decode_tokens - 1
-        for name in speed if r >= 0 else ():
-            ratio[name].append(speed[name][-1] / speed["greedy"][-1])
+        for name, params, pipelined in rows:  # each row right after a greedy run of its own: a ratio per pair
+            greedy = run(SamplingParams(), True)[0]
+            tok_s, out, host = run(params, pipelined)
+            if r >= 0:
+                speed[name].append(tok_s)
+                ratio[name].append(tok_s / greedy)
+                tokens.setdefault(name, out)
+                by_host[name] = host
     print(f"{engine.device}, preset {args.preset}, {args.prompt}-token prompt, {args.tokens} tokens, "
-          f"{args.rounds} rounds (medians)")
-    print("| decoding | tok/s | / greedy | tokens chosen by the host | same tokens as the host draw |")
+          f"{args.rounds} rounds (medians; the ratio's range over the rounds)")
+    print("| decoding | tok/s | / greedy run just before | tokens chosen by the host | same tokens as the host draw |")
     print("|---|---|---|---|---|")
     for name, _, _ in rows:
         same = "" if not name.endswith(", device") else (
             "yes" if tokens[name] == tokens[name.removesuffix(", device") + ", host"] else "NO")
-        print(f"| {name} | {statistics.median(speed[name]):.1f} | {statistics.median(ratio[name]):.2f} | "
-              f"{by_host[name]} of {args.tokens} | {same} |")
+        print(f"| {name} | {statistics.median(speed[name]):.1f} | {statistics.median(ratio[name]):.2f} "
+              f"({min(ratio[name]):.2f}-{max(ratio[name]):.2f}) | {by_host[name]} of {args.tokens} | {same} |")
     if args.kernels and hasattr(engine.backend, "k"):
         times = kernel_times(engine.backend.k, args.kernels)
         print("\n| draw kernels, ms per token | " + " | ".join(f"vocab {v:,}" for v in VOCABULARIES) + " |")
