@@ -207,10 +207,10 @@ def test_sigterm_ends_requests_in_flight_with_openai_errors(snapshot, tmp_path):
         threads = [threading.Thread(target=request, args=(name, name == "stream")) for name in ("plain", "stream")]
         for t in threads:
             t.start()
-        while get_json(port, "/stats")[1]["active"] < 2:
+        # both past their prefill and generating: the worker has taken several decode steps of each
+        while (stats := get_json(port, "/stats")[1])["active"] < 2 or stats["steps"] < 8:
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        time.sleep(0.3)  # both are past their prefill, generating
         proc.send_signal(signal.SIGTERM)
         for t in threads:
             t.join(30)

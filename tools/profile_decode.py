@@ -38,8 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt", type=int, default=256, help="prompt tokens, the context decoded against (default "
                                                              "%(default)s)")
     ap.add_argument("--work", type=Path, default=DEFAULT_WORK, help="where the bench model lives")
+    ap.add_argument("--kv-dtype", default="f32", help="precision of the KV rows (f32, bf16, fp8)")
     args = ap.parse_args(argv)
-    engine = Engine(ensure_bench_snapshot(args.preset, args.work), "auto", load_tokenizer=False)
+    engine = Engine(ensure_bench_snapshot(args.preset, args.work), "auto", load_tokenizer=False,
+                    kv_dtype=args.kv_dtype)
     model = engine.model
     longest = engine.config.max_position_embeddings - 2 * args.tokens - 8  # the warm-up and profiled tokens fit
     if not 0 < args.prompt <= longest:

@@ -26,8 +26,9 @@ INLINE void mark_keys(const __global float* sc, const __global uchar* al, __glob
 /* selected[s, t] = 1 for the k largest scores among the allowed keys of row s (all of them when fewer
  * than k are allowed); ties at the threshold go to the lowest indices. chosen[s, :] lists the selected keys in
  * ascending order (min(k, allowed) of them: the decode step's attention reads only those keys). A radix select
- * over the key's 4 bytes, most significant first (a 256-bin histogram of the keys still in the running per pass),
- * finds the k-th largest key, then one pass marks. One work-item per row. Global (S). */
+ * over the key's 4 bytes, most significant first (a 256-bin histogram of the keys still in the running per pass; the
+ * first also counts the allowed keys), finds the k-th largest key, then one pass marks. One work-item per row.
+ * Global (S). */
 __kernel void topk_select(__global const float* scores, __global const uchar* allowed, __global uchar* selected,
                           __global uint* chosen, uint n_keys, uint k, uint n_rows) {
     const uint s = get_global_id(0);
@@ -36,12 +37,6 @@ __kernel void topk_select(__global const float* scores, __global const uchar* al
     const __global uchar* al = allowed + (ulong)s * n_keys;
     __global uchar* sel = selected + (ulong)s * n_keys;
     __global uint* ch = chosen + (ulong)s * k;
-    uint n_allowed = 0;
-    for (uint t = 0; t < n_keys; t++) n_allowed += al[t] ? 1u : 0u;
-    if (n_allowed <= k) {
-        mark_keys(sc, al, sel, ch, 0, n_keys, 0, 0, 0);
-        return;
-    }
     uint prefix = 0, known = 0, need = k;  /* the need-th largest key among those whose `known` bits are prefix's */
     uint hist[256];
     for (int shift = 24; shift >= 0; shift -= 8) {
@@ -50,15 +45,23 @@ __kernel void topk_select(__global const float* scores, __global const uchar* al
             const uint key = float_key(sc[t]);
             if (al[t] && (key & known) == prefix) hist[(key >> shift) & 255u]++;
         }
+        if (shift == 24) {  /* the first pass counts every allowed key: are there more than k? */
+            uint n_allowed = 0;
+            for (uint b = 0; b < 256; b++) n_allowed += hist[b];
+            if (n_allowed <= k) {
+                mark_keys(sc, al, sel, ch, 0, n_keys, 0, 0, 0);
+                return;
+            }
+        }
         uint digit = 255, above = 0;
         while (above + hist[digit] < need) above += hist[digit--];
         need -= above;
         prefix |= digit << shift;
         known |= 255u << shift;
     }
-    uint above = 0;
-    for (uint t = 0; t < n_keys; t++) above += (al[t] && float_key(sc[t]) > prefix) ? 1u : 0u;
-    mark_keys(sc, al, sel, ch, 0, n_keys, prefix, k - above, 0);
+    /* the keys above the k-th are those above it at some pass (k - need of them): the first `need` equal to it
+     * complete the k */
+    mark_keys(sc, al, sel, ch, 0, n_keys, prefix, need, 0);
 }
 
 /* topk_select with one work-group (RED_LANES items) per row, for GPUs, where the single work-item's serial passes
