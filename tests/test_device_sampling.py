@@ -15,7 +15,13 @@ import pytest
 
 from glmkit.backends.opencl import decode_graph
 from glmkit.backends.opencl.backend import OpenCLBackend, Placement
-from glmkit.backends.opencl.decode_graph import DeviceDecodeStep, SampledChoice, SampleLaunches, SampleScratch
+from glmkit.backends.opencl.decode_graph import (
+    DecodePipeline,
+    DeviceDecodeStep,
+    SampledChoice,
+    SampleLaunches,
+    SampleScratch,
+)
 from glmkit.backends.opencl.ops import Kernels
 from glmkit.generate.engine import Engine
 from glmkit.generate.generator import Generator
@@ -191,6 +197,22 @@ def test_fallback_to_the_host(snapshots, kernels, monkeypatch):
               Sampler(SamplingParams(temperature=0.8, presence_penalty=0.5, seed=1)),
               Sampler(SamplingParams(temperature=0.8, top_k=decode_graph.SAMPLE_CANDIDATES, seed=1))]
     assert got_others == [sampled_run(dev, prompt, 12, sampler)[0] for sampler in others]
+
+
+def test_no_device_sampling_without_float64(snapshots, kernels, monkeypatch):
+    """A device without float64 samples one token at a time (greedy stays pipelined)."""
+    engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
+    dev = models(engine, kernels)
+    prompt = oracle("tiny-trained")["prompt_ids"]
+    monkeypatch.setattr(kernels, "fp64", False)
+    pipes = []
+    pipeline = DeviceDecodeStep.pipeline
+    monkeypatch.setattr(DeviceDecodeStep, "pipeline", lambda self, *a: pipes.append(pipeline(self, *a)) or pipes[-1])
+    sampled = sampled_run(dev, prompt, 10, Sampler(SAMPLED[1]))
+    sampled_run(dev, prompt, 10, Sampler(SamplingParams()))
+    assert pipes[0] is None and isinstance(pipes[1], DecodePipeline)
+    host_only(monkeypatch)
+    assert sampled == sampled_run(dev, prompt, 10, Sampler(SAMPLED[1]))
 
 
 def test_interleaved_sampled_pipelines(snapshots, kernels, monkeypatch):
