@@ -399,8 +399,8 @@ def test_pipelined_greedy_matches_one_token_at_a_time(snapshots, kernels, monkey
     ref, dev = models(engine, kernels)
     prompt = oracle("tiny-trained")["prompt_ids"]
     started = []
-    greedy = DeviceDecodeStep.greedy
-    monkeypatch.setattr(DeviceDecodeStep, "greedy", lambda self, *a: started.append(1) or greedy(self, *a))
+    pipeline = DeviceDecodeStep.pipeline
+    monkeypatch.setattr(DeviceDecodeStep, "pipeline", lambda self, *a: started.append(1) or pipeline(self, *a))
     want, ref_cache = greedy_run(ref, prompt, 40)
     got, dev_cache = greedy_run(dev, prompt, 40)
     assert started == [1] and got == want
@@ -432,8 +432,8 @@ def test_pipelined_greedy_over_the_expert_cache(snapshots, direct_kernels, monke
     mapped = GlmMoeDsaModel(cfg, engine.experts, backend())
     cached = GlmMoeDsaModel(cfg, cache, backend(), route_hook=cache.on_route, step_experts=cache)
     started = []
-    greedy = DeviceDecodeStep.greedy
-    monkeypatch.setattr(DeviceDecodeStep, "greedy", lambda self, *a: started.append(1) or greedy(self, *a))
+    pipeline = DeviceDecodeStep.pipeline
+    monkeypatch.setattr(DeviceDecodeStep, "pipeline", lambda self, *a: started.append(1) or pipeline(self, *a))
     want, ref_cache = greedy_run(mapped, prompt, 30)
     routed = cache.stats.hits + cache.stats.misses
     got, dev_cache = greedy_run(cached, prompt, 30)

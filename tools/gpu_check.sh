@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # The checks a GPU machine owes, most valuable first, each under its own time limit, every log in OUTDIR:
 #   1. devices.txt  glm-run --list-devices (what the driver reports, the measured placement)
-#   2. tests.txt    the kernel, OpenCL backend and decode step tests on the GPU (glm-validate on every oracle fixture)
+#   2. tests.txt    the kernel, OpenCL backend, decode step and device sampling tests on the GPU (glm-validate on
+#                   every oracle fixture)
 #   3. profile.txt  tools/profile_decode.py: where a decoded token's time goes on the device decode step
 #   4. bench.*      tools/bench.py, one run each of every operation on the GPU and of auto
 #   5. hybrid.txt   tools/bench_hybrid.py --gpu: a GPU budget of 25% of the bench model, the experts over it on
 #                   the NumPy path or on PoCL's CPU device (needs PoCL beside the GPU driver)
+#   6. sampling.txt tools/bench_sampling.py: sampled (drawn on the device, and by the host) against greedy decode
 #
 #   tools/gpu_check.sh OUTDIR [KIND] [BENCH_WORK]    KIND: gpu (default) or cpu; BENCH_WORK: the bench model's home
 # Needs pyopencl and a registered OpenCL driver (ICD). Exits 1 when no device of KIND is found.
@@ -46,8 +48,9 @@ fi
 echo "device opencl:$dev"
 step devices 60 python3 -m glmkit.cli.run --list-devices
 step tests 200 env GLMKIT_TEST_DEVICE="$dev" python3 -m pytest -q -p no:cacheprovider -rs \
-    tests/test_kernels_cl.py tests/test_opencl_backend.py tests/test_decode_step.py
+    tests/test_kernels_cl.py tests/test_opencl_backend.py tests/test_decode_step.py tests/test_device_sampling.py
 step profile 150 python3 tools/profile_decode.py --tokens 40 --work "$work"
 step bench 240 python3 tools/bench.py --devices "opencl:$dev,auto" --runs 1 --work "$work" \
     --json "$out/bench.json" --md "$out/bench.md"
 step hybrid 150 python3 tools/bench_hybrid.py --gpu --runs 2 --work "$work"
+step sampling 150 python3 tools/bench_sampling.py --rounds 3 --work "$work"

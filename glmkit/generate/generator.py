@@ -7,9 +7,11 @@ the main model's prediction for p+2 (two tokens from one forward), otherwise the
 dropped. Every emitted token is sampled from the main model's logits, so greedy output is identical
 with and without MTP, and sampled output follows the same distribution.
 
-Greedy decoding without MTP on a backend with a device decode step (OpenCL on a CPU device) keeps the next
-forward in flight: the device picks each token (argmax) and queues its forward before the host sees it
-(`GlmMoeDsaModel.greedy_decode`), with the same tokens and the same cache at the end.
+Decoding without MTP on a backend with a device decode step (OpenCL) keeps the next forward in flight: the
+device picks each token (the argmax, or a sampled draw from a uniform the host drew from the sampler's stream in
+advance) and queues its forward before the host sees it (`GlmMoeDsaModel.pipelined_decode`), with the same tokens
+and the same cache at the end. A sampler that needs the logits on the host (a constraint, penalties or biases,
+logprobs) decodes one token at a time.
 """
 
 from __future__ import annotations
@@ -66,11 +68,14 @@ class Generator:
     """Runs one sequence: `generate(prompt_ids, ...)` yields token ids as they are decided."""
 
     def __init__(self, model: GlmMoeDsaModel, eos_token_ids: tuple[int, ...] = (), use_mtp: bool = True,
-                 prefill_chunk: int = PREFILL_CHUNK, checkpoint: Callable[[list[int]], None] | None = None):
+                 prefill_chunk: int = PREFILL_CHUNK, checkpoint: Callable[[list[int]], None] | None = None,
+                 pipelined: bool = True):
         """prefill_chunk: prompt tokens per forward; checkpoint(prompt_ids): called after each prompt chunk but the
         last, the cache then holding `prompt_ids[:cache.length]` (glm-run stores them in the prefix cache, so that a
-        long prefill killed half way resumes there)."""
+        long prefill killed half way resumes there); pipelined: False decodes one token at a time even where the
+        device could choose the tokens (the same tokens; tools/bench_sampling.py compares the two)."""
         self.model = model
+        self.pipelined = pipelined
         self.prefill_chunk = prefill_chunk
         self.checkpoint = checkpoint
         self.eos = set(eos_token_ids)
@@ -110,7 +115,9 @@ class Generator:
             # MTP rows exist for every position whose next token is known; catch up on the prompt's
             draft = self._mtp_catch_up(prompt_ids, hidden, token, cache)
         emitted = 0
-        pipe = None  # greedy decoding with the next forward in flight (the device decode step)
+        pipe = None  # decoding with the next forward in flight (the device decode step)
+        # tried once; off again once the pipe stops
+        pipelined = self.pipelined and not sampler.needs_logits and not self.use_mtp
         try:
             while True:
                 # stats are final before each yield: a consumer may stop iterating at an eos token
@@ -126,10 +133,13 @@ class Generator:
                     stats.stop_reason = "context"
                     return
                 if draft is None:
-                    if pipe is None and sampler.greedy and not sampler.needs_logits and not self.use_mtp:
-                        pipe = self.model.greedy_decode(token, cache)
+                    if pipe is None and pipelined:
+                        pipelined = False
+                        pipe = self.model.pipelined_decode(token, cache, None if sampler.greedy else sampler)
                     if pipe is not None:
                         token = pipe.advance()
+                        if pipe.stopped:
+                            pipe = None
                     else:
                         logits, _ = self.model.forward(np.array([token]), cache)
                         token = sampler(logits[-1])

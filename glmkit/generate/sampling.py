@@ -132,13 +132,19 @@ class Sampler:
     def _choose(self, logits: np.ndarray) -> int:
         if self.greedy:
             return int(np.argmax(logits))
+        return self.pick(logits, None)
+
+    def pick(self, logits: np.ndarray, u: float | None) -> int:
+        """The token of `token_probabilities` for uniform `u` in [0, 1) (None: the next of the seeded stream): the
+        first whose cumulative probability exceeds u. A device that draws tokens calls it with the uniform it took
+        from `rng` where it cannot decide itself."""
         p = token_probabilities(logits, self.params)
         support = np.flatnonzero(p)  # zeros do not move a running sum: the same cdf as over all of p
         cdf = np.cumsum(p[support])
         if not np.isfinite(cdf[-1]):
             raise GlmkitError("sampling: the logits hold NaN or infinity")
         cdf /= cdf[-1]
-        return int(support[np.searchsorted(cdf, self.rng.random(), side="right")])
+        return int(support[np.searchsorted(cdf, self.rng.random() if u is None else u, side="right")])
 
 
 # first candidates for the top-p set, and their growth while their mass falls short (most nucleus sets of a

@@ -140,10 +140,29 @@ Routes = list[tuple[int, np.ndarray]]
 """`(layer, expert ids [1, k])` of every MoE layer of one token."""
 
 
-class GreedyDecode(Protocol):
-    """Greedy decoding with the next forward queued ahead: `advance()` returns each next token."""
+class SamplingSettings(Protocol):
+    """A sampler's settings, as `glmkit.generate.sampling.SamplingParams` holds them."""
+
+    temperature: float
+    top_k: int  # 0: off
+    top_p: float  # 1: off
+
+
+class TokenDraws(Protocol):
+    """A host sampler as a device that draws its tokens sees it: the settings, the seeded stream (one uniform per
+    token, in order) and the host's token for given logits `[V]` and uniform (where the device cannot decide)."""
+
+    params: SamplingSettings
+    rng: np.random.Generator
+
+    def pick(self, logits: np.ndarray, u: float) -> int: ...
+
+
+class PipelinedDecode(Protocol):
+    """Decoding with the next forward queued ahead: `advance()` returns each next token."""
 
     ahead: int  # cache rows past the last token returned (dropped by `close`)
+    stopped: bool  # no forward is queued ahead any more: the caller decodes one token at a time from here
 
     def advance(self) -> int: ...
 
@@ -156,9 +175,11 @@ class DecodeStep(Protocol):
         the final norm, the routes)."""
         ...
 
-    def greedy(self, token: int, cache: KVCache, embed_of: Callable[[int], np.ndarray],
-               on_routes: Callable[[Routes], None] | None = None) -> GreedyDecode | None:
-        """Greedy decoding from `token` (the next forward appends its row), or None where not supported."""
+    def pipeline(self, token: int, cache: KVCache, embed_of: Callable[[int], np.ndarray],
+                 draws: TokenDraws | None = None, on_routes: Callable[[Routes], None] | None = None
+                 ) -> PipelinedDecode | None:
+        """Decoding from `token` (the next forward appends its row): greedy, or drawn as `draws` draws; None where
+        not supported."""
         ...
 
     def watch_routes(self, hook: Callable[[int, np.ndarray], None]) -> None:

@@ -28,16 +28,20 @@ routing kernel fills the slots of each buffer, and each gets its own fused launc
 builds the step, or returns None when a weight or an expert cannot be used in place or placed on the device (the
 per-operation path runs then).
 
-Greedy decoding (`GreedyPipeline`) also takes the argmax and the next embedding on the device, so that the next
-token's forward is queued before the host has seen this one: the device does not wait for the host between
-tokens. Buffers that a queued token and the one in flight would share are kept per token parity (the routed
-expert ids: per token, in ID_SLOTS turns, for the route watcher).
+Pipelined decoding (`DecodePipeline`) also chooses the token and looks up the next embedding on the device, so that
+the next token's forward is queued before the host has seen this one: the device does not wait for the host
+between tokens. The token is the argmax (`ArgmaxChoice`, greedy) or drawn with temperature, top-k and top-p from
+a uniform the host drew in advance from its sampler's seeded stream (`SampledChoice`, sample.cl: the host's token
+for the same seed; where the device cannot decide within float64 rounding, the host chooses from the logits and
+the forward queued after it is redone). Buffers that a queued token and the one in flight would share are kept
+per token parity (the routed expert ids: per token, in ID_SLOTS turns, for the route watcher).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -59,7 +63,7 @@ from glmkit.backends.opencl.program import Launch
 from glmkit.backends.opencl.weights import X8_BLOCK, ClWeight, fused_expert_arrays, mvt_chunked, x8_eligible
 from glmkit.format.config import ModelConfig
 from glmkit.format.tensors import Weight
-from glmkit.model.compute import ExpertArena
+from glmkit.model.compute import ExpertArena, SamplingSettings, TokenDraws
 from glmkit.model.kv_cache import KVCache
 from glmkit.model.layer_spec import EMBED, LM_HEAD, LayerSpec, MLPSpec, MoESpec, NormSpec, final_norm_spec
 from glmkit.model.ops import rope_cos_sin
@@ -67,6 +71,8 @@ from glmkit.model.ops import rope_cos_sin
 MAX_ROUTED_EXPERTS = 1024  # the routing kernel's private arrays (MAX_EXPERTS in decode.cl)
 MAX_EXPERT_BUFFERS = 8  # weight buffers one layer's experts may span (MAX_BUFFERS in decode.cl)
 MAX_TOPK = 64  # experts one token routes to, for the slot placement (MAX_TOPK in decode.cl)
+SAMPLE_CANDIDATES = 1024  # the most candidates sample_token sorts (SAMPLE_CANDIDATES in sample.cl)
+FALLBACK_SHARE = 8  # a sampled pipeline gives way to the host path once over 1 in 8 tokens were the host's choice
 ID_SLOTS = 32  # routed-id buffers per MoE layer, used in turn by successive tokens: the watcher's callbacks may lag
 INITIAL_KEYS = 1024  # keys the per-key scratch buffers hold at first (they double as the context grows)
 KEY_GROUP = 16  # work-group size of the kernels with one work-item per key
@@ -184,7 +190,7 @@ class _Layer:
 
 class DeviceDecodeStep:
     """`step(token, cache, embed) -> (logits [1, V], hidden [1, H], routes)` for a token appended at
-    `cache.length` (embed: its embedding row `[H]`); `step.greedy(...)` decodes greedily with the next forward
+    `cache.length` (embed: its embedding row `[H]`); `step.pipeline(...)` decodes with the next forward
     in flight.
 
     routes: `(layer, expert ids [1, k])` of each MoE layer, read back after the token ran (for the route hook).
@@ -228,9 +234,10 @@ class DeviceDecodeStep:
         self._vectors = self._pack_vectors()
         new = self.buffers.array
         self.x, self.u, self.ffn, self.ffn_part = new(h), new(h), new(h), new(h)
-        # per token parity (one token may be in flight while the next is queued): cos/sin, the greedy token
+        # per token parity (one token may be in flight while the next is queued): cos/sin, the token the device
+        # chose and whether the host must choose instead (1: sample_token could not decide)
         self.cs = [new(rope), new(rope)]
-        self.token_ids = [new(1, np.uint32), new(1, np.uint32)]
+        self.token_ids = [new(2, np.uint32), new(2, np.uint32)]
         # discrete devices, per parity: every layer's new cache rows ([kv_lat | k_rot | index_k], token_rows writes
         # them) for one read back, and the (cache, position) they belong to until `_collect` stores them there
         self.stage_fields = {"kv_lat": kvl, "k_rot": rope, "index_k": cfg.index_head_dim}  # name -> width
@@ -272,7 +279,8 @@ class DeviceDecodeStep:
                                    n=self.logits.host.size, token=self.token_ids[0].buffer)
         embed = self._cw(weight(EMBED))  # the device-side lookup of pipelined greedy decode
         self.embed = None if embed is None else bind_embed_row(kernels, embed, self.token_ids[0].buffer, self.x.buffer)
-        self.owner: GreedyPipeline | None = None  # the pipeline whose token is in flight
+        self.owner: DecodePipeline | None = None  # the pipeline whose token is in flight
+        self.sample_scratch: SampleScratch | None = None  # the buffers of SampledChoice (made on first use)
         self.watcher: RouteWatcher | None = None  # see watch_routes
         self.tokens = 0  # tokens enqueued: token n's routed ids go to slot n % ID_SLOTS
         self.slot_of = [0, 0]  # per token parity: the id slot of the last token of that parity
@@ -770,11 +778,12 @@ class DeviceDecodeStep:
         if self.owner is not None:
             self.owner.suspend()
 
-    def _enqueue(self, cache: KVCache, parity: int, embed: np.ndarray | None, greedy: bool = False):
+    def _enqueue(self, cache: KVCache, parity: int, embed: np.ndarray | None, choice: TokenChoice | None = None):
         """Queue one token's forward at position `cache.length`; returns the event of its last launch.
 
         embed: its embedding row `[H]`, written by the host (nothing may be in flight), or None: the embedding of
-        the other parity's greedy token, looked up on the device. greedy: also store this token's argmax."""
+        the token the device chose at the other parity, looked up on the device. choice: also choose the next
+        token on the device (into `token_ids[parity]`)."""
 
         cfg = self.cfg
         if cache.dtype != self.kv_dtype:
@@ -859,11 +868,10 @@ class DeviceDecodeStep:
                             event = launch.enqueue()
             self.final_norm.enqueue()
             event = self.lm_head.enqueue()
-            if greedy:
-                self.argmax.set(token=self.token_ids[parity].buffer)
-                event = self.argmax.enqueue()
+            if choice is not None:
+                event = choice.enqueue(parity)
             if not self.k.direct:  # what the host reads of this token, behind its kernels
-                reads = (self.token_ids[parity],) if greedy else (self.logits, self.hidden)
+                reads = (self.token_ids[parity],) if choice is not None else (self.logits, self.hidden)
                 for a in (self.row_stage[parity], self.route_ids[slot], *reads):
                     event = self.buffers.to_host(a)
                 self.staged[parity] = (cache, pos)
@@ -873,33 +881,209 @@ class DeviceDecodeStep:
             raise
         return event
 
-    def greedy(self, token: int, cache: KVCache, embed_of: Callable[[int], np.ndarray],
-               on_routes: Callable[[list], None] | None = None) -> GreedyPipeline | None:
-        """Greedy decoding from `token` with one forward in flight (`GreedyPipeline`); None when the embedding
-        cannot be read on the device. embed_of(token): a token's embedding row `[H]`."""
+    def pipeline(self, token: int, cache: KVCache, embed_of: Callable[[int], np.ndarray],
+                 draws: TokenDraws | None = None, on_routes: Callable[[list], None] | None = None
+                 ) -> DecodePipeline | None:
+        """Decoding from `token` with one forward in flight (`DecodePipeline`): greedy, or drawn as `draws` (a host
+        sampler) would draw. None where the device cannot: no embedding lookup on the device, or a sampled draw
+        `SampledChoice.fits` refuses. embed_of(token): a token's embedding row `[H]`."""
         if self.embed is None:
             return None
-        return GreedyPipeline(self, cache, token, embed_of, on_routes)
+        if draws is None:
+            return DecodePipeline(self, cache, token, embed_of, on_routes, ArgmaxChoice(self))
+        if not SampledChoice.fits(self, draws):
+            return None
+        return DecodePipeline(self, cache, token, embed_of, on_routes, SampledChoice(self, draws))
+
+    def held_logits(self, parity: int) -> np.ndarray:
+        """The logits sample_token kept for the host (`[V]`) of the token of this parity (it has finished)."""
+        held = self.sample_scratch.held[parity]
+        event = self.buffers.to_host(held)
+        if event is not None:
+            event.wait()
+        return held.host
 
 
-class GreedyPipeline:
-    """Greedy decoding on the device step with the next forward queued before the host sees a token.
+class SampleScratch:
+    """The buffers of `SampleLaunches` over `vocab` logits: all-ones and the selection (topk_select's), the
+    candidates, and per token parity the logits kept for the host."""
 
-    The forward of a token ends with its argmax on the device, and the forward of that argmax (its embedding
-    looked up on the device) is queued while the host still handles the token before it: the device does not
-    sit idle between tokens. `advance()` returns the next
-    greedy token; the cache then already holds the row of the token it returns. `close()` waits for the forward
-    in flight and drops that row, leaving the cache as a one-token-at-a-time loop would.
+    def __init__(self, buffers, vocab: int) -> None:
+        self.vocab = vocab
+        self.all, self.selected = buffers.filled(np.ones(vocab), np.uint8), buffers.array(vocab, np.uint8)
+        self.chosen = buffers.array(SAMPLE_CANDIDATES, np.uint32)
+        self.held = [buffers.array(vocab), buffers.array(vocab)]
+
+
+class SampleLaunches:
+    """The launches that draw a token from `vocab` logits on the device as a host `Sampler` with `params` would
+    (sample.cl): the candidates are the top_k + 1 largest logits (topk_select; the extra one tells a tie at the
+    top-k boundary), or without top-k the SAMPLE_CANDIDATES largest when top_p < 1, or none (the whole
+    vocabulary, drawn in index order) with neither."""
+
+    def __init__(self, k: Kernels, logits: Any, params: SamplingSettings, scratch: SampleScratch) -> None:
+        vocab = scratch.vocab
+        top_k = params.top_k if 0 < params.top_k < vocab else 0  # as the host: top_k >= the vocabulary is no top-k
+        count = top_k + 1 if top_k else (min(vocab, SAMPLE_CANDIDATES) if params.top_p < 1 else 0)
+        if count > SAMPLE_CANDIDATES:
+            raise ValueError(f"top_k {top_k}: more candidates than sample_token sorts ({SAMPLE_CANDIDATES})")
+        self.select = None
+        if count:
+            name, size, local = k.topk_kernel(1)
+            self.select = k.bind(name, size, local, scores=logits, allowed=scratch.all.buffer,
+                                 selected=scratch.selected.buffer, chosen=scratch.chosen.buffer, n_keys=vocab,
+                                 k=count, n_rows=1)
+        group = (k.red_lanes,)
+        shared = {"logits": logits, "n": vocab, "temperature": params.temperature, "u": 0.0,
+                  "token": scratch.chosen.buffer, "held": scratch.held[0].buffer}  # token, held, u: set per draw
+        if count:
+            sorted_count = 1 << (count - 1).bit_length()  # the power of two >= count the bitonic sort runs over
+            self.sample = k.bind("sample_token", group, group, **shared, cand=scratch.chosen.buffer, n_cand=count,
+                                 n_sorted=sorted_count, top_k=top_k, top_p=params.top_p)
+        else:
+            self.sample = k.bind("sample_whole", group, group, **shared)
+
+    def enqueue(self, u: float, token: Any, held: Any) -> Any:
+        """Queue the draw for uniform u: token[0] the token, token[1] 1 where the host must choose (`held`, `[V]`,
+        then holds the logits); returns the last launch's event."""
+        if self.select is not None:
+            self.select.enqueue()
+        self.sample.set(u=u, token=token, held=held)
+        return self.sample.enqueue()
+
+
+class TokenChoice(Protocol):
+    """How a pipelined forward chooses its token on the device (into `step.token_ids[parity]`)."""
+
+    def enqueue(self, parity: int) -> Any:
+        """Queue the launches that choose the token of the forward just queued at this parity; their last event."""
+        ...
+
+    def decided(self, parity: int) -> tuple[int, bool]:
+        """(the token, whether the device chose it) of the earliest forward not yet decided (it has finished, at
+        this parity); where the device could not, the host chooses it now."""
+        ...
+
+    def discard(self) -> None:
+        """The last forward queued is dropped before its token is decided."""
+        ...
+
+    def unuse(self) -> None:
+        """The token decided last is not used after all (the pipeline closes while holding it)."""
+        ...
+
+    def release(self) -> None:
+        """The pipeline stops: no forward still queued will be decided."""
+        ...
+
+
+class ArgmaxChoice:
+    """The greedy token: the argmax of the logits (argmax_row)."""
+
+    def __init__(self, step: DeviceDecodeStep) -> None:
+        self.step = step
+
+    def enqueue(self, parity: int) -> Any:
+        self.step.argmax.set(token=self.step.token_ids[parity].buffer)
+        return self.step.argmax.enqueue()
+
+    def decided(self, parity: int) -> tuple[int, bool]:
+        return int(self.step.token_ids[parity].host[0]), True
+
+    def discard(self) -> None:
+        pass
+
+    def unuse(self) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
+
+
+class SampledChoice:
+    """A token drawn from the logits with temperature, top-k and top-p on the device (sample_token), from one
+    uniform per forward that the host draws from the sampler's seeded stream as the forward is queued: the order
+    of the draws is the host's (`SampleLaunches`). Where sample_token cannot decide (a nucleus larger than the
+    candidates, a tie at the top-k boundary, a decision within float64 rounding of a sum), the host draws the
+    token from the logits with the same uniform (`TokenDraws.pick`). A uniform drawn for a forward that is dropped
+    goes to the next one queued, and one never used goes back to the stream (`release`)."""
+
+    def __init__(self, step: DeviceDecodeStep, draws: TokenDraws) -> None:
+        self.step, self.draws = step, draws
+        if step.sample_scratch is None:
+            step.sample_scratch = SampleScratch(step.buffers, step.logits.host.size)
+        self.launches = SampleLaunches(step.k, step.logits.buffer, draws.params, step.sample_scratch)
+        self.queued: deque[tuple[float, dict]] = deque()  # (uniform, the stream's state before it) per forward
+        self.spare: list[tuple[float, dict]] = []  # uniforms of dropped forwards, for the next ones queued
+        self.last: tuple[float, dict] | None = None  # the uniform of the token decided last
+
+    @staticmethod
+    def fits(step: DeviceDecodeStep, draws: TokenDraws) -> bool:
+        """Whether the device can draw for these settings: float64 on the device, and a top-k whose candidates
+        (top_k + 1) fit the sort."""
+        top_k = draws.params.top_k
+        return step.k.fp64 and draws.params.temperature > 0 and (
+            top_k + 1 <= SAMPLE_CANDIDATES or top_k >= step.logits.host.size)
+
+    def enqueue(self, parity: int) -> Any:
+        if self.spare:
+            drawn = self.spare.pop()
+        else:
+            state = self.draws.rng.bit_generator.state
+            drawn = (self.draws.rng.random(), state)
+        self.queued.append(drawn)
+        return self.launches.enqueue(drawn[0], self.step.token_ids[parity].buffer,
+                                     self.step.sample_scratch.held[parity].buffer)
+
+    def decided(self, parity: int) -> tuple[int, bool]:
+        self.last = self.queued.popleft()
+        u = self.last[0]
+        token, host = self.step.token_ids[parity].host[:2]
+        if not host:
+            return int(token), True
+        return self.draws.pick(self.step.held_logits(parity), u), False
+
+    def discard(self) -> None:
+        self.spare.append(self.queued.pop())
+
+    def unuse(self) -> None:
+        self.spare.insert(0, self.last)
+
+    def release(self) -> None:
+        unused = self.spare or self.queued  # a dropped forward's uniform was drawn before any queued after it
+        if unused:  # the stream goes back to before the first uniform no token used
+            self.draws.rng.bit_generator.state = unused[0][1]
+        self.spare.clear()
+        self.queued.clear()
+
+
+class DecodePipeline:
+    """Decoding on the device step with the next forward queued before the host sees a token.
+
+    The forward of a token ends with the choice of the next one on the device (`TokenChoice`: the argmax, or a
+    sampled draw), and the forward of that token (its embedding looked up on the device) is queued while the host
+    still handles the token before it: the device does not sit idle between tokens. `advance()` returns the next
+    token; the cache then already holds the row of the token it returns. `close()` waits for the forward in flight
+    and drops that row, leaving the cache as a one-token-at-a-time loop would.
+
+    Where the host chose a token instead of the device (a sampled draw sample_token could not decide), the
+    forward queued after it looked up the device's placeholder: it is dropped and the token's own forward queued.
+    A sampled pipeline whose tokens were the host's choice more than once and in over 1 in FALLBACK_SHARE stops
+    (`stopped`: nothing in flight, the sampler's stream as if the host had drawn every token so far): the caller
+    goes on one token at a time.
 
     A pipeline owns the step while its forward is in flight; anything else that uses the step first lets it
     finish (`suspend`): the pipeline then keeps its next token and queues the following forward from the host.
     """
 
     def __init__(self, step: DeviceDecodeStep, cache: KVCache, token: int, embed_of: Callable[[int], np.ndarray],
-                 on_routes: Callable[[list], None] | None) -> None:
+                 on_routes: Callable[[list], None] | None, choice: TokenChoice) -> None:
         self.step, self.cache, self.embed_of, self.on_routes = step, cache, embed_of, on_routes
+        self.choice = choice
         self.known: int | None = None  # the next token, when the forward that chose it has already finished
         self.pending: tuple[object, int] | None = None  # (event, parity) of the forward in flight
+        self.decided = self.fallbacks = 0  # tokens decided, and those of them the host chose
+        self.stopped = False
         self._start(token)
 
     @property
@@ -910,11 +1094,12 @@ class GreedyPipeline:
     def _start(self, token: int) -> None:
         """Queue `token`'s forward from its host embedding (nothing of this step may be in flight)."""
         self.step.settle()
-        self.pending = (self.step._enqueue(self.cache, 0, self.embed_of(token), greedy=True), 0)
+        self.pending = (self.step._enqueue(self.cache, 0, self.embed_of(token), self.choice), 0)
         self.step.owner = self
 
     def advance(self) -> int:
-        """The greedy token after the last one returned (or the first one); its own forward is then in flight."""
+        """The token after the last one returned (or the first one); its own forward is then in flight (none once
+        `stopped`)."""
         if self.pending is None:
             if self.known is None:
                 raise RuntimeError("the pipeline is closed")
@@ -922,34 +1107,51 @@ class GreedyPipeline:
             self._start(token)
             return token
         event, parity = self.pending
-        following = self.step._enqueue(self.cache, 1 - parity, None, greedy=True)
-        token = self._finish(event, parity)
+        following = self.step._enqueue(self.cache, 1 - parity, None, self.choice)
+        token, on_device = self._finish(event, parity)
         self.pending = (following, 1 - parity)
+        if not on_device:  # `following` took the device's placeholder: drop it
+            self._drop()
+            if self.fallbacks > 1 and self.fallbacks * FALLBACK_SHARE > self.decided:
+                self.stopped = True
+                self.choice.release()
+            else:
+                self._start(token)
         return token
 
-    def _finish(self, event, parity: int) -> int:
+    def _finish(self, event, parity: int) -> tuple[int, bool]:
         self.step.complete(event, parity)
         if self.on_routes is not None:
             self.on_routes(self.step.routes(parity))
-        return int(self.step.token_ids[parity].host[0])
+        token, on_device = self.choice.decided(parity)
+        self.decided += 1
+        self.fallbacks += not on_device
+        return token, on_device
+
+    def _drop(self) -> None:
+        """Finish the forward in flight and drop its cache row and its choice (nothing used its result: its routes
+        are not reported)."""
+        self.step.complete(*self.pending)
+        self.pending = None
+        self.choice.discard()
+        if self.step.owner is self:
+            self.step.owner = None
+        self.cache.truncate(self.cache.length - 1)
 
     def suspend(self) -> None:
         """Finish the forward in flight and keep its token (another user of the step comes first)."""
         if self.pending is not None:
-            self.known = self._finish(*self.pending)
+            self.known = self._finish(*self.pending)[0]
             self.pending = None
         if self.step.owner is self:
             self.step.owner = None
 
     def close(self) -> None:
-        """Stop: finish the forward in flight and drop its cache row (nothing used its result: its routes are not
-        reported)."""
-        if self.pending is None and self.known is None:
-            return
+        """Stop: finish the forward in flight and drop its cache row."""
         if self.pending is not None:
-            self.step.complete(*self.pending)
-            self.pending = None
-        if self.step.owner is self:
-            self.step.owner = None
+            self._drop()
+        elif self.known is not None:
+            self.choice.unuse()
+            self.cache.truncate(self.cache.length - 1)
         self.known = None
-        self.cache.truncate(self.cache.length - 1)
+        self.choice.release()

@@ -45,6 +45,7 @@ class Kernels:
         self.rows_per_item = 1 if self.lanes > 1 else 4  # matvec rows per work-item (ROWS in the kernels)
         self.items_per_group = items_per_group or (1 if self.lanes > 1 else 4)
         self.direct = (info.kind == "cpu") if direct is None else direct
+        self.fp64 = "cl_khr_fp64" in device.extensions  # float64 arithmetic: sample.cl is built only with it
         self.ctx = cl.Context([device])
         self.queue = cl.CommandQueue(self.ctx)
         options = [f"-DLANES={self.lanes}", f"-DRED_LANES={self.red_lanes}", f"-DROWS={self.rows_per_item}"]

@@ -19,7 +19,8 @@ import numpy as np
 from glmkit.backends.opencl.device import cl
 from glmkit.backends.opencl.kernels import source
 
-SCALAR_TYPES = {"uint": np.uint32, "ulong": np.uint64, "int": np.int32, "float": np.float32}  # OpenCL C -> NumPy
+SCALAR_TYPES = {"uint": np.uint32, "ulong": np.uint64, "int": np.int32, "float": np.float32,
+                "double": np.float64}  # OpenCL C -> NumPy
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,8 @@ import hashlib
 from functools import cache
 from pathlib import Path
 
-FILES = ("common.cl", "norm.cl", "quant.cl", "rope.cl", "mlp.cl", "attention.cl", "indexer.cl", "kv.cl", "decode.cl")
+FILES = ("common.cl", "norm.cl", "quant.cl", "rope.cl", "mlp.cl", "attention.cl", "indexer.cl", "kv.cl", "decode.cl",
+         "sample.cl")
 
 
 @cache

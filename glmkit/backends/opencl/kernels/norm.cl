@@ -1,17 +1,21 @@
 /* Row reductions and the norms: one work-group of RED_LANES items per row. */
 
-INLINE float group_sum(float v, __local float* red) {
-    const uint l = get_local_id(0);
-    red[l] = v;
-    barrier(CLK_LOCAL_MEM_FENCE);
-    for (uint w = RED_LANES / 2; w > 0; w >>= 1) {
-        if (l < w) red[l] += red[l + w];
-        barrier(CLK_LOCAL_MEM_FENCE);
+/* NAME(v, red): the sum of every work-item's v over the work-group, pairwise over the items, in TYPE (sample.cl
+ * stamps out a float64 one). */
+#define GROUP_SUM(NAME, TYPE)                                   \
+    INLINE TYPE NAME(TYPE v, __local TYPE* red) {               \
+        const uint l = get_local_id(0);                         \
+        red[l] = v;                                             \
+        barrier(CLK_LOCAL_MEM_FENCE);                           \
+        for (uint w = RED_LANES / 2; w > 0; w >>= 1) {          \
+            if (l < w) red[l] += red[l + w];                    \
+            barrier(CLK_LOCAL_MEM_FENCE);                       \
+        }                                                       \
+        const TYPE r = red[0];                                  \
+        barrier(CLK_LOCAL_MEM_FENCE);                           \
+        return r;                                               \
     }
-    const float r = red[0];
-    barrier(CLK_LOCAL_MEM_FENCE);
-    return r;
-}
+GROUP_SUM(group_sum, float)
 
 INLINE float group_max(float v, __local float* red) {
     const uint l = get_local_id(0);

@@ -1,0 +1,163 @@
+/* Sampling the next token on the device (temperature, top-k, top-p, one host-drawn uniform), so that pipelined
+ * decoding queues the next forward before the host has seen this token. The arithmetic follows the host's
+ * `Sampler` (glmkit/generate/sampling.py) in float64: p = exp(z - max z) / sum with z = logits / T over the top-k
+ * (or every token), the nucleus as the shortest prefix of the descending order (ties: lower index first) whose
+ * running sum reaches top_p, then the first token in index order whose normalized running sum exceeds u. Sums
+ * may associate differently from NumPy's (float64 rounding, ~1e-16 relative): wherever a decision lies within
+ * SAMPLE_TOLERANCE of such a sum (u at a cdf boundary, top_p at a running sum), and where the device cannot decide
+ * (a tie at the top-k boundary, a nucleus larger than the candidates, sums that are not finite), it writes
+ * token[1] = 1, copies the logits into `held` and leaves the choice to the host, which then draws the same token
+ * as a host-only run. Built only where the device has float64 (cl_khr_fp64). */
+#ifdef cl_khr_fp64
+#pragma OPENCL EXTENSION cl_khr_fp64 : enable
+
+#define SAMPLE_CANDIDATES 1024  /* the most candidates one draw sorts (decode_graph.SAMPLE_CANDIDATES) */
+#define SAMPLE_TOLERANCE 1e-9   /* how near a float64 sum a decision is left to the host */
+
+GROUP_SUM(group_sum_f64, double)
+
+/* Hands the draw to the host where out[1] is set (the logits into `held`), and writes token[0..1]. */
+INLINE void sample_out(const __global float* logits, uint n, __local const uint* out, __global uint* token,
+                       __global float* held) {
+    const uint l = get_local_id(0);
+    if (out[1]) {
+        for (uint t = l; t < n; t += RED_LANES) held[t] = logits[t];
+    }
+    if (l == 0) {
+        token[0] = out[0];
+        token[1] = out[1];
+    }
+}
+
+/* The whole vocabulary (no top-k, no top-p): token[0] = the first token t whose running sum of exp(z - max z)
+ * exceeds u times their total, token[1] = 1 where the host must choose (`held` then holds the logits). Each item
+ * sums a contiguous chunk; item 0 finds the chunk the target falls in and scans it. One work-group. */
+__kernel void sample_whole(__global const float* logits, uint n, double temperature, double u,
+                           __global uint* token, __global float* held) {
+    __local float best[RED_LANES];
+    __local double red[RED_LANES];
+    __local uint out[2];
+    const uint l = get_local_id(0);
+    float m = -INFINITY;
+    for (uint t = l; t < n; t += RED_LANES) m = fmax_(m, logits[t]);
+    const double zmax = (double)group_max(m, best) / temperature;
+    const uint chunk = (n + RED_LANES - 1) / RED_LANES;
+    const uint t0 = min(l * chunk, n), t1 = min(t0 + chunk, n);
+    double s = 0.0;
+    for (uint t = t0; t < t1; t++) s += exp((double)logits[t] / temperature - zmax);
+    red[l] = s;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    if (l == 0) {
+        out[0] = 0;  /* a valid id for the next lookup where the host decides */
+        out[1] = 1;
+        double total = 0.0;
+        for (uint j = 0; j < RED_LANES; j++) total += red[j];
+        const double target = u * total, tol = SAMPLE_TOLERANCE * total;
+        double acc = 0.0;
+        uint j = 0;
+        while (isfinite(total) && j < RED_LANES && acc + red[j] <= target) acc += red[j++];
+        /* the chunk the target falls in; a rescan that falls short of its sum is a rounding the host settles */
+        for (uint t = j * chunk; isfinite(total) && j < RED_LANES && t < min(j * chunk + chunk, n); t++) {
+            const double next = acc + exp((double)logits[t] / temperature - zmax);
+            if (next > target) {
+                out[0] = t;
+                out[1] = (next - target < tol || target - acc < tol) ? 1u : 0u;
+                break;
+            }
+            acc = next;
+        }
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    sample_out(logits, n, out, token, held);
+}
+
+/* token[0] = the token drawn among candidates, token[1] = 1 where the host must choose (see above; `held` then
+ * holds the logits). cand: n_cand candidates in ascending token order (topk_select's `chosen`: the top_k + 1
+ * largest logits with top_k, else the SAMPLE_CANDIDATES largest for top-p); n_sorted: the power of two >= n_cand
+ * the bitonic sort runs over. u: the host's uniform in [0, 1). One work-group. */
+__kernel void sample_token(__global const float* logits, uint n, __global const uint* cand, uint n_cand,
+                           uint n_sorted, uint top_k, double temperature, double top_p, double u,
+                           __global uint* token, __global float* held) {
+    __local ulong keys[SAMPLE_CANDIDATES];  /* logit's float_key << 32 | (n_cand - 1 - position in cand) */
+    __local double p[SAMPLE_CANDIDATES];    /* per position in cand: exp(z - max z), then the running cdf */
+    __local double red[RED_LANES];
+    __local uint out[2];
+    const uint l = get_local_id(0);
+    for (uint c = l; c < n_sorted; c += RED_LANES)
+        keys[c] = c < n_cand ? ((ulong)float_key(logits[cand[c]]) << 32) | (ulong)(n_cand - 1 - c) : 0ul;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (uint size = 2; size <= n_sorted; size <<= 1) {  /* bitonic sort, descending */
+        for (uint stride = size / 2; stride > 0; stride >>= 1) {
+            for (uint i = l; i < n_sorted / 2; i += RED_LANES) {
+                const uint lo = 2 * i - (i & (stride - 1)), hi = lo + stride;
+                const ulong a = keys[lo], b = keys[hi];
+                if ((lo & size) == 0 ? a < b : a > b) {
+                    keys[lo] = b;
+                    keys[hi] = a;
+                }
+            }
+            barrier(CLK_LOCAL_MEM_FENCE);
+        }
+    }
+    const double zmax = (double)logits[cand[n_cand - 1 - (uint)(keys[0] & 0xffffffffu)]] / temperature;
+    for (uint c = l; c < n_cand; c += RED_LANES) p[c] = exp((double)logits[cand[c]] / temperature - zmax);
+    /* without top-k every token shares the normalization, candidate or not (a sum every item joins: its
+     * barriers are not inside a branch) */
+    double s = 0.0;
+    for (uint t = l; t < (top_k == 0 ? n : 0u); t += RED_LANES) s += exp((double)logits[t] / temperature - zmax);
+    const double all = group_sum_f64(s, red);
+    barrier(CLK_LOCAL_MEM_FENCE);
+    if (l == 0) {
+        out[0] = cand[n_cand - 1 - (uint)(keys[0] & 0xffffffffu)];  /* a valid id for the next lookup */
+        out[1] = 1;
+        const uint kept = top_k > 0 ? top_k : n_cand;
+        double z = all;
+        if (top_k > 0) {
+            for (uint r = 0; r < top_k; r++) z += p[n_cand - 1 - (uint)(keys[r] & 0xffffffffu)];
+        }
+        uint cut = kept - 1;  /* the last rank kept */
+        bool ok = isfinite(z) && z > 0.0 && (top_k == 0 || (keys[top_k - 1] >> 32) != (keys[top_k] >> 32));
+        if (ok && top_p < 1.0) {
+            double cum = 0.0;
+            bool reached = false;
+            for (uint r = 0; r < kept && !reached; r++) {
+                const double before = cum;
+                cum += p[n_cand - 1 - (uint)(keys[r] & 0xffffffffu)] / z;
+                if (cum >= top_p) {
+                    reached = true;
+                    cut = r;
+                    ok = cum - top_p >= SAMPLE_TOLERANCE && top_p - before >= SAMPLE_TOLERANCE;
+                }
+            }
+            if (!reached)  /* the nucleus goes on past the candidates, or top_p is within rounding of 1 */
+                ok = (top_k > 0 || n_cand == n) && top_p - cum >= SAMPLE_TOLERANCE;
+        }
+        if (ok) {
+            for (uint r = cut + 1; r < n_cand; r++) p[n_cand - 1 - (uint)(keys[r] & 0xffffffffu)] = 0.0;
+            double mass = 1.0;  /* the kept mass, renormalized as the host does after top-p */
+            if (top_p < 1.0) {
+                mass = 0.0;
+                for (uint c = 0; c < n_cand; c++) mass += p[c] / z;
+            }
+            double cdf = 0.0;
+            for (uint c = 0; c < n_cand; c++) {
+                cdf += p[c] / z / mass;
+                p[c] = cdf;
+            }
+            const double last = cdf;
+            double before = 0.0;
+            for (uint c = 0; c < n_cand; c++) {
+                const double at = p[c] / last;
+                if (at > u) {
+                    out[0] = cand[c];
+                    out[1] = (at - u < SAMPLE_TOLERANCE || u - before < SAMPLE_TOLERANCE) ? 1u : 0u;
+                    break;
+                }
+                before = at;
+            }
+        }
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    sample_out(logits, n, out, token, held);
+}
+#endif

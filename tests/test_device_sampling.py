@@ -1,0 +1,243 @@
+"""Sampling on the device (sample.cl, decode_graph.SampledChoice) against the host `Sampler`, on PoCL as the CPU
+device and driven as a discrete one.
+
+The rule the device keeps: for the same uniform it returns the host's token, or it leaves the choice to the host
+(its flag; the pipeline then asks `Sampler.pick` with that uniform). It leaves it where it cannot decide (a
+nucleus larger than its candidates, a tie at the top-k boundary) and wherever a decision lies within
+SAMPLE_TOLERANCE (1e-9) of one of its float64 sums: the uniform at a cdf boundary, top_p at a running sum. So every
+token a pipeline returns is exactly the host's, and these tests require exact equality; what they bound is how
+often the device defers (never, here, where the nucleus fits its candidates)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from glmkit.backends.opencl import decode_graph
+from glmkit.backends.opencl.backend import OpenCLBackend, Placement
+from glmkit.backends.opencl.decode_graph import (
+    DecodePipeline,
+    DeviceDecodeStep,
+    SampledChoice,
+    SampleLaunches,
+    SampleScratch,
+)
+from glmkit.backends.opencl.ops import Kernels
+from glmkit.generate.engine import Engine
+from glmkit.generate.generator import Generator
+from glmkit.generate.sampling import Sampler, SamplingParams, token_probabilities
+from glmkit.model.glm5 import GlmMoeDsaModel
+from tests.runtime_support import Snapshots, opencl_test_device, oracle
+
+
+@pytest.fixture(scope="module")
+def snapshots(tmp_path_factory):
+    return Snapshots(tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=["direct", "discrete"])
+def kernels(request):
+    """PoCL's device as it is (direct) and driven as a discrete GPU (device buffers, the GPU build: 8-item groups,
+    topk_select_group)."""
+    if request.param == "direct":
+        return Kernels(opencl_test_device())
+    return Kernels(opencl_test_device(), lanes=8, red_lanes=8, direct=False, cpu_loads=False)
+
+
+def device_draw(k: Kernels, logits: np.ndarray, params: SamplingParams, uniforms: list[float]
+                ) -> list[tuple[int, bool]]:
+    """(token, whether the device decided it) of sample_token for each uniform, over these logits `[V]`."""
+    scratch = SampleScratch(k.buffers, len(logits))
+    row = k.buffers.filled(logits)
+    launches = SampleLaunches(k, row.buffer, params, scratch)
+    token = k.buffers.array(2, np.uint32)
+    out = []
+    for u in uniforms:
+        launches.enqueue(u, token.buffer, scratch.held[0].buffer)
+        k.buffers.to_host(token)
+        k.finish()
+        if token.host[1]:  # the logits kept for the host are these logits
+            k.buffers.to_host(scratch.held[0])
+            k.finish()
+            np.testing.assert_array_equal(scratch.held[0].host, logits)
+        out.append((int(token.host[0]), not token.host[1]))
+    return out
+
+
+def logits_fixture(kind: str, vocab: int) -> np.ndarray:
+    rng = np.random.default_rng(7)
+    if kind == "peaked":  # a trained model's: a few likely tokens
+        z = rng.standard_normal(vocab) * 2.0
+        z[rng.choice(vocab, 5, replace=False)] += 12.0
+        return z.astype(np.float32)
+    if kind == "flat":  # a random model's: nearly uniform
+        return (rng.standard_normal(vocab) * 0.05).astype(np.float32)
+    return (rng.standard_normal(vocab) * 3.0).astype(np.float32)  # "normal x3"
+
+
+SETTINGS = [SamplingParams(temperature=0.7, top_p=0.95), SamplingParams(temperature=1.0, top_k=40),
+            SamplingParams(temperature=0.8, top_k=50, top_p=0.9), SamplingParams(temperature=1.3),
+            SamplingParams(temperature=0.6, top_k=1), SamplingParams(temperature=2.0, top_p=0.5)]
+
+
+@pytest.mark.parametrize("kind", ["peaked", "normal", "flat"])
+@pytest.mark.parametrize("vocab", [300, 5000])
+def test_device_draw_is_the_host_samplers(kernels, kind, vocab):
+    """Over 40 seeds per setting (temperature; top-k; both; top-p alone; top-k 1): the host's token for the same
+    uniform. The device defers only where top-p's nucleus outgrows its SAMPLE_CANDIDATES candidates (a flat
+    distribution over 5,000 tokens), and then for every draw."""
+    logits = logits_fixture(kind, vocab)
+    for params in SETTINGS:
+        uniforms = [np.random.default_rng(seed).random() for seed in range(40)]
+        want = [Sampler(params).pick(logits, u) for u in uniforms]
+        got = device_draw(kernels, logits, params, uniforms)
+        decided = [token for token, on_device in got if on_device]
+        assert decided == [w for w, (_, on_device) in zip(want, got, strict=True) if on_device], params
+        nucleus = len(kept(logits, params))
+        overflows = params.top_k == 0 and params.top_p < 1 and nucleus > decode_graph.SAMPLE_CANDIDATES
+        assert len(decided) == (0 if overflows else len(uniforms)), (params, nucleus)
+    if kind == "flat" and vocab == 5000:  # the case above did defer
+        assert SETTINGS[0].top_k == 0 and len(kept(logits, SETTINGS[0])) > 1024
+
+
+def kept(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """The tokens the host keeps (nonzero probability)."""
+    return np.flatnonzero(token_probabilities(logits, params))
+
+
+def test_device_defers_where_it_cannot_decide(kernels):
+    """A tie at the top-k boundary (the host keeps every tied token), a uniform exactly at a cdf boundary and top_p
+    exactly at a running sum: the device leaves each to the host, and decides the draws beside them."""
+    tied = np.array([3.0, 1.0, 2.0, 2.0, 0.5, 2.0], np.float32)  # top-2: 3.0 and a tie among three 2.0s
+    params = SamplingParams(temperature=1.0, top_k=2)
+    assert len(kept(tied, params)) == 4
+    assert [on for _, on in device_draw(kernels, tied, params, [0.1, 0.9])] == [False, False]
+    assert device_draw(kernels, tied, SamplingParams(temperature=1.0, top_k=4), [0.9])[0][1]  # no tie at 4
+    flat = np.zeros(8, np.float32)  # cdf 1/8, 2/8, ...: u = 0.5 is a boundary, 0.45 is not
+    params = SamplingParams(temperature=1.0)
+    got = device_draw(kernels, flat, params, [0.5, 0.45])
+    assert got == [(got[0][0], False), (Sampler(params).pick(flat, 0.45), True)]
+    params = SamplingParams(temperature=1.0, top_p=0.25)  # the running sums of 1/8 reach 0.25 exactly
+    assert [on for _, on in device_draw(kernels, flat, params, [0.3])] == [False]
+
+
+# ---- whole generations through the Generator ------------------------------------------------------
+
+def models(engine: Engine, kernels: Kernels) -> GlmMoeDsaModel:
+    backend = OpenCLBackend(kernels, Placement(), unified=None if kernels.direct else False,
+                            model_bytes=engine.container.nbytes)
+    return GlmMoeDsaModel(engine.config, engine.experts, backend)
+
+
+def sampled_run(model: GlmMoeDsaModel, prompt: list[int], n: int, sampler: Sampler, eos=()):
+    cache = model.new_cache()
+    generator = Generator(model, eos, use_mtp=False)
+    tokens = list(generator.generate(list(prompt), n, sampler, cache))
+    return tokens, cache.length, sampler.rng.random()  # the stream's next draw: as many uniforms used
+
+
+def host_only(monkeypatch) -> None:
+    """Decode one token at a time (the host path) from here on."""
+    monkeypatch.setattr(DeviceDecodeStep, "pipeline", lambda self, *a: None)
+
+
+SAMPLED = [SamplingParams(temperature=0.8, top_p=0.9, seed=3), SamplingParams(temperature=1.0, top_k=20, seed=4),
+           SamplingParams(temperature=0.7, top_k=30, top_p=0.95, seed=5), SamplingParams(temperature=1.2, seed=6)]
+
+
+def test_sampled_generation_is_the_host_paths(snapshots, kernels, monkeypatch):
+    """Pipelined sampled decoding gives the tokens of the host path for the same seed (temperature, top-k, top-p,
+    both, neither), the same cache length, and leaves the sampler's stream where the host path leaves it; a
+    consumer that stops early gets the host path's first tokens."""
+    engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
+    dev = models(engine, kernels)
+    prompt = oracle("tiny-trained")["prompt_ids"]
+    pipes = []
+    pipeline = DeviceDecodeStep.pipeline
+    monkeypatch.setattr(DeviceDecodeStep, "pipeline", lambda self, *a: pipes.append(pipeline(self, *a)) or pipes[-1])
+    got = [sampled_run(dev, prompt, 30, Sampler(params)) for params in SAMPLED]
+    # a sampled pipeline each, whose every token the device drew
+    assert [isinstance(p.choice, SampledChoice) and p.decided == 29 and not p.fallbacks for p in pipes] == [
+        True] * len(SAMPLED)
+    stream = Generator(dev, (), use_mtp=False).generate(list(prompt), 40, Sampler(SAMPLED[0]))
+    first = [next(stream) for _ in range(7)]
+    stream.close()
+    host_only(monkeypatch)
+    want = [sampled_run(dev, prompt, 30, Sampler(params)) for params in SAMPLED]
+    assert got == want
+    assert first == want[0][0][:7]
+    assert len({tuple(tokens) for tokens, _, _ in want}) == len(SAMPLED)  # the settings differ, and so do the runs
+
+
+def test_fallback_to_the_host(snapshots, kernels, monkeypatch):
+    """Where the nucleus outgrows the candidates on some tokens (16 candidates here, top-p 0.9 at temperature 1.5
+    over 384 tokens) the host chooses those tokens and the pipeline goes on from them; where it does on most, the
+    pipeline stops and the host path takes over: the host path's tokens either way. Samplers that need the logits
+    (logprobs, penalties) and a top-k larger than the sort never start a sampled pipeline."""
+    engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
+    dev = models(engine, kernels)
+    prompt = oracle("tiny-trained")["prompt_ids"]
+    monkeypatch.setattr(decode_graph, "SAMPLE_CANDIDATES", 16)
+    pipes = []
+    pipeline = DeviceDecodeStep.pipeline
+    monkeypatch.setattr(DeviceDecodeStep, "pipeline", lambda self, *a: pipes.append(pipeline(self, *a)) or pipes[-1])
+    some = SamplingParams(temperature=0.8, top_p=0.9, seed=11)  # the nucleus outgrows 16 tokens now and then
+    most = SamplingParams(temperature=1.5, top_p=0.9, seed=12)  # on nearly every token
+    others = [Sampler(SamplingParams(temperature=0.8, seed=1), logprobs=2),
+              Sampler(SamplingParams(temperature=0.8, presence_penalty=0.5, seed=1)),
+              Sampler(SamplingParams(temperature=0.8, top_k=decode_graph.SAMPLE_CANDIDATES, seed=1))]
+    got = [sampled_run(dev, prompt, 40, Sampler(params)) for params in (some, most)]
+    got_others = [sampled_run(dev, prompt, 12, sampler)[0] for sampler in others]
+    assert [p is not None for p in pipes] == [True, True, False]  # logprobs and penalties never ask
+    assert 0 < pipes[0].fallbacks < pipes[0].decided and not pipes[0].stopped
+    assert pipes[1].stopped and pipes[1].fallbacks == 2
+    host_only(monkeypatch)
+    assert got == [sampled_run(dev, prompt, 40, Sampler(params)) for params in (some, most)]
+    others = [Sampler(SamplingParams(temperature=0.8, seed=1), logprobs=2),
+              Sampler(SamplingParams(temperature=0.8, presence_penalty=0.5, seed=1)),
+              Sampler(SamplingParams(temperature=0.8, top_k=decode_graph.SAMPLE_CANDIDATES, seed=1))]
+    assert got_others == [sampled_run(dev, prompt, 12, sampler)[0] for sampler in others]
+
+
+def test_no_device_sampling_without_float64(snapshots, kernels, monkeypatch):
+    """A device without float64 samples one token at a time (greedy stays pipelined)."""
+    engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
+    dev = models(engine, kernels)
+    prompt = oracle("tiny-trained")["prompt_ids"]
+    monkeypatch.setattr(kernels, "fp64", False)
+    pipes = []
+    pipeline = DeviceDecodeStep.pipeline
+    monkeypatch.setattr(DeviceDecodeStep, "pipeline", lambda self, *a: pipes.append(pipeline(self, *a)) or pipes[-1])
+    sampled = sampled_run(dev, prompt, 10, Sampler(SAMPLED[1]))
+    sampled_run(dev, prompt, 10, Sampler(SamplingParams()))
+    assert pipes[0] is None and isinstance(pipes[1], DecodePipeline)
+    host_only(monkeypatch)
+    assert sampled == sampled_run(dev, prompt, 10, Sampler(SAMPLED[1]))
+
+
+def test_interleaved_sampled_pipelines(snapshots, kernels, monkeypatch):
+    """Two sampled sequences and a greedy one decoded in turns on one step (as glm-serve's scheduler does): each
+    pipeline lets the other finish its forward in flight first, and each gets the host path's tokens and leaves
+    its sampler's stream where the host path does when the consumer stops early."""
+    engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
+    dev = models(engine, kernels)
+    ids = oracle("tiny-trained")["full_ids"]
+    runs = [(ids[:20], SAMPLED[0]), (ids[5:40], SAMPLED[2]), (ids[3:30], SamplingParams(seed=9))]
+
+    def turns() -> tuple[list[list[int]], list[float]]:
+        """Each sequence's tokens, then each sampler's next uniform once its stream is closed (some while another
+        pipeline holds the step: their next token is known, not used)."""
+        samplers = [Sampler(params) for _, params in runs]
+        streams = [Generator(dev, (), use_mtp=False).generate(list(p), 30, sampler)
+                   for (p, _), sampler in zip(runs, samplers, strict=True)]
+        got: list[list[int]] = [[] for _ in runs]
+        for _ in range(20):
+            for s, stream in enumerate(streams):
+                got[s].append(next(stream))
+        for stream in streams:
+            stream.close()
+        return got, [sampler.rng.random() for sampler in samplers]
+
+    got = turns()
+    host_only(monkeypatch)
+    assert got == turns()
