@@ -187,13 +187,16 @@ def test_sigterm_ends_requests_in_flight_with_openai_errors(snapshot, tmp_path):
                              str(tmp_path), "--parallel", "2", "--log-level", "warning"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     results: dict[str, Any] = {}
+    streamed: list[bytes] = []  # the stream's lines as they arrive
 
     def request(name: str, stream: bool) -> None:
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
         body = {"prompt": f"Story {name}:", "max_tokens": 1500, "ignore_eos": True, "stream": stream}
         conn.request("POST", COMPLETIONS, body=json.dumps(body))
         response = conn.getresponse()
-        results[name] = (response.status, list(response) if stream else response.read())
+        for line in response if stream else ():
+            streamed.append(line)
+        results[name] = (response.status, streamed if stream else response.read())
 
     try:
         deadline = time.monotonic() + 60
@@ -207,8 +210,8 @@ def test_sigterm_ends_requests_in_flight_with_openai_errors(snapshot, tmp_path):
         threads = [threading.Thread(target=request, args=(name, name == "stream")) for name in ("plain", "stream")]
         for t in threads:
             t.start()
-        # both past their prefill and generating: the worker has taken several decode steps of each
-        while (stats := get_json(port, "/stats")[1])["active"] < 2 or stats["steps"] < 8:
+        # both past their prefill and generating: the stream has sent text, the other request is active too
+        while get_json(port, "/stats")[1]["active"] < 2 or len(sse_events(streamed)) < 3:
             assert time.monotonic() < deadline
             time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
