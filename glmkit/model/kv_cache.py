@@ -105,7 +105,7 @@ class LayerKV:
 
     def append(self, **rows: np.ndarray) -> None:
         """Append `n` rows to every field this layer stores (`kv_lat=`, `k_rot=`, `index_k=` `[n, width]` f32)."""
-        self.append_encoded({name: encode_kv_rows(self.dtype, r) for name, r in self._checked(rows).items()})
+        self.append_encoded({name: encode_kv_rows(self.dtype, r) for name, r in rows.items()})
 
     def append_encoded(self, fields: dict[str, tuple[np.ndarray, np.ndarray | None]]) -> None:
         """Append rows already stored at this layer's dtype (`field -> (codes [n, width], scales [n] or None)`, as

@@ -175,6 +175,8 @@ class _Layer:
         self.tail: list[Launch] = []  # attention, output projection, FFN
         self.rows: Launch | None = None  # writes kv_lat[row], k_rot[row], index_k[row] and the query latent
         self.store: Launch | None = None  # at a lower precision: stores the rows `rows` wrote in f32
+        # the cache arrays its kernels read: its fields' rows, and at fp8 their scales (`{field}.scale`)
+        self.cache_fields: tuple[str, ...] = ()
         self.scores: Launch | None = None
         self.topk: Launch | None = None
         self.attention: Launch | None = None  # scores, then softmax and values
@@ -470,6 +472,8 @@ class DeviceDecodeStep:
                     *self._matvec(o_proj, self.heads_out, self.attn_out, quantized=heads_x8),
                     self._norm(self.x, self._whole(self.attn_out), spec.post_attention_norm, self.u, h, self.u_x8)]
         out.tail += self._bind_ffn(spec.ffn, out)
+        fields = ("kv_lat", "k_rot", "index_k") if ix is not None else ("kv_lat", "k_rot")
+        out.cache_fields = fields + tuple(f"{name}.scale" for name in fields) if self.kv_dtype == "fp8" else fields
         return out
 
     def _bind_ffn(self, ffn: MLPSpec | MoESpec, out: _Layer) -> list[Launch]:
@@ -701,13 +705,8 @@ class DeviceDecodeStep:
 
     # ---- one token ---------------------------------------------------------------------------------
 
-    def _fields(self, layer: _Layer) -> list[str]:
-        """The cache arrays a layer's kernels read: its fields' rows, and at fp8 their scales (`{field}.scale`)."""
-        fields = ["kv_lat", "k_rot"] + (["index_k"] if layer.scores is not None else [])
-        return fields + [f"{name}.scale" for name in fields] if self.kv_dtype == "fp8" else fields
-
     def _cache_buffer(self, layer: _Layer, kv, name: str):
-        """The buffer the kernels find a cache array's rows in (`_fields`), up to date for a token at row
+        """The buffer the kernels find a cache array's rows in (`_Layer.cache_fields`), up to date for a token at row
         `kv.length - 1`: on direct devices one over the host storage (a new one after the cache grew it), else the
         array's device mirror, given the rows the host wrote since it last had them (`LayerKV.edited_from`)."""
         field, _, scale = name.partition(".")
@@ -824,7 +823,7 @@ class DeviceDecodeStep:
         try:
             for i, layer in enumerate(self.layers):
                 kv = cache.layer(i)
-                rows = {name: self._cache_buffer(layer, kv, name) for name in self._fields(layer)}
+                rows = {name: self._cache_buffer(layer, kv, name) for name in layer.cache_fields}
                 lat, rot = rows["kv_lat"], rows["k_rot"]
                 scaled = {f"{name}_scale": rows.get(f"{name}.scale", rows[name]) for name in ("kv_lat", "k_rot")}
                 if layer.store is None:
