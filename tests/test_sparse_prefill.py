@@ -129,3 +129,27 @@ def test_prefill_of_a_long_prompt_holds_no_square_matrix(model_parts, monkeypatc
     model = GlmMoeDsaModel(config, weights, NumpyBackend(query_block=1 << 16))
     model.forward(ids, model.new_cache())
     assert 0 < largest[0] <= 64 * len(ids)  # a block of rows against every key: ~55 rows here
+
+
+def test_dense_mlp_of_a_long_prompt_runs_in_row_blocks(model_parts) -> None:
+    """A long prompt's dense MLP runs DENSE_MLP_ROWS rows at a time (its `[rows, I]` intermediates bounded) and
+    gives the rows one whole-prompt pass gives."""
+    import glmkit.model.glm5 as glm5
+
+    config, weights = model_parts
+    model = GlmMoeDsaModel(config, weights, NumpyBackend())
+    dense = next(i for i, spec in enumerate(model.layers) if not isinstance(spec.ffn, glm5.MoESpec))
+    u = np.random.default_rng(35).standard_normal((2 * glm5.DENSE_MLP_ROWS + 77, config.hidden_size),
+                                                  dtype=np.float32)
+    seen: list[int] = []
+    whole = model.backend.expert_mlp(u, *model._mlp(model.layers[dense].ffn))
+
+    class Watched(NumpyBackend):
+        def expert_mlp(self, x, gate, up, down):
+            seen.append(x.shape[0])
+            return super().expert_mlp(x, gate, up, down)
+
+    model.backend = Watched()
+    got = model.feed_forward(dense, u)
+    assert seen == [glm5.DENSE_MLP_ROWS, glm5.DENSE_MLP_ROWS, 77]
+    np.testing.assert_allclose(got, whole, rtol=0, atol=1e-6 * np.abs(whole).max())

@@ -144,7 +144,7 @@ class NumpyBackend:
                     out[:, r0:r1] = times_transposed(x, codes) * w.scales[r0:r1]
                 else:
                     _scale_groups(codes, w.scales[r0:r1], w.group_size, in_features)
-                    out[:, r0:r1] = times_transposed(x, codes)
+                    times_transposed(x, codes, out[:, r0:r1])
 
         self._map(part, self._split(out_features, parallel, MIN_SPLIT_ROWS))
         return out
@@ -299,7 +299,7 @@ class NumpyBackend:
             shared: tuple[Weight, Weight, Weight] | None) -> np.ndarray:
         # Prefill: several experts (each dequantized once for all of its rows) at a time on the worker pool.
         if x.shape[0] > self.decode_rows and self.workers > 1:
-            return moe_layer(self, x, ids, weights, expert, shared, self._map, 4 * self.workers)
+            return moe_layer(self, x, ids, weights, expert, shared, self._map, 2 * self.workers)
         return moe_layer(self, x, ids, weights, expert, shared)
 
     def release_memory(self) -> None:
@@ -315,13 +315,18 @@ GEMV_ROWS = 4  # up to this many input rows, `times_transposed` may run one GEMV
 SMALL_GEMM_ELEMS = 1 << 18  # weights up to this size: OpenBLAS's GEMM handles 2-3 rows well
 
 
-def times_transposed(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """`x [S, I] @ w[O, I]^T -> [S, O]`. OpenBLAS runs this transposed GEMM far below GEMV speed when S is a
-    few rows and `w` is not small: such calls (MTP verification, short chunks) go row by row."""
+def times_transposed(x: np.ndarray, w: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """`x [S, I] @ w[O, I]^T -> [S, O]` (written into `out` when given: no temporary). OpenBLAS runs this
+    transposed GEMM far below GEMV speed when S is a few rows and `w` is not small: such calls (MTP verification,
+    short chunks) go row by row."""
     rows = x.shape[0]
     if 1 < rows <= GEMV_ROWS and (rows == GEMV_ROWS or w.size > SMALL_GEMM_ELEMS):
-        return np.stack([w @ row for row in x])
-    return x @ w.T
+        if out is None:
+            return np.stack([w @ row for row in x])
+        for i, row in enumerate(x):
+            np.matmul(w, row, out=out[i])
+        return out
+    return np.matmul(x, w.T, out=out)
 
 
 def _code_width(w: QuantWeight) -> int:

@@ -43,6 +43,9 @@ class WeightSource(Protocol):
 
     def has(self, name: str) -> bool: ...
 
+# Rows of a prompt per dense-MLP pass: its `[rows, intermediate]` products stay a few MB each; the weights'
+# repeated dequantization per block costs a few percent of the block's GEMMs.
+DENSE_MLP_ROWS = 512
 
 RouteHook = Callable[[int, np.ndarray, np.ndarray | None], None]
 """Called as `hook(layer, expert_ids [S, k], normed_input [S, H])` right after routing, before any expert runs;
@@ -360,7 +363,13 @@ class GlmMoeDsaModel:
         ffn = self.layers[layer].ffn
         if isinstance(ffn, MoESpec):
             return self._moe(ffn, u)
-        return self.backend.expert_mlp(u, *self._mlp(ffn))
+        mlp = self._mlp(ffn)
+        if u.shape[0] <= DENSE_MLP_ROWS:
+            return self.backend.expert_mlp(u, *mlp)
+        out = np.empty_like(u)  # [S, H]; row blocks bound the [rows, I] intermediates of a long prompt
+        for r0 in range(0, u.shape[0], DENSE_MLP_ROWS):
+            out[r0:r0 + DENSE_MLP_ROWS] = self.backend.expert_mlp(u[r0:r0 + DENSE_MLP_ROWS], *mlp)
+        return out
 
     def _mlp(self, spec: MLPSpec) -> tuple[Weight, Weight, Weight]:
         """(gate, up, down) weights of an MLP."""

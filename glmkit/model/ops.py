@@ -146,6 +146,7 @@ def moe_batch_union(x: np.ndarray, ids: np.ndarray, weights: np.ndarray,
             results = parallel_map(lambda pick: run_expert(pick[0], x[pick[1]]), group)
         for (_, rows, slots), y in zip(group, results, strict=True):
             out[rows] += weights[rows, slots, None] * y
+        del results  # freed before the next group runs, not beside it
     return out
 
 
