@@ -194,17 +194,33 @@ def test_rows_read_back_are_the_stages_current_ones(single, pipelines):
     assert not np.array_equal(before, caches[0].layer(3).rows("kv_lat"))
 
 
-def test_a_killed_stage_is_a_clear_error(cluster, snapshot):
+def test_a_killed_stage_is_named_started_again_and_replayed_from_the_prefix_cache(cluster, snapshot, tmp_path):
     engine = PipelineEngine(snapshot, 2, chunk=CHUNK, load_tokenizer=False, verbose=False)
     try:
-        model = engine.model
-        cache = model.new_cache()
-        model.forward(np.asarray(PROMPT[:20]), cache)
-        os.kill(engine.pipeline.where[1]["pid"], signal.SIGKILL)
+        model, pipeline = engine.model, engine.pipeline
+        cache = PrefixCache.for_model(model, engine.model_hash, tmp_path, use_mtp=True, chunk_tokens=16)
+        session = Session(model, cache)
+        reference = list(Generator(model, (), use_mtp=True).generate(PROMPT, 12, Sampler(GREEDY),
+                                                                     session.prepare(PROMPT)))
+        session.commit(PROMPT, reference)
+        killed = pipeline.where[1]["pid"]
+        os.kill(killed, signal.SIGKILL)
         time.sleep(0.5)
-        with pytest.raises(GlmkitError, match=r"pipeline stage 1 \(layers 2-3, .* pid \d+\) died"):
-            model.forward(np.asarray([7]), cache)
-        with pytest.raises(GlmkitError, match="pipeline stage 1"):  # and stays broken: no output from lost rows
+        with pytest.raises(GlmkitError, match=r"pipeline stage 1 \(layers 2-3, .* pid \d+\) died .*; started again"):
+            model.forward(np.asarray([7]), session.kv)
+        assert pipeline.where[1]["pid"] != killed and session.kv.lost
+        with pytest.raises(GlmkitError, match="KV rows are lost"):  # never computed with again
+            model.forward(np.asarray([7]), session.kv)
+        kv = session.prepare(PROMPT)  # the session starts over: the prompt's rows from the prefix cache
+        assert session.last_reuse.process == 0 and session.last_reuse.exact == kv.length >= 64
+        assert list(Generator(model, (), use_mtp=True).generate(PROMPT, 12, Sampler(GREEDY), kv)) == reference
+        # a stage that cannot be started again leaves the pipeline refusing every call
+        pipeline.start_stage = None
+        os.kill(pipeline.where[0]["pid"], signal.SIGKILL)
+        time.sleep(0.5)
+        with pytest.raises(GlmkitError, match=r"pipeline stage 0 \(layers 0-1, .*\) died .*; its KV rows are lost$"):
+            model.forward(np.asarray([7]), model.new_cache())
+        with pytest.raises(GlmkitError, match="pipeline stage 0"):
             model.forward(np.asarray([7]), model.new_cache())
     finally:
         engine.close()

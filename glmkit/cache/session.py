@@ -104,6 +104,8 @@ class Session:
         """A KV cache holding the longest reusable prefix of `prompt_ids` (never all of it when it comes from
         the prefix cache); with approximate reuse, also the reused and computed rows after it, up to at most
         the last prompt token (the caller computes the rest)."""
+        if self.kv.lost:  # e.g. a restarted pipeline stage: start over, from the prefix cache where it has the prompt
+            self.kv, self.ids, self.exact_len = self.model.new_cache(), [], 0
         keep = common_prefix(self.ids, prompt_ids)
         if self.approximate is None:
             keep = min(keep, self.exact_len)

@@ -10,8 +10,10 @@ any is awaited, so stage 2 runs piece 1 while stage 1 runs piece 2 (each actor r
 they were submitted). The logits equal those of one process that prefills in pieces of `chunk` tokens.
 
 Ray is an optional dependency (`pip install glmkit[distributed]`): it is imported here only, and only when a
-pipeline is opened. A stage that dies raises a GlmkitError naming it and its machine; the pipeline then refuses
-every later call (its KV rows are gone), never computing with rows it no longer has.
+pipeline is opened. A stage that dies raises a GlmkitError naming it and its machine, and the head starts it again:
+every sequence begun before then has lost rows (`KVCache.lost`) and is never computed with again; a new one runs
+at once (a Session restores its prompt from the prefix cache, through the new stage). A stage that cannot be
+started again leaves the pipeline refusing every later call.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import socket
 import sys
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -233,9 +235,13 @@ class PipelineStage:
 class Pipeline:
     """The stage actors in order, their plan, and the calls the head makes on them."""
 
-    def __init__(self, ray: Any, actors: list[Any], plan: StagePlan, where: list[dict[str, Any]], chunk: int) -> None:
+    def __init__(self, ray: Any, actors: list[Any], plan: StagePlan, where: list[dict[str, Any]], chunk: int,
+                 start_stage: Callable[[int], Any] | None = None) -> None:
+        """start_stage(i): a new actor for stage i (None: a dead stage is not started again)."""
         self.ray, self.actors, self.plan, self.where, self.chunk = ray, actors, plan, where, chunk
+        self.start_stage = start_stage
         self.broken: str | None = None  # the error that broke the pipeline: every later call raises it again
+        self.epoch = 0  # counts restarts: a sequence begun in an earlier epoch has lost rows
         self._pending: list[Any] = []  # refs of calls whose failure must surface at the next wait
         self._next_cache = 0
 
@@ -292,8 +298,15 @@ class Pipeline:
         try:
             return ray.get(pending + refs)[len(pending):]
         except ray.exceptions.RayActorError as e:
-            self.broken = (f"{self._dead_stage(e)} died (its process or machine is gone: {type(e).__name__}); its KV "
-                           "rows are lost: start again")
+            message = f"{self._dead_stage(e)} died (its process or machine is gone: {type(e).__name__})"
+            self.broken = f"{message}; its KV rows are lost"
+            try:
+                self.restart()
+            except GlmkitError:
+                pass  # raised below as it broke the pipeline
+            else:
+                raise GlmkitError(f"{message}; started again: the sequences it ran lost their KV rows, new ones run "
+                                  "(a prompt restores from the prefix cache)") from None
         except ray.exceptions.RayTaskError as e:
             cause = e.cause if isinstance(e.cause, Exception) else e
             # the worker's pid: an attribute of a plain RayTaskError, in the message of one also of its cause's type
@@ -303,6 +316,32 @@ class Pipeline:
                          "a pipeline stage")
             self.broken = f"{stage} failed: {type(cause).__name__}: {_first_line(cause)}"
         raise GlmkitError(self.broken)
+
+    def check_epoch(self, epoch: int) -> None:
+        """GlmkitError where a sequence begun in `epoch` has lost rows (before any call would use them)."""
+        if epoch != self.epoch:
+            raise GlmkitError("--pipeline: a stage was started again since this sequence began; its KV rows are "
+                              "lost: start the sequence again")
+
+    def restart(self) -> None:
+        """Start every stage that does not answer again (its layers, empty KV rows) and begin a new epoch: the
+        sequences of earlier epochs are never computed with again. GlmkitError where a stage cannot be started."""
+        if self.start_stage is None:
+            raise GlmkitError("--pipeline: no way to start a stage again")
+        for i, actor in enumerate(self.actors):
+            try:
+                self.ray.get(actor.describe.remote(), timeout=10)
+            except Exception:  # noqa: BLE001 - any failure to answer: start it again
+                with contextlib.suppress(Exception):
+                    self.ray.kill(actor, no_restart=True)
+                self.actors[i] = self.start_stage(i)
+                try:
+                    self.where[i] = self.ray.get(self.actors[i].describe.remote(), timeout=STAGE_START_TIMEOUT_S)
+                except Exception as e:  # noqa: BLE001 - a stage that cannot start leaves the pipeline broken
+                    raise GlmkitError(f"{self.stage_name(i)}: could not be started again ({_first_line(e)})"
+                                      ) from None
+        self.epoch += 1
+        self.broken = None
 
     def _dead_stage(self, error: Exception) -> str:
         """The name of the stage whose actor `error` is about, else of the first stage that does not answer."""
@@ -380,19 +419,21 @@ def open_pipeline(snapshot: str | Path, container: Container, stages: int | str,
     package_root = str(Path(__file__).resolve().parents[2])
     path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH", "")) if p)
     remote = ray.remote(PipelineStage)
-    actors = []
-    for i, layers in enumerate(plan.layers):
+
+    def start_stage(i: int) -> Any:
         options: dict[str, Any] = {"num_cpus": 1, "max_restarts": 0, "runtime_env": {"env_vars": {"PYTHONPATH": path}}}
         node = plan.node_ids[i]
-        if node is not None:
+        if node is not None:  # where the plan put it (a restart on another node would not have its memory)
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
         else:
             options["scheduling_strategy"] = "SPREAD"
-        actors.append(remote.options(**options).remote(str(snapshot), i, layers, device, float_activations, prefetch,
-                                                       blas_threads, os.getpriority(os.PRIO_PROCESS, 0), kv_dtype))
-    pipeline = Pipeline(ray, actors, plan, [{"host": "?", "ip": "?", "pid": "?"}] * len(actors), chunk)
+        return remote.options(**options).remote(str(snapshot), i, plan.layers[i], device, float_activations, prefetch,
+                                                 blas_threads, os.getpriority(os.PRIO_PROCESS, 0), kv_dtype)
+
+    actors = [start_stage(i) for i in range(len(plan.layers))]
+    pipeline = Pipeline(ray, actors, plan, [{"host": "?", "ip": "?", "pid": "?"}] * len(actors), chunk, start_stage)
     try:
         pipeline.where = ray.get([actor.describe.remote() for actor in actors], timeout=STAGE_START_TIMEOUT_S)
     except ray.exceptions.GetTimeoutError:
@@ -416,7 +457,7 @@ class RemoteLayerKV:
 
     def __init__(self, pipeline: Pipeline, cache_id: int, layer: int, has_index: bool, dtype: str) -> None:
         self.pipeline, self.cache_id, self.layer, self.has_index = pipeline, cache_id, layer, has_index
-        self.dtype = dtype
+        self.dtype, self.epoch = dtype, pipeline.epoch
         self.stage = pipeline.stage_of(layer)
         self.length = 0
         # the rows last fetched as stored (codes, fp8 scales), until the rows change
@@ -426,6 +467,7 @@ class RemoteLayerKV:
         """Copies of the stored codes `[n, width]` and (fp8) scales `[n]` of rows [start, stop) of field `name`,
         fetched from the stage."""
         if self._fetched is None:
+            self.pipeline.check_epoch(self.epoch)
             self._fetched = self.pipeline.call(self.stage, "encoded", self.cache_id, self.layer)
         codes, scales = self._fetched[name]
         return codes[start:stop].copy(), None if scales is None else scales[start:stop].copy()
@@ -445,6 +487,7 @@ class RemoteLayerKV:
 
     def append_encoded(self, fields: dict[str, tuple[np.ndarray, np.ndarray | None]]) -> None:
         """Append rows already at the layer's dtype (`LayerKV.append_encoded`)."""
+        self.pipeline.check_epoch(self.epoch)
         self.pipeline.send(self.stage, "append_encoded", self.cache_id, self.layer, fields)
         self.grow(len(next(iter(fields.values()))[0]))
 
@@ -465,11 +508,20 @@ class PipelineCache(KVCache):
         super().__init__(config, [i for i in index_layers if i >= config.num_hidden_layers], dtype)
         self.pipeline = pipeline
         self.cache_id = pipeline.new_cache_id()
+        self.epoch = pipeline.epoch
         for i in range(config.num_hidden_layers):
             remote = RemoteLayerKV(pipeline, self.cache_id, i, i in index_layers, dtype)
             self.layers[i] = remote  # type: ignore[call-overload]
         finalizer = weakref.finalize(self, _drop_remote, pipeline, self.cache_id)
         finalizer.atexit = False
+
+    @property
+    def lost(self) -> bool:
+        """A stage restarted since this sequence began: its rows there are gone."""
+        return self.epoch != self.pipeline.epoch
+
+    def check_held(self) -> None:
+        self.pipeline.check_epoch(self.epoch)
 
     def advance(self, n: int) -> None:
         """Count `n` rows the stages appended to every main layer."""
@@ -477,10 +529,12 @@ class PipelineCache(KVCache):
             layer.grow(n)
 
     def reserve(self, rows: int) -> None:
+        self.check_held()
         self.layers[self.num_main_layers].reserve(rows)
         self.pipeline.send_all("reserve", self.cache_id, rows)
 
     def truncate(self, n: int) -> None:
+        self.check_held()
         if any(layer.length > n for layer in self.layers[:self.num_main_layers]):
             self.pipeline.send_all("truncate", self.cache_id, n)
         for layer in self.layers:
@@ -519,6 +573,7 @@ class PipelineModel(GlmMoeDsaModel):
     def main_layers(self, x: np.ndarray, cache: KVCache) -> np.ndarray:
         if not isinstance(cache, PipelineCache) or cache.pipeline is not self.pipeline:
             raise GlmkitError("--pipeline: this KV cache is not one of the pipeline's (use model.new_cache())")
+        cache.check_held()
         out = self.pipeline.run(cache.cache_id, x, cache.length)
         cache.advance(len(x))
         return out

@@ -227,6 +227,11 @@ class KVCache:
         """Tokens cached by the main model (the next forward starts at this position)."""
         return self.layers[0].length
 
+    @property
+    def lost(self) -> bool:
+        """Rows held elsewhere that are gone (a restarted pipeline stage's): never computed with again."""
+        return False
+
     def layer(self, index: int) -> LayerKV:
         return self.layers[index]
 
