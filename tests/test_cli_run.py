@@ -84,7 +84,7 @@ def test_no_mtp_gives_the_same_text(snapshot, capsys, tmp_path):
     assert with_mtp["mtp_acceptance"] is not None and with_mtp["tokens_per_forward"] >= 1
 
 
-@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("kv_dtype", ["bf16", "f16", "fp8"])
 def test_kv_dtype_option(snapshot, capsys, tmp_path, kv_dtype):
     """`--kv-dtype`: the reply of a model whose KV rows are kept at that precision; a second run restores the
     prompt's rows from the prefill cache (stored at that precision) and prints the same text."""

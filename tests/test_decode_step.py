@@ -131,9 +131,9 @@ def test_decode_step_matches_numpy(snapshots, kernels, variant, preset):
                                                      - engine.config.first_k_dense_replace)
 
 
-@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("kv_dtype", ["bf16", "f16", "fp8"])
 def test_decode_step_over_compact_kv_rows(snapshots, kernels, kv_dtype):
-    """KV rows at bf16 / fp8: the step reads the stored codes (kv.cl built for them) and stores each new row as
+    """KV rows at bf16 / f16 / fp8: the step reads the stored codes (kv.cl built for them) and stores each new row as
     the host's `encode_kv_rows` would; logits as the NumPy model's over the same precision, across index_topk keys,
     a truncation and rows the host rewrote (a discrete device's mirror takes the codes and the scales)."""
     engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
@@ -142,11 +142,11 @@ def test_decode_step_over_compact_kv_rows(snapshots, kernels, kv_dtype):
     topk = engine.config.index_topk
     want, got, caches = decode_both(ref, dev, ids[:topk - 3], ids[topk - 3:topk + 5])
     assert isinstance(dev._step, DeviceDecodeStep) and dev._step.kv_dtype == kv_dtype
-    assert caches[1].layer(0).storage("kv_lat").dtype.itemsize == (2 if kv_dtype == "bf16" else 1)
+    assert caches[1].layer(0).storage("kv_lat").dtype.itemsize == (1 if kv_dtype == "fp8" else 2)
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
     assert (got.argmax(-1) == want.argmax(-1)).all()
     # a code may round the other way where the two paths' f32 rows differ in their last bits: one code's step
-    tolerance = 2 ** -8 if kv_dtype == "bf16" else 2 ** -3
+    tolerance = {"bf16": 2 ** -8, "f16": 2 ** -11, "fp8": 2 ** -3}[kv_dtype]
     for a, b in zip(caches[0].layers[:engine.config.num_hidden_layers], caches[1].layers, strict=False):
         for name in ("kv_lat", "k_rot", "index_k") if a.has_index else ("kv_lat", "k_rot"):
             rows_a, rows_b = a.rows(name), b.rows(name)

@@ -33,7 +33,7 @@ from glmkit.backends.opencl.program import SCALAR_TYPES, kernel_signatures, pars
 from glmkit.backends.opencl.weights import ExpertShape, WeightMemory, x8_eligible
 from glmkit.format.packing import pack, quantize, unpack
 from glmkit.format.tensors import QuantWeight
-from glmkit.model.kv_cache import decode_kv_rows, encode_kv_rows
+from glmkit.model.kv_cache import F16_ROW_MAX, decode_kv_rows, encode_kv_rows
 from glmkit.model.ops import apply_rope, chosen_keys, rope_cos_sin, silu, topk_mask
 from tests.runtime_support import opencl_test_device
 
@@ -531,19 +531,19 @@ def test_decode_attention(kernels, wide_kernels, rng, n_keys, use_mask, rope):
         check_decode_attention(k, rng, n_keys, use_mask, rope)
 
 
-@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("kv_dtype", ["bf16", "f16", "fp8"])
 def test_decode_attention_over_compact_rows(kernels, rng, kv_dtype):
-    """The attention kernels built for bf16 / fp8 cache rows (kv.cl's KV_TYPE): the same attention as over the
+    """The attention kernels built for bf16 / f16 / fp8 cache rows (kv.cl's KV_TYPE): the same attention as over the
     rows those codes decode to (`decode_kv_rows`)."""
     for n_keys, use_mask, rope in [(37, True, 12), (129, False, 16)]:
         check_decode_attention(kernels, rng, n_keys, use_mask, rope, kv_dtype)
 
 
 def mirror_rows(mirror: Mirrors, rows: np.ndarray, kv_dtype: str) -> tuple[DeviceArray, DeviceArray, np.ndarray]:
-    """Rows `[n, w]` as a cache holds them at `kv_dtype`: (codes, scales (fp8; else the codes again), the float
+    """Rows `[n, w]` as a cache holds them at `kv_dtype`: (codes, scales (f16, fp8; else the codes again), the float
     rows they decode to)."""
     codes, scales = encode_kv_rows(kv_dtype, rows)
-    raw = codes.view({"f32": np.float32, "bf16": np.uint16, "fp8": np.uint8}[kv_dtype])
+    raw = codes.view({"f32": np.float32, "bf16": np.uint16, "f16": np.uint16, "fp8": np.uint8}[kv_dtype])
     codes_a = mirror.of(raw, raw.dtype)
     return codes_a, codes_a if scales is None else mirror.of(scales), decode_kv_rows(codes, scales)
 
@@ -578,15 +578,19 @@ def check_decode_attention(kernels, rng, n_keys, use_mask, rope, kv_dtype="f32")
     close(out.host.reshape(heads, kvl), want, 5e-6)
 
 
-@pytest.mark.parametrize("kv_dtype", ["f32", "bf16", "fp8"])
+@pytest.mark.parametrize("kv_dtype", ["f32", "bf16", "f16", "fp8"])
 def test_kv_store_rows_codes_as_the_host_encodes_them(kernels, rng, kv_dtype):
     """kv_store_rows (the decode step's new cache row) writes the codes and scales `encode_kv_rows` makes, bit for
-    bit: ties of bf16's and e4m3's rounding, values below e4m3's normal range, a zero row, negative zeros."""
+    bit: ties of bf16's, f16's and e4m3's rounding, values below e4m3's and f16's normal ranges, a zero row,
+    negative zeros, an f16 row beyond F16_ROW_MAX (scaled by a power of two)."""
     kvl, rope, ihd = 40, 12, 24
     rows = [rng.standard_normal(w).astype(np.float32) * 10.0 ** rng.integers(-3, 3) for w in (kvl, rope, ihd)]
     rows[0][:4] = np.array([1 + 2 ** -8, 1 + 3 * 2 ** -8, -0.0, 2 ** -12], np.float32) * np.abs(rows[0]).max()
     rows[0][4:8] = np.float32(np.abs(rows[0]).max()) * np.array([9 / 448, 4.5 / 448, 1e-4, -3e-5], np.float32)
+    rows[0][8:12] = np.float32(np.abs(rows[0]).max()) * np.array([1 + 2 ** -11, 1 + 3 * 2 ** -11, 2 ** -20, 2 ** -26],
+                                                                 np.float32)
     rows[1][:] = 0.0  # a zero row: scale 1
+    rows[2][:3] = [F16_ROW_MAX * 3.0, -F16_ROW_MAX * 2.0 ** 20, 2 ** -30]  # f16: scaled by 2^21
     mirror = Mirrors(kernels)
     outs = [mirror_rows(mirror, np.zeros((3, w), np.float32), kv_dtype)[:2] for w in (kvl, rope, ihd)]
     red = kernels.red_lanes

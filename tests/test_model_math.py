@@ -11,7 +11,7 @@ from glmkit.format.config import ModelConfig
 from glmkit.format.packing import pack, quantize
 from glmkit.format.tensors import QuantWeight, Weight
 from glmkit.model.glm5 import GlmMoeDsaModel, mla_attend_absorbed, mla_attend_full
-from glmkit.model.kv_cache import KVCache, decode_kv_rows, encode_kv_rows, kv_bytes_per_token
+from glmkit.model.kv_cache import F16_ROW_MAX, KVCache, decode_kv_rows, encode_kv_rows, kv_bytes_per_token
 from glmkit.model.ops import (
     apply_rope,
     causal_mask,
@@ -310,11 +310,12 @@ def test_kv_cache_grows_truncates_and_appends_again() -> None:
         np.testing.assert_array_equal(cache.layer(i).rows(name), value)
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("dtype", ["bf16", "f16", "fp8"])
 def test_kv_cache_at_lower_precision(dtype) -> None:
-    """Rows stored at bf16 / fp8 read back as their rounding (`encode_kv_rows` then `decode_kv_rows`: bf16 to 2^-8
-    of each value, fp8 to 2^-4 of the row's largest), through growth, truncation, overwrites, one device-written
-    row (`put_row`) and a copy of the stored codes (`encoded` into `append_encoded`: bit for bit)."""
+    """Rows stored at bf16 / f16 / fp8 read back as their rounding (`encode_kv_rows` then `decode_kv_rows`: bf16 to
+    2^-8 of each value, f16 to 2^-11 (and 2^-25 below its normal range), fp8 to 2^-4 of the row's largest),
+    through growth, truncation, overwrites, one device-written row (`put_row`) and a copy of the stored codes
+    (`encoded` into `append_encoded`: bit for bit)."""
     config = tiny_config()
     rng = np.random.default_rng(9)
     cache = KVCache(config, dtype=dtype)
@@ -323,9 +324,10 @@ def test_kv_cache_at_lower_precision(dtype) -> None:
     rows["kv_lat"][7] = 0.0  # a zero row (fp8: scale 1)
     for start in range(0, 300, 50):
         layer.append(**{name: value[start:start + 50] for name, value in rows.items()})
-    assert layer.storage("kv_lat").dtype.itemsize == (2 if dtype == "bf16" else 1)
+    assert layer.storage("kv_lat").dtype.itemsize == (1 if dtype == "fp8" else 2)
     assert (layer.scales("kv_lat") is None) == (dtype == "bf16")
-    bound = {"bf16": lambda x: 2 ** -8 * np.abs(x), "fp8": lambda x: 2 ** -4 * np.abs(x).max(-1, keepdims=True)}
+    bound = {"bf16": lambda x: 2 ** -8 * np.abs(x), "fp8": lambda x: 2 ** -4 * np.abs(x).max(-1, keepdims=True),
+             "f16": lambda x: 2 ** -11 * np.abs(x) + 2 ** -25}  # f16's subnormal step: 2^-24
     for name, value in rows.items():
         got = layer.rows(name)
         assert got.dtype == np.float32 and got.shape == value.shape
@@ -349,9 +351,10 @@ def test_kv_cache_at_lower_precision(dtype) -> None:
     for name in rows:
         np.testing.assert_array_equal(copy.storage(name)[:120].view(np.uint8), layer.storage(name)[:120].view(np.uint8))
         np.testing.assert_array_equal(copy.rows(name), layer.rows(name))
-    assert kv_bytes_per_token(config, dtype) < kv_bytes_per_token(config) / (1.9 if dtype == "bf16" else 2.5)
+    # f16's scales weigh more next to these narrow test rows than at real widths
+    assert kv_bytes_per_token(config, dtype) < kv_bytes_per_token(config) / {"bf16": 1.9, "f16": 1.6, "fp8": 2.5}[dtype]
     with pytest.raises(ValueError, match="kv dtype"):
-        KVCache(config, dtype="f16")
+        KVCache(config, dtype="int8")
 
 
 def test_kv_cache_overwrites_rows_in_place_and_marks_them_edited() -> None:
@@ -550,3 +553,15 @@ def test_renormalized_is_the_other_norm_of_the_same_hidden_state():
     want = backend.rms_norm(h, w_next, 1e-6)
     want[:, 5] = 0.0
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_f16_rows_beyond_its_range_are_scaled_by_a_power_of_two() -> None:
+    """f16 KV rows whose largest magnitude exceeds F16_ROW_MAX keep a power-of-two scale (no infinities): they read
+    back to f16's relative precision; rows within it keep scale 1 (their codes are the values' own)."""
+    rows = np.array([[F16_ROW_MAX, -1.0, 0.5], [F16_ROW_MAX * 1.0001, 7.0, -3.0], [3e9, -1e6, 1.0]], np.float32)
+    codes, scales = encode_kv_rows("f16", rows)
+    assert scales.tolist() == [1.0, 2.0, 2.0 ** 17]
+    assert np.isfinite(codes.astype(np.float32)).all()
+    got = decode_kv_rows(codes, scales)
+    assert (np.abs(got - rows) <= 2 ** -11 * np.abs(rows) + 2 ** -24 * scales[:, None]).all()
+    np.testing.assert_array_equal(codes[0], rows[0].astype(np.float16))

@@ -17,7 +17,7 @@ from glmkit.generate.engine import Engine
 from glmkit.generate.generator import Generator
 from glmkit.generate.sampling import Sampler, SamplingParams
 from glmkit.model.glm5 import GlmMoeDsaModel
-from glmkit.model.kv_cache import KVCache
+from glmkit.model.kv_cache import KV_DTYPES, KVCache
 
 FIXTURE = Path(__file__).parent / "fixtures" / "tiny-bf16"
 ROOT = Path(__file__).parent.parent
@@ -94,11 +94,11 @@ def test_other_model_or_numerics_never_sees_entries(engine, oracle, tmp_path):
     assert other_kernels.restore(kv, ids).tokens == 0
 
 
-@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("kv_dtype", ["bf16", "f16", "fp8"])
 def test_rows_at_lower_precision_are_stored_as_they_are_held(engine, oracle, tmp_path, kv_dtype):
-    """A bf16 / fp8 run stores the codes (and fp8 scales) its cache holds: restored, they are the same bits and
-    give the logits of the run that computed them; the blobs are that much smaller; runs at another precision
-    never see them."""
+    """A bf16 / f16 / fp8 run stores the codes (and f16 / fp8 scales) its cache holds: restored, they are the same
+    bits and give the logits of the run that computed them; the blobs are that much smaller; runs at another
+    precision never see them."""
     ids = oracle["full_ids"]
     model = GlmMoeDsaModel(engine.config, engine.experts, engine.backend, kv_dtype=kv_dtype)
     index_layers = [i for i in range(engine.config.num_layers_with_mtp) if model.new_cache().layer(i).has_index]
@@ -115,7 +115,7 @@ def test_rows_at_lower_precision_are_stored_as_they_are_held(engine, oracle, tmp
     for a, b in zip(computed.layers[:engine.config.num_hidden_layers], kv.layers, strict=False):
         for name in ("kv_lat", "k_rot", "index_k") if a.has_index else ("kv_lat", "k_rot"):
             assert np.array_equal(a.storage(name)[:32].view(np.uint8), b.storage(name)[:32].view(np.uint8))
-            if kv_dtype == "fp8":
+            if kv_dtype in ("f16", "fp8"):
                 assert np.array_equal(a.scales(name)[:32], b.scales(name)[:32])
     hit, _ = model.forward(np.array(ids[32:]), kv)
     assert np.abs(ref[32:] - hit).max() <= 1e-5 * np.abs(ref).max()
@@ -126,7 +126,7 @@ def test_rows_at_lower_precision_are_stored_as_they_are_held(engine, oracle, tmp
     PrefixCache(f32_dir, engine.model_hash, engine.config, "numpy-test", False, index_layers, 8).store(f32_rows,
                                                                                                        ids[:32])
     assert sizes < sum(p.stat().st_size for p in _blob_paths(f32_dir)) / 1.5
-    for other in {"f32", "bf16", "fp8"} - {kv_dtype}:
+    for other in set(KV_DTYPES) - {kv_dtype}:
         assert cache_at(other).restore(KVCache(engine.config, index_layers, other), ids).tokens == 0
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""What KV rows at bf16 or fp8 (`--kv-dtype`) cost in quality, against f32 rows, on the trained fixture.
+"""What KV rows at bf16, f16 or fp8 (`--kv-dtype`) cost in quality, against f32 rows, on the trained fixture.
 
     PYTHONPATH=. python tools/quality_kv_dtype.py [--windows 24] [--preset q4] [--device auto]   # ~1 min
 
@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from glmkit.generate.engine import Engine  # noqa: E402
 from glmkit.generate.generator import Generator  # noqa: E402
 from glmkit.generate.sampling import Sampler, SamplingParams  # noqa: E402
+from glmkit.model.kv_cache import KV_DTYPES  # noqa: E402
 from tests.runtime_support import convert  # noqa: E402
 from tools.quality_int8_activations import FIXTURE, PREFIX, decoded_logits, kl  # noqa: E402
 
@@ -52,13 +53,13 @@ def main(argv: list[str] | None = None) -> int:
     snapshot = convert(FIXTURE, args.work / args.preset, args.preset)
     windows = json.loads((FIXTURE / "eval_tokens.json").read_text())[:args.windows]
     engines = {dtype: Engine(snapshot, args.device, load_tokenizer=False, kv_dtype=dtype)
-               for dtype in ("f32", "bf16", "fp8")}
+               for dtype in KV_DTYPES}
     want, want_greedy = decoded_logits(engines["f32"], windows), greedy_runs(engines["f32"], windows)
     print(f"{args.preset}, --device {args.device} ({engines['f32'].device}): {len(want)} decoded positions over "
           f"{len(windows)} windows, {GREEDY} greedy tokens after {PREFIX} per window")
     print("| KV rows | KL(f32 rows || these) | top-1 agreement | identical greedy runs | mean common greedy prefix |")
     print("|---|---|---|---|---|")
-    for dtype in ("bf16", "fp8"):
+    for dtype in KV_DTYPES[1:]:
         got, runs = decoded_logits(engines[dtype], windows), greedy_runs(engines[dtype], windows)
         agree = float((got.argmax(-1) == want.argmax(-1)).mean())
         same = np.mean([a == b for a, b in zip(runs, want_greedy, strict=True)])

@@ -8,8 +8,8 @@ entry can only be used by the same converted model, the same kernels and the sam
 A blob holds the chunk's KV rows for every main layer (`kv_lat`, `k_rot`, `index_k` on indexer
 layers) and, when the model has an MTP layer, the MTP rows one position earlier (the MTP row at
 position i pairs h_i with token i+1, so it belongs with the chunk holding token i+1). Rows are stored as the
-running KV cache holds them (`--kv-dtype`: f32, bf16 codes, or fp8 codes with a `{layer}.{field}.scale` array of
-one f32 per row), so a restore copies them back without rounding again; the dtype is part of the numerics key.
+running KV cache holds them (`--kv-dtype`: f32, bf16 codes, or f16 / fp8 codes with a `{layer}.{field}.scale`
+array of one f32 per row), so a restore copies them back without rounding again; the dtype is part of the numerics key.
 
 Blob file: `MAGIC | u32 version | u32 header length | header JSON | sha256 of all before | zstd payload |
 sha256 of all before`. The header names everything the index records of an entry (model hash, numerics, chain
@@ -60,7 +60,7 @@ import zstandard
 from glmkit.format.config import ModelConfig
 from glmkit.format.files import open_regular
 from glmkit.model.glm5 import GlmMoeDsaModel
-from glmkit.model.kv_cache import KVCache, decode_kv_rows, kv_storage_dtype
+from glmkit.model.kv_cache import SCALED_KV_DTYPES, KVCache, decode_kv_rows, kv_storage_dtype
 from glmkit.model.ops import rope_cos_sin
 
 MAGIC = b"GLMKVC\x00\x01"
@@ -228,7 +228,7 @@ class PrefixCache:
 
     def expected_shapes(self, n_tokens: int, start: int) -> dict[str, tuple[int, int]]:
         """The arrays of a chunk of `n_tokens` at `start`, in blob order: `{layer}.{field}` `[rows, width]` (and at
-        fp8 `{layer}.{field}.scale` `[rows, 1]`)."""
+        f16 / fp8 `{layer}.{field}.scale` `[rows, 1]`)."""
         cfg = self.config
         widths = {"kv_lat": cfg.kv_lora_rank, "k_rot": cfg.qk_rope_head_dim, "index_k": cfg.index_head_dim}
         fields = [(layer, n_tokens) for layer in range(cfg.num_hidden_layers)]
@@ -239,7 +239,7 @@ class PrefixCache:
             for name in _FIELDS:
                 if name != "index_k" or layer in self.index_layers:
                     shapes[f"{layer}.{name}"] = (rows, widths[name])
-                    if self.kv_dtype == "fp8":
+                    if self.kv_dtype in SCALED_KV_DTYPES:
                         shapes[f"{layer}.{name}.scale"] = (rows, 1)
         return shapes
 
@@ -961,15 +961,15 @@ def remove_cache_file(path: Path) -> bool:
         return False
 
 def _blob_dtype(name: str, kv_dtype: str) -> np.dtype:
-    """How a blob stores array `name`: fp8 scales as little-endian f32, rows as the KV dtype's codes (f32, or the
-    bits of bf16 / e4m3 as little-endian unsigned integers)."""
+    """How a blob stores array `name`: row scales as little-endian f32, rows as the KV dtype's codes (f32, or the
+    bits of bf16 / f16 / e4m3 as little-endian unsigned integers)."""
     if name.endswith(".scale") or kv_dtype == "f32":
         return np.dtype("<f4")
-    return np.dtype("<u2" if kv_dtype == "bf16" else "u1")
+    return np.dtype("u1" if kv_dtype == "fp8" else "<u2")
 
 
 def _scales_of(chunk: Chunk, name: str) -> np.ndarray | None:
-    """The per-row scales `[n]` of chunk array `name` (fp8), else None."""
+    """The per-row scales `[n]` of chunk array `name` (f16, fp8), else None."""
     scales = chunk.arrays.get(f"{name}.scale")
     return None if scales is None else scales[:, 0]
 

@@ -31,7 +31,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, expert_memory: bool
     parser.add_argument("--float-activations", action="store_true", help=FLOAT_ACTIVATIONS_HELP)
     parser.add_argument("--kv-dtype", choices=KV_DTYPES, default="f32",
                         help="precision of the KV rows in memory and in the prefill cache: f32 (exact, default), "
-                             "bf16 (half the bytes) or fp8 (e4m3 with a scale per row, about a quarter)")
+                             "f16 (half the bytes, the closer of the two 16-bit types), bf16 (half the bytes) or fp8 "
+                             "(e4m3 with a scale per row, about a quarter)")
     if pipeline:
         group = parser.add_argument_group("pipeline parallelism over Ray (pip install \"glmkit[distributed]\")")
         group.add_argument("--pipeline", type=_pipeline_stages, metavar="N|auto",

@@ -5,10 +5,11 @@ Per token and layer MLA only needs the normed latent `kv_lat [kv_lora_rank]` and
 key `index_k [index_head_dim]`. The MTP layer (index num_hidden_layers) has its own rows; its length may
 differ from the main layers' (its position i holds h'_i, which needs token i+1).
 
-Rows are kept at one of three precisions (`KV_DTYPES`, DESIGN section 6): `f32` (exact), `bf16` (the top half of
-each float, rounded to nearest even) or `fp8` (e4m3 codes times one f32 scale per row and field, the row's largest
-magnitude over 448). Readers get float32 rows (`rows`); the device decode step reads and writes the stored codes
-(`storage`, `scales`).
+Rows are kept at one of four precisions (`KV_DTYPES`, DESIGN section 6): `f32` (exact), `bf16` (the top half of
+each float, rounded to nearest even), `f16` (IEEE half codes, rounded to nearest even, times one f32 scale per row
+and field: 1, or the power of two that brings a row larger than F16_ROW_MAX within it) or `fp8` (e4m3 codes times
+one f32 scale per row and field, the row's largest magnitude over 448). Readers get float32 rows (`rows`); the
+device decode step reads and writes the stored codes (`storage`, `scales`).
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ import numpy as np
 
 from glmkit.format.config import ModelConfig
 
-KV_DTYPES = ("f32", "bf16", "fp8")
+KV_DTYPES = ("f32", "bf16", "f16", "fp8")
+SCALED_KV_DTYPES = frozenset({"f16", "fp8"})  # rows stored with one f32 scale per row and field
 FP8_MAX = 448.0  # the largest finite e4m3 magnitude
-_STORED = {"f32": np.dtype(np.float32), "bf16": np.dtype(ml_dtypes.bfloat16),
+F16_ROW_MAX = 32768.0  # an f16 row whose largest magnitude exceeds this is scaled down by a power of two (exact)
+_STORED = {"f32": np.dtype(np.float32), "bf16": np.dtype(ml_dtypes.bfloat16), "f16": np.dtype(np.float16),
            "fp8": np.dtype(ml_dtypes.float8_e4m3fn)}
 
 
@@ -32,11 +35,19 @@ def kv_storage_dtype(dtype: str) -> np.dtype:
 
 
 def encode_kv_rows(dtype: str, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-    """`rows [n, w]` f32 as stored at `dtype`: (codes `[n, w]`, per-row scales `[n]` f32 for fp8, else None)."""
+    """`rows [n, w]` f32 as stored at `dtype`: (codes `[n, w]`, per-row scales `[n]` f32 for f16 and fp8, else
+    None)."""
     rows = np.asarray(rows, dtype=np.float32)
-    if dtype != "fp8":
+    if dtype not in SCALED_KV_DTYPES:
         return rows.astype(_STORED[dtype]), None
     amax = np.abs(rows).max(axis=-1) if rows.shape[-1] else np.zeros(len(rows), np.float32)
+    if dtype == "f16":
+        # the least power of two p with amax / p <= F16_ROW_MAX (frexp is exact: m in [0.5, 1))
+        m, e = np.frexp(amax / np.float32(F16_ROW_MAX))
+        power = np.where(amax > F16_ROW_MAX, np.where(m == 0.5, e - 1, e), 0)  # [n]
+        scale = np.ldexp(np.float32(1), power).astype(np.float32)  # [n]
+        inverse = np.ldexp(np.float32(1), -power).astype(np.float32)  # [n], exact
+        return (rows * inverse[:, None]).astype(_STORED["f16"]), scale
     scale = np.where(amax > 0, amax / np.float32(FP8_MAX), np.float32(1)).astype(np.float32)  # [n]
     inverse = (np.float32(FP8_MAX) / np.where(amax > 0, amax, np.float32(FP8_MAX))).astype(np.float32)  # [n]
     return (rows * inverse[:, None]).astype(_STORED["fp8"]), scale
@@ -64,8 +75,9 @@ class LayerKV:
         widths = {"kv_lat": kv_lora_rank, "k_rot": rope_dim, "index_k": index_dim}
         self._data = {name: np.empty((capacity, width), _STORED[dtype])
                       for name, width in widths.items() if width is not None}
-        # fp8: one scale per row and field
-        self._scales = {name: np.empty(capacity, np.float32) for name in self._data} if dtype == "fp8" else {}
+        # f16, fp8: one scale per row and field
+        self._scales = {name: np.empty(capacity, np.float32) for name in self._data} \
+            if dtype in SCALED_KV_DTYPES else {}
 
     @property
     def has_index(self) -> bool:
@@ -120,7 +132,7 @@ class LayerKV:
                 self._scales[name][start: self.length] = scales
 
     def encoded(self, name: str, start: int, stop: int) -> tuple[np.ndarray, np.ndarray | None]:
-        """Copies of the stored codes `[n, width]` and (fp8) scales `[n]` of rows [start, stop) of field `name`."""
+        """Copies of the stored codes `[n, width]` and (f16, fp8) scales `[n]` of rows [start, stop) of field `name`."""
         return (self._data[name][start:stop].copy(),
                 self._scales[name][start:stop].copy() if self._scales else None)
 
@@ -187,7 +199,7 @@ class LayerKV:
         return self._data[name]
 
     def scales(self, name: str) -> np.ndarray | None:
-        """fp8: the whole per-row scale array of field `name` `[capacity]` (as `storage`); else None."""
+        """f16, fp8: the whole per-row scale array of field `name` `[capacity]` (as `storage`); else None."""
         return self._scales.get(name)
 
     def truncate(self, n: int) -> None:
@@ -197,11 +209,11 @@ class LayerKV:
 
 def kv_bytes_per_token(config: ModelConfig, dtype: str = "f32") -> int:
     """Bytes of KV rows one token adds to a `KVCache` at `dtype`: every layer's latent and roped key, the MTP
-    layer's included, and the indexer key of every 'full' layer (fp8: and a 4-byte scale per field)."""
+    layer's included, and the indexer key of every 'full' layer (f16, fp8: and a 4-byte scale per field)."""
     layers = range(config.num_layers_with_mtp)
     fields = [config.kv_lora_rank, config.qk_rope_head_dim] * len(layers)
     fields += [config.index_head_dim for i in layers if config.indexer_type(i) == "full"]
-    return sum(fields) * _STORED[dtype].itemsize + (4 * len(fields) if dtype == "fp8" else 0)
+    return sum(fields) * _STORED[dtype].itemsize + (4 * len(fields) if dtype in SCALED_KV_DTYPES else 0)
 
 
 class KVCache:

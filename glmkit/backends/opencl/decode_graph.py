@@ -17,7 +17,7 @@ norm (`Addend`).
 
 On `direct` devices (CPU OpenCL devices such as PoCL's, whose buffers are host memory) the kernels write each
 layer's new KV row straight into the host `KVCache` arrays, so prefill, MTP, truncation and the prefill cache all
-see the same rows. Rows kept at a lower precision (`--kv-dtype` bf16 or fp8) are read as the codes they are
+see the same rows. Rows kept at a lower precision (`--kv-dtype` bf16, f16 or fp8) are read as the codes they are
 stored in by kernels built for them (kv.cl), and each new row is computed in f32 and stored by `kv_store_rows`,
 rounded as the host rounds it (`encode_kv_rows`). On discrete devices (a GPU with memory of its own; every weight
 must fit its budget) the step's buffers are device memory: the cache rows live in a device mirror
@@ -64,7 +64,7 @@ from glmkit.backends.opencl.weights import X8_BLOCK, ClWeight, fused_expert_arra
 from glmkit.format.config import ModelConfig
 from glmkit.format.tensors import Weight
 from glmkit.model.compute import ExpertArena, SamplingSettings, TokenDraws
-from glmkit.model.kv_cache import KVCache
+from glmkit.model.kv_cache import SCALED_KV_DTYPES, KVCache
 from glmkit.model.layer_spec import EMBED, LM_HEAD, LayerSpec, MLPSpec, MoESpec, NormSpec, final_norm_spec
 from glmkit.model.ops import rope_cos_sin
 
@@ -473,7 +473,8 @@ class DeviceDecodeStep:
                     self._norm(self.x, self._whole(self.attn_out), spec.post_attention_norm, self.u, h, self.u_x8)]
         out.tail += self._bind_ffn(spec.ffn, out)
         fields = ("kv_lat", "k_rot", "index_k") if ix is not None else ("kv_lat", "k_rot")
-        out.cache_fields = fields + tuple(f"{name}.scale" for name in fields) if self.kv_dtype == "fp8" else fields
+        out.cache_fields = fields + tuple(f"{name}.scale" for name in fields) \
+            if self.kv_dtype in SCALED_KV_DTYPES else fields
         return out
 
     def _bind_ffn(self, ffn: MLPSpec | MoESpec, out: _Layer) -> list[Launch]:

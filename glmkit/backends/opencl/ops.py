@@ -19,8 +19,9 @@ from glmkit.backends.opencl.device import DeviceInfo, cl
 from glmkit.backends.opencl.kernels import kernel_version
 from glmkit.backends.opencl.program import Launch, Program
 from glmkit.backends.opencl.weights import X8_BLOCK, ClWeight, ExpertShape, mvt_global
+from glmkit.model.kv_cache import F16_ROW_MAX
 
-KV_TYPES = {"f32": 0, "bf16": 1, "fp8": 2}  # kv.cl's KV_TYPE for each of kv_cache.KV_DTYPES
+KV_TYPES = {"f32": 0, "bf16": 1, "fp8": 2, "f16": 3}  # kv.cl's KV_TYPE for each of kv_cache.KV_DTYPES
 
 
 class Kernels:
@@ -73,7 +74,8 @@ class Kernels:
         if kv_dtype == "f32":
             return self.program
         if kv_dtype not in self._kv_programs:
-            self._kv_programs[kv_dtype] = Program(self.ctx, [*self.options, f"-DKV_TYPE={KV_TYPES[kv_dtype]}"])
+            self._kv_programs[kv_dtype] = Program(self.ctx, [*self.options, f"-DKV_TYPE={KV_TYPES[kv_dtype]}",
+                                                             f"-DF16_ROW_MAX={F16_ROW_MAX:.1f}f"])
         return self._kv_programs[kv_dtype]
 
     def _run(self, name: str, size: tuple[int, ...], local: tuple[int, ...] | None, **args: Any) -> Any:

@@ -1,10 +1,13 @@
 /* The kernels that read or write KV cache rows, at the precision the rows are stored in (kv_cache.KV_DTYPES),
  * chosen when the program is built: KV_TYPE 0 f32 (the default build), 1 bf16 (a float's top 16 bits, rounded to
- * nearest even), 2 fp8 e4m3 codes times one f32 scale per row (the `*_scale` arrays, unused by the other types).
- * Codes are decoded as they are loaded; an fp8 row's scale multiplies its dot products, not each value. */
+ * nearest even), 2 fp8 e4m3 codes times one f32 scale per row (the `*_scale` arrays, unused by f32 and bf16), 3 IEEE
+ * half codes (rounded to nearest even) times one f32 scale per row: 1, or the least power of two that brings the
+ * row's largest magnitude within F16_ROW_MAX (kv_cache.F16_ROW_MAX, given at build time). Codes are decoded as they
+ * are loaded; a row's scale multiplies its dot products, not each value. */
 #ifndef KV_TYPE
 #define KV_TYPE 0
 #endif
+#define KV_SCALED (KV_TYPE >= 2)
 
 /* e4m3 (bias 7, no infinities) to float: normal codes by moving their bits into a float's, subnormal ones
  * (exponent 0) as mantissa * 2^-9. */
@@ -44,16 +47,21 @@ typedef float kv_t;
 typedef ushort kv_t;
 #define LOAD_KV8(i, p) as_float8(convert_uint8(LOAD_US8(i, p)) << 16)
 #define KV_AT(p, i) as_float((uint)(p)[i] << 16)
+#elif KV_TYPE == 3
+typedef half kv_t;  /* only loaded and stored through vload_half / vstore_half: no half arithmetic needed */
+#define LOAD_KV8(i, p) vload_half8((i), (p))
+#define KV_AT(p, i) vload_half((i), (p))
 #else
 typedef uchar kv_t;
 #define LOAD_KV8(i, p) e4m3_float8(LOAD_U8(i, p))
 #define KV_AT(p, i) e4m3_float((p)[i])
 #endif
-#define ROW_SCALE(s, t) (KV_TYPE == 2 ? (s)[t] : 1.0f)
+#define ROW_SCALE(s, t) (KV_SCALED ? (s)[t] : 1.0f)
 #define KV_LINE (64 / sizeof(kv_t))  /* values per cache line */
 
-/* Stores one f32 row x [n] as row `row` of a cache field (`out`, and its scales at fp8): fp8 scales by the row's
- * largest magnitude / 448 (1 for a zero row), as kv_cache.encode_kv_rows. One work-group. */
+/* Stores one f32 row x [n] as row `row` of a cache field (`out`, and its scales at fp8 and f16): fp8 scales by the
+ * row's largest magnitude / 448 (1 for a zero row), f16 by a power of two (frexp is exact), as
+ * kv_cache.encode_kv_rows. One work-group. */
 INLINE void store_kv_row(const __global float* x, __global kv_t* out, __global float* scales, uint row, uint n,
                          __local float* red) {
     const uint l = get_local_id(0);
@@ -65,6 +73,16 @@ INLINE void store_kv_row(const __global float* x, __global kv_t* out, __global f
     const float inv = m > 0.0f ? 448.0f / m : 1.0f;
     if (l == 0 && n > 0) scales[row] = m > 0.0f ? m / 448.0f : 1.0f;
     for (uint i = l; i < n; i += RED_LANES) o[i] = float_e4m3(x[i] * inv);
+#elif KV_TYPE == 3
+    float m = 0.0f;
+    for (uint i = l; i < n; i += RED_LANES) m = fmax_(m, fabs(x[i]));
+    m = group_max(m, red);
+    int e = 0;
+    const float f = frexp(m * (1.0f / F16_ROW_MAX), &e);
+    const int power = m > F16_ROW_MAX ? (f == 0.5f ? e - 1 : e) : 0;
+    if (l == 0 && n > 0) scales[row] = ldexp(1.0f, power);
+    const float inv = ldexp(1.0f, -power);
+    for (uint i = l; i < n; i += RED_LANES) vstore_half_rte(x[i] * inv, i, o);
 #elif KV_TYPE == 1
     for (uint i = l; i < n; i += RED_LANES) o[i] = float_bf16(x[i]);
 #else
@@ -111,7 +129,7 @@ __kernel void mla_decode_scores(__global const float* q_lat, __global const floa
         const __global float* qr = q_rot + (ulong)h * rope;
         float8 acc = (float8)(0.0f);
         for (uint i = 0; i < lat8; i++) acc += LOAD_F8(i, ql) * LOAD_KV8(i, kl);
-#if KV_TYPE == 2  /* the two parts have scales of their own */
+#if KV_SCALED  /* the two parts have scales of their own */
         float dot_ = hsum8(acc);
         for (uint i = lat8 * 8; i < kvl; i++) dot_ += ql[i] * KV_AT(kl, i);
         acc = (float8)(0.0f);
