@@ -526,3 +526,27 @@ def test_routes_watched_as_they_happen(snapshots, direct_kernels, monkeypatch):
     watched = Engine(snap, "opencl", load_tokenizer=False, expert_cache=0)
     assert watched.model.step_route_hook == watched.experts.advise_routed
     assert not Engine(snap, "opencl", load_tokenizer=False, expert_cache=0, prefetch=False).model.step_route_hook
+
+
+@pytest.mark.parametrize("mtp", [False, True])
+def test_short_prompts_are_prefilled_on_the_step(snapshots, kernels, monkeypatch, mtp):
+    """A prompt of at most `step_prefill` tokens runs one token at a time through the decode step (the first of an
+    empty cache as a one-row forward), a longer one as one batched forward: the same greedy tokens as NumPy with and
+    without MTP (whose catch-up takes the step's hidden rows), KV rows within f32 noise of NumPy's."""
+    engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
+    ref, dev = models(engine, kernels)
+    prompt = list(oracle("tiny-trained")["prompt_ids"])
+    steps = []
+    call = DeviceDecodeStep.__call__
+    monkeypatch.setattr(DeviceDecodeStep, "__call__", lambda self, *a: steps.append(1) or call(self, *a))
+    want_cache, got_cache = ref.new_cache(), dev.new_cache()
+    want = list(Generator(ref, (), use_mtp=mtp).generate(prompt, 12, Sampler(SamplingParams()), want_cache))
+    stream = Generator(dev, (), use_mtp=mtp, step_prefill=len(prompt)).generate(prompt, 12, Sampler(SamplingParams()),
+                                                                                got_cache)
+    got = [next(stream)]
+    assert len(steps) == len(prompt) - 1  # the prompt's first token: a one-row forward of an empty cache
+    assert got + list(stream) == want
+    assert_same_rows((want_cache, got_cache))
+    steps.clear()
+    list(Generator(dev, (), use_mtp=mtp, step_prefill=len(prompt) - 1).generate(prompt, 1, Sampler(SamplingParams())))
+    assert steps == []  # one token past the limit: one batched forward

@@ -12,6 +12,10 @@ device picks each token (the argmax, or a sampled draw from a uniform the host d
 advance) and queues its forward before the host sees it (`GlmMoeDsaModel.pipelined_decode`), with the same tokens
 and the same cache at the end. A sampler that needs the logits on the host (a constraint, penalties or biases,
 logprobs) decodes one token at a time.
+
+A short prompt (piece) on such a backend is prefilled one token at a time through the decode step as well
+(`forward_prompt`): a batched forward of a few rows dequantizes each expert it routes to for a few rows, which
+costs more than reading them as the step does, token by token.
 """
 
 from __future__ import annotations
@@ -28,13 +32,29 @@ from glmkit.model.kv_cache import KVCache
 
 PREFILL_CHUNK = 2048  # prompt tokens per forward: a long prompt's temporaries stay those of one chunk
 DECODE_RESERVE = 4096  # KV rows made room for after the prompt, at most
+STEP_PREFILL_ROWS = 48  # prompt pieces up to this many tokens go through the decode step one token at a time
 
 
-def prefill_part(model: GlmMoeDsaModel, prompt_ids: Sequence[int], end: int, cache: KVCache, use_mtp: bool) -> None:
+def forward_prompt(model: GlmMoeDsaModel, ids: np.ndarray, cache: KVCache, step_rows: int = STEP_PREFILL_ROWS
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """Prompt tokens `ids [S]` appended at `cache.length..`: (the last position's logits `[1, V]`, hidden `[S, H]`
+    after the final norm). Up to `step_rows` tokens run one at a time where single tokens run as the device decode
+    step (the first of an empty cache as a one-row forward), else one batched forward."""
+    if not 1 < len(ids) <= step_rows or not model.decodes_on_device():
+        return model.forward(ids, cache, last_logits_only=True)
+    hidden = []
+    for token in ids:
+        logits, h = model.forward(token[None], cache)  # [1, V], [1, H]
+        hidden.append(h)
+    return logits, np.concatenate(hidden)
+
+
+def prefill_part(model: GlmMoeDsaModel, prompt_ids: Sequence[int], end: int, cache: KVCache, use_mtp: bool,
+                 step_rows: int = STEP_PREFILL_ROWS) -> None:
     """Append the prompt tokens `prompt_ids[cache.length:end]` (not its last one: no logits are made), and give the MTP
-    layer their rows too when it has kept up (drafting needs every position)."""
+    layer their rows too when it has kept up (drafting needs every position). step_rows: see `forward_prompt`."""
     start = cache.length
-    _, hidden = model.forward(np.asarray(prompt_ids[start:end], dtype=np.int64), cache, last_logits_only=True)
+    _, hidden = forward_prompt(model, np.asarray(prompt_ids[start:end], dtype=np.int64), cache, step_rows)
     mtp = cache.layer(model.config.num_hidden_layers)
     if use_mtp and mtp.length == start:
         model.mtp_forward(hidden, np.asarray(prompt_ids[start + 1:end + 1], dtype=np.int64), cache)
@@ -69,14 +89,16 @@ class Generator:
 
     def __init__(self, model: GlmMoeDsaModel, eos_token_ids: tuple[int, ...] = (), use_mtp: bool = True,
                  prefill_chunk: int = PREFILL_CHUNK, checkpoint: Callable[[list[int]], None] | None = None,
-                 pipelined: bool = True):
+                 pipelined: bool = True, step_prefill: int = STEP_PREFILL_ROWS):
         """prefill_chunk: prompt tokens per forward; checkpoint(prompt_ids): called after each prompt chunk but the
         last, the cache then holding `prompt_ids[:cache.length]` (glm-run stores them in the prefix cache, so that a
         long prefill killed half way resumes there); pipelined: False decodes one token at a time even where the
-        device could choose the tokens (the same tokens; tools/bench_sampling.py compares the two)."""
+        device could choose the tokens (the same tokens; tools/bench_sampling.py compares the two); step_prefill:
+        prompt pieces up to this many tokens run one token at a time on the decode step (`forward_prompt`; 0: never)."""
         self.model = model
         self.pipelined = pipelined
         self.prefill_chunk = prefill_chunk
+        self.step_prefill = step_prefill
         self.checkpoint = checkpoint
         self.eos = set(eos_token_ids)
         self.use_mtp = use_mtp and model.has_mtp
@@ -101,11 +123,12 @@ class Generator:
             cache.truncate(cache.length - 1)
         chunk = self.prefill_chunk
         while len(prompt_ids) - cache.length > chunk:  # chunks end at multiples of `chunk`: the same rounding however
-            prefill_part(self.model, prompt_ids, (cache.length // chunk + 1) * chunk, cache, self.use_mtp)  # it began
+            prefill_part(self.model, prompt_ids, (cache.length // chunk + 1) * chunk, cache, self.use_mtp,  # it began
+                         self.step_prefill)
             if self.checkpoint is not None:
                 self.checkpoint(prompt_ids)
-        new = np.asarray(prompt_ids[cache.length:], dtype=np.int64)
-        logits, hidden = self.model.forward(new, cache, last_logits_only=True)
+        logits, hidden = forward_prompt(self.model, np.asarray(prompt_ids[cache.length:], dtype=np.int64), cache,
+                                        self.step_prefill)
         token = sampler(logits[-1])
         stats.prefill_s = stats.ttft_s = time.perf_counter() - start
         decode_start = time.perf_counter()
