@@ -22,7 +22,7 @@ from glmkit.format.reader import Container
 from glmkit.generate.engine import Engine
 from glmkit.model import expert_cache, expert_stream
 from glmkit.model.glm5 import GlmMoeDsaModel
-from glmkit.model.kv_cache import KVCache, kv_bytes_per_token
+from glmkit.model.kv_cache import KV_DTYPES, KVCache, kv_bytes_per_token
 from glmkit.units import format_size
 from tests.runtime_support import FIXTURES, VARIANTS, Snapshots, convert, opencl_test_device
 
@@ -344,10 +344,10 @@ def test_list_devices(device, capsys, tmp_path, monkeypatch):
     out = capsys.readouterr().out
     assert f"{snap}: routed experts in the page cache" in out
     # the context and what a token adds to the KV cache at each precision: the bytes a KVCache grows by for one
-    # token (its codes, and fp8's scales)
+    # token (its codes, and f16's and fp8's scales)
     config = Container(snap).config
     per_token = {}
-    for dtype in ("f32", "bf16", "fp8"):
+    for dtype in KV_DTYPES:
         cache, per_token[dtype] = KVCache(config, dtype=dtype), 0
         for layer in cache.layers:
             names = ("kv_lat", "k_rot", "index_k")[:3 if layer.has_index else 2]
@@ -356,6 +356,7 @@ def test_list_devices(device, capsys, tmp_path, monkeypatch):
                                     for name in names)
         assert kv_bytes_per_token(config, dtype) == per_token[dtype]
     assert per_token["f32"] == 2 * per_token["bf16"] > 3 * per_token["fp8"]
+    assert per_token["bf16"] < per_token["f16"] < per_token["bf16"] * 1.1
     assert (f"{snap}: context 2,048 tokens; KV cache per token " + ", ".join(
         f"{format_size(n)} ({dtype})" for dtype, n in per_token.items())) in out
     monkeypatch.setattr(expert_stream, "memory_limit_bytes", lambda: 64 << 20)
