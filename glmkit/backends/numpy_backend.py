@@ -276,16 +276,17 @@ class NumpyBackend:
 
         def part(s0: int) -> None:
             s1 = min(seq, s0 + INDEX_ROWS)
+            rows = s1 - s0
             total = int(positions[s0:s1].max()) + 1  # the block's keys after this are nobody's
-            queries = q[s0:s1].transpose(1, 0, 2) * np.float32(scale)  # [nh, s, d]
-            head_w = weights[s0:s1].T[:, :, None]  # [nh, s, 1]
-            scores = np.empty((s1 - s0, total), np.float32)
+            queries = (q[s0:s1] * np.float32(scale)).reshape(rows * heads, -1)  # [s * nh, d]
+            head_w = weights[s0:s1, None, :]  # [s, 1, nh]
+            scores = np.empty((rows, 1, total), np.float32)
             for t0 in range(0, total, tile):
                 t1 = min(total, t0 + tile)
-                per_head = queries @ k[t0:t1].T  # [nh, s, t]: one GEMM per head
+                per_head = (queries @ k[t0:t1].T).reshape(rows, heads, t1 - t0)  # [s, nh, t]: one GEMM
                 np.maximum(per_head, 0, out=per_head)
-                per_head *= head_w
-                per_head.sum(axis=0, out=scores[:, t0:t1])
+                np.matmul(head_w, per_head, out=scores[:, :, t0:t1])  # [s, 1, t]: the heads' weighted sum
+            scores = scores[:, 0]
             out[s0:s1] = chosen_keys(topk_mask(scores, position_mask(positions[s0:s1], total), topk), topk)
 
         self._map(part, range(0, seq, INDEX_ROWS))
