@@ -225,15 +225,16 @@ class OpenCLBackend:
         return ref
 
     def decode_step(self, config: ModelConfig, layers: Sequence[LayerSpec], weight: Callable[[str], Weight],
-                    experts: ExpertArena | None = None, kv_dtype: str = "f32") -> DeviceDecodeStep | None:
+                    experts: ExpertArena | None = None, kv_dtype: str = "f32", rows: int = 1
+                    ) -> DeviceDecodeStep | None:
         """The device decode step for this model (placement.decode_step "cl"; on a discrete device every weight
         must fit the budget), or None: the model then decodes operation by operation. experts: see
-        `DeviceDecodeStep`."""
+        `DeviceDecodeStep`; rows: token rows per forward (2: MTP's verification of a draft)."""
         if self.placement.decode_step != "cl" or (not self.memory.unified and self.model_bytes > self.memory.budget):
             return None
         try:
             return DeviceDecodeStep(config, layers, weight, self._cw, self._expert_ref, self.k, self.int8_activations,
-                                    experts, kv_dtype)
+                                    experts, kv_dtype, rows)
         except Unsupported:
             return None
 

@@ -210,13 +210,17 @@ class DeviceDecodeStep:
 
     def __init__(self, cfg: ModelConfig, layers: Sequence[LayerSpec], weight: Callable[[str], Weight],
                  cw: Callable[[Weight], ClWeight | None], expert_ref: Callable, kernels: Kernels,
-                 int8_activations: bool = True, experts: ExpertArena | None = None, kv_dtype: str = "f32") -> None:
+                 int8_activations: bool = True, experts: ExpertArena | None = None, kv_dtype: str = "f32",
+                 rows: int = 1) -> None:
 
         if cfg.n_routed_experts > MAX_ROUTED_EXPERTS:
             raise Unsupported(f"{cfg.n_routed_experts} routed experts (the routing kernel holds {MAX_ROUTED_EXPERTS})")
         check_bindable(layers)
+        if rows > 1 and (not kernels.direct or experts is not None):
+            raise Unsupported("several token rows per forward: CPU OpenCL devices over the mapping only")
         self.cfg, self.specs, self.k, self.buffers = cfg, list(layers), kernels, kernels.buffers
         self.kv_dtype = kv_dtype
+        self.rows = rows
         self.topk = index_topk(layers)
         self._weight, self._cw, self._expert_ref = weight, cw, expert_ref
         self.experts = experts
@@ -234,23 +238,27 @@ class DeviceDecodeStep:
         nope, rope, v_dim, kvl = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         self.red = kernels.red_lanes
         self._vectors = self._pack_vectors()
-        new = self.buffers.array
+
+        def new(count: int, dtype: Any = np.float32) -> DeviceArray:  # one row per token row of a forward
+            return self.buffers.array(rows * count, dtype)
+
         self.x, self.u, self.ffn, self.ffn_part = new(h), new(h), new(h), new(h)
         # per token parity (one token may be in flight while the next is queued): cos/sin, the token the device
         # chose and whether the host must choose instead (1: sample_token could not decide)
         self.cs = [new(rope), new(rope)]
-        self.token_ids = [new(2, np.uint32), new(2, np.uint32)]
+        self.token_ids = [self.buffers.array(2, np.uint32), self.buffers.array(2, np.uint32)]
         # discrete devices, per parity: every layer's new cache rows ([kv_lat | k_rot | index_k], token_rows writes
         # them) for one read back, and the (cache, position) they belong to until `_collect` stores them there
         self.stage_fields = {"kv_lat": kvl, "k_rot": rope, "index_k": cfg.index_head_dim}  # name -> width
         self.stage_width = sum(self.stage_fields.values())
-        self.row_stage = [new(cfg.num_hidden_layers * self.stage_width) for _ in range(2)]
+        self.row_stage = [self.buffers.array(cfg.num_hidden_layers * self.stage_width) for _ in range(2)]
         self.staged: list[tuple[KVCache, int] | None] = [None, None]
         self._cs_users: list[Launch] = []  # every launch that reads the position's cos/sin (its argument `cs`)
         self.q_a, self.q_lat = new(cfg.q_lora_rank), new(cfg.q_lora_rank)
         # int8 codes of the normed inputs, written by the norms themselves for the int8-input products
         self.u_x8, self.q_lat_x8, self.hidden_x8 = (
-            self._x8_scratch(n) if self.x8_bits and n % X8_BLOCK == 0 else None for n in (h, cfg.q_lora_rank, h))
+            self._x8_scratch(rows * n) if self.x8_bits and n % X8_BLOCK == 0 else None
+            for n in (h, cfg.q_lora_rank, h))
         self.q = new(nh * (nope + rope))
         self.comp = new(kvl + rope)
         self.q_rot, self.q_abs, self.o_lat = new(nh * rope), new(nh * kvl), new(nh * kvl)
@@ -262,15 +270,17 @@ class DeviceDecodeStep:
         self.new_rows = None if kv_dtype == "f32" else {"kv_lat": new(kvl), "k_rot": new(rope), "index_k": new(ihd)}
         self.iq, self.iq_rot, self.iw = new(inh * ihd), new(inh * ihd), new(inh)
         self.chosen = new(self.topk, np.uint32)  # the keys the indexer chose (attention's keys)
-        # the range and weight of a one-row addend
-        self.one_range, self.one_weight = self.buffers.filled([0, 1], np.uint32), self.buffers.filled([1.0])
+        # the ranges and weights of an addend of one row (of weight 1) per token row
+        self.one_range = self.buffers.filled(np.arange(rows + 1), np.uint32)
+        self.one_weight = self.buffers.filled(np.ones(rows))
         self.ffn_out = self._whole(self.ffn)  # the last bound layer's FFN output, as the next norm adds it
         self.capacity = 0  # keys the per-key scratch buffers hold
         # each MoE layer's routed ids, per token slot in one buffer (one read per token on a discrete device)
         n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
-        self.id_stride = self.buffers.aligned_items(cfg.num_experts_per_tok)
-        self.route_ids = [new(max(n_moe, 1) * self.id_stride, np.uint32) for _ in range(ID_SLOTS)]
+        self.id_stride = self.buffers.aligned_items(rows * cfg.num_experts_per_tok)
+        self.route_ids = [self.buffers.array(max(n_moe, 1) * self.id_stride, np.uint32) for _ in range(ID_SLOTS)]
         self.scratch: dict[str, DeviceArray] = {}
+        self.masked: list[int] = []  # several token rows: the keys `scratch["allowed"]` holds at 0 (the causal mask)
         self.layers: list[_Layer] = []
         self._grow(INITIAL_KEYS)
         for spec in self.specs:
@@ -278,7 +288,7 @@ class DeviceDecodeStep:
         self.final_norm = self._norm(self.x, self.ffn_out, final_norm_spec(cfg), self.hidden, h, self.hidden_x8)
         (self.lm_head,) = self._matvec(self._matrix(LM_HEAD), self.hidden, self.logits, quantized=self.hidden_x8)
         self.argmax = kernels.bind("argmax_row", (self.red,), (self.red,), x=self.logits.buffer,
-                                   n=self.logits.host.size, token=self.token_ids[0].buffer)
+                                   n=self.logits.host.size // rows, token=self.token_ids[0].buffer)
         embed = self._cw(weight(EMBED))  # the device-side lookup of pipelined greedy decode
         self.embed = None if embed is None else bind_embed_row(kernels, embed, self.token_ids[0].buffer, self.x.buffer)
         self.owner: DecodePipeline | None = None  # the pipeline whose token is in flight
@@ -309,22 +319,23 @@ class DeviceDecodeStep:
         where `x8_eligible` (x's codes from `quantized`, else a quantize launch first), else float inputs.
         codes_out: y's int8 codes too (`_x8_scratch`), for the product that reads y next: written by the product's
         own kernel where it can (`Kernels.writes_codes`), else by a quantize launch after it."""
-        k = self.k
+        k, tokens = self.k, self.rows
         rows = w.rows if rows is None else rows
         if not self._x8(w.bits, w.group, w.n_in):
             launches: tuple[Launch, ...] = (
-                bind_matvec(k, w, x.buffer, y.buffer, heads, w.n_in, head_rows, row_start, rows),)
+                bind_matvec(k, w, x.buffer, y.buffer, heads, w.n_in, head_rows, row_start, rows, tokens),)
         else:
             launches = ()
             if quantized is None:
-                quantized = self._x8_scratch(heads * w.n_in)
-                launches = (bind_quantize(k, x.buffer, w.n_in, heads, quantized),)
+                quantized = self._x8_scratch(tokens * heads * w.n_in)
+                launches = (bind_quantize(k, x.buffer, w.n_in, tokens * heads, quantized),)
             if codes_out is not None and k.writes_codes and rows % X8_BLOCK == 0:
-                return (*launches,
-                        bind_matvec_x8(k, w, quantized, y.buffer, heads, head_rows, row_start, rows, codes_out))
-            launches += (bind_matvec_x8(k, w, quantized, y.buffer, heads, head_rows, row_start, rows),)
+                return (*launches, bind_matvec_x8(k, w, quantized, y.buffer, heads, head_rows, row_start, rows,
+                                                  codes_out, tokens))
+            launches += (bind_matvec_x8(k, w, quantized, y.buffer, heads, head_rows, row_start, rows,
+                                        tokens=tokens),)
         if codes_out is not None:
-            launches += (bind_quantize(k, y.buffer, heads * rows, 1, codes_out),)
+            launches += (bind_quantize(k, y.buffer, heads * rows, tokens, codes_out),)
         return launches
 
     def _pairs(self, w: ClWeight, w2: ClWeight) -> bool:
@@ -335,7 +346,7 @@ class DeviceDecodeStep:
     def _matvec_pair(self, w: ClWeight, y: DeviceArray, w2: ClWeight, y2: DeviceArray) -> tuple[Launch, ...]:
         """`y = W u` and `y2 = W2 u`: one launch where `_pairs`, else two `_matvec`s."""
         if self._pairs(w, w2):
-            return (bind_matvec_pair(self.k, w, w2, self.u_x8, y.buffer, y2.buffer),)
+            return (bind_matvec_pair(self.k, w, w2, self.u_x8, y.buffer, y2.buffer, self.rows),)
         return (*self._matvec(w, self.u, y, quantized=self.u_x8), *self._matvec(w2, self.u, y2, quantized=self.u_x8))
 
     def _whole(self, a: DeviceArray) -> Addend:
@@ -348,17 +359,17 @@ class DeviceDecodeStep:
         (`_x8_scratch(n)`) when given."""
         add = a or self._whole(x)  # unused buffers when not adding, or not quantizing
         codes = quantized or Int8Codes.unused(y.buffer)
-        return self.k.bind("residual_rms_norm", (self.red,), (self.red,), x=x.buffer, x_off=0, **add.args(),
+        return self.k.bind("residual_rms_norm", (self.red, self.rows), (self.red, 1), x=x.buffer, x_off=0, **add.args(),
                            add=int(a is not None), w=self._vectors.buffer, w_off=self.offsets[norm.weight],
                            y=y.buffer, y_off=0, n=n, eps=norm.eps, quantize=int(quantized is not None), **codes.args())
 
     def _rope(self, x: DeviceArray, x_off: int, x_row: int, y: DeviceArray, y_row: int, width: int, rows: int
               ) -> Launch:
-        """RoPE on the first rope dims of `rows` rows of x (from float x_off, x_row apart) into y (y_row apart),
-        `width` values per row."""
-        return self._reads_cs(self.k.bind("rope_rows", (width, rows), None, x=x.buffer, x_off=x_off, x_row=x_row,
-                                          y=y.buffer, y_off=0, y_row=y_row, cs=self.cs[0].buffer, width=width,
-                                          n_half=self.specs[0].attention.rope // 2))
+        """RoPE on the first rope dims of `rows` rows per token row of x (from float x_off, x_row apart) into y
+        (y_row apart), `width` values per row."""
+        return self._reads_cs(self.k.bind("rope_rows", (width, rows * self.rows), None, x=x.buffer, x_off=x_off,
+                                          x_row=x_row, y=y.buffer, y_off=0, y_row=y_row, cs=self.cs[0].buffer,
+                                          width=width, n_half=self.specs[0].attention.rope // 2, per_cs=rows))
 
     def _reads_cs(self, launch: Launch) -> Launch:
         """Record that `launch` reads the cos/sin buffer (its argument `cs`, set per token parity)."""
@@ -366,15 +377,17 @@ class DeviceDecodeStep:
         return launch
 
     def _grow(self, keys: int) -> None:
-        """Per-key scratch for at least `keys` keys: attention scores (then probabilities), indexer scores, the
-        selection, all-ones."""
+        """Per-key scratch for at least `keys` keys, per token row: attention scores (then probabilities), indexer
+        scores, the selection, the keys the selection may choose (all ones for one row: `_mask_causal`)."""
         if keys <= self.capacity:
             return
         cap = max(keys, 2 * self.capacity)
-        nh = self.cfg.num_attention_heads
+        nh, rows = self.cfg.num_attention_heads, self.rows
         new = self.buffers.array
-        self.scratch = {"scores": new(nh * cap), "index_scores": new(cap), "selected": new(cap, np.uint8),
-                        "all": self.buffers.filled(np.ones(cap), np.uint8)}
+        self.scratch = {"scores": new(rows * nh * cap), "index_scores": new(rows * cap),
+                        "selected": new(rows * cap, np.uint8),
+                        "allowed": self.buffers.filled(np.ones(rows * cap), np.uint8)}
+        self.masked = []
         self.capacity = cap
         scores, index_scores = self.scratch["scores"].buffer, self.scratch["index_scores"].buffer
         for layer in self.layers:  # the bound launches that read the scratch get the new buffers
@@ -382,7 +395,7 @@ class DeviceDecodeStep:
             layer.values.set(scores=scores)
             if layer.scores is not None:
                 layer.scores.set(out=index_scores)
-                layer.topk.set(scores=index_scores, allowed=self.scratch["all"].buffer,
+                layer.topk.set(scores=index_scores, allowed=self.scratch["allowed"].buffer,
                                selected=self.scratch["selected"].buffer)
 
     def _bind_layer(self, spec: LayerSpec) -> _Layer:
@@ -410,7 +423,7 @@ class DeviceDecodeStep:
         # lower precision the rows go to `new_rows` and `kv_store_rows` stores them
         new_rows = {name: a.buffer for name, a in (self.new_rows or {}).items()}
         out.rows = self._reads_cs(k.bind(
-            "token_rows", (self.red,), (self.red,), comp=self.comp.buffer, vec=self._vectors.buffer,
+            "token_rows", (self.red, self.rows), (self.red, 1), comp=self.comp.buffer, vec=self._vectors.buffer,
             w_off=self.offsets[a.kv_a_norm.weight], kv_lat=new_rows.get("kv_lat", self.comp.buffer),
             k_rot=new_rows.get("k_rot", self.comp.buffer), row=0,
             kvl=kvl, rope=rope, cs=self.cs[0].buffer, eps=a.kv_a_norm.eps, q_a=self.q_a.buffer,
@@ -421,7 +434,7 @@ class DeviceDecodeStep:
             stage_off=NO_STAGE if k.direct else spec.index * self.stage_width))
         out.head.append(out.rows)
         if new_rows:  # the cache rows and scales (and `row`) are set per token
-            out.store = k.bind("kv_store_rows", (self.red,), (self.red,), kv_dtype=self.kv_dtype,
+            out.store = k.bind("kv_store_rows", (self.red, self.rows), (self.red, 1), kv_dtype=self.kv_dtype,
                                lat=new_rows["kv_lat"], rot=new_rows["k_rot"], idx=new_rows["index_k"],
                                **{f"{name}{part}": self.comp.buffer for name in new_rows for part in ("", "_scale")},
                                row=0, kvl=kvl, rope=rope, ihd=ihd, index=int(ix is not None))
@@ -430,42 +443,44 @@ class DeviceDecodeStep:
         if mvt_chunked(kv_b):  # the query's absorption and RoPE in one launch
             out.head.append(self._reads_cs(bind_mla_query(k, kv_b, self.q.buffer, nope + rope, self.q_abs.buffer,
                                                           nope, nope + v_dim, nh, self.cs[0].buffer,
-                                                          self.q_rot.buffer, rope)))
+                                                          self.q_rot.buffer, rope, self.rows)))
         else:
             out.head += [bind_matvec_t(k, kv_b, self.q.buffer, self.q_abs.buffer, nh, nope + rope, nope + v_dim, 0,
-                                       nope),
+                                       nope, self.rows),
                          self._rope(self.q, nope, nope + rope, self.q_rot, rope, rope, nh)]
         scratch = self.scratch
         if ix is not None:  # the key row (`k`) and key count (`n_keys`) are set per token
-            out.scores = k.bind("index_scores", (KEY_GROUP, 1), (KEY_GROUP, 1), kv_dtype=self.kv_dtype,
+            out.scores = k.bind("index_scores", (KEY_GROUP, self.rows), (KEY_GROUP, 1), kv_dtype=self.kv_dtype,
                                 q=self.iq_rot.buffer, k=self.key.buffer, k_scale=self.key.buffer, w=self.iw.buffer,
                                 out=scratch["index_scores"].buffer, nh=inh, d=ihd, n_keys=1, scale=ix.score_scale,
                                 w_scale=ix.head_scale)
-            name, size, local = k.topk_kernel(1)
+            name, size, local = k.topk_kernel(self.rows)
             out.topk = k.bind(name, size, local, scores=scratch["index_scores"].buffer,
-                              allowed=scratch["all"].buffer, selected=scratch["selected"].buffer,
-                              chosen=self.chosen.buffer, n_keys=1, k=ix.topk, n_rows=1)
+                              allowed=scratch["allowed"].buffer, selected=scratch["selected"].buffer,
+                              chosen=self.chosen.buffer, n_keys=1, k=ix.topk, n_rows=self.rows)
             out.scoring = [*self._matvec(self._matrix(ix.wq_b), self.q_lat, self.iq, quantized=self.q_lat_x8),
                            self._rope(self.iq, 0, ihd, self.iq_rot, ihd, ihd, inh),
                            *(() if paired else self._matvec(weights_proj, self.u, self.iw, quantized=self.u_x8)),
                            out.scores, out.topk]
-        # the cache rows (kv_lat, k_rot), the key count (n) and whether the indexer chose the keys (use_keys) are
-        # set per token
-        out.attention = k.bind("mla_decode_scores", (KEY_GROUP, 1), (KEY_GROUP, 1), kv_dtype=self.kv_dtype,
-                               q_lat=self.q_abs.buffer, q_rot=self.q_rot.buffer, kv_lat=self.comp.buffer,
-                               kv_lat_scale=self.comp.buffer, k_rot=self.comp.buffer, k_rot_scale=self.comp.buffer,
-                               keys=self.chosen.buffer, use_keys=0, scores=scratch["scores"].buffer, nh=nh, n=1,
-                               kvl=kvl, rope=rope, scale=a.scale)
+        # the cache rows (kv_lat, k_rot), the key counts (n, n_total) and whether the indexer chose the keys
+        # (use_keys) are set per token
+        out.attention = k.bind("mla_decode_scores", (KEY_GROUP, 1, self.rows), (KEY_GROUP, 1, 1),
+                               kv_dtype=self.kv_dtype, q_lat=self.q_abs.buffer, q_rot=self.q_rot.buffer,
+                               kv_lat=self.comp.buffer, kv_lat_scale=self.comp.buffer, k_rot=self.comp.buffer,
+                               k_rot_scale=self.comp.buffer, keys=self.chosen.buffer, use_keys=0,
+                               scores=scratch["scores"].buffer, nh=nh, n=1, n_total=1, kvl=kvl, rope=rope,
+                               scale=a.scale)
         # the values kernel writes o_lat's codes too when kv_b's value product takes int8 inputs
-        o_lat_x8 = self._x8_scratch(nh * kvl) if self._x8(kv_b.bits, kv_b.group, kv_b.n_in) else None
+        o_lat_x8 = self._x8_scratch(self.rows * nh * kvl) if self._x8(kv_b.bits, kv_b.group, kv_b.n_in) else None
         value_codes = o_lat_x8 or Int8Codes.unused(self.o_lat.buffer)
-        out.values = k.bind("mla_decode_values", (nh * self.red,), (self.red,), kv_dtype=self.kv_dtype,
+        out.values = k.bind("mla_decode_values", (nh * self.red, self.rows), (self.red, 1), kv_dtype=self.kv_dtype,
                             scores=scratch["scores"].buffer, kv_lat=self.comp.buffer, kv_lat_scale=self.comp.buffer,
-                            out=self.o_lat.buffer, n=1, kvl=kvl,
+                            out=self.o_lat.buffer, n=1, n_total=1, kvl=kvl,
                             quantize=int(o_lat_x8 is not None), **value_codes.args(), keys=self.chosen.buffer,
                             use_keys=0)
         o_proj = self._matrix(a.o_proj)
-        heads_x8 = self._x8_scratch(nh * v_dim) if self._x8(o_proj.bits, o_proj.group, o_proj.n_in) else None
+        heads_x8 = (self._x8_scratch(self.rows * nh * v_dim) if self._x8(o_proj.bits, o_proj.group, o_proj.n_in)
+                    else None)
         out.tail = [out.attention, out.values,
                     *self._matvec(kv_b, self.o_lat, self.heads_out, nh, nope + v_dim, nope, v_dim, quantized=o_lat_x8,
                                   codes_out=heads_x8),
@@ -505,30 +520,32 @@ class DeviceDecodeStep:
         table = self.buffers.filled([ref.offs for ref in members], np.uint64)
         buffer_of = self.buffers.filled([next(b for b, buf in enumerate(buffers) if buf is ref.buf)
                                          for ref in members], np.uint32)
-        regions, stride, groups = self._slot_groups(experts[0], buffers, r.top_k + len(shared), apart)
+        regions, stride, groups = self._slot_groups(experts[0], buffers, self.rows * (r.top_k + len(shared)), apart)
         out.ids = self._route_ids(r.top_k)
-        logits = new(r.n_experts)
+        logits = new(self.rows * r.n_experts)
         out.route = k.bind("route_noaux_tc", (1,), None, logits=logits.buffer, vec=self._vectors.buffer,
                            bias_off=self.offsets[r.bias], table=table.buffer, buffer_of=buffer_of.buffer,
                            n_buffers=len(buffers), n_experts=r.n_experts, n_group=r.n_group,
                            topk_group=r.topk_group, top_k=r.top_k, norm=int(r.norm_topk_prob), scaling=r.scaling,
                            shared=len(shared), stride=stride, ids=out.ids[0].buffer,  # ids: set per token slot
-                           **{name: a.buffer for name, a in regions.items()})
-        launches = [bind_matvec(k, self._matrix(r.weight), self.u.buffer, logits.buffer), out.route, *groups]
+                           n_tok=self.rows, **{name: a.buffer for name, a in regions.items()})
+        launches = [bind_matvec(k, self._matrix(r.weight), self.u.buffer, logits.buffer, tokens=self.rows), out.route,
+                    *groups]
         if apart:
             launches += self._bind_apart(separate)
         return launches
 
     def _route_ids(self, top_k: int) -> list[DeviceArray]:
-        """The next MoE layer's routed ids, per token slot (views of `route_ids`)."""
-        start = sum(lay.route is not None for lay in self.layers) * self.id_stride
-        return [DeviceArray(a.host[start:start + top_k], self.buffers.sub_buffer(a.buffer, 4 * start, 4 * top_k))
+        """The next MoE layer's routed ids (`[rows, top_k]`), per token slot (views of `route_ids`)."""
+        start, count = sum(lay.route is not None for lay in self.layers) * self.id_stride, self.rows * top_k
+        return [DeviceArray(a.host[start:start + count], self.buffers.sub_buffer(a.buffer, 4 * start, 4 * count))
                 for a in self.route_ids]
 
     def _slot_regions(self, n_buffers: int, n_slots: int) -> tuple[dict[str, DeviceArray], int]:
         """The slot arrays routing fills for `n_slots` experts in each of `n_buffers` weight buffers (buffer b's
-        slots from `stride * b`: sub-buffers start at base_align multiples). Returns (regions by name, stride)."""
-        stride = self.buffers.aligned_items(n_slots)
+        slots from `stride * b`: sub-buffers start at base_align multiples; room for a slot range per token row in
+        tok_start). Returns (regions by name, stride)."""
+        stride = self.buffers.aligned_items(max(n_slots, self.rows + 1))
         return {name: self.buffers.array(n_buffers * stride * width, dtype)
                 for name, (width, dtype) in SLOT_ARRAYS.items()}, stride
 
@@ -544,7 +561,7 @@ class DeviceDecodeStep:
             sub = {name: self.buffers.sub_buffer(regions[name].buffer, b * stride * width * np.dtype(dtype).itemsize,
                                                  n_slots * width * np.dtype(dtype).itemsize)
                    for name, (width, dtype) in SLOT_ARRAYS.items()}
-            slots = ExpertSlots(sub["offs"], sub["slot_tok"], sub["tok_start"], sub["slot_w"], n_slots)
+            slots = ExpertSlots(sub["offs"], sub["slot_tok"], sub["tok_start"], sub["slot_w"], n_slots, self.rows)
             y = self.ffn if b == 0 else self.ffn_part
             bound, self.ffn_out = self._bind_experts(ref, slots, y, buf, summed)
             launches += bound
@@ -646,7 +663,7 @@ class DeviceDecodeStep:
         return [e for e, done in zip(ids, ready, strict=True) if not done]
 
     def _add(self, y: DeviceArray, a: DeviceArray) -> Launch:
-        n = self.cfg.hidden_size
+        n = self.rows * self.cfg.hidden_size
         return self.k.bind("add_into", (n,), None, y=y.buffer, a=a.buffer, n=n)
 
     def _ref(self, mlp: MLPSpec):
@@ -656,10 +673,11 @@ class DeviceDecodeStep:
         return ref
 
     def _bind_single(self, ref, y: DeviceArray, summed: bool = True) -> tuple[tuple[Launch, ...], Addend]:
-        """One MLP (a dense layer's, or a shared expert) as fused launches over one slot of weight 1."""
-        filled = self.buffers.filled
-        slots = ExpertSlots(filled(ref.offs, np.uint64).buffer, filled([0], np.uint32).buffer,
-                            filled([0, 1], np.uint32).buffer, filled([1.0]).buffer, 1)
+        """One MLP (a dense layer's, or a shared expert) as fused launches over one slot of weight 1 per token row."""
+        filled, rows = self.buffers.filled, self.rows
+        slots = ExpertSlots(filled(np.tile(ref.offs, rows), np.uint64).buffer,
+                            filled(np.arange(rows), np.uint32).buffer, filled(np.arange(rows + 1), np.uint32).buffer,
+                            filled(np.ones(rows)).buffer, rows, rows)
         return self._bind_experts(ref, slots, y, ref.buf, summed)
 
     def _expert_scratch(self, count: int, shape) -> tuple[DeviceArray, Any]:
@@ -731,6 +749,15 @@ class DeviceDecodeStep:
         m.rows = pos + 1  # row pos: written by this token's kernels
         return m
 
+    def _mask_causal(self, keys: int) -> None:
+        """The keys each token row's selection may choose (`scratch["allowed"]`, rows of `keys`): row r not the
+        keys after its own position (`keys - rows + r`); the earlier forward's zeros set back to 1 first."""
+        allowed = self.scratch["allowed"].host
+        allowed[self.masked] = 1
+        self.masked = [r * keys + t for r in range(self.rows - 1) for t in range(keys - self.rows + r + 1, keys)]
+        allowed[self.masked] = 0
+        self.buffers.to_device(self.scratch["allowed"])
+
     def complete(self, event, parity: int) -> None:
         """Wait for the token of this parity (`event`: `_enqueue`'s), then store its cache rows (`_collect`)."""
         event.wait()
@@ -751,10 +778,13 @@ class DeviceDecodeStep:
                 start += width
 
     def __call__(self, token: int, cache: KVCache, embed: np.ndarray) -> tuple[np.ndarray, np.ndarray, list]:
-        """Append `token` (its embedding row `embed [H]`) at position `cache.length`; see the class docstring."""
+        """Append `token` (its embedding row `embed [H]`; a step of several token rows: the embeddings `[rows, H]`
+        of that many tokens) at position `cache.length`; see the class docstring."""
         self.settle()
         self.complete(self._enqueue(cache, 0, embed), 0)
-        return self.logits.host[None, :].copy(), self.hidden.host[None, :].copy(), self.routes(0)
+        rows = self.rows
+        return (self.logits.host.reshape(rows, -1).copy(), self.hidden.host.reshape(rows, -1).copy(),
+                self.routes(0))
 
     def watch_routes(self, hook: Callable[[int, np.ndarray], None]) -> None:
         """From now on call `hook(layer, expert ids [k])` as each MoE layer's routing completes on the device,
@@ -769,7 +799,7 @@ class DeviceDecodeStep:
         if self.experts is not None:
             return []
         slot = self.slot_of[parity]
-        return [(i, layer.ids[slot].host[None, :].astype(np.int64)) for i, layer in enumerate(self.layers)
+        return [(i, layer.ids[slot].host.reshape(self.rows, -1).astype(np.int64)) for i, layer in enumerate(self.layers)
                 if layer.route is not None]
 
     def settle(self) -> None:
@@ -784,29 +814,31 @@ class DeviceDecodeStep:
         the token the device chose at the other parity, looked up on the device. choice: also choose the next
         token on the device (into `token_ids[parity]`)."""
 
-        cfg = self.cfg
+        cfg, n_rows = self.cfg, self.rows
         if cache.dtype != self.kv_dtype:
             raise ValueError(f"a cache of {cache.dtype} rows given to a decode step built for {self.kv_dtype}")
         pos = cache.length
-        keys = pos + 1
+        keys = pos + n_rows
         grows = keys > self.capacity or any(
-            cache.layer(i).length + 1 > len(cache.layer(i).storage("kv_lat")) for i in range(cfg.num_hidden_layers))
+            cache.layer(i).length + n_rows > len(cache.layer(i).storage("kv_lat")) for i in range(cfg.num_hidden_layers))
         if grows:  # the cache or the scratch is reallocated: nothing may still use the old arrays
             self.k.finish()
             for staged in (0, 1):  # a device mirror that grows takes every row from the host again
                 self._collect(staged)
         self._grow(keys)
         attention = self.specs[0].attention  # every layer's RoPE is the same (`check_bindable`)
-        cos, sin = rope_cos_sin(np.array([pos]), attention.rope, attention.rope_theta)
-        self.cs[parity].host[:] = np.concatenate([cos[0], sin[0]])
+        cos, sin = rope_cos_sin(np.arange(pos, keys), attention.rope, attention.rope_theta)
+        self.cs[parity].host[:] = np.concatenate([cos, sin], axis=1).reshape(-1)
         self.buffers.to_device(self.cs[parity])  # the last token of this parity has finished: its copy was done
         cs = self.cs[parity].buffer
         for launch in self._cs_users:
             launch.set(cs=cs)
         if embed is not None:
-            self.x.host[:] = embed
+            self.x.host[:] = embed.reshape(-1)
             self.buffers.to_device(self.x)
         scored = keys > self.topk
+        if scored and n_rows > 1:
+            self._mask_causal(keys)
         slot = self.slot_of[parity] = self.tokens % ID_SLOTS
         self.tokens += 1
         # per-key kernels: work-groups of KEY_GROUP items (a size left to the driver would follow the key count
@@ -816,7 +848,7 @@ class DeviceDecodeStep:
         per_attended = -(-attended // KEY_GROUP) * KEY_GROUP
         heads = cfg.num_attention_heads if self.k.heads_apart else 1
         for i in range(cfg.num_hidden_layers):
-            cache.layer(i).claim(1)
+            cache.layer(i).claim(n_rows)
         if embed is None:
             self.embed.set(token=self.token_ids[1 - parity].buffer)
             self.embed.enqueue()
@@ -841,13 +873,14 @@ class DeviceDecodeStep:
                     launch.enqueue()
                 if scored and layer.scores is not None:
                     layer.scores.set(k=index_k, k_scale=rows.get("index_k.scale", index_k), n_keys=keys)
-                    layer.scores.size = (per_key, 1)
+                    layer.scores.size = (per_key, n_rows)
                     layer.topk.set(n_keys=keys)
                     for launch in layer.scoring:
                         launch.enqueue()
-                layer.attention.set(kv_lat=lat, k_rot=rot, **scaled, use_keys=int(scored), n=attended)
-                layer.attention.size = (per_attended, heads)
-                layer.values.set(kv_lat=lat, kv_lat_scale=scaled["kv_lat_scale"], n=attended, use_keys=int(scored))
+                layer.attention.set(kv_lat=lat, k_rot=rot, **scaled, use_keys=int(scored), n=attended, n_total=keys)
+                layer.attention.size = (per_attended, heads, n_rows)
+                layer.values.set(kv_lat=lat, kv_lat_scale=scaled["kv_lat_scale"], n=attended, n_total=keys,
+                                 use_keys=int(scored))
                 if layer.route is not None:
                     layer.route.set(ids=layer.ids[slot].buffer)
                 for launch in layer.tail:
@@ -886,7 +919,7 @@ class DeviceDecodeStep:
         """Decoding from `token` with one forward in flight (`DecodePipeline`): greedy, or drawn as `draws` (a host
         sampler) would draw. None where the device cannot: no embedding lookup on the device, or a sampled draw
         `SampledChoice.fits` refuses. embed_of(token): a token's embedding row `[H]`."""
-        if self.embed is None:
+        if self.embed is None or self.rows > 1:
             return None
         if draws is None:
             return DecodePipeline(self, cache, token, embed_of, on_routes, ArgmaxChoice(self))
