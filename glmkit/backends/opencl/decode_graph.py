@@ -65,7 +65,7 @@ from glmkit.format.config import ModelConfig
 from glmkit.format.tensors import Weight
 from glmkit.model.compute import ExpertArena, SamplingSettings, TokenDraws
 from glmkit.model.kv_cache import KVCache
-from glmkit.model.layer_spec import EMBED, LM_HEAD, LayerSpec, MLPSpec, MoESpec, NormSpec, final_norm_spec
+from glmkit.model.layer_spec import EMBED, LM_HEAD, LayerSpec, MLPSpec, MoESpec, MTPSpec, NormSpec, final_norm_spec
 from glmkit.model.ops import rope_cos_sin
 
 MAX_ROUTED_EXPERTS = 1024  # the routing kernel's private arrays (MAX_EXPERTS in decode.cl)
@@ -190,6 +190,18 @@ class _Layer:
         self.mirrors: dict[str, _CacheMirror] = {}  # discrete devices: field -> its rows in device memory
 
 
+class _Draft(NamedTuple):
+    """MTP's draft of the rows a verification forward just ran (`DeviceDecodeStep.draft`): the greedy token of each
+    row (`choose`, into `verified`), their embeddings (`lookup`), `eh_proj` of the normed embeddings and main hidden
+    states (`head`), the MTP decoder layer, then its head norm, the lm_head and each row's greedy draft (`tail`)."""
+
+    choose: Launch
+    lookup: Launch
+    head: list[Launch]
+    layer: _Layer
+    tail: list[Launch]
+
+
 class DeviceDecodeStep:
     """`step(token, cache, embed) -> (logits [1, V], hidden [1, H], routes)` for a token appended at
     `cache.length` (embed: its embedding row `[H]`); `step.pipeline(...)` decodes with the next forward
@@ -211,13 +223,17 @@ class DeviceDecodeStep:
     def __init__(self, cfg: ModelConfig, layers: Sequence[LayerSpec], weight: Callable[[str], Weight],
                  cw: Callable[[Weight], ClWeight | None], expert_ref: Callable, kernels: Kernels,
                  int8_activations: bool = True, experts: ExpertArena | None = None, kv_dtype: str = "f32",
-                 rows: int = 1) -> None:
+                 rows: int = 1, draft: tuple[LayerSpec, MTPSpec] | None = None) -> None:
 
         if cfg.n_routed_experts > MAX_ROUTED_EXPERTS:
             raise Unsupported(f"{cfg.n_routed_experts} routed experts (the routing kernel holds {MAX_ROUTED_EXPERTS})")
-        check_bindable(layers)
+        check_bindable(layers if draft is None else [*layers, draft[0]])
         if rows > 1 and (not kernels.direct or experts is not None):
             raise Unsupported("several token rows per forward: CPU OpenCL devices over the mapping only")
+        if draft is not None and (rows < 2 or any(n.bias for n in (draft[1].enorm, draft[1].hnorm,
+                                                                     draft[1].head_norm))):
+            raise Unsupported("MTP's draft: in a verification step (rows > 1) of an MTP head with RMSNorms")
+        self.draft_spec = draft
         self.cfg, self.specs, self.k, self.buffers = cfg, list(layers), kernels, kernels.buffers
         self.kv_dtype = kv_dtype
         self.rows = rows
@@ -276,12 +292,13 @@ class DeviceDecodeStep:
         self.ffn_out = self._whole(self.ffn)  # the last bound layer's FFN output, as the next norm adds it
         self.capacity = 0  # keys the per-key scratch buffers hold
         # each MoE layer's routed ids, per token slot in one buffer (one read per token on a discrete device)
-        n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+        n_moe = sum(cfg.is_moe_layer(spec.index) for spec in (*self.specs, *(draft[:1] if draft else ())))
         self.id_stride = self.buffers.aligned_items(rows * cfg.num_experts_per_tok)
         self.route_ids = [self.buffers.array(max(n_moe, 1) * self.id_stride, np.uint32) for _ in range(ID_SLOTS)]
         self.scratch: dict[str, DeviceArray] = {}
         self.masked: list[int] = []  # several token rows: the keys `scratch["allowed"]` holds at 0 (the causal mask)
         self.layers: list[_Layer] = []
+        self.draft: _Draft | None = None
         self._grow(INITIAL_KEYS)
         for spec in self.specs:
             self.layers.append(self._bind_layer(spec))
@@ -291,6 +308,8 @@ class DeviceDecodeStep:
                                    n=self.logits.host.size // rows, token=self.token_ids[0].buffer)
         embed = self._cw(weight(EMBED))  # the device-side lookup of pipelined greedy decode
         self.embed = None if embed is None else bind_embed_row(kernels, embed, self.token_ids[0].buffer, self.x.buffer)
+        if draft is not None:
+            self.draft = self._bind_draft(*draft)
         self.owner: DecodePipeline | None = None  # the pipeline whose token is in flight
         self.sample_scratch: SampleScratch | None = None  # the buffers of SampledChoice (made on first use)
         self.watcher: RouteWatcher | None = None  # see watch_routes
@@ -302,6 +321,9 @@ class DeviceDecodeStep:
     def _pack_vectors(self) -> DeviceArray:
         """Every 1-D weight of the main layers (norms, biases, router bias) in one buffer, at `self.offsets`."""
         names = [final_norm_spec(self.cfg).weight, *(name for spec in self.specs for name in spec.vectors())]
+        if self.draft_spec is not None:
+            spec, mtp = self.draft_spec
+            names += [*spec.vectors(), mtp.enorm.weight, mtp.hnorm.weight, mtp.head_norm.weight]
         arrays = [np.asarray(self._weight(n), np.float32).reshape(-1) for n in names]
         self.offsets = dict(zip(names, np.cumsum([0] + [a.size for a in arrays[:-1]]).tolist(), strict=True))
         return self.buffers.filled(np.concatenate(arrays))
@@ -354,14 +376,15 @@ class DeviceDecodeStep:
         return Addend(a.buffer, self.one_range.buffer, self.one_weight.buffer)
 
     def _norm(self, x: DeviceArray, a: Addend | None, norm: NormSpec, y: DeviceArray, n: int,
-              quantized: Int8Codes | None = None) -> Launch:
-        """`x += a` (unless None), then `y = RMSNorm(x)` (`norm`, bias-free); its int8 codes into `quantized`
-        (`_x8_scratch(n)`) when given."""
+              quantized: Int8Codes | None = None, x_off: int = 0, y_off: int = 0, rows: int | None = None) -> Launch:
+        """`x += a` (unless None), then `y = RMSNorm(x)` (`norm`, bias-free) over each token row (`rows` of them from
+        float x_off of x and y_off of y; default all); its int8 codes into `quantized` (`_x8_scratch`) when given."""
         add = a or self._whole(x)  # unused buffers when not adding, or not quantizing
         codes = quantized or Int8Codes.unused(y.buffer)
-        return self.k.bind("residual_rms_norm", (self.red, self.rows), (self.red, 1), x=x.buffer, x_off=0, **add.args(),
-                           add=int(a is not None), w=self._vectors.buffer, w_off=self.offsets[norm.weight],
-                           y=y.buffer, y_off=0, n=n, eps=norm.eps, quantize=int(quantized is not None), **codes.args())
+        return self.k.bind("residual_rms_norm", (self.red, rows or self.rows), (self.red, 1), x=x.buffer, x_off=x_off,
+                           **add.args(), add=int(a is not None), w=self._vectors.buffer,
+                           w_off=self.offsets[norm.weight], y=y.buffer, y_off=y_off, n=n, eps=norm.eps,
+                           quantize=int(quantized is not None), **codes.args())
 
     def _rope(self, x: DeviceArray, x_off: int, x_row: int, y: DeviceArray, y_row: int, width: int, rows: int
               ) -> Launch:
@@ -390,7 +413,7 @@ class DeviceDecodeStep:
         self.masked = []
         self.capacity = cap
         scores, index_scores = self.scratch["scores"].buffer, self.scratch["index_scores"].buffer
-        for layer in self.layers:  # the bound launches that read the scratch get the new buffers
+        for layer in self._bound_layers():  # the bound launches that read the scratch get the new buffers
             layer.attention.set(scores=scores)
             layer.values.set(scores=scores)
             if layer.scores is not None:
@@ -398,13 +421,42 @@ class DeviceDecodeStep:
                 layer.topk.set(scores=index_scores, allowed=self.scratch["allowed"].buffer,
                                selected=self.scratch["selected"].buffer)
 
+    def _bound_layers(self) -> list[_Layer]:
+        """The main layers' launches, then the MTP layer's (with a draft)."""
+        return self.layers + ([self.draft.layer] if self.draft is not None else [])
+
+    def _bind_draft(self, spec: LayerSpec, mtp: MTPSpec) -> _Draft:
+        """The launches of MTP's draft after the verified rows (`_Draft`): the MTP layer `spec` on
+        `eh_proj([enorm(emb(t)) ; hnorm(h)])` of each row's greedy token t and main hidden state h, as
+        `GlmMoeDsaModel.mtp_forward` runs them, into `draft_logits` and the greedy `drafted`."""
+        k, h, rows, new = self.k, self.cfg.hidden_size, self.rows, self.buffers.array
+        vocab = self.logits.host.size // rows
+        self.verified, self.drafted = new(rows, np.uint32), new(rows, np.uint32)
+        emb, joined = new(rows * h), new(rows * 2 * h)
+        self.draft_hidden, self.draft_logits = new(rows * h), new(rows * vocab)
+        pieces = ((emb, mtp.enorm), (self.hidden, mtp.hnorm))  # [embedding ; hidden] per row
+        head = [self._norm(x, None, norm, joined, h, x_off=r * h, y_off=(2 * r + part) * h, rows=1)
+                for r in range(rows) for part, (x, norm) in enumerate(pieces)]
+        head += self._matvec(self._matrix(mtp.eh_proj), joined, self.x)
+        layer = self._bind_layer(spec)
+        tail = [self._norm(self.x, self.ffn_out, mtp.head_norm, self.draft_hidden, h, self.hidden_x8),
+                *self._matvec(self._matrix(LM_HEAD), self.draft_hidden, self.draft_logits, quantized=self.hidden_x8),
+                k.bind("argmax_row", (self.red, rows), (self.red, 1), x=self.draft_logits.buffer, n=vocab,
+                       token=self.drafted.buffer)]
+        embed = self._matrix(EMBED)
+        choose = k.bind("argmax_row", (self.red, rows), (self.red, 1), x=self.logits.buffer, n=vocab,
+                        token=self.verified.buffer)
+        return _Draft(choose, bind_embed_row(k, embed, self.verified.buffer, emb.buffer, rows), head, layer, tail)
+
     def _bind_layer(self, spec: LayerSpec) -> _Layer:
         """The launches of one decoder layer: its description's stages in `GlmMoeDsaModel.decoder_layer`'s order."""
         cfg, k, out, a = self.cfg, self.k, _Layer(), spec.attention
         h, nh, nope, rope, v_dim, kvl = cfg.hidden_size, a.heads, a.nope, a.rope, a.v_dim, a.kv_lora
         kv_b = self._matrix(a.kv_b)
         out.head = [
-            self._norm(self.x, self.ffn_out if spec.index > 0 else None, spec.input_norm, self.u, h, self.u_x8),
+            # the first layer and the MTP layer start from x itself (an embedding; eh_proj's output)
+            self._norm(self.x, self.ffn_out if 0 < spec.index < cfg.num_hidden_layers else None, spec.input_norm,
+                       self.u, h, self.u_x8),
             *self._matvec_pair(self._matrix(a.q_a), self.q_a, self._matrix(a.kv_a), self.comp),
         ]
         ix = a.indexer  # a layer with an indexer of its own (else it attends with the previous layer's choice)
@@ -786,6 +838,36 @@ class DeviceDecodeStep:
         return (self.logits.host.reshape(rows, -1).copy(), self.hidden.host.reshape(rows, -1).copy(),
                 self.routes(0))
 
+    def verify(self, cache: KVCache, embed: np.ndarray, choose: bool
+               ) -> tuple[np.ndarray, np.ndarray, list, tuple[np.ndarray, np.ndarray] | None]:
+        """The token rows of embeddings `embed [rows, H]` appended at `cache.length` (MTP's verification of a token
+        and its draft), and with `choose` (a step bound with a draft) in the same queue MTP's next drafts: each
+        row's greedy token, then the MTP layer on them (its rows appended at the same positions) and its greedy
+        draft. Returns (logits `[rows, V]`, hidden `[rows, H]`, routes, (greedy tokens `[rows]`, drafts `[rows]`) or
+        None without `choose`)."""
+        self.settle()
+        self.complete(self._enqueue(cache, 0, embed, draft=choose), 0)
+        logits, hidden, routes = (self.logits.host.reshape(self.rows, -1).copy(),
+                                  self.hidden.host.reshape(self.rows, -1).copy(), self.routes(0))
+        if not choose:
+            return logits, hidden, routes, None
+        return logits, hidden, routes, (self.verified.host.astype(np.int64), self.drafted.host.astype(np.int64))
+
+    def drafts(self) -> bool:
+        """Whether the step was bound with MTP's draft (`verify` with choose, `redraft`)."""
+        return self.draft is not None
+
+    def redraft(self, cache: KVCache, tokens: Sequence[int]) -> np.ndarray:
+        """MTP's drafts `[rows]` after the rows `verify` ran last, from these tokens of them (chosen by the host) and
+        their hidden states, the MTP layer's rows appended from its `cache` length (the verification's first
+        position)."""
+        assert self.draft is not None
+        self.settle()
+        self.verified.host[:] = tokens
+        self.complete(self._queue_draft(cache, cache.layer(self.cfg.num_hidden_layers).length, self.slot_of[0], 0,
+                                        choose=False), 0)
+        return self.drafted.host.astype(np.int64)
+
     def watch_routes(self, hook: Callable[[int, np.ndarray], None]) -> None:
         """From now on call `hook(layer, expert ids [k])` as each MoE layer's routing completes on the device,
         before its experts run (from the OpenCL runtime's callback thread: `RouteWatcher`). Direct devices only:
@@ -794,33 +876,110 @@ class DeviceDecodeStep:
             self.watcher = RouteWatcher(self.k, hook)
 
     def routes(self, parity: int) -> list[tuple[int, np.ndarray]]:
-        """`(layer, expert ids [1, k])` of every MoE layer, as the token of this parity routed them; [] over an
-        expert cache (it saw them as they happened)."""
+        """`(layer, expert ids [rows, k])` of every main MoE layer, as the token rows of this parity routed them; []
+        over an expert cache (it saw them as they happened)."""
         if self.experts is not None:
             return []
         slot = self.slot_of[parity]
-        return [(i, layer.ids[slot].host.reshape(self.rows, -1).astype(np.int64)) for i, layer in enumerate(self.layers)
-                if layer.route is not None]
+        return [(i, layer.ids[slot].host.reshape(self.rows, -1).astype(np.int64))
+                for i, layer in enumerate(self.layers) if layer.route is not None]
 
     def settle(self) -> None:
         """Let the pipeline whose token is in flight (if any) finish it: the step's buffers are then free."""
         if self.owner is not None:
             self.owner.suspend()
 
-    def _enqueue(self, cache: KVCache, parity: int, embed: np.ndarray | None, choice: TokenChoice | None = None):
+    def _queue_layer(self, i: int, layer: _Layer, kv, pos: int, keys: int, slot: int, parity: int) -> Any:
+        """Queue decoder layer i's launches (its cache rows `kv`) for the token rows at pos.. of `keys` keys in all;
+        returns the event of its last launch."""
+        n_rows, scored = self.rows, keys > self.topk
+        # per-key kernels: work-groups of KEY_GROUP items (a size left to the driver would follow the key count
+        # down to groups of one item for a prime count: one work-group per key)
+        per_key = -(-keys // KEY_GROUP) * KEY_GROUP
+        attended = self.topk if scored else keys  # the keys attention reads: the indexer's choice, or all
+        per_attended = -(-attended // KEY_GROUP) * KEY_GROUP
+        heads = self.cfg.num_attention_heads if self.k.heads_apart else 1
+        rows = {name: self._cache_buffer(layer, kv, name) for name in layer.cache_fields}
+        lat, rot = rows["kv_lat"], rows["k_rot"]
+        scaled = {f"{name}_scale": rows.get(f"{name}.scale", rows[name]) for name in ("kv_lat", "k_rot")}
+        if layer.store is None:
+            layer.rows.set(kv_lat=lat, k_rot=rot, row=pos)
+        else:
+            layer.store.set(row=pos, **{name.replace(".", "_"): b for name, b in rows.items()})
+        if layer.scores is not None:
+            index_k = rows["index_k"]
+            if layer.store is None:
+                layer.rows.set(index_k=index_k)
+        if not self.k.direct:
+            layer.rows.set(stage=self.row_stage[parity].buffer)
+            kv.edited_from = kv.length  # the host gets this row with the others (`_collect`)
+        for launch in layer.head:
+            launch.enqueue()
+        if scored and layer.scores is not None:
+            layer.scores.set(k=index_k, k_scale=rows.get("index_k.scale", index_k), n_keys=keys)
+            layer.scores.size = (per_key, n_rows)
+            layer.topk.set(n_keys=keys)
+            for launch in layer.scoring:
+                launch.enqueue()
+        layer.attention.set(kv_lat=lat, k_rot=rot, **scaled, use_keys=int(scored), n=attended, n_total=keys)
+        layer.attention.size = (per_attended, heads, n_rows)
+        layer.values.set(kv_lat=lat, kv_lat_scale=scaled["kv_lat_scale"], n=attended, n_total=keys,
+                         use_keys=int(scored))
+        if layer.route is not None:
+            layer.route.set(ids=layer.ids[slot].buffer)
+        for launch in layer.tail:
+            event = launch.enqueue()
+            if launch is layer.route and self.watcher is not None:
+                self.watcher.watch(event, i, layer.ids[slot].host)
+        if layer.arena is not None:
+            event.wait()
+            missing = self._place(layer, slot)
+            for launch in layer.after_route:
+                event = launch.enqueue()
+            self.k.flush()  # the resident experts run while the next layer's are named and the rest read
+            self.experts.read_ahead(layer.arena.layer, self.u.host[None, :])
+            if missing:
+                self.experts.wait_places(layer.arena.layer, missing)
+                for launch in layer.after_misses:
+                    event = launch.enqueue()
+        return event
+
+    def _queue_draft(self, cache: KVCache, pos: int, slot: int, parity: int, choose: bool) -> Any:
+        """Queue MTP's draft of the token rows at pos.. (`_Draft`; the MTP layer's rows are appended there): from
+        the greedy tokens of the verification's logits (`choose`), else from the tokens the host wrote in
+        `verified`. Returns the event of its last launch."""
+        d, layer = self.draft, self.cfg.num_hidden_layers
+        assert d is not None
+        kv = cache.layer(layer)
+        if kv.length != pos:
+            raise ValueError(f"MTP's draft at position {pos}: the MTP layer holds {kv.length} rows")
+        kv.claim(self.rows)
+        if choose:
+            d.choose.enqueue()
+        d.lookup.enqueue()
+        for launch in d.head:
+            launch.enqueue()
+        event = self._queue_layer(layer, d.layer, kv, pos, pos + self.rows, slot, parity)
+        for launch in d.tail:
+            event = launch.enqueue()
+        return event
+
+    def _enqueue(self, cache: KVCache, parity: int, embed: np.ndarray | None, choice: TokenChoice | None = None,
+                 draft: bool = False):
         """Queue one token's forward at position `cache.length`; returns the event of its last launch.
 
         embed: its embedding row `[H]`, written by the host (nothing may be in flight), or None: the embedding of
         the token the device chose at the other parity, looked up on the device. choice: also choose the next
-        token on the device (into `token_ids[parity]`)."""
+        token on the device (into `token_ids[parity]`). draft: MTP's draft of the rows follows (`_queue_draft`)."""
 
         cfg, n_rows = self.cfg, self.rows
+        layers = range(cfg.num_hidden_layers + draft)
         if cache.dtype != self.kv_dtype:
             raise ValueError(f"a cache of {cache.dtype} rows given to a decode step built for {self.kv_dtype}")
         pos = cache.length
         keys = pos + n_rows
         grows = keys > self.capacity or any(
-            cache.layer(i).length + n_rows > len(cache.layer(i).storage("kv_lat")) for i in range(cfg.num_hidden_layers))
+            cache.layer(i).length + n_rows > len(cache.layer(i).storage("kv_lat")) for i in layers)
         if grows:  # the cache or the scratch is reallocated: nothing may still use the old arrays
             self.k.finish()
             for staged in (0, 1):  # a device mirror that grows takes every row from the host again
@@ -841,12 +1000,6 @@ class DeviceDecodeStep:
             self._mask_causal(keys)
         slot = self.slot_of[parity] = self.tokens % ID_SLOTS
         self.tokens += 1
-        # per-key kernels: work-groups of KEY_GROUP items (a size left to the driver would follow the key count
-        # down to groups of one item for a prime count: one work-group per key)
-        per_key = -(-keys // KEY_GROUP) * KEY_GROUP
-        attended = self.topk if scored else keys  # the keys attention reads: the indexer's choice, or all
-        per_attended = -(-attended // KEY_GROUP) * KEY_GROUP
-        heads = cfg.num_attention_heads if self.k.heads_apart else 1
         for i in range(cfg.num_hidden_layers):
             cache.layer(i).claim(n_rows)
         if embed is None:
@@ -854,52 +1007,11 @@ class DeviceDecodeStep:
             self.embed.enqueue()
         try:
             for i, layer in enumerate(self.layers):
-                kv = cache.layer(i)
-                rows = {name: self._cache_buffer(layer, kv, name) for name in layer.cache_fields}
-                lat, rot = rows["kv_lat"], rows["k_rot"]
-                scaled = {f"{name}_scale": rows.get(f"{name}.scale", rows[name]) for name in ("kv_lat", "k_rot")}
-                if layer.store is None:
-                    layer.rows.set(kv_lat=lat, k_rot=rot, row=pos)
-                else:
-                    layer.store.set(row=pos, **{name.replace(".", "_"): b for name, b in rows.items()})
-                if layer.scores is not None:
-                    index_k = rows["index_k"]
-                    if layer.store is None:
-                        layer.rows.set(index_k=index_k)
-                if not self.k.direct:
-                    layer.rows.set(stage=self.row_stage[parity].buffer)
-                    kv.edited_from = kv.length  # the host gets this row with the others (`_collect`)
-                for launch in layer.head:
-                    launch.enqueue()
-                if scored and layer.scores is not None:
-                    layer.scores.set(k=index_k, k_scale=rows.get("index_k.scale", index_k), n_keys=keys)
-                    layer.scores.size = (per_key, n_rows)
-                    layer.topk.set(n_keys=keys)
-                    for launch in layer.scoring:
-                        launch.enqueue()
-                layer.attention.set(kv_lat=lat, k_rot=rot, **scaled, use_keys=int(scored), n=attended, n_total=keys)
-                layer.attention.size = (per_attended, heads, n_rows)
-                layer.values.set(kv_lat=lat, kv_lat_scale=scaled["kv_lat_scale"], n=attended, n_total=keys,
-                                 use_keys=int(scored))
-                if layer.route is not None:
-                    layer.route.set(ids=layer.ids[slot].buffer)
-                for launch in layer.tail:
-                    event = launch.enqueue()
-                    if launch is layer.route and self.watcher is not None:
-                        self.watcher.watch(event, i, layer.ids[slot].host)
-                if layer.arena is not None:
-                    event.wait()
-                    missing = self._place(layer, slot)
-                    for launch in layer.after_route:
-                        event = launch.enqueue()
-                    self.k.flush()  # the resident experts run while the next layer's are named and the rest read
-                    self.experts.read_ahead(layer.arena.layer, self.u.host[None, :])
-                    if missing:
-                        self.experts.wait_places(layer.arena.layer, missing)
-                        for launch in layer.after_misses:
-                            event = launch.enqueue()
+                event = self._queue_layer(i, layer, cache.layer(i), pos, keys, slot, parity)
             self.final_norm.enqueue()
             event = self.lm_head.enqueue()
+            if draft:
+                event = self._queue_draft(cache, pos, slot, parity, choose=True)
             if choice is not None:
                 event = choice.enqueue(parity)
             if not self.k.direct:  # what the host reads of this token, behind its kernels

@@ -77,9 +77,10 @@ def bind_matvec_pair(k: Kernels, w: ClWeight, w2: ClWeight, x_codes: Int8Codes, 
                   y=y, rows=w.rows, items=items, y2=y2, rows2=w2.rows)
 
 
-def bind_embed_row(k: Kernels, w: ClWeight, token: Any, out: Any) -> Launch:
-    """Row `token[0]` of W (a buffer holding one uint) as float into `out`: an embedding lookup on the device."""
-    return k.bind("er_" + w.suffix, (w.n_in,), None, **w.args(), token=token, out=out)
+def bind_embed_row(k: Kernels, w: ClWeight, token: Any, out: Any, tokens: int = 1) -> Launch:
+    """Rows `token[t]` of W (a buffer holding `tokens` uints) as float into rows t of `out`: an embedding lookup on
+    the device."""
+    return k.bind("er_" + w.suffix, (w.n_in, tokens), None, **w.args(), token=token, out=out)
 
 
 def bind_matvec_t(k: Kernels, w: ClWeight, x: Any, y: Any, heads: int, x_h: int, head_rows: int, row_start: int,

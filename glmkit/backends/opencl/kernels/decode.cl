@@ -50,13 +50,15 @@ __kernel void residual_rms_norm(__global float* x, uint x_off, __global const fl
                  qsum + r * (n / 64), red);
 }
 
-/* token[0] = the index of the largest of n values, the first one on ties (NumPy's argmax): the greedy token,
- * chosen on the device so that the next token's forward can be queued before the host sees this one. One
- * work-group. */
+/* token[r] = the index of the largest of the n values of row r of x, the first one on ties (NumPy's argmax): the
+ * greedy token, chosen on the device so that the next token's forward can be queued before the host sees this
+ * one (and MTP's draft of the verified tokens, from the tokens chosen for them). One work-group per row: global
+ * (RED_LANES, rows). */
 __kernel void argmax_row(__global const float* x, uint n, __global uint* token) {
     __local float best[RED_LANES];
     __local uint at[RED_LANES];
-    const uint l = get_local_id(0), none = 0xffffffffu;
+    const uint l = get_local_id(0), none = 0xffffffffu, r = get_global_id(1);
+    x += (ulong)r * n;
     float v = -INFINITY;
     uint idx = none;
     for (uint i = l; i < n; i += RED_LANES) {
@@ -79,7 +81,7 @@ __kernel void argmax_row(__global const float* x, uint n, __global uint* token) 
         }
         barrier(CLK_LOCAL_MEM_FENCE);
     }
-    if (l == 0) token[0] = at[0];
+    if (l == 0) token[r] = at[0];
 }
 
 /* y += a over n values (a shared expert that runs in a launch pair of its own). Global (n). */

@@ -204,7 +204,8 @@ INLINE void matmul(const int bits, WARGS, __global const float* x, uint n_s, uin
 }
 
 /* out[r, i] = W[row_start + r, i] as float (prefill: dequantize once, then a BLAS GEMM). Global (n_in, rows).
- * er_*: one row, its index read from a buffer (the device decode step's embedding of a device-chosen token). */
+ * er_*: row token[t] into out row t, the index read from a buffer (the device decode step's embedding of a
+ * device-chosen token). Global (n_in, tokens). */
 INLINE void dequant(const int bits, WARGS, __global float* out, uint rows, uint row_start) {
     const uint i = get_global_id(0), r = get_global_id(1);
     if (i >= n_in || r >= rows) return;
@@ -360,10 +361,10 @@ __kernel void dq_##SUFFIX(WARGS, __global float* out, uint rows, uint row_start)
     dequant(BITS, wbuf, w_off, sbuf, s_off, n_in, row_bytes, group, n_groups, out, rows, row_start); \
 } \
 __kernel void er_##SUFFIX(WARGS, __global const uint* token, __global float* out) { \
-    const uint i = get_global_id(0); \
+    const uint i = get_global_id(0), t = get_global_id(1); \
     if (i >= n_in) return; \
-    const ulong r = token[0]; \
-    out[i] = weight_at(BITS, ROW_PTR(r), SCALE_PTR(r), i, group); \
+    const ulong r = token[t]; \
+    out[(ulong)t * n_in + i] = weight_at(BITS, ROW_PTR(r), SCALE_PTR(r), i, group); \
 } \
 __kernel void eg_##SUFFIX(__global const uchar* wbuf, __global const ulong* offs, __global const uint* slot_tok, \
                           uint n_in, uint row_bytes, uint group, uint n_groups, __global const float* x, uint x_s, \
