@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 from glmkit.backends.numpy_backend import NumpyBackend
 from glmkit.errors import GlmkitError
 from glmkit.format.reader import Container
@@ -89,12 +91,54 @@ class Engine:
         return self.container.model_hash
 
     def use_mtp(self, force_on: bool, off: bool) -> bool:
-        """MTP speculative decoding for `--mtp` / `--no-mtp`, else by default: on, except where single tokens
-        decode as one device step. There a draft's verification (a two-token forward, run operation by operation)
-        costs more than two steps (docs/BENCHMARKS.md)."""
+        """MTP speculative decoding for `--mtp` / `--no-mtp`, else by default: on where single tokens decode
+        operation by operation; where they decode as one device step, on where a draft's verification and the next
+        draft (one device step too) cost less than two single tokens, as measured on this device (`mtp_costs`).
+        Then a generation whose first drafts are accepted too rarely to pay turns MTP off for its remaining tokens
+        (`GlmMoeDsaModel.mtp_break_even`)."""
         if force_on or off:
             return force_on
-        return self.config.num_nextn_predict_layers > 0 and not self.model.decodes_on_device()
+        if not self.model.has_mtp:
+            return False
+        if not self.model.decodes_on_device():
+            return True
+        if not self.model.drafts_on_device():
+            return False
+        costs = self.mtp_costs()
+        self.model.mtp_break_even = costs["cycle"] / costs["token"] - 1
+        return self.model.mtp_break_even < 1
+
+    def mtp_costs(self) -> dict[str, float]:
+        """ms of one single decoded token (pipelined, "token") and of one MTP verification with its draft
+        ("cycle") on this model's device steps: measured once per device and model (`measure_mtp_costs`), kept in
+        the device's profile."""
+        from glmkit.backends.devices import stored_measurement
+
+        return stored_measurement(self.backend.k.info, self.container, "mtp_ms",
+                                  lambda: measure_mtp_costs(self.model))
+
+
+def measure_mtp_costs(model: GlmMoeDsaModel) -> dict[str, float]:
+    """`Engine.mtp_costs` measured now: median ms per pipelined single token and per verification with its draft
+    (each from the same cache length), after random tokens reaching past index_topk (the indexer selects)."""
+    from glmkit.backends.devices import timeit
+
+    cfg = model.config
+    n = min(cfg.index_topk + 16, cfg.max_position_embeddings // 2)
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, n + 2)
+    cache = model.new_cache()
+    _, hidden = model.forward(ids[:n], cache)
+    model.mtp_forward(hidden, ids[1:n + 1], cache)
+    pipe = model.pipelined_decode(int(ids[n]), cache)
+    assert pipe is not None
+    token = timeit(pipe.advance)
+    pipe.close()
+
+    def cycle() -> None:
+        cache.truncate(n)
+        model.verify_draft(ids[n:n + 2], cache, greedy=True)
+
+    return {"token": round(token * 1e3, 4), "cycle": round(timeit(cycle) * 1e3, 4)}
 
 
 def default_expert_cache(container: Container) -> tuple[int, str]:

@@ -26,6 +26,7 @@ from glmkit.generate.sampling import Sampler
 from glmkit.model.glm5 import VERIFY_ROWS, GlmMoeDsaModel
 from glmkit.model.kv_cache import KVCache
 
+MTP_PROBE_DRAFTS = 16  # drafts after which a generation compares its acceptance with the model's break-even
 PREFILL_CHUNK = 2048  # prompt tokens per forward: a long prompt's temporaries stay those of one chunk
 DECODE_RESERVE = 4096  # KV rows made room for after the prompt, at most
 
@@ -175,6 +176,11 @@ class Generator:
                     cache.truncate(base + 1)  # drop the draft's row
                     draft = self._next_draft(hidden[:1], [nxt], cache, base, fused)
                     token = nxt
+                break_even = self.model.mtp_break_even
+                if stats.mtp_drafts == MTP_PROBE_DRAFTS and break_even is not None and (
+                        stats.mtp_accepted < break_even * stats.mtp_drafts):
+                    draft = None  # too few accepted to pay on this device: single tokens from here on
+                    pipelined = self.pipelined and not sampler.needs_logits
         finally:
             if pipe is not None:
                 pipe.close()  # the cache keeps no row past the last token yielded

@@ -134,6 +134,9 @@ class GlmMoeDsaModel:
         self.step_experts = step_experts
         self._step: DecodeStep | None | bool = False  # the backend's decode step, asked for on first decode
         self._verify: DecodeStep | None | bool = False  # its two-row form (MTP's verification), on first use
+        # the MTP acceptance below which drafting decodes slower than single tokens on the device step, where
+        # measured (`Engine.use_mtp`): a generation turns MTP off once its first drafts fall below it
+        self.mtp_break_even: float | None = None
         self.layers = [layer_spec(config, i, weights.has) for i in range(config.num_layers_with_mtp)]
 
     def _w(self, name: str) -> Weight:
