@@ -242,7 +242,9 @@ class GlmMoeDsaModel:
         """`DecodeStep.verify` of the embedding rows `x`, after any pipelined single-token forward in flight
         finished (the two steps share the device's queue and the cache)."""
         self._step.settle()
-        logits, hidden, routes, drafted = self._verify.verify(cache, x, choose)
+        step = self._verify_step()
+        assert step is not None
+        logits, hidden, routes, drafted = step.verify(cache, x, choose)
         self._report_routes(routes)
         return logits, hidden, drafted
 
@@ -257,7 +259,9 @@ class GlmMoeDsaModel:
     def redraft(self, token_ids: list[int], cache: KVCache) -> np.ndarray:
         """The MTP head's greedy drafts `[2]` after the rows `verify_draft` ran last, given the tokens chosen for
         them (`[2]`); the MTP layer's rows are appended from its length (the verified rows' first position)."""
-        return self._verify.redraft(cache, token_ids)
+        step = self._verify_step()
+        assert step is not None
+        return step.redraft(cache, token_ids)
 
     def _device_decode(self, token: int, embed: np.ndarray, cache: KVCache) -> tuple[np.ndarray, np.ndarray]:
         """One decoded token through the backend's decode step; the route hook sees each layer's experts after
