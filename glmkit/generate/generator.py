@@ -108,13 +108,13 @@ class Generator:
         new = np.asarray(prompt_ids[cache.length:], dtype=np.int64)
         logits, hidden = self.model.forward(new, cache, last_logits_only=True)
         token = sampler(logits[-1])
-        stats.prefill_s = stats.ttft_s = time.perf_counter() - start
-        decode_start = time.perf_counter()
-
         draft = None
         if self.use_mtp:
-            # MTP rows exist for every position whose next token is known; catch up on the prompt's
+            # MTP rows exist for every position whose next token is known; catch up on the prompt's (the MTP
+            # layer's prefill: before the first token is yielded)
             draft = self._mtp_catch_up(prompt_ids, hidden, token, cache)
+        stats.prefill_s = stats.ttft_s = time.perf_counter() - start
+        decode_start = time.perf_counter()
         emitted = 0
         pipe = None  # decoding with the next forward in flight (the device decode step)
         # tried once; off again once the pipe stops
