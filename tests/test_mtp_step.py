@@ -140,3 +140,42 @@ def test_mtp_where_no_two_row_step(snapshots, kernels):
     prompt = [int(t) for t in oracle("tiny-trained")["full_ids"][:20]]
     greedy = SamplingParams(temperature=0)
     assert generate(dev, prompt, True, greedy, 12)[0] == generate(dev, prompt, False, greedy, 12)[0]
+
+
+@pytest.mark.parametrize("cycle,on", [(1.6, True), (2.4, False)])
+def test_default_mtp_follows_the_measured_costs(snapshots, monkeypatch, tmp_path, cycle, on):
+    """`Engine.use_mtp` without --mtp/--no-mtp on the device step: on where a verification with its draft measured
+    cheaper than two single tokens (the break-even acceptance cycle / token - 1 below 1), measured once per device
+    and model (kept in the device profile: a second engine does not measure again); the flags win."""
+    from glmkit.generate import engine as engine_module
+
+    monkeypatch.setenv("GLMKIT_DEVICE_CACHE_DIR", str(tmp_path))  # a profile without this measurement
+    calls = []
+    monkeypatch.setattr(engine_module, "measure_mtp_costs", lambda model: calls.append(model) or
+                        {"token": 1.0, "cycle": cycle})
+    snapshot = snapshots("tiny-trained", "q4")
+    for _ in range(2):
+        engine = Engine(snapshot, "opencl", load_tokenizer=False)
+        assert engine.model.drafts_on_device()
+        assert engine.use_mtp(False, False) is on
+        assert engine.model.mtp_break_even == pytest.approx(cycle - 1)
+        assert engine.use_mtp(True, False) and not engine.use_mtp(False, True)
+    assert len(calls) == 1 and engine.mtp_costs()["cycle"] == cycle
+
+
+def test_generation_drops_mtp_below_the_break_even(snapshots, kernels):
+    """A generation whose first 16 drafts are accepted less often than the model's break-even goes on without MTP
+    (the same tokens); above it MTP stays on."""
+    from glmkit.generate.generator import MTP_PROBE_DRAFTS
+
+    engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
+    dev = device_model(engine, kernels)
+    prompt = [int(t) for t in oracle("tiny-trained")["full_ids"][:20]]
+    greedy = SamplingParams(temperature=0)
+    off, _ = generate(dev, prompt, False, greedy)
+    dev.mtp_break_even = 1.5  # more than every draft: MTP cannot pay
+    on, gen = generate(dev, prompt, True, greedy)
+    assert on == off and gen.stats.mtp_drafts == MTP_PROBE_DRAFTS
+    dev.mtp_break_even = 0.0
+    on, gen = generate(dev, prompt, True, greedy)
+    assert on == off and gen.stats.mtp_drafts > MTP_PROBE_DRAFTS

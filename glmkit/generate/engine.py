@@ -118,27 +118,27 @@ class Engine:
                                   lambda: measure_mtp_costs(self.model))
 
 
-def measure_mtp_costs(model: GlmMoeDsaModel) -> dict[str, float]:
-    """`Engine.mtp_costs` measured now: median ms per pipelined single token and per verification with its draft
-    (each from the same cache length), after random tokens reaching past index_topk (the indexer selects)."""
-    from glmkit.backends.devices import timeit
+def measure_mtp_costs(model: GlmMoeDsaModel, rounds: int = 3, tokens: int = 32) -> dict[str, float]:
+    """`Engine.mtp_costs` measured now, as `Generator` decodes greedily after random prompt tokens reaching past
+    index_topk (the indexer selects): ms per decoded token with MTP off ("token", the pipelined step) and per main
+    forward with MTP on ("cycle": a verification with its draft, the host's work between them included), the
+    medians of `rounds` alternations of `tokens` tokens each (after one more, untimed)."""
+    from glmkit.generate.generator import Generator
+    from glmkit.generate.sampling import Sampler, SamplingParams
 
     cfg = model.config
-    n = min(cfg.index_topk + 16, cfg.max_position_embeddings // 2)
-    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, n + 2)
-    cache = model.new_cache()
-    _, hidden = model.forward(ids[:n], cache)
-    model.mtp_forward(hidden, ids[1:n + 1], cache)
-    pipe = model.pipelined_decode(int(ids[n]), cache)
-    assert pipe is not None
-    token = timeit(pipe.advance)
-    pipe.close()
-
-    def cycle() -> None:
-        cache.truncate(n)
-        model.verify_draft(ids[n:n + 2], cache, greedy=True)
-
-    return {"token": round(token * 1e3, 4), "cycle": round(timeit(cycle) * 1e3, 4)}
+    length = min(cfg.index_topk + 16, cfg.max_position_embeddings // 2)
+    prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, length).tolist()
+    costs: dict[str, list[float]] = {"token": [], "cycle": []}
+    for round_ in range(rounds + 1):  # round 0 warms up: kernel builds, first launches
+        for use_mtp in (False, True):
+            generator = Generator(model, (), use_mtp=use_mtp)
+            for _token in generator.generate(prompt, tokens + 1, Sampler(SamplingParams())):
+                pass
+            stats = generator.stats
+            if round_:
+                costs["cycle" if use_mtp else "token"].append(stats.decode_s * 1e3 / stats.main_forwards)
+    return {name: round(float(np.median(values)), 4) for name, values in costs.items()}
 
 
 def default_expert_cache(container: Container) -> tuple[int, str]:
