@@ -4,14 +4,16 @@
     PYTHONPATH=. python tools/bench.py --model bench --preset q4 --devices numpy,opencl   # table + JSON
     PYTHONPATH=. python tools/bench.py --runs 3 --json /tmp/bench.json --md /tmp/bench.md # the documented run
 
-The model is the benchmark-size random checkpoint of tools/bench_model.py (converted on first use). Per
+The model is the benchmark-size random checkpoint of tools/bench_model.py (converted on first use), or with
+`--snapshot` a converted one (e.g. the trained fixture, its own text as the prompt: `--prompt-tokens`). Per
 device and preset, each run is one child process (`--worker`), runs go round-robin over the devices (so
 a change in machine load hits every device alike) and the table shows medians over `--runs`:
 - prefill tok/s at 256 and 1,024 tokens: `model.forward(ids, new cache, last_logits_only=True)` (after a
   short warm-up generation with and without MTP, so kernel builds and first page faults are not counted);
 - TTFT: a 256-token prompt through `Generator` until its first token;
-- decode tok/s over 64 tokens after that prompt, MTP off and on (greedy, no EOS: always 64 tokens; the
-  random model's MTP head rarely agrees, so MTP on mostly costs);
+- decode tok/s over 64 tokens (`--decode`) after that prompt, MTP off and on (greedy, no EOS: always that many
+  tokens; the random model's MTP head rarely agrees, so MTP on mostly costs); `--mtp-rounds N` decodes MTP off
+  then on N times per run, alternately, and reports the medians and each alternation's on / off ratio;
 - peak RSS during decode (VmHWM reset through /proc/self/clear_refs once the first token is out, i.e. after
   the prompt's prefill) next to the process's RSS before the snapshot was opened (interpreter, NumPy, OpenCL
   runtime and built kernels):
@@ -277,8 +279,8 @@ def summarize(results: dict[str, list[dict]], bytes_per_token: int, bandwidth: f
             row["all_decode_tok_s_mtp_off"] = [round(r["decode_tok_s_mtp_off"], 2) for r in ok]
             # MTP on over off per alternation (each on-decode beside the off-decode just before it)
             row["mtp_round_ratios"] = [round(on / off, 3) for r in ok for off, on in
-                                       zip(r["decode_tok_s_mtp_off_rounds"], r["decode_tok_s_mtp_on_rounds"],
-                                           strict=True)]
+                                       zip(r.get("decode_tok_s_mtp_off_rounds", ()),
+                                           r.get("decode_tok_s_mtp_on_rounds", ()), strict=True)]
             # a GPU's ceiling is its own memory's read bandwidth, not the host's
             device_bw = [r["device_read_gbs"] for r in ok if r.get("device_read_gbs")]
             row["bandwidth_gbs"] = max(device_bw) if device_bw else bandwidth
