@@ -73,7 +73,7 @@ def test_two_rows_equal_two_single_steps(snapshots, kernels, variant, preset, in
 def test_draft_in_the_queue_is_the_mtp_head(snapshots, kernels):
     """The MTP head in the verification's queue (each row's greedy token, then the MTP layer) gives the MTP
     head's logits run operation by operation on the same rows (float inputs: f32 noise), its greedy drafts, and the
-    MTP layer's cache rows; `redraft` from host tokens gives the same."""
+    MTP layer's cache rows; `redraft` from host tokens gives the same, after another sequence's verification."""
     engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
     dev = device_model(engine, kernels, int8_activations=False)
     cfg = engine.config
@@ -96,7 +96,11 @@ def test_draft_in_the_queue_is_the_mtp_head(snapshots, kernels):
     for name in ("kv_lat", "k_rot", "index_k"):
         np.testing.assert_allclose(mtp_fused.rows(name), mtp_ref.rows(name), rtol=1e-4, atol=1e-5)
     mtp_fused.truncate(start)
-    assert dev.redraft(chosen.tolist(), fused).tolist() == drafts.tolist()
+    other = dev.new_cache()  # another sequence's verification in between (glm-serve interleaves requests)
+    dev.forward(ids[:9], other)
+    dev.verify_draft(ids[9:11], other, greedy=False)
+    assert dev.redraft(chosen.tolist(), hidden, fused).tolist() == drafts.tolist()
+    assert mtp_fused.length == start + 2
 
 
 def generate(model: GlmMoeDsaModel, prompt: list[int], use_mtp: bool, params: SamplingParams, n: int = 40

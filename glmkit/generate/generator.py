@@ -217,7 +217,8 @@ class Generator:
         if fused is None and not self.model.drafts_on_device():
             return self._mtp_step(hidden, chosen, cache)
         mtp.truncate(base)
-        drafts = self.model.redraft(chosen + chosen[-1:] * (VERIFY_ROWS - n), cache)  # a spare row, then dropped
+        spare = np.minimum(np.arange(VERIFY_ROWS), n - 1)  # rows past the kept ones: a copy of the last, then dropped
+        drafts = self.model.redraft([chosen[i] for i in spare], hidden[spare], cache)
         mtp.truncate(base + n)
         return int(drafts[n - 1])
 

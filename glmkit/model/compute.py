@@ -199,8 +199,9 @@ class DecodeStep(Protocol):
         draft after it) or None)."""
         ...
 
-    def redraft(self, cache: KVCache, tokens: Sequence[int]) -> np.ndarray:
-        """The MTP head's greedy drafts `[R]` after the rows `verify` ran last and these tokens chosen for them."""
+    def redraft(self, cache: KVCache, tokens: Sequence[int], hidden: np.ndarray) -> np.ndarray:
+        """The MTP head's greedy drafts `[R]` after verified rows of main hidden states `hidden [R, H]` and the
+        tokens chosen for them (the MTP layer's rows appended from its length)."""
         ...
 
     def drafts(self) -> bool:

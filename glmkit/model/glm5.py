@@ -256,12 +256,14 @@ class GlmMoeDsaModel:
         both) or None). Without `greedy` the host chooses the tokens and `redraft` drafts."""
         return self._verify_rows(self.embed(token_ids), cache, greedy)
 
-    def redraft(self, token_ids: list[int], cache: KVCache) -> np.ndarray:
-        """The MTP head's greedy drafts `[2]` after the rows `verify_draft` ran last, given the tokens chosen for
-        them (`[2]`); the MTP layer's rows are appended from its length (the verified rows' first position)."""
+    def redraft(self, token_ids: list[int], hidden: np.ndarray, cache: KVCache) -> np.ndarray:
+        """The MTP head's greedy drafts `[2]` on the device step after verified rows of main hidden states `hidden
+        [2, H]` and the tokens chosen for them (`[2]`); the MTP layer's rows are appended from its length (the
+        verified rows' first position)."""
         step = self._verify_step()
         assert step is not None
-        return step.redraft(cache, token_ids)
+        self._step.settle()
+        return step.redraft(cache, token_ids, hidden)
 
     def _device_decode(self, token: int, embed: np.ndarray, cache: KVCache) -> tuple[np.ndarray, np.ndarray]:
         """One decoded token through the backend's decode step; the route hook sees each layer's experts after

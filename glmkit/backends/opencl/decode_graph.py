@@ -857,15 +857,16 @@ class DeviceDecodeStep:
         """Whether the step was bound with MTP's draft (`verify` with choose, `redraft`)."""
         return self.draft is not None
 
-    def redraft(self, cache: KVCache, tokens: Sequence[int]) -> np.ndarray:
-        """MTP's drafts `[rows]` after the rows `verify` ran last, from these tokens of them (chosen by the host) and
-        their hidden states, the MTP layer's rows appended from its `cache` length (the verification's first
-        position)."""
+    def redraft(self, cache: KVCache, tokens: Sequence[int], hidden: np.ndarray) -> np.ndarray:
+        """MTP's drafts `[rows]` after verified rows of main hidden states `hidden [rows, H]` and the tokens the
+        host chose for them, the MTP layer's rows appended from its `cache` length (the rows' first position)."""
         assert self.draft is not None
         self.settle()
+        pos = cache.layer(self.cfg.num_hidden_layers).length
+        self._place_rows(pos, 0)
+        self.hidden.host[:] = hidden.reshape(-1)
         self.verified.host[:] = tokens
-        self.complete(self._queue_draft(cache, cache.layer(self.cfg.num_hidden_layers).length, self.slot_of[0], 0,
-                                        choose=False), 0)
+        self.complete(self._queue_draft(cache, pos, self._next_slot(0), 0, choose=False), 0)
         return self.drafted.host.astype(np.int64)
 
     def watch_routes(self, hook: Callable[[int, np.ndarray], None]) -> None:
@@ -944,6 +945,27 @@ class DeviceDecodeStep:
                     event = launch.enqueue()
         return event
 
+    def _place_rows(self, pos: int, parity: int) -> None:
+        """Make ready for the token rows at pos..: scratch for their keys, their cos/sin (`cs[parity]`, set on every
+        launch that reads them) and, with several rows where the indexer selects, the causal mask."""
+        keys = pos + self.rows
+        self._grow(keys)
+        attention = self.specs[0].attention  # every layer's RoPE is the same (`check_bindable`)
+        cos, sin = rope_cos_sin(np.arange(pos, keys), attention.rope, attention.rope_theta)
+        self.cs[parity].host[:] = np.concatenate([cos, sin], axis=1).reshape(-1)
+        self.buffers.to_device(self.cs[parity])  # the last token of this parity has finished: its copy was done
+        cs = self.cs[parity].buffer
+        for launch in self._cs_users:
+            launch.set(cs=cs)
+        if keys > self.topk and self.rows > 1:
+            self._mask_causal(keys)
+
+    def _next_slot(self, parity: int) -> int:
+        """The routed-id slot of the forward queued next at this parity."""
+        slot = self.slot_of[parity] = self.tokens % ID_SLOTS
+        self.tokens += 1
+        return slot
+
     def _queue_draft(self, cache: KVCache, pos: int, slot: int, parity: int, choose: bool) -> Any:
         """Queue MTP's draft of the token rows at pos.. (`_Draft`; the MTP layer's rows are appended there): from
         the greedy tokens of the verification's logits (`choose`), else from the tokens the host wrote in
@@ -984,22 +1006,11 @@ class DeviceDecodeStep:
             self.k.finish()
             for staged in (0, 1):  # a device mirror that grows takes every row from the host again
                 self._collect(staged)
-        self._grow(keys)
-        attention = self.specs[0].attention  # every layer's RoPE is the same (`check_bindable`)
-        cos, sin = rope_cos_sin(np.arange(pos, keys), attention.rope, attention.rope_theta)
-        self.cs[parity].host[:] = np.concatenate([cos, sin], axis=1).reshape(-1)
-        self.buffers.to_device(self.cs[parity])  # the last token of this parity has finished: its copy was done
-        cs = self.cs[parity].buffer
-        for launch in self._cs_users:
-            launch.set(cs=cs)
+        self._place_rows(pos, parity)
         if embed is not None:
             self.x.host[:] = embed.reshape(-1)
             self.buffers.to_device(self.x)
-        scored = keys > self.topk
-        if scored and n_rows > 1:
-            self._mask_causal(keys)
-        slot = self.slot_of[parity] = self.tokens % ID_SLOTS
-        self.tokens += 1
+        slot = self._next_slot(parity)
         for i in range(cfg.num_hidden_layers):
             cache.layer(i).claim(n_rows)
         if embed is None:
