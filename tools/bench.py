@@ -375,12 +375,12 @@ def ratios(table: dict[str, dict]) -> list[str]:
     return out
 
 
-def prompt_from_file(path: Path) -> list[int]:
-    """The first PROMPT token ids of a JSON list (or of the first list in a list of lists)."""
+def prompt_from_file(path: Path, n: int) -> list[int]:
+    """The first n token ids of a JSON list (or of the first list in a list of lists)."""
     ids = json.loads(path.read_text())
     if ids and isinstance(ids[0], list):
         ids = ids[0]
-    return [int(t) for t in ids[:PROMPT]]
+    return [int(t) for t in ids[:n]]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -402,8 +402,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--snapshot", type=Path, help="a converted snapshot to measure instead of the bench model "
                                                  "(glmkit rows only)")
     p.add_argument("--prompt-tokens", type=Path, help="JSON token ids (a list, or a list of lists: the first) for "
-                                                      f"the decode prompt, its first {PROMPT} (default random ids)")
+                                                      "the decode prompt, its first --prompt (default random ids)")
     p.add_argument("--decode", type=int, default=DECODE, help="tokens decoded per measurement (default %(default)s)")
+    p.add_argument("--prompt", type=int, default=PROMPT, help="prompt tokens before the decode (default %(default)s)")
     p.add_argument("--mtp-rounds", type=int, default=1, help="decode MTP off, then on, this many times per run "
                                                              "(medians; default %(default)s)")
     args = p.parse_args(argv)
@@ -433,9 +434,9 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError:
             print("transformers/torch not installed (pip install -e '.[oracle]'): skipping that row", file=sys.stderr)
             devices.remove("transformers")
-    base = {"snapshot": str(snapshot), "source": str(source), "prefill": list(PREFILL), "prompt": PROMPT,
+    base = {"snapshot": str(snapshot), "source": str(source), "prefill": list(PREFILL), "prompt": args.prompt,
             "decode": args.decode, "context": args.context, "threads": args.threads, "mtp_rounds": args.mtp_rounds,
-            "prompt_ids": prompt_from_file(args.prompt_tokens) if args.prompt_tokens else None,
+            "prompt_ids": prompt_from_file(args.prompt_tokens, args.prompt) if args.prompt_tokens else None,
             "heads": json.loads((source / "config.json").read_text())["num_attention_heads"]}
     results: dict[str, list[dict]] = {d: [] for d in devices}
     for run in range(args.runs):
