@@ -28,6 +28,11 @@ routing kernel fills the slots of each buffer, and each gets its own fused launc
 builds the step, or returns None when a weight or an expert cannot be used in place or placed on the device (the
 per-operation path runs then).
 
+MTP's verification of a draft runs as the same step bound for two token rows (`rows=2`, CPU devices over the
+mapping): the weight products take both rows, the kernels that work per token a row each (a work-group or a global
+dimension per row), attention with each row's causal keys, and with `draft` the MTP layer and head after them in
+the same queue, from each row's greedy token (`verify`), or from the host's tokens (`redraft`).
+
 Pipelined decoding (`DecodePipeline`) also chooses the token and looks up the next embedding on the device, so that
 the next token's forward is queued before the host has seen this one: the device does not wait for the host
 between tokens. The token is the argmax (`ArgmaxChoice`, greedy) or drawn with temperature, top-k and top-p from
@@ -218,6 +223,11 @@ class DeviceDecodeStep:
     layer's experts lie in one buffer in both). routes are then [] (the cache saw them as they happened). Greedy
     decoding is pipelined as on the mapping: the next token's forward is queued up to its first MoE layer's
     routing while this one finishes, so the device does not wait for the host between tokens.
+
+    rows: token rows per forward (consecutive positions; 2: MTP's verification of [token, draft], `verify`), CPU
+    devices over the mapping only. Each row's logits, hidden state and KV rows are bit for bit those of the
+    single-row step fed the same tokens. draft: (the MTP layer's description, the MTP head's): `verify` then also
+    drafts in the same queue.
     """
 
     def __init__(self, cfg: ModelConfig, layers: Sequence[LayerSpec], weight: Callable[[str], Weight],
