@@ -118,16 +118,17 @@ class Engine:
                                   lambda: measure_mtp_costs(self.model))
 
 
-def measure_mtp_costs(model: GlmMoeDsaModel, rounds: int = 3, tokens: int = 32) -> dict[str, float]:
-    """`Engine.mtp_costs` measured now, as `Generator` decodes greedily after random prompt tokens reaching past
-    index_topk (the indexer selects): ms per decoded token with MTP off ("token", the pipelined step) and per main
-    forward with MTP on ("cycle": a verification with its draft, the host's work between them included), the
-    medians of `rounds` alternations of `tokens` tokens each (after one more, untimed)."""
+def measure_mtp_costs(model: GlmMoeDsaModel, rounds: int = 3, tokens: int = 24) -> dict[str, float]:
+    """`Engine.mtp_costs` measured now, as `Generator` decodes greedily after random prompt tokens (past index_topk
+    where it is small, so that the indexer selects; at most 64): ms per decoded token with MTP off ("token", the
+    pipelined step) and per main forward with MTP on ("cycle": a verification with its draft, the host's work
+    between them included), the medians of `rounds` alternations of `tokens` tokens each (after one more,
+    untimed)."""
     from glmkit.generate.generator import Generator
     from glmkit.generate.sampling import Sampler, SamplingParams
 
     cfg = model.config
-    length = min(cfg.index_topk + 16, cfg.max_position_embeddings // 2)
+    length = min(cfg.index_topk + 16, 64, cfg.max_position_embeddings // 2)
     prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, length).tolist()
     costs: dict[str, list[float]] = {"token": [], "cycle": []}
     for round_ in range(rounds + 1):  # round 0 warms up: kernel builds, first launches
