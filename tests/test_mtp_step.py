@@ -83,8 +83,8 @@ def test_draft_in_the_queue_is_the_mtp_head(snapshots, kernels):
     _, hidden = dev.forward(ids[:start], fused)
     dev.mtp_forward(hidden, ids[1:start + 1], fused)
     copy_rows(fused, ref)
+    logits, hidden, (chosen, drafts) = dev.verify_draft(ids[start:start + 2], fused, greedy=True)  # builds the steps
     assert dev.drafts_on_device()
-    logits, hidden, (chosen, drafts) = dev.verify_draft(ids[start:start + 2], fused, greedy=True)
     assert chosen.tolist() == logits.argmax(-1).tolist()
     dev.forward(ids[start:start + 2], ref)
     want, _ = dev.mtp_forward(hidden, chosen, ref)  # operation by operation (no step runs the MTP layer)

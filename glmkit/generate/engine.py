@@ -118,7 +118,7 @@ class Engine:
                                   lambda: measure_mtp_costs(self.model))
 
 
-def measure_mtp_costs(model: GlmMoeDsaModel, rounds: int = 3, tokens: int = 24) -> dict[str, float]:
+def measure_mtp_costs(model: GlmMoeDsaModel, rounds: int = 5, tokens: int = 24) -> dict[str, float]:
     """`Engine.mtp_costs` measured now, as `Generator` decodes greedily after random prompt tokens (past index_topk
     where it is small, so that the indexer selects; at most 64): ms per decoded token with MTP off ("token", the
     pipelined step) and per main forward with MTP on ("cycle": a verification with its draft, the host's work

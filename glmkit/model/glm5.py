@@ -241,9 +241,9 @@ class GlmMoeDsaModel:
                      ) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
         """`DecodeStep.verify` of the embedding rows `x`, after any pipelined single-token forward in flight
         finished (the two steps share the device's queue and the cache)."""
-        self._step.settle()
         step = self._verify_step()
         assert step is not None
+        self._step.settle()
         logits, hidden, routes, drafted = step.verify(cache, x, choose)
         self._report_routes(routes)
         return logits, hidden, drafted
