@@ -21,7 +21,7 @@ from glmkit.cli import run as cli_run
 from glmkit.cli import serve as serve_cli
 from glmkit.cli import validate as cli_validate
 from glmkit.generate.engine import Engine
-from glmkit.generate.generator import Generator
+from glmkit.generate.generator import STEP_PREFILL_ROWS, Generator
 from glmkit.generate.sampling import Sampler, SamplingParams
 from glmkit.model import expert_cache, expert_stream
 from glmkit.model.expert_cache import ExpertCache
@@ -356,16 +356,22 @@ def test_validate_passes_with_the_step(snapshots, monkeypatch, capsys):
     rc = cli_validate.main([str(snap), str(FIXTURES / "tiny-bf16" / "oracle.json"), "--device", "opencl", "--no-mtp"])
     out = capsys.readouterr().out
     assert rc == 0 and out.rstrip().endswith("PASS")
-    # every greedy token after the first is decided by a device forward; pipelined, one more runs ahead
-    assert len(calls) == len(oracle("tiny-bf16")["full_ids"]) - len(oracle("tiny-bf16")["prompt_ids"])
+    # every greedy token after the first is decided by a device forward; pipelined, one more runs ahead; the short
+    # prompt's tokens after its first run through the step too (`forward_prompt`)
+    prompt, full = oracle("tiny-bf16")["prompt_ids"], oracle("tiny-bf16")["full_ids"]
+    assert len(prompt) <= STEP_PREFILL_ROWS
+    assert len(calls) == len(full) - len(prompt) + len(prompt) - 1
 
 
-def test_mtp_is_off_by_default_on_the_step(snapshots):
-    """A draft's verification (two tokens, per operation) costs more than two device steps: MTP defaults off
-    there, stays on elsewhere, and `--mtp` / `--no-mtp` decide when given."""
+def test_mtp_is_off_by_default_where_verification_is_per_operation(snapshots):
+    """Over an expert cache the step has no two-row form: a draft's verification (two tokens, per operation) costs
+    more than two device steps, so MTP defaults off there (on the mapping the default follows measured costs:
+    test_mtp_step); it stays on without a step, and `--mtp` / `--no-mtp` decide when given."""
     snap = snapshots("tiny-trained", "q4")
-    device, host = Engine(snap, "opencl", load_tokenizer=False), Engine(snap, "numpy", load_tokenizer=False)
-    assert device.model.decodes_on_device() and not host.model.decodes_on_device()
+    device = Engine(snap, "opencl", load_tokenizer=False, expert_cache=4 << 20)
+    host = Engine(snap, "numpy", load_tokenizer=False)
+    assert device.model.decodes_on_device() and not device.model.drafts_on_device()
+    assert not host.model.decodes_on_device()
     assert [device.use_mtp(False, False), device.use_mtp(True, False), device.use_mtp(False, True)] == [False, True,
                                                                                                       False]
     assert [host.use_mtp(False, False), host.use_mtp(False, True)] == [True, False]

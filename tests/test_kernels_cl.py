@@ -465,7 +465,7 @@ def test_decode_norms_and_rope(kernels, rng):
     rows = np.stack([src.host[2 + 20 * h: 2 + 20 * h + width] for h in range(heads)])
     out = mirror(width * heads)
     mirror.launch("rope_rows", (width, heads), None, x=src.buffer, x_off=2, x_row=20, y=out.buffer, y_off=0,
-                  y_row=width, cs=cs.buffer, width=width, n_half=rope // 2)
+                  y_row=width, cs=cs.buffer, width=width, n_half=rope // 2, per_cs=heads)
     want = np.concatenate([apply_rope(rows[None, :, :rope], cos, sin)[0], rows[:, rope:]], axis=-1)
     close(out.host.reshape(heads, width), want)
     # the token's rows, the cache rows written at row 2 of the cache arrays: kv_lat = RMSNorm(latent), k_rot =
@@ -567,10 +567,10 @@ def check_decode_attention(kernels, rng, n_keys, use_mask, rope, kv_dtype="f32")
     mirror.launch("mla_decode_scores", (n, apart), None, kv_dtype=kv_dtype, q_lat=mirror.of(q_lat).buffer,
                   q_rot=mirror.of(q_rot).buffer, kv_lat=kl.buffer, kv_lat_scale=kl_scale.buffer, k_rot=kr.buffer,
                   k_rot_scale=kr_scale.buffer, keys=keys_a.buffer, use_keys=int(use_mask), scores=scores.buffer,
-                  nh=heads, n=n, kvl=kvl, rope=rope, scale=scale)
+                  nh=heads, n=n, n_total=n, kvl=kvl, rope=rope, scale=scale)
     red = kernels.red_lanes
     mirror.launch("mla_decode_values", (heads * red,), (red,), kv_dtype=kv_dtype, scores=scores.buffer,
-                  kv_lat=kl.buffer, kv_lat_scale=kl_scale.buffer, out=out.buffer, n=n, kvl=kvl, quantize=0,
+                  kv_lat=kl.buffer, kv_lat_scale=kl_scale.buffer, out=out.buffer, n=n, n_total=n, kvl=kvl, quantize=0,
                   **Int8Codes.unused(out.buffer).args(), keys=keys_a.buffer, use_keys=int(use_mask))
     q = np.concatenate([q_lat, q_rot], axis=-1)[None].astype(np.float32)
     keys = np.concatenate([kv_lat, k_rot], axis=-1)[:, None, :].astype(np.float32)
@@ -630,7 +630,7 @@ def test_decode_routing(kernels, rng, norm):
                       vec=mirror.of(np.concatenate([np.zeros(3), bias])).buffer, bias_off=3, table=table.buffer,
                       buffer_of=where.buffer, n_buffers=3, n_experts=experts, n_group=n_group, topk_group=topk_group,
                       top_k=top_k, norm=int(norm), scaling=scaling, shared=1, offs=offs.buffer, slot_w=w.buffer,
-                      slot_tok=tok.buffer, stride=stride, tok_start=start.buffer, ids=ids.buffer)
+                      slot_tok=tok.buffer, stride=stride, tok_start=start.buffer, ids=ids.buffer, n_tok=1)
         want_ids, want_w = route_noaux_tc(logits[None], bias, top_k, n_group, topk_group, norm, scaling)
         order = np.argsort(want_ids[0])
         assert ids.host.tolist() == want_ids[0][order].tolist()
@@ -817,7 +817,7 @@ def test_int8_input_matvec_and_norm(kernels, wide_kernels, rng, bits):
         o, value_codes = mirror(heads * n), mirror.codes(heads * n)
         scores = scores_a.host.reshape(heads, keys).copy()
         mirror.launch("mla_decode_values", (heads * k.red_lanes,), (k.red_lanes,), scores=scores_a.buffer,
-                      kv_lat=kv.buffer, kv_lat_scale=kv.buffer, out=o.buffer, n=keys, kvl=n, quantize=1,
+                      kv_lat=kv.buffer, kv_lat_scale=kv.buffer, out=o.buffer, n=keys, n_total=keys, kvl=n, quantize=1,
                       **value_codes.buffers.args(),
                       keys=scores_a.buffer, use_keys=0)
         probs = np.exp(scores - scores.max(-1, keepdims=True))

@@ -92,8 +92,9 @@ def test_every_operation_as_a_kernel_matches_numpy_quantized(snapshots, kernels)
 
 
 def test_per_operation_int4_experts_take_int8_inputs(snapshots, kernels):
-    """Fused int4 experts of decode rows run operation by operation (here a two-token forward, as an MTP draft's
-    verification; the trained fixture's dense MLP is the int4 MLP with whole 64-column blocks) take int8 inputs
+    """Fused int4 experts of decode rows run operation by operation (here three-token forwards: a two-token one, an
+    MTP draft's verification, runs as the two-row decode step; the trained fixture's dense MLP is the int4 MLP with
+    whole 64-column blocks) take int8 inputs
     unless int8_activations is off: within int8 rounding of the float inputs' logits, the same greedy tokens."""
     engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
     ids = np.array(json.loads((FIXTURES / "tiny-trained" / "oracle.json").read_text())["full_ids"][:40])
@@ -106,7 +107,7 @@ def test_per_operation_int4_experts_take_int8_inputs(snapshots, kernels):
         model = with_backend(engine, backend)
         cache = model.new_cache()
         model.forward(ids[:30], cache)
-        logits[int8] = np.concatenate([model.forward(ids[i:i + 2], cache)[0] for i in range(30, 40, 2)])
+        logits[int8] = np.concatenate([model.forward(ids[i:i + 3], cache)[0] for i in range(30, 39, 3)])
         backend.k.experts_x8 = run
     assert calls[True] and not calls[False]
     err = np.abs(logits[True] - logits[False]).max() / np.abs(logits[False]).max()

@@ -4,14 +4,16 @@
     PYTHONPATH=. python tools/bench.py --model bench --preset q4 --devices numpy,opencl   # table + JSON
     PYTHONPATH=. python tools/bench.py --runs 3 --json /tmp/bench.json --md /tmp/bench.md # the documented run
 
-The model is the benchmark-size random checkpoint of tools/bench_model.py (converted on first use). Per
+The model is the benchmark-size random checkpoint of tools/bench_model.py (converted on first use), or with
+`--snapshot` a converted one (e.g. the trained fixture, its own text as the prompt: `--prompt-tokens`). Per
 device and preset, each run is one child process (`--worker`), runs go round-robin over the devices (so
 a change in machine load hits every device alike) and the table shows medians over `--runs`:
 - prefill tok/s at 256 and 1,024 tokens: `model.forward(ids, new cache, last_logits_only=True)` (after a
   short warm-up generation with and without MTP, so kernel builds and first page faults are not counted);
 - TTFT: a 256-token prompt through `Generator` until its first token;
-- decode tok/s over 64 tokens after that prompt, MTP off and on (greedy, no EOS: always 64 tokens; the
-  random model's MTP head rarely agrees, so MTP on mostly costs);
+- decode tok/s over 64 tokens (`--decode`) after that prompt, MTP off and on (greedy, no EOS: always that many
+  tokens; the random model's MTP head rarely agrees, so MTP on mostly costs); `--mtp-rounds N` decodes MTP off
+  then on N times per run, alternately, and reports the medians and each alternation's on / off ratio;
 - peak RSS during decode (VmHWM reset through /proc/self/clear_refs once the first token is out, i.e. after
   the prompt's prefill) next to the process's RSS before the snapshot was opened (interpreter, NumPy, OpenCL
   runtime and built kernels):
@@ -102,8 +104,9 @@ def worker_glmkit(spec: dict) -> dict:
         t = time.perf_counter()
         model.forward(ids, model.new_cache(), last_logits_only=True)
         result[f"prefill_{n}_tok_s"] = n / (time.perf_counter() - t)
-    prompt = token_ids(spec["prompt"], vocab)
-    for mtp in (False, True):
+    prompt = spec.get("prompt_ids") or token_ids(spec["prompt"], vocab)
+    speeds: dict[str, list[float]] = {"mtp_off": [], "mtp_on": []}
+    for mtp in (False, True) * spec.get("mtp_rounds", 1):  # MTP off and on alternately, the medians reported
         gen = Generator(model, (), use_mtp=mtp)
         cache = model.new_cache()
         stream = gen.generate(prompt, spec["decode"] + 1, Sampler(SamplingParams()), cache)
@@ -112,13 +115,16 @@ def worker_glmkit(spec: dict) -> dict:
         tokens += list(stream)
         key = "mtp_on" if mtp else "mtp_off"
         stats = gen.stats
-        result[f"decode_tok_s_{key}"] = (len(tokens) - 1) / stats.decode_s
+        speeds[key].append((len(tokens) - 1) / stats.decode_s)
         result[f"ttft_s_{key}"] = stats.ttft_s
         result[f"peak_rss_decode_{key}"] = proc_status()["VmHWM"]
         if mtp:
             result["mtp_acceptance"] = stats.mtp_acceptance
         kv = sum(a.nbytes for layer in cache.layers for a in layer._data.values())
         result[f"kv_bytes_{key}"] = kv
+    for key, values in speeds.items():
+        result[f"decode_tok_s_{key}"] = statistics.median(values)
+        result[f"decode_tok_s_{key}_rounds"] = values
     if spec.get("context"):
         gen = Generator(model, (), use_mtp=False)
         list(gen.generate(token_ids(spec["context"], vocab, 1), CONTEXT_DECODE + 1, Sampler(SamplingParams())))
@@ -271,6 +277,10 @@ def summarize(results: dict[str, list[dict]], bytes_per_token: int, bandwidth: f
                         "kv_bytes_mtp_off", "decode_tok_s_context"):
                 row[key] = median(ok, key)
             row["all_decode_tok_s_mtp_off"] = [round(r["decode_tok_s_mtp_off"], 2) for r in ok]
+            # MTP on over off per alternation (each on-decode beside the off-decode just before it)
+            row["mtp_round_ratios"] = [round(on / off, 3) for r in ok for off, on in
+                                       zip(r.get("decode_tok_s_mtp_off_rounds", ()),
+                                           r.get("decode_tok_s_mtp_on_rounds", ()), strict=True)]
             # a GPU's ceiling is its own memory's read bandwidth, not the host's
             device_bw = [r["device_read_gbs"] for r in ok if r.get("device_read_gbs")]
             row["bandwidth_gbs"] = max(device_bw) if device_bw else bandwidth
@@ -294,7 +304,8 @@ def fmt(v, digits=1, scale=1.0) -> str:
 
 def markdown(table: dict[str, dict], meta: dict) -> str:
     lines = [
-        f"Model: benchmark-size random GLM-5 (`tools/bench_model.py`), preset {meta['preset']}, container "
+        f"Model: {meta.get('model') or 'benchmark-size random GLM-5 (`tools/bench_model.py`)'}, preset "
+        f"{meta['preset']}, container "
         f"{meta['container_bytes'] / 1e6:.0f} MB; {meta['cpu']}, {meta['cores']} cores, load average at start "
         f"{meta['load_start']}. Medians of {meta['runs']} runs (round-robin over the devices).",
         f"Bandwidth ceiling: {meta['bytes_per_token'] / 1e6:.1f} MB of weights per decoded token / "
@@ -353,11 +364,23 @@ def ratios(table: dict[str, dict]) -> list[str]:
             parts.append(f"per round against that round's bandwidth sample {each}")
         if tf_pre and row.get("prefill_1024_tok_s"):
             parts.append(f"prefill 1024 {row['prefill_1024_tok_s'] / tf_pre[1]:.2f}x transformers")
+        if row.get("mtp_round_ratios"):
+            each = statistics.median(row["mtp_round_ratios"])
+            parts.append(f"MTP on / off {each:.2f}x (median of {len(row['mtp_round_ratios'])} alternations, "
+                         f"{min(row['mtp_round_ratios']):.2f}-{max(row['mtp_round_ratios']):.2f})")
         if row.get("decode_rss_over_baseline") is not None:
             parts.append(f"decode RSS over baseline {row['decode_rss_over_baseline'] / 1e6:.0f} MB vs container + KV "
                          f"{row['rss_limit'] / 1e6:.0f} MB")
         out.append(", ".join(parts))
     return out
+
+
+def prompt_from_file(path: Path, n: int) -> list[int]:
+    """The first n token ids of a JSON list (or of the first list in a list of lists)."""
+    ids = json.loads(path.read_text())
+    if ids and isinstance(ids[0], list):
+        ids = ids[0]
+    return [int(t) for t in ids[:n]]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -376,6 +399,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--md", type=Path, help="write the markdown table here")
     p.add_argument("--context", type=int, default=0, help="glmkit rows: also decode after a prompt of this many "
                                                              "tokens (e.g. 4000; default off)")
+    p.add_argument("--snapshot", type=Path, help="a converted snapshot to measure instead of the bench model "
+                                                 "(glmkit rows only)")
+    p.add_argument("--prompt-tokens", type=Path, help="JSON token ids (a list, or a list of lists: the first) for "
+                                                      "the decode prompt, its first --prompt (default random ids)")
+    p.add_argument("--decode", type=int, default=DECODE, help="tokens decoded per measurement (default %(default)s)")
+    p.add_argument("--prompt", type=int, default=PROMPT, help="prompt tokens before the decode (default %(default)s)")
+    p.add_argument("--mtp-rounds", type=int, default=1, help="decode MTP off, then on, this many times per run "
+                                                             "(medians; default %(default)s)")
     args = p.parse_args(argv)
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))
@@ -384,8 +415,8 @@ def main(argv: list[str] | None = None) -> int:
     from tools.bench_model import DEFAULT_WORK, ensure_bench_snapshot
 
     work = args.work or DEFAULT_WORK
-    snapshot = ensure_bench_snapshot(args.preset, work)
-    source = work / "source"
+    snapshot = args.snapshot or ensure_bench_snapshot(args.preset, work)
+    source = snapshot if args.snapshot else work / "source"
     container = sum(f.stat().st_size for f in snapshot.glob("*.safetensors"))
     bytes_per_token = decode_bytes_per_token(snapshot)
     load_start = os.getloadavg()[0]
@@ -393,6 +424,9 @@ def main(argv: list[str] | None = None) -> int:
     # disturbed can only lower it, and a low ceiling would flatter the "% of ceiling" column
     samples = [measure_bandwidth()]
     devices = [d.strip() for d in args.devices.split(",") if d.strip()]
+    if args.snapshot and "transformers" in devices:
+        print("--snapshot: no transformers row (it runs the bench model's BF16 source)", file=sys.stderr)
+        devices.remove("transformers")
     if "transformers" in devices:
         try:
             import torch  # noqa: F401
@@ -400,8 +434,9 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError:
             print("transformers/torch not installed (pip install -e '.[oracle]'): skipping that row", file=sys.stderr)
             devices.remove("transformers")
-    base = {"snapshot": str(snapshot), "source": str(source), "prefill": list(PREFILL), "prompt": PROMPT,
-            "decode": DECODE, "context": args.context, "threads": args.threads,
+    base = {"snapshot": str(snapshot), "source": str(source), "prefill": list(PREFILL), "prompt": args.prompt,
+            "decode": args.decode, "context": args.context, "threads": args.threads, "mtp_rounds": args.mtp_rounds,
+            "prompt_ids": prompt_from_file(args.prompt_tokens, args.prompt) if args.prompt_tokens else None,
             "heads": json.loads((source / "config.json").read_text())["num_attention_heads"]}
     results: dict[str, list[dict]] = {d: [] for d in devices}
     for run in range(args.runs):
@@ -422,7 +457,8 @@ def main(argv: list[str] | None = None) -> int:
     rounds = [max(v for k, v in sample.items() if k.endswith("_gbs")) for sample in samples]  # each round's best path
     bandwidth = max(rounds)
     table = summarize(results, bytes_per_token, bandwidth, container, rounds)
-    meta = {"preset": args.preset, "container_bytes": container, "bytes_per_token": bytes_per_token,
+    meta = {"preset": args.preset, "model": str(args.snapshot or ""), "container_bytes": container,
+            "bytes_per_token": bytes_per_token,
             "bandwidth": bw, "bandwidth_samples": samples, "bandwidth_gbs": bandwidth,
             "ceiling_tok_s": bandwidth * 1e9 / bytes_per_token,
             "runs": args.runs, "context": args.context, "cores": os.cpu_count(),

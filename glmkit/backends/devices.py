@@ -256,6 +256,20 @@ def load_or_measure(kernels: Kernels, container: Any, spill: OpenCLBackend | Non
     return placement
 
 
+def stored_measurement(info: DeviceInfo, container: Any, name: str, measure_now: Callable[[], dict[str, float]]
+                       ) -> dict[str, float]:
+    """Measurement `name` of this model on this device: as stored in the device's profile, else `measure_now()`,
+    stored there first (beside the placement, which the same model key holds)."""
+    profile = read_profile(info)
+    entry = profile.setdefault("models", {}).setdefault(model_key(container), {})
+    stored = entry.get(name)
+    if isinstance(stored, dict) and all(isinstance(v, float) for v in stored.values()) and stored:
+        return stored
+    entry[name] = measure_now()
+    write_profile(info, profile)
+    return entry[name]
+
+
 # ---- measurements --------------------------------------------------------------------------------
 
 def timeit(fn: Callable[[], object], budget_s: float = 0.25, min_reps: int = 3, max_reps: int = 50) -> float:

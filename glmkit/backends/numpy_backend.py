@@ -31,7 +31,7 @@ from glmkit.format.config import ModelConfig
 from glmkit.format.packing import INT3_BLOCK, INT3_BLOCK_BYTES, unpack
 from glmkit.format.tensors import QuantWeight, Weight
 from glmkit.model.compute import ExpertArena, ExpertFn, moe_layer
-from glmkit.model.layer_spec import LayerSpec
+from glmkit.model.layer_spec import LayerSpec, MTPSpec
 from glmkit.model.ops import apply_rope, chosen_keys, position_mask, silu, topk_mask
 
 _Item = TypeVar("_Item")
@@ -308,7 +308,8 @@ class NumpyBackend:
             _MALLOC_TRIM(0)
 
     def decode_step(self, config: ModelConfig, layers: Sequence[LayerSpec], weight: Callable[[str], Weight],
-                    experts: ExpertArena | None = None, kv_dtype: str = "f32") -> None:
+                    experts: ExpertArena | None = None, kv_dtype: str = "f32", rows: int = 1,
+                    draft: tuple[LayerSpec, MTPSpec] | None = None) -> None:
         return None  # the operations above are the decode step
 
 

@@ -96,7 +96,7 @@ class _RecordingBackend:
         self.seen.clear()
 
     def decode_step(self, config: ModelConfig, layers: Sequence[LayerSpec], weight: Callable[[str], Weight],
-                    experts: None = None, kv_dtype: str = "f32") -> None:
+                    experts: None = None, kv_dtype: str = "f32", rows: int = 1, draft: Any = None) -> None:
         return None  # every product's input must pass through `linear`
 
     def __getattr__(self, name: str) -> Any:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 from glmkit.backends.numpy_backend import NumpyBackend
 from glmkit.errors import GlmkitError
 from glmkit.format.reader import Container
@@ -89,12 +91,55 @@ class Engine:
         return self.container.model_hash
 
     def use_mtp(self, force_on: bool, off: bool) -> bool:
-        """MTP speculative decoding for `--mtp` / `--no-mtp`, else by default: on, except where single tokens
-        decode as one device step. There a draft's verification (a two-token forward, run operation by operation)
-        costs more than two steps (docs/BENCHMARKS.md)."""
+        """MTP speculative decoding for `--mtp` / `--no-mtp`, else by default: on where single tokens decode
+        operation by operation; where they decode as one device step, on where a draft's verification and the next
+        draft (one device step too) cost less than two single tokens, as measured on this device (`mtp_costs`).
+        Then a generation whose first drafts are accepted too rarely to pay turns MTP off for its remaining tokens
+        (`GlmMoeDsaModel.mtp_break_even`)."""
         if force_on or off:
             return force_on
-        return self.config.num_nextn_predict_layers > 0 and not self.model.decodes_on_device()
+        if not self.model.has_mtp:
+            return False
+        if not self.model.decodes_on_device():
+            return True
+        if not self.model.drafts_on_device():
+            return False
+        costs = self.mtp_costs()
+        self.model.mtp_break_even = costs["cycle"] / costs["token"] - 1
+        return self.model.mtp_break_even < 1
+
+    def mtp_costs(self) -> dict[str, float]:
+        """ms of one single decoded token (pipelined, "token") and of one MTP verification with its draft
+        ("cycle") on this model's device steps: measured once per device and model (`measure_mtp_costs`), kept in
+        the device's profile."""
+        from glmkit.backends.devices import stored_measurement
+
+        return stored_measurement(self.backend.k.info, self.container, "mtp_ms",
+                                  lambda: measure_mtp_costs(self.model))
+
+
+def measure_mtp_costs(model: GlmMoeDsaModel, rounds: int = 5, tokens: int = 24) -> dict[str, float]:
+    """`Engine.mtp_costs` measured now, as `Generator` decodes greedily after random prompt tokens (past index_topk
+    where it is small, so that the indexer selects; at most 64): ms per decoded token with MTP off ("token", the
+    pipelined step) and per main forward with MTP on ("cycle": a verification with its draft, the host's work
+    between them included), the medians of `rounds` alternations of `tokens` tokens each (after one more,
+    untimed)."""
+    from glmkit.generate.generator import Generator
+    from glmkit.generate.sampling import Sampler, SamplingParams
+
+    cfg = model.config
+    length = min(cfg.index_topk + 16, 64, cfg.max_position_embeddings // 2)
+    prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, length).tolist()
+    costs: dict[str, list[float]] = {"token": [], "cycle": []}
+    for round_ in range(rounds + 1):  # round 0 warms up: kernel builds, first launches
+        for use_mtp in (False, True):
+            generator = Generator(model, (), use_mtp=use_mtp)
+            for _token in generator.generate(prompt, tokens + 1, Sampler(SamplingParams())):
+                pass
+            stats = generator.stats
+            if round_:
+                costs["cycle" if use_mtp else "token"].append(stats.decode_s * 1e3 / stats.main_forwards)
+    return {name: round(float(np.median(values)), 4) for name, values in costs.items()}
 
 
 def default_expert_cache(container: Container) -> tuple[int, str]:

@@ -27,9 +27,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from glmkit.generate.sampling import Sampler
-from glmkit.model.glm5 import GlmMoeDsaModel
+from glmkit.model.glm5 import VERIFY_ROWS, GlmMoeDsaModel
 from glmkit.model.kv_cache import KVCache
 
+MTP_PROBE_DRAFTS = 16  # drafts after which a generation compares its acceptance with the model's break-even
 PREFILL_CHUNK = 2048  # prompt tokens per forward: a long prompt's temporaries stay those of one chunk
 DECODE_RESERVE = 4096  # KV rows made room for after the prompt, at most
 STEP_PREFILL_ROWS = 48  # prompt pieces up to this many tokens go through the decode step one token at a time
@@ -130,17 +131,19 @@ class Generator:
         logits, hidden = forward_prompt(self.model, np.asarray(prompt_ids[cache.length:], dtype=np.int64), cache,
                                         self.step_prefill)
         token = sampler(logits[-1])
-        stats.prefill_s = stats.ttft_s = time.perf_counter() - start
-        decode_start = time.perf_counter()
-
         draft = None
         if self.use_mtp:
-            # MTP rows exist for every position whose next token is known; catch up on the prompt's
+            # MTP rows exist for every position whose next token is known; catch up on the prompt's (the MTP
+            # layer's prefill: before the first token is yielded)
             draft = self._mtp_catch_up(prompt_ids, hidden, token, cache)
+        stats.prefill_s = stats.ttft_s = time.perf_counter() - start
+        decode_start = time.perf_counter()
         emitted = 0
         pipe = None  # decoding with the next forward in flight (the device decode step)
         # tried once; off again once the pipe stops
         pipelined = self.pipelined and not sampler.needs_logits and not self.use_mtp
+        on_device = self.use_mtp and self.model.drafts_on_device()  # verification and drafts as one device step
+        mtp_kept: int | None = None
         try:
             while True:
                 # stats are final before each yield: a consumer may stop iterating at an eos token
@@ -168,9 +171,13 @@ class Generator:
                         token = sampler(logits[-1])
                     stats.main_forwards += 1
                     continue
-                # verify the draft: one forward over [token, draft]
+                # verify the draft: one forward over [token, draft] (on the device: the next drafts in its queue)
                 base = cache.length
-                logits, hidden = self.model.forward(np.array([token, draft]), cache)
+                fused = None
+                if on_device:
+                    logits, hidden, fused = self.model.verify_draft(np.array([token, draft]), cache, sampler.greedy)
+                else:
+                    logits, hidden = self.model.forward(np.array([token, draft]), cache)
                 stats.main_forwards += 1
                 stats.mtp_drafts += 1
                 nxt = sampler(logits[0])
@@ -180,19 +187,28 @@ class Generator:
                     stats.mtp_accepted += 1
                     emitted += 1
                     self._count(stats, emitted, nxt, decode_start)
+                    mtp_kept = base  # the MTP layer's rows while `after` is not chosen: as it had before them
                     yield nxt
+                    mtp_kept = None
                     after = sampler(logits[1])
-                    draft = self._mtp_step(hidden, [nxt, after], cache)
+                    draft = self._next_draft(hidden, [nxt, after], cache, base, fused)
                     token = after
                 else:
                     if nxt == draft:
                         stats.mtp_accepted += 1
                     cache.truncate(base + 1)  # drop the draft's row
-                    draft = self._mtp_step(hidden[:1], [nxt], cache)
+                    draft = self._next_draft(hidden[:1], [nxt], cache, base, fused)
                     token = nxt
+                break_even = self.model.mtp_break_even
+                if stats.mtp_drafts == MTP_PROBE_DRAFTS and break_even is not None and (
+                        stats.mtp_accepted < break_even * stats.mtp_drafts):
+                    draft = None  # too few accepted to pay on this device: single tokens from here on
+                    pipelined = self.pipelined and not sampler.needs_logits
         finally:
             if pipe is not None:
                 pipe.close()  # the cache keeps no row past the last token yielded
+            if mtp_kept is not None:  # stopped at `nxt`: no MTP rows for the fused queue's unchosen `after`
+                cache.layer(self.model.config.num_hidden_layers).truncate(mtp_kept)
 
     def _count(self, stats: GenerationStats, emitted: int, token: int, decode_start: float) -> None:
         stats.decode_tokens = emitted
@@ -211,6 +227,23 @@ class Generator:
         if mtp.length != first:
             return None
         return self._mtp_step(hidden, list(prompt_ids[first + 1:]) + [token], cache)
+
+    def _next_draft(self, hidden: np.ndarray, chosen: list[int], cache: KVCache, base: int,
+                    fused: tuple[np.ndarray, np.ndarray] | None) -> int:
+        """The draft after the verified rows kept (`hidden [n, H]`, the tokens `chosen` for them, from position
+        `base`): the device queue's own (`fused`: its greedy tokens and drafts) when it chose these tokens, else
+        the MTP head run on them (on the device step where it drafts)."""
+        mtp, n = cache.layer(self.model.config.num_hidden_layers), len(chosen)
+        if fused is not None and fused[0][:n].tolist() == chosen:
+            mtp.truncate(base + n)
+            return int(fused[1][n - 1])
+        if fused is None and not self.model.drafts_on_device():
+            return self._mtp_step(hidden, chosen, cache)
+        mtp.truncate(base)
+        spare = np.minimum(np.arange(VERIFY_ROWS), n - 1)  # rows past the kept ones: a copy of the last, then dropped
+        drafts = self.model.redraft([chosen[i] for i in spare], hidden[spare], cache)
+        mtp.truncate(base + n)
+        return int(drafts[n - 1])
 
     def _mtp_step(self, hidden: np.ndarray, next_ids: list[int], cache: KVCache) -> int:
         logits, _ = self.model.mtp_forward(hidden, np.asarray(next_ids, dtype=np.int64), cache)

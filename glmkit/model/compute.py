@@ -15,7 +15,7 @@ import numpy as np
 from glmkit.format.config import ModelConfig
 from glmkit.format.tensors import Weight
 from glmkit.model.kv_cache import KVCache
-from glmkit.model.layer_spec import LayerSpec
+from glmkit.model.layer_spec import LayerSpec, MTPSpec
 from glmkit.model.ops import moe_batch_union
 
 ExpertFn = Callable[[int], tuple[Weight, Weight, Weight]]
@@ -103,11 +103,13 @@ class Backend(Protocol):
         ...
 
     def decode_step(self, config: ModelConfig, layers: Sequence[LayerSpec], weight: Callable[[str], Weight],
-                    experts: ExpertArena | None = None, kv_dtype: str = "f32") -> DecodeStep | None:
-        """A whole single-token forward of the main model, whose decoder layers `layers` describes, in one call
-        (`DecodeStep`), or None: the model then decodes through the operations above. experts: where the routed
-        experts are read from instead of `weight` (an expert cache's slots, filled as each layer routes); kv_dtype:
-        the precision of the cache rows it reads and writes."""
+                    experts: ExpertArena | None = None, kv_dtype: str = "f32", rows: int = 1,
+                    draft: tuple[LayerSpec, MTPSpec] | None = None) -> DecodeStep | None:
+        """A whole forward of `rows` consecutive tokens (1: a decoded token; 2: MTP's verification of a draft) of the
+        main model, whose decoder layers `layers` describes, in one call (`DecodeStep`), or None: the model then
+        runs them through the operations above. experts: where the routed experts are read from instead of `weight`
+        (an expert cache's slots, filled as each layer routes); kv_dtype: the precision of the cache rows it reads
+        and writes; draft: the MTP layer and head, for a verification step that also drafts (`verify`)."""
         ...
 
 
@@ -171,8 +173,8 @@ class PipelinedDecode(Protocol):
 
 class DecodeStep(Protocol):
     def __call__(self, token: int, cache: KVCache, embed: np.ndarray) -> tuple[np.ndarray, np.ndarray, Routes]:
-        """Append `token` (embedding row `embed [H]`) at `cache.length`: (logits `[1, V]`, hidden `[1, H]` after
-        the final norm, the routes)."""
+        """Append `token` (embedding row `embed [H]`; a step of R rows: R tokens' embeddings `[R, H]`) at
+        `cache.length`: (logits `[R, V]`, hidden `[R, H]` after the final norm, the routes)."""
         ...
 
     def pipeline(self, token: int, cache: KVCache, embed_of: Callable[[int], np.ndarray],
@@ -184,6 +186,26 @@ class DecodeStep(Protocol):
 
     def watch_routes(self, hook: Callable[[int, np.ndarray], None]) -> None:
         """Call `hook(layer, expert ids [k])` as each MoE layer routes, before its experts run (any thread)."""
+        ...
+
+    def settle(self) -> None:
+        """Let a pipelined forward in flight finish (another forward is about to use the cache)."""
+        ...
+
+    def verify(self, cache: KVCache, embed: np.ndarray, choose: bool
+               ) -> tuple[np.ndarray, np.ndarray, Routes, tuple[np.ndarray, np.ndarray] | None]:
+        """A step of R rows: the tokens of embeddings `embed [R, H]` appended at `cache.length`, with `choose` also
+        MTP's drafts: (logits `[R, V]`, hidden `[R, H]`, routes, (each row's greedy token, the MTP head's greedy
+        draft after it) or None)."""
+        ...
+
+    def redraft(self, cache: KVCache, tokens: Sequence[int], hidden: np.ndarray) -> np.ndarray:
+        """The MTP head's greedy drafts `[R]` after verified rows of main hidden states `hidden [R, H]` and the
+        tokens chosen for them (the MTP layer's rows appended from its length)."""
+        ...
+
+    def drafts(self) -> bool:
+        """Whether `verify` and `redraft` can run the MTP head (a step of R > 1 rows bound with it)."""
         ...
 
 

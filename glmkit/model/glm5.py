@@ -52,6 +52,8 @@ RouteHook = Callable[[int, np.ndarray, np.ndarray | None], None]
 after a device decode step, as `hook(layer, expert_ids [1, k], None)` once the token ran."""
 
 
+VERIFY_ROWS = 2  # the rows of MTP's verification forward: the last token and one draft
+
 # ---- pure functions ----------------------------------------------------------------------------
 
 def mla_attend_full(backend: Backend, q_nope: np.ndarray, q_rot: np.ndarray, kv_lat: np.ndarray,
@@ -134,6 +136,10 @@ class GlmMoeDsaModel:
         self.step_route_hook = step_route_hook  # a decode step's routing as it happens: `DecodeStep.watch_routes`
         self.step_experts = step_experts
         self._step: DecodeStep | None | bool = False  # the backend's decode step, asked for on first decode
+        self._verify: DecodeStep | None | bool = False  # its two-row form (MTP's verification), on first use
+        # the MTP acceptance below which drafting decodes slower than single tokens on the device step, where
+        # measured (`Engine.use_mtp`): a generation turns MTP off once its first drafts fall below it
+        self.mtp_break_even: float | None = None
         self.layers = [layer_spec(config, i, weights.has) for i in range(config.num_layers_with_mtp)]
 
     def _w(self, name: str) -> Weight:
@@ -167,6 +173,9 @@ class GlmMoeDsaModel:
         x = self.embed(token_ids)
         if len(token_ids) == 1 and cache.length > 0 and self._decode_step() is not None:
             return self._device_decode(int(token_ids[0]), x[0], cache)
+        if len(token_ids) == VERIFY_ROWS and cache.length > 0 and self._verify_step() is not None:
+            logits, hidden = self._device_verify(x, cache)
+            return (logits[-1:] if last_logits_only else logits), hidden
         hidden = self.final_norm(self.main_layers(x, cache))
         head_in = hidden[-1:] if last_logits_only else hidden
         logits = self.backend.linear(head_in, self._w(LM_HEAD))
@@ -205,6 +214,59 @@ class GlmMoeDsaModel:
             if self._step is not None and self.step_route_hook is not None:
                 self._step.watch_routes(self.step_route_hook)
         return self._step
+
+    def _verify_step(self) -> DecodeStep | None:
+        """The decode step's form over VERIFY_ROWS token rows (a token and MTP's draft in one forward), built on
+        first use where the single-token step runs; None: such forwards run operation by operation."""
+        if self._verify is False:
+            self._verify = None
+            if self._decode_step() is not None:
+                cfg = self.config
+                draft = (self.layers[cfg.num_hidden_layers], mtp_spec(cfg)) if self.has_mtp else None
+                self._verify = self.backend.decode_step(cfg, self.layers[:cfg.num_hidden_layers], self._w,
+                                                        self.step_experts, self.kv_dtype, VERIFY_ROWS, draft)
+                if self._verify is not None and self.step_route_hook is not None:
+                    self._verify.watch_routes(self.step_route_hook)
+        return self._verify
+
+    def drafts_on_device(self) -> bool:
+        """Whether MTP's verification of a draft and the MTP head's next draft run as one device step
+        (`verify_draft`)."""
+        step = self._verify_step()
+        return step is not None and step.drafts()
+
+    def _device_verify(self, x: np.ndarray, cache: KVCache) -> tuple[np.ndarray, np.ndarray]:
+        """The tokens of embedding rows `x [VERIFY_ROWS, H]` through the two-row decode step."""
+        logits, hidden, _ = self._verify_rows(x, cache, False)
+        return logits, hidden
+
+    def _verify_rows(self, x: np.ndarray, cache: KVCache, choose: bool
+                     ) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
+        """`DecodeStep.verify` of the embedding rows `x`, after any pipelined single-token forward in flight
+        finished (the two steps share the device's queue and the cache)."""
+        step = self._verify_step()
+        assert step is not None
+        self._step.settle()
+        logits, hidden, routes, drafted = step.verify(cache, x, choose)
+        self._report_routes(routes)
+        return logits, hidden, drafted
+
+    def verify_draft(self, token_ids: np.ndarray, cache: KVCache, greedy: bool
+                     ) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
+        """MTP's verification forward of `token_ids` ([the last token, its draft]) on the device step
+        (`drafts_on_device`), and when `greedy` in the same queue the MTP head on each row's greedy token: (logits
+        `[2, V]`, hidden `[2, H]`, (each row's greedy token, the draft after it; the MTP layer's rows appended for
+        both) or None). Without `greedy` the host chooses the tokens and `redraft` drafts."""
+        return self._verify_rows(self.embed(token_ids), cache, greedy)
+
+    def redraft(self, token_ids: list[int], hidden: np.ndarray, cache: KVCache) -> np.ndarray:
+        """The MTP head's greedy drafts `[2]` on the device step after verified rows of main hidden states `hidden
+        [2, H]` and the tokens chosen for them (`[2]`); the MTP layer's rows are appended from its length (the
+        verified rows' first position)."""
+        step = self._verify_step()
+        assert step is not None
+        self._step.settle()
+        return step.redraft(cache, token_ids, hidden)
 
     def _device_decode(self, token: int, embed: np.ndarray, cache: KVCache) -> tuple[np.ndarray, np.ndarray]:
         """One decoded token through the backend's decode step; the route hook sees each layer's experts after

@@ -40,7 +40,7 @@ from glmkit.backends.opencl.weights import (
 from glmkit.format.config import ModelConfig
 from glmkit.format.tensors import QuantWeight, Weight
 from glmkit.model.compute import ExpertArena, ExpertFn, moe_layer
-from glmkit.model.layer_spec import LayerSpec
+from glmkit.model.layer_spec import LayerSpec, MTPSpec
 from glmkit.model.ops import position_mask, silu
 
 DECODE_ROWS = 4  # calls with at most this many rows are decode calls (MTP verification has 2)
@@ -225,17 +225,22 @@ class OpenCLBackend:
         return ref
 
     def decode_step(self, config: ModelConfig, layers: Sequence[LayerSpec], weight: Callable[[str], Weight],
-                    experts: ExpertArena | None = None, kv_dtype: str = "f32") -> DeviceDecodeStep | None:
+                    experts: ExpertArena | None = None, kv_dtype: str = "f32", rows: int = 1,
+                    draft: tuple[LayerSpec, MTPSpec] | None = None) -> DeviceDecodeStep | None:
         """The device decode step for this model (placement.decode_step "cl"; on a discrete device every weight
         must fit the budget), or None: the model then decodes operation by operation. experts: see
-        `DeviceDecodeStep`."""
+        `DeviceDecodeStep`; rows: token rows per forward (2: MTP's verification of a draft); draft: the MTP layer and
+        head, whose draft then follows a verification in the same queue (the step is built without it where they
+        cannot be bound)."""
         if self.placement.decode_step != "cl" or (not self.memory.unified and self.model_bytes > self.memory.budget):
             return None
-        try:
-            return DeviceDecodeStep(config, layers, weight, self._cw, self._expert_ref, self.k, self.int8_activations,
-                                    experts, kv_dtype)
-        except Unsupported:
-            return None
+        for mtp in (draft, None) if draft is not None else (None,):
+            try:
+                return DeviceDecodeStep(config, layers, weight, self._cw, self._expert_ref, self.k,
+                                        self.int8_activations, experts, kv_dtype, rows, mtp)
+            except Unsupported:
+                pass
+        return None
 
     # ---- products --------------------------------------------------------------------------------
 

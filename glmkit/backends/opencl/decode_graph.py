@@ -28,6 +28,11 @@ routing kernel fills the slots of each buffer, and each gets its own fused launc
 builds the step, or returns None when a weight or an expert cannot be used in place or placed on the device (the
 per-operation path runs then).
 
+MTP's verification of a draft runs as the same step bound for two token rows (`rows=2`, CPU devices over the
+mapping): the weight products take both rows, the kernels that work per token a row each (a work-group or a global
+dimension per row), attention with each row's causal keys, and with `draft` the MTP layer and head after them in
+the same queue, from each row's greedy token (`verify`), or from the host's tokens (`redraft`).
+
 Pipelined decoding (`DecodePipeline`) also chooses the token and looks up the next embedding on the device, so that
 the next token's forward is queued before the host has seen this one: the device does not wait for the host
 between tokens. The token is the argmax (`ArgmaxChoice`, greedy) or drawn with temperature, top-k and top-p from
@@ -65,7 +70,7 @@ from glmkit.format.config import ModelConfig
 from glmkit.format.tensors import Weight
 from glmkit.model.compute import ExpertArena, SamplingSettings, TokenDraws
 from glmkit.model.kv_cache import SCALED_KV_DTYPES, KVCache
-from glmkit.model.layer_spec import EMBED, LM_HEAD, LayerSpec, MLPSpec, MoESpec, NormSpec, final_norm_spec
+from glmkit.model.layer_spec import EMBED, LM_HEAD, LayerSpec, MLPSpec, MoESpec, MTPSpec, NormSpec, final_norm_spec
 from glmkit.model.ops import rope_cos_sin
 
 MAX_ROUTED_EXPERTS = 1024  # the routing kernel's private arrays (MAX_EXPERTS in decode.cl)
@@ -190,6 +195,18 @@ class _Layer:
         self.mirrors: dict[str, _CacheMirror] = {}  # discrete devices: field -> its rows in device memory
 
 
+class _Draft(NamedTuple):
+    """MTP's draft of the rows a verification forward just ran (`DeviceDecodeStep.draft`): the greedy token of each
+    row (`choose`, into `verified`), their embeddings (`lookup`), `eh_proj` of the normed embeddings and main hidden
+    states (`head`), the MTP decoder layer, then its head norm, the lm_head and each row's greedy draft (`tail`)."""
+
+    choose: Launch
+    lookup: Launch
+    head: list[Launch]
+    layer: _Layer
+    tail: list[Launch]
+
+
 class DeviceDecodeStep:
     """`step(token, cache, embed) -> (logits [1, V], hidden [1, H], routes)` for a token appended at
     `cache.length` (embed: its embedding row `[H]`); `step.pipeline(...)` decodes with the next forward
@@ -206,17 +223,30 @@ class DeviceDecodeStep:
     layer's experts lie in one buffer in both). routes are then [] (the cache saw them as they happened). Greedy
     decoding is pipelined as on the mapping: the next token's forward is queued up to its first MoE layer's
     routing while this one finishes, so the device does not wait for the host between tokens.
+
+    rows: token rows per forward (consecutive positions; 2: MTP's verification of [token, draft], `verify`), CPU
+    devices over the mapping only. Each row's logits, hidden state and KV rows are bit for bit those of the
+    single-row step fed the same tokens. draft: (the MTP layer's description, the MTP head's): `verify` then also
+    drafts in the same queue.
     """
 
     def __init__(self, cfg: ModelConfig, layers: Sequence[LayerSpec], weight: Callable[[str], Weight],
                  cw: Callable[[Weight], ClWeight | None], expert_ref: Callable, kernels: Kernels,
-                 int8_activations: bool = True, experts: ExpertArena | None = None, kv_dtype: str = "f32") -> None:
+                 int8_activations: bool = True, experts: ExpertArena | None = None, kv_dtype: str = "f32",
+                 rows: int = 1, draft: tuple[LayerSpec, MTPSpec] | None = None) -> None:
 
         if cfg.n_routed_experts > MAX_ROUTED_EXPERTS:
             raise Unsupported(f"{cfg.n_routed_experts} routed experts (the routing kernel holds {MAX_ROUTED_EXPERTS})")
-        check_bindable(layers)
+        check_bindable(layers if draft is None else [*layers, draft[0]])
+        if rows > 1 and (not kernels.direct or experts is not None):
+            raise Unsupported("several token rows per forward: CPU OpenCL devices over the mapping only")
+        if draft is not None and (rows < 2 or any(n.bias for n in (draft[1].enorm, draft[1].hnorm,
+                                                                     draft[1].head_norm))):
+            raise Unsupported("MTP's draft: in a verification step (rows > 1) of an MTP head with RMSNorms")
+        self.draft_spec = draft
         self.cfg, self.specs, self.k, self.buffers = cfg, list(layers), kernels, kernels.buffers
         self.kv_dtype = kv_dtype
+        self.rows = rows
         self.topk = index_topk(layers)
         self._weight, self._cw, self._expert_ref = weight, cw, expert_ref
         self.experts = experts
@@ -234,23 +264,27 @@ class DeviceDecodeStep:
         nope, rope, v_dim, kvl = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         self.red = kernels.red_lanes
         self._vectors = self._pack_vectors()
-        new = self.buffers.array
+
+        def new(count: int, dtype: Any = np.float32) -> DeviceArray:  # one row per token row of a forward
+            return self.buffers.array(rows * count, dtype)
+
         self.x, self.u, self.ffn, self.ffn_part = new(h), new(h), new(h), new(h)
         # per token parity (one token may be in flight while the next is queued): cos/sin, the token the device
         # chose and whether the host must choose instead (1: sample_token could not decide)
         self.cs = [new(rope), new(rope)]
-        self.token_ids = [new(2, np.uint32), new(2, np.uint32)]
+        self.token_ids = [self.buffers.array(2, np.uint32), self.buffers.array(2, np.uint32)]
         # discrete devices, per parity: every layer's new cache rows ([kv_lat | k_rot | index_k], token_rows writes
         # them) for one read back, and the (cache, position) they belong to until `_collect` stores them there
         self.stage_fields = {"kv_lat": kvl, "k_rot": rope, "index_k": cfg.index_head_dim}  # name -> width
         self.stage_width = sum(self.stage_fields.values())
-        self.row_stage = [new(cfg.num_hidden_layers * self.stage_width) for _ in range(2)]
+        self.row_stage = [self.buffers.array(cfg.num_hidden_layers * self.stage_width) for _ in range(2)]
         self.staged: list[tuple[KVCache, int] | None] = [None, None]
         self._cs_users: list[Launch] = []  # every launch that reads the position's cos/sin (its argument `cs`)
         self.q_a, self.q_lat = new(cfg.q_lora_rank), new(cfg.q_lora_rank)
         # int8 codes of the normed inputs, written by the norms themselves for the int8-input products
         self.u_x8, self.q_lat_x8, self.hidden_x8 = (
-            self._x8_scratch(n) if self.x8_bits and n % X8_BLOCK == 0 else None for n in (h, cfg.q_lora_rank, h))
+            self._x8_scratch(rows * n) if self.x8_bits and n % X8_BLOCK == 0 else None
+            for n in (h, cfg.q_lora_rank, h))
         self.q = new(nh * (nope + rope))
         self.comp = new(kvl + rope)
         self.q_rot, self.q_abs, self.o_lat = new(nh * rope), new(nh * kvl), new(nh * kvl)
@@ -262,25 +296,30 @@ class DeviceDecodeStep:
         self.new_rows = None if kv_dtype == "f32" else {"kv_lat": new(kvl), "k_rot": new(rope), "index_k": new(ihd)}
         self.iq, self.iq_rot, self.iw = new(inh * ihd), new(inh * ihd), new(inh)
         self.chosen = new(self.topk, np.uint32)  # the keys the indexer chose (attention's keys)
-        # the range and weight of a one-row addend
-        self.one_range, self.one_weight = self.buffers.filled([0, 1], np.uint32), self.buffers.filled([1.0])
+        # the ranges and weights of an addend of one row (of weight 1) per token row
+        self.one_range = self.buffers.filled(np.arange(rows + 1), np.uint32)
+        self.one_weight = self.buffers.filled(np.ones(rows))
         self.ffn_out = self._whole(self.ffn)  # the last bound layer's FFN output, as the next norm adds it
         self.capacity = 0  # keys the per-key scratch buffers hold
         # each MoE layer's routed ids, per token slot in one buffer (one read per token on a discrete device)
-        n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
-        self.id_stride = self.buffers.aligned_items(cfg.num_experts_per_tok)
-        self.route_ids = [new(max(n_moe, 1) * self.id_stride, np.uint32) for _ in range(ID_SLOTS)]
+        n_moe = sum(cfg.is_moe_layer(spec.index) for spec in (*self.specs, *(draft[:1] if draft else ())))
+        self.id_stride = self.buffers.aligned_items(rows * cfg.num_experts_per_tok)
+        self.route_ids = [self.buffers.array(max(n_moe, 1) * self.id_stride, np.uint32) for _ in range(ID_SLOTS)]
         self.scratch: dict[str, DeviceArray] = {}
+        self.masked: list[int] = []  # several token rows: the keys `scratch["allowed"]` holds at 0 (the causal mask)
         self.layers: list[_Layer] = []
+        self.draft: _Draft | None = None
         self._grow(INITIAL_KEYS)
         for spec in self.specs:
             self.layers.append(self._bind_layer(spec))
         self.final_norm = self._norm(self.x, self.ffn_out, final_norm_spec(cfg), self.hidden, h, self.hidden_x8)
         (self.lm_head,) = self._matvec(self._matrix(LM_HEAD), self.hidden, self.logits, quantized=self.hidden_x8)
         self.argmax = kernels.bind("argmax_row", (self.red,), (self.red,), x=self.logits.buffer,
-                                   n=self.logits.host.size, token=self.token_ids[0].buffer)
+                                   n=self.logits.host.size // rows, token=self.token_ids[0].buffer)
         embed = self._cw(weight(EMBED))  # the device-side lookup of pipelined greedy decode
         self.embed = None if embed is None else bind_embed_row(kernels, embed, self.token_ids[0].buffer, self.x.buffer)
+        if draft is not None:
+            self.draft = self._bind_draft(*draft)
         self.owner: DecodePipeline | None = None  # the pipeline whose token is in flight
         self.sample_scratch: SampleScratch | None = None  # the buffers of SampledChoice (made on first use)
         self.watcher: RouteWatcher | None = None  # see watch_routes
@@ -292,6 +331,9 @@ class DeviceDecodeStep:
     def _pack_vectors(self) -> DeviceArray:
         """Every 1-D weight of the main layers (norms, biases, router bias) in one buffer, at `self.offsets`."""
         names = [final_norm_spec(self.cfg).weight, *(name for spec in self.specs for name in spec.vectors())]
+        if self.draft_spec is not None:
+            spec, mtp = self.draft_spec
+            names += [*spec.vectors(), mtp.enorm.weight, mtp.hnorm.weight, mtp.head_norm.weight]
         arrays = [np.asarray(self._weight(n), np.float32).reshape(-1) for n in names]
         self.offsets = dict(zip(names, np.cumsum([0] + [a.size for a in arrays[:-1]]).tolist(), strict=True))
         return self.buffers.filled(np.concatenate(arrays))
@@ -309,22 +351,23 @@ class DeviceDecodeStep:
         where `x8_eligible` (x's codes from `quantized`, else a quantize launch first), else float inputs.
         codes_out: y's int8 codes too (`_x8_scratch`), for the product that reads y next: written by the product's
         own kernel where it can (`Kernels.writes_codes`), else by a quantize launch after it."""
-        k = self.k
+        k, tokens = self.k, self.rows
         rows = w.rows if rows is None else rows
         if not self._x8(w.bits, w.group, w.n_in):
             launches: tuple[Launch, ...] = (
-                bind_matvec(k, w, x.buffer, y.buffer, heads, w.n_in, head_rows, row_start, rows),)
+                bind_matvec(k, w, x.buffer, y.buffer, heads, w.n_in, head_rows, row_start, rows, tokens),)
         else:
             launches = ()
             if quantized is None:
-                quantized = self._x8_scratch(heads * w.n_in)
-                launches = (bind_quantize(k, x.buffer, w.n_in, heads, quantized),)
+                quantized = self._x8_scratch(tokens * heads * w.n_in)
+                launches = (bind_quantize(k, x.buffer, w.n_in, tokens * heads, quantized),)
             if codes_out is not None and k.writes_codes and rows % X8_BLOCK == 0:
-                return (*launches,
-                        bind_matvec_x8(k, w, quantized, y.buffer, heads, head_rows, row_start, rows, codes_out))
-            launches += (bind_matvec_x8(k, w, quantized, y.buffer, heads, head_rows, row_start, rows),)
+                return (*launches, bind_matvec_x8(k, w, quantized, y.buffer, heads, head_rows, row_start, rows,
+                                                  codes_out, tokens))
+            launches += (bind_matvec_x8(k, w, quantized, y.buffer, heads, head_rows, row_start, rows,
+                                        tokens=tokens),)
         if codes_out is not None:
-            launches += (bind_quantize(k, y.buffer, heads * rows, 1, codes_out),)
+            launches += (bind_quantize(k, y.buffer, heads * rows, tokens, codes_out),)
         return launches
 
     def _pairs(self, w: ClWeight, w2: ClWeight) -> bool:
@@ -335,7 +378,7 @@ class DeviceDecodeStep:
     def _matvec_pair(self, w: ClWeight, y: DeviceArray, w2: ClWeight, y2: DeviceArray) -> tuple[Launch, ...]:
         """`y = W u` and `y2 = W2 u`: one launch where `_pairs`, else two `_matvec`s."""
         if self._pairs(w, w2):
-            return (bind_matvec_pair(self.k, w, w2, self.u_x8, y.buffer, y2.buffer),)
+            return (bind_matvec_pair(self.k, w, w2, self.u_x8, y.buffer, y2.buffer, self.rows),)
         return (*self._matvec(w, self.u, y, quantized=self.u_x8), *self._matvec(w2, self.u, y2, quantized=self.u_x8))
 
     def _whole(self, a: DeviceArray) -> Addend:
@@ -343,22 +386,23 @@ class DeviceDecodeStep:
         return Addend(a.buffer, self.one_range.buffer, self.one_weight.buffer)
 
     def _norm(self, x: DeviceArray, a: Addend | None, norm: NormSpec, y: DeviceArray, n: int,
-              quantized: Int8Codes | None = None) -> Launch:
-        """`x += a` (unless None), then `y = RMSNorm(x)` (`norm`, bias-free); its int8 codes into `quantized`
-        (`_x8_scratch(n)`) when given."""
+              quantized: Int8Codes | None = None, x_off: int = 0, y_off: int = 0, rows: int | None = None) -> Launch:
+        """`x += a` (unless None), then `y = RMSNorm(x)` (`norm`, bias-free) over each token row (`rows` of them from
+        float x_off of x and y_off of y; default all); its int8 codes into `quantized` (`_x8_scratch`) when given."""
         add = a or self._whole(x)  # unused buffers when not adding, or not quantizing
         codes = quantized or Int8Codes.unused(y.buffer)
-        return self.k.bind("residual_rms_norm", (self.red,), (self.red,), x=x.buffer, x_off=0, **add.args(),
-                           add=int(a is not None), w=self._vectors.buffer, w_off=self.offsets[norm.weight],
-                           y=y.buffer, y_off=0, n=n, eps=norm.eps, quantize=int(quantized is not None), **codes.args())
+        return self.k.bind("residual_rms_norm", (self.red, rows or self.rows), (self.red, 1), x=x.buffer, x_off=x_off,
+                           **add.args(), add=int(a is not None), w=self._vectors.buffer,
+                           w_off=self.offsets[norm.weight], y=y.buffer, y_off=y_off, n=n, eps=norm.eps,
+                           quantize=int(quantized is not None), **codes.args())
 
     def _rope(self, x: DeviceArray, x_off: int, x_row: int, y: DeviceArray, y_row: int, width: int, rows: int
               ) -> Launch:
-        """RoPE on the first rope dims of `rows` rows of x (from float x_off, x_row apart) into y (y_row apart),
-        `width` values per row."""
-        return self._reads_cs(self.k.bind("rope_rows", (width, rows), None, x=x.buffer, x_off=x_off, x_row=x_row,
-                                          y=y.buffer, y_off=0, y_row=y_row, cs=self.cs[0].buffer, width=width,
-                                          n_half=self.specs[0].attention.rope // 2))
+        """RoPE on the first rope dims of `rows` rows per token row of x (from float x_off, x_row apart) into y
+        (y_row apart), `width` values per row."""
+        return self._reads_cs(self.k.bind("rope_rows", (width, rows * self.rows), None, x=x.buffer, x_off=x_off,
+                                          x_row=x_row, y=y.buffer, y_off=0, y_row=y_row, cs=self.cs[0].buffer,
+                                          width=width, n_half=self.specs[0].attention.rope // 2, per_cs=rows))
 
     def _reads_cs(self, launch: Launch) -> Launch:
         """Record that `launch` reads the cos/sin buffer (its argument `cs`, set per token parity)."""
@@ -366,24 +410,53 @@ class DeviceDecodeStep:
         return launch
 
     def _grow(self, keys: int) -> None:
-        """Per-key scratch for at least `keys` keys: attention scores (then probabilities), indexer scores, the
-        selection, all-ones."""
+        """Per-key scratch for at least `keys` keys, per token row: attention scores (then probabilities), indexer
+        scores, the selection, the keys the selection may choose (all ones for one row: `_mask_causal`)."""
         if keys <= self.capacity:
             return
         cap = max(keys, 2 * self.capacity)
-        nh = self.cfg.num_attention_heads
+        nh, rows = self.cfg.num_attention_heads, self.rows
         new = self.buffers.array
-        self.scratch = {"scores": new(nh * cap), "index_scores": new(cap), "selected": new(cap, np.uint8),
-                        "all": self.buffers.filled(np.ones(cap), np.uint8)}
+        self.scratch = {"scores": new(rows * nh * cap), "index_scores": new(rows * cap),
+                        "selected": new(rows * cap, np.uint8),
+                        "allowed": self.buffers.filled(np.ones(rows * cap), np.uint8)}
+        self.masked = []
         self.capacity = cap
         scores, index_scores = self.scratch["scores"].buffer, self.scratch["index_scores"].buffer
-        for layer in self.layers:  # the bound launches that read the scratch get the new buffers
+        for layer in self._bound_layers():  # the bound launches that read the scratch get the new buffers
             layer.attention.set(scores=scores)
             layer.values.set(scores=scores)
             if layer.scores is not None:
                 layer.scores.set(out=index_scores)
-                layer.topk.set(scores=index_scores, allowed=self.scratch["all"].buffer,
+                layer.topk.set(scores=index_scores, allowed=self.scratch["allowed"].buffer,
                                selected=self.scratch["selected"].buffer)
+
+    def _bound_layers(self) -> list[_Layer]:
+        """The main layers' launches, then the MTP layer's (with a draft)."""
+        return self.layers + ([self.draft.layer] if self.draft is not None else [])
+
+    def _bind_draft(self, spec: LayerSpec, mtp: MTPSpec) -> _Draft:
+        """The launches of MTP's draft after the verified rows (`_Draft`): the MTP layer `spec` on
+        `eh_proj([enorm(emb(t)) ; hnorm(h)])` of each row's greedy token t and main hidden state h, as
+        `GlmMoeDsaModel.mtp_forward` runs them, into `draft_logits` and the greedy `drafted`."""
+        k, h, rows, new = self.k, self.cfg.hidden_size, self.rows, self.buffers.array
+        vocab = self.logits.host.size // rows
+        self.verified, self.drafted = new(rows, np.uint32), new(rows, np.uint32)
+        emb, joined = new(rows * h), new(rows * 2 * h)
+        self.draft_hidden, self.draft_logits = new(rows * h), new(rows * vocab)
+        pieces = ((emb, mtp.enorm), (self.hidden, mtp.hnorm))  # [embedding ; hidden] per row
+        head = [self._norm(x, None, norm, joined, h, x_off=r * h, y_off=(2 * r + part) * h, rows=1)
+                for r in range(rows) for part, (x, norm) in enumerate(pieces)]
+        head += self._matvec(self._matrix(mtp.eh_proj), joined, self.x)
+        layer = self._bind_layer(spec)
+        tail = [self._norm(self.x, self.ffn_out, mtp.head_norm, self.draft_hidden, h, self.hidden_x8),
+                *self._matvec(self._matrix(LM_HEAD), self.draft_hidden, self.draft_logits, quantized=self.hidden_x8),
+                k.bind("argmax_row", (self.red, rows), (self.red, 1), x=self.draft_logits.buffer, n=vocab,
+                       token=self.drafted.buffer)]
+        embed = self._matrix(EMBED)
+        choose = k.bind("argmax_row", (self.red, rows), (self.red, 1), x=self.logits.buffer, n=vocab,
+                        token=self.verified.buffer)
+        return _Draft(choose, bind_embed_row(k, embed, self.verified.buffer, emb.buffer, rows), head, layer, tail)
 
     def _bind_layer(self, spec: LayerSpec) -> _Layer:
         """The launches of one decoder layer: its description's stages in `GlmMoeDsaModel.decoder_layer`'s order."""
@@ -391,7 +464,9 @@ class DeviceDecodeStep:
         h, nh, nope, rope, v_dim, kvl = cfg.hidden_size, a.heads, a.nope, a.rope, a.v_dim, a.kv_lora
         kv_b = self._matrix(a.kv_b)
         out.head = [
-            self._norm(self.x, self.ffn_out if spec.index > 0 else None, spec.input_norm, self.u, h, self.u_x8),
+            # the first layer and the MTP layer start from x itself (an embedding; eh_proj's output)
+            self._norm(self.x, self.ffn_out if 0 < spec.index < cfg.num_hidden_layers else None, spec.input_norm,
+                       self.u, h, self.u_x8),
             *self._matvec_pair(self._matrix(a.q_a), self.q_a, self._matrix(a.kv_a), self.comp),
         ]
         ix = a.indexer  # a layer with an indexer of its own (else it attends with the previous layer's choice)
@@ -410,7 +485,7 @@ class DeviceDecodeStep:
         # lower precision the rows go to `new_rows` and `kv_store_rows` stores them
         new_rows = {name: a.buffer for name, a in (self.new_rows or {}).items()}
         out.rows = self._reads_cs(k.bind(
-            "token_rows", (self.red,), (self.red,), comp=self.comp.buffer, vec=self._vectors.buffer,
+            "token_rows", (self.red, self.rows), (self.red, 1), comp=self.comp.buffer, vec=self._vectors.buffer,
             w_off=self.offsets[a.kv_a_norm.weight], kv_lat=new_rows.get("kv_lat", self.comp.buffer),
             k_rot=new_rows.get("k_rot", self.comp.buffer), row=0,
             kvl=kvl, rope=rope, cs=self.cs[0].buffer, eps=a.kv_a_norm.eps, q_a=self.q_a.buffer,
@@ -421,7 +496,7 @@ class DeviceDecodeStep:
             stage_off=NO_STAGE if k.direct else spec.index * self.stage_width))
         out.head.append(out.rows)
         if new_rows:  # the cache rows and scales (and `row`) are set per token
-            out.store = k.bind("kv_store_rows", (self.red,), (self.red,), kv_dtype=self.kv_dtype,
+            out.store = k.bind("kv_store_rows", (self.red, self.rows), (self.red, 1), kv_dtype=self.kv_dtype,
                                lat=new_rows["kv_lat"], rot=new_rows["k_rot"], idx=new_rows["index_k"],
                                **{f"{name}{part}": self.comp.buffer for name in new_rows for part in ("", "_scale")},
                                row=0, kvl=kvl, rope=rope, ihd=ihd, index=int(ix is not None))
@@ -430,42 +505,44 @@ class DeviceDecodeStep:
         if mvt_chunked(kv_b):  # the query's absorption and RoPE in one launch
             out.head.append(self._reads_cs(bind_mla_query(k, kv_b, self.q.buffer, nope + rope, self.q_abs.buffer,
                                                           nope, nope + v_dim, nh, self.cs[0].buffer,
-                                                          self.q_rot.buffer, rope)))
+                                                          self.q_rot.buffer, rope, self.rows)))
         else:
             out.head += [bind_matvec_t(k, kv_b, self.q.buffer, self.q_abs.buffer, nh, nope + rope, nope + v_dim, 0,
-                                       nope),
+                                       nope, self.rows),
                          self._rope(self.q, nope, nope + rope, self.q_rot, rope, rope, nh)]
         scratch = self.scratch
         if ix is not None:  # the key row (`k`) and key count (`n_keys`) are set per token
-            out.scores = k.bind("index_scores", (KEY_GROUP, 1), (KEY_GROUP, 1), kv_dtype=self.kv_dtype,
+            out.scores = k.bind("index_scores", (KEY_GROUP, self.rows), (KEY_GROUP, 1), kv_dtype=self.kv_dtype,
                                 q=self.iq_rot.buffer, k=self.key.buffer, k_scale=self.key.buffer, w=self.iw.buffer,
                                 out=scratch["index_scores"].buffer, nh=inh, d=ihd, n_keys=1, scale=ix.score_scale,
                                 w_scale=ix.head_scale)
-            name, size, local = k.topk_kernel(1)
+            name, size, local = k.topk_kernel(self.rows)
             out.topk = k.bind(name, size, local, scores=scratch["index_scores"].buffer,
-                              allowed=scratch["all"].buffer, selected=scratch["selected"].buffer,
-                              chosen=self.chosen.buffer, n_keys=1, k=ix.topk, n_rows=1)
+                              allowed=scratch["allowed"].buffer, selected=scratch["selected"].buffer,
+                              chosen=self.chosen.buffer, n_keys=1, k=ix.topk, n_rows=self.rows)
             out.scoring = [*self._matvec(self._matrix(ix.wq_b), self.q_lat, self.iq, quantized=self.q_lat_x8),
                            self._rope(self.iq, 0, ihd, self.iq_rot, ihd, ihd, inh),
                            *(() if paired else self._matvec(weights_proj, self.u, self.iw, quantized=self.u_x8)),
                            out.scores, out.topk]
-        # the cache rows (kv_lat, k_rot), the key count (n) and whether the indexer chose the keys (use_keys) are
-        # set per token
-        out.attention = k.bind("mla_decode_scores", (KEY_GROUP, 1), (KEY_GROUP, 1), kv_dtype=self.kv_dtype,
-                               q_lat=self.q_abs.buffer, q_rot=self.q_rot.buffer, kv_lat=self.comp.buffer,
-                               kv_lat_scale=self.comp.buffer, k_rot=self.comp.buffer, k_rot_scale=self.comp.buffer,
-                               keys=self.chosen.buffer, use_keys=0, scores=scratch["scores"].buffer, nh=nh, n=1,
-                               kvl=kvl, rope=rope, scale=a.scale)
+        # the cache rows (kv_lat, k_rot), the key counts (n, n_total) and whether the indexer chose the keys
+        # (use_keys) are set per token
+        out.attention = k.bind("mla_decode_scores", (KEY_GROUP, 1, self.rows), (KEY_GROUP, 1, 1),
+                               kv_dtype=self.kv_dtype, q_lat=self.q_abs.buffer, q_rot=self.q_rot.buffer,
+                               kv_lat=self.comp.buffer, kv_lat_scale=self.comp.buffer, k_rot=self.comp.buffer,
+                               k_rot_scale=self.comp.buffer, keys=self.chosen.buffer, use_keys=0,
+                               scores=scratch["scores"].buffer, nh=nh, n=1, n_total=1, kvl=kvl, rope=rope,
+                               scale=a.scale)
         # the values kernel writes o_lat's codes too when kv_b's value product takes int8 inputs
-        o_lat_x8 = self._x8_scratch(nh * kvl) if self._x8(kv_b.bits, kv_b.group, kv_b.n_in) else None
+        o_lat_x8 = self._x8_scratch(self.rows * nh * kvl) if self._x8(kv_b.bits, kv_b.group, kv_b.n_in) else None
         value_codes = o_lat_x8 or Int8Codes.unused(self.o_lat.buffer)
-        out.values = k.bind("mla_decode_values", (nh * self.red,), (self.red,), kv_dtype=self.kv_dtype,
+        out.values = k.bind("mla_decode_values", (nh * self.red, self.rows), (self.red, 1), kv_dtype=self.kv_dtype,
                             scores=scratch["scores"].buffer, kv_lat=self.comp.buffer, kv_lat_scale=self.comp.buffer,
-                            out=self.o_lat.buffer, n=1, kvl=kvl,
+                            out=self.o_lat.buffer, n=1, n_total=1, kvl=kvl,
                             quantize=int(o_lat_x8 is not None), **value_codes.args(), keys=self.chosen.buffer,
                             use_keys=0)
         o_proj = self._matrix(a.o_proj)
-        heads_x8 = self._x8_scratch(nh * v_dim) if self._x8(o_proj.bits, o_proj.group, o_proj.n_in) else None
+        heads_x8 = (self._x8_scratch(self.rows * nh * v_dim) if self._x8(o_proj.bits, o_proj.group, o_proj.n_in)
+                    else None)
         out.tail = [out.attention, out.values,
                     *self._matvec(kv_b, self.o_lat, self.heads_out, nh, nope + v_dim, nope, v_dim, quantized=o_lat_x8,
                                   codes_out=heads_x8),
@@ -506,30 +583,32 @@ class DeviceDecodeStep:
         table = self.buffers.filled([ref.offs for ref in members], np.uint64)
         buffer_of = self.buffers.filled([next(b for b, buf in enumerate(buffers) if buf is ref.buf)
                                          for ref in members], np.uint32)
-        regions, stride, groups = self._slot_groups(experts[0], buffers, r.top_k + len(shared), apart)
+        regions, stride, groups = self._slot_groups(experts[0], buffers, self.rows * (r.top_k + len(shared)), apart)
         out.ids = self._route_ids(r.top_k)
-        logits = new(r.n_experts)
+        logits = new(self.rows * r.n_experts)
         out.route = k.bind("route_noaux_tc", (1,), None, logits=logits.buffer, vec=self._vectors.buffer,
                            bias_off=self.offsets[r.bias], table=table.buffer, buffer_of=buffer_of.buffer,
                            n_buffers=len(buffers), n_experts=r.n_experts, n_group=r.n_group,
                            topk_group=r.topk_group, top_k=r.top_k, norm=int(r.norm_topk_prob), scaling=r.scaling,
                            shared=len(shared), stride=stride, ids=out.ids[0].buffer,  # ids: set per token slot
-                           **{name: a.buffer for name, a in regions.items()})
-        launches = [bind_matvec(k, self._matrix(r.weight), self.u.buffer, logits.buffer), out.route, *groups]
+                           n_tok=self.rows, **{name: a.buffer for name, a in regions.items()})
+        launches = [bind_matvec(k, self._matrix(r.weight), self.u.buffer, logits.buffer, tokens=self.rows), out.route,
+                    *groups]
         if apart:
             launches += self._bind_apart(separate)
         return launches
 
     def _route_ids(self, top_k: int) -> list[DeviceArray]:
-        """The next MoE layer's routed ids, per token slot (views of `route_ids`)."""
-        start = sum(lay.route is not None for lay in self.layers) * self.id_stride
-        return [DeviceArray(a.host[start:start + top_k], self.buffers.sub_buffer(a.buffer, 4 * start, 4 * top_k))
+        """The next MoE layer's routed ids (`[rows, top_k]`), per token slot (views of `route_ids`)."""
+        start, count = sum(lay.route is not None for lay in self.layers) * self.id_stride, self.rows * top_k
+        return [DeviceArray(a.host[start:start + count], self.buffers.sub_buffer(a.buffer, 4 * start, 4 * count))
                 for a in self.route_ids]
 
     def _slot_regions(self, n_buffers: int, n_slots: int) -> tuple[dict[str, DeviceArray], int]:
         """The slot arrays routing fills for `n_slots` experts in each of `n_buffers` weight buffers (buffer b's
-        slots from `stride * b`: sub-buffers start at base_align multiples). Returns (regions by name, stride)."""
-        stride = self.buffers.aligned_items(n_slots)
+        slots from `stride * b`: sub-buffers start at base_align multiples; room for a slot range per token row in
+        tok_start). Returns (regions by name, stride)."""
+        stride = self.buffers.aligned_items(max(n_slots, self.rows + 1))
         return {name: self.buffers.array(n_buffers * stride * width, dtype)
                 for name, (width, dtype) in SLOT_ARRAYS.items()}, stride
 
@@ -545,7 +624,7 @@ class DeviceDecodeStep:
             sub = {name: self.buffers.sub_buffer(regions[name].buffer, b * stride * width * np.dtype(dtype).itemsize,
                                                  n_slots * width * np.dtype(dtype).itemsize)
                    for name, (width, dtype) in SLOT_ARRAYS.items()}
-            slots = ExpertSlots(sub["offs"], sub["slot_tok"], sub["tok_start"], sub["slot_w"], n_slots)
+            slots = ExpertSlots(sub["offs"], sub["slot_tok"], sub["tok_start"], sub["slot_w"], n_slots, self.rows)
             y = self.ffn if b == 0 else self.ffn_part
             bound, self.ffn_out = self._bind_experts(ref, slots, y, buf, summed)
             launches += bound
@@ -647,7 +726,7 @@ class DeviceDecodeStep:
         return [e for e, done in zip(ids, ready, strict=True) if not done]
 
     def _add(self, y: DeviceArray, a: DeviceArray) -> Launch:
-        n = self.cfg.hidden_size
+        n = self.rows * self.cfg.hidden_size
         return self.k.bind("add_into", (n,), None, y=y.buffer, a=a.buffer, n=n)
 
     def _ref(self, mlp: MLPSpec):
@@ -657,10 +736,11 @@ class DeviceDecodeStep:
         return ref
 
     def _bind_single(self, ref, y: DeviceArray, summed: bool = True) -> tuple[tuple[Launch, ...], Addend]:
-        """One MLP (a dense layer's, or a shared expert) as fused launches over one slot of weight 1."""
-        filled = self.buffers.filled
-        slots = ExpertSlots(filled(ref.offs, np.uint64).buffer, filled([0], np.uint32).buffer,
-                            filled([0, 1], np.uint32).buffer, filled([1.0]).buffer, 1)
+        """One MLP (a dense layer's, or a shared expert) as fused launches over one slot of weight 1 per token row."""
+        filled, rows = self.buffers.filled, self.rows
+        slots = ExpertSlots(filled(np.tile(ref.offs, rows), np.uint64).buffer,
+                            filled(np.arange(rows), np.uint32).buffer, filled(np.arange(rows + 1), np.uint32).buffer,
+                            filled(np.ones(rows)).buffer, rows, rows)
         return self._bind_experts(ref, slots, y, ref.buf, summed)
 
     def _expert_scratch(self, count: int, shape) -> tuple[DeviceArray, Any]:
@@ -732,6 +812,15 @@ class DeviceDecodeStep:
         m.rows = pos + 1  # row pos: written by this token's kernels
         return m
 
+    def _mask_causal(self, keys: int) -> None:
+        """The keys each token row's selection may choose (`scratch["allowed"]`, rows of `keys`): row r not the
+        keys after its own position (`keys - rows + r`); the earlier forward's zeros set back to 1 first."""
+        allowed = self.scratch["allowed"].host
+        allowed[self.masked] = 1
+        self.masked = [r * keys + t for r in range(self.rows - 1) for t in range(keys - self.rows + r + 1, keys)]
+        allowed[self.masked] = 0
+        self.buffers.to_device(self.scratch["allowed"])
+
     def complete(self, event, parity: int) -> None:
         """Wait for the token of this parity (`event`: `_enqueue`'s), then store its cache rows (`_collect`)."""
         event.wait()
@@ -752,10 +841,44 @@ class DeviceDecodeStep:
                 start += width
 
     def __call__(self, token: int, cache: KVCache, embed: np.ndarray) -> tuple[np.ndarray, np.ndarray, list]:
-        """Append `token` (its embedding row `embed [H]`) at position `cache.length`; see the class docstring."""
+        """Append `token` (its embedding row `embed [H]`; a step of several token rows: the embeddings `[rows, H]`
+        of that many tokens) at position `cache.length`; see the class docstring."""
         self.settle()
         self.complete(self._enqueue(cache, 0, embed), 0)
-        return self.logits.host[None, :].copy(), self.hidden.host[None, :].copy(), self.routes(0)
+        rows = self.rows
+        return (self.logits.host.reshape(rows, -1).copy(), self.hidden.host.reshape(rows, -1).copy(),
+                self.routes(0))
+
+    def verify(self, cache: KVCache, embed: np.ndarray, choose: bool
+               ) -> tuple[np.ndarray, np.ndarray, list, tuple[np.ndarray, np.ndarray] | None]:
+        """The token rows of embeddings `embed [rows, H]` appended at `cache.length` (MTP's verification of a token
+        and its draft), and with `choose` (a step bound with a draft) in the same queue MTP's next drafts: each
+        row's greedy token, then the MTP layer on them (its rows appended at the same positions) and its greedy
+        draft. Returns (logits `[rows, V]`, hidden `[rows, H]`, routes, (greedy tokens `[rows]`, drafts `[rows]`) or
+        None without `choose`)."""
+        self.settle()
+        self.complete(self._enqueue(cache, 0, embed, draft=choose), 0)
+        logits, hidden, routes = (self.logits.host.reshape(self.rows, -1).copy(),
+                                  self.hidden.host.reshape(self.rows, -1).copy(), self.routes(0))
+        if not choose:
+            return logits, hidden, routes, None
+        return logits, hidden, routes, (self.verified.host.astype(np.int64), self.drafted.host.astype(np.int64))
+
+    def drafts(self) -> bool:
+        """Whether the step was bound with MTP's draft (`verify` with choose, `redraft`)."""
+        return self.draft is not None
+
+    def redraft(self, cache: KVCache, tokens: Sequence[int], hidden: np.ndarray) -> np.ndarray:
+        """MTP's drafts `[rows]` after verified rows of main hidden states `hidden [rows, H]` and the tokens the
+        host chose for them, the MTP layer's rows appended from its `cache` length (the rows' first position)."""
+        assert self.draft is not None
+        self.settle()
+        pos = cache.layer(self.cfg.num_hidden_layers).length
+        self._place_rows(pos, 0)
+        self.hidden.host[:] = hidden.reshape(-1)
+        self.verified.host[:] = tokens
+        self.complete(self._queue_draft(cache, pos, self._next_slot(0), 0, choose=False), 0)
+        return self.drafted.host.astype(np.int64)
 
     def watch_routes(self, hook: Callable[[int, np.ndarray], None]) -> None:
         """From now on call `hook(layer, expert ids [k])` as each MoE layer's routing completes on the device,
@@ -765,109 +888,152 @@ class DeviceDecodeStep:
             self.watcher = RouteWatcher(self.k, hook)
 
     def routes(self, parity: int) -> list[tuple[int, np.ndarray]]:
-        """`(layer, expert ids [1, k])` of every MoE layer, as the token of this parity routed them; [] over an
-        expert cache (it saw them as they happened)."""
+        """`(layer, expert ids [rows, k])` of every main MoE layer, as the token rows of this parity routed them; []
+        over an expert cache (it saw them as they happened)."""
         if self.experts is not None:
             return []
         slot = self.slot_of[parity]
-        return [(i, layer.ids[slot].host[None, :].astype(np.int64)) for i, layer in enumerate(self.layers)
-                if layer.route is not None]
+        return [(i, layer.ids[slot].host.reshape(self.rows, -1).astype(np.int64))
+                for i, layer in enumerate(self.layers) if layer.route is not None]
 
     def settle(self) -> None:
         """Let the pipeline whose token is in flight (if any) finish it: the step's buffers are then free."""
         if self.owner is not None:
             self.owner.suspend()
 
-    def _enqueue(self, cache: KVCache, parity: int, embed: np.ndarray | None, choice: TokenChoice | None = None):
-        """Queue one token's forward at position `cache.length`; returns the event of its last launch.
-
-        embed: its embedding row `[H]`, written by the host (nothing may be in flight), or None: the embedding of
-        the token the device chose at the other parity, looked up on the device. choice: also choose the next
-        token on the device (into `token_ids[parity]`)."""
-
-        cfg = self.cfg
-        if cache.dtype != self.kv_dtype:
-            raise ValueError(f"a cache of {cache.dtype} rows given to a decode step built for {self.kv_dtype}")
-        pos = cache.length
-        keys = pos + 1
-        grows = keys > self.capacity or any(
-            cache.layer(i).length + 1 > len(cache.layer(i).storage("kv_lat")) for i in range(cfg.num_hidden_layers))
-        if grows:  # the cache or the scratch is reallocated: nothing may still use the old arrays
-            self.k.finish()
-            for staged in (0, 1):  # a device mirror that grows takes every row from the host again
-                self._collect(staged)
-        self._grow(keys)
-        attention = self.specs[0].attention  # every layer's RoPE is the same (`check_bindable`)
-        cos, sin = rope_cos_sin(np.array([pos]), attention.rope, attention.rope_theta)
-        self.cs[parity].host[:] = np.concatenate([cos[0], sin[0]])
-        self.buffers.to_device(self.cs[parity])  # the last token of this parity has finished: its copy was done
-        cs = self.cs[parity].buffer
-        for launch in self._cs_users:
-            launch.set(cs=cs)
-        if embed is not None:
-            self.x.host[:] = embed
-            self.buffers.to_device(self.x)
-        scored = keys > self.topk
-        slot = self.slot_of[parity] = self.tokens % ID_SLOTS
-        self.tokens += 1
+    def _queue_layer(self, i: int, layer: _Layer, kv, pos: int, keys: int, slot: int, parity: int) -> Any:
+        """Queue decoder layer i's launches (its cache rows `kv`) for the token rows at pos.. of `keys` keys in all;
+        returns the event of its last launch."""
+        n_rows, scored = self.rows, keys > self.topk
         # per-key kernels: work-groups of KEY_GROUP items (a size left to the driver would follow the key count
         # down to groups of one item for a prime count: one work-group per key)
         per_key = -(-keys // KEY_GROUP) * KEY_GROUP
         attended = self.topk if scored else keys  # the keys attention reads: the indexer's choice, or all
         per_attended = -(-attended // KEY_GROUP) * KEY_GROUP
-        heads = cfg.num_attention_heads if self.k.heads_apart else 1
+        heads = self.cfg.num_attention_heads if self.k.heads_apart else 1
+        rows = {name: self._cache_buffer(layer, kv, name) for name in layer.cache_fields}
+        lat, rot = rows["kv_lat"], rows["k_rot"]
+        scaled = {f"{name}_scale": rows.get(f"{name}.scale", rows[name]) for name in ("kv_lat", "k_rot")}
+        if layer.store is None:
+            layer.rows.set(kv_lat=lat, k_rot=rot, row=pos)
+        else:
+            layer.store.set(row=pos, **{name.replace(".", "_"): b for name, b in rows.items()})
+        if layer.scores is not None:
+            index_k = rows["index_k"]
+            if layer.store is None:
+                layer.rows.set(index_k=index_k)
+        if not self.k.direct:
+            layer.rows.set(stage=self.row_stage[parity].buffer)
+            kv.edited_from = kv.length  # the host gets this row with the others (`_collect`)
+        for launch in layer.head:
+            launch.enqueue()
+        if scored and layer.scores is not None:
+            layer.scores.set(k=index_k, k_scale=rows.get("index_k.scale", index_k), n_keys=keys)
+            layer.scores.size = (per_key, n_rows)
+            layer.topk.set(n_keys=keys)
+            for launch in layer.scoring:
+                launch.enqueue()
+        layer.attention.set(kv_lat=lat, k_rot=rot, **scaled, use_keys=int(scored), n=attended, n_total=keys)
+        layer.attention.size = (per_attended, heads, n_rows)
+        layer.values.set(kv_lat=lat, kv_lat_scale=scaled["kv_lat_scale"], n=attended, n_total=keys,
+                         use_keys=int(scored))
+        if layer.route is not None:
+            layer.route.set(ids=layer.ids[slot].buffer)
+        for launch in layer.tail:
+            event = launch.enqueue()
+            if launch is layer.route and self.watcher is not None:
+                self.watcher.watch(event, i, layer.ids[slot].host)
+        if layer.arena is not None:
+            event.wait()
+            missing = self._place(layer, slot)
+            for launch in layer.after_route:
+                event = launch.enqueue()
+            self.k.flush()  # the resident experts run while the next layer's are named and the rest read
+            self.experts.read_ahead(layer.arena.layer, self.u.host[None, :])
+            if missing:
+                self.experts.wait_places(layer.arena.layer, missing)
+                for launch in layer.after_misses:
+                    event = launch.enqueue()
+        return event
+
+    def _place_rows(self, pos: int, parity: int) -> None:
+        """Make ready for the token rows at pos..: scratch for their keys, their cos/sin (`cs[parity]`, set on every
+        launch that reads them) and, with several rows where the indexer selects, the causal mask."""
+        keys = pos + self.rows
+        self._grow(keys)
+        attention = self.specs[0].attention  # every layer's RoPE is the same (`check_bindable`)
+        cos, sin = rope_cos_sin(np.arange(pos, keys), attention.rope, attention.rope_theta)
+        self.cs[parity].host[:] = np.concatenate([cos, sin], axis=1).reshape(-1)
+        self.buffers.to_device(self.cs[parity])  # the last token of this parity has finished: its copy was done
+        cs = self.cs[parity].buffer
+        for launch in self._cs_users:
+            launch.set(cs=cs)
+        if keys > self.topk and self.rows > 1:
+            self._mask_causal(keys)
+
+    def _next_slot(self, parity: int) -> int:
+        """The routed-id slot of the forward queued next at this parity."""
+        slot = self.slot_of[parity] = self.tokens % ID_SLOTS
+        self.tokens += 1
+        return slot
+
+    def _queue_draft(self, cache: KVCache, pos: int, slot: int, parity: int, choose: bool) -> Any:
+        """Queue MTP's draft of the token rows at pos.. (`_Draft`; the MTP layer's rows are appended there): from
+        the greedy tokens of the verification's logits (`choose`), else from the tokens the host wrote in
+        `verified`. Returns the event of its last launch."""
+        d, layer = self.draft, self.cfg.num_hidden_layers
+        assert d is not None
+        kv = cache.layer(layer)
+        if kv.length != pos:
+            raise ValueError(f"MTP's draft at position {pos}: the MTP layer holds {kv.length} rows")
+        kv.claim(self.rows)
+        if choose:
+            d.choose.enqueue()
+        d.lookup.enqueue()
+        for launch in d.head:
+            launch.enqueue()
+        event = self._queue_layer(layer, d.layer, kv, pos, pos + self.rows, slot, parity)
+        for launch in d.tail:
+            event = launch.enqueue()
+        return event
+
+    def _enqueue(self, cache: KVCache, parity: int, embed: np.ndarray | None, choice: TokenChoice | None = None,
+                 draft: bool = False):
+        """Queue one token's forward at position `cache.length`; returns the event of its last launch.
+
+        embed: its embedding row `[H]`, written by the host (nothing may be in flight), or None: the embedding of
+        the token the device chose at the other parity, looked up on the device. choice: also choose the next
+        token on the device (into `token_ids[parity]`). draft: MTP's draft of the rows follows (`_queue_draft`)."""
+
+        cfg, n_rows = self.cfg, self.rows
+        layers = range(cfg.num_hidden_layers + draft)
+        if cache.dtype != self.kv_dtype:
+            raise ValueError(f"a cache of {cache.dtype} rows given to a decode step built for {self.kv_dtype}")
+        pos = cache.length
+        keys = pos + n_rows
+        grows = keys > self.capacity or any(
+            cache.layer(i).length + n_rows > len(cache.layer(i).storage("kv_lat")) for i in layers)
+        if grows:  # the cache or the scratch is reallocated: nothing may still use the old arrays
+            self.k.finish()
+            for staged in (0, 1):  # a device mirror that grows takes every row from the host again
+                self._collect(staged)
+        self._place_rows(pos, parity)
+        if embed is not None:
+            self.x.host[:] = embed.reshape(-1)
+            self.buffers.to_device(self.x)
+        slot = self._next_slot(parity)
         for i in range(cfg.num_hidden_layers):
-            cache.layer(i).claim(1)
+            cache.layer(i).claim(n_rows)
         if embed is None:
             self.embed.set(token=self.token_ids[1 - parity].buffer)
             self.embed.enqueue()
         try:
             for i, layer in enumerate(self.layers):
-                kv = cache.layer(i)
-                rows = {name: self._cache_buffer(layer, kv, name) for name in layer.cache_fields}
-                lat, rot = rows["kv_lat"], rows["k_rot"]
-                scaled = {f"{name}_scale": rows.get(f"{name}.scale", rows[name]) for name in ("kv_lat", "k_rot")}
-                if layer.store is None:
-                    layer.rows.set(kv_lat=lat, k_rot=rot, row=pos)
-                else:
-                    layer.store.set(row=pos, **{name.replace(".", "_"): b for name, b in rows.items()})
-                if layer.scores is not None:
-                    index_k = rows["index_k"]
-                    if layer.store is None:
-                        layer.rows.set(index_k=index_k)
-                if not self.k.direct:
-                    layer.rows.set(stage=self.row_stage[parity].buffer)
-                    kv.edited_from = kv.length  # the host gets this row with the others (`_collect`)
-                for launch in layer.head:
-                    launch.enqueue()
-                if scored and layer.scores is not None:
-                    layer.scores.set(k=index_k, k_scale=rows.get("index_k.scale", index_k), n_keys=keys)
-                    layer.scores.size = (per_key, 1)
-                    layer.topk.set(n_keys=keys)
-                    for launch in layer.scoring:
-                        launch.enqueue()
-                layer.attention.set(kv_lat=lat, k_rot=rot, **scaled, use_keys=int(scored), n=attended)
-                layer.attention.size = (per_attended, heads)
-                layer.values.set(kv_lat=lat, kv_lat_scale=scaled["kv_lat_scale"], n=attended, use_keys=int(scored))
-                if layer.route is not None:
-                    layer.route.set(ids=layer.ids[slot].buffer)
-                for launch in layer.tail:
-                    event = launch.enqueue()
-                    if launch is layer.route and self.watcher is not None:
-                        self.watcher.watch(event, i, layer.ids[slot].host)
-                if layer.arena is not None:
-                    event.wait()
-                    missing = self._place(layer, slot)
-                    for launch in layer.after_route:
-                        event = launch.enqueue()
-                    self.k.flush()  # the resident experts run while the next layer's are named and the rest read
-                    self.experts.read_ahead(layer.arena.layer, self.u.host[None, :])
-                    if missing:
-                        self.experts.wait_places(layer.arena.layer, missing)
-                        for launch in layer.after_misses:
-                            event = launch.enqueue()
+                event = self._queue_layer(i, layer, cache.layer(i), pos, keys, slot, parity)
             self.final_norm.enqueue()
             event = self.lm_head.enqueue()
+            if draft:
+                event = self._queue_draft(cache, pos, slot, parity, choose=True)
             if choice is not None:
                 event = choice.enqueue(parity)
             if not self.k.direct:  # what the host reads of this token, behind its kernels
@@ -887,7 +1053,7 @@ class DeviceDecodeStep:
         """Decoding from `token` with one forward in flight (`DecodePipeline`): greedy, or drawn as `draws` (a host
         sampler) would draw. None where the device cannot: no embedding lookup on the device, or a sampled draw
         `SampledChoice.fits` refuses. embed_of(token): a token's embedding row `[H]`."""
-        if self.embed is None:
+        if self.embed is None or self.rows > 1:
             return None
         if draws is None:
             return DecodePipeline(self, cache, token, embed_of, on_routes, ArgmaxChoice(self))

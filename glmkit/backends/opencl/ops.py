@@ -207,7 +207,6 @@ class Kernels:
         hid_codes = Int8Codes(b.out("hq", 2 * n_slots * inter), b.out("hs", 4 * (n_slots * inter // X8_BLOCK)),
                               b.out("hsum", 4 * (n_slots * inter // X8_BLOCK)))
         ob = b.put("offs", offs, np.uint64)
-        used = b.put("tok_start", np.array([0, n_slots]), np.uint32)  # edp's slot range: all of them
         hid, part = b.out("hid", n_slots * inter * 4), b.out("part", n_slots * n_in * 4)
         g_inter, l_inter = self.rows_global(inter)
         g_out, l_out = self.rows_global(n_in)
@@ -217,8 +216,7 @@ class Kernels:
         self._run(f"eg_{shape.suffix}_x8", (g_inter, n_slots), l_inter, wbuf=wbuf, offs=ob, slot_tok=tokens,
                   **shape.gate_up_args(), **x_codes.args("x"), hid=hid, inter=inter)
         self._run("quantize_x8", (inter // X8_BLOCK, n_slots), None, x=hid, x_s=inter, n=inter, **hid_codes.args())
-        evt = self._run(f"edp_{shape.suffix}_x8", (g_out, n_slots), l_out, wbuf=wbuf, offs=ob, tok_start=used,
-                        slot_tok=tokens,
+        evt = self._run(f"edp_{shape.suffix}_x8", (g_out, n_slots), l_out, wbuf=wbuf, offs=ob, slot_tok=tokens,
                         **shape.down_args(), **hid_codes.args("h"), part=part, rows=n_in)
         part = b.get("part", (n_slots, n_in), evt) * slot_w[:, None]
         return np.stack([part[tok_start[t]:tok_start[t + 1]].sum(0) for t in range(n_tok)])

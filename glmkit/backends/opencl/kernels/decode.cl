@@ -1,7 +1,8 @@
 /* The device decode step (glmkit.backends.opencl.decode_graph): the small per-token operations that sit between the
  * weight products, so that a whole decoded token is one queue of kernels with a single wait at the end.
  * Every pointer comes with an offset in floats: a KV cache row, or a vector inside the step's buffer of
- * norm weights and biases. One query token throughout. */
+ * norm weights and biases. One query token, or a few consecutive ones in one launch (token rows: MTP's
+ * verification). */
 
 /* The end of an RMSNorm over n values run by one work-group: y = w * (x * (1 / sqrt(mean(x^2) + eps))), s being this
  * item's part of the sum of squares; with `quantize`, also y's int8 codes, scales and code sums (common.cl; n a
@@ -22,17 +23,18 @@ INLINE void rms_norm_out(const __global float* x, float s, uint n, float eps, co
  * y = w * (x * (1 / sqrt(mean(x^2) + eps))) over n values: a residual add followed by the next RMSNorm (add = 0: the
  * norm alone). The rows of `a`: the experts' per-slot down outputs with their routing weights (the sum that
  * expert_sum would write, in its order), or one row of weight 1 (a plain add, exact). With `quantize`, also y's int8
- * codes, scales and code sums (common.cl; n a multiple of 64) for the int8-input products that read it. One
- * work-group of RED_LANES items. */
+ * codes, scales and code sums (common.cl; n a multiple of 64) for the int8-input products that read it. Token row r
+ * (several tokens in one launch) works on x, y and the codes from row r (n values apart) and adds a's rows
+ * [a_range[r], a_range[r + 1]). One work-group of RED_LANES items per token row: global (RED_LANES, rows). */
 __kernel void residual_rms_norm(__global float* x, uint x_off, __global const float* a,
                                 __global const uint* a_range, __global const float* a_w, uint add,
                                 __global const float* w, uint w_off, __global float* y, uint y_off, uint n,
                                 float eps, uint quantize, __global char* q, __global float* qs,
                                 __global int* qsum) {
     __local float red[RED_LANES];
-    const uint l = get_local_id(0);
-    __global float* xp = x + x_off;
-    const uint first = add ? a_range[0] : 0, end = add ? a_range[1] : 0;
+    const uint l = get_local_id(0), r = get_global_id(1);
+    __global float* xp = x + x_off + (ulong)r * n;
+    const uint first = add ? a_range[r] : 0, end = add ? a_range[r + 1] : 0;
     float s = 0.0f;
     for (uint i = l; i < n; i += RED_LANES) {
         float v = xp[i];
@@ -44,16 +46,19 @@ __kernel void residual_rms_norm(__global float* x, uint x_off, __global const fl
         }
         s += v * v;
     }
-    rms_norm_out(xp, s, n, eps, w + w_off, y + y_off, quantize, q, qs, qsum, red);
+    rms_norm_out(xp, s, n, eps, w + w_off, y + y_off + (ulong)r * n, quantize, q + 2 * r * n, qs + r * (n / 64),
+                 qsum + r * (n / 64), red);
 }
 
-/* token[0] = the index of the largest of n values, the first one on ties (NumPy's argmax): the greedy token,
- * chosen on the device so that the next token's forward can be queued before the host sees this one. One
- * work-group. */
+/* token[r] = the index of the largest of the n values of row r of x, the first one on ties (NumPy's argmax): the
+ * greedy token, chosen on the device so that the next token's forward can be queued before the host sees this
+ * one (and MTP's draft of the verified tokens, from the tokens chosen for them). One work-group per row: global
+ * (RED_LANES, rows). */
 __kernel void argmax_row(__global const float* x, uint n, __global uint* token) {
     __local float best[RED_LANES];
     __local uint at[RED_LANES];
-    const uint l = get_local_id(0), none = 0xffffffffu;
+    const uint l = get_local_id(0), none = 0xffffffffu, r = get_global_id(1);
+    x += (ulong)r * n;
     float v = -INFINITY;
     uint idx = none;
     for (uint i = l; i < n; i += RED_LANES) {
@@ -76,7 +81,7 @@ __kernel void argmax_row(__global const float* x, uint n, __global uint* token) 
         }
         barrier(CLK_LOCAL_MEM_FENCE);
     }
-    if (l == 0) token[0] = at[0];
+    if (l == 0) token[r] = at[0];
 }
 
 /* y += a over n values (a shared expert that runs in a launch pair of its own). Global (n). */
@@ -128,8 +133,9 @@ INLINE void index_key_row(__global const float* x, __global const float* vec, ui
  * - with `index` (a layer with an indexer of its own): the indexer key row from key_raw (index_key_row; weights and
  *   bias at vec + kw_off, vec + kb_off, tmp: ihd floats of scratch) into index_k[row];
  * - unless stage_off is NO_STAGE: a copy of the cache rows at stage + stage_off ([kv_lat | k_rot | index_k]), where a
- *   discrete device collects every layer's rows of the token for one read back.
- * One work-group. */
+ *   discrete device collects every layer's rows of the token for one read back (one token row only).
+ * Several consecutive tokens in one launch: token r reads comp, q_a, key_raw, cs and writes q_lat, its codes, tmp
+ * from their row r and writes cache row `row + r`. One work-group per token: global (RED_LANES, tokens). */
 __kernel void token_rows(__global const float* comp, __global const float* vec, uint w_off, __global float* kv_lat,
                          __global float* k_rot, uint row, uint kvl, uint rope, __global const float* cs, float eps,
                          __global const float* q_a, uint qw_off, __global float* q_lat, uint qn, uint quantize,
@@ -137,7 +143,17 @@ __kernel void token_rows(__global const float* comp, __global const float* vec, 
                          __global const float* key_raw, uint kw_off, uint kb_off, __global float* tmp,
                          __global float* index_k, uint ihd, __global float* stage, uint stage_off) {
     __local float red[RED_LANES];
-    const uint l = get_local_id(0), n_half = rope / 2;
+    const uint l = get_local_id(0), n_half = rope / 2, r = get_global_id(1);
+    comp += r * (kvl + rope);
+    q_a += r * qn;
+    q_lat += r * qn;
+    q += 2 * r * qn;
+    qs += r * (qn / 64);
+    qsum += r * (qn / 64);
+    key_raw += r * ihd;
+    tmp += r * ihd;
+    cs += r * rope;
+    row += r;
     float s = 0.0f;
     for (uint i = l; i < kvl; i += RED_LANES) s += comp[i] * comp[i];
     rms_norm_out(comp, s, kvl, eps, vec + w_off, kv_lat + (ulong)row * kvl, 0, q, qs, qsum, red);
@@ -156,11 +172,13 @@ __kernel void token_rows(__global const float* comp, __global const float* vec, 
 
 /* Row h of y (width values at y + y_off + h * y_row) from row h of x (at x + x_off + h * x_row): RoPE on the
  * interleaved pairs of the first 2 * n_half columns, de-interleaved (concat(e * cos - o * sin, o * cos + e * sin)),
- * the other columns copied. cs = [cos (n_half), sin (n_half)] of the token's position. Global (width, rows). */
+ * the other columns copied. cs = [cos (n_half), sin (n_half)] of the token's position, per token: rows h read cs
+ * row h / per_cs (the rows of several tokens in one launch, per_cs each). Global (width, rows). */
 __kernel void rope_rows(__global const float* x, uint x_off, uint x_row, __global float* y, uint y_off, uint y_row,
-                        __global const float* cs, uint width, uint n_half) {
+                        __global const float* cs, uint width, uint n_half, uint per_cs) {
     const uint j = get_global_id(0), h = get_global_id(1);
     if (j >= width) return;
+    cs += h / per_cs * 2 * n_half;
     const __global float* xr = x + x_off + (ulong)h * x_row;
     float v;
     if (j < n_half) {
@@ -232,43 +250,56 @@ static uint route_choose(__global const float* logits, __global const float* vec
     return k;
 }
 
-/* The fused expert launches' slots for k routed experts (then the shared one, weight 1, when `shared`). Member i
- * (of k + shared) reads its 6 byte offsets (gate, gate scales, up, up scales, down, down scales) at
- * table[row[i] * 6] and lies in weight buffer buffer_of[row[i]] (one launch pair per buffer). Buffer b's slots
- * start at slot b * stride (offs: 6 values per slot; slot_w; slot_tok) and its slot range [0, count) is at
- * tok_start[b * stride]: its members in order; the other slots get token 0xffffffff. */
-static void route_fill(uint k, uint shared, const uint* row, const float* w, __global const ulong* table,
+/* The fused expert launches' slots of token `tok` (of a launch over several) for k routed experts (then the shared
+ * one, weight 1, when `shared`), after the slots `count` earlier tokens took per buffer. Member i (of k + shared)
+ * reads its 6 byte offsets (gate, gate scales, up, up scales, down, down scales) at table[row[i] * 6] and lies in
+ * weight buffer buffer_of[row[i]] (one launch pair per buffer). Buffer b's slots start at slot b * stride (offs: 6
+ * values per slot; slot_w; slot_tok) and token t's slot range is [tok_start[b * stride + t], tok_start[... + t + 1]):
+ * its members in order. */
+static void route_fill(uint tok, uint k, uint shared, const uint* row, const float* w, __global const ulong* table,
                        __global const uint* buffer_of, uint n_buffers, __global ulong* offs, __global float* slot_w,
-                       __global uint* slot_tok, uint stride, __global uint* tok_start) {
-    uint count[MAX_BUFFERS];
-    for (uint b = 0; b < n_buffers; b++) count[b] = 0;
+                       __global uint* slot_tok, uint stride, __global uint* tok_start, uint* count) {
+    for (uint b = 0; b < n_buffers; b++) tok_start[b * stride + tok] = count[b];
     for (uint i = 0; i < k + (shared ? 1 : 0); i++) {
         const uint b = buffer_of[row[i]], slot = b * stride + count[b]++;
         slot_w[slot] = i == k ? 1.0f : w[i];
-        slot_tok[slot] = 0;
+        slot_tok[slot] = tok;
         for (uint j = 0; j < 6; j++) offs[slot * 6 + j] = table[row[i] * 6 + j];
     }
+}
+
+/* After route_fill of n_tok tokens: each buffer's slot ranges end, its other slots get token 0xffffffff. */
+static void route_close(uint n_tok, uint n_buffers, __global uint* slot_tok, uint stride, __global uint* tok_start,
+                        const uint* count) {
     for (uint b = 0; b < n_buffers; b++) {
-        tok_start[b * stride] = 0;
-        tok_start[b * stride + 1] = count[b];
+        tok_start[b * stride + n_tok] = count[b];
         for (uint j = count[b]; j < stride; j++) slot_tok[b * stride + j] = 0xffffffffu;
     }
 }
 
-/* noaux_tc routing of one token (one work-item), writing the fused expert launches' slots directly: table and
- * buffer_of per expert (the shared expert's last, at n_experts). ids: the selected experts, ascending. */
+/* noaux_tc routing of n_tok tokens (one work-item; token t's logits at logits + t * n_experts), writing the fused
+ * expert launches' slots directly: table and buffer_of per expert (the shared expert's last, at n_experts). ids:
+ * token t's selected experts, ascending, from ids + t * top_k. */
 __kernel void route_noaux_tc(__global const float* logits, __global const float* vec, uint bias_off,
                              __global const ulong* table, __global const uint* buffer_of, uint n_buffers,
                              uint n_experts, uint n_group, uint topk_group, uint top_k, uint norm, float scaling,
                              uint shared, __global ulong* offs, __global float* slot_w, __global uint* slot_tok,
-                             uint stride, __global uint* tok_start, __global uint* ids) {
+                             uint stride, __global uint* tok_start, __global uint* ids, uint n_tok) {
     if (get_global_id(0) != 0) return;
-    float w[MAX_TOPK];
-    const uint k = route_choose(logits, vec, bias_off, n_experts, n_group, topk_group, top_k, norm, scaling, ids, w);
-    uint row[MAX_TOPK + 1];
-    for (uint i = 0; i < k; i++) row[i] = ids[i];
-    row[k] = n_experts;
-    route_fill(k, shared, row, w, table, buffer_of, n_buffers, offs, slot_w, slot_tok, stride, tok_start);
+    uint count[MAX_BUFFERS];
+    for (uint b = 0; b < n_buffers; b++) count[b] = 0;
+    for (uint t = 0; t < n_tok; t++) {
+        float w[MAX_TOPK];
+        __global uint* chosen = ids + t * top_k;
+        const uint k = route_choose(logits + (ulong)t * n_experts, vec, bias_off, n_experts, n_group, topk_group,
+                                    top_k, norm, scaling, chosen, w);
+        uint row[MAX_TOPK + 1];
+        for (uint i = 0; i < k; i++) row[i] = chosen[i];
+        row[k] = n_experts;
+        route_fill(t, k, shared, row, w, table, buffer_of, n_buffers, offs, slot_w, slot_tok, stride, tok_start,
+                   count);
+    }
+    route_close(n_tok, n_buffers, slot_tok, stride, tok_start, count);
 }
 
 /* The selection alone (one work-item): ids and weights of the top_k experts, for the host to place them. */
@@ -291,5 +322,9 @@ __kernel void route_place(__global const float* routed_w, uint top_k, uint share
     uint row[MAX_TOPK + 1];
     for (uint i = 0; i <= top_k; i++) row[i] = i;
     for (uint i = 0; i < top_k; i++) w[i] = routed_w[i];
-    route_fill(top_k, shared, row, w, table, buffer_of, n_buffers, offs, slot_w, slot_tok, stride, tok_start);
+    uint count[MAX_BUFFERS];
+    for (uint b = 0; b < n_buffers; b++) count[b] = 0;
+    route_fill(0, top_k, shared, row, w, table, buffer_of, n_buffers, offs, slot_w, slot_tok, stride, tok_start,
+               count);
+    route_close(1, n_buffers, slot_tok, stride, tok_start, count);
 }

@@ -91,15 +91,24 @@ INLINE void store_kv_row(const __global float* x, __global kv_t* out, __global f
 }
 
 /* The token's cache rows, which token_rows wrote in f32 (lat [kvl], rot [rope], and idx [ihd] when `index`), stored
- * as row `row` of kv_lat, k_rot and index_k at the program's KV_TYPE. One work-group. */
+ * as row `row` of kv_lat, k_rot and index_k at the program's KV_TYPE. Token r of several: its rows r stored as row
+ * `row + r`. One work-group per token: global (RED_LANES, tokens). */
 __kernel void kv_store_rows(__global const float* lat, __global const float* rot, __global const float* idx,
                             __global kv_t* kv_lat, __global float* kv_lat_scale, __global kv_t* k_rot,
                             __global float* k_rot_scale, __global kv_t* index_k, __global float* index_k_scale,
                             uint row, uint kvl, uint rope, uint ihd, uint index) {
     __local float red[RED_LANES];
-    store_kv_row(lat, kv_lat, kv_lat_scale, row, kvl, red);
-    store_kv_row(rot, k_rot, k_rot_scale, row, rope, red);
-    store_kv_row(idx, index_k, index_k_scale, row, index ? ihd : 0, red);  /* no barrier under a condition */
+    const uint r = get_global_id(1);
+    store_kv_row(lat + r * kvl, kv_lat, kv_lat_scale, row + r, kvl, red);
+    store_kv_row(rot + r * rope, k_rot, k_rot_scale, row + r, rope, red);
+    /* no barrier under a condition */
+    store_kv_row(idx + r * ihd, index_k, index_k_scale, row + r, index ? ihd : 0, red);
+}
+
+/* The keys token row r of `rows` attends: n (the key list's length) capped by its causal keys, n_total - (rows - 1 - r)
+ * (the last row's: every key). */
+INLINE uint row_keys(uint n, uint n_total, uint r, uint rows) {
+    return min(n, n_total - (rows - 1 - r));
 }
 
 /* Absorbed MLA attention of one query token, in two launches: these scores, then `mla_decode_values`, over n keys:
@@ -107,18 +116,24 @@ __kernel void kv_store_rows(__global const float* lat, __global const float* rot
  * scores[h, j] = (q_lat[h] . kv_lat[t] + q_rot[h] . k_rot[t]) * scale for t = key j.
  * q_lat [nh, kvl], q_rot [nh, rope], kv_lat [T, kvl], k_rot [T, rope] (fp8: times their row scales).
  * One work-item per key and every get_global_size(1)-th head: global (n, 1) on CPUs (an item reads its key once for
- * every head), (n, nh) on GPUs (a head's dot per item: the heads in parallel). */
+ * every head), (n, nh) on GPUs (a head's dot per item: the heads in parallel). Several consecutive query tokens:
+ * global dimension 2 counts them; token r reads its queries, its key list (keys + r * n) and its scores' rows from
+ * row r of each ([rows, nh, ...]) and attends `row_keys` keys (n_total: the keys in the cache). */
 __kernel void mla_decode_scores(__global const float* q_lat, __global const float* q_rot,
                                 __global const kv_t* kv_lat, __global const float* kv_lat_scale,
                                 __global const kv_t* k_rot, __global const float* k_rot_scale,
                                 __global const uint* keys, uint use_keys, __global float* scores, uint nh,
-                                uint n, uint kvl, uint rope, float scale) {
-    const uint j = get_global_id(0);
-    if (j >= n) return;
+                                uint n, uint n_total, uint kvl, uint rope, float scale) {
+    const uint j = get_global_id(0), r = get_global_id(2), count = row_keys(n, n_total, r, get_global_size(2));
+    if (j >= count) return;
+    keys += r * n;
+    q_lat += (ulong)r * nh * kvl;
+    q_rot += (ulong)r * nh * rope;
+    scores += (ulong)r * nh * n;
     const ulong t = use_keys ? keys[j] : j;
     const __global kv_t* kl = kv_lat + t * kvl;
     const __global kv_t* kr = k_rot + t * rope;
-    if (use_keys && j + 1 < n) {  /* the next item's key (the chosen rows are scattered: no hardware prefetch) */
+    if (use_keys && j + 1 < count) {  /* the next item's key (the chosen rows are scattered: no hardware prefetch) */
         const ulong next = keys[j + 1];
         for (uint i = 0; i < kvl; i += KV_LINE) PREFETCH(kv_lat + next * kvl + i);
         for (uint i = 0; i < rope; i += KV_LINE) PREFETCH(k_rot + next * rope + i);
@@ -151,14 +166,19 @@ __kernel void mla_decode_scores(__global const float* q_lat, __global const floa
  * work-group (RED_LANES items) per head: the row's maximum and sum (the probabilities replace the scores in
  * place), then each item owns groups of VALUE_COLS latent columns. Past index_topk keys of context the indexer's
  * choice keeps both launches at index_topk keys. With `quantize`, also out's int8 codes, scales and code sums per
- * head (common.cl; kvl a multiple of 64). scores [nh, n], kv_lat [T, kvl]. Global (nh * RED_LANES). */
+ * head (common.cl; kvl a multiple of 64). scores [nh, n], kv_lat [T, kvl]. Several consecutive query tokens: the
+ * work-groups of token r (global dimension 1) read its `row_keys` keys (keys + r * n) and its rows of scores and
+ * out (h counting on over the tokens' heads). Global (nh * RED_LANES, tokens). */
 __kernel void mla_decode_values(__global float* scores, __global const kv_t* kv_lat,
-                                __global const float* kv_lat_scale, __global float* out, uint n, uint kvl,
-                                uint quantize, __global char* q, __global float* qs, __global int* qsum,
+                                __global const float* kv_lat_scale, __global float* out, uint n, uint n_total,
+                                uint kvl, uint quantize, __global char* q, __global float* qs, __global int* qsum,
                                 __global const uint* keys, uint use_keys) {
     __local float red[RED_LANES];
-    const uint l = get_local_id(0), h = get_group_id(0);
-    __global float* p = scores + (ulong)h * n;
+    const uint l = get_local_id(0), r = get_global_id(1), stride = n;
+    const uint h = r * get_num_groups(0) + get_group_id(0);
+    keys += r * stride;
+    n = row_keys(n, n_total, r, get_global_size(1));
+    __global float* p = scores + (ulong)h * stride;
     const uint n8 = n / 8;  /* chunks of 8 keys: vector exp (scalar exp per key cost more than the sums) */
     float8 m8 = (float8)(-INFINITY);
     for (uint c = l; c < n8; c += RED_LANES) m8 = fmax(m8, LOAD_F8(c, p));

@@ -59,8 +59,10 @@ INLINE void matvec(const int bits, const int x8, const int codes_out, WARGS, __g
     }
     if (codes_out) {
         barrier(CLK_GLOBAL_MEM_FENCE);  /* the block's rows were written by the group's other items */
-        const uint at = h * y_h + r0 / 64 * 64;
-        if (get_local_id(0) == 0) quantize_block(y + at, yq + 2 * at, ys + at / 64, ysum + at / 64);
+        for (uint s = 0; s < n_s && get_local_id(0) == 0; s++) {
+            const uint at = s * y_s + h * y_h + r0 / 64 * 64;
+            quantize_block(y + at, yq + 2 * at, ys + at / 64, ysum + at / 64);
+        }
     }
 }
 
@@ -202,7 +204,8 @@ INLINE void matmul(const int bits, WARGS, __global const float* x, uint n_s, uin
 }
 
 /* out[r, i] = W[row_start + r, i] as float (prefill: dequantize once, then a BLAS GEMM). Global (n_in, rows).
- * er_*: one row, its index read from a buffer (the device decode step's embedding of a device-chosen token). */
+ * er_*: row token[t] into out row t, the index read from a buffer (the device decode step's embedding of a
+ * device-chosen token). Global (n_in, tokens). */
 INLINE void dequant(const int bits, WARGS, __global float* out, uint rows, uint row_start) {
     const uint i = get_global_id(0), r = get_global_id(1);
     if (i >= n_in || r >= rows) return;
@@ -294,18 +297,18 @@ INLINE void expert_down(const int bits, __global const uchar* wbuf, __global con
  * (x8: hid's int8 codes hq, hs, hsum; else the float rows) with one work-item per (ROWS rows, slot), so the items
  * of a work-group stream one expert's rows (expert_down's items read every slot's rows: interleaved streams of a
  * few hundred bytes, far below streaming bandwidth); then expert_sum (or the next residual norm) adds
- * the slots up in expert_down's order. Slots from tok_start[1] on, and those whose token is 0xffffffff, are unused
- * (a slot's row is then left as it is: a later launch over the same slots may fill it).
+ * the slots up in expert_down's order. Slots whose token is 0xffffffff are unused (a slot's row is then left as it
+ * is: a later launch over the same slots may fill it).
  * Global (ceil(rows / ROWS) * LANES, slots). */
 INLINE void expert_down_part(const int bits, const int x8, __global const uchar* wbuf, __global const ulong* offs,
-                             __global const uint* tok_start, __global const uint* slot_tok, uint n_in,
+                             __global const uint* slot_tok, uint n_in,
                              uint row_bytes, uint group, uint n_groups,
                              __global const float* hid, __global const char* hq, __global const float* hs,
                              __global const int* hsum, __global float* part, uint rows, __local float* red) {
     const uint lane = LANES > 1 ? get_local_id(0) : 0;
     const uint r0 = (get_global_id(0) / LANES) * ROWS, slot = get_global_id(1);
     const uint nrows = r0 < rows ? umin_(ROWS, rows - r0) : 0;
-    if (slot >= tok_start[1] || slot_tok[slot] == 0xffffffffu) return;  /* uniform over a work-group */
+    if (slot_tok[slot] == 0xffffffffu) return;  /* uniform over a work-group */
     __global const ulong* o = offs + slot * 6;
     const __global uchar* down = wbuf + o[4] + (ulong)r0 * row_bytes;
     const __global float* down_sc = (const __global float*)(wbuf + o[5]) + (ulong)r0 * n_groups;
@@ -325,14 +328,15 @@ INLINE void expert_down_part(const int bits, const int x8, __global const uchar*
     }
 }
 
-/* y[o] = sum over the used slots of slot_w[slot] * part[slot, o]. Global (rows). */
+/* y[t, o] = sum over token t's slots [tok_start[t], tok_start[t + 1]) of slot_w[slot] * part[slot, o].
+ * Global (rows, tokens). */
 __kernel void expert_sum(__global const float* part, __global const uint* tok_start, __global const float* slot_w,
                          __global float* y, uint rows) {
-    const uint o = get_global_id(0);
+    const uint o = get_global_id(0), t = get_global_id(1);
     if (o >= rows) return;
     float acc = 0.0f;
-    for (uint slot = tok_start[0]; slot < tok_start[1]; slot++) acc += slot_w[slot] * part[slot * rows + o];
-    y[o] = acc;
+    for (uint slot = tok_start[t]; slot < tok_start[t + 1]; slot++) acc += slot_w[slot] * part[slot * rows + o];
+    y[(ulong)t * rows + o] = acc;
 }
 
 #define QUANT_KERNELS(SUFFIX, BITS) \
@@ -357,10 +361,10 @@ __kernel void dq_##SUFFIX(WARGS, __global float* out, uint rows, uint row_start)
     dequant(BITS, wbuf, w_off, sbuf, s_off, n_in, row_bytes, group, n_groups, out, rows, row_start); \
 } \
 __kernel void er_##SUFFIX(WARGS, __global const uint* token, __global float* out) { \
-    const uint i = get_global_id(0); \
+    const uint i = get_global_id(0), t = get_global_id(1); \
     if (i >= n_in) return; \
-    const ulong r = token[0]; \
-    out[i] = weight_at(BITS, ROW_PTR(r), SCALE_PTR(r), i, group); \
+    const ulong r = token[t]; \
+    out[(ulong)t * n_in + i] = weight_at(BITS, ROW_PTR(r), SCALE_PTR(r), i, group); \
 } \
 __kernel void eg_##SUFFIX(__global const uchar* wbuf, __global const ulong* offs, __global const uint* slot_tok, \
                           uint n_in, uint row_bytes, uint group, uint n_groups, __global const float* x, uint x_s, \
@@ -375,11 +379,11 @@ __kernel void ed_##SUFFIX(__global const uchar* wbuf, __global const ulong* offs
     __local float red[LANES]; \
     expert_down(BITS, wbuf, offs, tok_start, slot_w, n_in, row_bytes, group, n_groups, hid, y, y_s, rows, red); \
 } \
-__kernel void edp_##SUFFIX(__global const uchar* wbuf, __global const ulong* offs, __global const uint* tok_start, \
+__kernel void edp_##SUFFIX(__global const uchar* wbuf, __global const ulong* offs, \
                            __global const uint* slot_tok, uint n_in, uint row_bytes, uint group, uint n_groups, \
                            __global const float* hid, __global float* part, uint rows) { \
     __local float red[LANES]; \
-    expert_down_part(BITS, 0, wbuf, offs, tok_start, slot_tok, n_in, row_bytes, group, n_groups, hid, 0, 0, 0, \
+    expert_down_part(BITS, 0, wbuf, offs, slot_tok, n_in, row_bytes, group, n_groups, hid, 0, 0, 0, \
                      part, rows, red); \
 }
 
@@ -392,16 +396,19 @@ QUANT_KERNELS(q2, 2)
 /* The query of MLA's absorbed decode attention, per head h (the device decode step's): q_abs[h] = x[h, :rows] @
  * W[h * head_rows ...] (matvec_t_chunk: kv_b's nope rows of head h) and q_rot[h] = RoPE of the `rope` values after
  * them, x[h, rows ...] (cs: see rope_rows; done by the head's first work-item, de-interleaved as rope_rows does).
- * x rows x_h apart, q_abs rows n_in apart. Global (n_in / chunk columns, heads): mvt_chunked weights only. */
+ * x rows x_h apart, q_abs rows n_in apart. The heads of several token rows in one launch: h counts on over the
+ * tokens (nh heads each, token h / nh reads cs row h / nh). Global (n_in / chunk columns, tokens * nh):
+ * mvt_chunked weights only. */
 #define MLA_QUERY(SUFFIX, BITS) \
 __kernel void mla_query_##SUFFIX(WARGS, __global const float* x, uint x_h, __global float* q_abs, uint rows, \
-                                 uint head_rows, __global const float* cs, __global float* q_rot, uint rope) { \
+                                 uint head_rows, __global const float* cs, __global float* q_rot, uint rope, \
+                                 uint nh) { \
     const uint j = get_global_id(0), h = get_global_id(1), n_half = rope / 2; \
     const __global float* xh = x + h * x_h; \
     matvec_t_chunk(BITS, wbuf, w_off, sbuf, s_off, n_in, row_bytes, group, n_groups, xh, rows, \
-                   (ulong)h * head_rows, j, q_abs + h * n_in); \
+                   (ulong)(h % nh) * head_rows, j, q_abs + h * n_in); \
     if (j) return; \
-    for (uint i = 0; i < n_half; i++) rope_pair(xh + rows, q_rot + h * rope, cs, n_half, i); \
+    for (uint i = 0; i < n_half; i++) rope_pair(xh + rows, q_rot + h * rope, cs + h / nh * rope, n_half, i); \
 }
 
 MLA_QUERY(q8, 8)
@@ -420,8 +427,8 @@ __kernel void quantize_x8(__global const float* x, uint x_s, uint n, __global ch
  * per token or head, offsets x_s and x_h counted as for float x; hid: one row per slot). mvq_*_x8: mv_*_x8 also
  * writing its output's int8 codes (codes_out in matvec). mv2_*_x8: two products of one input in one launch (the
  * step's q_a and kv_a both read the normed hidden state): y = W x by the first `items` work-items (ceil(rows /
- * ROWS)), y2 = W2 x by the others; W2 has W's bits, columns and groups. Global ((items + ceil(rows2 / ROWS)) *
- * LANES, 1). */
+ * ROWS)), y2 = W2 x by the others, for n_s contiguous input rows (y rows `rows`, y2 rows `rows2` apart); W2 has
+ * W's bits, columns and groups. Global ((items + ceil(rows2 / ROWS)) * LANES, 1). */
 #define MV_X8(NAME, BITS, CODES) \
 __kernel void NAME(WARGS, __global const char* xq, __global const float* xs, __global const int* xsum, uint n_s, \
                    uint x_s, uint x_h, __global float* y, uint y_s, uint y_h, uint rows, uint head_rows, \
@@ -435,16 +442,16 @@ MV_X8(mv_##SUFFIX##_x8, BITS, 0) \
 MV_X8(mvq_##SUFFIX##_x8, BITS, 1) \
 __kernel void mv2_##SUFFIX##_x8(WARGS, __global const uchar* wbuf2, ulong w_off2, __global const uchar* sbuf2, \
                                 ulong s_off2, __global const char* xq, __global const float* xs, \
-                                __global const int* xsum, __global float* y, uint rows, uint items, \
+                                __global const int* xsum, uint n_s, __global float* y, uint rows, uint items, \
                                 __global float* y2, uint rows2) { \
     __local float red[LANES]; \
     const uint item = get_global_id(0) / LANES; \
     if (item < items) \
-        matvec(BITS, 1, 0, wbuf, w_off, sbuf, s_off, n_in, row_bytes, group, n_groups, 0, xq, xs, xsum, 1, 0, 0, y, \
-               0, 0, rows, 0, 0, 0, 0, 0, item, red); \
+        matvec(BITS, 1, 0, wbuf, w_off, sbuf, s_off, n_in, row_bytes, group, n_groups, 0, xq, xs, xsum, n_s, n_in, 0, \
+               y, rows, 0, rows, 0, 0, 0, 0, 0, item, red); \
     else \
-        matvec(BITS, 1, 0, wbuf2, w_off2, sbuf2, s_off2, n_in, row_bytes, group, n_groups, 0, xq, xs, xsum, 1, 0, 0, \
-               y2, 0, 0, rows2, 0, 0, 0, 0, 0, item - items, red); \
+        matvec(BITS, 1, 0, wbuf2, w_off2, sbuf2, s_off2, n_in, row_bytes, group, n_groups, 0, xq, xs, xsum, n_s, n_in, \
+               0, y2, rows2, 0, rows2, 0, 0, 0, 0, 0, item - items, red); \
 } \
 __kernel void eg_##SUFFIX##_x8(__global const uchar* wbuf, __global const ulong* offs, __global const uint* slot_tok, \
                                uint n_in, uint row_bytes, uint group, uint n_groups, __global const char* xq, \
@@ -454,11 +461,11 @@ __kernel void eg_##SUFFIX##_x8(__global const uchar* wbuf, __global const ulong*
                    red); \
 } \
 __kernel void edp_##SUFFIX##_x8(__global const uchar* wbuf, __global const ulong* offs, \
-                                __global const uint* tok_start, __global const uint* slot_tok, uint n_in, \
+                                __global const uint* slot_tok, uint n_in, \
                                 uint row_bytes, uint group, uint n_groups, __global const char* hq, \
                                 __global const float* hs, __global const int* hsum, __global float* part, uint rows) { \
     __local float red[LANES]; \
-    expert_down_part(BITS, 1, wbuf, offs, tok_start, slot_tok, n_in, row_bytes, group, n_groups, 0, hq, hs, hsum, \
+    expert_down_part(BITS, 1, wbuf, offs, slot_tok, n_in, row_bytes, group, n_groups, 0, hq, hs, hsum, \
                      part, rows, red); \
 }
 

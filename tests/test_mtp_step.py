@@ -1,0 +1,185 @@
+"""MTP on the device decode step (glmkit.backends.opencl.decode_graph): the verification of [token, draft] as one
+queue of two token rows, and the MTP head's next draft in the same queue.
+
+Checked against the single-token step fed the same tokens (the same kernels: bit for bit), against the MTP head run
+operation by operation, and through `Generator`: greedy and sampled tokens with MTP on equal those with MTP off."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from glmkit.backends.opencl.backend import OpenCLBackend, Placement
+from glmkit.backends.opencl.decode_graph import DeviceDecodeStep
+from glmkit.backends.opencl.ops import Kernels
+from glmkit.generate.engine import Engine
+from glmkit.generate.generator import Generator
+from glmkit.generate.sampling import Sampler, SamplingParams
+from glmkit.model.glm5 import GlmMoeDsaModel
+from tests.runtime_support import Snapshots, opencl_test_device, oracle
+
+
+@pytest.fixture(scope="module")
+def snapshots(tmp_path_factory):
+    return Snapshots(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    return Kernels(opencl_test_device())
+
+
+def device_model(engine: Engine, kernels: Kernels, int8_activations: bool = True) -> GlmMoeDsaModel:
+    """The engine's model on an OpenCL backend over `kernels` (the decode step and its two-row form)."""
+    backend = OpenCLBackend(kernels, Placement(), int8_activations=int8_activations,
+                            unified=None if kernels.direct else False, model_bytes=engine.container.nbytes)
+    return GlmMoeDsaModel(engine.config, engine.experts, backend)
+
+
+def copy_rows(cache, into) -> None:
+    """Make `into` hold `cache`'s rows (a prefill done once, for two comparisons)."""
+    for a, b in zip(cache.layers, into.layers, strict=True):
+        b.truncate(0)
+        if a.length:
+            b.append(**{name: a.rows(name) for name in ("kv_lat", "k_rot", "index_k")[:3 if a.has_index else 2]})
+
+
+@pytest.mark.parametrize("variant,preset,int8", [("tiny-trained", "q4", True), ("tiny-bf16", "f32", False),
+                                                 ("tiny-fp8", "q2", True)])
+def test_two_rows_equal_two_single_steps(snapshots, kernels, variant, preset, int8):
+    """The two-row step's logits, hidden states and KV rows are the single-token step's for the same two tokens,
+    bit for bit: while every key is attended, where the first row has index_topk keys and the second one more
+    (the causal mask of the selection), and with the indexer selecting for both rows; q2's shared expert runs apart
+    (int4 beside int2 experts)."""
+    engine = Engine(snapshots(variant, preset), "numpy", load_tokenizer=False)
+    dev = device_model(engine, kernels, int8)
+    ids = np.array(oracle(variant)["full_ids"])
+    topk = engine.config.index_topk
+    for start in (3, topk - 1, topk, topk + 5):
+        single, double = dev.new_cache(), dev.new_cache()
+        dev.forward(ids[:start], single)
+        copy_rows(single, double)
+        want = [dev.forward(ids[start + r:start + r + 1], single) for r in range(2)]
+        logits, hidden = dev.forward(ids[start:start + 2], double)
+        assert isinstance(dev._verify, DeviceDecodeStep) and dev._verify.rows == 2
+        assert np.array_equal(logits, np.concatenate([w[0] for w in want]))
+        assert np.array_equal(hidden, np.concatenate([w[1] for w in want]))
+        for a, b in zip(single.layers, double.layers, strict=True):
+            assert a.length == b.length
+            for name in ("kv_lat", "k_rot", "index_k") if a.has_index else ("kv_lat", "k_rot"):
+                assert np.array_equal(a.rows(name), b.rows(name))
+
+
+def test_draft_in_the_queue_is_the_mtp_head(snapshots, kernels):
+    """The MTP head in the verification's queue (each row's greedy token, then the MTP layer) gives the MTP
+    head's logits run operation by operation on the same rows (float inputs: f32 noise), its greedy drafts, and the
+    MTP layer's cache rows; `redraft` from host tokens gives the same, after another sequence's verification."""
+    engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
+    dev = device_model(engine, kernels, int8_activations=False)
+    cfg = engine.config
+    ids = np.array(oracle("tiny-trained")["full_ids"])
+    start = cfg.index_topk + 4  # both the main and the MTP layer select keys
+    fused, ref = dev.new_cache(), dev.new_cache()
+    _, hidden = dev.forward(ids[:start], fused)
+    dev.mtp_forward(hidden, ids[1:start + 1], fused)
+    copy_rows(fused, ref)
+    logits, hidden, (chosen, drafts) = dev.verify_draft(ids[start:start + 2], fused, greedy=True)  # builds the steps
+    assert dev.drafts_on_device()
+    assert chosen.tolist() == logits.argmax(-1).tolist()
+    dev.forward(ids[start:start + 2], ref)
+    want, _ = dev.mtp_forward(hidden, chosen, ref)  # operation by operation (no step runs the MTP layer)
+    got = dev._verify.draft_logits.host.reshape(2, -1)
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+    assert drafts.tolist() == want.argmax(-1).tolist()
+    mtp_fused, mtp_ref = fused.layer(cfg.num_hidden_layers), ref.layer(cfg.num_hidden_layers)
+    assert mtp_fused.length == mtp_ref.length == start + 2
+    for name in ("kv_lat", "k_rot", "index_k"):
+        np.testing.assert_allclose(mtp_fused.rows(name), mtp_ref.rows(name), rtol=1e-4, atol=1e-5)
+    mtp_fused.truncate(start)
+    other = dev.new_cache()  # another sequence's verification in between (glm-serve interleaves requests)
+    dev.forward(ids[:9], other)
+    dev.verify_draft(ids[9:11], other, greedy=False)
+    assert dev.redraft(chosen.tolist(), hidden, fused).tolist() == drafts.tolist()
+    assert mtp_fused.length == start + 2
+
+
+def generate(model: GlmMoeDsaModel, prompt: list[int], use_mtp: bool, params: SamplingParams, n: int = 40
+             ) -> tuple[list[int], Generator]:
+    gen = Generator(model, (), use_mtp=use_mtp)
+    return list(gen.generate(prompt, n, Sampler(params))), gen
+
+
+@pytest.mark.parametrize("variant,preset", [("tiny-trained", "q4"), ("tiny-bf16", "f32")])
+def test_mtp_on_the_step_keeps_the_tokens(snapshots, kernels, variant, preset, monkeypatch):
+    """Greedy and sampled tokens with MTP on (verification and drafts on the device) equal those with MTP off (the
+    pipelined single-token step), across index_topk keys; the trained fixture's MTP head is accepted mostly, the
+    random one's hardly ever (the rejected drafts' rows dropped)."""
+    engine = Engine(snapshots(variant, preset), "numpy", load_tokenizer=False)
+    dev = device_model(engine, kernels)
+    prompt = [int(t) for t in oracle(variant)["full_ids"][:engine.config.index_topk - 6]]
+    queues = []
+    real = DeviceDecodeStep.verify
+    monkeypatch.setattr(DeviceDecodeStep, "verify", lambda self, *a: queues.append(a[2]) or real(self, *a))
+    greedy = SamplingParams(temperature=0)
+    off, _ = generate(dev, prompt, False, greedy)
+    on, gen = generate(dev, prompt, True, greedy)
+    assert on == off
+    assert queues and all(queues) and len(queues) == gen.stats.main_forwards  # fused: draft in the queue
+    acceptance = gen.stats.mtp_acceptance
+    assert acceptance > 0.5 if variant == "tiny-trained" else acceptance < 0.5
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=3)
+    queues.clear()
+    on, gen = generate(dev, prompt, True, sampled)
+    assert on == generate(dev, prompt, False, sampled)[0]
+    assert queues and not any(queues)  # the host chose: the MTP head ran again from its tokens
+
+
+def test_mtp_where_no_two_row_step(snapshots, kernels):
+    """A discrete device (and an expert cache) has no two-row step: the verification runs operation by operation,
+    the tokens stay those of MTP off."""
+    engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
+    discrete = Kernels(opencl_test_device(), lanes=8, red_lanes=8, direct=False, cpu_loads=False)
+    dev = device_model(engine, discrete)
+    assert dev.decodes_on_device() and not dev.drafts_on_device()
+    prompt = [int(t) for t in oracle("tiny-trained")["full_ids"][:20]]
+    greedy = SamplingParams(temperature=0)
+    assert generate(dev, prompt, True, greedy, 12)[0] == generate(dev, prompt, False, greedy, 12)[0]
+
+
+@pytest.mark.parametrize("cycle,on", [(1.6, True), (2.4, False)])
+def test_default_mtp_follows_the_measured_costs(snapshots, monkeypatch, tmp_path, cycle, on):
+    """`Engine.use_mtp` without --mtp/--no-mtp on the device step: on where a verification with its draft measured
+    cheaper than two single tokens (the break-even acceptance cycle / token - 1 below 1), measured once per device
+    and model (kept in the device profile: a second engine does not measure again); the flags win."""
+    from glmkit.generate import engine as engine_module
+
+    monkeypatch.setenv("GLMKIT_DEVICE_CACHE_DIR", str(tmp_path))  # a profile without this measurement
+    calls = []
+    monkeypatch.setattr(engine_module, "measure_mtp_costs", lambda model: calls.append(model) or
+                        {"token": 1.0, "cycle": cycle})
+    snapshot = snapshots("tiny-trained", "q4")
+    for _ in range(2):
+        engine = Engine(snapshot, "opencl", load_tokenizer=False)
+        assert engine.model.drafts_on_device()
+        assert engine.use_mtp(False, False) is on
+        assert engine.model.mtp_break_even == pytest.approx(cycle - 1)
+        assert engine.use_mtp(True, False) and not engine.use_mtp(False, True)
+    assert len(calls) == 1 and engine.mtp_costs()["cycle"] == cycle
+
+
+def test_generation_drops_mtp_below_the_break_even(snapshots, kernels):
+    """A generation whose first 16 drafts are accepted less often than the model's break-even goes on without MTP
+    (the same tokens); above it MTP stays on."""
+    from glmkit.generate.generator import MTP_PROBE_DRAFTS
+
+    engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
+    dev = device_model(engine, kernels)
+    prompt = [int(t) for t in oracle("tiny-trained")["full_ids"][:20]]
+    greedy = SamplingParams(temperature=0)
+    off, _ = generate(dev, prompt, False, greedy)
+    dev.mtp_break_even = 1.5  # more than every draft: MTP cannot pay
+    on, gen = generate(dev, prompt, True, greedy)
+    assert on == off and gen.stats.mtp_drafts == MTP_PROBE_DRAFTS
+    dev.mtp_break_even = 0.0
+    on, gen = generate(dev, prompt, True, greedy)
+    assert on == off and gen.stats.mtp_drafts > MTP_PROBE_DRAFTS
