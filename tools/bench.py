@@ -125,6 +125,16 @@ def worker_glmkit(spec: dict) -> dict:
     for key, values in speeds.items():
         result[f"decode_tok_s_{key}"] = statistics.median(values)
         result[f"decode_tok_s_{key}_rounds"] = values
+    if spec.get("short_prompt"):  # TTFT of a short prompt: one token at a time on the step, or one batched forward
+        short = token_ids(spec["short_prompt"], vocab, 2)
+        ttft: dict[str, list[float]] = {"step": [], "batch": []}
+        for _ in range(spec.get("mtp_rounds", 1)):
+            for name, rows in (("step", len(short)), ("batch", 0)):
+                gen = Generator(model, (), use_mtp=False, step_prefill=rows)
+                list(gen.generate(short, 1, Sampler(SamplingParams())))
+                ttft[name].append(gen.stats.ttft_s)
+        for name, values in ttft.items():
+            result[f"ttft_short_{name}_s"] = statistics.median(values)
     if spec.get("context"):
         gen = Generator(model, (), use_mtp=False)
         list(gen.generate(token_ids(spec["context"], vocab, 1), CONTEXT_DECODE + 1, Sampler(SamplingParams())))
@@ -274,7 +284,7 @@ def summarize(results: dict[str, list[dict]], bytes_per_token: int, bandwidth: f
             row["device"] = ok[0]["device"]
             for key in ("prefill_256_tok_s", "prefill_1024_tok_s", "ttft_s_mtp_off", "decode_tok_s_mtp_off",
                         "decode_tok_s_mtp_on", "mtp_acceptance", "peak_rss_decode_mtp_off", "baseline_rss",
-                        "kv_bytes_mtp_off", "decode_tok_s_context"):
+                        "kv_bytes_mtp_off", "decode_tok_s_context", "ttft_short_step_s", "ttft_short_batch_s"):
                 row[key] = median(ok, key)
             row["all_decode_tok_s_mtp_off"] = [round(r["decode_tok_s_mtp_off"], 2) for r in ok]
             # MTP on over off per alternation (each on-decode beside the off-decode just before it)
@@ -407,6 +417,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", type=int, default=PROMPT, help="prompt tokens before the decode (default %(default)s)")
     p.add_argument("--mtp-rounds", type=int, default=1, help="decode MTP off, then on, this many times per run "
                                                              "(medians; default %(default)s)")
+    p.add_argument("--short-prompt", type=int, default=0, help="glmkit rows: also the TTFT of a prompt of this many "
+                                                               "tokens prefilled on the decode step and as one "
+                                                               "batched forward, alternately (--mtp-rounds times)")
     args = p.parse_args(argv)
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))
@@ -435,7 +448,8 @@ def main(argv: list[str] | None = None) -> int:
             print("transformers/torch not installed (pip install -e '.[oracle]'): skipping that row", file=sys.stderr)
             devices.remove("transformers")
     base = {"snapshot": str(snapshot), "source": str(source), "prefill": list(PREFILL), "prompt": args.prompt,
-            "decode": args.decode, "context": args.context, "threads": args.threads, "mtp_rounds": args.mtp_rounds,
+            "decode": args.decode, "context": args.context, "short_prompt": args.short_prompt, "threads": args.threads,
+            "mtp_rounds": args.mtp_rounds,
             "prompt_ids": prompt_from_file(args.prompt_tokens, args.prompt) if args.prompt_tokens else None,
             "heads": json.loads((source / "config.json").read_text())["num_attention_heads"]}
     results: dict[str, list[dict]] = {d: [] for d in devices}
@@ -466,6 +480,10 @@ def main(argv: list[str] | None = None) -> int:
             "load_start": round(load_start, 1), "load_end": round(os.getloadavg()[0], 1),
             "command": "python tools/bench.py " + " ".join(sys.argv[1:])}
     text = markdown(table, meta) + "\n\n" + "\n".join(f"- {line}" for line in ratios(table))
+    for device, row in table.items():
+        if row.get("ttft_short_step_s"):
+            text += (f"\n- {device}: TTFT of a {args.short_prompt}-token prompt {row['ttft_short_step_s']:.3f} s one "
+                     f"token at a time on the decode step, {row['ttft_short_batch_s']:.3f} s as one batched forward")
     print(text)
     if args.md:
         args.md.write_text(text + "\n")
