@@ -1,0 +1,136 @@
+"""glm-convert --calibrate: GPTQ statistics made layer by layer from the source while it is converted."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from glmkit.backends.numpy_backend import NumpyBackend
+from glmkit.cli.convert import main as convert_main
+from glmkit.convert.quantizers import HessianFactor, gptq_quantize
+from glmkit.convert.sources.snapshot import HFSnapshot
+from glmkit.errors import GlmkitError
+from glmkit.eval.layerwise import LayerwiseCalibration
+from glmkit.format.packing import pack
+from glmkit.format.reader import Container
+from glmkit.format.schema import model_tensors
+from glmkit.generate.engine import Engine
+from tests.runtime_support import fail_reading
+from tests.test_quality import CALIB, TRAINED, convert, run
+
+WINDOWS = 2
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory):
+    """The trained fixture at q4, calibrated in one pass over 2 windows of calib_tokens.json."""
+    out = tmp_path_factory.mktemp("one-pass") / "q4"
+    return convert(out, "--preset", "q4", "--calibrate", CALIB, "--calibrate-windows", str(WINDOWS))
+
+
+def test_one_pass_container_runs_and_records_its_calibration(calibrated, tmp_path):
+    container = Container(calibrated)
+    record = container.manifest.conversion
+    assert record["quantizer"] == "gptq" and "imatrix" not in record
+    assert record["calibration"]["windows"] == WINDOWS and record["calibration"]["tokens"] == WINDOWS * 128
+    assert record["calibration"]["propagate"] == "quantized"
+    plain = Container(convert(tmp_path / "plain", "--preset", "q4"))
+    assert {n: (e.shape, e.dtype) for n, e in container.manifest.tensors.items()} == {
+        n: (e.shape, e.dtype) for n, e in plain.manifest.tensors.items()}  # same layout, other codes
+    assert container.model_hash != plain.model_hash
+    engine = Engine(calibrated, "numpy", load_tokenizer=False)
+    ids = np.asarray(json.loads(CALIB.read_text())[-1][:32])
+    logits, _ = engine.model.forward(ids, engine.model.new_cache())
+    assert np.isfinite(logits).all()
+    # same command again: already converted, nothing rewritten
+    code, out, _ = run(convert_main, TRAINED, calibrated, "--preset", "q4", "--calibrate", CALIB,
+                       "--calibrate-windows", str(WINDOWS), "--quiet")
+    assert code == 0 and "already converted" in out
+
+
+def _layer_input_hessian(engine: Engine, windows: list[np.ndarray], layer: int) -> np.ndarray:
+    """mean u u^T of layer `layer`'s normed input rows u over `windows`, the layers before it run on the
+    container's own (quantized) weights: what GPTQ of q_a_proj needs."""
+    model = engine.model
+    total, rows = np.zeros((model.config.hidden_size,) * 2), 0
+    for ids in windows:
+        x, chosen = model.embed(ids), None
+        cache = model.new_cache()
+        for i in range(layer):
+            x, chosen = model.decoder_layer(i, x, np.arange(len(ids)), cache.layer(i), chosen)
+        norm = model.layers[layer].input_norm
+        u = NumpyBackend().rms_norm(x, model.weights.weight(norm.weight), norm.eps)  # type: ignore[arg-type]
+        total += u.T.astype(np.float64) @ u
+        rows += len(u)
+    return (total / rows).astype(np.float32)
+
+
+@pytest.mark.parametrize("layer", [0, 2])
+def test_each_layer_is_gptq_of_the_hessian_of_its_quantized_inputs(calibrated, layer):
+    """A layer's q_a_proj in the container = GPTQ from the Hessian of its inputs as the converted layers before it
+    (and the converted embedding) compute them, built here by hand from the container."""
+    engine = Engine(calibrated, "numpy", load_tokenizer=False)
+    windows = [np.asarray(w) for w in json.loads(CALIB.read_text())[:WINDOWS]]
+    hessian = _layer_input_hessian(engine, windows, layer)
+    name = f"model.layers.{layer}.self_attn.q_a_proj.weight"
+    snapshot = HFSnapshot(TRAINED)
+    spec = next(s for s in model_tensors(snapshot.config) if s.name == name)
+    codes, scales = gptq_quantize(snapshot.load(spec), HessianFactor.from_hessian(hessian), 4, 64)
+    stored = engine.container.weight(name)
+    assert np.array_equal(stored.scales, scales) and np.array_equal(stored.packed, pack(codes, 4))
+    # the Hessian of the inputs the source layers would compute gives other codes: propagation matters
+    if layer:
+        source = Engine(convert(calibrated.parent / "f32", "--preset", "f32"), "numpy", load_tokenizer=False)
+        other, _ = gptq_quantize(snapshot.load(spec), HessianFactor.from_hessian(
+            _layer_input_hessian(source, windows, layer)), 4, 64)
+        assert not np.array_equal(pack(other, 4), stored.packed)
+
+
+def test_calibrate_windows_bound_and_bad_calibration_files(tmp_path):
+    one = Container(convert(tmp_path / "one", "--preset", "q2", "--calibrate", CALIB, "--calibrate-windows", "1"))
+    assert one.manifest.conversion["calibration"] == {
+        "windows": 1, "tokens": 128, "tokens_sha256": one.manifest.conversion["calibration"]["tokens_sha256"],
+        "hessians": "pooled", "propagate": "quantized"}
+    text = tmp_path / "sample.py"
+    text.write_text("".join(f"def f{i}(x):\n    return x * {i} + 1\n\n" for i in range(200)))
+    from_text = Container(convert(tmp_path / "text", "--preset", "q4", "--calibrate", text, "--calibrate-windows", "1"))
+    assert from_text.manifest.conversion["calibration"]["tokens"] > 0
+    bad = {"missing.json": None, "short.json": "[[5]]", "vocab.json": "[[1, 99999]]", "notjson.json": "[[1, 2",
+           "empty.txt": "", "binary.txt": b"\xff\xfe\x00"}
+    for name, content in bad.items():
+        path = tmp_path / name
+        if isinstance(content, bytes):
+            path.write_bytes(content)
+        elif content is not None:
+            path.write_text(content)
+        code, _, err = run(convert_main, TRAINED, tmp_path / "bad", "--calibrate", path, "--quiet")
+        assert code == 1 and name in err and err.count("\n") == 1, (name, err)
+        assert not (tmp_path / "bad").exists()
+    for args, message in ((("--imatrix", tmp_path / "x"), "--calibrate and --imatrix"),
+                          (("--calibrate-windows", "0"), "--calibrate-windows"),
+                          (("--quantizer", "mse"), "--quantizer gptq")):
+        code, _, err = run(convert_main, TRAINED, tmp_path / "bad", "--calibrate", CALIB, *args, "--quiet")
+        assert code == 1 and message in err and err.count("\n") == 1, err
+    code, out, _ = run(convert_main, TRAINED, tmp_path / "plan", "--calibrate", CALIB, "--dry-run")
+    assert code == 0 and "layer by layer" in out and "temporary q8" not in out and not (tmp_path / "plan").exists()
+    with pytest.raises(GlmkitError, match="at least 2 tokens"):
+        LayerwiseCalibration([[1]])
+
+
+def test_interrupted_calibrated_conversion_leaves_no_container_and_reruns_whole(calibrated, tmp_path, monkeypatch,
+                                                                                 capsys):
+    out = tmp_path / "out"
+    args = [str(TRAINED), str(out), "--preset", "q4", "--calibrate", str(CALIB), "--calibrate-windows",
+            str(WINDOWS), "--max-file-size", "64K", "--quiet"]
+    real = fail_reading(monkeypatch, "model.layers.3.")
+    assert convert_main(args) == 1
+    assert not (out / "manifest.json").exists()
+    assert (out / ".glm-convert" / "done.jsonl").read_text().count("\n") >= 2  # data files were complete
+    monkeypatch.setattr(HFSnapshot, "load", real)
+    capsys.readouterr()
+    assert convert_main(args) == 0
+    assert "starting over" in capsys.readouterr().err
+    digests = {n: e.sha256 for n, e in Container(out).manifest.tensors.items()}
+    assert digests == {n: e.sha256 for n, e in Container(calibrated).manifest.tensors.items()}
