@@ -6,7 +6,7 @@
     PYTHONPATH=. python tools/bench_calibrate.py --bench --rounds 1  # also bench_convert.py's benchmark model
 
 Every conversion runs in a child process (bench_convert.run_child: its wall time and its own peak RSS, wait4's
-ru_maxrss), the variants alternating round by round. Variants: `two-pass` (what `--calibrate` did before it ran
+ru_maxrss; BLAS single-threaded), the variants alternating round by round. Variants: `two-pass` (what `--calibrate` did before it ran
 in one pass), `one-pass` (`--calibrate`: each layer propagated through its quantized weights) and `one-pass,
 source` (propagated through the source weights). On the fixture each output is then compared with the f32
 conversion over the held-out windows (eval_tokens.json: KL divergence, perplexity ratio, top-1), as
@@ -38,12 +38,14 @@ from glmkit.eval.logits_file import LogitsBase, LogitsWriter  # noqa: E402
 from glmkit.format.config import ModelConfig  # noqa: E402
 from glmkit.format.imatrix import read_imatrix  # noqa: E402
 from glmkit.generate.engine import Engine  # noqa: E402
-from tools.bench_convert import ensure_source, run_child, source_dir  # noqa: E402
+from tools.bench_convert import child_env, ensure_source, run_child, source_dir  # noqa: E402
 
 FIXTURE = ROOT / "tests" / "fixtures" / "tiny-trained"
 VARIANTS = ("two-pass", "one-pass", "one-pass, source")
 WINDOWS = 64  # glm-convert's --calibrate-windows default
 BENCH_WINDOWS, BENCH_CTX = 16, 256
+# the small products of a layer run on one sequence lose to multi-threaded BLAS's spin-waits on a shared machine
+SINGLE_BLAS = {"OPENBLAS_NUM_THREADS": "1"}
 
 
 def convert_calibrated(variant: str, source: Path, out: Path, calib: Path, preset: str) -> None:
@@ -73,7 +75,7 @@ def measure(name: str, source: Path, calib: Path, preset: str, rounds: int, work
         for variant in VARIANTS:
             out = work / f"{name}-{variant.replace(', ', '-')}"
             cmd = [sys.executable, __file__, "--child", variant, str(source), str(out), str(calib), preset]
-            rc, wall, rss, text = run_child(cmd, work / f"{name}-{r}.log")
+            rc, wall, rss, text = run_child(cmd, work / f"{name}-{r}.log", child_env(SINGLE_BLAS))
             if rc:
                 raise SystemExit(f"{name} {variant} failed:\n{text}")
             results[variant]["seconds"].append(round(wall, 2))
