@@ -6,12 +6,12 @@
     PYTHONPATH=. python tools/bench_calibrate.py --bench --rounds 1  # also bench_convert.py's benchmark model
 
 Every conversion runs in a child process (bench_convert.run_child: its wall time and its own peak RSS, wait4's
-ru_maxrss; BLAS single-threaded), the variants alternating round by round. Variants: `two-pass` (what `--calibrate` did before it ran
-in one pass), `one-pass` (`--calibrate`: each layer propagated through its quantized weights) and `one-pass,
-source` (propagated through the source weights). On the fixture each output is then compared with the f32
-conversion over the held-out windows (eval_tokens.json: KL divergence, perplexity ratio, top-1), as
-tools/quality_table.py does. The benchmark model (random weights, 64 experts) calibrates on random token windows:
-time and memory only.
+ru_maxrss; BLAS single-threaded), the variants alternating round by round. Variants: `two-pass` (a temporary q8
+conversion, glm-calibrate on it, the conversion with its imatrix), `one-pass` (`--calibrate`: each layer propagated
+through its quantized weights) and `one-pass, source` (propagated through the source weights). On the fixture each
+output is then compared with the f32 conversion over the held-out windows (eval_tokens.json: KL divergence,
+perplexity ratio, top-1), as tools/quality_table.py does. The benchmark model (random weights, 64 experts)
+calibrates on random token windows: time and memory only.
 """
 
 from __future__ import annotations
