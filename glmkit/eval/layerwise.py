@@ -11,9 +11,9 @@ recording run's output (`"source"`) as the next layer's input. The MTP layer tak
 model's output and the next tokens' embeddings; lm_head's statistics are its inputs from both heads.
 
 The layer math is the model's (`GlmMoeDsaModel.decoder_layer`, `mtp_forward`) over weight sources that serve the
-part being converted. Memory: one layer's source tensors (float32; of the routed experts, those tokens reached)
-and its stored form, plus the windows' hidden states `[W, S, H]` float32. The source is read once: a tensor read
-for the recording run is handed to the converter instead of being read again.
+part being converted. Memory: one layer's source tensors (float32; of the routed experts, those tokens reached) and
+its packed stored form, then that dequantized (float32), plus the windows' hidden states `[W, S, H]` float32. The
+source is read once: a tensor read for the recording run is handed to the converter instead of being read again.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from glmkit.eval.calibration import NamedWeights, RecordingBackend
 from glmkit.eval.logits_file import tokens_digest
 from glmkit.format.packing import dequantize
 from glmkit.format.schema import TensorSpec
-from glmkit.format.tensors import QuantWeight, Weight
+from glmkit.format.tensors import Weight
 from glmkit.model.glm5 import GlmMoeDsaModel
 from glmkit.model.layer_spec import EMBED, LM_HEAD, final_norm_spec
 
@@ -223,14 +223,15 @@ class LayerwiseCalibration(Importance):
                 self.head.record(LM_HEAD, rows)
             self.hidden, self.chosen = [], []
 
-    def _stored(self, spec: TensorSpec, blocks: list[tuple[np.ndarray, np.ndarray | None]]) -> Weight:
-        """A tensor as the converter stored it, from its row blocks."""
+    def _stored(self, spec: TensorSpec, blocks: list[tuple[np.ndarray, np.ndarray | None]]) -> np.ndarray:
+        """A tensor as the converter stored it, from its row blocks, dequantized once: every window multiplies it
+        (the same values the runtime unpacks; no larger than the source tensors the recording run held)."""
         values = np.concatenate([b for b, _ in blocks]) if len(blocks) > 1 else blocks[0][0]
         quant = self.plan.quant_for(spec)
         if quant is None:
             return values
         scales = np.concatenate([s for _, s in blocks if s is not None])
-        return QuantWeight(values, scales, quant[0], quant[1], spec.shape)  # type: ignore[arg-type]
+        return dequantize(values, scales, quant[0], quant[1], spec.shape[1])
 
     def _embedding_rows(self, spec: TensorSpec, blocks: Iterator[np.ndarray]) -> Iterator[np.ndarray]:
         """The source embedding's blocks, passed through; the calibration tokens' rows are kept."""
