@@ -6,17 +6,20 @@ import json
 
 import numpy as np
 import pytest
+from threadpoolctl import threadpool_limits
 
 from glmkit.backends.numpy_backend import NumpyBackend
 from glmkit.cli.convert import main as convert_main
-from glmkit.convert.quantizers import HessianFactor, gptq_quantize
+from glmkit.convert.quantizers import HessianFactor, default_threads, gptq_quantize
 from glmkit.convert.sources.snapshot import HFSnapshot
 from glmkit.errors import GlmkitError
 from glmkit.eval.layerwise import LayerwiseCalibration
 from glmkit.format.packing import pack
 from glmkit.format.reader import Container
 from glmkit.format.schema import model_tensors
+from glmkit.format.tensors import QuantWeight
 from glmkit.generate.engine import Engine
+from glmkit.model.glm5 import GlmMoeDsaModel
 from tests.runtime_support import fail_reading
 from tests.test_quality import CALIB, TRAINED, convert, run
 
@@ -50,20 +53,37 @@ def test_one_pass_container_runs_and_records_its_calibration(calibrated, tmp_pat
     assert code == 0 and "already converted" in out
 
 
+class _Dequantized:
+    """A container's weights as float32 arrays."""
+
+    def __init__(self, engine: Engine):
+        self.inner = engine.experts
+
+    def has(self, name: str) -> bool:
+        return self.inner.has(name)
+
+    def weight(self, name: str) -> np.ndarray:
+        w = self.inner.weight(name)
+        return w.dequantize() if isinstance(w, QuantWeight) else w
+
+
 def _layer_input_hessian(engine: Engine, windows: list[np.ndarray], layer: int) -> np.ndarray:
     """mean u u^T of layer `layer`'s normed input rows u over `windows`, the layers before it run on the
-    container's own (quantized) weights: what GPTQ of q_a_proj needs."""
-    model = engine.model
+    container's own (quantized) weights, as the converter runs them (dequantized, its backend settings): what
+    GPTQ of q_a_proj needs."""
+    workers = default_threads()
+    model = GlmMoeDsaModel(engine.config, _Dequantized(engine), NumpyBackend(workers=workers))
     total, rows = np.zeros((model.config.hidden_size,) * 2), 0
-    for ids in windows:
-        x, chosen = model.embed(ids), None
-        cache = model.new_cache()
-        for i in range(layer):
-            x, chosen = model.decoder_layer(i, x, np.arange(len(ids)), cache.layer(i), chosen)
-        norm = model.layers[layer].input_norm
-        u = NumpyBackend().rms_norm(x, model.weights.weight(norm.weight), norm.eps)  # type: ignore[arg-type]
-        total += u.T.astype(np.float64) @ u
-        rows += len(u)
+    with threadpool_limits(1 if workers > 1 else None, user_api="blas"):
+        for ids in windows:
+            x, chosen = model.embed(ids), None
+            cache = model.new_cache()
+            for i in range(layer):
+                x, chosen = model.decoder_layer(i, x, np.arange(len(ids)), cache.layer(i), chosen)
+            norm = model.layers[layer].input_norm
+            u = NumpyBackend().rms_norm(x, model.weights.weight(norm.weight), norm.eps)  # type: ignore[arg-type]
+            total += u.T.astype(np.float64) @ u
+            rows += len(u)
     return (total / rows).astype(np.float32)
 
 

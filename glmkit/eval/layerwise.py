@@ -21,10 +21,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from glmkit.backends.numpy_backend import NumpyBackend
 from glmkit.convert.convert import Importance
 from glmkit.convert.plan import QuantPlan
+from glmkit.convert.quantizers import default_threads
 from glmkit.convert.sources.snapshot import HFSnapshot
 from glmkit.errors import GlmkitError
 from glmkit.eval.calibration import NamedWeights, RecordingBackend
@@ -110,14 +112,17 @@ class LayerwiseCalibration(Importance):
         self.vocab_rows = np.unique(np.concatenate(self.windows))
         self.embed_table = np.zeros((0, cfg.hidden_size), np.float32)  # filled as the embedding is converted
         self.source = _PartWeights(self, read=True)
-        self.recorder = RecordingBackend(NumpyBackend(), NamedWeights(self.source), "pooled")
+        # prefill-sized products split over a pool of threads with single-threaded BLAS (NumpyBackend): a core
+        # another process takes slows the pool instead of stalling multi-threaded BLAS's spin-waits
+        self.workers = default_threads()
+        self.recorder = RecordingBackend(NumpyBackend(workers=self.workers), NamedWeights(self.source), "pooled")
         self.recording = GlmMoeDsaModel(cfg, self.recorder.weights, self.recorder)  # type: ignore[arg-type]
         # kv_b's input is every key's latent row, recorded from the cache; lm_head's inputs go to `head`
         self.recorder.recorded_apart = {spec.attention.kv_b for spec in self.recording.layers} | {LM_HEAD}
         self.head = RecordingBackend(NumpyBackend(), NamedWeights(self.source), "pooled")
         if propagate_quantized := self.propagate == "quantized":
             self.stored = _PartWeights(self, read=False)
-            self.propagating = GlmMoeDsaModel(cfg, self.stored, NumpyBackend())
+            self.propagating = GlmMoeDsaModel(cfg, self.stored, NumpyBackend(workers=self.workers))
         else:
             self.propagating = self.recording
         self.propagate_quantized = propagate_quantized
@@ -192,20 +197,26 @@ class LayerwiseCalibration(Importance):
         layer = group
         recording, propagating = model is self.recording, model is self.propagating
         kv_b = model.layers[layer].attention.kv_b
-        for i, ids in enumerate(self.windows):
-            self.recorder.new_window()
-            cache = model.new_cache()
-            if layer < self.config.num_hidden_layers:
-                out, chosen = model.decoder_layer(layer, self.hidden[i], np.arange(len(ids)), cache.layer(layer),
-                                                  self.chosen[i])
-                if propagating:
-                    self.hidden[i], self.chosen[i] = out, chosen
-            else:
-                _, out = model.mtp_forward(self.final[i][:-1], ids[1:], cache)
-                if propagating:
-                    self.head.record(LM_HEAD, model.mtp_head_input(out))
-            if recording:
-                self.recorder.record(kv_b, cache.layer(layer).kv_lat)
+        with threadpool_limits(1 if self.workers > 1 else None, user_api="blas"):
+            for i, ids in enumerate(self.windows):
+                self._window(model, layer, i, ids, recording, propagating, kv_b)
+
+    def _window(self, model: GlmMoeDsaModel, layer: int, i: int, ids: np.ndarray, recording: bool,
+                propagating: bool, kv_b: str) -> None:
+        """Window `i` (tokens `ids`) through layer `layer` on `model` (see `_run`)."""
+        self.recorder.new_window()
+        cache = model.new_cache()
+        if layer < self.config.num_hidden_layers:
+            out, chosen = model.decoder_layer(layer, self.hidden[i], np.arange(len(ids)), cache.layer(layer),
+                                              self.chosen[i])
+            if propagating:
+                self.hidden[i], self.chosen[i] = out, chosen
+        else:
+            _, out = model.mtp_forward(self.final[i][:-1], ids[1:], cache)
+            if propagating:
+                self.head.record(LM_HEAD, model.mtp_head_input(out))
+        if recording:
+            self.recorder.record(kv_b, cache.layer(layer).kv_lat)
 
     def _finish(self, group: int) -> None:
         """The converter wrote part `group`: propagate the windows through it."""
