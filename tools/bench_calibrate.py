@@ -3,7 +3,7 @@
 `glm-calibrate --hessians pooled` on it, then `glm-convert --quantizer gptq --imatrix`): quality, time, peak RSS.
 
     PYTHONPATH=. python tools/bench_calibrate.py                   # trained fixture, calib_tokens.json, q4
-    PYTHONPATH=. python tools/bench_calibrate.py --bench --rounds 1  # also bench_convert.py's benchmark model
+    PYTHONPATH=. python tools/bench_calibrate.py --bench --no-fixture --rounds 1  # bench_convert.py's model
 
 Every conversion runs in a child process (bench_convert.run_child: its wall time and its own peak RSS, wait4's
 ru_maxrss; BLAS single-threaded), the variants alternating round by round. Variants: `two-pass` (a temporary q8
@@ -119,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--preset", default="q4")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--bench", action="store_true", help="also the benchmark model (bench_convert.py's, BF16)")
+    ap.add_argument("--no-fixture", action="store_true", help="skip the trained fixture")
     ap.add_argument("--work", type=Path, default=Path("/tmp/glmkit-bench"),
                     help="where the benchmark source is cached (bench_convert.py's --work)")
     ap.add_argument("--json", type=Path, help="write the raw numbers here")
@@ -130,9 +131,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        fixture = measure("fixture", FIXTURE, FIXTURE / "calib_tokens.json", args.preset, args.rounds, work)
-        scores = quality(work, "fixture")
-        rows += [{"model": "tiny-trained", "variant": v, **fixture[v], "quality": scores[v]} for v in VARIANTS]
+        if not args.no_fixture:
+            fixture = measure("fixture", FIXTURE, FIXTURE / "calib_tokens.json", args.preset, args.rounds, work)
+            scores = quality(work, "fixture")
+            rows += [{"model": "tiny-trained", "variant": v, **fixture[v], "quality": scores[v]} for v in VARIANTS]
         if args.bench:
             source = source_dir(args.work, fp8=False)
             ensure_source(args.work, fp8=False, shards=4)
