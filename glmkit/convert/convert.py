@@ -430,13 +430,12 @@ def dry_run_report(source: str | Path | Source, out_dir: str | Path, plan: Quant
         if calibrating:
             lines.append("--calibrate: the calibration text runs through the source layer by layer while it is "
                          "converted (one read of the source, no temporary container; shards held a layer at a time)")
-        peak = output
-        need = f"disk needed in {out_dir}: {format_size(peak + in_flight)} ({format_size(output)} output"
+        need = f"disk needed in {out_dir}: {format_size(output + in_flight)} ({format_size(output)} output"
         if src.remote and not keep_source:
             need += f" + {format_size(in_flight)} shards in flight, --max-inflight {format_size(max_inflight)}"
         free = free_bytes(Path(out_dir))
         need += f"); available: {format_size(free)}"
-        lines.append(need + (" - enough" if peak + in_flight <= free else
+        lines.append(need + (" - enough" if output + in_flight <= free else
                              " - NOT enough: free some space or lower --max-inflight"))
         if src.remote and keep_source:
             lines.append(f"HF cache ({src.cache_dir}) grows by {format_size(src.cache_bytes())} (--keep-source)")
