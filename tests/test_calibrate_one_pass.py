@@ -139,8 +139,9 @@ def test_calibrate_windows_bound_and_bad_calibration_files(tmp_path):
         LayerwiseCalibration([[1]])
 
 
-def test_interrupted_calibrated_conversion_leaves_no_container_and_reruns_whole(calibrated, tmp_path, monkeypatch,
-                                                                                 capsys):
+def test_interrupted_calibrated_conversion_resumes_from_its_data_files(calibrated, tmp_path, monkeypatch, capsys):
+    """Killed part way: no container; the same command resumes, replaying the completed layers from the data files
+    written (the source's are not read again), and gives the uninterrupted run's tensors."""
     out = tmp_path / "out"
     args = [str(TRAINED), str(out), "--preset", "q4", "--calibrate", str(CALIB), "--calibrate-windows",
             str(WINDOWS), "--max-file-size", "64K", "--quiet"]
@@ -149,8 +150,29 @@ def test_interrupted_calibrated_conversion_leaves_no_container_and_reruns_whole(
     assert not (out / "manifest.json").exists()
     assert (out / ".glm-convert" / "done.jsonl").read_text().count("\n") >= 2  # data files were complete
     monkeypatch.setattr(HFSnapshot, "load", real)
+    fail_reading(monkeypatch, "model.layers.0.")  # completed: replayed from OUT
     capsys.readouterr()
     assert convert_main(args) == 0
-    assert "starting over" in capsys.readouterr().err
+    assert "resuming" in capsys.readouterr().err
     digests = {n: e.sha256 for n, e in Container(out).manifest.tensors.items()}
     assert digests == {n: e.sha256 for n, e in Container(calibrated).manifest.tensors.items()}
+
+
+def test_calibration_through_source_weights_starts_over(tmp_path, monkeypatch, capsys):
+    from glmkit.convert.convert import convert as convert_library
+    from glmkit.convert.plan import QuantPlan
+
+    windows = json.loads(CALIB.read_text())[:1]
+
+    def run_once() -> None:
+        convert_library(TRAINED, tmp_path / "out", QuantPlan.from_preset("q4", quantizer="gptq"), "q4",
+                        max_file_bytes=64 << 10, progress=False, calibration=LayerwiseCalibration(windows, "source"))
+
+    real = fail_reading(monkeypatch, "model.layers.3.")
+    with pytest.raises(GlmkitError, match="simulated"):
+        run_once()
+    monkeypatch.setattr(HFSnapshot, "load", real)
+    capsys.readouterr()
+    run_once()
+    assert "starting over" in capsys.readouterr().err
+    assert Container(tmp_path / "out").manifest.conversion["calibration"]["propagate"] == "source"

@@ -156,6 +156,8 @@ def _run(job: ConversionJob, out: Path, force: bool, progress: bool, budget: int
     for name, finished in done.items():
         files[name] = finished.record
         entries.update({t: TensorEntry.from_json(t, e) for t, e in finished.tensors.items()})
+    if done:
+        job.importance.resume(out, entries)
     needed = set().union(*steps)
     to_download = sum(size for name, size in job.source.download_bytes().items() if name in needed)
     down_bar = tqdm(total=to_download, unit="B", unit_scale=True, desc="download", position=0, file=sys.stderr,
@@ -283,11 +285,10 @@ def _open_output(job: ConversionJob, out: Path, state: ConversionState, force: b
                 raise
             then, recorded = None, {}  # --force starts over from damaged state
         same = then is not None and then == job.identity
-        # statistics made while converting need every layer before the first one left to write: start over
         resume = same and job.importance.resumable
         if same and not resume:
-            print(f"glm-convert: {out} holds an unfinished calibrated conversion of the same inputs: starting over "
-                  "(--calibrate cannot resume)", file=sys.stderr)
+            print(f"glm-convert: {out} holds an unfinished conversion of the same inputs whose statistics cannot "
+                  "resume: starting over", file=sys.stderr)
         if then is not None and not same and not force:
             if (change := source_change(then, job.identity)) is not None:
                 raise GlmkitError(f"{out}: holds an unfinished conversion of this source, but its {change} since that "
@@ -585,6 +586,9 @@ class Importance:
 
     def prepare(self, spec: TensorSpec) -> None:
         """Called before `spec` is converted."""
+
+    def resume(self, out: Path, entries: dict[str, TensorEntry]) -> None:
+        """The conversion continues after the data files in `out` an earlier run completed, which hold `entries`."""
 
     def source_blocks(self, snapshot: HFSnapshot, spec: TensorSpec, rows: int) -> Iterator[np.ndarray]:
         """The source tensor as float32: whole, or a big stored one in blocks of about `rows` rows."""

@@ -19,6 +19,7 @@ source is read once: a tensor read for the recording run is handed to the conver
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 from threadpoolctl import threadpool_limits
@@ -31,7 +32,9 @@ from glmkit.convert.sources.snapshot import HFSnapshot
 from glmkit.errors import GlmkitError
 from glmkit.eval.calibration import NamedWeights, RecordingBackend
 from glmkit.eval.logits_file import tokens_digest
+from glmkit.format.manifest import TensorEntry
 from glmkit.format.packing import dequantize
+from glmkit.format.safetensors_file import read_header, read_tensor
 from glmkit.format.schema import TensorSpec
 from glmkit.format.tensors import Weight
 from glmkit.model.glm5 import GlmMoeDsaModel
@@ -81,7 +84,6 @@ class LayerwiseCalibration(Importance):
     """GPTQ statistics of each layer from the calibration `windows` (token-id lists) run through the source as it
     is converted (see the module docstring); pass it to `convert(..., calibration=)`."""
 
-    resumable = False  # a layer's inputs come from every layer before it: a rerun starts over
 
     def __init__(self, windows: list[list[int]], propagate: str = "quantized"):
         if propagate not in PROPAGATE_CHOICES:
@@ -92,6 +94,10 @@ class LayerwiseCalibration(Importance):
         self.token_lists = [[int(t) for t in w] for w in windows]
         self.windows = [np.asarray(w, np.int64) for w in self.token_lists]
         self.propagate = propagate
+        # a layer's inputs come from every layer before it: a resumed run replays the completed layers from the
+        # data files already written, which hold them as the propagating run uses them
+        self.resumable = propagate == "quantized"
+        self.written_before: dict[str, Path] = {}  # tensor -> the data file an earlier run completed it in
 
     def bind(self, snapshot: HFSnapshot, specs: list[TensorSpec], plan: QuantPlan) -> Importance:
         cfg = snapshot.config
@@ -138,6 +144,9 @@ class LayerwiseCalibration(Importance):
                                 "tokens_sha256": tokens_digest(self.token_lists), "hessians": "pooled",
                                 "propagate": self.propagate}}
 
+    def resume(self, out: Path, entries: dict[str, TensorEntry]) -> None:
+        self.written_before = {name: out / e.file for name, e in entries.items() if e.role != "scales"}
+
     def reads(self, snapshot: HFSnapshot, spec: TensorSpec) -> set[str]:
         """Every shard of the tensor's part (the recording run reads the whole layer before its first tensor is
         written); the MTP layer's part also the final norm's."""
@@ -156,6 +165,9 @@ class LayerwiseCalibration(Importance):
             if group < self.current:
                 raise GlmkitError(f"internal error: {spec.name} is converted after part {self.current}")
             self._finish(self.current)
+        else:  # resumed: the parts before this one are in the data files already written
+            for earlier in sorted(g for g in self.groups if g < group):
+                self._replay(earlier)
         self.current = group
         if group == EMBED_GROUP:
             return  # no linear input
@@ -218,11 +230,35 @@ class LayerwiseCalibration(Importance):
         if recording:
             self.recorder.record(kv_b, cache.layer(layer).kv_lat)
 
+    def _replay(self, group: int) -> None:
+        """Part `group`, which an earlier run wrote, from the data files: the embedding's rows, or the windows
+        propagated through a layer."""
+        if group == EMBED_GROUP:
+            spec = self.spec_by_name[EMBED]
+            packed, scales = self._written_before(spec)
+            self._keep_embedding(spec, 0, packed, scales)
+            return
+        if group == 0:
+            self.hidden = [self.embed_table[w] for w in self.windows]
+            self.chosen = [None] * len(self.windows)
+        self._finish(group)
+
+    def _written_before(self, spec: TensorSpec) -> tuple[np.ndarray, np.ndarray | None]:
+        """A tensor (and its scales) from the data file an earlier run completed."""
+        path = self.written_before[spec.name]
+        header = read_header(path)
+        scales = header.get(spec.name + ".qs")
+        return read_tensor(path, header[spec.name]), None if scales is None else read_tensor(path, scales)
+
     def _finish(self, group: int) -> None:
         """The converter wrote part `group`: propagate the windows through it."""
         if group in (EMBED_GROUP, HEAD_GROUP):
             return
+        self.source.tensors.clear()  # those of an earlier run's tensors, read for the recording run
         if self.propagate_quantized:
+            for spec in self.groups[group]:
+                if spec.name not in self.parts and spec.name in self.written_before:
+                    self.parts[spec.name] = [self._written_before(spec)]
             self.stored.tensors = {name: self._stored(self.spec_by_name[name], blocks)
                                    for name, blocks in self.parts.items()}
             self.parts.clear()
