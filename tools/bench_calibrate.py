@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             rows += [{"model": "tiny-trained", "variant": v, **fixture[v], "quality": scores[v]} for v in VARIANTS]
         if args.bench:
             source = source_dir(args.work, fp8=False)
-            ensure_source(args.work, fp8=False, shards=4)
+            ensure_source(args.work, fp8=False, shards=10)  # bench_convert.py's default: its cached source
             cfg = ModelConfig.from_file(source / "config.json")
             rng = np.random.default_rng(0)
             calib = work / "bench-calib.json"
