@@ -176,3 +176,23 @@ def test_calibration_through_source_weights_starts_over(tmp_path, monkeypatch, c
     run_once()
     assert "starting over" in capsys.readouterr().err
     assert Container(tmp_path / "out").manifest.conversion["calibration"]["propagate"] == "source"
+
+
+@pytest.mark.parametrize("layout", [{"fp8": True, "shards": 3}, {"fused": True, "mtp": False}])
+def test_one_pass_on_fp8_fused_and_mtp_less_sources(tmp_path, layout):
+    """FP8 with block scales over several shards, fused expert tensors, no MTP layer: each still calibrates."""
+    from tools.synth import TINY_CONFIG, make_snapshot
+
+    config = {**TINY_CONFIG, "num_nextn_predict_layers": 1 if layout.pop("mtp", True) else 0}
+    make_snapshot(tmp_path / "src", config, **layout)
+    windows = np.random.default_rng(0).integers(0, config["vocab_size"], (2, 24)).tolist()
+    (tmp_path / "calib.json").write_text(json.dumps(windows))
+    code, _, err = run(convert_main, tmp_path / "src", tmp_path / "out", "--calibrate", tmp_path / "calib.json",
+                       "--quiet")
+    assert code == 0, err
+    container = Container(tmp_path / "out")
+    assert container.manifest.conversion["calibration"]["tokens"] == 48
+    assert container.manifest.conversion["mtp"] == bool(config["num_nextn_predict_layers"])
+    engine = Engine(tmp_path / "out", "numpy", load_tokenizer=False)
+    logits, _ = engine.model.forward(np.asarray(windows[0]), engine.model.new_cache())
+    assert np.isfinite(logits).all()
