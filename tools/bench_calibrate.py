@@ -120,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--bench", action="store_true", help="also the benchmark model (bench_convert.py's, BF16)")
     ap.add_argument("--no-fixture", action="store_true", help="skip the trained fixture")
+    ap.add_argument("--no-quality", action="store_true", help="time and memory only")
     ap.add_argument("--work", type=Path, default=Path("/tmp/glmkit-bench"),
                     help="where the benchmark source is cached (bench_convert.py's --work)")
     ap.add_argument("--json", type=Path, help="write the raw numbers here")
@@ -133,8 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         if not args.no_fixture:
             fixture = measure("fixture", FIXTURE, FIXTURE / "calib_tokens.json", args.preset, args.rounds, work)
-            scores = quality(work, "fixture")
-            rows += [{"model": "tiny-trained", "variant": v, **fixture[v], "quality": scores[v]} for v in VARIANTS]
+            scores = {} if args.no_quality else quality(work, "fixture")
+            rows += [{"model": "tiny-trained", "variant": v, **fixture[v], "quality": scores.get(v)} for v in VARIANTS]
         if args.bench:
             source = source_dir(args.work, fp8=False)
             ensure_source(args.work, fp8=False, shards=10)  # bench_convert.py's default: its cached source

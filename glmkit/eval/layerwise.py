@@ -178,6 +178,7 @@ class LayerwiseCalibration(Importance):
             self.hidden = [self.embed_table[w] for w in self.windows]
             self.chosen = [None] * len(self.windows)
         self._run(self.recording, group)
+        self.recorder.weights.clear()  # it keeps every weight it served alive
         self.use(self.recorder.statistics(self.config, "", self.token_lists))
         self.recorder.reset()
 
