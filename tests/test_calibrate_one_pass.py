@@ -10,10 +10,10 @@ from threadpoolctl import threadpool_limits
 
 from glmkit.backends.numpy_backend import NumpyBackend
 from glmkit.cli.convert import main as convert_main
-from glmkit.convert.quantizers import HessianFactor, default_threads, gptq_quantize
+from glmkit.convert.quantizers import HessianFactor, gptq_quantize
 from glmkit.convert.sources.snapshot import HFSnapshot
 from glmkit.errors import GlmkitError
-from glmkit.eval.layerwise import LayerwiseCalibration
+from glmkit.eval.layerwise import WORKERS, LayerwiseCalibration
 from glmkit.format.packing import pack
 from glmkit.format.reader import Container
 from glmkit.format.schema import model_tensors
@@ -71,7 +71,7 @@ def _layer_input_hessian(engine: Engine, windows: list[np.ndarray], layer: int) 
     """mean u u^T of layer `layer`'s normed input rows u over `windows`, the layers before it run on the
     container's own (quantized) weights, as the converter runs them (dequantized, its backend settings): what
     GPTQ of q_a_proj needs."""
-    workers = default_threads()
+    workers = WORKERS
     model = GlmMoeDsaModel(engine.config, _Dequantized(engine), NumpyBackend(workers=workers))
     total, rows = np.zeros((model.config.hidden_size,) * 2), 0
     with threadpool_limits(1 if workers > 1 else None, user_api="blas"):

@@ -27,7 +27,6 @@ from threadpoolctl import threadpool_limits
 from glmkit.backends.numpy_backend import NumpyBackend
 from glmkit.convert.convert import Importance
 from glmkit.convert.plan import QuantPlan
-from glmkit.convert.quantizers import default_threads
 from glmkit.convert.sources.snapshot import HFSnapshot
 from glmkit.errors import GlmkitError
 from glmkit.eval.calibration import NamedWeights, RecordingBackend
@@ -41,6 +40,9 @@ from glmkit.model.glm5 import GlmMoeDsaModel
 from glmkit.model.layer_spec import EMBED, LM_HEAD, final_norm_spec
 
 PROPAGATE_CHOICES = ("quantized", "source")
+# a fixed count, not the machine's cores: how a product is split changes its rounding, hence the Hessians and the
+# codes, which must depend on the inputs alone
+WORKERS = 8
 EMBED_GROUP = -1
 HEAD_GROUP = 1 << 30  # the final norm and lm_head: after every layer
 
@@ -120,7 +122,7 @@ class LayerwiseCalibration(Importance):
         self.source = _PartWeights(self, read=True)
         # prefill-sized products split over a pool of threads with single-threaded BLAS (NumpyBackend): a core
         # another process takes slows the pool instead of stalling multi-threaded BLAS's spin-waits
-        self.workers = default_threads()
+        self.workers = WORKERS
         self.recorder = RecordingBackend(NumpyBackend(workers=self.workers), NamedWeights(self.source), "pooled")
         self.recording = GlmMoeDsaModel(cfg, self.recorder.weights, self.recorder)  # type: ignore[arg-type]
         # kv_b's input is every key's latent row, recorded from the cache; lm_head's inputs go to `head`
