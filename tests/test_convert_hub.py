@@ -461,13 +461,20 @@ def test_fetcher_hands_download_errors_to_the_converter():
 
 
 def test_calibrate_from_the_hub_equals_local(hub, local_ref, tmp_path):
-    """--calibrate with a Hub source: the temporary conversion and the final one both stream the repo (twice
-    without --keep-source); the container equals the same command on a local copy."""
+    """--calibrate with a Hub source: the repo streams once, a layer's shards held while it is calibrated and
+    converted; the container equals the same command on a local copy."""
     calib = FIXTURES / "tiny-trained" / "calib_tokens.json"  # token ids below tiny-bf16's vocabulary too
     args = ("--preset", "q4", "--calibrate", str(calib), "--calibrate-windows", "2")
     out = tmp_path / "out"
     assert run_hub(hub, BF16, out, *args) == 0
     from_hub = Container(out)
-    assert from_hub.manifest.conversion["quantizer"] == "gptq" and from_hub.manifest.conversion["imatrix"]["tokens"]
+    assert from_hub.manifest.conversion["quantizer"] == "gptq" and from_hub.manifest.conversion["calibration"]["tokens"]
     same_files(from_hub, local_ref("tiny-bf16", *args))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary container or staging left
+    # a layer's tensors and their FP8 scales in different shards, one shard in flight at a time: each downloaded once
+    split = tmp_path / "split"
+    before = {s: hub.downloads(s) for s in SHARDS}
+    assert run_hub(hub, "org/tiny-fp8-split", split, *args, "--max-inflight", "0") == 0
+    assert {s: hub.downloads(s) - before[s] for s in SHARDS} == dict.fromkeys(SHARDS, 1)
+    digests = {n: e.sha256 for n, e in Container(split).manifest.tensors.items()}
+    assert digests == {n: e.sha256 for n, e in local_ref("tiny-fp8", *args).manifest.tensors.items()}

@@ -320,32 +320,3 @@ def test_imatrix_hostile_files(imatrix, tmp_path):
     code, _, err = run(convert_main, TRAINED, tmp_path / "inf", "--quantizer", "gptq", "--imatrix",
                        tmp_path / "inf.st", "--quiet")
     assert code == 1 and "non-finite" in err and "glm-convert: error: " in err
-
-
-def test_convert_calibrate_in_one_command(imatrix, tmp_path):
-    """--calibrate = glm-calibrate on a temporary conversion + --quantizer gptq --imatrix: the same container."""
-    two_step = Container(convert(tmp_path / "two", "--preset", "q4", "--quantizer", "gptq", "--imatrix", imatrix))
-    one = Container(convert(tmp_path / "one", "--preset", "q4", "--calibrate", CALIB, "--calibrate-preset", "f32",
-                            "--calibrate-windows", "4"))
-    assert one.manifest.conversion["quantizer"] == "gptq" and one.manifest.conversion["imatrix"]["tokens"] == 512
-    assert one.model_hash == two_step.model_hash
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["one", "two"]  # the temporary container is gone
-    text = tmp_path / "sample.py"
-    text.write_text("".join(f"def f{i}(x):\n    return x * {i} + 1\n\n" for i in range(200)))
-    from_text = Container(convert(tmp_path / "text", "--preset", "q2", "--calibrate", text))  # q8 temporary model
-    assert from_text.manifest.conversion["quantizer"] == "gptq" and from_text.manifest.conversion["imatrix"]["tokens"]
-    for args, message in (((), "--calibrate and --imatrix"), (("--quantizer", "mse"), "--calibrate and --imatrix")):
-        code, _, err = run(convert_main, TRAINED, tmp_path / "bad", "--calibrate", CALIB, "--imatrix", imatrix,
-                           *args, "--quiet")
-        assert code == 1 and message in err
-    code, out, _ = run(convert_main, TRAINED, tmp_path / "plan", "--calibrate", CALIB, "--dry-run")
-    assert code == 0 and "temporary q8 container" in out and "disk needed" in out
-    code, out, _ = run(convert_main, TRAINED, tmp_path / "plan", "--calibrate", CALIB, "--calibrate-preset", "q4",
-                       "--dry-run")
-    assert code == 0 and "temporary q4 container" in out
-    assert not (tmp_path / "plan").exists()
-    code, _, err = run(convert_main, TRAINED, tmp_path / "bad", "--quantizer", "gptq", "--quiet")
-    assert code == 1 and "--calibrate" in err and err.count("\n") == 1
-    code, _, err = run(convert_main, TRAINED, tmp_path / "bad", "--calibrate", tmp_path / "missing.txt", "--quiet")
-    assert code == 1 and "missing.txt" in err and err.count("\n") == 1
-    assert not (tmp_path / "bad").exists() and not list(tmp_path.glob(".glmkit-calibrate-*"))

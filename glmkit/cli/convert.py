@@ -1,26 +1,27 @@
 """`glm-convert SOURCE OUT`: convert a Hugging Face checkpoint (Hub repo or local snapshot) into a glmkit container.
 
-`--calibrate FILE` is the one place a CLI runs both layers: it converts a temporary q8 (or f32) container,
-runs the runtime's calibration over FILE on it, deletes it, then converts with those statistics (`gptq`).
-The converter library itself never imports the runtime.
+`--calibrate FILE` is the one place a CLI runs both layers: the runtime's layer math runs FILE's windows through
+the source layer by layer while the converter writes it (glmkit.eval.layerwise), and each layer is quantized with
+`gptq` from the statistics of its own inputs. The converter library itself never imports the runtime.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from glmkit.convert.convert import DEFAULT_FILE_BYTES, DEFAULT_INFLIGHT_BYTES, convert, dry_run_report
+from glmkit.convert.convert import DEFAULT_FILE_BYTES, DEFAULT_INFLIGHT_BYTES, Calibration, convert, dry_run_report
 from glmkit.convert.plan import DEFAULT_GROUP_SIZE, DEFAULT_QUANTIZER, PRESETS, QuantPlan
 from glmkit.convert.quantizers import QUANTIZERS
+from glmkit.convert.sources.open import open_source
+from glmkit.convert.sources.source import Source
 from glmkit.errors import GlmkitError
-from glmkit.format.imatrix import Imatrix, read_imatrix
+from glmkit.format.imatrix import read_imatrix
 from glmkit.units import format_size, parse_size
+
+DEFAULT_WINDOWS = 64  # of 512 tokens (glmkit.eval.windows.DEFAULT_CTX)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,13 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="statistics from glm-calibrate: weight the mse quantizer's error by each input column's "
                         "activation energy; gptq uses its Hessians")
     p.add_argument("--calibrate", type=Path, metavar="FILE",
-                   help="calibrate first: UTF-8 sample text (or a .json list of token-id lists) run through a "
-                        "temporary --calibrate-preset conversion; implies --quantizer gptq")
-    p.add_argument("--calibrate-preset", choices=("q8", "q4", "f32"), default="q8",
-                   help="the temporary container --calibrate runs (default q8: a quarter of f32's disk; q4 halves "
-                        "that, fine for q4/q2 outputs; docs/QUALITY.md)")
-    p.add_argument("--calibrate-windows", type=int, default=64, metavar="N",
-                   help="--calibrate: at most N windows of 512 tokens (default 64)")
+                   help="calibrate while converting: UTF-8 sample text (or a .json list of token-id lists) run "
+                        "through the source layer by layer, each layer quantized from its own inputs' Hessians; "
+                        "implies --quantizer gptq")
+    p.add_argument("--calibrate-windows", type=int, default=DEFAULT_WINDOWS, metavar="N",
+                   help=f"--calibrate: at most N windows of 512 tokens (default {DEFAULT_WINDOWS}); their "
+                        "hidden states are held in memory (N x 512 x hidden_size x 4 bytes)")
     p.add_argument("--max-file-size", type=parse_size, default=DEFAULT_FILE_BYTES, metavar="SIZE",
                    help="largest output data file, e.g. 4G, 500M, 64K (default 4G); one expert is never split")
     p.add_argument("--revision", help="Hub branch, tag or commit (default main); for an HF cache dir: a ref or commit")
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             raise GlmkitError("--max-file-size: must be at least 1 byte")
         if args.calibrate is not None and args.imatrix is not None:
             raise GlmkitError("--calibrate and --imatrix: give one (--calibrate computes what --imatrix reads)")
-        if args.calibrate is not None and not args.calibrate.is_file():  # before hours of temporary conversion
+        if args.calibrate is not None and not args.calibrate.is_file():
             raise GlmkitError(f"--calibrate: {args.calibrate}: file not found")
         if args.calibrate_windows < 1:
             raise GlmkitError(f"--calibrate-windows: must be at least 1, got {args.calibrate_windows}")
@@ -98,17 +98,19 @@ def main(argv: list[str] | None = None) -> int:
         imatrix = read_imatrix(args.imatrix) if args.imatrix is not None else None
         if args.dry_run:
             print(dry_run_report(args.source, args.out, plan, args.preset, args.max_file_size, imatrix=imatrix,
-                                 calibrate_preset=args.calibrate_preset if args.calibrate else None, **options))
+                                 calibrating=args.calibrate is not None, **options))
             return 0
         start = time.perf_counter()
-        scratch = (tempfile.TemporaryDirectory(prefix=".glmkit-calibrate-", dir=_parent(args.out))
-                   if args.calibrate is not None else contextlib.nullcontext(None))
-        with scratch as scratch_dir:
-            if scratch_dir is not None:
-                imatrix = _calibrate(args, Path(scratch_dir), options)
-            result = convert(args.source, args.out, plan, args.preset, force=args.force,
-                             max_file_bytes=args.max_file_size, progress=not args.quiet, imatrix=imatrix,
-                             allow_nonfinite=args.allow_nonfinite, **options)
+        source = open_source(args.source, revision=args.revision, endpoint=args.endpoint,
+                             keep_source=args.keep_source)
+        try:
+            calibration = _calibration(args, source) if args.calibrate is not None else None
+        except BaseException:
+            source.close()
+            raise
+        result = convert(source, args.out, plan, args.preset, force=args.force, max_file_bytes=args.max_file_size,
+                         progress=not args.quiet, imatrix=imatrix, allow_nonfinite=args.allow_nonfinite,
+                         max_inflight=args.max_inflight, calibration=calibration)
     except GlmkitError as e:
         print(f"glm-convert: error: {e}", file=sys.stderr)
         return 1
@@ -129,34 +131,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _parent(out: str) -> Path:
-    """An existing directory next to OUT for scratch files (same file system, so the disk check holds)."""
-    parent = Path(out).resolve().parent
-    while not parent.is_dir():
-        parent = parent.parent
-    return parent
+def _calibration(args: argparse.Namespace, source: Source) -> Calibration:
+    """--calibrate's statistics, made as the conversion runs; its windows are read now, before OUT is touched
+    (the runtime is imported only here: a plain conversion does not load it)."""
+    from glmkit.eval.calibration import calibration_windows
+    from glmkit.eval.layerwise import LayerwiseCalibration
 
-
-def _calibrate(args: argparse.Namespace, scratch: Path, options: dict[str, object]) -> Imatrix:
-    """Convert a temporary container, collect calibration statistics (`--hessians pooled`) on it over
-    --calibrate's text, and return them; the temporary container is deleted."""
-    from glmkit.eval.calibration import calibration_windows, collect_imatrix
-    from glmkit.generate.engine import Engine
-
-    model_dir = scratch / "model"
-    plan = QuantPlan.from_preset(args.calibrate_preset)
-    if not args.quiet:
-        print(f"calibrate: converting a temporary {args.calibrate_preset} container", file=sys.stderr)
-    convert(args.source, model_dir, plan, args.calibrate_preset, progress=not args.quiet,  # type: ignore[arg-type]
-            allow_nonfinite=args.allow_nonfinite, **options)
-    engine = Engine(model_dir, "numpy", load_tokenizer=args.calibrate.suffix != ".json")
-    windows = calibration_windows(engine, args.calibrate)[:args.calibrate_windows]
-    statistics = collect_imatrix(engine, windows, progress=not args.quiet)
-    del engine
-    shutil.rmtree(model_dir)
-    path = scratch / "imatrix.safetensors"
-    statistics.write(path)
-    return read_imatrix(path)  # as --imatrix would read it: its sha256 goes into the manifest
+    windows = calibration_windows(source.side_dir, source.snapshot.config, args.calibrate)
+    return LayerwiseCalibration(windows[:args.calibrate_windows])
 
 
 if __name__ == "__main__":

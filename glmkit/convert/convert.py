@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 from tqdm import tqdm
@@ -71,12 +71,14 @@ class ConversionJob:
 
     @classmethod
     def create(cls, source: Source, plan: QuantPlan, preset: str, max_file_bytes: int,
-               imatrix: Imatrix | None = None) -> ConversionJob:
+               imatrix: Imatrix | None = None, calibration: Calibration | None = None) -> ConversionJob:
+        """calibration: statistics made while converting (`Importance.bind`), instead of an imatrix's."""
         specs = _check_source(source.snapshot)
-        importance = Importance(imatrix, specs, plan)
+        importance = (Importance(imatrix, specs, plan) if calibration is None
+                      else calibration.bind(source.snapshot, specs, plan))
         layouts = _layouts(specs, plan, max_file_bytes)
         layout_digest = hashlib.sha256(b"".join(layout.header for layout in layouts)).hexdigest()
-        conversion = _conversion_record(source.snapshot, specs, plan, preset, imatrix)
+        conversion = _conversion_record(source.snapshot, specs, plan, preset, importance)
         identity = {"source": source.identity, "conversion": conversion,
                     "max_file_bytes": max_file_bytes, "glmkit_version": glmkit.__version__,
                     "format_version": FORMAT_VERSION, "layout_sha256": layout_digest}
@@ -90,7 +92,7 @@ class ConversionJob:
         """The logical tensors the given files hold, in write order, and the shards each one reads."""
         by_name = self.spec_by_name
         specs = [by_name[p.name] for layout in layouts for p, _ in layout.tensors if p.name in by_name]
-        return specs, [self.source.snapshot.files_for(s) for s in specs]
+        return specs, [self.importance.reads(self.source.snapshot, s) for s in specs]
 
     def disk_needed(self, layouts: list[FileLayout], budget: int) -> tuple[int, int]:
         """(output bytes, peak downloaded source bytes) that writing `layouts` adds to OUT's file system."""
@@ -107,10 +109,11 @@ def convert(source: str | Path | Source, out_dir: str | Path, plan: QuantPlan, p
             max_file_bytes: int = DEFAULT_FILE_BYTES, progress: bool = True, *, revision: str | None = None,
             endpoint: str | None = None, keep_source: bool = False,
             max_inflight: int = DEFAULT_INFLIGHT_BYTES, imatrix: Imatrix | None = None,
-            allow_nonfinite: bool = False) -> ConvertResult:
+            allow_nonfinite: bool = False, calibration: Calibration | None = None) -> ConvertResult:
     """Convert SOURCE (local snapshot, HF cache directory or Hub repo id) into a container at `out_dir`.
 
-    imatrix: per-column activation energies (glm-calibrate) weighting the `mse` quantizer's error.
+    imatrix: per-column activation energies (glm-calibrate) weighting the `mse` quantizer's error, and Hessians.
+    calibration: statistics made layer by layer while converting (glm-convert --calibrate), instead of an imatrix.
     allow_nonfinite: convert NaN/infinite source values and non-positive FP8 scales instead of failing.
     """
     src = source if isinstance(source, Source) else open_source(
@@ -118,7 +121,7 @@ def convert(source: str | Path | Source, out_dir: str | Path, plan: QuantPlan, p
     src.snapshot.allow_nonfinite = allow_nonfinite
     try:
         check_out_apart(src, Path(out_dir))
-        job = ConversionJob.create(src, plan, preset, max_file_bytes, imatrix)
+        job = ConversionJob.create(src, plan, preset, max_file_bytes, imatrix, calibration)
         return _run(job, Path(out_dir), force, progress, max_inflight)
     finally:
         src.close()
@@ -153,6 +156,8 @@ def _run(job: ConversionJob, out: Path, force: bool, progress: bool, budget: int
     for name, finished in done.items():
         files[name] = finished.record
         entries.update({t: TensorEntry.from_json(t, e) for t, e in finished.tensors.items()})
+    if done:
+        job.importance.resume(out, entries)
     needed = set().union(*steps)
     to_download = sum(size for name, size in job.source.download_bytes().items() if name in needed)
     down_bar = tqdm(total=to_download, unit="B", unit_scale=True, desc="download", position=0, file=sys.stderr,
@@ -175,6 +180,7 @@ def _run(job: ConversionJob, out: Path, force: bool, progress: bool, budget: int
                     continue  # a `.qs` scales tensor, written together with its weight
                 spec = specs[step]
                 fetcher.acquire(step)
+                job.importance.prepare(spec)
                 digests = _write_tensor(writer, snapshot, job.plan, spec, job.importance)
                 written.update({n: replace(planned_entries[n], sha256=d) for n, d in digests.items()})
                 fetcher.release(step)
@@ -278,8 +284,12 @@ def _open_output(job: ConversionJob, out: Path, state: ConversionState, force: b
             if not force:
                 raise
             then, recorded = None, {}  # --force starts over from damaged state
-        resume = then is not None and then == job.identity
-        if then is not None and not resume and not force:
+        same = then is not None and then == job.identity
+        resume = same and job.importance.resumable
+        if same and not resume:
+            print(f"glm-convert: {out} holds an unfinished conversion of the same inputs whose statistics cannot "
+                  "resume: starting over", file=sys.stderr)
+        if then is not None and not same and not force:
             if (change := source_change(then, job.identity)) is not None:
                 raise GlmkitError(f"{out}: holds an unfinished conversion of this source, but its {change} since that "
                                   "run began: the data files already written hold the old weights; use --force to "
@@ -384,14 +394,14 @@ def dry_run_report(source: str | Path | Source, out_dir: str | Path, plan: Quant
                    max_file_bytes: int = DEFAULT_FILE_BYTES, *, revision: str | None = None,
                    endpoint: str | None = None, keep_source: bool = False,
                    max_inflight: int = DEFAULT_INFLIGHT_BYTES, imatrix: Imatrix | None = None,
-                   calibrate_preset: str | None = None) -> str:
+                   calibrating: bool = False) -> str:
     """What a conversion would download and write, and the disk it needs; touches neither OUT nor weights.
 
-    calibrate_preset: glm-convert --calibrate first converts a temporary container of this preset."""
+    calibrating: glm-convert --calibrate (statistics made while converting, none needed to plan)."""
     src = source if isinstance(source, Source) else open_source(
         str(source), revision=revision, endpoint=endpoint, keep_source=keep_source)
     try:
-        if calibrate_preset is not None and imatrix is None:  # statistics to come: plan the same layout
+        if calibrating and imatrix is None:  # statistics to come: plan the same layout
             plan = QuantPlan(plan.bits, plan.group_size, DEFAULT_QUANTIZER)
         job = ConversionJob.create(src, plan, preset, max_file_bytes, imatrix)
         snapshot = src.snapshot
@@ -418,23 +428,15 @@ def dry_run_report(source: str | Path | Source, out_dir: str | Path, plan: Quant
                 mark = ""
             lines.append(f"  {name:4s} {format_size(size):>10s}{mark}")
         output, in_flight = job.disk_needed(job.layouts, max_inflight)
-        if calibrate_preset is not None:
-            temporary = sum(layout.size for layout in _layouts(job.specs, QuantPlan.from_preset(calibrate_preset),
-                                                                max_file_bytes))
-            lines.append(f"--calibrate: a temporary {calibrate_preset} container ({format_size(temporary)}) next to "
-                         "OUT, deleted before the conversion; the source is read twice"
-                         + (" (downloaded twice)" if src.remote and not keep_source else ""))
-        else:
-            temporary = 0
-        peak = max(output, temporary)
-        need = f"disk needed in {out_dir}: {format_size(peak + in_flight)} ({format_size(output)} output"
-        if temporary:
-            need += f", before it {format_size(temporary)} temporary"
+        if calibrating:
+            lines.append("--calibrate: the calibration text runs through the source layer by layer while it is "
+                         "converted (one read of the source, no temporary container; shards held a layer at a time)")
+        need = f"disk needed in {out_dir}: {format_size(output + in_flight)} ({format_size(output)} output"
         if src.remote and not keep_source:
             need += f" + {format_size(in_flight)} shards in flight, --max-inflight {format_size(max_inflight)}"
         free = free_bytes(Path(out_dir))
         need += f"); available: {format_size(free)}"
-        lines.append(need + (" - enough" if peak + in_flight <= free else
+        lines.append(need + (" - enough" if output + in_flight <= free else
                              " - NOT enough: free some space or lower --max-inflight"))
         if src.remote and keep_source:
             lines.append(f"HF cache ({src.cache_dir}) grows by {format_size(src.cache_bytes())} (--keep-source)")
@@ -511,15 +513,18 @@ def _layouts(specs: list[TensorSpec], plan: QuantPlan, max_file_bytes: int) -> l
 
 
 def _conversion_record(snapshot: HFSnapshot, specs: list[TensorSpec], plan: QuantPlan, preset: str,
-                       imatrix: Imatrix | None = None) -> dict[str, Any]:
+                       importance: Importance) -> dict[str, Any]:
     mtp = any(s.layer == snapshot.config.num_hidden_layers for s in specs)
-    record = {"preset": preset, **plan.to_json(), "mtp": mtp}
-    if imatrix is not None:
-        record["imatrix"] = {"sha256": imatrix.sha256, "model_hash": imatrix.model_hash, "tokens": imatrix.tokens}
-    return record
+    return {"preset": preset, **plan.to_json(), "mtp": mtp, **importance.record()}
 
 
 FACTOR_CACHE = 3  # GPTQ factors kept (GLM-5: 151 MB each for 6144 inputs)
+
+
+class Calibration(Protocol):
+    """Statistics made while converting (glm-convert --calibrate: glmkit.eval.layerwise), bound to a conversion."""
+
+    def bind(self, snapshot: HFSnapshot, specs: list[TensorSpec], plan: QuantPlan) -> Importance: ...
 
 
 class Importance:
@@ -528,12 +533,15 @@ class Importance:
 
     A routed expert the calibration text never reached has no statistics of its own: it gets the mean of
     its layer's other experts' (same projection). Tensors with no linear input (the embedding) are uniform.
+
+    The converter calls `reads`, `prepare`, `source_blocks` and `written` around every tensor it writes: here they
+    read the source as it is; statistics made while converting (glm-convert --calibrate) override them.
     """
 
+    resumable = True  # an interrupted conversion continues after its last complete data file
+
     def __init__(self, imatrix: Imatrix | None, specs: list[TensorSpec], plan: QuantPlan):
-        self.imatrix = imatrix
-        self._fallback: dict[str, np.ndarray | None] = {}
-        self._factors: dict[str, HessianFactor] = {}  # Hessian tensor name -> factor, oldest first
+        self.use(imatrix)
         if imatrix is None:
             if plan.quantizer == "gptq":
                 raise GlmkitError("--quantizer gptq: needs calibration statistics: --imatrix FILE (glm-calibrate) "
@@ -558,6 +566,39 @@ class Importance:
         if plan.quantizer == "gptq" and not any(s.name in imatrix.hessians for s in quantized):
             raise GlmkitError("--quantizer gptq: the imatrix holds no Hessians for this model's quantized weights "
                               "(collect them with glm-calibrate --hessians pooled)")
+
+    def use(self, imatrix: Imatrix | None) -> None:
+        """Take the statistics from `imatrix` from now on (what was derived from earlier ones is dropped)."""
+        self.imatrix = imatrix
+        self._fallback: dict[str, np.ndarray | None] = {}
+        self._factors: dict[str, HessianFactor] = {}  # Hessian tensor name -> factor, oldest first
+
+    def record(self) -> dict[str, Any]:
+        """What the conversion record (manifest `conversion`) says about the statistics."""
+        if self.imatrix is None:
+            return {}
+        return {"imatrix": {"sha256": self.imatrix.sha256, "model_hash": self.imatrix.model_hash,
+                            "tokens": self.imatrix.tokens}}
+
+    def reads(self, snapshot: HFSnapshot, spec: TensorSpec) -> set[str]:
+        """The source shards that must be on disk while `spec` is converted."""
+        return snapshot.files_for(spec)
+
+    def prepare(self, spec: TensorSpec) -> None:
+        """Called before `spec` is converted."""
+
+    def resume(self, out: Path, entries: dict[str, TensorEntry]) -> None:
+        """The conversion continues after the data files in `out` an earlier run completed, which hold `entries`."""
+
+    def source_blocks(self, snapshot: HFSnapshot, spec: TensorSpec, rows: int) -> Iterator[np.ndarray]:
+        """The source tensor as float32: whole, or a big stored one in blocks of about `rows` rows."""
+        if spec.name in snapshot.tensors and len(spec.shape) == 2 and spec.shape[0] > rows:
+            return snapshot.row_blocks(spec, rows)
+        return iter([snapshot.load(spec)])
+
+    def written(self, spec: TensorSpec, first_row: int, packed: np.ndarray, scales: np.ndarray | None) -> None:
+        """Rows `first_row..` of `spec` as stored: packed codes `[n, bytes]` uint8 and their scales, or float32
+        values (scales None)."""
 
     def hessian(self, spec: TensorSpec) -> HessianFactor | None:
         """GPTQ's factor of this weight's input Hessian, when calibration recorded one. Weights sharing an input
@@ -600,25 +641,30 @@ STREAM_ELEMS = 1 << 22  # tensors with more elements are read, quantized and wri
 
 
 def _write_tensor(writer: DataFileWriter, source: HFSnapshot, plan: QuantPlan, spec: TensorSpec,
-                  importance: Importance | None = None) -> dict[str, str]:
+                  importance: Importance) -> dict[str, str]:
     """Convert one tensor; returns the sha256 of each stored tensor it became (the weight, and `.qs` scales).
     Every scheme is row-local (a row's scales and codes depend on that row alone, GPTQ included), so a big
     stored tensor (embed, lm_head: GB at GLM-5 size) goes through in row blocks: the converter's memory stays
     at one block, not the tensor."""
     quant = plan.quant_for(spec)
     rows = max(1, STREAM_ELEMS // max(spec.shape[-1], 1))
-    if spec.name in source.tensors and len(spec.shape) == 2 and spec.shape[0] > rows:
-        blocks = source.row_blocks(spec, rows)
-    else:
-        blocks = iter([source.load(spec)])
+    blocks = importance.source_blocks(source, spec, rows)
     if quant is None:
-        return {spec.name: writer.write_rows(spec.name, blocks)[1]}
+        def kept_blocks() -> Iterator[np.ndarray]:
+            first = 0
+            for values in blocks:
+                importance.written(spec, first, values, None)
+                first += len(values)
+                yield values
+
+        return {spec.name: writer.write_rows(spec.name, kept_blocks())[1]}
     bits, group = quant
-    hessian = importance.hessian(spec) if importance is not None and plan.quantizer == "gptq" else None
-    weights_importance = importance(spec) if importance is not None and hessian is None else None
+    hessian = importance.hessian(spec) if plan.quantizer == "gptq" else None
+    weights_importance = importance(spec) if hessian is None else None
     scales: list[np.ndarray] = []
 
     def packed_blocks() -> Iterator[np.ndarray]:
+        first = 0
         for weights in blocks:
             if hessian is not None:
                 codes, block_scales = gptq_quantize(weights, hessian, bits, group)
@@ -629,6 +675,8 @@ def _write_tensor(writer: DataFileWriter, source: HFSnapshot, plan: QuantPlan, s
             scales.append(block_scales)
             packed = pack(codes, bits)
             del codes
+            importance.written(spec, first, packed, block_scales)
+            first += len(packed)
             yield packed
 
     digest = writer.write_rows(spec.name, packed_blocks())[1]

@@ -21,12 +21,13 @@ from tqdm import tqdm
 
 from glmkit.errors import GlmkitError
 from glmkit.eval.logits_file import tokens_digest
-from glmkit.eval.windows import DEFAULT_CTX, text_windows, token_windows
+from glmkit.eval.windows import DEFAULT_CTX, token_windows, tokenized_windows
 from glmkit.format.config import ModelConfig
 from glmkit.format.imatrix import Imatrix
 from glmkit.format.schema import expert_weight_name, layer_prefix
 from glmkit.format.tensors import Weight
 from glmkit.generate.engine import Engine
+from glmkit.generate.tokenizer import ChatTokenizer
 from glmkit.model.compute import Backend, moe_layer
 from glmkit.model.glm5 import GlmMoeDsaModel, WeightSource
 from glmkit.model.layer_spec import LayerSpec
@@ -36,7 +37,7 @@ HESSIAN_CHOICES = ("pooled", "dense", "all", "none")
 DEFAULT_MAX_HESSIAN_DIM = 8192
 
 
-class _NamedWeights:
+class NamedWeights:
     """A weight source that remembers which name each returned array was asked for (by identity)."""
 
     def __init__(self, inner: WeightSource):
@@ -55,11 +56,11 @@ class _NamedWeights:
         self.names.clear()
 
 
-class _RecordingBackend:
+class RecordingBackend:
     """Delegates to a backend; `linear` also adds `sum x^2` per input column under the weight's name, and
     `sum x x^T` under the name of the first weight that saw the same input rows (`owner`)."""
 
-    def __init__(self, inner: Backend, weights: _NamedWeights, hessians: str = "pooled",
+    def __init__(self, inner: Backend, weights: NamedWeights, hessians: str = "pooled",
                  max_hessian_dim: int = DEFAULT_MAX_HESSIAN_DIM):
         self.inner = inner
         self.weights = weights
@@ -94,6 +95,22 @@ class _RecordingBackend:
 
     def new_window(self) -> None:
         self.seen.clear()
+
+    def reset(self) -> None:
+        """Forget everything recorded (a new set of weights follows)."""
+        for recorded in (self.sums, self.counts, self.products, self.owner, self.seen):
+            recorded.clear()
+
+    def statistics(self, config: ModelConfig, model_hash: str, windows: list[list[int]]) -> Imatrix:
+        """What was recorded, as the imatrix of `windows` (means over the rows each weight saw)."""
+        values = {n: (s / self.counts[n]).astype(np.float32) for n, s in self.sums.items()}
+        tensors = {owner: f"hessian.{i}" for i, owner in enumerate(sorted(self.products))}
+        data = {tensors[o]: (p / self.counts[o]).astype(np.float32) for o, p in self.products.items()}
+        hessian_of = {w: tensors[o] for w, o in self.owner.items()}
+        if self.hessians == "pooled":
+            hessian_of.update(pooled_expert_hessians(config, values, hessian_of))
+        return Imatrix(values, dict(self.counts), model_hash, sum(len(w) for w in windows), tokens_digest(windows),
+                       hessian_of, data)
 
     def decode_step(self, config: ModelConfig, layers: Sequence[LayerSpec], weight: Callable[[str], Weight],
                     experts: None = None, kv_dtype: str = "f32", rows: int = 1, draft: Any = None) -> None:
@@ -135,8 +152,8 @@ def collect_imatrix(engine: Engine, windows: list[list[int]], progress: bool = F
     """Run every window through the main model and the MTP layer, recording linear-input statistics."""
     if hessians not in HESSIAN_CHOICES:
         raise GlmkitError(f"--hessians: {hessians!r} is not one of {', '.join(HESSIAN_CHOICES)}")
-    weights = _NamedWeights(engine.experts)
-    backend = _RecordingBackend(engine.backend, weights, hessians, max_hessian_dim)
+    weights = NamedWeights(engine.experts)
+    backend = RecordingBackend(engine.backend, weights, hessians, max_hessian_dim)
     model = GlmMoeDsaModel(engine.config, weights, backend)  # type: ignore[arg-type]
     # kv_b's input is every key's latent row (what reconstructing its keys multiplies), recorded from the cache after
     # each window: attention over DSA's chosen keys absorbs kv_b into the queries instead
@@ -161,14 +178,7 @@ def collect_imatrix(engine: Engine, windows: list[list[int]], progress: bool = F
             bar.update(len(w))
     finally:
         bar.close()
-    values = {n: (s / backend.counts[n]).astype(np.float32) for n, s in backend.sums.items()}
-    tensors = {owner: f"hessian.{i}" for i, owner in enumerate(sorted(backend.products))}
-    data = {tensors[o]: (p / backend.counts[o]).astype(np.float32) for o, p in backend.products.items()}
-    hessian_of = {w: tensors[o] for w, o in backend.owner.items()}
-    if hessians == "pooled":
-        hessian_of.update(pooled_expert_hessians(engine.config, values, hessian_of))
-    return Imatrix(values, dict(backend.counts), engine.model_hash, sum(len(w) for w in windows),
-                   tokens_digest(windows), hessian_of, data)
+    return backend.statistics(engine.config, engine.model_hash, windows)
 
 
 def pooled_expert_hessians(config: ModelConfig, values: dict[str, np.ndarray], hessian_of: dict[str, str]
@@ -189,8 +199,10 @@ def pooled_expert_hessians(config: ModelConfig, values: dict[str, np.ndarray], h
     return pooled
 
 
-def calibration_windows(engine: Engine, path: Path, ctx: int = DEFAULT_CTX) -> list[list[int]]:
-    """Windows from a `.json` list of token-id lists, or from UTF-8 text cut into `ctx`-token windows."""
+def calibration_windows(snapshot_dir: Path, config: ModelConfig, path: Path, ctx: int = DEFAULT_CTX
+                        ) -> list[list[int]]:
+    """Windows from a `.json` list of token-id lists, or from UTF-8 text cut into `ctx`-token windows by the
+    tokenizer in `snapshot_dir` (a source snapshot's side files)."""
     if path.suffix == ".json":
-        return token_windows(path, engine.config.vocab_size)
-    return text_windows(engine, path, min(ctx, engine.config.max_position_embeddings))
+        return token_windows(path, config.vocab_size)
+    return tokenized_windows(ChatTokenizer(snapshot_dir), path, min(ctx, config.max_position_embeddings))

@@ -8,6 +8,7 @@ from pathlib import Path
 from glmkit.errors import GlmkitError
 from glmkit.format.files import parse_json, read_capped, read_text_file
 from glmkit.generate.engine import Engine
+from glmkit.generate.tokenizer import ChatTokenizer
 
 DEFAULT_CTX = 512
 MAX_INPUT_BYTES = 256 << 20
@@ -15,11 +16,16 @@ MAX_INPUT_BYTES = 256 << 20
 
 def text_windows(engine: Engine, path: Path, ctx: int) -> list[list[int]]:
     """The text at `path`, tokenized, as consecutive windows of `ctx` tokens (a shorter tail is dropped)."""
-    if ctx < 2:
-        raise GlmkitError(f"--ctx: must be at least 2, got {ctx}")
     if engine.tokenizer is None:
         raise GlmkitError("internal error: tokenizer not loaded")
-    ids = engine.tokenizer.encode(read_text_file(path, MAX_INPUT_BYTES))
+    return tokenized_windows(engine.tokenizer, path, ctx)
+
+
+def tokenized_windows(tokenizer: ChatTokenizer, path: Path, ctx: int) -> list[list[int]]:
+    """`text_windows` with a tokenizer of its own (a source snapshot's, before any conversion)."""
+    if ctx < 2:
+        raise GlmkitError(f"--ctx: must be at least 2, got {ctx}")
+    ids = tokenizer.encode(read_text_file(path, MAX_INPUT_BYTES))
     if len(ids) < ctx:
         raise GlmkitError(f"{path}: {len(ids)} tokens, fewer than one --ctx window of {ctx}")
     return [ids[i:i + ctx] for i in range(0, len(ids) - ctx + 1, ctx)]

@@ -310,7 +310,11 @@ class GlmMoeDsaModel:
         x = self.backend.linear(joined, self._w(mtp.eh_proj))  # [S, H]
         kv = cache.layer(layer)
         x, _ = self.decoder_layer(layer, x, np.arange(kv.length, kv.length + len(x)), kv, None)
-        return self.backend.linear(self._norm(x, mtp.head_norm), self._w(LM_HEAD)), x
+        return self.backend.linear(self.mtp_head_input(x), self._w(LM_HEAD)), x
+
+    def mtp_head_input(self, x: np.ndarray) -> np.ndarray:
+        """lm_head's input `[S, H]` in the MTP head: `shared_head.norm` of the MTP layer's output `x [S, H]`."""
+        return self._norm(x, mtp_spec(self.config).head_norm)
 
     # ---- the layer math, at explicit positions ----------------------------------------------------
 

@@ -207,13 +207,18 @@ class HFSnapshot:
         are whole 128-row scale blocks."""
         src = self.tensors[spec.name]
         total = spec.shape[0]
-        step = max(FP8_BLOCK, rows - rows % FP8_BLOCK) if src.info.dtype == "F8_E4M3" else max(1, rows)
+        step = self.block_rows(spec, rows)
         for first in range(0, total, step):
             count = min(step, total - first)
             raw = self._read(src, first, count)
             block = self._to_float32(spec.name, src, raw, rows=(first, count))
             del raw  # only one block alive while the caller works on it
             yield block
+
+    def block_rows(self, spec: TensorSpec, rows: int) -> int:
+        """The rows of each block `row_blocks(spec, rows)` yields (the last may be shorter)."""
+        fp8 = self.tensors[spec.name].info.dtype == "F8_E4M3"
+        return max(FP8_BLOCK, rows - rows % FP8_BLOCK) if fp8 else max(1, rows)
 
     def _read(self, src: SourceTensor, first: int = 0, count: int | None = None) -> np.ndarray:
         path = self.paths.get(src.file)
