@@ -11,6 +11,10 @@ int3 packs `u = q + 4` in blocks of 64 columns, 24 bytes each (`24 * ceil(I / 64
 missing columns stored as `u = 4`, code 0): block column `16k + j` (k < 4, j < 16) has its low two bits at bits
 `2k, 2k+1` of block byte `j`, and column `8k + j` (k < 8, j < 8) its high bit at bit `k` of block byte `16 + j`.
 Both planes unpack with whole-vector shifts and masks (kernels/common.cl), as llama.cpp's Q3_K does.
+
+Scheme `nl4` (4 bits only) stores its codes exactly as int4 (`u = q + 8` per nibble) but a code stands for the level
+`NL4_LEVELS[u]` instead of `q`: `w ~= s * NL4_LEVELS[q + 8]`, a fixed non-uniform table, denser near 0 (IQ4_NL's).
+The levels are small integers, so products with int8 activations stay integer sums (kernels/common.cl).
 """
 
 from __future__ import annotations
@@ -18,6 +22,15 @@ from __future__ import annotations
 import numpy as np
 
 SUPPORTED_BITS = (2, 3, 4, 8)
+SCHEMES = ("symmetric", "nl4")  # the manifest's quant schemes: uniform codes, or nl4's table of levels
+# nl4's 16 levels, index u = stored nibble (llama.cpp's kvalues_iq4nl): |level| <= 127, so levels fit int8
+NL4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
+NL4_TOP = 127  # the largest |level|: nl4's absmax scale maps the group's largest |w| onto level -127
+# The midpoints between nl4's levels are multiples of 1/2, so the level nearest v is constant on [k/2, (k+1)/2):
+# a lookup by floor(2 v) (ties go to the upper level). The code of half-step k + 256, and its level as float32:
+NL4_HALF_CODES = (np.searchsorted((NL4_LEVELS[1:].astype(np.float64) + NL4_LEVELS[:-1]) / 2,
+                                  np.arange(-256, 256) / 2, side="right") - 8).astype(np.int8)
+NL4_HALF_VALUES = NL4_LEVELS.astype(np.float32)[NL4_HALF_CODES.astype(np.intp) + 8]
 INT3_BLOCK = 64  # columns of one int3 storage block
 INT3_BLOCK_BYTES = 24  # its 16 bytes of low bit pairs, then 8 bytes of high bits
 MIN_SCALE = 1e-8
@@ -26,6 +39,36 @@ ROW_BLOCK_ELEMENTS = 1 << 22  # float32 temporaries of quantize(): 16 MB at a ti
 
 def qmax(bits: int) -> int:
     return (1 << (bits - 1)) - 1
+
+
+def check_scheme(scheme: str, bits: int) -> None:
+    """ValueError unless `scheme` is known and defined for `bits`."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown quant scheme {scheme!r} (known: {', '.join(SCHEMES)})")
+    if scheme == "nl4" and bits != 4:
+        raise ValueError(f"quant scheme 'nl4' is 4-bit only, not {bits}-bit")
+
+
+def nl4_half_steps(v: np.ndarray) -> np.ndarray:
+    """Values in units of the scale `[...]` (float32, overwritten) -> their index into NL4_HALF_CODES/_VALUES."""
+    np.multiply(v, np.float32(2), out=v)
+    np.floor(v, out=v)
+    np.clip(v, -256, 255, out=v)
+    index = v.astype(np.int16)
+    index += 256
+    return index
+
+
+def nl4_codes(v: np.ndarray) -> np.ndarray:
+    """Values in units of the scale `[...]` -> the codes (`u - 8`, int8) of their nearest nl4 levels."""
+    return NL4_HALF_CODES[nl4_half_steps(np.array(v, np.float32))]
+
+
+def code_values(codes: np.ndarray, scheme: str) -> np.ndarray:
+    """Codes `[...]` -> the values they stand for (before the scale) as float32: the code itself, or nl4's level."""
+    if scheme == "nl4":
+        return NL4_LEVELS.astype(np.float32)[codes.astype(np.intp) + 8]
+    return codes.astype(np.float32)
 
 
 def packed_row_bytes(in_features: int, bits: int) -> int:
@@ -51,22 +94,26 @@ def expand_scales(scales: np.ndarray, in_features: int, group_size: int | None) 
     return np.repeat(scales, group_size, axis=1)[:, :in_features]
 
 
-def quantize(w: np.ndarray, bits: int, group_size: int | None, scales: np.ndarray | None = None
-             ) -> tuple[np.ndarray, np.ndarray]:
-    """`w [O, I]` float -> (integer codes `[O, I]` int8, scales float32).
+def quantize(w: np.ndarray, bits: int, group_size: int | None, scales: np.ndarray | None = None,
+             scheme: str = "symmetric") -> tuple[np.ndarray, np.ndarray]:
+    """`w [O, I]` float -> (integer codes `[O, I]` int8, scales float32): each code the nearest of the scheme's.
 
     `scales` may be given (a search picked them); otherwise absmax scales are used.
     """
     if bits not in SUPPORTED_BITS:
         raise ValueError(f"unsupported bit width {bits}")
+    check_scheme(scheme, bits)
     w = np.asarray(w, dtype=np.float32)
     out_features, in_features = w.shape
     top = qmax(bits)
     if scales is None:
-        scales = absmax_scales(w, bits, group_size)
+        scales = absmax_scales(w, bits, group_size, scheme)
     codes = np.empty(w.shape, np.int8)
     for rows in _row_blocks(w.shape):  # temporaries stay at one block, not the whole matrix
         block = w[rows] / expand_scales(scales[rows], in_features, group_size)
+        if scheme == "nl4":
+            codes[rows] = NL4_HALF_CODES[nl4_half_steps(block)]
+            continue
         np.rint(block, out=block)
         np.clip(block, -top - 1, top, out=block)
         codes[rows] = block
@@ -78,21 +125,27 @@ def _row_blocks(shape: tuple[int, int]) -> list[slice]:
     return [slice(r, r + step) for r in range(0, shape[0], step)]
 
 
-def absmax_scales(w: np.ndarray, bits: int, group_size: int | None) -> np.ndarray:
+def absmax_scales(w: np.ndarray, bits: int, group_size: int | None, scheme: str = "symmetric") -> np.ndarray:
+    """Scales `[O]` or `[O, G]` mapping each row's or group's largest |w| onto the largest code: `amax / qmax`, or
+    for nl4 `-m / 127` with m that largest weight's signed value (it lands on level -127, its sign flipped by a
+    negative scale: the table's longer side, as llama.cpp's IQ4_NL), |s| at least MIN_SCALE."""
     out_features, in_features = w.shape
-    if group_size is None:
-        amax = np.zeros(out_features, np.float32)
-        if in_features:
-            for rows in _row_blocks(w.shape):
-                amax[rows] = np.abs(w[rows]).max(axis=1)
-    else:
-        groups = num_groups(in_features, group_size)
-        amax = np.empty((out_features, groups), np.float32)
+    groups = num_groups(in_features, group_size)
+    width = groups * (in_features if group_size is None else group_size)
+    peak = np.zeros((out_features, groups), np.float32)  # the signed weight of largest |w|
+    if in_features:
         for rows in _row_blocks(w.shape):
-            padded = np.zeros((len(w[rows]), groups * group_size), np.float32)
-            np.abs(w[rows], out=padded[:, :in_features])
-            amax[rows] = padded.reshape(len(padded), groups, group_size).max(axis=2)
-    return np.maximum(amax.astype(np.float32) / qmax(bits), np.float32(MIN_SCALE)).astype(np.float32)
+            padded = np.zeros((len(w[rows]), width), np.float32)
+            padded[:, :in_features] = w[rows]
+            g = padded.reshape(len(padded), groups, -1)
+            at = np.abs(g).argmax(axis=2)
+            peak[rows] = np.take_along_axis(g, at[..., None], axis=2)[..., 0]
+    if scheme == "nl4":
+        s = -peak / np.float32(NL4_TOP)
+        s = np.where(np.abs(s) < MIN_SCALE, np.where(s < 0, -MIN_SCALE, MIN_SCALE), s).astype(np.float32)
+    else:
+        s = np.maximum(np.abs(peak) / np.float32(qmax(bits)), np.float32(MIN_SCALE)).astype(np.float32)
+    return s[:, 0].copy() if group_size is None else s
 
 
 def pack(codes: np.ndarray, bits: int) -> np.ndarray:
@@ -161,7 +214,7 @@ def _unpack_int3(packed: np.ndarray, in_features: int) -> np.ndarray:
 
 
 def dequantize(packed: np.ndarray, scales: np.ndarray, bits: int, group_size: int | None,
-               in_features: int) -> np.ndarray:
+               in_features: int, scheme: str = "symmetric") -> np.ndarray:
     """Packed weight + scales -> float32 `[O, I]`."""
-    codes = unpack(packed, bits, in_features).astype(np.float32)
+    codes = code_values(unpack(packed, bits, in_features), scheme)
     return codes * expand_scales(scales, in_features, group_size)
