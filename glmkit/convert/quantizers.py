@@ -10,8 +10,10 @@
   nearest code is optimal for a fixed scale and the refit is optimal for fixed codes, so each candidate ends
   no worse than where it started; absmax is the first candidate, so the result is never worse than absmax.
   Vectorised NumPy over blocks of rows (threads over blocks), deterministic.
-  nl4 the same over its table's levels (`q` = the level nearest `w / s`, `qmax` = 127): the candidates are
-  `s_c = -m / (127 f)`, m the group's signed largest weight, and a refitted scale keeps whatever sign it gets.
+  nl4 the same over its table's levels (`q` = the level nearest `w / s`): the table is lopsided (-127 .. 113), so
+  the candidates put m, the group's signed largest weight, near either end: `s_c = -m / (127 f)` and
+  `s_c = m / (113 f)` (a scale's sign is free), for 10 factors f in 0.9 .. 1.3 each; absmax (`-m / 127`) is kept
+  unless a candidate beats it, and a refitted scale keeps whatever sign it gets.
 
 Element weights `e_j = a_j sqrt(sigma^2 + w_j^2)` (`sigma^2` = the group's mean `w^2`): large weights count
 more, as in llama.cpp's quantizers (docs/QUALITY.md). `a` (importance
@@ -63,7 +65,7 @@ _GRIDS = {
     3: np.linspace(1.0, 2.5, 16),
     2: np.linspace(1.0, 3.5, 16),
 }
-_NL4_GRID = np.linspace(0.9, 1.6, 16)  # nl4's clip factors (scale = -m / (127 f))
+_NL4_GRID = [np.float32(end * f) for end in (NL4_TOP, -113) for f in np.linspace(0.9, 1.3, 10)]  # scale = -m / g
 _BLOCK_ELEMS = 1 << 18  # elements of one row block (the search's working set stays in cache)
 IMPORTANCE_FLOOR = 1e-3  # relative to the mean: a column never seen in calibration still counts a little
 
@@ -205,8 +207,8 @@ def _search_nl4(w: np.ndarray, a: np.ndarray | None, bits: int) -> np.ndarray:
     best_err = np.full(len(w), np.inf, np.float32)
     q = np.empty_like(w)
     aq = None if a is None else np.empty_like(w)
-    for f in _NL4_GRID:
-        s = absmax / np.float32(f)
+    for g in _NL4_GRID:
+        s = _signed_floor(-peak / g)
         np.multiply(w, (np.float32(1) / s)[:, None], out=q)
         np.take(NL4_HALF_VALUES, nl4_half_steps(q), out=q)
         num = np.einsum("ij,ij->i", q, aw)
