@@ -12,7 +12,7 @@
   Vectorised NumPy over blocks of rows (threads over blocks), deterministic.
   nl4 the same over its table's levels (`q` = the level nearest `w / s`): the table is lopsided (-127 .. 113), so
   the candidates put m, the group's signed largest weight, near either end: `s_c = -m / (127 f)` and
-  `s_c = m / (113 f)` (a scale's sign is free), for 10 factors f in 0.9 .. 1.3 each; absmax (`-m / 127`) is kept
+  `s_c = m / (113 f)` (a scale's sign is free), for 8 factors f in 0.9 .. 1.3 each; absmax (`-m / 127`) is kept
   unless a candidate beats it, and a refitted scale keeps whatever sign it gets.
 
 Element weights `e_j = a_j sqrt(sigma^2 + w_j^2)` (`sigma^2` = the group's mean `w^2`): large weights count
@@ -50,10 +50,11 @@ from glmkit.format.packing import (
     code_values,
     expand_scales,
     nl4_codes,
-    nl4_half_steps,
     num_groups,
     qmax,
     scales_shape,
+    signed_floor,
+    signed_peaks,
 )
 
 QUANTIZERS = ("absmax", "mse", "gptq")
@@ -65,7 +66,7 @@ _GRIDS = {
     3: np.linspace(1.0, 2.5, 16),
     2: np.linspace(1.0, 3.5, 16),
 }
-_NL4_GRID = [np.float32(end * f) for end in (NL4_TOP, -113) for f in np.linspace(0.9, 1.3, 10)]  # scale = -m / g
+_NL4_GRID = [np.float32(end * f) for end in (NL4_TOP, -113) for f in np.linspace(0.9, 1.3, 8)]  # scale = -m / g
 _BLOCK_ELEMS = 1 << 18  # elements of one row block (the search's working set stays in cache)
 IMPORTANCE_FLOOR = 1e-3  # relative to the mean: a column never seen in calibration still counts a little
 
@@ -198,9 +199,8 @@ def _search_block(w: np.ndarray, a: np.ndarray | None, bits: int) -> np.ndarray:
 def _search_nl4(w: np.ndarray, a: np.ndarray | None, bits: int) -> np.ndarray:
     """`_search_block` over nl4's levels: w `[m, g]`, element weights a `[m, g]` (None: 1) -> best scales `[m]`,
     signed (see the module docstring)."""
-    at = np.abs(w).argmax(axis=1)
-    peak = w[np.arange(len(w)), at]
-    absmax = _signed_floor(-peak / np.float32(NL4_TOP))
+    peak = signed_peaks(w)
+    absmax = signed_floor(-peak / np.float32(NL4_TOP))
     aw = w if a is None else a * w
     energy = np.einsum("ij,ij->i", aw, w)
     best_s = absmax
@@ -208,9 +208,12 @@ def _search_nl4(w: np.ndarray, a: np.ndarray | None, bits: int) -> np.ndarray:
     q = np.empty_like(w)
     aq = None if a is None else np.empty_like(w)
     for g in _NL4_GRID:
-        s = _signed_floor(-peak / g)
-        np.multiply(w, (np.float32(1) / s)[:, None], out=q)
-        np.take(NL4_HALF_VALUES, nl4_half_steps(q), out=q)
+        s = signed_floor(-peak / g)
+        # nl4_half_steps in two passes: truncation floors q >= 0, and take's clip sends q < 0 (w / s < -128) to
+        # index 0 (level -127) and q >= 512 to 511 (level 113), where the floor's index would be clipped too
+        np.multiply(w, (np.float32(2) / s)[:, None], out=q)
+        np.add(q, np.float32(256), out=q)
+        np.take(NL4_HALF_VALUES, q.astype(np.intp), out=q, mode="clip")
         num = np.einsum("ij,ij->i", q, aw)
         if aq is None:
             den = np.einsum("ij,ij->i", q, q)
@@ -221,14 +224,9 @@ def _search_nl4(w: np.ndarray, a: np.ndarray | None, bits: int) -> np.ndarray:
         err = np.where(ok, energy - num * num / safe_den, energy)
         better = err < best_err
         best_err = np.where(better, err, best_err)
-        best_s = np.where(better, _signed_floor(np.where(ok, num / safe_den, s)), best_s)
+        best_s = np.where(better, signed_floor(np.where(ok, num / safe_den, s)), best_s)
     keep = _error64(w, a, best_s, "nl4", 4) <= _error64(w, a, absmax, "nl4", 4)
     return np.where(keep, best_s, absmax).astype(np.float32)
-
-
-def _signed_floor(s: np.ndarray) -> np.ndarray:
-    """s with |s| at least MIN_SCALE, its sign kept (0 becomes +MIN_SCALE)."""
-    return np.where(np.abs(s) < MIN_SCALE, np.where(s < 0, -MIN_SCALE, MIN_SCALE), s).astype(np.float32)
 
 
 def _nearest_values(v: np.ndarray, scheme: str, bits: int) -> np.ndarray:

@@ -50,18 +50,23 @@ def check_scheme(scheme: str, bits: int) -> None:
 
 
 def nl4_half_steps(v: np.ndarray) -> np.ndarray:
-    """Values in units of the scale `[...]` (float32, overwritten) -> their index into NL4_HALF_CODES/_VALUES."""
+    """Values in units of the scale `[...]` (float32, overwritten) -> their index into NL4_HALF_CODES/_VALUES
+    (`floor(2 v) + 256`, clipped to the table)."""
     np.multiply(v, np.float32(2), out=v)
-    np.floor(v, out=v)
-    np.clip(v, -256, 255, out=v)
-    index = v.astype(np.int16)
-    index += 256
-    return index
+    np.add(v, np.float32(256), out=v)
+    np.clip(v, 0, 511, out=v)
+    return v.astype(np.intp)  # truncation: the floor of a value >= 0
 
 
 def nl4_codes(v: np.ndarray) -> np.ndarray:
     """Values in units of the scale `[...]` -> the codes (`u - 8`, int8) of their nearest nl4 levels."""
-    return NL4_HALF_CODES[nl4_half_steps(np.array(v, np.float32))]
+    return np.take(NL4_HALF_CODES, nl4_half_steps(np.array(v, np.float32)))
+
+
+def signed_peaks(g: np.ndarray) -> np.ndarray:
+    """The signed value of the largest |w| along the last axis of `g [..., n]` (the positive one on a tie)."""
+    top, bottom = g.max(axis=-1), g.min(axis=-1)
+    return np.where(top >= -bottom, top, bottom)
 
 
 def code_values(codes: np.ndarray, scheme: str) -> np.ndarray:
@@ -112,7 +117,7 @@ def quantize(w: np.ndarray, bits: int, group_size: int | None, scales: np.ndarra
     for rows in _row_blocks(w.shape):  # temporaries stay at one block, not the whole matrix
         block = w[rows] / expand_scales(scales[rows], in_features, group_size)
         if scheme == "nl4":
-            codes[rows] = NL4_HALF_CODES[nl4_half_steps(block)]
+            codes[rows] = np.take(NL4_HALF_CODES, nl4_half_steps(block))
             continue
         np.rint(block, out=block)
         np.clip(block, -top - 1, top, out=block)
@@ -132,20 +137,26 @@ def absmax_scales(w: np.ndarray, bits: int, group_size: int | None, scheme: str 
     out_features, in_features = w.shape
     groups = num_groups(in_features, group_size)
     width = groups * (in_features if group_size is None else group_size)
-    peak = np.zeros((out_features, groups), np.float32)  # the signed weight of largest |w|
+    peak = np.zeros((out_features, groups), np.float32)  # nl4: the signed weight of largest |w|; else amax
     if in_features:
         for rows in _row_blocks(w.shape):
             padded = np.zeros((len(w[rows]), width), np.float32)
-            padded[:, :in_features] = w[rows]
-            g = padded.reshape(len(padded), groups, -1)
-            at = np.abs(g).argmax(axis=2)
-            peak[rows] = np.take_along_axis(g, at[..., None], axis=2)[..., 0]
+            if scheme == "nl4":
+                padded[:, :in_features] = w[rows]
+                peak[rows] = signed_peaks(padded.reshape(len(padded), groups, -1))
+            else:
+                np.abs(w[rows], out=padded[:, :in_features])
+                peak[rows] = padded.reshape(len(padded), groups, -1).max(axis=2)
     if scheme == "nl4":
-        s = -peak / np.float32(NL4_TOP)
-        s = np.where(np.abs(s) < MIN_SCALE, np.where(s < 0, -MIN_SCALE, MIN_SCALE), s).astype(np.float32)
+        s = signed_floor(-peak / np.float32(NL4_TOP))
     else:
-        s = np.maximum(np.abs(peak) / np.float32(qmax(bits)), np.float32(MIN_SCALE)).astype(np.float32)
+        s = np.maximum(peak / np.float32(qmax(bits)), np.float32(MIN_SCALE)).astype(np.float32)
     return s[:, 0].copy() if group_size is None else s
+
+
+def signed_floor(s: np.ndarray) -> np.ndarray:
+    """Scales s with |s| at least MIN_SCALE, each sign kept (0 becomes +MIN_SCALE), as float32."""
+    return np.where(np.abs(s) < MIN_SCALE, np.where(s < 0, -MIN_SCALE, MIN_SCALE), s).astype(np.float32)
 
 
 def pack(codes: np.ndarray, bits: int) -> np.ndarray:

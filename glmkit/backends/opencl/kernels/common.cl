@@ -89,10 +89,19 @@ INLINE void int3_block_bytes(const __global uchar* w, c32v* v0, c32v* v1) {
 #define NL4_LEVELS -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113
 __constant char nl4_levels[16] = {NL4_LEVELS};
 
-/* The levels of 16 nibble values u (0..15): one byte shuffle (pshufb on x86). */
+/* The levels of 16 nibble values u (0..15): one byte shuffle. AVX2 CPUs call pshufb by name (PoCL expands
+ * OpenCL's shuffle() element by element: 10x slower float-input products). */
+#ifdef X8_PAIRS
+typedef char c16v __attribute__((vector_size(16)));
+INLINE char16 nl4_values16(uchar16 u) {
+    const c16v table = {NL4_LEVELS};
+    return as_char16(__builtin_ia32_pshufb128(table, (c16v)u));
+}
+#else
 INLINE char16 nl4_values16(uchar16 u) {
     return shuffle((char16)(NL4_LEVELS), u);
 }
+#endif
 
 /* Codes in one storage chunk: 16 floats, 16 int8, 32 int4 or 64 int2 codes (16 bytes), or one int3 block of 64
  * codes (24 bytes). */
@@ -360,15 +369,18 @@ INLINE int8 block_dot3(const __global uchar* w, const x8_block* x) {
 }
 
 /* The same for an nl4 block (32 bytes at w, x in int4's order): the nibbles' levels by vpshufb (the table in both
- * 128-bit lanes), then vpmaddubsw of |level| with q signed like the level (at most 2 * 127 * 127 per 16-bit lane),
- * each half widened by vpmaddwd before the two are added. */
+ * 128-bit lanes), then vpmaddubsw of |level| (vpsignb of the levels by themselves: none is 0 or -128) with q signed
+ * like the level (at most 2 * 127 * 127 per 16-bit lane), each half widened by vpmaddwd before the two are added. */
 INLINE int8 block_dot_nl4(const __global uchar* w, const x8_block* x) {
-    const c32v table = {NL4_LEVELS, NL4_LEVELS}, m = (c32v)((char32)(15)), zero = (c32v)((char32)(0));
+    const c32v table = {NL4_LEVELS, NL4_LEVELS}, m = (c32v)((char32)(15));
     const c32v b = ((const __global c32v_u*)w)[0].v;
-    const c32v lo = __builtin_ia32_pshufb256(table, b & m), hi = __builtin_ia32_pshufb256(table, (c32v)((s16v)b >> 4) & m);
+    const c32v lo = __builtin_ia32_pshufb256(table, b & m);
+    const c32v hi = __builtin_ia32_pshufb256(table, (c32v)((s16v)b >> 4) & m);
     const s16v one = (s16v)((short16)(1));
-    const s16v p0 = __builtin_ia32_pmaddubsw256(lo < zero ? -lo : lo, __builtin_ia32_psignb256(x->even, lo));
-    const s16v p1 = __builtin_ia32_pmaddubsw256(hi < zero ? -hi : hi, __builtin_ia32_psignb256(x->odd, hi));
+    const s16v p0 = __builtin_ia32_pmaddubsw256(__builtin_ia32_psignb256(lo, lo),
+                                                __builtin_ia32_psignb256(x->even, lo));
+    const s16v p1 = __builtin_ia32_pmaddubsw256(__builtin_ia32_psignb256(hi, hi),
+                                                __builtin_ia32_psignb256(x->odd, hi));
     return as_int8(__builtin_ia32_pmaddwd256(p0, one)) + as_int8(__builtin_ia32_pmaddwd256(p1, one));
 }
 
