@@ -114,13 +114,13 @@ def test_quantized_kl_and_mse_beats_absmax_and_gptq_beats_mse(base, imatrix, tmp
         assert 0.5 < r["top1_agreement"] < 1 and r["ppl"] / f32["ppl"] == pytest.approx(r["ppl_ratio"])
     assert results["mse"]["kld_mean"] < results["absmax"]["kld_mean"]
     assert results["gptq"]["kld_mean"] < 0.85 * results["mse"]["kld_mean"]  # docs/QUALITY.md: -30% on all 320 windows
-    # the default nl4 grid against uniform int4 codes (--grid uniform), the same bytes
+    # the default (mse over the nl4 grid) against uniform int4 codes with absmax scales (--grid uniform): same bytes
     uniform = convert(tmp_path / "uniform", "--preset", "q4", "--grid", "uniform", "--quantizer", "absmax")
     assert Container(uniform).nbytes == Container(tmp_path / "absmax").nbytes
     code, out, _ = run(perplexity_main, uniform, "--tokens", EVAL, "--max-windows", "6", "--kl-base", path, "--json",
                        "--quiet")
     assert code == 0
-    assert results["mse"]["kld_mean"] < UNIFORM_GAIN * json.loads(out)["kld_mean"]
+    assert results["mse"]["kld_mean"] < 0.8 * json.loads(out)["kld_mean"]  # docs/QUALITY.md: -32% on all 320 windows
     # human output names the comparison
     code, out, _ = run(perplexity_main, tmp_path / "mse", "--tokens", EVAL, "--max-windows", "6", "--kl-base", path,
                        "--quiet")

@@ -12,7 +12,7 @@
   Vectorised NumPy over blocks of rows (threads over blocks), deterministic.
   nl4 the same over its table's levels (`q` = the level nearest `w / s`): the table is lopsided (-127 .. 113), so
   the candidates put m, the group's signed largest weight, near either end: `s_c = -m / (127 f)` and
-  `s_c = m / (113 f)` (a scale's sign is free), for 8 factors f in 0.9 .. 1.3 each; absmax (`-m / 127`) is kept
+  `s_c = m / (113 f)` (a scale's sign is free), for 6 factors f in 0.9 .. 1.3 each; absmax (`-m / 127`) is kept
   unless a candidate beats it, and a refitted scale keeps whatever sign it gets.
 
 Element weights `e_j = a_j sqrt(sigma^2 + w_j^2)` (`sigma^2` = the group's mean `w^2`): large weights count
@@ -66,7 +66,7 @@ _GRIDS = {
     3: np.linspace(1.0, 2.5, 16),
     2: np.linspace(1.0, 3.5, 16),
 }
-_NL4_GRID = [np.float32(end * f) for end in (NL4_TOP, -113) for f in np.linspace(0.9, 1.3, 8)]  # scale = -m / g
+_NL4_GRID = [np.float32(end * f) for end in (NL4_TOP, -113) for f in np.linspace(0.9, 1.3, 6)]  # scale = -m / g
 _BLOCK_ELEMS = 1 << 18  # elements of one row block (the search's working set stays in cache)
 IMPORTANCE_FLOOR = 1e-3  # relative to the mean: a column never seen in calibration still counts a little
 
