@@ -20,6 +20,7 @@ from glmkit.backends.opencl.program import Launch
 from glmkit.cli import run as cli_run
 from glmkit.cli import serve as serve_cli
 from glmkit.cli import validate as cli_validate
+from glmkit.eval.metrics import kl_divergence, log_softmax
 from glmkit.generate.engine import Engine
 from glmkit.generate.generator import Generator
 from glmkit.generate.sampling import Sampler, SamplingParams
@@ -173,10 +174,10 @@ def launch_names(step: DeviceDecodeStep) -> set[str]:
 
 
 def test_int8_activations_step(snapshots, kernels):
-    """The default step: int4 products multiply int8-quantized inputs (exact kernels: test_kernels_cl), and a q4
-    model's int8 products too, a q8 model's not. Against
-    the float reference it keeps every greedy token of the trained fixture, within int8 rounding of the logits,
-    and every KV row within its effect; f32 experts are not affected (x8 launches only for int4)."""
+    """The default step: 4-bit products (q4's nl4) multiply int8-quantized inputs (exact kernels: test_kernels_cl),
+    and a q4 model's int8 products too, a q8 model's not. Against the float reference it keeps nearly every greedy
+    token of the trained fixture, within int8 rounding of the logits; f32 experts are not affected (x8 launches
+    only for quantized weights)."""
     engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
     ref, dev = models(engine, kernels, int8_activations=True)
     ids = np.array(oracle("tiny-trained")["full_ids"])
@@ -189,8 +190,10 @@ def test_int8_activations_step(snapshots, kernels):
     assert "expert_sum" not in names  # the next norm adds the dense MLP's down rows itself
     q8 = Engine(snapshots("tiny-trained", "q8"), "opencl", load_tokenizer=False).model
     assert q8.decodes_on_device() and not any(n.endswith("_x8") for n in launch_names(q8._decode_step()))
-    err = np.abs(got - want).max() / np.abs(want).max()
-    assert 1e-5 < err < 5e-2  # int8 rounding shows, and stays small (KL divergence here: 0.00056)
+    assert np.abs(got - want).max() > 1e-5 * np.abs(want).max()  # int8 rounding shows
+    # and stays small: mean KL divergence here 0.0036 (one position near a tie 0.16; uniform int4 codes: 0.0002;
+    # over 2,664 positions, tools/quality_int8_activations.py: 0.0018 and 0.0014)
+    assert kl_divergence(log_softmax(want), log_softmax(got)).mean() < 0.01
     assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.95
     f32 = Engine(snapshots("tiny-bf16", "f32"), "numpy", load_tokenizer=False)
     ref, dev = models(f32, kernels, int8_activations=True)
