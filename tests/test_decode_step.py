@@ -272,7 +272,7 @@ def test_step_reads_experts_from_cache_slots(snapshots, direct_kernels, variant,
 def test_int8_input_experts_step(tmp_path, direct_kernels, preset, split, grid, kind):
     """Routed experts that take int8 inputs (the trained fixture padded to 128 rows, tools/quality_int8_activations):
     in one file the next norm adds the slots' down rows itself (no expert_sum); across files each file's slots are
-    summed into the FFN output first. Within int8 rounding of the float reference, every greedy token kept; nl4,
+    summed into the FFN output first. Within int8 rounding of the float reference, nearly every greedy token kept; nl4,
     uniform int4 and int3 experts (q3) take the same int8 inputs."""
     padded = pad_experts(FIXTURES / "tiny-trained", tmp_path / "padded")
     snap = convert(padded, tmp_path / preset, preset, "--grid", grid, *(["--max-file-size", "300K"] if split else []))
@@ -285,7 +285,7 @@ def test_int8_input_experts_step(tmp_path, direct_kernels, preset, split, grid, 
     # q3's shared expert (int4) runs in a launch pair of its own, after the int3 experts' summed slots
     assert all(f"edp_{kind}_x8" in names and f"eg_{kind}_x8" in names
                and ("expert_sum" in names) == (split or preset == "q3") for names in moe)
-    assert np.abs(got - want).max() / np.abs(want).max() < 5e-2
+    assert kl_divergence(log_softmax(want), log_softmax(got)).mean() < 0.01  # see test_int8_activations_step
     assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.95
 
 
@@ -387,7 +387,7 @@ def test_float_activations_option(snapshots):
     assert fast.backend.int8_activations and not exact.backend.int8_activations
     assert fast.backend.numerics != exact.backend.numerics
     names = launch_names(exact.model._decode_step())
-    assert "eg_q4" in names and not any(n.endswith("_x8") for n in names)
+    assert "eg_q4nl" in names and not any(n.endswith("_x8") for n in names)
 
 
 # ---- greedy decoding with the next forward in flight ------------------------------------------------
