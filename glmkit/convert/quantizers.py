@@ -13,7 +13,8 @@
   nl4 the same over its table's levels (`q` = the level nearest `w / s`): the table is lopsided (-127 .. 113), so
   the candidates put m, the group's signed largest weight, near either end: `s_c = -m / (127 f)` and
   `s_c = m / (113 f)` (a scale's sign is free), for 6 factors f in 0.9 .. 1.3 each; absmax (`-m / 127`) is kept
-  unless a candidate beats it, and a refitted scale keeps whatever sign it gets.
+  unless a candidate beats it, and a refitted scale keeps whatever sign it gets. nl4 scales are not floored: a group
+  of zeros gets scale 0 (exact zeros: the table has no level 0).
 
 Element weights `e_j = a_j sqrt(sigma^2 + w_j^2)` (`sigma^2` = the group's mean `w^2`): large weights count
 more, as in llama.cpp's quantizers (docs/QUALITY.md). `a` (importance
@@ -53,7 +54,6 @@ from glmkit.format.packing import (
     num_groups,
     qmax,
     scales_shape,
-    signed_floor,
     signed_peaks,
 )
 
@@ -200,33 +200,34 @@ def _search_nl4(w: np.ndarray, a: np.ndarray | None, bits: int) -> np.ndarray:
     """`_search_block` over nl4's levels: w `[m, g]`, element weights a `[m, g]` (None: 1) -> best scales `[m]`,
     signed (see the module docstring)."""
     peak = signed_peaks(w)
-    absmax = signed_floor(-peak / np.float32(NL4_TOP))
+    absmax = np.where(peak == 0, np.float32(0), -peak / np.float32(NL4_TOP)).astype(np.float32)  # absmax_scales's
     aw = w if a is None else a * w
     energy = np.einsum("ij,ij->i", aw, w)
     best_s = absmax
     best_err = np.full(len(w), np.inf, np.float32)
     q = np.empty_like(w)
     aq = None if a is None else np.empty_like(w)
-    for g in _NL4_GRID:
-        s = signed_floor(-peak / g)
-        # nl4_half_steps in two passes: truncation floors q >= 0, and take's clip sends q < 0 (w / s < -128) to
-        # index 0 (level -127) and q >= 512 to 511 (level 113), where the floor's index would be clipped too
-        np.multiply(w, (np.float32(2) / s)[:, None], out=q)
-        np.add(q, np.float32(256), out=q)
-        np.take(NL4_HALF_VALUES, q.astype(np.intp), out=q, mode="clip")
-        num = np.einsum("ij,ij->i", q, aw)
-        if aq is None:
-            den = np.einsum("ij,ij->i", q, q)
-        else:
-            den = np.einsum("ij,ij->i", np.multiply(q, a, out=aq), q)
-        ok = (den > 0) & (num != 0)
-        safe_den = np.where(ok, den, np.float32(1))
-        err = np.where(ok, energy - num * num / safe_den, energy)
-        better = err < best_err
-        best_err = np.where(better, err, best_err)
-        best_s = np.where(better, signed_floor(np.where(ok, num / safe_den, s)), best_s)
+    with np.errstate(divide="ignore", invalid="ignore"):  # a group of zeros: s = 0, w / s = nan (code irrelevant)
+        for g in _NL4_GRID:
+            s = (-peak / g).astype(np.float32)
+            # nl4_half_steps in two passes: truncation floors q >= 0, and take's clip sends q < 0 (w / s < -128) to
+            # index 0 (level -127) and q >= 512 to 511 (level 113), where the floor's index would be clipped too
+            np.multiply(w, (np.float32(2) / s)[:, None], out=q)
+            np.add(q, np.float32(256), out=q)
+            np.take(NL4_HALF_VALUES, q.astype(np.intp), out=q, mode="clip")
+            num = np.einsum("ij,ij->i", q, aw)
+            if aq is None:
+                den = np.einsum("ij,ij->i", q, q)
+            else:
+                den = np.einsum("ij,ij->i", np.multiply(q, a, out=aq), q)
+            ok = (den > 0) & (num != 0)
+            safe_den = np.where(ok, den, np.float32(1))
+            err = np.where(ok, energy - num * num / safe_den, energy)
+            better = err < best_err
+            best_err = np.where(better, err, best_err)
+            best_s = np.where(better, np.where(ok, num / safe_den, s), best_s)
     keep = _error64(w, a, best_s, "nl4", 4) <= _error64(w, a, absmax, "nl4", 4)
-    return np.where(keep, best_s, absmax).astype(np.float32)
+    return np.where(peak == 0, np.float32(0), np.where(keep, best_s, absmax)).astype(np.float32)  # zeros: scale 0
 
 
 def _nearest_values(v: np.ndarray, scheme: str, bits: int) -> np.ndarray:
@@ -239,7 +240,8 @@ def _nearest_values(v: np.ndarray, scheme: str, bits: int) -> np.ndarray:
 
 def _error64(w: np.ndarray, a: np.ndarray | None, s: np.ndarray, scheme: str, bits: int) -> np.ndarray:
     """Per row `sum a (w - q s)^2` in float64, the reconstruction `q s` in float32 as the runtime computes it."""
-    q = _nearest_values(w / s[:, None], scheme, bits)
+    with np.errstate(divide="ignore", invalid="ignore"):  # nl4: a group of zeros has scale 0
+        q = _nearest_values(w / s[:, None], scheme, bits)
     diff = w.astype(np.float64) - q * s[:, None]
     return np.einsum("ij,ij->i", diff if a is None else a * diff, diff)
 
@@ -255,7 +257,8 @@ def weighted_error(w: np.ndarray, scales: np.ndarray, bits: int, group_size: int
     padded[:, :in_features] = w
     e = _element_weights(padded, _padded_importance(importance, in_features, width), group, in_features)
     full = expand_scales(scales, in_features, group_size)
-    q = _nearest_values(w / full, scheme, bits)
+    with np.errstate(divide="ignore", invalid="ignore"):  # nl4: a group of zeros has scale 0
+        q = _nearest_values(w / full, scheme, bits)
     diff = np.zeros((out_features, width), np.float64)
     diff[:, :in_features] = w.astype(np.float64) - q * full
     return float((e.reshape(out_features, width) * diff * diff).sum())
@@ -352,7 +355,8 @@ def _gptq_rows(w: np.ndarray, upper: np.ndarray, importance: np.ndarray, bits: i
                                                  scheme=scheme)[:, 0]
                 s = scales[:, g]
             if scheme == "nl4":
-                codes[j] = nl4_codes(work[j] / s)
+                with np.errstate(divide="ignore", invalid="ignore"):  # a group of zeros has scale 0
+                    codes[j] = nl4_codes(work[j] / s)
                 q = code_values(codes[j], scheme)
             else:
                 q = np.clip(np.rint(work[j] / s), lo, hi)

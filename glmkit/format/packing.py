@@ -14,6 +14,7 @@ Both planes unpack with whole-vector shifts and masks (kernels/common.cl), as ll
 
 Scheme `nl4` (4 bits only) stores its codes exactly as int4 (`u = q + 8` per nibble) but a code stands for the level
 `NL4_LEVELS[u]` instead of `q`: `w ~= s * NL4_LEVELS[q + 8]`, a fixed non-uniform table, denser near 0 (IQ4_NL's).
+Its scales may be negative, and a group of zeros has scale 0 (no level is 0).
 The levels are small integers, so products with int8 activations stay integer sums (kernels/common.cl).
 """
 
@@ -54,6 +55,7 @@ def nl4_half_steps(v: np.ndarray) -> np.ndarray:
     (`floor(2 v) + 256`, clipped to the table)."""
     np.multiply(v, np.float32(2), out=v)
     np.add(v, np.float32(256), out=v)
+    np.nan_to_num(v, copy=False, nan=256.0)  # NaN (a zero group's 0 / 0, or a NaN weight): v = 0
     np.clip(v, 0, 511, out=v)
     return v.astype(np.intp)  # truncation: the floor of a value >= 0
 
@@ -115,7 +117,8 @@ def quantize(w: np.ndarray, bits: int, group_size: int | None, scales: np.ndarra
         scales = absmax_scales(w, bits, group_size, scheme)
     codes = np.empty(w.shape, np.int8)
     for rows in _row_blocks(w.shape):  # temporaries stay at one block, not the whole matrix
-        block = w[rows] / expand_scales(scales[rows], in_features, group_size)
+        with np.errstate(divide="ignore", invalid="ignore"):  # nl4: a group of zeros has scale 0
+            block = w[rows] / expand_scales(scales[rows], in_features, group_size)
         if scheme == "nl4":
             codes[rows] = np.take(NL4_HALF_CODES, nl4_half_steps(block))
             continue
@@ -133,7 +136,8 @@ def _row_blocks(shape: tuple[int, int]) -> list[slice]:
 def absmax_scales(w: np.ndarray, bits: int, group_size: int | None, scheme: str = "symmetric") -> np.ndarray:
     """Scales `[O]` or `[O, G]` mapping each row's or group's largest |w| onto the largest code: `amax / qmax`, or
     for nl4 `-m / 127` with m that largest weight's signed value (it lands on level -127, its sign flipped by a
-    negative scale: the table's longer side, as llama.cpp's IQ4_NL), |s| at least MIN_SCALE."""
+    negative scale: the table's longer side, as llama.cpp's IQ4_NL), not floored (a group of zeros gets scale 0:
+    the table has no level 0, and a floor would turn tiny weights into larger ones); symmetric |s| >= MIN_SCALE."""
     out_features, in_features = w.shape
     groups = num_groups(in_features, group_size)
     width = groups * (in_features if group_size is None else group_size)
@@ -148,15 +152,10 @@ def absmax_scales(w: np.ndarray, bits: int, group_size: int | None, scheme: str 
                 np.abs(w[rows], out=padded[:, :in_features])
                 peak[rows] = padded.reshape(len(padded), groups, -1).max(axis=2)
     if scheme == "nl4":
-        s = signed_floor(-peak / np.float32(NL4_TOP))
+        s = np.where(peak == 0, np.float32(0), -peak / np.float32(NL4_TOP)).astype(np.float32)
     else:
         s = np.maximum(peak / np.float32(qmax(bits)), np.float32(MIN_SCALE)).astype(np.float32)
     return s[:, 0].copy() if group_size is None else s
-
-
-def signed_floor(s: np.ndarray) -> np.ndarray:
-    """Scales s with |s| at least MIN_SCALE, each sign kept (0 becomes +MIN_SCALE), as float32."""
-    return np.where(np.abs(s) < MIN_SCALE, np.where(s < 0, -MIN_SCALE, MIN_SCALE), s).astype(np.float32)
 
 
 def pack(codes: np.ndarray, bits: int) -> np.ndarray:
