@@ -44,17 +44,18 @@ def copy_with_config(variant: str, dest: Path, **config_changes: Any) -> Path:
 
 
 class Snapshots:
-    """Converted fixtures, made on first use and kept for the module: `snapshots(variant, preset)`."""
+    """Converted fixtures, made on first use and kept for the module: `snapshots(variant, preset, *flags)` (flags:
+    more glm-convert options)."""
 
     def __init__(self, factory: pytest.TempPathFactory):
         self.factory = factory
-        self.made: dict[tuple[str, str], Path] = {}
+        self.made: dict[tuple[str, ...], Path] = {}
 
-    def __call__(self, variant: str, preset: str = "f32") -> Path:
-        key = (variant, preset)
+    def __call__(self, variant: str, preset: str = "f32", *flags: str) -> Path:
+        key = (variant, preset, *flags)
         if key not in self.made:
             out = self.factory.mktemp(f"{variant}-{preset}") / "snapshot"
-            self.made[key] = convert(FIXTURES / variant, out, preset)
+            self.made[key] = convert(FIXTURES / variant, out, preset, *flags)
         return self.made[key]
 
 

@@ -97,14 +97,16 @@ def test_each_layer_is_gptq_of_the_hessian_of_its_quantized_inputs(calibrated, l
     name = f"model.layers.{layer}.self_attn.q_a_proj.weight"
     snapshot = HFSnapshot(TRAINED)
     spec = next(s for s in model_tensors(snapshot.config) if s.name == name)
-    codes, scales = gptq_quantize(snapshot.load(spec), HessianFactor.from_hessian(hessian), 4, 64)
     stored = engine.container.weight(name)
+    assert stored.scheme == "nl4"  # q4's default grid: the converted layers run through it as the runtime does
+    codes, scales = gptq_quantize(snapshot.load(spec), HessianFactor.from_hessian(hessian), 4, 64,
+                                  scheme=stored.scheme)
     assert np.array_equal(stored.scales, scales) and np.array_equal(stored.packed, pack(codes, 4))
     # the Hessian of the inputs the source layers would compute gives other codes: propagation matters
     if layer:
         source = Engine(convert(calibrated.parent / "f32", "--preset", "f32"), "numpy", load_tokenizer=False)
         other, _ = gptq_quantize(snapshot.load(spec), HessianFactor.from_hessian(
-            _layer_input_hessian(source, windows, layer)), 4, 64)
+            _layer_input_hessian(source, windows, layer)), 4, 64, scheme=stored.scheme)
         assert not np.array_equal(pack(other, 4), stored.packed)
 
 

@@ -31,7 +31,7 @@ LAYER0_NORMS = ("model.layers.0.input_layernorm.weight", "model.layers.0.post_at
 
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """tiny-bf16 at q4 (int4 experts, int8 embed, F32 norms and router) in three data files."""
+    """tiny-bf16 at q4 (nl4 experts, int8 embed, F32 norms and router) in three data files."""
     out = tmp_path_factory.mktemp("defects") / "container"
     return convert(FIXTURES / "tiny-bf16", out, "q4", "--quantizer", "absmax", "--max-file-size", "200K")
 
@@ -139,6 +139,11 @@ CRAFTED: dict[str, tuple[Callable[[dict[str, Any]], None], tuple[str, ...]]] = {
     "group size 0": (quant(EXPERT, group_size=0), (EXPERT, "group_size")),
     "group size negative": (quant(EXPERT, group_size=-64), (EXPERT, "group_size")),
     "unknown quant scheme": (quant(EXPERT, scheme="asymmetric"), (EXPERT, "scheme")),
+    "quant scheme not a string": (quant(EXPERT, scheme=4), (EXPERT, "scheme")),
+    "uniform codes where the conversion's grid says nl4": (quant(EXPERT, scheme="symmetric"), (EXPERT, "scheme")),
+    "nl4 codes where the grid says uniform": (lambda m: m["conversion"].update(grid="uniform"), ("scheme", "grid")),
+    "unknown grid": (lambda m: m["conversion"].update(grid="lloyd"), ("grid",)),
+    "nl4 at 8 bits": (lambda m: (quant(EXPERT, bits=8)(m), tensor(EXPERT, nbytes=2048)(m)), (EXPERT, "nl4")),
     "scales of another tensor": (quant(EXPERT, scales=ROUTER), (EXPERT, "scales")),
     "scales shape": (_scales_shape, (EXPERT + ".qs",)),
     "packed weight without quant": (tensor(EXPERT, quant=None), (EXPERT,)),

@@ -63,12 +63,19 @@ def test_q4_preset_classes(sharded_source, tmp_path):
                 "model.norm.weight", "model.layers.2.self_attn.kv_a_layernorm.weight"):
         assert t[f32].quant is None and t[f32].dtype == "F32", f32
     assert "model.layers.1.self_attn.indexer.wk.weight" not in t  # layer 1 is a shared indexer layer
-    assert c.manifest.conversion["quantizer"] == "mse"
-    w = convert(src, tmp_path / "absmax", "--quantizer", "absmax").weight(expert)
-    step = np.repeat(w.scales, 64, axis=1)[:, :32]
-    assert np.all(np.abs(w.dequantize() - exact[expert]) <= step / 2 + 1e-6)  # absmax never clips
-    # the default mse quantizer may clip, but its squared error is never larger
-    assert ((c.weight(expert).dequantize() - exact[expert]) ** 2).sum() <= ((w.dequantize() - exact[expert]) ** 2).sum()
+    assert c.manifest.conversion["quantizer"] == "mse" and c.manifest.conversion["grid"] == "nl"
+    assert t[expert].quant.scheme == "nl4" and t["lm_head.weight"].quant.scheme == "symmetric"
+    # absmax never clips: uniform codes are off by at most half a step; nl4 maps w / s into [-127, 127], where the
+    # nearest level is at most 14 away (113 .. 127 above the top level)
+    for grid, worst in (("uniform", 0.5), ("nl", 14)):
+        w = convert(src, tmp_path / f"absmax-{grid}", "--quantizer", "absmax", "--grid", grid).weight(expert)
+        assert w.scheme == ("nl4" if grid == "nl" else "symmetric")
+        step = np.abs(np.repeat(w.scales, 64, axis=1)[:, :32])
+        assert np.all(np.abs(w.dequantize() - exact[expert]) <= step * worst + 1e-6)
+        # the default mse quantizer may clip, but its squared error is never larger
+        mse = c if grid == "nl" else convert(src, tmp_path / "mse-uniform", "--grid", "uniform")
+        error = ((mse.weight(expert).dequantize() - exact[expert]) ** 2).sum()
+        assert error <= ((w.dequantize() - exact[expert]) ** 2).sum()
 
 
 def test_q2_and_overrides(sharded_source, tmp_path):
@@ -193,7 +200,8 @@ def test_side_files_and_manifest_fields(sharded_source, tmp_path):
     assert m["conversion"]["preset"] == "q4" and m["conversion"]["group_size"] == 64
     e = m["tensors"]["model.layers.2.mlp.experts.1.down_proj.weight"]
     assert e["quant"] == {"bits": 4, "group_size": 64, "scales": "model.layers.2.mlp.experts.1.down_proj.weight.qs",
-                          "scheme": "symmetric"}
+                          "scheme": "nl4"}
+    assert m["tensors"]["lm_head.weight"]["quant"]["scheme"] == "symmetric" and m["conversion"]["grid"] == "nl"
     assert e["role"] == "routed_expert" and e["shape"] == [32, 24] and e["dtype"] == "U8"
     assert not list((tmp_path / "out").glob("*.tmp"))
     assert c.verify_data() == []

@@ -31,7 +31,7 @@ from glmkit.backends.opencl.kernels import source
 from glmkit.backends.opencl.ops import Kernels
 from glmkit.backends.opencl.program import SCALAR_TYPES, kernel_signatures, parse_signatures
 from glmkit.backends.opencl.weights import ExpertShape, WeightMemory, x8_eligible
-from glmkit.format.packing import pack, quantize, unpack
+from glmkit.format.packing import code_values, pack, quantize, unpack
 from glmkit.format.tensors import QuantWeight
 from glmkit.model.kv_cache import F16_ROW_MAX, decode_kv_rows, encode_kv_rows
 from glmkit.model.ops import apply_rope, chosen_keys, rope_cos_sin, silu, topk_mask
@@ -114,19 +114,28 @@ def test_launch_arguments_by_name(kernels):
         kernels.bind("add_into", (3,), None, y=y.buffer, a=a.buffer, count=3)
 
 
-def make_weight(rng, rows, cols, bits, group):
+def make_weight(rng, rows, cols, kind, group):
+    """A random weight of `kind` (bits, or "nl4": 4-bit codes of the nl4 table) and its dequantized values."""
     w = rng.standard_normal((rows, cols)).astype(np.float32)
-    if bits == 32:
+    if kind == 32:
         return w, w
-    codes, scales = quantize(w, bits, group)
-    q = QuantWeight(pack(codes, bits), scales, bits, group, (rows, cols))
+    bits, scheme = (4, "nl4") if kind == "nl4" else (kind, "symmetric")
+    codes, scales = quantize(w, bits, group, scheme=scheme)
+    q = QuantWeight(pack(codes, bits), scales, bits, group, (rows, cols), scheme)
     return q, q.dequantize()
+
+
+def expert_shape(g: QuantWeight, d: QuantWeight) -> ExpertShape:
+    """How the fused expert kernels read experts with gate (and up) like `g` and down like `d`."""
+    return ExpertShape(g.bits, g.group_size or 0, g.scales.shape[1] if g.scales.ndim == 2 else 1, g.shape[1],
+                       g.shape[0], g.packed.shape[1], d.packed.shape[1], d.scales.shape[1] if d.scales.ndim == 2
+                       else 1, g.scheme)
 
 
 def device_weight(k, w, unified=True):
     mem = WeightMemory(k.buffers, unified, 1 << 40)
     if isinstance(w, QuantWeight):
-        return mem.weight(w.packed, w.scales, w.bits, w.group_size, w.shape)
+        return mem.weight(w.packed, w.scales, w.bits, w.group_size, w.shape, w.scheme)
     return mem.weight(w, None, 32, None, w.shape)
 
 
@@ -136,8 +145,8 @@ def close(got, want, tol=2e-6):
     assert float(np.abs(got - want).max()) <= tol * scale
 
 
-SCHEMES = [(32, None), (8, None), (8, 64), (8, 24), (4, None), (4, 64), (4, 24), (4, 32), (3, None), (3, 64), (3, 24),
-           (3, 128), (2, None), (2, 64), (2, 24)]
+SCHEMES = [(32, None), (8, None), (8, 64), (8, 24), (4, None), (4, 64), (4, 24), (4, 32), ("nl4", None), ("nl4", 64),
+           ("nl4", 24), ("nl4", 32), (3, None), (3, 64), (3, 24), (3, 128), (2, None), (2, 64), (2, 24)]
 
 
 @pytest.mark.parametrize("bits,group", SCHEMES)
@@ -155,7 +164,7 @@ def test_matvec_matmul_dequant(kernels, rng, bits, group):
 
 
 @pytest.mark.parametrize("bits,group", [(32, None), (8, 24), (8, None), (8, 64), (4, 64), (4, 32), (4, None),
-                                        (3, 64), (3, None), (2, None)])
+                                        ("nl4", 64), ("nl4", 32), ("nl4", None), (3, 64), (3, None), (2, None)])
 @pytest.mark.parametrize("lat", [70, 128])
 def test_head_products(kernels, wide_kernels, rng, bits, group, lat):
     """kv_b's per-head products; lat 128 takes matvec_t's 16-byte chunks for int4/int8 with whole groups."""
@@ -216,7 +225,8 @@ def pack_experts(experts):
     return np.concatenate(parts), np.array(offs, np.uint64)
 
 
-@pytest.mark.parametrize("bits,group", [(8, None), (4, 64), (4, 24), (3, 64), (3, 24), (2, 64)])
+@pytest.mark.parametrize("bits,group", [(8, None), (4, 64), (4, 24), ("nl4", 64), ("nl4", 24), (3, 64), (3, 24),
+                                        (2, 64)])
 def test_fused_experts(kernels, wide_kernels, rng, bits, group):
     hidden, inter = 70, 45
     experts = [(make_weight(rng, inter, hidden, bits, group)[0], make_weight(rng, inter, hidden, bits, group)[0],
@@ -225,9 +235,7 @@ def test_fused_experts(kernels, wide_kernels, rng, bits, group):
     x = rng.standard_normal((3, hidden)).astype(np.float32)
     slots = [(0, 1, 0.5), (0, 3, 1.5), (1, 0, 1.0), (2, 1, -0.25), (2, 2, 2.0), (2, 0, 0.1)]  # token 1: one expert
     want = fused_reference(x, experts, slots)
-    g, d = experts[0][0], experts[0][2]
-    shape = ExpertShape(bits, group or 0, g.scales.shape[1] if g.scales.ndim == 2 else 1, hidden, inter,
-                        g.packed.shape[1], d.packed.shape[1], d.scales.shape[1] if d.scales.ndim == 2 else 1)
+    shape = expert_shape(experts[0][0], experts[0][2])
     for k in (kernels, wide_kernels):
         buf = WeightMemory(k.buffers, k.direct, 1 << 40)._own_buffer(blob)[0]
         got = k.experts(buf, shape, x, offs[[s[1] for s in slots]], np.array([s[0] for s in slots], np.uint32),
@@ -251,7 +259,7 @@ def test_fused_experts(kernels, wide_kernels, rng, bits, group):
 
 
 def test_wide_matvec(wide_kernels, rng):
-    for bits, group in ((4, 64), (2, 24), (32, None)):
+    for bits, group in ((4, 64), ("nl4", 64), (2, 24), (32, None)):
         w, dense = make_weight(rng, 33, 150, bits, group)
         cw = device_weight(wide_kernels, w, unified=False)
         x = rng.standard_normal((2, 150)).astype(np.float32)
@@ -504,7 +512,7 @@ def test_decode_norms_and_rope(kernels, rng):
           1e-5)
 
 
-@pytest.mark.parametrize("bits,group", [(4, 32), (4, 64), (8, None)])
+@pytest.mark.parametrize("bits,group", [(4, 32), (4, 64), ("nl4", 32), (8, None)])
 def test_mla_query(kernels, wide_kernels, rng, bits, group):
     """The decode step's query per head: its absorption through kv_b's nope rows (as matvec_t) and RoPE of its rope
     part (as rope_rows), in one launch."""
@@ -683,11 +691,11 @@ def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def x8_linear(x: np.ndarray, w: QuantWeight) -> np.ndarray:
-    """`x @ W^T` for int4/int8 W with x quantized: exact integer sums per block, scaled by weight scale x block
-    scale."""
+    """`x @ W^T` for int3/int4/nl4/int8 W with x quantized: exact integer sums per block (nl4: of its levels),
+    scaled by weight scale x block scale."""
     q, s = quantize_activations(x)
     out_rows, n = w.shape
-    codes = unpack(w.packed, w.bits, n).astype(np.int64).reshape(out_rows, -1, 64)
+    codes = code_values(unpack(w.packed, w.bits, n), w.scheme).astype(np.int64).reshape(out_rows, -1, 64)
     sums = np.einsum("sbi,obi->sob", q.reshape(len(x), -1, 64), codes)
     w_scale = np.repeat(w.scales.reshape(out_rows, -1), w.group_size // 64, axis=1)
     return (sums * (w_scale[None] * s[:, None, :]).astype(np.float64)).sum(-1).astype(np.float32)
@@ -697,7 +705,7 @@ def x8_head_products(x: np.ndarray, w: QuantWeight, head_rows: int, row_start: i
     """`x8_linear` per head: y[h] = x[h] . W[h * head_rows + row_start ...] for `rows` rows, x `[heads, n]`."""
     starts = [h * head_rows + row_start for h in range(len(x))]
     return np.stack([x8_linear(x[h:h + 1], QuantWeight(w.packed[s:s + rows], w.scales[s:s + rows], w.bits,
-                                                       w.group_size, (rows, w.shape[1])))[0]
+                                                       w.group_size, (rows, w.shape[1]), w.scheme))[0]
                      for h, s in enumerate(starts)])
 
 
@@ -709,23 +717,22 @@ def assert_codes(codes: np.ndarray, q: np.ndarray) -> None:
     assert np.array_equal(np.sort(blocks[:, 0], axis=-1), np.sort(q.reshape(-1, 64), axis=-1))
 
 
-@pytest.mark.parametrize("bits,group", [(4, 64), (4, 128), (8, 64), (3, 64), (3, 128)])
+@pytest.mark.parametrize("bits,group", [(4, 64), (4, 128), ("nl4", 64), ("nl4", 128), (8, 64), (3, 64), (3, 128)])
 def test_fused_experts_int8_activations(kernels, wide_kernels, rng, bits, group):
     """quantize x, gate+up, quantize hid, down per slot, the slots' sum: each stage against the reference
     arithmetic, on the vpmaddubsw path (AVX2 CPUs) and the portable one (the wide build); unused slots are
     skipped."""
     hidden, inter = 256, 128
-    assert x8_eligible(bits, group, hidden, inter) and not x8_eligible(bits, 32, hidden, inter)
-    assert not x8_eligible(2, 64, hidden, inter) and not x8_eligible(bits, group, hidden, 96)
     experts = [(make_weight(rng, inter, hidden, bits, group)[0], make_weight(rng, inter, hidden, bits, group)[0],
                 make_weight(rng, hidden, inter, bits, group)[0]) for _ in range(4)]
+    stored = experts[0][0].bits
+    assert x8_eligible(stored, group, hidden, inter) and not x8_eligible(stored, 32, hidden, inter)
+    assert not x8_eligible(2, 64, hidden, inter) and not x8_eligible(stored, group, hidden, 96)
     blob, offs = pack_experts(experts)
     x = (rng.standard_normal(hidden) * 2).astype(np.float32)
     x[64:128] = 0.0  # an all-zero block: scale 0, codes 0
     slots = [(1, 0.5), (3, 1.5), (0, 1.0), (2, 7.0)]  # the last slot unused (token 0xffffffff)
-    g, d = experts[0][0], experts[0][2]
-    shape = ExpertShape(bits, group, g.scales.shape[1], hidden, inter, g.packed.shape[1], d.packed.shape[1],
-                        d.scales.shape[1])
+    shape = expert_shape(experts[0][0], experts[0][2])
     for k in (kernels, wide_kernels):
         mirror = Mirrors(k)
         wbuf = WeightMemory(k.buffers, k.direct, 1 << 40)._own_buffer(blob)[0]
@@ -757,7 +764,7 @@ def test_fused_experts_int8_activations(kernels, wide_kernels, rng, bits, group)
         close(y.host, fused_reference(x[None], experts, [(0, e, w) for e, w in slots[:3]])[0], 3e-2)
 
 
-@pytest.mark.parametrize("bits", [3, 4, 8])
+@pytest.mark.parametrize("bits", [3, 4, "nl4", 8])
 def test_experts_x8_operation(kernels, wide_kernels, rng, bits):
     """`Kernels.experts_x8` (the fused experts of decode rows run operation by operation, e.g. on the CPU device
     that takes a GPU's overflow): three tokens with 2, 1 and 3 slots, each token's sum against the reference
@@ -772,9 +779,7 @@ def test_experts_x8_operation(kernels, wide_kernels, rng, bits):
     for tok, e, w in slots:
         gate, up = x8_linear(x[tok:tok + 1], experts[e][0])[0], x8_linear(x[tok:tok + 1], experts[e][1])[0]
         want[tok] += w * x8_linear((silu(gate) * up)[None], experts[e][2])[0]
-    g, d = experts[0][0], experts[0][2]
-    shape = ExpertShape(bits, 64, g.scales.shape[1], hidden, inter, g.packed.shape[1], d.packed.shape[1],
-                        d.scales.shape[1])
+    shape = expert_shape(experts[0][0], experts[0][2])
     for k in (kernels, wide_kernels):
         buf = WeightMemory(k.buffers, k.direct, 1 << 40)._own_buffer(blob)[0]
         tok, weight = np.array([s[0] for s in slots], np.uint32), np.array([s[2] for s in slots], np.float32)
@@ -784,7 +789,7 @@ def test_experts_x8_operation(kernels, wide_kernels, rng, bits):
         close(got, fused_reference(x, experts, slots), 3e-2)
 
 
-@pytest.mark.parametrize("bits", [3, 4, 8])
+@pytest.mark.parametrize("bits", [3, 4, "nl4", 8])
 def test_int8_input_matvec_and_norm(kernels, wide_kernels, rng, bits):
     """mv_*_x8 over per-head input rows (kv_b's value product) against the reference arithmetic, and the
     RMSNorm that writes its output's codes too (the step's u and q_lat) against quantize_x8's."""
@@ -828,7 +833,7 @@ def test_int8_input_matvec_and_norm(kernels, wide_kernels, rng, bits):
         assert_codes(value_codes.codes.host, q)
 
 
-@pytest.mark.parametrize("bits", [3, 4, 8])
+@pytest.mark.parametrize("bits", [3, 4, "nl4", 8])
 def test_matvec_writes_its_codes(kernels, wide_kernels, rng, bits):
     """mvq_*_x8 (kv_b's value product, whose output o_proj takes as int8 input): the product as mv_*_x8's, and
     the codes of each 64 output rows its work-group wrote as quantize_x8's; devices with several lanes per row
@@ -853,7 +858,7 @@ def test_matvec_writes_its_codes(kernels, wide_kernels, rng, bits):
     assert_codes(out.codes.host, q)
 
 
-@pytest.mark.parametrize("bits", [3, 4, 8])
+@pytest.mark.parametrize("bits", [3, 4, "nl4", 8])
 def test_matvec_pair(kernels, wide_kernels, rng, bits):
     """mv2_*_x8: two products of one quantized input in one launch (the step's q_a and kv_a), odd row counts, each
     as mv_*_x8's."""

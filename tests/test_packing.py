@@ -4,7 +4,7 @@ import pytest
 
 from glmkit.convert.sources.snapshot import dequantize_fp8_blocks
 from glmkit.errors import GlmkitError
-from glmkit.format.packing import dequantize, pack, packed_row_bytes, qmax, quantize, unpack
+from glmkit.format.packing import NL4_LEVELS, code_values, dequantize, pack, packed_row_bytes, qmax, quantize, unpack
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
@@ -111,3 +111,45 @@ def test_row_blocked_quantization_equals_one_block(monkeypatch, bits, group):
     blocked = quantize(w, bits, group)
     np.testing.assert_array_equal(blocked[0], whole[0])
     np.testing.assert_array_equal(blocked[1], whole[1])
+
+
+def test_nl4_codes_pack_as_int4_and_stand_for_the_table():
+    """nl4 stores int4's bytes (nibble u = code + 8); code q stands for NL4_LEVELS[q + 8]: pack -> unpack is exact,
+    and dequantize gives scale x level."""
+    codes = np.arange(-8, 8, dtype=np.int8).reshape(1, 16).repeat(3, axis=0)
+    codes[1] = codes[1][::-1]
+    packed = pack(codes[:, :15], 4)  # an odd row: the last byte half used
+    np.testing.assert_array_equal(unpack(packed, 4, 15), codes[:, :15])
+    scales = np.array([[0.5], [-2.0], [1e-3]], np.float32)
+    want = NL4_LEVELS.astype(np.float32)[codes[:, :15] + 8] * scales
+    np.testing.assert_array_equal(dequantize(packed, scales, 4, 64, 15, "nl4"), want)
+    np.testing.assert_array_equal(code_values(codes, "nl4")[0], NL4_LEVELS)
+    assert NL4_LEVELS.tolist() == [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113]
+
+
+def test_nl4_quantize_picks_the_nearest_level():
+    """Every code is the level nearest w / s (ties at a midpoint go to the upper level); values on the table are
+    exact; absmax maps each group's largest |w| onto -127 (a negative scale where that weight is positive)."""
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((7, 150)).astype(np.float32)
+    codes, scales = quantize(w, 4, 64, scheme="nl4")
+    full = np.repeat(scales, 64, axis=1)[:, :150]
+    levels = NL4_LEVELS.astype(np.float64)
+    distance = np.abs((w / full)[..., None] - levels)  # [7, 150, 16]
+    np.testing.assert_array_equal(distance[np.arange(7)[:, None], np.arange(150), codes + 8], distance.min(-1))
+    peak = np.array([[row[np.abs(row).argmax()] for row in np.array_split(r, [64, 128])] for r in w])
+    np.testing.assert_allclose(scales, -peak / 127, rtol=1e-6)
+    on_table = levels[rng.integers(0, 16, size=(4, 64))].astype(np.float32) * np.float32(0.25)
+    on_table[:, 0] = -127 * 0.25  # the absmax scale is then exactly 0.25
+    got, s = quantize(on_table, 4, 64, scheme="nl4")
+    np.testing.assert_array_equal(dequantize(pack(got, 4), s, 4, 64, 64, "nl4"), on_table)
+    mids = (levels[1:] + levels[:-1]) / 2
+    ties = quantize(np.array([mids], np.float32), 4, None, np.array([1.0], np.float32), "nl4")[0]
+    np.testing.assert_array_equal(ties[0], np.arange(1, 16) - 8)
+
+
+def test_nl4_is_4_bit_only():
+    with pytest.raises(ValueError, match="4-bit only"):
+        quantize(np.ones((1, 4), np.float32), 3, None, scheme="nl4")
+    with pytest.raises(ValueError, match="unknown quant scheme 'nl3'"):
+        quantize(np.ones((1, 4), np.float32), 4, None, scheme="nl3")

@@ -1,4 +1,5 @@
-"""The `mse` scale search (never worse than absmax in weighted squared error) and GPTQ: deterministic, format v1."""
+"""The `mse` scale search (never worse than absmax in weighted squared error) and GPTQ: deterministic, format v1;
+over uniform codes and over nl4's table (weight kind "nl4")."""
 
 from __future__ import annotations
 
@@ -15,7 +16,21 @@ from glmkit.convert.quantizers import (
     weighted_error,
 )
 from glmkit.errors import GlmkitError
-from glmkit.format.packing import absmax_scales, dequantize, expand_scales, pack, quantize, scales_shape
+from glmkit.format.packing import (
+    NL4_LEVELS,
+    absmax_scales,
+    code_values,
+    dequantize,
+    expand_scales,
+    pack,
+    quantize,
+    scales_shape,
+)
+
+
+def _kind(kind: int | str) -> tuple[int, str]:
+    """(bits, quant scheme) of a weight kind: a bit width (uniform codes), or "nl4"."""
+    return (4, "nl4") if kind == "nl4" else (int(kind), "symmetric")
 
 
 def _weights(seed: int, rows: int = 48, cols: int = 200) -> np.ndarray:
@@ -27,26 +42,46 @@ def _weights(seed: int, rows: int = 48, cols: int = 200) -> np.ndarray:
     return w
 
 
-@pytest.mark.parametrize("bits,group", [(2, 64), (4, 64), (4, None), (8, None), (4, 32)])
+@pytest.mark.parametrize("kind,group", [(2, 64), (4, 64), (4, None), (8, None), (4, 32), ("nl4", 64), ("nl4", None),
+                                        ("nl4", 32)])
 @pytest.mark.parametrize("weighted", [False, True])
-def test_search_never_worse_than_absmax_and_deterministic(bits, group, weighted):
+def test_search_never_worse_than_absmax_and_deterministic(kind, group, weighted):
+    bits, scheme = _kind(kind)
     w = _weights(bits + (group or 0))
     rng = np.random.default_rng(7)
     importance = normalized_importance(rng.gamma(0.5, size=w.shape[1])) if weighted else None
-    absmax = absmax_scales(w, bits, group)
-    found = search_scales(w, bits, group, importance)
+    absmax = absmax_scales(w, bits, group, scheme)
+    found = search_scales(w, bits, group, importance, scheme=scheme)
     assert found.shape == absmax.shape == scales_shape(w.shape, group) and found.dtype == np.float32
     # per row: the search decides per row/group, so it never loses anywhere
     for r in range(w.shape[0]):
         sel = slice(r, r + 1)
-        assert (weighted_error(w[sel], found[sel], bits, group, importance)
-                <= weighted_error(w[sel], absmax[sel], bits, group, importance))
-    total_found = weighted_error(w, found, bits, group, importance)
-    total_absmax = weighted_error(w, absmax, bits, group, importance)
-    assert total_found < total_absmax * (0.999 if bits == 8 else 0.95)
-    again = search_scales(w, bits, group, importance, threads=3)
+        assert (weighted_error(w[sel], found[sel], bits, group, importance, scheme)
+                <= weighted_error(w[sel], absmax[sel], bits, group, importance, scheme))
+    total_found = weighted_error(w, found, bits, group, importance, scheme)
+    total_absmax = weighted_error(w, absmax, bits, group, importance, scheme)
+    # nl4's absmax is already near its best here (its dense levels near 0 serve the many small weights)
+    assert total_found < total_absmax * (0.999 if bits == 8 else 0.98 if scheme == "nl4" else 0.95)
+    again = search_scales(w, bits, group, importance, threads=3, scheme=scheme)
     np.testing.assert_array_equal(found, again)  # deterministic, whatever the threading
-    assert found[3].min() > 0 and np.isfinite(found).all()
+    assert np.isfinite(found).all()
+    if scheme == "nl4":  # all-zero row 3 and group 5:0..63: scale 0, so they dequantize to exact zeros
+        assert (found[3] == 0).all() and (group is None or found[5, 0] == 0)
+        assert np.array_equal(dequantize(pack(quantize(w, 4, group, found, scheme)[0], 4), found, 4, group,
+                                         w.shape[1], scheme)[3], w[3])
+    else:
+        assert found[3].min() > 0
+
+
+def test_nl4_beats_uniform_int4_at_the_same_size():
+    """On normal-like weights the nl4 table's mse search lowers the plain squared error below uniform int4's (both
+    store 4 bits and one scale per group)."""
+    w = _weights(9, rows=64, cols=256)
+    errors = []
+    for scheme in ("symmetric", "nl4"):
+        codes, scales = quantize(w, 4, 64, choose_scales(w, 4, 64, "mse", scheme=scheme), scheme)
+        errors.append(float(((dequantize(pack(codes, 4), scales, 4, 64, 256, scheme) - w) ** 2).sum()))
+    assert errors[1] < 0.85 * errors[0]
 
 
 def test_importance_moves_accuracy_to_the_important_columns():
@@ -75,6 +110,17 @@ def test_search_result_is_plain_format_v1():
     np.testing.assert_array_equal(choose_scales(w, 4, 64, "absmax"), absmax_scales(w, 4, 64))
     with pytest.raises(ValueError):
         choose_scales(w, 4, 64, "nope")
+    # nl4: each code is the level nearest w / s, whatever the sign of the scale the search kept
+    s = choose_scales(w, 4, 64, "mse", scheme="nl4")
+    assert (s < 0).any() and (s > 0).any()
+    codes = quantize(w, 4, 64, s, "nl4")[0]
+    full = np.repeat(s, 64, axis=1)[:, :200]
+    scaled = full != 0  # groups of zeros have scale 0: any code stands for 0
+    assert (w[~scaled] == 0).all()
+    nearest = np.abs((w[scaled] / full[scaled])[..., None] - NL4_LEVELS.astype(np.float64)).argmin(-1) - 8
+    assert (codes[scaled] == nearest).mean() > 0.999  # (float ties aside)
+    with pytest.raises(ValueError, match="4-bit only"):
+        choose_scales(w, 2, 64, "mse", scheme="nl4")
 
 
 def test_normalized_importance():
@@ -131,36 +177,40 @@ def _correlated_inputs(seed: int, cols: int, rows: int = 2000) -> np.ndarray:
     return (x * rng.gamma(1.0, size=cols)).astype(np.float32)
 
 
-def _output_error(w: np.ndarray, codes: np.ndarray, scales: np.ndarray, group: int | None, h: np.ndarray) -> float:
+def _output_error(w: np.ndarray, codes: np.ndarray, scales: np.ndarray, group: int | None, h: np.ndarray,
+                  scheme: str = "symmetric") -> float:
     """Mean squared output error `tr(dW H dW^T)` of a quantization, H = mean x x^T."""
-    dw = (w - codes * expand_scales(scales, w.shape[1], group)).astype(np.float64)
+    dw = (w - code_values(codes, scheme) * expand_scales(scales, w.shape[1], group)).astype(np.float64)
     return float(np.einsum("oi,ij,oj->", dw, h, dw))
 
 
-@pytest.mark.parametrize("bits,group", [(4, 64), (2, 64), (8, None), (4, None)])
-def test_gptq_cuts_output_error_on_correlated_inputs(bits, group):
+@pytest.mark.parametrize("kind,group", [(4, 64), (2, 64), (8, None), (4, None), ("nl4", 64), ("nl4", None)])
+def test_gptq_cuts_output_error_on_correlated_inputs(kind, group):
+    bits, scheme = _kind(kind)
     w = _weights(bits, rows=40, cols=150)
     x = _correlated_inputs(bits, 150)
     h = x.T.astype(np.float64) @ x / len(x)
-    codes, scales = gptq_quantize(w, HessianFactor.from_hessian(h), bits, group)
+    codes, scales = gptq_quantize(w, HessianFactor.from_hessian(h), bits, group, scheme=scheme)
     assert codes.dtype == np.int8 and scales.dtype == np.float32 and scales.shape == scales_shape(w.shape, group)
     top = (1 << (bits - 1)) - 1
     assert codes.min() >= -top - 1 and codes.max() <= top
-    rtn = quantize(w, bits, group, search_scales(w, bits, group, normalized_importance(np.diag(h))))
-    assert _output_error(w, codes, scales, group, h) < 0.7 * _output_error(w, *rtn, group, h)
-    again = gptq_quantize(w, HessianFactor.from_hessian(h), bits, group, threads=3)
+    rtn = quantize(w, bits, group, search_scales(w, bits, group, normalized_importance(np.diag(h)), scheme=scheme),
+                   scheme)
+    assert _output_error(w, codes, scales, group, h, scheme) < 0.7 * _output_error(w, *rtn, group, h, scheme)
+    again = gptq_quantize(w, HessianFactor.from_hessian(h), bits, group, threads=3, scheme=scheme)
     np.testing.assert_array_equal(codes, again[0])  # deterministic, whatever the threading
     np.testing.assert_array_equal(scales, again[1])
-    back = dequantize(pack(codes, bits), scales, bits, group, w.shape[1])  # plain format v1
-    np.testing.assert_allclose(back, codes * expand_scales(scales, w.shape[1], group), rtol=1e-6)
+    back = dequantize(pack(codes, bits), scales, bits, group, w.shape[1], scheme)  # plain format v1
+    np.testing.assert_allclose(back, code_values(codes, scheme) * expand_scales(scales, w.shape[1], group), rtol=1e-6)
 
 
-def test_gptq_with_uncorrelated_inputs_is_the_weighted_search():
+@pytest.mark.parametrize("scheme", ["symmetric", "nl4"])
+def test_gptq_with_uncorrelated_inputs_is_the_weighted_search(scheme):
     """A diagonal H carries no error across columns: GPTQ's codes are then exactly the mse search's."""
     w = _weights(5, cols=128)  # whole groups: a partial last group's search sums in another order (1 ulp)
     diag = np.random.default_rng(5).gamma(0.7, size=128)
-    codes, scales = gptq_quantize(w, HessianFactor.from_hessian(np.diag(diag)), 4, 64)
-    expected = quantize(w, 4, 64, search_scales(w, 4, 64, normalized_importance(diag)))
+    codes, scales = gptq_quantize(w, HessianFactor.from_hessian(np.diag(diag)), 4, 64, scheme=scheme)
+    expected = quantize(w, 4, 64, search_scales(w, 4, 64, normalized_importance(diag), scheme=scheme), scheme)
     np.testing.assert_array_equal(scales, expected[1])
     np.testing.assert_array_equal(codes, expected[0])
 

@@ -5,6 +5,7 @@
     POCL_MAX_PTHREAD_COUNT=1 PYTHONPATH=. python tools/bench_kernels.py   # per-core numbers on PoCL
     PYTHONPATH=. python tools/bench_kernels.py --glm5           # the experts only, at GLM-5's shapes
     PYTHONPATH=. python tools/bench_kernels.py --expert-bits 4,3,2 --glm5   # the experts at int4, int3 and int2
+    PYTHONPATH=. python tools/bench_kernels.py --expert-bits 4,nl4          # uniform int4 against the nl4 table
 
 - launch: an empty kernel launched and waited for, one at a time, and launched back to back with one wait
   (the host round trip against the driver's own dispatch cost); and the device's idle time between queued
@@ -17,8 +18,9 @@
   `expert_sum`); with `--glm5`, at GLM-5's shapes (hidden 6144, moe_intermediate 2048: 19 MB per expert, a pool
   of 24 so that a token's experts are not in the cache from the token before), and two of its attention
   products (q_a, o_proj) with int8 inputs;
-- with `--expert-bits`, only the experts, at each of those widths in turn (int2 experts take float inputs only),
-  the widths alternated over `--rounds` rounds (medians of each round's median).
+- with `--expert-bits`, only the experts, at each of those widths in turn (int2 experts take float inputs only;
+  `nl4`: 4-bit codes of the nl4 table, q4's default), the widths alternated over `--rounds` rounds (medians of
+  each round's median).
 GB/s counts the codes and the float scales (one per 64 columns) read. Kernel times come from an OpenCL
 profiling queue: medians over `--runs` launches after 10 warm-up launches.
 On a shared machine compare rows measured in one run, never across runs.
@@ -139,10 +141,11 @@ def expert_blob(rng: np.random.Generator, hidden: int, inter: int, experts: int,
 
 
 def bench_experts(kernels: Kernels, runs: int, rng: np.random.Generator, x8: bool, hidden: int = HIDDEN,
-                  inter: int = INTER, experts: int = EXPERTS, bits: int = 4) -> dict[str, float]:
-    """The device decode step's expert kernels over SLOTS of `experts` random `bits`-bit experts for one token, float
-    or int8 inputs: G codes/s and GB/s (codes and scales) of gate+up and of down (down per slot plus the slots'
-    sum)."""
+                  inter: int = INTER, experts: int = EXPERTS, bits: int = 4, scheme: str = "symmetric"
+                  ) -> dict[str, float]:
+    """The device decode step's expert kernels over SLOTS of `experts` random `bits`-bit experts (of quant scheme
+    `scheme`) for one token, float or int8 inputs: G codes/s and GB/s (codes and scales) of gate+up and of down
+    (down per slot plus the slots' sum)."""
     blob, layout = expert_blob(rng, hidden, inter, experts, bits)
     expert_starts, starts = layout[:experts], layout[experts:]
     b = kernels.buffers
@@ -153,7 +156,7 @@ def bench_experts(kernels: Kernels, runs: int, rng: np.random.Generator, x8: boo
                         b.put("slot_w", np.ones(SLOTS, np.float32)), SLOTS)
     hid, y, part = b.out("hid", SLOTS * inter * 4), b.out("y", hidden * 4), b.out("part", SLOTS * hidden * 4)
     shape = ExpertShape(bits, GROUP, hidden // GROUP, hidden, inter, packed_row_bytes(hidden, bits),
-                        packed_row_bytes(inter, bits), inter // GROUP)
+                        packed_row_bytes(inter, bits), inter // GROUP, scheme)
     quantize = None
     if x8:
         x_codes = x8_scratch(kernels, "x", hidden)
@@ -180,19 +183,22 @@ def bench_experts(kernels: Kernels, runs: int, rng: np.random.Generator, x8: boo
     return out
 
 
-def compare_expert_bits(kernels: Kernels, widths: list[int], args: argparse.Namespace,
+def compare_expert_bits(kernels: Kernels, widths: list[str], args: argparse.Namespace,
                         rng: np.random.Generator) -> None:
-    """The expert kernels at each code width, alternated over rounds; prints one line per width and input type."""
+    """The expert kernels at each code width ("4", "3", "2" or "nl4"), alternated over rounds; prints one line per
+    width and input type."""
     hidden, inter, experts = (6144, 2048, 24) if args.glm5 else (HIDDEN, INTER, EXPERTS)
-    cases = [(bits, x8) for bits in widths for x8 in (False, True) if not x8 or x8_eligible(bits, GROUP, hidden,
-                                                                                            inter)]
-    got: dict[tuple[int, bool], list[dict[str, float]]] = {case: [] for case in cases}
+    kinds = {w: (4, "nl4") if w == "nl4" else (int(w), "symmetric") for w in widths}
+    cases = [(w, x8) for w in widths for x8 in (False, True) if not x8 or x8_eligible(kinds[w][0], GROUP, hidden,
+                                                                                      inter)]
+    got: dict[tuple[str, bool], list[dict[str, float]]] = {case: [] for case in cases}
     for _ in range(args.rounds):
-        for bits, x8 in cases:
-            got[bits, x8].append(bench_experts(kernels, args.runs, rng, x8, hidden, inter, experts, bits))
-    for (bits, x8), rounds in got.items():
+        for w, x8 in cases:
+            got[w, x8].append(bench_experts(kernels, args.runs, rng, x8, hidden, inter, experts, *kinds[w]))
+    for (w, x8), rounds in got.items():
         med = {k: float(np.median([r[k] for r in rounds])) for k in rounds[0]}
-        print(f"experts int{bits} g64 ({SLOTS} of {experts}, hidden {hidden}, inter {inter}), "
+        label = "nl4" if w == "nl4" else "int" + w
+        print(f"experts {label} g64 ({SLOTS} of {experts}, hidden {hidden}, inter {inter}), "
               f"{'int8' if x8 else 'float'} inputs: gate+up {med['gate_up_ms']:.3f} ms ({med['gate_up_gb_s']:.1f} "
               f"GB/s), down {med['down_ms']:.3f} ms ({med['down_gb_s']:.1f} GB/s), per token "
               f"{med['gate_up_ms'] + med['down_ms']:.3f} ms")
@@ -204,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--glm5", action="store_true",
                     help="GLM-5's shapes only: two attention products and the experts (hidden 6144, "
                     "moe_intermediate 2048; 24 experts)")
-    ap.add_argument("--expert-bits", help="comma-separated code widths (e.g. 4,3,2): the experts only, at each")
+    ap.add_argument("--expert-bits", help="comma-separated code widths (e.g. 4,3,2; nl4: the nl4 table's 4-bit "
+                    "codes): the experts only, at each")
     ap.add_argument("--rounds", type=int, default=3, help="with --expert-bits: rounds over the widths (default 3)")
     args = ap.parse_args(argv)
     if not available() or not list_devices():
@@ -216,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(0)
     print(f"device: {info.platform} / {info.name} ({info.kind}), kernels {kernels.version}")
     if args.expert_bits:
-        compare_expert_bits(kernels, [int(b) for b in args.expert_bits.split(",")], args, rng)
+        compare_expert_bits(kernels, args.expert_bits.split(","), args, rng)
         return 0
     if args.glm5:
         for label, rows, n_in in (("q_a [2048, 6144]", 2048, 6144), ("o_proj [6144, 16384]", 6144, 16384)):

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Compare code grids before any kernel exists for them: KL divergence per bit on the trained fixture.
+"""Compare code grids by simulation (no kernels needed): KL divergence per bit on the trained fixture.
 
     PYTHONPATH=. python tools/quality_grids.py                 # every candidate, prints markdown (~3 minutes)
     PYTHONPATH=. python tools/quality_grids.py --only "q3 int3 mse"
@@ -8,12 +8,13 @@ Each candidate is simulated: a copy of the f32 conversion whose quantized weight
 their dequantized values (what a reader would compute, `w ~= s * level`), evaluated like `glm-perplexity --kl-base`
 against the f32 conversion over the held-out windows (eval_tokens.json). Float arithmetic throughout, so a
 candidate's numbers are its grid's alone. Roles not named by a candidate get what the q4 preset gives them (mse
-search: int4 g64, int8 g64 for embed, lm_head, indexer and MTP); `bpw` counts codes plus F32 scales (and
+search, uniform codes: int4 g64, int8 g64 for embed, lm_head, indexer and MTP); `bpw` counts codes plus F32 scales (and
 offsets) of every tensor, as the container would store them.
 
 Grids: `int` is format v1's uniform `clip(rint(w / s))` with the `mse` scale search (the real quantizer's codes);
-`nl` looks each weight up in a fixed table of int8 levels (IQ4_NL-style, so int8-activation products stay integer
-sums), the scale searched the same way (16 clip factors, each refitted by weighted least squares); `asym` stores a
+`nl` looks each weight up in a fixed table of int8 levels (IQ4_NL-style: the container's nl4 levels for 4 bits,
+with a simpler, positive-scale search than glm-convert's: 16 clip factors, each refitted by weighted least
+squares); `asym` stores a
 scale and an offset per group (`w ~= m + s u`, u in 0 .. 2^b - 1) searched over 8 shrinks of the group's range.
 """
 
@@ -37,14 +38,14 @@ from glmkit.convert.plan import QuantPlan  # noqa: E402
 from glmkit.convert.quantizers import normalized_importance, search_scales  # noqa: E402
 from glmkit.eval.evaluation import evaluate  # noqa: E402
 from glmkit.eval.logits_file import LogitsBase, LogitsWriter  # noqa: E402
-from glmkit.format.packing import expand_scales, packed_row_bytes, quantize, scales_shape  # noqa: E402
+from glmkit.format.packing import NL4_LEVELS, expand_scales, packed_row_bytes, quantize, scales_shape  # noqa: E402
 from glmkit.format.reader import Container  # noqa: E402
 from glmkit.generate.engine import Engine  # noqa: E402
 from tools.quality_table import FIXTURE, kl_cells  # noqa: E402
 
 GROUP = 64
-# IQ4_NL's 16 levels (llama.cpp ggml-quants, kvalues_iq4nl): non-uniform, denser near 0
-NL4_IQ4 = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float32)
+# IQ4_NL's 16 levels (llama.cpp ggml-quants, kvalues_iq4nl): non-uniform, denser near 0; the format's nl4 scheme
+NL4_IQ4 = NL4_LEVELS.astype(np.float32)
 # the 8 Lloyd-Max levels of a unit normal (+-0.2451, 0.7560, 1.3439, 2.1520) as int8, largest at 127
 NL3_NORMAL = np.round(np.array([-2.1520, -1.3439, -0.7560, -0.2451, 0.2451, 0.7560, 1.3439, 2.1520]) / 2.1520
                       * 127).astype(np.float32)
@@ -183,7 +184,7 @@ INT8_ROLES = ("embed", "lm_head", "indexer", "mtp")
 # search is weighted by `norm_importance`)
 CANDIDATES: dict[str, tuple[dict[str, Scheme], bool]] = {
     "q4 int4 absmax": (dict.fromkeys(INT4_ROLES, int_scheme(4, "absmax")), False),
-    "q4 int4 mse (default)": ({}, False),
+    "q4 int4 mse": ({}, False),
     "q4 int4 mse, norm-gamma importance": ({}, True),
     "q4 nl4 IQ4_NL table": (dict.fromkeys(INT4_ROLES, nl_scheme(NL4_IQ4, 4)), False),
     "q4 nl4 IQ4_NL table, norm-gamma importance": (dict.fromkeys(INT4_ROLES, nl_scheme(NL4_IQ4, 4)), True),

@@ -3,6 +3,7 @@
 with float inputs (`--float-activations`) and against the f32 reference, on the trained fixture.
 
     PYTHONPATH=. python tools/quality_int8_activations.py [--windows 24] [--presets q4 q8 q2]   # ~40 s
+    PYTHONPATH=. python tools/quality_int8_activations.py --presets q4 --grids nl uniform     # both 4-bit grids
 
 The trained fixture's routed and shared experts have 96 intermediate rows, not a whole number of 64-column
 blocks, so the step would run them with float inputs. This tool pads them with zero rows (gate, up) and zero
@@ -75,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--windows", type=int, default=24, help="held-out windows (default %(default)s)")
     ap.add_argument("--presets", nargs="+", default=["q4", "q8", "q2"])
+    ap.add_argument("--grids", nargs="+", default=["nl"], choices=["nl", "uniform"],
+                    help="4-bit grids to convert each preset with (glm-convert --grid; default nl)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/glmkit-x8-quality"))
     args = ap.parse_args(argv)
     shutil.rmtree(args.work, ignore_errors=True)
@@ -92,12 +95,14 @@ def main(argv: list[str] | None = None) -> int:
     print("| preset | KL(float || int8 inputs) | top-1 agreement | KL(f32 || float inputs) | KL(f32 || int8 inputs) |")
     print("|---|---|---|---|---|")
     for preset in args.presets:
-        snap = convert(padded, args.work / preset, preset)
-        got = {f: decoded_logits(Engine(snap, "opencl", load_tokenizer=False, float_activations=f), windows)
-               for f in (True, False)}
-        agree = float((got[True].argmax(-1) == got[False].argmax(-1)).mean())
-        print(f"| {preset} | {kl(got[True], got[False]):.6f} | {agree:.2%} | {kl(want, got[True]):.5f} | "
-              f"{kl(want, got[False]):.5f} |")
+        for grid in args.grids:
+            snap = convert(padded, args.work / f"{preset}-{grid}", preset, "--grid", grid)
+            got = {f: decoded_logits(Engine(snap, "opencl", load_tokenizer=False, float_activations=f), windows)
+                   for f in (True, False)}
+            agree = float((got[True].argmax(-1) == got[False].argmax(-1)).mean())
+            label = preset if len(args.grids) == 1 else f"{preset}, {grid} grid"
+            print(f"| {label} | {kl(got[True], got[False]):.6f} | {agree:.2%} | {kl(want, got[True]):.5f} | "
+                  f"{kl(want, got[False]):.5f} |")
     return 0
 
 

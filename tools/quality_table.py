@@ -46,32 +46,37 @@ from glmkit.generate.engine import Engine  # noqa: E402
 from glmkit.generate.generator import Generator  # noqa: E402
 from glmkit.generate.sampling import Sampler, SamplingParams  # noqa: E402
 
-# (label, preset, group size (0 = per row), quantizer, calibration statistics: None or a --hessians choice)
-VARIANTS: list[tuple[str, str, int, str, str | None]] = [
-    ("f32", "f32", 64, "absmax", None),
-    ("q8 absmax", "q8", 64, "absmax", None),
-    ("q8 mse", "q8", 64, "mse", None),
-    ("q8 gptq", "q8", 64, "gptq", "all"),
-    ("q8 gptq, pooled expert Hessians", "q8", 64, "gptq", "pooled"),
-    ("q8 per-row mse", "q8", 0, "mse", None),
-    ("q8 per-row gptq", "q8", 0, "gptq", "all"),
-    ("q4 absmax", "q4", 64, "absmax", None),
-    ("q4 mse", "q4", 64, "mse", None),
-    ("q4 mse+imatrix", "q4", 64, "mse", "all"),
-    ("q4 gptq", "q4", 64, "gptq", "all"),
-    ("q4 gptq, pooled expert Hessians", "q4", 64, "gptq", "pooled"),
-    ("q4 gptq, no expert Hessians", "q4", 64, "gptq", "dense"),
-    ("q4 per-row absmax", "q4", 0, "absmax", None),
-    ("q4 per-row mse+imatrix", "q4", 0, "mse", "all"),
-    ("q4 per-row gptq", "q4", 0, "gptq", "all"),
-    ("q3 absmax", "q3", 64, "absmax", None),
-    ("q3 mse", "q3", 64, "mse", None),
-    ("q3 gptq, pooled expert Hessians", "q3", 64, "gptq", "pooled"),
-    ("q2 absmax", "q2", 64, "absmax", None),
-    ("q2 mse", "q2", 64, "mse", None),
-    ("q2 mse+imatrix", "q2", 64, "mse", "all"),
-    ("q2 gptq", "q2", 64, "gptq", "all"),
-    ("q2 gptq, pooled expert Hessians", "q2", 64, "gptq", "pooled"),
+# (label, preset, group size (0 = per row), quantizer, calibration statistics: None or a --hessians choice, the
+# 4-bit grid: "nl" (the default) or "uniform")
+VARIANTS: list[tuple[str, str, int, str, str | None, str]] = [
+    ("f32", "f32", 64, "absmax", None, "nl"),
+    ("q8 absmax", "q8", 64, "absmax", None, "nl"),
+    ("q8 mse", "q8", 64, "mse", None, "nl"),
+    ("q8 gptq", "q8", 64, "gptq", "all", "nl"),
+    ("q8 gptq, pooled expert Hessians", "q8", 64, "gptq", "pooled", "nl"),
+    ("q8 per-row mse", "q8", 0, "mse", None, "nl"),
+    ("q8 per-row gptq", "q8", 0, "gptq", "all", "nl"),
+    ("q4 absmax", "q4", 64, "absmax", None, "nl"),
+    ("q4 mse", "q4", 64, "mse", None, "nl"),
+    ("q4 mse+imatrix", "q4", 64, "mse", "all", "nl"),
+    ("q4 gptq", "q4", 64, "gptq", "all", "nl"),
+    ("q4 gptq, pooled expert Hessians", "q4", 64, "gptq", "pooled", "nl"),
+    ("q4 gptq, no expert Hessians", "q4", 64, "gptq", "dense", "nl"),
+    ("q4 per-row absmax", "q4", 0, "absmax", None, "nl"),
+    ("q4 per-row mse+imatrix", "q4", 0, "mse", "all", "nl"),
+    ("q4 per-row gptq", "q4", 0, "gptq", "all", "nl"),
+    ("q4 absmax, uniform grid", "q4", 64, "absmax", None, "uniform"),
+    ("q4 mse, uniform grid", "q4", 64, "mse", None, "uniform"),
+    ("q4 gptq, uniform grid", "q4", 64, "gptq", "all", "uniform"),
+    ("q4 gptq, pooled expert Hessians, uniform grid", "q4", 64, "gptq", "pooled", "uniform"),
+    ("q3 absmax", "q3", 64, "absmax", None, "nl"),
+    ("q3 mse", "q3", 64, "mse", None, "nl"),
+    ("q3 gptq, pooled expert Hessians", "q3", 64, "gptq", "pooled", "nl"),
+    ("q2 absmax", "q2", 64, "absmax", None, "nl"),
+    ("q2 mse", "q2", 64, "mse", None, "nl"),
+    ("q2 mse+imatrix", "q2", 64, "mse", "all", "nl"),
+    ("q2 gptq", "q2", 64, "gptq", "all", "nl"),
+    ("q2 gptq, pooled expert Hessians", "q2", 64, "gptq", "pooled", "nl"),
 ]
 MTP_PROMPTS = 32
 MTP_PROMPT_TOKENS = 64
@@ -113,11 +118,11 @@ def run(fixture: Path, work: Path, only: list[str] | None) -> list[dict[str, Any
     calib = json.loads((fixture / "calib_tokens.json").read_text())
     base_path = work / "base.safetensors"
     rows: list[dict[str, Any]] = []
-    for label, preset, group, quantizer, hessians in VARIANTS:
+    for label, preset, group, quantizer, hessians, grid in VARIANTS:
         if only and label not in only and label != "f32":
             continue
         out = work / label.replace(" ", "_").replace("+", "_").replace(",", "")
-        plan = QuantPlan.from_preset(preset, group_size=group, quantizer=quantizer)
+        plan = QuantPlan.from_preset(preset, group_size=group, quantizer=quantizer, grid=grid)
         imatrix = read_imatrix(work / f"imatrix-{hessians}.safetensors") if hessians else None
         t0 = time.perf_counter()
         convert(fixture, out, plan, preset, force=True, progress=False, imatrix=imatrix)
@@ -132,7 +137,7 @@ def run(fixture: Path, work: Path, only: list[str] | None) -> list[dict[str, Any
         else:
             metrics = evaluate(engine, windows, LogitsBase(base_path))
         row = {"variant": label, "preset": preset, "group_size": group or None, "quantizer": quantizer,
-               "hessians": hessians, "bytes": engine.container.nbytes,
+               "hessians": hessians, "grid": grid, "bytes": engine.container.nbytes,
                "bpw": engine.container.nbytes * 8 / logical_params(engine), "convert_s": seconds, **metrics,
                **mtp_acceptance(engine, windows), "mtp_acceptance_text": mtp_acceptance_on_text(engine, windows)}
         rows.append(row)

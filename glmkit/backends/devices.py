@@ -216,7 +216,7 @@ def model_key(container: Any) -> str:
         if container.has(name):
             e = container.entry(name)
             schemes.append((name.split(".")[-2], list(e.shape), e.quant.bits if e.quant else 32,
-                            e.quant.group_size if e.quant else None))
+                            e.quant.group_size if e.quant else None, e.quant.scheme if e.quant else None))
     dims = [cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.v_head_dim,
             cfg.moe_intermediate_size, cfg.num_experts_per_tok, cfg.vocab_size]
     text = json.dumps([dims, schemes, kernel_version()])

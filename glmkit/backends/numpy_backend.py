@@ -28,7 +28,7 @@ from typing import TypeVar
 import numpy as np
 
 from glmkit.format.config import ModelConfig
-from glmkit.format.packing import INT3_BLOCK, INT3_BLOCK_BYTES, unpack
+from glmkit.format.packing import INT3_BLOCK, INT3_BLOCK_BYTES, code_values, unpack
 from glmkit.format.tensors import QuantWeight, Weight
 from glmkit.model.compute import ExpertArena, ExpertFn, moe_layer
 from glmkit.model.layer_spec import LayerSpec, MTPSpec
@@ -55,15 +55,17 @@ def _in_pool() -> bool:
     return getattr(_POOL_THREAD, "active", False)
 
 
-def _code_table(bits: int) -> np.ndarray:
-    """Byte value -> the `8 // bits` signed codes it packs, as float32 `[256, 8 // bits]`."""
+def _code_table(bits: int, scheme: str) -> np.ndarray:
+    """Byte value -> the values (before the scale) of the `8 // bits` codes it packs, as float32 `[256, 8 // bits]`."""
     byte = np.arange(256, dtype=np.int16)
     mask = (1 << bits) - 1
     fields = [(byte >> (bits * k)) & mask for k in range(8 // bits)]
-    return (np.stack(fields, axis=1) - (1 << (bits - 1))).astype(np.float32)
+    return code_values((np.stack(fields, axis=1) - (1 << (bits - 1))).astype(np.int8), scheme)
 
 
-_CODE_TABLES = {bits: _code_table(bits) for bits in (2, 4)}  # int8 bytes are their codes
+# int8 bytes are their codes
+_CODE_TABLES = {(bits, scheme): _code_table(bits, scheme) for bits, scheme in ((2, "symmetric"), (4, "symmetric"),
+                                                                               (4, "nl4"))}
 
 
 class NumpyBackend:
@@ -150,7 +152,7 @@ class NumpyBackend:
         return out
 
     def _unpack_rows(self, w: QuantWeight, start: int, stop: int) -> np.ndarray:
-        """Integer codes of rows `[start, stop)` as float32 `[n, width]` in the reused scratch buffer.
+        """The code values of rows `[start, stop)` as float32 `[n, width]` in the reused scratch buffer.
 
         `width >= I`: a row's padding codes (from its last partial byte) come along; callers ignore them.
         """
@@ -167,7 +169,7 @@ class NumpyBackend:
             np.copyto(codes, unpack(w.packed[start:stop], 3, width), casting="unsafe")
         else:
             # One gather through a byte -> codes table unpacks all fields of a byte at once.
-            table = _CODE_TABLES[w.bits]
+            table = _CODE_TABLES[w.bits, w.scheme]
             lanes = codes.reshape(n, w.packed.shape[1], table.shape[1])
             np.take(table, w.packed[start:stop], axis=0, out=lanes, mode="clip")
         return codes

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from glmkit.convert.convert import DEFAULT_FILE_BYTES, DEFAULT_INFLIGHT_BYTES, Calibration, convert, dry_run_report
-from glmkit.convert.plan import DEFAULT_GROUP_SIZE, DEFAULT_QUANTIZER, PRESETS, QuantPlan
+from glmkit.convert.plan import DEFAULT_GRID, DEFAULT_GROUP_SIZE, DEFAULT_QUANTIZER, GRIDS, PRESETS, QuantPlan
 from glmkit.convert.quantizers import QUANTIZERS
 from glmkit.convert.sources.open import open_source
 from glmkit.convert.sources.source import Source
@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
                         f"(default {DEFAULT_QUANTIZER}), absmax takes amax/qmax (faster), gptq corrects rounding "
                         "errors across columns with calibration Hessians (default with --calibrate; needs "
                         "--imatrix or --calibrate)")
+    p.add_argument("--grid", choices=GRIDS, default=DEFAULT_GRID,
+                   help="what a 4-bit code stands for: nl, a fixed non-uniform table of 16 levels (default; lower "
+                        "error at the same size), or uniform, the evenly spaced codes -8..7")
     p.add_argument("--imatrix", metavar="FILE",
                    help="statistics from glm-calibrate: weight the mse quantizer's error by each input column's "
                         "activation energy; gptq uses its Hessians")
@@ -92,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             raise GlmkitError(f"--calibrate-windows: must be at least 1, got {args.calibrate_windows}")
         quantizer = args.quantizer or ("gptq" if args.calibrate is not None else DEFAULT_QUANTIZER)
         plan = QuantPlan.from_preset(args.preset, args.expert_bits, args.dense_bits, args.embed_bits,
-                                     args.group_size, quantizer)
+                                     args.group_size, quantizer, args.grid)
         options = {"revision": args.revision, "endpoint": args.endpoint, "keep_source": args.keep_source,
                    "max_inflight": args.max_inflight}
         imatrix = read_imatrix(args.imatrix) if args.imatrix is not None else None

@@ -402,7 +402,7 @@ def dry_run_report(source: str | Path | Source, out_dir: str | Path, plan: Quant
         str(source), revision=revision, endpoint=endpoint, keep_source=keep_source)
     try:
         if calibrating and imatrix is None:  # statistics to come: plan the same layout
-            plan = QuantPlan(plan.bits, plan.group_size, DEFAULT_QUANTIZER)
+            plan = QuantPlan(plan.bits, plan.group_size, DEFAULT_QUANTIZER, plan.grid)
         job = ConversionJob.create(src, plan, preset, max_file_bytes, imatrix)
         snapshot = src.snapshot
         origin = src.origin
@@ -420,7 +420,8 @@ def dry_run_report(source: str | Path | Source, out_dir: str | Path, plan: Quant
         for name in PRESETS:
             if name == preset:
                 size = sum(layout.size for layout in job.layouts)
-                default = QuantPlan.from_preset(name, group_size=plan.group_size or 0, quantizer=plan.quantizer)
+                default = QuantPlan.from_preset(name, group_size=plan.group_size or 0, quantizer=plan.quantizer,
+                                                grid=plan.grid)
                 mark = "  <- selected" + ("" if plan == default else " (with your overrides)")
             else:
                 other = QuantPlan.from_preset(name, group_size=plan.group_size or 0, quantizer=plan.quantizer)
@@ -659,6 +660,7 @@ def _write_tensor(writer: DataFileWriter, source: HFSnapshot, plan: QuantPlan, s
 
         return {spec.name: writer.write_rows(spec.name, kept_blocks())[1]}
     bits, group = quant
+    scheme = plan.scheme_for(bits)
     hessian = importance.hessian(spec) if plan.quantizer == "gptq" else None
     weights_importance = importance(spec) if hessian is None else None
     scales: list[np.ndarray] = []
@@ -667,10 +669,10 @@ def _write_tensor(writer: DataFileWriter, source: HFSnapshot, plan: QuantPlan, s
         first = 0
         for weights in blocks:
             if hessian is not None:
-                codes, block_scales = gptq_quantize(weights, hessian, bits, group)
+                codes, block_scales = gptq_quantize(weights, hessian, bits, group, scheme=scheme)
             else:
-                chosen = choose_scales(weights, bits, group, plan.quantizer, weights_importance)
-                codes, block_scales = quantize(weights, bits, group, chosen)
+                chosen = choose_scales(weights, bits, group, plan.quantizer, weights_importance, scheme=scheme)
+                codes, block_scales = quantize(weights, bits, group, chosen, scheme)
             del weights
             scales.append(block_scales)
             packed = pack(codes, bits)
@@ -693,8 +695,9 @@ def _planned_entries(job: ConversionJob, layout: FileLayout) -> dict[str, Tensor
                                                 "F32", "scales", "")
             continue
         quant = job.plan.quant_for(spec)
+        q = None if quant is None else Quant(*quant, spec.name + ".qs", job.plan.scheme_for(quant[0]))
         entries[spec.name] = TensorEntry(spec.name, layout.name, offset, planned.nbytes, spec.shape, planned.dtype,
-                                         spec.role, "", None if quant is None else Quant(*quant, spec.name + ".qs"))
+                                         spec.role, "", q)
     return entries
 
 

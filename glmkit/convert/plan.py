@@ -4,6 +4,9 @@
 `group_size` (None = per row, which measurably hurts quality: DESIGN section 4). int8 with group 64 is 8.5
 bits per weight, like llama.cpp's Q8_0; per-row int8 loses top-1 agreement (docs/QUALITY.md).
 `quantizer` picks codes and scales (quantizers.py): `absmax`, `mse` (error-minimising search) or `gptq`.
+`grid` picks what a 4-bit code stands for: `nl` (the default) stores every 4-bit weight with scheme nl4, a fixed
+non-uniform table of 16 levels (IQ4_NL's; lower error at the same bytes: docs/QUALITY.md), `uniform` with the
+evenly spaced codes -8..7 (scheme symmetric). Other bit widths are uniform either way.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ QUANTIZABLE_ROLES = ("embed", "lm_head", "attention", "indexer", "dense_mlp", "s
 DENSE_ROLES = ("attention", "dense_mlp", "shared_expert")
 DEFAULT_GROUP_SIZE = 64
 DEFAULT_QUANTIZER = "mse"
+GRIDS = ("nl", "uniform")
+DEFAULT_GRID = "nl"
 
 _Q4 = {"routed_expert": 4, "shared_expert": 4, "dense_mlp": 4, "attention": 4,
        "embed": 8, "lm_head": 8, "indexer": 8, "mtp": 8}
@@ -37,16 +42,17 @@ PRESETS: dict[str, dict[str, int]] = {
 
 @dataclass(frozen=True)
 class QuantPlan:
-    """Bits per role (absent = F32), the group size for sub-8-bit weights and the scale quantizer."""
+    """Bits per role (absent = F32), the group size for sub-8-bit weights, the scale quantizer and the 4-bit grid."""
 
     bits: dict[str, int]
     group_size: int | None
     quantizer: str = DEFAULT_QUANTIZER
+    grid: str = DEFAULT_GRID
 
     @classmethod
     def from_preset(cls, preset: str, expert_bits: int | None = None, dense_bits: int | None = None,
                     embed_bits: int | None = None, group_size: int | None = DEFAULT_GROUP_SIZE,
-                    quantizer: str = DEFAULT_QUANTIZER) -> QuantPlan:
+                    quantizer: str = DEFAULT_QUANTIZER, grid: str = DEFAULT_GRID) -> QuantPlan:
         """A preset with per-class overrides; bits 32 means keep F32, group_size 0 or None means per row."""
         if preset not in PRESETS:
             raise GlmkitError(f"--preset: unknown preset {preset!r} (choose from {', '.join(PRESETS)})")
@@ -67,7 +73,9 @@ class QuantPlan:
             raise GlmkitError(f"--group-size: must be >= 0, got {group_size}")
         if quantizer not in QUANTIZERS:
             raise GlmkitError(f"--quantizer: unknown quantizer {quantizer!r} (choose from {', '.join(QUANTIZERS)})")
-        return cls(bits, group_size or None, quantizer)
+        if grid not in GRIDS:
+            raise GlmkitError(f"--grid: unknown grid {grid!r} (choose from {', '.join(GRIDS)})")
+        return cls(bits, group_size or None, quantizer, grid)
 
     def quant_for(self, spec: TensorSpec) -> tuple[int, int | None] | None:
         """(bits, group_size) for this tensor, or None to store it as F32."""
@@ -75,6 +83,10 @@ class QuantPlan:
         if bits is None or len(spec.shape) != 2:
             return None
         return bits, self.group_size
+
+    def scheme_for(self, bits: int) -> str:
+        """The manifest's quant scheme of a `bits`-bit weight."""
+        return "nl4" if self.grid == "nl" and bits == 4 else "symmetric"
 
     def stored(self, spec: TensorSpec) -> list[PlannedTensor]:
         """The tensors this logical tensor becomes: one F32 tensor, or packed U8 + F32 `.qs` scales."""
@@ -87,4 +99,5 @@ class QuantPlan:
                 PlannedTensor(spec.name + ".qs", "F32", scales_shape((out_features, in_features), group))]
 
     def to_json(self) -> dict[str, object]:
-        return {"bits": dict(sorted(self.bits.items())), "group_size": self.group_size, "quantizer": self.quantizer}
+        return {"bits": dict(sorted(self.bits.items())), "group_size": self.group_size, "quantizer": self.quantizer,
+                "grid": self.grid}

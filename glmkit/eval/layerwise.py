@@ -281,7 +281,7 @@ class LayerwiseCalibration(Importance):
         if quant is None:
             return values
         scales = np.concatenate([s for _, s in blocks if s is not None])
-        return dequantize(values, scales, quant[0], quant[1], spec.shape[1])
+        return dequantize(values, scales, quant[0], quant[1], spec.shape[1], self.plan.scheme_for(quant[0]))
 
     def _embedding_rows(self, spec: TensorSpec, blocks: Iterator[np.ndarray]) -> Iterator[np.ndarray]:
         """The source embedding's blocks, passed through; the calibration tokens' rows are kept."""
@@ -302,5 +302,6 @@ class LayerwiseCalibration(Importance):
         if scales is not None:
             quant = self.plan.quant_for(spec)
             assert quant is not None
-            rows = dequantize(rows, scales[ids - first_row], quant[0], quant[1], spec.shape[1])
+            rows = dequantize(rows, scales[ids - first_row], quant[0], quant[1], spec.shape[1],
+                              self.plan.scheme_for(quant[0]))
         self.embed_table[ids] = rows

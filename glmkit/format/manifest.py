@@ -31,7 +31,7 @@ from typing import Any, BinaryIO
 from glmkit.errors import GlmkitError
 from glmkit.format.config import ModelConfig
 from glmkit.format.files import open_regular_file, parse_large_json
-from glmkit.format.packing import SUPPORTED_BITS, packed_row_bytes, scales_shape
+from glmkit.format.packing import SCHEMES, SUPPORTED_BITS, packed_row_bytes, scales_shape
 from glmkit.format.schema import EXPERT_PROJECTIONS, TensorSpec, expert_weight_name, model_tensors
 
 FORMAT_NAME = "glmkit-container"
@@ -62,7 +62,8 @@ EXPERT_KEYS = frozenset({"layer", "expert", "file", "offset", "nbytes"})
 
 @dataclass(frozen=True, slots=True)
 class Quant:
-    """Symmetric integer quantization of a 2-D weight; scales live in the tensor named `scales`."""
+    """Integer quantization of a 2-D weight; scales live in the tensor named `scales`. `scheme`: what a code
+    stands for, "symmetric" (the code itself) or "nl4" (4-bit codes looked up in a fixed table: packing.py)."""
 
     bits: int
     group_size: int | None  # None = one scale per output row
@@ -249,6 +250,7 @@ class Manifest:
         every routed expert of every MoE layer, the one byte range its weights and scales fill back to back."""
         conversion = self.conversion
         bits_of, group = conversion["bits"], conversion["group_size"]
+        nl4 = conversion.get("grid", "uniform") == "nl"  # containers from before the grid choice: uniform
         tensors = self.tensors
         stored = 0
         for spec in model_tensors(config, include_mtp=conversion["mtp"]):
@@ -258,6 +260,10 @@ class Manifest:
             if (e is None or e.shape != spec.shape or e.role != spec.role or (q is None) != (bits is None)
                     or (q is not None and (q.bits, q.group_size) != (bits, group))):
                 raise _model_error(path, spec, e, None if bits is None else (bits, group))
+            want = "nl4" if nl4 and bits == 4 else "symmetric"
+            if q is not None and q.scheme != want:
+                raise GlmkitError(f"{path}: tensor {spec.name!r}: quant scheme {q.scheme!r}, but the conversion's "
+                                  f"grid {conversion.get('grid', 'uniform')!r} stores it as {want!r}")
             stored += 1 if q is None else 2  # the weight, and its scales (checked by `_check_layout`)
         if stored != len(tensors):
             known = {spec.name for spec in model_tensors(config, include_mtp=conversion["mtp"])}
@@ -373,17 +379,20 @@ def _entry_error(where: str, name: str, problem: str) -> GlmkitError:
 def _quant_from_json(where: str, name: str, q: Any) -> Quant:
     if type(q) is not dict or q.keys() != QUANT_KEYS:
         raise _entry_error(where, name, f"quant must be null or hold exactly the keys {sorted(QUANT_KEYS)}")
-    if q["scheme"] != "symmetric":
-        raise _entry_error(where, name, f"quant scheme {short_repr(q['scheme'])} is not 'symmetric'")
+    scheme = q["scheme"]
+    if type(scheme) is not str or scheme not in SCHEMES:
+        raise _entry_error(where, name, f"quant scheme {short_repr(scheme)} is not one of {', '.join(SCHEMES)}")
     bits, group, scales = q["bits"], q["group_size"], q["scales"]
     if type(bits) is not int or bits not in SUPPORTED_BITS:
         raise _entry_error(where, name, f"quant bits {short_repr(bits)} is not one of {SUPPORTED_BITS}")
+    if scheme == "nl4" and bits != 4:
+        raise _entry_error(where, name, f"quant scheme 'nl4' needs bits 4, not {short_repr(bits)}")
     if group is not None and (type(group) is not int or group < 1):
         raise _entry_error(where, name, f"quant group_size {short_repr(group)} is neither null (per row) nor a "
                                         "positive integer")
     if type(scales) is not str or scales != name + SCALES_SUFFIX:
         raise _entry_error(where, name, f"quant scales {short_repr(scales)} is not {name + SCALES_SUFFIX!r}")
-    return Quant(bits, group, scales)
+    return Quant(bits, group, scales, sys.intern(scheme))
 
 
 def _expert_from_json(path: Path, index: int, d: Any, file_sizes: dict[str, int]) -> ExpertRange:
@@ -439,6 +448,8 @@ def _conversion_from_json(path: Path, conversion: Any) -> dict[str, Any]:
         raise GlmkitError(f"{path}: conversion group_size {short_repr(group)} is neither null nor a positive integer")
     if type(mtp) is not bool:
         raise GlmkitError(f"{path}: conversion mtp {short_repr(mtp)} must be true or false")
+    if conversion.get("grid", "uniform") not in ("uniform", "nl"):
+        raise GlmkitError(f"{path}: conversion grid {short_repr(conversion['grid'])} is neither 'uniform' nor 'nl'")
     return conversion
 
 

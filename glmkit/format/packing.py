@@ -11,6 +11,11 @@ int3 packs `u = q + 4` in blocks of 64 columns, 24 bytes each (`24 * ceil(I / 64
 missing columns stored as `u = 4`, code 0): block column `16k + j` (k < 4, j < 16) has its low two bits at bits
 `2k, 2k+1` of block byte `j`, and column `8k + j` (k < 8, j < 8) its high bit at bit `k` of block byte `16 + j`.
 Both planes unpack with whole-vector shifts and masks (kernels/common.cl), as llama.cpp's Q3_K does.
+
+Scheme `nl4` (4 bits only) stores its codes exactly as int4 (`u = q + 8` per nibble) but a code stands for the level
+`NL4_LEVELS[u]` instead of `q`: `w ~= s * NL4_LEVELS[q + 8]`, a fixed non-uniform table, denser near 0 (IQ4_NL's).
+Its scales may be negative, and a group of zeros has scale 0 (no level is 0).
+The levels are small integers, so products with int8 activations stay integer sums (kernels/common.cl).
 """
 
 from __future__ import annotations
@@ -18,6 +23,15 @@ from __future__ import annotations
 import numpy as np
 
 SUPPORTED_BITS = (2, 3, 4, 8)
+SCHEMES = ("symmetric", "nl4")  # the manifest's quant schemes: uniform codes, or nl4's table of levels
+# nl4's 16 levels, index u = stored nibble (llama.cpp's kvalues_iq4nl): |level| <= 127, so levels fit int8
+NL4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
+NL4_TOP = 127  # the largest |level|: nl4's absmax scale maps the group's largest |w| onto level -127
+# The midpoints between nl4's levels are multiples of 1/2, so the level nearest v is constant on [k/2, (k+1)/2):
+# a lookup by floor(2 v) (ties go to the upper level). The code of half-step k + 256, and its level as float32:
+NL4_HALF_CODES = (np.searchsorted((NL4_LEVELS[1:].astype(np.float64) + NL4_LEVELS[:-1]) / 2,
+                                  np.arange(-256, 256) / 2, side="right") - 8).astype(np.int8)
+NL4_HALF_VALUES = NL4_LEVELS.astype(np.float32)[NL4_HALF_CODES.astype(np.intp) + 8]
 INT3_BLOCK = 64  # columns of one int3 storage block
 INT3_BLOCK_BYTES = 24  # its 16 bytes of low bit pairs, then 8 bytes of high bits
 MIN_SCALE = 1e-8
@@ -26,6 +40,42 @@ ROW_BLOCK_ELEMENTS = 1 << 22  # float32 temporaries of quantize(): 16 MB at a ti
 
 def qmax(bits: int) -> int:
     return (1 << (bits - 1)) - 1
+
+
+def check_scheme(scheme: str, bits: int) -> None:
+    """ValueError unless `scheme` is known and defined for `bits`."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown quant scheme {scheme!r} (known: {', '.join(SCHEMES)})")
+    if scheme == "nl4" and bits != 4:
+        raise ValueError(f"quant scheme 'nl4' is 4-bit only, not {bits}-bit")
+
+
+def nl4_half_steps(v: np.ndarray) -> np.ndarray:
+    """Values in units of the scale `[...]` (float32, overwritten) -> their index into NL4_HALF_CODES/_VALUES
+    (`floor(2 v) + 256`, clipped to the table)."""
+    np.multiply(v, np.float32(2), out=v)
+    np.add(v, np.float32(256), out=v)
+    np.nan_to_num(v, copy=False, nan=256.0)  # NaN (a zero group's 0 / 0, or a NaN weight): v = 0
+    np.clip(v, 0, 511, out=v)
+    return v.astype(np.intp)  # truncation: the floor of a value >= 0
+
+
+def nl4_codes(v: np.ndarray) -> np.ndarray:
+    """Values in units of the scale `[...]` -> the codes (`u - 8`, int8) of their nearest nl4 levels."""
+    return np.take(NL4_HALF_CODES, nl4_half_steps(np.array(v, np.float32)))
+
+
+def signed_peaks(g: np.ndarray) -> np.ndarray:
+    """The signed value of the largest |w| along the last axis of `g [..., n]` (the positive one on a tie)."""
+    top, bottom = g.max(axis=-1), g.min(axis=-1)
+    return np.where(top >= -bottom, top, bottom)
+
+
+def code_values(codes: np.ndarray, scheme: str) -> np.ndarray:
+    """Codes `[...]` -> the values they stand for (before the scale) as float32: the code itself, or nl4's level."""
+    if scheme == "nl4":
+        return NL4_LEVELS.astype(np.float32)[codes.astype(np.intp) + 8]
+    return codes.astype(np.float32)
 
 
 def packed_row_bytes(in_features: int, bits: int) -> int:
@@ -51,22 +101,27 @@ def expand_scales(scales: np.ndarray, in_features: int, group_size: int | None) 
     return np.repeat(scales, group_size, axis=1)[:, :in_features]
 
 
-def quantize(w: np.ndarray, bits: int, group_size: int | None, scales: np.ndarray | None = None
-             ) -> tuple[np.ndarray, np.ndarray]:
-    """`w [O, I]` float -> (integer codes `[O, I]` int8, scales float32).
+def quantize(w: np.ndarray, bits: int, group_size: int | None, scales: np.ndarray | None = None,
+             scheme: str = "symmetric") -> tuple[np.ndarray, np.ndarray]:
+    """`w [O, I]` float -> (integer codes `[O, I]` int8, scales float32): each code the nearest of the scheme's.
 
     `scales` may be given (a search picked them); otherwise absmax scales are used.
     """
     if bits not in SUPPORTED_BITS:
         raise ValueError(f"unsupported bit width {bits}")
+    check_scheme(scheme, bits)
     w = np.asarray(w, dtype=np.float32)
     out_features, in_features = w.shape
     top = qmax(bits)
     if scales is None:
-        scales = absmax_scales(w, bits, group_size)
+        scales = absmax_scales(w, bits, group_size, scheme)
     codes = np.empty(w.shape, np.int8)
     for rows in _row_blocks(w.shape):  # temporaries stay at one block, not the whole matrix
-        block = w[rows] / expand_scales(scales[rows], in_features, group_size)
+        with np.errstate(divide="ignore", invalid="ignore"):  # nl4: a group of zeros has scale 0
+            block = w[rows] / expand_scales(scales[rows], in_features, group_size)
+        if scheme == "nl4":
+            codes[rows] = np.take(NL4_HALF_CODES, nl4_half_steps(block))
+            continue
         np.rint(block, out=block)
         np.clip(block, -top - 1, top, out=block)
         codes[rows] = block
@@ -78,21 +133,29 @@ def _row_blocks(shape: tuple[int, int]) -> list[slice]:
     return [slice(r, r + step) for r in range(0, shape[0], step)]
 
 
-def absmax_scales(w: np.ndarray, bits: int, group_size: int | None) -> np.ndarray:
+def absmax_scales(w: np.ndarray, bits: int, group_size: int | None, scheme: str = "symmetric") -> np.ndarray:
+    """Scales `[O]` or `[O, G]` mapping each row's or group's largest |w| onto the largest code: `amax / qmax`, or
+    for nl4 `-m / 127` with m that largest weight's signed value (it lands on level -127, its sign flipped by a
+    negative scale: the table's longer side, as llama.cpp's IQ4_NL), not floored (a group of zeros gets scale 0:
+    the table has no level 0, and a floor would turn tiny weights into larger ones); symmetric |s| >= MIN_SCALE."""
     out_features, in_features = w.shape
-    if group_size is None:
-        amax = np.zeros(out_features, np.float32)
-        if in_features:
-            for rows in _row_blocks(w.shape):
-                amax[rows] = np.abs(w[rows]).max(axis=1)
-    else:
-        groups = num_groups(in_features, group_size)
-        amax = np.empty((out_features, groups), np.float32)
+    groups = num_groups(in_features, group_size)
+    width = groups * (in_features if group_size is None else group_size)
+    peak = np.zeros((out_features, groups), np.float32)  # nl4: the signed weight of largest |w|; else amax
+    if in_features:
         for rows in _row_blocks(w.shape):
-            padded = np.zeros((len(w[rows]), groups * group_size), np.float32)
-            np.abs(w[rows], out=padded[:, :in_features])
-            amax[rows] = padded.reshape(len(padded), groups, group_size).max(axis=2)
-    return np.maximum(amax.astype(np.float32) / qmax(bits), np.float32(MIN_SCALE)).astype(np.float32)
+            padded = np.zeros((len(w[rows]), width), np.float32)
+            if scheme == "nl4":
+                padded[:, :in_features] = w[rows]
+                peak[rows] = signed_peaks(padded.reshape(len(padded), groups, -1))
+            else:
+                np.abs(w[rows], out=padded[:, :in_features])
+                peak[rows] = padded.reshape(len(padded), groups, -1).max(axis=2)
+    if scheme == "nl4":
+        s = np.where(peak == 0, np.float32(0), -peak / np.float32(NL4_TOP)).astype(np.float32)
+    else:
+        s = np.maximum(peak / np.float32(qmax(bits)), np.float32(MIN_SCALE)).astype(np.float32)
+    return s[:, 0].copy() if group_size is None else s
 
 
 def pack(codes: np.ndarray, bits: int) -> np.ndarray:
@@ -161,7 +224,7 @@ def _unpack_int3(packed: np.ndarray, in_features: int) -> np.ndarray:
 
 
 def dequantize(packed: np.ndarray, scales: np.ndarray, bits: int, group_size: int | None,
-               in_features: int) -> np.ndarray:
+               in_features: int, scheme: str = "symmetric") -> np.ndarray:
     """Packed weight + scales -> float32 `[O, I]`."""
-    codes = unpack(packed, bits, in_features).astype(np.float32)
+    codes = code_values(unpack(packed, bits, in_features), scheme)
     return codes * expand_scales(scales, in_features, group_size)

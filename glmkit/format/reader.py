@@ -160,7 +160,7 @@ class Container:
                 w = self.raw(name)
             else:
                 w = QuantWeight(self.raw(name), self.raw(e.quant.scales), e.quant.bits, e.quant.group_size,
-                                (e.shape[0], e.shape[1]))
+                                (e.shape[0], e.shape[1]), e.quant.scheme)
             self._weights[name] = w
         return w
 
@@ -190,7 +190,7 @@ class Container:
             e = self.entry(name)
             out.append(view(name) if e.quant is None else
                        QuantWeight(view(name), view(e.quant.scales), e.quant.bits, e.quant.group_size,
-                                   (e.shape[0], e.shape[1])))
+                                   (e.shape[0], e.shape[1]), e.quant.scheme))
         return out
 
     def advise_experts(self, layer: int, experts: list[int], advice: int = mmap.MADV_WILLNEED) -> None:

@@ -13,7 +13,8 @@ from glmkit.format.packing import dequantize
 class QuantWeight:
     """A quantized 2-D weight `[O, I]`, viewed in place from the container.
 
-    packed: uint8 `[O, ceil(I*bits/8)]`; scales: float32 `[O]` (per row) or `[O, ceil(I/group_size)]`.
+    packed: uint8 `[O, ceil(I*bits/8)]`; scales: float32 `[O]` (per row) or `[O, ceil(I/group_size)]`;
+    scheme: the manifest's quant scheme ("symmetric", or "nl4": codes looked up in packing.NL4_LEVELS).
     """
 
     packed: np.ndarray
@@ -21,6 +22,7 @@ class QuantWeight:
     bits: int
     group_size: int | None
     shape: tuple[int, int]
+    scheme: str = "symmetric"
 
     @property
     def nbytes(self) -> int:
@@ -28,7 +30,7 @@ class QuantWeight:
 
     def dequantize(self) -> np.ndarray:
         """float32 `[O, I]` (a fresh array)."""
-        return dequantize(self.packed, self.scales, self.bits, self.group_size, self.shape[1])
+        return dequantize(self.packed, self.scales, self.bits, self.group_size, self.shape[1], self.scheme)
 
 
 Weight = np.ndarray | QuantWeight

@@ -504,7 +504,7 @@ class ExpertCache:
             entries = [self.container.entry(expert_weight_name(layer, expert, p)) for p in EXPERT_PROJECTIONS]
             entries += [self.container.entry(e.quant.scales) for e in entries if e.quant is not None]
             return tuple((e.offset - r.offset, e.dtype, tuple(e.stored_shape), e.quant and
-                          (e.quant.bits, e.quant.group_size)) for e in entries)
+                          (e.quant.bits, e.quant.group_size, e.quant.scheme)) for e in entries)
         return len({layout(e) for e in range(self.config.n_routed_experts)}) == 1
 
     def shared_slot(self, layer: int) -> int | None:

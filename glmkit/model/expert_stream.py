@@ -233,12 +233,13 @@ def copy_weights_into(ws: list[Weight], data: np.ndarray) -> list[Weight]:
             copy[...] = a
             copies.append(copy)
             pos += -(-a.nbytes // COPY_ALIGN) * COPY_ALIGN
-        out.append(QuantWeight(*copies, w.bits, w.group_size, w.shape) if isinstance(w, QuantWeight) else copies[0])
+        out.append(QuantWeight(*copies, w.bits, w.group_size, w.shape, w.scheme) if isinstance(w, QuantWeight)
+                   else copies[0])
     return out
 
 
 def copy_weight(w: Weight) -> Weight:
     """A copy of the weight's arrays in anonymous memory (out of the mapping)."""
     if isinstance(w, QuantWeight):
-        return QuantWeight(w.packed.copy(), w.scales.copy(), w.bits, w.group_size, w.shape)
+        return QuantWeight(w.packed.copy(), w.scales.copy(), w.bits, w.group_size, w.shape, w.scheme)
     return w.copy()

@@ -161,7 +161,8 @@ def likely_experts(x: np.ndarray, router: np.ndarray, bias: np.ndarray, top_k: i
 def embed_rows(table: Weight, ids: np.ndarray) -> np.ndarray:
     """Embedding rows `[S, H]` float32; a quantized table dequantizes only the gathered rows."""
     if isinstance(table, QuantWeight):
-        return dequantize(table.packed[ids], table.scales[ids], table.bits, table.group_size, table.shape[1])
+        return dequantize(table.packed[ids], table.scales[ids], table.bits, table.group_size, table.shape[1],
+                          table.scheme)
     return np.asarray(table[ids], dtype=np.float32)
 
 

@@ -118,9 +118,9 @@ class _ExpertRef:
 
     @property
     def key(self) -> tuple:
-        """(id(buf), bits, group, n_in, inter): experts with equal keys share one launch."""
+        """(id(buf), bits, scheme, group, n_in, inter): experts with equal keys share one launch."""
         s = self.shape
-        return id(self.buf), s.bits, s.group, s.n_in, s.inter
+        return id(self.buf), s.bits, s.scheme, s.group, s.n_in, s.inter
 
 
 class OpenCLBackend:
@@ -179,12 +179,12 @@ class OpenCLBackend:
             return hit[1]
         quant = isinstance(w, QuantWeight)
         data = w.packed if quant else w
-        key = (address(data), data.nbytes, w.bits if quant else 32)
+        key = (address(data), data.nbytes, (w.bits, w.scheme) if quant else 32)
         cw = self._views.get(key)
         if cw is not None:
             return cw
         if quant:
-            cw = self.memory.weight(w.packed, w.scales, w.bits, w.group_size, w.shape)
+            cw = self.memory.weight(w.packed, w.scales, w.bits, w.group_size, w.shape, w.scheme)
         elif plain_f32(w):
             cw = self.memory.weight(w, None, 32, None, w.shape)
         if cw is not None and (self.memory.unified or self.memory.is_kept(data)):
@@ -218,7 +218,7 @@ class OpenCLBackend:
             ref = _ExpertRef(buf, offs, ExpertShape(
                 bits, group, gate.scales.shape[1] if quant and gate.scales.ndim == 2 else 1, n_in, inter,
                 arrays[0].shape[1] * arrays[0].itemsize, arrays[4].shape[1] * arrays[4].itemsize,
-                down.scales.shape[1] if quant and down.scales.ndim == 2 else 1))
+                down.scales.shape[1] if quant and down.scales.ndim == 2 else 1, gate.scheme if quant else "symmetric"))
         if placed is not None or self.memory.unified or self.memory.used >= self.memory.budget:
             self._experts[cache_key] = ref  # a miss is final once the budget is spent (or memory is unified)
             self._experts_by_id[ids] = ((gate, up, down), ref)
@@ -355,7 +355,8 @@ class OpenCLBackend:
     def _streamable(self, triple: tuple[Weight, Weight, Weight]) -> bool:
         if not self.placement.stream_experts or self.memory.unified:
             return False
-        if not all(isinstance(w, QuantWeight) for w in triple) or len({(w.bits, w.group_size) for w in triple}) != 1:
+        if (not all(isinstance(w, QuantWeight) for w in triple)
+                or len({(w.bits, w.group_size, w.scheme) for w in triple}) != 1):
             return False
         arrays = [a for w in triple for a in (w.packed, w.scales)]
         entry = self.memory._mapping(arrays[0])
@@ -384,7 +385,8 @@ class OpenCLBackend:
             group = gate.group_size or 0
             refs.append(_ExpertRef(buf, tuple(at + st - lo for st in starts), ExpertShape(
                 gate.bits, group, gate.scales.shape[1] if gate.scales.ndim == 2 else 1, n_in, inter,
-                gate.packed.shape[1], down.packed.shape[1], down.scales.shape[1] if down.scales.ndim == 2 else 1)))
+                gate.packed.shape[1], down.packed.shape[1], down.scales.shape[1] if down.scales.ndim == 2 else 1,
+                gate.scheme)))
         return blob, refs
 
     def _run_fused(self, x: np.ndarray, ref: _ExpertRef, slots: list[tuple[int, float, tuple]]) -> np.ndarray:

@@ -373,7 +373,7 @@ class DeviceDecodeStep:
     def _pairs(self, w: ClWeight, w2: ClWeight) -> bool:
         """Whether two products of the normed hidden state u run as one launch (`bind_matvec_pair`)."""
         return (self.u_x8 is not None and self._x8(w.bits, w.group, w.n_in)
-                and (w.bits, w.n_in, w.group, w.row_bytes) == (w2.bits, w2.n_in, w2.group, w2.row_bytes))
+                and (w.suffix, w.n_in, w.group, w.row_bytes) == (w2.suffix, w2.n_in, w2.group, w2.row_bytes))
 
     def _matvec_pair(self, w: ClWeight, y: DeviceArray, w2: ClWeight, y2: DeviceArray) -> tuple[Launch, ...]:
         """`y = W u` and `y2 = W2 u`: one launch where `_pairs`, else two `_matvec`s."""
@@ -561,7 +561,7 @@ class DeviceDecodeStep:
         k, new = self.k, self.buffers.array
 
         def scheme(ref) -> tuple:
-            return ref.key[1:]  # bits, group, n_in, inter
+            return ref.key[1:]  # bits, quant scheme, group, n_in, inter
 
         if isinstance(ffn, MLPSpec):
             launches, self.ffn_out = self._bind_single(self._ref(ffn), self.ffn, summed=False)

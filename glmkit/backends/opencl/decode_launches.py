@@ -69,8 +69,8 @@ def bind_matvec_x8(k: Kernels, w: ClWeight, x_codes: Int8Codes, y: Any, heads: i
 def bind_matvec_pair(k: Kernels, w: ClWeight, w2: ClWeight, x_codes: Int8Codes, y: Any, y2: Any,
                      tokens: int = 1) -> Launch:
     """`y = W x` and `y2 = W2 x` in one launch, over `tokens` input rows quantized in x_codes (`bind_quantize`); W
-    and W2 alike in bits, columns and groups, both `x8_eligible`."""
-    assert (w.bits, w.n_in, w.group, w.row_bytes) == (w2.bits, w2.n_in, w2.group, w2.row_bytes)
+    and W2 alike in weight type (bits and quant scheme), columns and groups, both `x8_eligible`."""
+    assert (w.suffix, w.n_in, w.group, w.row_bytes) == (w2.suffix, w2.n_in, w2.group, w2.row_bytes)
     items = -(-w.rows // k.rows_per_item)
     g0, local = k.rows_global(items * k.rows_per_item + w2.rows)
     return k.bind(f"mv2_{w.suffix}_x8", (g0, 1), local, **w.args(), **w2.location("2"), **x_codes.args("x"), n_s=tokens,

@@ -19,7 +19,13 @@ from glmkit.format.tensors import QuantWeight, Weight
 
 ARENA_BYTES = 256 << 20  # discrete devices: weights are uploaded into arenas of this size (or max alloc)
 BIT_SUFFIX = {32: "f32", 8: "q8", 4: "q4", 3: "q3", 2: "q2"}  # a product kernel's weight type: mv_q4, eg_q8_x8, ...
+SCHEME_SUFFIX = {"nl4": "q4nl"}  # the same for the schemes other than symmetric (mv_q4nl, ...)
 X8_BLOCK = 64  # columns per scale of int8-quantized activations (common.cl)
+
+
+def kernel_suffix(bits: int, scheme: str) -> str:
+    """The weight type in the names of the product kernels for `bits`-bit codes of quant scheme `scheme`."""
+    return SCHEME_SUFFIX.get(scheme) or BIT_SUFFIX[bits]
 
 
 def x8_eligible(bits: int, group: int, *widths: int) -> bool:
@@ -32,7 +38,8 @@ def x8_eligible(bits: int, group: int, *widths: int) -> bool:
 class ClWeight:
     """A 2-D weight on the device: packed rows at (wbuf, w_off), float scales at (sbuf, s_off).
 
-    bits 32 = float32 rows (no scales); group 0 = one scale per row.
+    bits 32 = float32 rows (no scales); group 0 = one scale per row; scheme: the manifest's quant scheme (nl4:
+    int4 bytes whose codes stand for the nl4 table's levels).
     """
 
     wbuf: Any
@@ -45,11 +52,12 @@ class ClWeight:
     rows: int
     n_in: int
     row_bytes: int
+    scheme: str = "symmetric"
 
     @property
     def suffix(self) -> str:
         """The weight type of its product kernels' names (mv_q4, ...)."""
-        return BIT_SUFFIX[self.bits]
+        return kernel_suffix(self.bits, self.scheme)
 
     def location(self, tag: str = "") -> dict[str, Any]:
         """Where its bytes are, as kernel arguments (`wbuf, w_off, sbuf, s_off`; with tag "2": wbuf2, ...)."""
@@ -83,7 +91,7 @@ def fused_expert_arrays(gate: Weight, up: Weight, down: Weight) -> tuple[np.ndar
     """The 6 arrays a fused expert launch reads (gate, its scales, up, its scales, down, its scales; float weights
     stand in for their missing scales), or None when the three do not share one scheme."""
     if all(isinstance(w, QuantWeight) for w in (gate, up, down)):
-        if len({(w.bits, w.group_size) for w in (gate, up, down)}) != 1:
+        if len({(w.bits, w.group_size, w.scheme) for w in (gate, up, down)}) != 1:
             return None
         return gate.packed, gate.scales, up.packed, up.scales, down.packed, down.scales
     if all(plain_f32(w) for w in (gate, up, down)):
@@ -95,7 +103,7 @@ def fused_expert_arrays(gate: Weight, up: Weight, down: Weight) -> tuple[np.ndar
 class ExpertShape:
     """How the fused expert kernels read an expert MLP: gate and up `[inter, n_in]`, down `[n_in, inter]`, all with
     `bits` and scale group `group` (0: one scale per row); a gate/up row is `in_row_bytes` bytes with `n_groups`
-    scales, a down row `inter_row_bytes` with `inter_groups`."""
+    scales, a down row `inter_row_bytes` with `inter_groups`; `scheme` as ClWeight's."""
 
     bits: int
     group: int
@@ -105,10 +113,11 @@ class ExpertShape:
     in_row_bytes: int
     inter_row_bytes: int
     inter_groups: int
+    scheme: str = "symmetric"
 
     @property
     def suffix(self) -> str:
-        return BIT_SUFFIX[self.bits]
+        return kernel_suffix(self.bits, self.scheme)
 
     def gate_up_args(self) -> dict[str, int]:
         """The row shape of gate and up, as arguments of the gate+up kernels (eg_*)."""
@@ -239,7 +248,7 @@ class WeightMemory:
         return self._mapping(arr) is not None or (address(arr), arr.nbytes) in self._own
 
     def weight(self, packed: np.ndarray, scales: np.ndarray | None, bits: int, group: int | None,
-               shape: tuple[int, int]) -> ClWeight | None:
+               shape: tuple[int, int], scheme: str = "symmetric") -> ClWeight | None:
         """A ClWeight for a (packed, scales) pair or a float32 matrix (scales None, bits 32); None if over budget."""
         rows, n_in = shape
         if scales is None:
@@ -252,7 +261,7 @@ class WeightMemory:
         if codes is None or scale_rows is None:
             return None
         n_groups = 1 if not group else -(-n_in // group)
-        return ClWeight(*codes, *scale_rows, bits, group or 0, n_groups, rows, n_in, packed.shape[1])
+        return ClWeight(*codes, *scale_rows, bits, group or 0, n_groups, rows, n_in, packed.shape[1], scheme)
 
     def _place_one(self, arr: np.ndarray) -> tuple[Any, int] | None:
         start = address(arr)

@@ -6,7 +6,7 @@
  * per `group` columns (`n_groups` per row). Packing (docs/FORMAT.md): int8 two's complement; int4 code+8,
  * even column in the low nibble; int2 code+2, column 4j+k at bits 2k of byte j; int3 code+4 in blocks of 64
  * columns, 24 bytes each (block column 16k+j: low bits 2k..2k+1 of byte j; column 8k+j: high bit k of byte 16+j).
- * bits == 32: float rows.
+ * bits == 32: float rows. bits == NL4: int4's bytes, but a nibble u stands for the level NL4_LEVELS[u], not u - 8.
  *
  * Compile-time knobs: LANES (work-items cooperating on one matvec row: 1 on CPUs, a warp on GPUs),
  * ROWS (matvec rows per work-item, sharing each loaded chunk of x: 4 on CPUs, 1 on GPUs),
@@ -82,10 +82,31 @@ INLINE void int3_block_bytes(const __global uchar* w, c32v* v0, c32v* v1) {
 }
 #endif
 
+/* nl4 weights (docs/FORMAT.md) are stamped out with bits == NL4: stored as int4 (STORED_BITS), each nibble u
+ * looked up in the 16 int8 levels (packing.NL4_LEVELS), so products with int8 activations stay integer sums. */
+#define NL4 (-4)
+#define STORED_BITS(bits) ((bits) == NL4 ? 4 : (bits))
+#define NL4_LEVELS -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113
+__constant char nl4_levels[16] = {NL4_LEVELS};
+
+/* The levels of 16 nibble values u (0..15): one byte shuffle. AVX2 CPUs call pshufb by name (PoCL expands
+ * OpenCL's shuffle() element by element: 10x slower float-input products). */
+#ifdef X8_PAIRS
+typedef char c16v __attribute__((vector_size(16)));
+INLINE char16 nl4_values16(uchar16 u) {
+    const c16v table = {NL4_LEVELS};
+    return as_char16(__builtin_ia32_pshufb128(table, (c16v)u));
+}
+#else
+INLINE char16 nl4_values16(uchar16 u) {
+    return shuffle((char16)(NL4_LEVELS), u);
+}
+#endif
+
 /* Codes in one storage chunk: 16 floats, 16 int8, 32 int4 or 64 int2 codes (16 bytes), or one int3 block of 64
  * codes (24 bytes). */
 INLINE uint chunk_codes(const int bits) {
-    return bits == 32 ? 16u : (bits == 8 ? 16u : (bits == 4 ? 32u : 64u));
+    return bits == 32 ? 16u : (bits == 8 ? 16u : (STORED_BITS(bits) == 4 ? 32u : 64u));
 }
 
 /* Stored int3 values (code + 4, 0..7) of columns 8m .. 8m + 7 of the int3 block at b (m < 8). */
@@ -106,14 +127,14 @@ INLINE float8 load_x(const int bits, const __global float* x, uint c, float8* xv
         xv[1] = LOAD_F8(2 * c + 1, x);
         return (float8)(0.0f);
     }
-    if (bits == 4) {
+    if (STORED_BITS(bits) == 4) {
         const __global float* xp = x + c * 32u;
         const float8 a0 = LOAD_F8(0, xp), a1 = LOAD_F8(1, xp), a2 = LOAD_F8(2, xp), a3 = LOAD_F8(3, xp);
         xv[0] = (float8)(a0.even, a1.even);
         xv[1] = (float8)(a0.odd, a1.odd);
         xv[2] = (float8)(a2.even, a3.even);
         xv[3] = (float8)(a2.odd, a3.odd);
-        return 8.0f * ((a0 + a1) + (a2 + a3));
+        return bits == NL4 ? (float8)(0.0f) : 8.0f * ((a0 + a1) + (a2 + a3));  /* nl4 levels carry their sign */
     }
     if (bits == 3) {
         const __global float* xp = x + c * 64u;
@@ -168,6 +189,11 @@ INLINE float8 codes_dot(const int bits, const __global uchar* row, uint c, const
         return convert_float8(b.lo & (uchar8)15) * xv[0] + convert_float8(b.lo >> (uchar8)4) * xv[1]
              + convert_float8(b.hi & (uchar8)15) * xv[2] + convert_float8(b.hi >> (uchar8)4) * xv[3];
     }
+    if (bits == NL4) {
+        const char16 lo = nl4_values16(b & (uchar16)15), hi = nl4_values16(b >> (uchar16)4);
+        return convert_float8(lo.lo) * xv[0] + convert_float8(hi.lo) * xv[1]
+             + convert_float8(lo.hi) * xv[2] + convert_float8(hi.hi) * xv[3];
+    }
     float8 acc = (float8)(0.0f);
     for (uint h = 0; h < 2; h++) {
         const uchar8 q = h ? b.hi : b.lo;
@@ -184,6 +210,7 @@ INLINE float code_at(const int bits, const __global uchar* row, uint i) {
     if (bits == 32) return ((const __global float*)row)[i];
     if (bits == 8) return (float)as_char(row[i]);
     if (bits == 4) return (float)((row[i >> 1] >> ((i & 1u) * 4u)) & 15u) - 8.0f;
+    if (bits == NL4) return (float)nl4_levels[(row[i >> 1] >> ((i & 1u) * 4u)) & 15u];
     if (bits == 3) {
         const __global uchar* b = row + 24u * (i >> 6);
         const uint t = i & 63u;
@@ -341,6 +368,22 @@ INLINE int8 block_dot3(const __global uchar* w, const x8_block* x) {
     return as_int8(__builtin_ia32_pmaddwd256(p, (s16v)((short16)(1))));
 }
 
+/* The same for an nl4 block (32 bytes at w, x in int4's order): the nibbles' levels by vpshufb (the table in both
+ * 128-bit lanes), then vpmaddubsw of |level| (vpsignb of the levels by themselves: none is 0 or -128) with q signed
+ * like the level (at most 2 * 127 * 127 per 16-bit lane), each half widened by vpmaddwd before the two are added. */
+INLINE int8 block_dot_nl4(const __global uchar* w, const x8_block* x) {
+    const c32v table = {NL4_LEVELS, NL4_LEVELS}, m = (c32v)((char32)(15));
+    const c32v b = ((const __global c32v_u*)w)[0].v;
+    const c32v lo = __builtin_ia32_pshufb256(table, b & m);
+    const c32v hi = __builtin_ia32_pshufb256(table, (c32v)((s16v)b >> 4) & m);
+    const s16v one = (s16v)((short16)(1));
+    const s16v p0 = __builtin_ia32_pmaddubsw256(__builtin_ia32_psignb256(lo, lo),
+                                                __builtin_ia32_psignb256(x->even, lo));
+    const s16v p1 = __builtin_ia32_pmaddubsw256(__builtin_ia32_psignb256(hi, hi),
+                                                __builtin_ia32_psignb256(x->odd, hi));
+    return as_int8(__builtin_ia32_pmaddwd256(p0, one)) + as_int8(__builtin_ia32_pmaddwd256(p1, one));
+}
+
 /* The same for an int8 row (64 bytes at w, x in column order): vpmaddubsw of |c| with q signed like c (at most
  * 2 * 128 * 127 per 16-bit lane), each half widened by vpmaddwd before the two are added. */
 INLINE int8 block_dot8(const __global uchar* w, const x8_block* x) {
@@ -365,6 +408,16 @@ INLINE int8 block_dot(const __global uchar* w, const x8_block* x) {
     const short16 p = as_short16(v & m) * x->c0 + as_short16((v >> (ushort16)4) & m) * x->c1
                     + as_short16((v >> (ushort16)8) & m) * x->c2 + as_short16(v >> (ushort16)12) * x->c3;
     return convert_int8(p.lo) + convert_int8(p.hi);
+}
+
+/* nl4: the nibbles' levels times the codes, each product (at most 127 * 127) widened before the sum. */
+INLINE int8 block_dot_nl4(const __global uchar* w, const x8_block* x) {
+    const ushort16 v = vload16(0, (const __global ushort*)w), m = (ushort16)(15);
+    const int16 p = convert_int16(convert_short16(nl4_values16(convert_uchar16(v & m))) * x->c0)
+                  + convert_int16(convert_short16(nl4_values16(convert_uchar16((v >> (ushort16)4) & m))) * x->c1)
+                  + convert_int16(convert_short16(nl4_values16(convert_uchar16((v >> (ushort16)8) & m))) * x->c2)
+                  + convert_int16(convert_short16(nl4_values16(convert_uchar16(v >> (ushort16)12))) * x->c3);
+    return p.lo + p.hi;
 }
 
 /* int3 (x in column order: c0..c3 = columns 16m .. 16m + 15): stored values 0..7 times the codes, in 16 bits. */
@@ -422,9 +475,9 @@ INLINE void quantize_block(const __global float* xp, __global char* qp, __global
     *qsum = s4.x + s4.y + s4.z + s4.w;
 }
 
-/* rows_dot for int3, int4 or int8 rows (bits; group a multiple of 64) and int8-quantized x: codes xq (128 bytes
- * per block), scales xs and code sums xsum per block. n: a multiple of 64. Read ahead: a block is 24 (int3), 32
- * (int4) or 64 (int8) bytes of each of ROWS rows, so 1, 2 or 4 lines per block. */
+/* rows_dot for int3, int4, nl4 or int8 rows (bits; group a multiple of 64) and int8-quantized x: codes xq (128
+ * bytes per block), scales xs and code sums xsum per block. n: a multiple of 64. Read ahead: a block is 24 (int3),
+ * 32 (int4, nl4) or 64 (int8) bytes of each of ROWS rows, so 1, 2 or 4 lines per block. */
 INLINE void rows_dot_x8(const int bits, const int sets, const __global uchar* row, const __global uchar* row2,
                         uint row_bytes, const __global float* sc, const __global float* sc2, uint n_groups,
                         uint nrows, uint n, uint group, const __global char* xq, const __global float* xs, const __global int* xsum,
@@ -435,11 +488,11 @@ INLINE void rows_dot_x8(const int bits, const int sets, const __global uchar* ro
     float8 acc[2 * ROWS];
     row_sets(sets, row, row2, row_bytes, sc, sc2, n_groups, nrows, rk, sk, acc);
     const uint blocks = n / 64u, per = group / 64u;
-    const uint lines = bits / 2u, row_block = bits * 8u;  /* int3: 1 line, 24 bytes */
+    const uint lines = STORED_BITS(bits) / 2u, row_block = STORED_BITS(bits) * 8u;  /* int3: 1 line, 24 bytes */
     const bool ahead_far = AHEAD_FAR(sets, row_bytes);
     for (uint c = lane; c < blocks; c += LANES) {
-        const x8_block xb = load_x8(xq + 128u * c + (bits == 4 ? 0u : 64u));
-        /* int4: 8 lanes of xsum, 8 * xsum in their total; int3: 4 lanes, 4 * xsum */
+        const x8_block xb = load_x8(xq + 128u * c + (STORED_BITS(bits) == 4 ? 0u : 64u));
+        /* int4: 8 lanes of xsum, 8 * xsum in their total; int3: 4 lanes, 4 * xsum; nl4 and int8: none */
         const int8 bias = bits == 4 ? (int8)(xsum[c]) : (bits == 3 ? (int8)((int4)(xsum[c]), (int4)(0)) : (int8)(0));
         const float s = xs[c];
         const uint gi = c / per;
@@ -451,7 +504,8 @@ INLINE void rows_dot_x8(const int bits, const int sets, const __global uchar* ro
 #pragma unroll  /* the accumulators stay in registers (rolled, they live on the stack) */
         for (uint k = 0; k < sets * ROWS; k++) {
             const __global uchar* wk = rk[k] + row_block * c;
-            const int8 dot = bits == 4 ? block_dot(wk, &xb) : (bits == 3 ? block_dot3(wk, &xb) : block_dot8(wk, &xb));
+            const int8 dot = bits == 4 ? block_dot(wk, &xb) : bits == NL4 ? block_dot_nl4(wk, &xb)
+                           : bits == 3 ? block_dot3(wk, &xb) : block_dot8(wk, &xb);
             acc[k] += convert_float8(dot - bias) * (sk[k][gi] * s);
         }
     }

@@ -1,6 +1,6 @@
 /* Quantized matrix products: decode matvec (one pass over the packed weight), transposed per-head
  * matvec (MLA absorption), tiled prefill matmul, dequantization, and the fused routed-expert MLP.
- * Each is stamped out for f32 (bits 32), int8, int4, int3 and int2 weights by the macros at the end.
+ * Each is stamped out for f32 (bits 32), int8, int4, nl4 (bits NL4), int3 and int2 weights by the macros at the end.
  *
  * Weight argument block (WARGS): wbuf + w_off: the packed rows (byte offset of row 0); sbuf + s_off: the
  * float scales; n_in: columns; row_bytes: bytes per packed row; group: scale group (0 = per row);
@@ -74,10 +74,10 @@ INLINE float8 weights8(const int bits, const __global uchar* row, const __global
         const __global char* p = (const __global char*)row + 8 * j;
         w = (float8)((float)p[0], (float)p[1], (float)p[2], (float)p[3], (float)p[4], (float)p[5], (float)p[6],
                      (float)p[7]);
-    } else if (bits == 4) {
+    } else if (STORED_BITS(bits) == 4) {
         const uchar4 b = (uchar4)(row[4 * j], row[4 * j + 1], row[4 * j + 2], row[4 * j + 3]);
         const uchar8 q = (uchar8)(b.x & 15, b.x >> 4, b.y & 15, b.y >> 4, b.z & 15, b.z >> 4, b.w & 15, b.w >> 4);
-        w = convert_float8(q) - 8.0f;
+        w = bits == NL4 ? convert_float8(nl4_values16((uchar16)(q, q)).lo) : convert_float8(q) - 8.0f;
     } else if (bits == 3) {
         w = convert_float8(int3_values8(row + 24 * (j / 8), j % 8)) - 4.0f;
     } else {
@@ -89,11 +89,11 @@ INLINE float8 weights8(const int bits, const __global uchar* row, const __global
     return w * (group ? sc[(8 * j) / group] : sc[0]);
 }
 
-/* Whether matvec_t's work-items own a 16-byte chunk of each row (int4: 32 columns, int8: 16), which lies in one
- * scale group; else 8 columns each. Kernels.bind_matvec_t sizes the launch by the same rule. */
+/* Whether matvec_t's work-items own a 16-byte chunk of each row (int4, nl4: 32 columns, int8: 16), which lies in
+ * one scale group; else 8 columns each. Kernels.bind_matvec_t sizes the launch by the same rule. */
 INLINE bool mvt_chunked(const int bits, uint n_in, uint group) {
     const uint cw = chunk_codes(bits);
-    return (bits == 4 || bits == 8) && n_in % cw == 0 && group % cw == 0;
+    return (STORED_BITS(bits) == 4 || bits == 8) && n_in % cw == 0 && group % cw == 0;
 }
 
 /* A work-item's chunk c of rows wr0 .. wr0 + rows - 1 (see mvt_chunked): out[i] = sum_r xr[r] * W[wr0 + r, i] for
@@ -113,12 +113,18 @@ INLINE void matvec_t_chunk(const int bits, WARGS, const __global float* xr, uint
             acc[2] += v * convert_float8(b.hi & (uchar8)15);
             acc[3] += v * convert_float8(b.hi >> (uchar8)4);
             bias += v;
+        } else if (bits == NL4) {  /* the levels carry their sign: no bias */
+            const char16 lo = nl4_values16(b & (uchar16)15), hi = nl4_values16(b >> (uchar16)4);
+            acc[0] += v * convert_float8(lo.lo);
+            acc[1] += v * convert_float8(hi.lo);
+            acc[2] += v * convert_float8(lo.hi);
+            acc[3] += v * convert_float8(hi.hi);
         } else {
             acc[0] += v * convert_float8(as_char16(b).lo);
             acc[1] += v * convert_float8(as_char16(b).hi);
         }
     }
-    if (bits == 4) {
+    if (STORED_BITS(bits) == 4) {
         for (uint h = 0; h < 2; h++) {
             const float8 even = acc[2 * h] - 8.0f * bias, odd = acc[2 * h + 1] - 8.0f * bias;
             vstore8((float8)(even.s0, odd.s0, even.s1, odd.s1, even.s2, odd.s2, even.s3, odd.s3), 4 * c + 2 * h, out);
@@ -390,6 +396,7 @@ __kernel void edp_##SUFFIX(__global const uchar* wbuf, __global const ulong* off
 QUANT_KERNELS(f32, 32)
 QUANT_KERNELS(q8, 8)
 QUANT_KERNELS(q4, 4)
+QUANT_KERNELS(q4nl, NL4)
 QUANT_KERNELS(q3, 3)
 QUANT_KERNELS(q2, 2)
 
@@ -413,6 +420,7 @@ __kernel void mla_query_##SUFFIX(WARGS, __global const float* x, uint x_h, __glo
 
 MLA_QUERY(q8, 8)
 MLA_QUERY(q4, 4)
+MLA_QUERY(q4nl, NL4)
 
 /* ---- int8 activations (common.cl): the device decode step's int3, int4 and int8 products --------------------
  * quantize_x8: rows of x (stride x_s, n columns, a multiple of 64) -> codes q[2 * (r * n + 64 b) ...] (both
@@ -471,4 +479,5 @@ __kernel void edp_##SUFFIX##_x8(__global const uchar* wbuf, __global const ulong
 
 X8_KERNELS(q8, 8)
 X8_KERNELS(q4, 4)
+X8_KERNELS(q4nl, NL4)
 X8_KERNELS(q3, 3)
