@@ -49,9 +49,12 @@ from glmkit.format.tensors import QuantWeight
 from glmkit.model.compute import Backend
 from glmkit.model.layer_spec import LM_HEAD, MLPSpec, MoESpec, layer_spec
 
-PROFILE_VERSION = 5  # 2: Placement.decode_step; 3: on discrete devices too; 4: Placement.spill_experts;
-# 5: Placement.index_prefill
+PROFILE_VERSION = 6  # 2: Placement.decode_step; 3: on discrete devices too; 4: Placement.spill_experts;
+# 5: Placement.index_prefill; 6: index_prefill measured over INDEX_PREFILL_KEYS keys
 PREFILL_ROWS = 256  # rows of the prefill measurements
+# keys of the indexer's prefill measurement: a long prompt's context, where the selection's cost matters (the two
+# paths scale differently with it)
+INDEX_PREFILL_KEYS = 16384
 MARGIN = 0.85  # a kernel path is chosen when it takes at most this fraction of the host path's time
 # On CPU devices, a model whose decode step reads less than this stays on NumPy without measuring: every
 # operation then takes microseconds, below a kernel launch's latency, and a measurement would only see noise.
@@ -421,8 +424,9 @@ def measure(kernels: Kernels, container: Any, bandwidth: dict[str, float] | None
              lambda: host.index_topk(qi, ki, wi, 0.1, last, top))
         placement.index = faster("index")
         # a prefill chunk's queries over a long context (the scores are S x T)
-        qs, ks = (rng.standard_normal(shape).astype(np.float32) for shape in ((n, ih, ihd), (4 * n_keys, ihd)))
-        ws, ends = rng.standard_normal((n, ih)).astype(np.float32), np.arange(4 * n_keys - n, 4 * n_keys)
+        long_keys = INDEX_PREFILL_KEYS
+        qs, ks = (rng.standard_normal(shape).astype(np.float32) for shape in ((n, ih, ihd), (long_keys, ihd)))
+        ws, ends = rng.standard_normal((n, ih)).astype(np.float32), np.arange(long_keys - n, long_keys)
         both("index_prefill", lambda: cl_backend.index_topk(qs, ks, ws, 0.1, ends, cfg.index_topk),
              lambda: host.index_topk(qs, ks, ws, 0.1, ends, cfg.index_topk))
         placement.index_prefill = faster("index_prefill")
