@@ -143,7 +143,8 @@ class NumpyBackend:
                 codes = self._unpack_rows(w, r0, r1)
                 if w.group_size is None:
                     # Per-row scale: dot the integer codes first, scale the outputs.
-                    out[:, r0:r1] = times_transposed(x, codes) * w.scales[r0:r1]
+                    block = times_transposed(x, codes, out[:, r0:r1])
+                    block *= w.scales[r0:r1]
                 else:
                     _scale_groups(codes, w.scales[r0:r1], w.group_size, in_features)
                     times_transposed(x, codes, out[:, r0:r1])

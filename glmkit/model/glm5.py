@@ -43,9 +43,6 @@ class WeightSource(Protocol):
 
     def has(self, name: str) -> bool: ...
 
-# Rows of a prompt per dense-MLP pass: its `[rows, intermediate]` products stay a few MB each; the weights'
-# repeated dequantization per block costs a few percent of the block's GEMMs.
-DENSE_MLP_ROWS = 512
 
 RouteHook = Callable[[int, np.ndarray, np.ndarray | None], None]
 """Called as `hook(layer, expert_ids [S, k], normed_input [S, H])` right after routing, before any expert runs;
@@ -53,6 +50,9 @@ after a device decode step, as `hook(layer, expert_ids [1, k], None)` once the t
 
 
 VERIFY_ROWS = 2  # the rows of MTP's verification forward: the last token and one draft
+# Rows of a prompt per dense-MLP pass: its `[rows, intermediate]` products stay a few MB each; the weights'
+# repeated dequantization per block costs a few percent of the block's GEMMs.
+DENSE_MLP_ROWS = 512
 
 # ---- pure functions ----------------------------------------------------------------------------
 
