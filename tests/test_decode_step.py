@@ -540,25 +540,102 @@ def test_routes_watched_as_they_happen(snapshots, direct_kernels, monkeypatch):
     assert not Engine(snap, "opencl", load_tokenizer=False, expert_cache=0, prefetch=False).model.step_route_hook
 
 
+def one_forward_per_token(monkeypatch) -> None:
+    """The step refuses to queue a prompt (`DeviceDecodeStep.prompt`): `prefill_on_step` then runs one `forward`
+    per token, the step's token waiting for its logits before the next is queued."""
+    monkeypatch.setattr(DeviceDecodeStep, "prompt", lambda self, cache, token_ids: None)
+
+
+def assert_identical_rows(caches) -> None:
+    """Every layer's cache rows (the MTP layer's too) bit for bit alike."""
+    for a, b in zip(caches[0].layers, caches[1].layers, strict=True):
+        assert a.length == b.length
+        for name in ("kv_lat", "k_rot", "index_k") if a.has_index else ("kv_lat", "k_rot"):
+            assert np.array_equal(a.rows(name), b.rows(name)), name
+
+
 @pytest.mark.parametrize("mtp", [False, True])
 def test_short_prompts_are_prefilled_on_the_step(snapshots, kernels, monkeypatch, mtp):
-    """A prompt of at most `step_prefill` tokens runs one token at a time through the decode step (the first of an
-    empty cache as a one-row forward), a longer one as one batched forward: the same greedy tokens as NumPy with and
-    without MTP (whose catch-up takes the step's hidden rows), KV rows within f32 noise of NumPy's."""
+    """A prompt of at most `step_prefill` tokens runs one token per decode step (the first of an empty cache as a
+    one-row forward), the steps queued back to back and only the last one's lm_head run; a longer one as one batched
+    forward. The same greedy tokens as NumPy with and without MTP (whose catch-up takes the step's hidden rows), KV
+    rows within f32 noise of NumPy's, and the same tokens, the same routes and bit for bit the same cache rows (the
+    MTP layer's too) as one step per token waiting for its logits."""
     engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
     ref, dev = models(engine, kernels)
     prompt = list(oracle("tiny-trained")["prompt_ids"])
-    steps = []
-    call = DeviceDecodeStep.__call__
-    monkeypatch.setattr(DeviceDecodeStep, "__call__", lambda self, *a: steps.append(1) or call(self, *a))
+    assert len(prompt) > decode_graph.TURNS
+    events = []  # "q": a forward queued, "w": the host waits for one
+    enqueue, complete = DeviceDecodeStep._enqueue, DeviceDecodeStep.complete
+    monkeypatch.setattr(DeviceDecodeStep, "_enqueue", lambda self, *a, **k: events.append("q") or enqueue(self, *a,
+                                                                                                          **k))
+    monkeypatch.setattr(DeviceDecodeStep, "complete", lambda self, *a: events.append("w") or complete(self, *a))
+    step = dev._decode_step()
+    heads, lm_head = [], step.lm_head.enqueue
+    step.lm_head.enqueue = lambda: heads.append(1) or lm_head()
     want_cache, got_cache = ref.new_cache(), dev.new_cache()
     want = list(Generator(ref, (), use_mtp=mtp).generate(prompt, 12, Sampler(SamplingParams()), want_cache))
     stream = Generator(dev, (), use_mtp=mtp, step_prefill=len(prompt)).generate(prompt, 12, Sampler(SamplingParams()),
                                                                                 got_cache)
     got = [next(stream)]
-    assert len(steps) == len(prompt) - 1  # the prompt's first token: a one-row forward of an empty cache
+    # the prompt's first token: a one-row forward of an empty cache; the rest queued TURNS ahead of the host's waits
+    steps = len(prompt) - 1
+    assert events[:steps + steps] == ["q"] * decode_graph.TURNS + ["w", "q"] * (steps - decode_graph.TURNS) + [
+        "w"] * decode_graph.TURNS
+    assert len(heads) == 1  # the lm_head of the prompt's last token only
     assert got + list(stream) == want
     assert_same_rows((want_cache, got_cache))
-    steps.clear()
+    routes = dev.route_hook.seen[:]
+    one_forward_per_token(monkeypatch)
+    dev.route_hook.seen.clear()
+    one_cache = dev.new_cache()
+    generator = Generator(dev, (), use_mtp=mtp, step_prefill=len(prompt))
+    one = list(generator.generate(prompt, 12, Sampler(SamplingParams()), one_cache))
+    assert one == want and dev.route_hook.seen == routes
+    assert_identical_rows((one_cache, got_cache))
+    events.clear()
     list(Generator(dev, (), use_mtp=mtp, step_prefill=len(prompt) - 1).generate(prompt, 1, Sampler(SamplingParams())))
-    assert steps == []  # one token past the limit: one batched forward
+    assert events == []  # one token past the limit: one batched forward
+
+
+def test_queued_prompt_matches_one_step_per_token(snapshots, kernels, monkeypatch):
+    """`prefill_on_step` queued gives bit for bit the logits, the hidden rows and the cache rows of one step per
+    token: after a batched prefix, across the growth of the cache arrays (capacity 256) and of the step's per-key
+    scratch with forwards in flight, and from an empty cache. A failure with forwards in flight leaves the cache
+    as it was before the prompt."""
+    engine = Engine(snapshots("tiny-bf16", "q4"), "numpy", load_tokenizer=False)
+    monkeypatch.setattr(decode_graph, "INITIAL_KEYS", 16)
+    _, dev = models(engine, kernels)
+    rng = np.random.default_rng(5)
+    vocab = engine.config.vocab_size
+    cases = [(rng.integers(0, vocab, 240), rng.integers(0, vocab, 30)), ((), rng.integers(0, vocab, 40))]
+    queued = [[] for _ in cases]
+    for case, (prefix, ids) in enumerate(cases):
+        with monkeypatch.context() as patch:
+            for mode in ("queued", "one"):
+                if mode == "one":
+                    one_forward_per_token(patch)
+                cache = dev.new_cache()
+                if len(prefix):
+                    dev.forward(np.asarray(prefix), cache)
+                logits, hidden = dev.prefill_on_step(np.asarray(ids), cache)
+                queued[case].append((logits, hidden, cache))
+    for (logits, hidden, cache), (want_logits, want_hidden, want_cache) in queued:
+        assert np.array_equal(logits, want_logits) and np.array_equal(hidden, want_hidden)
+        assert cache.length == want_cache.length
+        assert_identical_rows((want_cache, cache))
+    assert queued[0][0][2].length == 270 and hidden.shape == (40, engine.config.hidden_size)
+    cache = dev.new_cache()
+    dev.forward(np.arange(5), cache)
+    enqueue, calls = DeviceDecodeStep._enqueue, []
+
+    def fail(self, *a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("device lost")
+        return enqueue(self, *a, **k)
+
+    monkeypatch.setattr(DeviceDecodeStep, "_enqueue", fail)
+    with pytest.raises(RuntimeError, match="device lost"):
+        dev.prefill_on_step(np.arange(6, 12), cache)
+    assert [layer.length for layer in cache.layers[:-1]] == [5] * engine.config.num_hidden_layers

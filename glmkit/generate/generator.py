@@ -13,9 +13,10 @@ advance) and queues its forward before the host sees it (`GlmMoeDsaModel.pipelin
 and the same cache at the end. A sampler that needs the logits on the host (a constraint, penalties or biases,
 logprobs) decodes one token at a time.
 
-A short prompt (piece) on such a backend is prefilled one token at a time through the decode step as well
-(`forward_prompt`): a batched forward of a few rows dequantizes each expert it routes to for a few rows, which
-costs more than reading them as the step does, token by token.
+A short prompt (piece) on such a backend is prefilled one token per forward through the decode step as well
+(`forward_prompt`), its forwards queued back to back and only the last one's logits computed: a batched forward of
+a few rows dequantizes each expert it routes to for a few rows, which costs more than reading them as the step
+does, token by token.
 """
 
 from __future__ import annotations
@@ -33,21 +34,17 @@ from glmkit.model.kv_cache import KVCache
 MTP_PROBE_DRAFTS = 16  # drafts after which a generation compares its acceptance with the model's break-even
 PREFILL_CHUNK = 2048  # prompt tokens per forward: a long prompt's temporaries stay those of one chunk
 DECODE_RESERVE = 4096  # KV rows made room for after the prompt, at most
-STEP_PREFILL_ROWS = 48  # prompt pieces up to this many tokens go through the decode step one token at a time
+STEP_PREFILL_ROWS = 48  # prompt pieces up to this many tokens go through the decode step one token per forward
 
 
 def forward_prompt(model: GlmMoeDsaModel, ids: np.ndarray, cache: KVCache, step_rows: int = STEP_PREFILL_ROWS
                    ) -> tuple[np.ndarray, np.ndarray]:
     """Prompt tokens `ids [S]` appended at `cache.length..`: (the last position's logits `[1, V]`, hidden `[S, H]`
-    after the final norm). Up to `step_rows` tokens run one at a time where single tokens run as the device decode
-    step (the first of an empty cache as a one-row forward), else one batched forward."""
+    after the final norm). Up to `step_rows` tokens run one token per forward where single tokens run as the device
+    decode step, queued back to back (`GlmMoeDsaModel.prefill_on_step`), else one batched forward."""
     if not 1 < len(ids) <= step_rows or not model.decodes_on_device():
         return model.forward(ids, cache, last_logits_only=True)
-    hidden = []
-    for token in ids:
-        logits, h = model.forward(token[None], cache)  # [1, V], [1, H]
-        hidden.append(h)
-    return logits, np.concatenate(hidden)
+    return model.prefill_on_step(ids, cache)
 
 
 def prefill_part(model: GlmMoeDsaModel, prompt_ids: Sequence[int], end: int, cache: KVCache, use_mtp: bool,

@@ -177,6 +177,11 @@ class DecodeStep(Protocol):
         `cache.length`: (logits `[R, V]`, hidden `[R, H]` after the final norm, the routes)."""
         ...
 
+    def prompt(self, cache: KVCache, token_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray, Routes] | None:
+        """Append `token_ids [S]` one forward each, queued without waiting for each other's results, the lm_head
+        for the last only: (its logits `[1, V]`, hidden `[S, H]`, the routes); None where not supported."""
+        ...
+
     def pipeline(self, token: int, cache: KVCache, embed_of: Callable[[int], np.ndarray],
                  draws: TokenDraws | None = None, on_routes: Callable[[Routes], None] | None = None
                  ) -> PipelinedDecode | None:

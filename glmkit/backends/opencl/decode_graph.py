@@ -79,6 +79,7 @@ MAX_TOPK = 64  # experts one token routes to, for the slot placement (MAX_TOPK i
 SAMPLE_CANDIDATES = 1024  # the most candidates sample_token sorts (SAMPLE_CANDIDATES in sample.cl)
 FALLBACK_SHARE = 8  # a sampled pipeline gives way to the host path once over 1 in 8 tokens were the host's choice
 ID_SLOTS = 32  # routed-id buffers per MoE layer, used in turn by successive tokens: the watcher's callbacks may lag
+TURNS = 4  # forwards queued at once, each with buffers of its own (a pipeline alternates two, a prompt uses all)
 INITIAL_KEYS = 1024  # keys the per-key scratch buffers hold at first (they double as the context grows)
 KEY_GROUP = 16  # work-group size of the kernels with one work-item per key
 NO_STAGE = 0xFFFFFFFF  # token_rows: no staging copy of the cache rows (decode.cl)
@@ -269,16 +270,16 @@ class DeviceDecodeStep:
             return self.buffers.array(rows * count, dtype)
 
         self.x, self.u, self.ffn, self.ffn_part = new(h), new(h), new(h), new(h)
-        # per token parity (one token may be in flight while the next is queued): cos/sin, the token the device
-        # chose and whether the host must choose instead (1: sample_token could not decide)
-        self.cs = [new(rope), new(rope)]
-        self.token_ids = [self.buffers.array(2, np.uint32), self.buffers.array(2, np.uint32)]
-        # discrete devices, per parity: every layer's new cache rows ([kv_lat | k_rot | index_k], token_rows writes
+        # per turn (forwards queued while earlier ones run, `TURNS`): cos/sin, the token the device chose (or the
+        # host wrote for it to look up) and whether the host must choose instead (1: sample_token could not decide)
+        self.cs = [new(rope) for _ in range(TURNS)]
+        self.token_ids = [self.buffers.array(2, np.uint32) for _ in range(TURNS)]
+        # discrete devices, per turn: every layer's new cache rows ([kv_lat | k_rot | index_k], token_rows writes
         # them) for one read back, and the (cache, position) they belong to until `_collect` stores them there
         self.stage_fields = {"kv_lat": kvl, "k_rot": rope, "index_k": cfg.index_head_dim}  # name -> width
         self.stage_width = sum(self.stage_fields.values())
-        self.row_stage = [self.buffers.array(cfg.num_hidden_layers * self.stage_width) for _ in range(2)]
-        self.staged: list[tuple[KVCache, int] | None] = [None, None]
+        self.row_stage = [self.buffers.array(cfg.num_hidden_layers * self.stage_width) for _ in range(TURNS)]
+        self.staged: list[tuple[KVCache, int] | None] = [None] * TURNS
         self._cs_users: list[Launch] = []  # every launch that reads the position's cos/sin (its argument `cs`)
         self.q_a, self.q_lat = new(cfg.q_lora_rank), new(cfg.q_lora_rank)
         # int8 codes of the normed inputs, written by the norms themselves for the int8-input products
@@ -313,6 +314,10 @@ class DeviceDecodeStep:
         for spec in self.specs:
             self.layers.append(self._bind_layer(spec))
         self.final_norm = self._norm(self.x, self.ffn_out, final_norm_spec(cfg), self.hidden, h, self.hidden_x8)
+        # a prompt's token before its last: the final norm into its row of the prompt's hidden states (`prompt`), no
+        # lm_head after it (y and y_off set per token)
+        self.kept_norm = self._norm(self.x, self.ffn_out, final_norm_spec(cfg), self.hidden, h)
+        self.kept: DeviceArray | None = None  # those hidden states `[S - 1, H]`, grown as needed
         (self.lm_head,) = self._matvec(self._matrix(LM_HEAD), self.hidden, self.logits, quantized=self.hidden_x8)
         self.argmax = kernels.bind("argmax_row", (self.red,), (self.red,), x=self.logits.buffer,
                                    n=self.logits.host.size // rows, token=self.token_ids[0].buffer)
@@ -324,7 +329,7 @@ class DeviceDecodeStep:
         self.sample_scratch: SampleScratch | None = None  # the buffers of SampledChoice (made on first use)
         self.watcher: RouteWatcher | None = None  # see watch_routes
         self.tokens = 0  # tokens enqueued: token n's routed ids go to slot n % ID_SLOTS
-        self.slot_of = [0, 0]  # per token parity: the id slot of the last token of that parity
+        self.slot_of = [0] * TURNS  # per turn: the id slot of the last token queued at that turn
 
     # ---- building ----------------------------------------------------------------------------------
 
@@ -405,7 +410,7 @@ class DeviceDecodeStep:
                                           width=width, n_half=self.specs[0].attention.rope // 2, per_cs=rows))
 
     def _reads_cs(self, launch: Launch) -> Launch:
-        """Record that `launch` reads the cos/sin buffer (its argument `cs`, set per token parity)."""
+        """Record that `launch` reads the cos/sin buffer (its argument `cs`, set per turn)."""
         self._cs_users.append(launch)
         return launch
 
@@ -821,18 +826,18 @@ class DeviceDecodeStep:
         allowed[self.masked] = 0
         self.buffers.to_device(self.scratch["allowed"])
 
-    def complete(self, event, parity: int) -> None:
-        """Wait for the token of this parity (`event`: `_enqueue`'s), then store its cache rows (`_collect`)."""
+    def complete(self, event, turn: int) -> None:
+        """Wait for the token of this turn (`event`: `_enqueue`'s), then store its cache rows (`_collect`)."""
         event.wait()
-        self._collect(parity)
+        self._collect(turn)
 
-    def _collect(self, parity: int) -> None:
-        """Discrete devices: copy the rows the token of this parity staged (read back with it) into its host cache."""
-        staged, self.staged[parity] = self.staged[parity], None
+    def _collect(self, turn: int) -> None:
+        """Discrete devices: copy the rows the token of this turn staged (read back with it) into its host cache."""
+        staged, self.staged[turn] = self.staged[turn], None
         if staged is None:
             return
         cache, pos = staged
-        rows = self.row_stage[parity].host.reshape(len(self.layers), self.stage_width)
+        rows = self.row_stage[turn].host.reshape(len(self.layers), self.stage_width)
         for i, layer in enumerate(self.layers):
             kv, start = cache.layer(i), 0
             for name, width in self.stage_fields.items():
@@ -848,6 +853,49 @@ class DeviceDecodeStep:
         rows = self.rows
         return (self.logits.host.reshape(rows, -1).copy(), self.hidden.host.reshape(rows, -1).copy(),
                 self.routes(0))
+
+    def prompt(self, cache: KVCache, token_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray, list] | None:
+        """Append the tokens `token_ids [S]` at `cache.length..`, one forward each, queued back to back: the host
+        writes each token's id for the device's embedding lookup and waits only for the forward TURNS before it, whose
+        buffers the next one takes. Only the last token runs the lm_head; the others' hidden states go to `kept`,
+        read back once. Returns (the last token's logits `[1, V]`, hidden `[S, H]`, the routes of every token in
+        order), each token's as `__call__` gives them for the same token; None where the device cannot look the
+        embeddings up (or the step has several rows)."""
+        if self.embed is None or self.rows > 1 or not len(token_ids):
+            return None
+        self.settle()
+        n, h, start = len(token_ids), self.cfg.hidden_size, cache.length
+        if n > 1 and (self.kept is None or self.kept.host.size < (n - 1) * h):
+            self.kept = self.buffers.array((n - 1) * h)
+        queued: deque[tuple[Any, int]] = deque()  # (event, turn) of each forward in flight, oldest first
+        routes: list = []
+
+        def finish_oldest() -> None:
+            event, turn = queued.popleft()
+            self.complete(event, turn)
+            routes.extend(self.routes(turn))
+
+        try:
+            for i, token in enumerate(token_ids):
+                if len(queued) == TURNS:  # this forward takes the turn of the oldest one in flight
+                    finish_oldest()
+                turn = i % TURNS
+                queued.append((self._enqueue(cache, turn, None, token=int(token), kept_row=i if i < n - 1 else None),
+                               turn))
+            while queued:
+                finish_oldest()
+            hidden = np.empty((n, h), np.float32)
+            kept = self.kept.host[:(n - 1) * h] if n > 1 else None
+            if kept is not None and not self.k.direct:
+                self.buffers.download(kept, self.kept.buffer).wait()
+        except BaseException:
+            self.k.finish()
+            cache.truncate(start)
+            raise
+        if kept is not None:
+            hidden[:-1] = kept.reshape(n - 1, h)
+        hidden[-1] = self.hidden.host
+        return self.logits.host.reshape(1, -1).copy(), hidden, routes
 
     def verify(self, cache: KVCache, embed: np.ndarray, choose: bool
                ) -> tuple[np.ndarray, np.ndarray, list, tuple[np.ndarray, np.ndarray] | None]:
@@ -887,12 +935,12 @@ class DeviceDecodeStep:
         if self.k.direct:
             self.watcher = RouteWatcher(self.k, hook)
 
-    def routes(self, parity: int) -> list[tuple[int, np.ndarray]]:
-        """`(layer, expert ids [rows, k])` of every main MoE layer, as the token rows of this parity routed them; []
+    def routes(self, turn: int) -> list[tuple[int, np.ndarray]]:
+        """`(layer, expert ids [rows, k])` of every main MoE layer, as the token rows of this turn routed them; []
         over an expert cache (it saw them as they happened)."""
         if self.experts is not None:
             return []
-        slot = self.slot_of[parity]
+        slot = self.slot_of[turn]
         return [(i, layer.ids[slot].host.reshape(self.rows, -1).astype(np.int64))
                 for i, layer in enumerate(self.layers) if layer.route is not None]
 
@@ -901,7 +949,7 @@ class DeviceDecodeStep:
         if self.owner is not None:
             self.owner.suspend()
 
-    def _queue_layer(self, i: int, layer: _Layer, kv, pos: int, keys: int, slot: int, parity: int) -> Any:
+    def _queue_layer(self, i: int, layer: _Layer, kv, pos: int, keys: int, slot: int, turn: int) -> Any:
         """Queue decoder layer i's launches (its cache rows `kv`) for the token rows at pos.. of `keys` keys in all;
         returns the event of its last launch."""
         n_rows, scored = self.rows, keys > self.topk
@@ -923,7 +971,7 @@ class DeviceDecodeStep:
             if layer.store is None:
                 layer.rows.set(index_k=index_k)
         if not self.k.direct:
-            layer.rows.set(stage=self.row_stage[parity].buffer)
+            layer.rows.set(stage=self.row_stage[turn].buffer)
             kv.edited_from = kv.length  # the host gets this row with the others (`_collect`)
         for launch in layer.head:
             launch.enqueue()
@@ -956,28 +1004,28 @@ class DeviceDecodeStep:
                     event = launch.enqueue()
         return event
 
-    def _place_rows(self, pos: int, parity: int) -> None:
-        """Make ready for the token rows at pos..: scratch for their keys, their cos/sin (`cs[parity]`, set on every
+    def _place_rows(self, pos: int, turn: int) -> None:
+        """Make ready for the token rows at pos..: scratch for their keys, their cos/sin (`cs[turn]`, set on every
         launch that reads them) and, with several rows where the indexer selects, the causal mask."""
         keys = pos + self.rows
         self._grow(keys)
         attention = self.specs[0].attention  # every layer's RoPE is the same (`check_bindable`)
         cos, sin = rope_cos_sin(np.arange(pos, keys), attention.rope, attention.rope_theta)
-        self.cs[parity].host[:] = np.concatenate([cos, sin], axis=1).reshape(-1)
-        self.buffers.to_device(self.cs[parity])  # the last token of this parity has finished: its copy was done
-        cs = self.cs[parity].buffer
+        self.cs[turn].host[:] = np.concatenate([cos, sin], axis=1).reshape(-1)
+        self.buffers.to_device(self.cs[turn])  # the last token of this turn has finished: its copy was done
+        cs = self.cs[turn].buffer
         for launch in self._cs_users:
             launch.set(cs=cs)
         if keys > self.topk and self.rows > 1:
             self._mask_causal(keys)
 
-    def _next_slot(self, parity: int) -> int:
-        """The routed-id slot of the forward queued next at this parity."""
-        slot = self.slot_of[parity] = self.tokens % ID_SLOTS
+    def _next_slot(self, turn: int) -> int:
+        """The routed-id slot of the forward queued next at this turn."""
+        slot = self.slot_of[turn] = self.tokens % ID_SLOTS
         self.tokens += 1
         return slot
 
-    def _queue_draft(self, cache: KVCache, pos: int, slot: int, parity: int, choose: bool) -> Any:
+    def _queue_draft(self, cache: KVCache, pos: int, slot: int, turn: int, choose: bool) -> Any:
         """Queue MTP's draft of the token rows at pos.. (`_Draft`; the MTP layer's rows are appended there): from
         the greedy tokens of the verification's logits (`choose`), else from the tokens the host wrote in
         `verified`. Returns the event of its last launch."""
@@ -992,18 +1040,20 @@ class DeviceDecodeStep:
         d.lookup.enqueue()
         for launch in d.head:
             launch.enqueue()
-        event = self._queue_layer(layer, d.layer, kv, pos, pos + self.rows, slot, parity)
+        event = self._queue_layer(layer, d.layer, kv, pos, pos + self.rows, slot, turn)
         for launch in d.tail:
             event = launch.enqueue()
         return event
 
-    def _enqueue(self, cache: KVCache, parity: int, embed: np.ndarray | None, choice: TokenChoice | None = None,
-                 draft: bool = False):
+    def _enqueue(self, cache: KVCache, turn: int, embed: np.ndarray | None, choice: TokenChoice | None = None,
+                 draft: bool = False, token: int | None = None, kept_row: int | None = None):
         """Queue one token's forward at position `cache.length`; returns the event of its last launch.
 
         embed: its embedding row `[H]`, written by the host (nothing may be in flight), or None: the embedding of
-        the token the device chose at the other parity, looked up on the device. choice: also choose the next
-        token on the device (into `token_ids[parity]`). draft: MTP's draft of the rows follows (`_queue_draft`)."""
+        `token` (the host writes it into `token_ids[turn]`: the forward queued last at this turn has finished), else
+        of the token the device chose at the other turn, looked up on the device. choice: also choose the next
+        token on the device (into `token_ids[turn]`). draft: MTP's draft of the rows follows (`_queue_draft`).
+        kept_row: the hidden state goes to this row of `kept` and no lm_head runs (a prompt's token but its last)."""
 
         cfg, n_rows = self.cfg, self.rows
         layers = range(cfg.num_hidden_layers + draft)
@@ -1015,32 +1065,40 @@ class DeviceDecodeStep:
             cache.layer(i).length + n_rows > len(cache.layer(i).storage("kv_lat")) for i in layers)
         if grows:  # the cache or the scratch is reallocated: nothing may still use the old arrays
             self.k.finish()
-            for staged in (0, 1):  # a device mirror that grows takes every row from the host again
+            for staged in range(TURNS):  # a device mirror that grows takes every row from the host again
                 self._collect(staged)
-        self._place_rows(pos, parity)
+        self._place_rows(pos, turn)
         if embed is not None:
             self.x.host[:] = embed.reshape(-1)
             self.buffers.to_device(self.x)
-        slot = self._next_slot(parity)
+        slot = self._next_slot(turn)
         for i in range(cfg.num_hidden_layers):
             cache.layer(i).claim(n_rows)
+        if token is not None:
+            self.token_ids[turn].host[0] = token
+            self.buffers.to_device(self.token_ids[turn])
         if embed is None:
-            self.embed.set(token=self.token_ids[1 - parity].buffer)
+            self.embed.set(token=self.token_ids[turn if token is not None else 1 - turn].buffer)
             self.embed.enqueue()
         try:
             for i, layer in enumerate(self.layers):
-                event = self._queue_layer(i, layer, cache.layer(i), pos, keys, slot, parity)
-            self.final_norm.enqueue()
-            event = self.lm_head.enqueue()
+                event = self._queue_layer(i, layer, cache.layer(i), pos, keys, slot, turn)
+            if kept_row is None:
+                self.final_norm.enqueue()
+                event = self.lm_head.enqueue()
+            else:
+                self.kept_norm.set(y=self.kept.buffer, y_off=kept_row * self.cfg.hidden_size)
+                event = self.kept_norm.enqueue()
             if draft:
-                event = self._queue_draft(cache, pos, slot, parity, choose=True)
+                event = self._queue_draft(cache, pos, slot, turn, choose=True)
             if choice is not None:
-                event = choice.enqueue(parity)
+                event = choice.enqueue(turn)
             if not self.k.direct:  # what the host reads of this token, behind its kernels
-                reads = (self.token_ids[parity],) if choice is not None else (self.logits, self.hidden)
-                for a in (self.row_stage[parity], self.route_ids[slot], *reads):
+                reads = ((self.token_ids[turn],) if choice is not None else
+                         () if kept_row is not None else (self.logits, self.hidden))
+                for a in (self.row_stage[turn], self.route_ids[slot], *reads):
                     event = self.buffers.to_host(a)
-                self.staged[parity] = (cache, pos)
+                self.staged[turn] = (cache, pos)
         except BaseException:
             self.k.finish()
             cache.truncate(pos)
