@@ -225,7 +225,7 @@ def test_step_reads_experts_from_cache_slots(snapshots, direct_kernels, variant,
     misses, each layer waits for its reads) gives the logits of the step on the mapping bit for bit, across the
     indexer's switch to top-k selection, with int8 inputs and with q2's shared expert apart; where the shared
     expert lies in the arena (q4) the resident experts' launches go first, the others' once read; the cache sees
-    every routed expert once."""
+    every routed expert once. A short prompt queued on the step too."""
     kernels = in_place(direct_kernels)
     engine = Engine(snapshots(variant, preset), "numpy", load_tokenizer=False)
     cfg = engine.config
@@ -264,6 +264,10 @@ def test_step_reads_experts_from_cache_slots(snapshots, direct_kernels, variant,
     assert cache.stats.misses > cache.stats.hits and cache.stats.evictions > 0
     # q4: the resident experts' launches, then the others' (q2's shared expert apart: all at once)
     assert len(places) == (len(tokens) * moe_layers if preset == "q4" else 0)
+    # a short prompt queued on the step (`prefill_on_step`): its logits and hidden rows on the mapping bit for bit
+    more = ids[topk + 5:topk + 11]
+    queued = [model.prefill_on_step(more, c) for model, c in zip((mapped, cached), caches, strict=True)]
+    assert np.array_equal(queued[0][0], queued[1][0]) and np.array_equal(queued[0][1], queued[1][1])
     cache.close()
 
 

@@ -125,7 +125,7 @@ def worker_glmkit(spec: dict) -> dict:
     for key, values in speeds.items():
         result[f"decode_tok_s_{key}"] = statistics.median(values)
         result[f"decode_tok_s_{key}_rounds"] = values
-    if spec.get("short_prompt"):  # TTFT of a short prompt: one token at a time on the step, or one batched forward
+    if spec.get("short_prompt"):  # TTFT of a short prompt: one token per step (queued), or one batched forward
         short = token_ids(spec["short_prompt"], vocab, 2)
         ttft: dict[str, list[float]] = {"step": [], "batch": []}
         for _ in range(spec.get("mtp_rounds", 1)):
@@ -483,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
     for device, row in table.items():
         if row.get("ttft_short_step_s"):
             text += (f"\n- {device}: TTFT of a {args.short_prompt}-token prompt {row['ttft_short_step_s']:.3f} s one "
-                     f"token at a time on the decode step, {row['ttft_short_batch_s']:.3f} s as one batched forward")
+                     f"token per forward on the decode step (queued), {row['ttft_short_batch_s']:.3f} s as one batched forward")
     print(text)
     if args.md:
         args.md.write_text(text + "\n")
