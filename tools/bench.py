@@ -483,7 +483,8 @@ def main(argv: list[str] | None = None) -> int:
     for device, row in table.items():
         if row.get("ttft_short_step_s"):
             text += (f"\n- {device}: TTFT of a {args.short_prompt}-token prompt {row['ttft_short_step_s']:.3f} s one "
-                     f"token per forward on the decode step (queued), {row['ttft_short_batch_s']:.3f} s as one batched forward")
+                     f"token per forward on the decode step (queued), {row['ttft_short_batch_s']:.3f} s as one "
+                     "batched forward")
     print(text)
     if args.md:
         args.md.write_text(text + "\n")

@@ -39,7 +39,13 @@ between tokens. The token is the argmax (`ArgmaxChoice`, greedy) or drawn with t
 a uniform the host drew in advance from its sampler's seeded stream (`SampledChoice`, sample.cl: the host's token
 for the same seed; where the device cannot decide within float64 rounding, the host chooses from the logits and
 the forward queued after it is redone). Buffers that a queued token and the one in flight would share are kept
-per token parity (the routed expert ids: per token, in ID_SLOTS turns, for the route watcher).
+per turn (TURNS of them, of which a pipeline alternates two, its token parity; the routed expert ids: per token,
+in ID_SLOTS turns, for the route watcher).
+
+A short prompt's tokens (`prompt`) are forwards of the step too, queued back to back: the host writes each token's
+id for the device's embedding lookup and waits only for the forward TURNS before it, whose turn the next one
+takes; the tokens before the last skip the lm_head, their final norm writing their row of the prompt's hidden
+states (read back once).
 """
 
 from __future__ import annotations
