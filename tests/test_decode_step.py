@@ -606,7 +606,7 @@ def test_queued_prompt_matches_one_step_per_token(snapshots, kernels, monkeypatc
     """`prefill_on_step` queued gives bit for bit the logits, the hidden rows and the cache rows of one step per
     token: after a batched prefix, across the growth of the cache arrays (capacity 256) and of the step's per-key
     scratch with forwards in flight, and from an empty cache. A failure with forwards in flight leaves the cache
-    as it was before the prompt."""
+    as it was before the prompt, and nothing they staged is stored later (a discrete device)."""
     engine = Engine(snapshots("tiny-bf16", "q4"), "numpy", load_tokenizer=False)
     monkeypatch.setattr(decode_graph, "INITIAL_KEYS", 16)
     _, dev = models(engine, kernels)
@@ -629,6 +629,7 @@ def test_queued_prompt_matches_one_step_per_token(snapshots, kernels, monkeypatc
         assert cache.length == want_cache.length
         assert_identical_rows((want_cache, cache))
     assert queued[0][0][2].length == 270 and hidden.shape == (40, engine.config.hidden_size)
+    _, dev = models(engine, kernels)  # a new step: its scratch holds 16 keys
     cache = dev.new_cache()
     dev.forward(np.arange(5), cache)
     enqueue, calls = DeviceDecodeStep._enqueue, []
@@ -643,3 +644,10 @@ def test_queued_prompt_matches_one_step_per_token(snapshots, kernels, monkeypatc
     with pytest.raises(RuntimeError, match="device lost"):
         dev.prefill_on_step(np.arange(6, 12), cache)
     assert [layer.length for layer in cache.layers[:-1]] == [5] * engine.config.num_hidden_layers
+    monkeypatch.setattr(DeviceDecodeStep, "_enqueue", enqueue)
+    clean = dev.new_cache()
+    dev.forward(np.arange(5), clean)
+    for c in (cache, clean):  # past the scratch's growth (16 keys), where every turn's staged rows are stored
+        for token in range(20, 32):
+            dev.forward(np.array([token]), c)
+    assert_identical_rows((clean, cache))

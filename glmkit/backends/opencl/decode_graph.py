@@ -896,6 +896,7 @@ class DeviceDecodeStep:
                 self.buffers.download(kept, self.kept.buffer).wait()
         except BaseException:
             self.k.finish()
+            self.staged = [None] * TURNS  # the rows staged by the forwards in flight are dropped with them
             cache.truncate(start)
             raise
         if kept is not None:
