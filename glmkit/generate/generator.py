@@ -92,7 +92,8 @@ class Generator:
         last, the cache then holding `prompt_ids[:cache.length]` (glm-run stores them in the prefix cache, so that a
         long prefill killed half way resumes there); pipelined: False decodes one token at a time even where the
         device could choose the tokens (the same tokens; tools/bench_sampling.py compares the two); step_prefill:
-        prompt pieces up to this many tokens run one token at a time on the decode step (`forward_prompt`; 0: never)."""
+        prompt pieces up to this many tokens run one token per forward on the decode step (`forward_prompt`; 0:
+        never)."""
         self.model = model
         self.pipelined = pipelined
         self.prefill_chunk = prefill_chunk

@@ -187,7 +187,8 @@ class GlmMoeDsaModel:
         """Append `token_ids [S]` at `cache.length..` one token per device decode step (`decodes_on_device`; the
         first of an empty cache as a one-row forward): queued back to back, the lm_head for the last token only,
         where the step looks embeddings up itself (`DecodeStep.prompt`), else one `forward` each. Returns (the last
-        position's logits `[1, V]`, hidden `[S, H]` after the final norm), as `forward` of one token at a time."""
+        position's logits `[1, V]`, hidden `[S, H]` after the final norm), bit for bit those of one `forward` per
+        token."""
         hidden = []
         if cache.length == 0:
             logits, first = self.forward(token_ids[:1], cache)
