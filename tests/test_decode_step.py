@@ -544,12 +544,6 @@ def test_routes_watched_as_they_happen(snapshots, direct_kernels, monkeypatch):
     assert not Engine(snap, "opencl", load_tokenizer=False, expert_cache=0, prefetch=False).model.step_route_hook
 
 
-def one_forward_per_token(monkeypatch) -> None:
-    """The step refuses to queue a prompt (`DeviceDecodeStep.prompt`): `prefill_on_step` then runs one `forward`
-    per token, the step's token waiting for its logits before the next is queued."""
-    monkeypatch.setattr(DeviceDecodeStep, "prompt", lambda self, cache, token_ids: None)
-
-
 def assert_identical_rows(caches) -> None:
     """Every layer's cache rows (the MTP layer's too) bit for bit alike."""
     for a, b in zip(caches[0].layers, caches[1].layers, strict=True):
@@ -564,7 +558,7 @@ def test_short_prompts_are_prefilled_on_the_step(snapshots, kernels, monkeypatch
     one-row forward), the steps queued back to back and only the last one's lm_head run; a longer one as one batched
     forward. The same greedy tokens as NumPy with and without MTP (whose catch-up takes the step's hidden rows), KV
     rows within f32 noise of NumPy's, and the same tokens, the same routes and bit for bit the same cache rows (the
-    MTP layer's too) as one step per token waiting for its logits."""
+    MTP layer's too) as one step per token waiting for its logits (`queue_prompt=False`)."""
     engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
     ref, dev = models(engine, kernels)
     prompt = list(oracle("tiny-trained")["prompt_ids"])
@@ -590,12 +584,15 @@ def test_short_prompts_are_prefilled_on_the_step(snapshots, kernels, monkeypatch
     assert got + list(stream) == want
     assert_same_rows((want_cache, got_cache))
     routes = dev.route_hook.seen[:]
-    one_forward_per_token(monkeypatch)
     dev.route_hook.seen.clear()
     one_cache = dev.new_cache()
-    generator = Generator(dev, (), use_mtp=mtp, step_prefill=len(prompt))
-    one = list(generator.generate(prompt, 12, Sampler(SamplingParams()), one_cache))
-    assert one == want and dev.route_hook.seen == routes
+    generator = Generator(dev, (), use_mtp=mtp, step_prefill=len(prompt), queue_prompt=False)
+    events.clear()
+    heads.clear()
+    stream = generator.generate(prompt, 12, Sampler(SamplingParams()), one_cache)
+    one = [next(stream)]
+    assert events[:steps + steps] == ["q", "w"] * steps and len(heads) == steps  # each forward waited for
+    assert one + list(stream) == want and dev.route_hook.seen == routes
     assert_identical_rows((one_cache, got_cache))
     events.clear()
     list(Generator(dev, (), use_mtp=mtp, step_prefill=len(prompt) - 1).generate(prompt, 1, Sampler(SamplingParams())))
@@ -604,8 +601,9 @@ def test_short_prompts_are_prefilled_on_the_step(snapshots, kernels, monkeypatch
 
 def test_queued_prompt_matches_one_step_per_token(snapshots, kernels, monkeypatch):
     """`prefill_on_step` queued gives bit for bit the logits, the hidden rows and the cache rows of one step per
-    token: after a batched prefix, across the growth of the cache arrays (capacity 256) and of the step's per-key
-    scratch with forwards in flight, and from an empty cache. A failure with forwards in flight leaves the cache
+    token waiting for its logits (`queued=False`; as where the step cannot look embeddings up: `prompt` refuses):
+    after a batched prefix, across the growth of the cache arrays (capacity 256) and of the step's per-key scratch
+    with forwards in flight, and from an empty cache. A failure with forwards in flight leaves the cache
     as it was before the prompt, and nothing they staged is stored later (a discrete device)."""
     engine = Engine(snapshots("tiny-bf16", "q4"), "numpy", load_tokenizer=False)
     monkeypatch.setattr(decode_graph, "INITIAL_KEYS", 16)
@@ -617,12 +615,12 @@ def test_queued_prompt_matches_one_step_per_token(snapshots, kernels, monkeypatc
     for case, (prefix, ids) in enumerate(cases):
         with monkeypatch.context() as patch:
             for mode in ("queued", "one"):
-                if mode == "one":
-                    one_forward_per_token(patch)
+                if mode == "one" and case:
+                    patch.setattr(DeviceDecodeStep, "prompt", lambda self, cache, token_ids: None)
                 cache = dev.new_cache()
                 if len(prefix):
                     dev.forward(np.asarray(prefix), cache)
-                logits, hidden = dev.prefill_on_step(np.asarray(ids), cache)
+                logits, hidden = dev.prefill_on_step(np.asarray(ids), cache, queued=mode == "queued" or case > 0)
                 queued[case].append((logits, hidden, cache))
     for (logits, hidden, cache), (want_logits, want_hidden, want_cache) in queued:
         assert np.array_equal(logits, want_logits) and np.array_equal(hidden, want_hidden)

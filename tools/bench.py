@@ -125,16 +125,19 @@ def worker_glmkit(spec: dict) -> dict:
     for key, values in speeds.items():
         result[f"decode_tok_s_{key}"] = statistics.median(values)
         result[f"decode_tok_s_{key}_rounds"] = values
-    if spec.get("short_prompt"):  # TTFT of a short prompt: one token per step (queued), or one batched forward
+    if spec.get("short_prompt"):  # TTFT of a short prompt: one token per step, queued or each waiting; or batched
         short = token_ids(spec["short_prompt"], vocab, 2)
-        ttft: dict[str, list[float]] = {"step": [], "batch": []}
+        ttft: dict[str, list[float]] = {"step": [], "step_waiting": [], "batch": []}
         for _ in range(spec.get("mtp_rounds", 1)):
-            for name, rows in (("step", len(short)), ("batch", 0)):
-                gen = Generator(model, (), use_mtp=False, step_prefill=rows)
+            for name, rows, queued in (("step", len(short), True), ("step_waiting", len(short), False),
+                                       ("batch", 0, True)):
+                gen = Generator(model, (), use_mtp=False, step_prefill=rows, queue_prompt=queued)
                 list(gen.generate(short, 1, Sampler(SamplingParams())))
                 ttft[name].append(gen.stats.ttft_s)
         for name, values in ttft.items():
             result[f"ttft_short_{name}_s"] = statistics.median(values)
+        # the queued step over the waiting one, per round (alternated: a change of load hits both alike)
+        result["ttft_short_queued_ratios"] = [q / w for q, w in zip(ttft["step"], ttft["step_waiting"], strict=True)]
     if spec.get("context"):
         gen = Generator(model, (), use_mtp=False)
         list(gen.generate(token_ids(spec["context"], vocab, 1), CONTEXT_DECODE + 1, Sampler(SamplingParams())))
@@ -284,9 +287,11 @@ def summarize(results: dict[str, list[dict]], bytes_per_token: int, bandwidth: f
             row["device"] = ok[0]["device"]
             for key in ("prefill_256_tok_s", "prefill_1024_tok_s", "ttft_s_mtp_off", "decode_tok_s_mtp_off",
                         "decode_tok_s_mtp_on", "mtp_acceptance", "peak_rss_decode_mtp_off", "baseline_rss",
-                        "kv_bytes_mtp_off", "decode_tok_s_context", "ttft_short_step_s", "ttft_short_batch_s"):
+                        "kv_bytes_mtp_off", "decode_tok_s_context", "ttft_short_step_s", "ttft_short_step_waiting_s",
+                        "ttft_short_batch_s"):
                 row[key] = median(ok, key)
             row["all_decode_tok_s_mtp_off"] = [round(r["decode_tok_s_mtp_off"], 2) for r in ok]
+            row["ttft_short_queued_ratios"] = [x for r in ok for x in r.get("ttft_short_queued_ratios", ())]
             # MTP on over off per alternation (each on-decode beside the off-decode just before it)
             row["mtp_round_ratios"] = [round(on / off, 3) for r in ok for off, on in
                                        zip(r.get("decode_tok_s_mtp_off_rounds", ()),
@@ -418,7 +423,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mtp-rounds", type=int, default=1, help="decode MTP off, then on, this many times per run "
                                                              "(medians; default %(default)s)")
     p.add_argument("--short-prompt", type=int, default=0, help="glmkit rows: also the TTFT of a prompt of this many "
-                                                               "tokens prefilled on the decode step and as one "
+                                                               "tokens prefilled on the decode step (its forwards "
+                                                               "queued, and each waiting for its logits) and as one "
                                                                "batched forward, alternately (--mtp-rounds times)")
     args = p.parse_args(argv)
     if args.worker:
@@ -482,9 +488,11 @@ def main(argv: list[str] | None = None) -> int:
     text = markdown(table, meta) + "\n\n" + "\n".join(f"- {line}" for line in ratios(table))
     for device, row in table.items():
         if row.get("ttft_short_step_s"):
+            ratios_short = sorted(round(x, 3) for x in row["ttft_short_queued_ratios"])
             text += (f"\n- {device}: TTFT of a {args.short_prompt}-token prompt {row['ttft_short_step_s']:.3f} s one "
-                     f"token per forward on the decode step (queued), {row['ttft_short_batch_s']:.3f} s as one "
-                     "batched forward")
+                     f"token per forward on the decode step queued, {row['ttft_short_step_waiting_s']:.3f} s each "
+                     f"waiting for its logits, {row['ttft_short_batch_s']:.3f} s as one batched forward; queued over "
+                     f"waiting per round {statistics.median(ratios_short):.3f}x ({ratios_short[0]}-{ratios_short[-1]})")
     print(text)
     if args.md:
         args.md.write_text(text + "\n")

@@ -37,22 +37,24 @@ DECODE_RESERVE = 4096  # KV rows made room for after the prompt, at most
 STEP_PREFILL_ROWS = 48  # prompt pieces up to this many tokens go through the decode step one token per forward
 
 
-def forward_prompt(model: GlmMoeDsaModel, ids: np.ndarray, cache: KVCache, step_rows: int = STEP_PREFILL_ROWS
-                   ) -> tuple[np.ndarray, np.ndarray]:
+def forward_prompt(model: GlmMoeDsaModel, ids: np.ndarray, cache: KVCache, step_rows: int = STEP_PREFILL_ROWS,
+                   queued: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """Prompt tokens `ids [S]` appended at `cache.length..`: (the last position's logits `[1, V]`, hidden `[S, H]`
     after the final norm). Up to `step_rows` tokens run one token per forward where single tokens run as the device
-    decode step, queued back to back (`GlmMoeDsaModel.prefill_on_step`), else one batched forward."""
+    decode step, queued back to back unless not `queued` (`GlmMoeDsaModel.prefill_on_step`), else one batched
+    forward."""
     if not 1 < len(ids) <= step_rows or not model.decodes_on_device():
         return model.forward(ids, cache, last_logits_only=True)
-    return model.prefill_on_step(ids, cache)
+    return model.prefill_on_step(ids, cache, queued)
 
 
 def prefill_part(model: GlmMoeDsaModel, prompt_ids: Sequence[int], end: int, cache: KVCache, use_mtp: bool,
-                 step_rows: int = STEP_PREFILL_ROWS) -> None:
+                 step_rows: int = STEP_PREFILL_ROWS, queued: bool = True) -> None:
     """Append the prompt tokens `prompt_ids[cache.length:end]` (not its last one: no logits are made), and give the MTP
-    layer their rows too when it has kept up (drafting needs every position). step_rows: see `forward_prompt`."""
+    layer their rows too when it has kept up (drafting needs every position). step_rows, queued: see
+    `forward_prompt`."""
     start = cache.length
-    _, hidden = forward_prompt(model, np.asarray(prompt_ids[start:end], dtype=np.int64), cache, step_rows)
+    _, hidden = forward_prompt(model, np.asarray(prompt_ids[start:end], dtype=np.int64), cache, step_rows, queued)
     mtp = cache.layer(model.config.num_hidden_layers)
     if use_mtp and mtp.length == start:
         model.mtp_forward(hidden, np.asarray(prompt_ids[start + 1:end + 1], dtype=np.int64), cache)
@@ -87,17 +89,19 @@ class Generator:
 
     def __init__(self, model: GlmMoeDsaModel, eos_token_ids: tuple[int, ...] = (), use_mtp: bool = True,
                  prefill_chunk: int = PREFILL_CHUNK, checkpoint: Callable[[list[int]], None] | None = None,
-                 pipelined: bool = True, step_prefill: int = STEP_PREFILL_ROWS):
+                 pipelined: bool = True, step_prefill: int = STEP_PREFILL_ROWS, queue_prompt: bool = True):
         """prefill_chunk: prompt tokens per forward; checkpoint(prompt_ids): called after each prompt chunk but the
         last, the cache then holding `prompt_ids[:cache.length]` (glm-run stores them in the prefix cache, so that a
         long prefill killed half way resumes there); pipelined: False decodes one token at a time even where the
         device could choose the tokens (the same tokens; tools/bench_sampling.py compares the two); step_prefill:
         prompt pieces up to this many tokens run one token per forward on the decode step (`forward_prompt`; 0:
-        never)."""
+        never); queue_prompt: False waits for each of those forwards' logits before queueing the next (the same rows;
+        tools/bench.py compares the two)."""
         self.model = model
         self.pipelined = pipelined
         self.prefill_chunk = prefill_chunk
         self.step_prefill = step_prefill
+        self.queue_prompt = queue_prompt
         self.checkpoint = checkpoint
         self.eos = set(eos_token_ids)
         self.use_mtp = use_mtp and model.has_mtp
@@ -123,11 +127,11 @@ class Generator:
         chunk = self.prefill_chunk
         while len(prompt_ids) - cache.length > chunk:  # chunks end at multiples of `chunk`: the same rounding however
             prefill_part(self.model, prompt_ids, (cache.length // chunk + 1) * chunk, cache, self.use_mtp,  # it began
-                         self.step_prefill)
+                         self.step_prefill, self.queue_prompt)
             if self.checkpoint is not None:
                 self.checkpoint(prompt_ids)
         logits, hidden = forward_prompt(self.model, np.asarray(prompt_ids[cache.length:], dtype=np.int64), cache,
-                                        self.step_prefill)
+                                        self.step_prefill, self.queue_prompt)
         token = sampler(logits[-1])
         draft = None
         if self.use_mtp:

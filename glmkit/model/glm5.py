@@ -183,21 +183,22 @@ class GlmMoeDsaModel:
             self.backend.release_memory()  # a prefill's temporaries are freed; decode should not carry them
         return logits, hidden
 
-    def prefill_on_step(self, token_ids: np.ndarray, cache: KVCache) -> tuple[np.ndarray, np.ndarray]:
+    def prefill_on_step(self, token_ids: np.ndarray, cache: KVCache, queued: bool = True
+                        ) -> tuple[np.ndarray, np.ndarray]:
         """Append `token_ids [S]` at `cache.length..` one token per device decode step (`decodes_on_device`; the
         first of an empty cache as a one-row forward): queued back to back, the lm_head for the last token only,
-        where the step looks embeddings up itself (`DecodeStep.prompt`), else one `forward` each. Returns (the last
-        position's logits `[1, V]`, hidden `[S, H]` after the final norm), bit for bit those of one `forward` per
-        token."""
+        where the step looks embeddings up itself (`DecodeStep.prompt`), else (or without `queued`: tools/bench.py
+        compares the two) one `forward` each, waiting for its logits. Returns (the last position's logits `[1, V]`,
+        hidden `[S, H]` after the final norm), bit for bit those of one `forward` per token."""
         hidden = []
         if cache.length == 0:
             logits, first = self.forward(token_ids[:1], cache)
             hidden.append(first)
             token_ids = token_ids[1:]
         step = self._decode_step()
-        queued = step.prompt(cache, token_ids) if step is not None and len(token_ids) else None
-        if queued is not None:
-            logits, rows, routes = queued
+        done = step.prompt(cache, token_ids) if queued and step is not None and len(token_ids) else None
+        if done is not None:
+            logits, rows, routes = done
             self._report_routes(routes)
             return logits, np.concatenate([*hidden, rows])
         for token in token_ids:
