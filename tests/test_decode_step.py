@@ -26,7 +26,7 @@ from glmkit.generate.generator import STEP_PREFILL_ROWS, Generator
 from glmkit.generate.sampling import Sampler, SamplingParams
 from glmkit.model import expert_cache, expert_stream
 from glmkit.model.expert_cache import ExpertCache
-from glmkit.model.glm5 import GlmMoeDsaModel
+from glmkit.model.glm5 import VERIFY_ROWS, GlmMoeDsaModel
 from tests.runtime_support import FIXTURES, Snapshots, convert, copy_with_config, opencl_test_device, oracle
 from tools.quality_int8_activations import pad_experts
 
@@ -65,14 +65,18 @@ def kernels(request):
 
 
 class Routes:
-    """A route hook recording `(layer, sorted expert ids)` of single-token forwards."""
+    """A route hook recording `(layer, sorted expert ids)` of single-token forwards (`seen`), and counting those of
+    every row of forwards of up to VERIFY_ROWS rows (`rows`: a short prompt's forwards on the two-row step too)."""
 
     def __init__(self) -> None:
         self.seen: list[tuple[int, list[int]]] = []
+        self.rows: Counter = Counter()
 
     def __call__(self, layer: int, ids: np.ndarray, normed: np.ndarray | None) -> None:
         if len(ids) == 1:
             self.seen.append((layer, sorted(ids[0].tolist())))
+        if len(ids) <= VERIFY_ROWS:
+            self.rows.update((layer, tuple(sorted(row.tolist()))) for row in ids)
 
 
 def models(engine: Engine, kernels: Kernels, int8_activations: bool = False, kv_dtype: str = "f32"
@@ -367,10 +371,12 @@ def test_validate_passes_with_the_step(snapshots, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert rc == 0 and out.rstrip().endswith("PASS")
     # every greedy token after the first is decided by a device forward; pipelined, one more runs ahead; the short
-    # prompt's tokens after its first run through the step too (`forward_prompt`)
+    # prompt's tokens after its first run through the step too (`forward_prompt`), two per forward on the two-row
+    # step (an odd one first on the single-row step)
     prompt, full = oracle("tiny-bf16")["prompt_ids"], oracle("tiny-bf16")["full_ids"]
     assert len(prompt) <= STEP_PREFILL_ROWS
-    assert len(calls) == len(full) - len(prompt) + len(prompt) - 1
+    steps = len(prompt) - 1
+    assert len(calls) == len(full) - len(prompt) + (steps + steps % 2) // 2
 
 
 def test_mtp_is_off_by_default_where_verification_is_per_operation(snapshots):
@@ -568,23 +574,30 @@ def test_short_prompts_are_prefilled_on_the_step(snapshots, kernels, monkeypatch
     monkeypatch.setattr(DeviceDecodeStep, "_enqueue", lambda self, *a, **k: events.append("q") or enqueue(self, *a,
                                                                                                           **k))
     monkeypatch.setattr(DeviceDecodeStep, "complete", lambda self, *a: events.append("w") or complete(self, *a))
-    step = dev._decode_step()
-    heads, lm_head = [], step.lm_head.enqueue
-    step.lm_head.enqueue = lambda: heads.append(1) or lm_head()
+    pairs = dev._verify_step()  # direct devices: the two-row step, two prompt tokens per forward
+    heads = []  # lm_head launches of either step
+    for step in {dev._decode_step(), pairs} - {None}:
+        step.lm_head.enqueue = (lambda enqueue: lambda: heads.append(1) or enqueue())(step.lm_head.enqueue)
     want_cache, got_cache = ref.new_cache(), dev.new_cache()
     want = list(Generator(ref, (), use_mtp=mtp).generate(prompt, 12, Sampler(SamplingParams()), want_cache))
     stream = Generator(dev, (), use_mtp=mtp, step_prefill=len(prompt)).generate(prompt, 12, Sampler(SamplingParams()),
                                                                                 got_cache)
     got = [next(stream)]
     # the prompt's first token: a one-row forward of an empty cache; the rest queued TURNS ahead of the host's waits
-    steps = len(prompt) - 1
-    assert events[:steps + steps] == ["q"] * decode_graph.TURNS + ["w", "q"] * (steps - decode_graph.TURNS) + [
-        "w"] * decode_graph.TURNS
-    assert len(heads) == 1  # the lm_head of the prompt's last token only
+    # (in pairs where the two-row step runs, an odd one first)
+    turns, steps = decode_graph.TURNS, len(prompt) - 1
+    odd = steps % 2 if pairs is not None else steps
+
+    def queued(n: int) -> list[str]:
+        return ["q"] * min(n, turns) + ["w", "q"] * max(n - turns, 0) + ["w"] * min(n, turns)
+
+    forwards = queued(odd) + queued((steps - odd) // 2)
+    assert events[:len(forwards)] == forwards
+    assert len(heads) == 1  # the lm_head of the prompt's last forward only
     assert got + list(stream) == want
     assert_same_rows((want_cache, got_cache))
-    routes = dev.route_hook.seen[:]
-    dev.route_hook.seen.clear()
+    routes = dev.route_hook.rows.copy()
+    dev.route_hook.rows.clear()
     one_cache = dev.new_cache()
     generator = Generator(dev, (), use_mtp=mtp, step_prefill=len(prompt), queue_prompt=False)
     events.clear()
@@ -592,7 +605,7 @@ def test_short_prompts_are_prefilled_on_the_step(snapshots, kernels, monkeypatch
     stream = generator.generate(prompt, 12, Sampler(SamplingParams()), one_cache)
     one = [next(stream)]
     assert events[:steps + steps] == ["q", "w"] * steps and len(heads) == steps  # each forward waited for
-    assert one + list(stream) == want and dev.route_hook.seen == routes
+    assert one + list(stream) == want and dev.route_hook.rows == routes
     assert_identical_rows((one_cache, got_cache))
     events.clear()
     list(Generator(dev, (), use_mtp=mtp, step_prefill=len(prompt) - 1).generate(prompt, 1, Sampler(SamplingParams())))
@@ -616,7 +629,7 @@ def test_queued_prompt_matches_one_step_per_token(snapshots, kernels, monkeypatc
         with monkeypatch.context() as patch:
             for mode in ("queued", "one"):
                 if mode == "one" and case:
-                    patch.setattr(DeviceDecodeStep, "prompt", lambda self, cache, token_ids: None)
+                    patch.setattr(DeviceDecodeStep, "prompt", lambda self, cache, token_ids, logits=True: None)
                 cache = dev.new_cache()
                 if len(prefix):
                     dev.forward(np.asarray(prefix), cache)

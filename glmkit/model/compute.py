@@ -177,9 +177,11 @@ class DecodeStep(Protocol):
         `cache.length`: (logits `[R, V]`, hidden `[R, H]` after the final norm, the routes)."""
         ...
 
-    def prompt(self, cache: KVCache, token_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray, Routes] | None:
-        """Append `token_ids [S]` one forward each, queued without waiting for each other's results, the lm_head
-        for the last only: (its logits `[1, V]`, hidden `[S, H]`, the routes); None where not supported."""
+    def prompt(self, cache: KVCache, token_ids: Sequence[int], logits: bool = True
+               ) -> tuple[np.ndarray | None, np.ndarray, Routes] | None:
+        """Append `token_ids [S]` (S a multiple of the step's rows), R per forward, the forwards queued without
+        waiting for each other's results, the lm_head for the last only (none without `logits`): (the last token's
+        logits `[1, V]` or None, hidden `[S, H]`, the routes); None where not supported."""
         ...
 
     def pipeline(self, token: int, cache: KVCache, embed_of: Callable[[int], np.ndarray],

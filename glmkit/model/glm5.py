@@ -185,23 +185,35 @@ class GlmMoeDsaModel:
 
     def prefill_on_step(self, token_ids: np.ndarray, cache: KVCache, queued: bool = True
                         ) -> tuple[np.ndarray, np.ndarray]:
-        """Append `token_ids [S]` at `cache.length..` one token per device decode step (`decodes_on_device`; the
-        first of an empty cache as a one-row forward): queued back to back, the lm_head for the last token only,
-        where the step looks embeddings up itself (`DecodeStep.prompt`), else (or without `queued`: tools/bench.py
-        compares the two) one `forward` each, waiting for its logits. Returns (the last position's logits `[1, V]`,
-        hidden `[S, H]` after the final norm), bit for bit those of one `forward` per token."""
+        """Append `token_ids [S]` at `cache.length..` through the device decode step (`decodes_on_device`; the first
+        token of an empty cache as a one-row forward): the forwards queued back to back, the lm_head for the last one
+        only, where the step looks embeddings up itself (`DecodeStep.prompt`), two tokens per forward where its
+        two-row form runs (the single-row step for an odd token first); else (or without `queued`: tools/bench.py
+        compares the two) one `forward` per token, waiting for its logits. Returns (the last position's logits
+        `[1, V]`, hidden `[S, H]` after the final norm), bit for bit those of one `forward` per token."""
         hidden = []
         if cache.length == 0:
             logits, first = self.forward(token_ids[:1], cache)
             hidden.append(first)
             token_ids = token_ids[1:]
-        step = self._decode_step()
-        done = step.prompt(cache, token_ids) if queued and step is not None and len(token_ids) else None
-        if done is not None:
-            logits, rows, routes = done
+        two_rows = self._verify_step() if queued and len(token_ids) >= VERIFY_ROWS else None
+        odd = len(token_ids) % VERIFY_ROWS if two_rows is not None else len(token_ids)
+        done = 0
+        for step, ids in ((self._decode_step(), token_ids[:odd]), (two_rows, token_ids[odd:])):
+            if not queued or step is None or not len(ids):
+                continue
+            self._step.settle()  # a pipelined forward in flight on the single-row step finishes first
+            last = done + len(ids) == len(token_ids)
+            ran = step.prompt(cache, ids, logits=last)
+            if ran is None:
+                break
+            if last:
+                logits = ran[0]
+            _, rows, routes = ran
             self._report_routes(routes)
-            return logits, np.concatenate([*hidden, rows])
-        for token in token_ids:
+            hidden.append(rows)
+            done += len(ids)
+        for token in token_ids[done:]:
             logits, h = self.forward(token[None], cache)  # [1, V], [1, H]
             hidden.append(h)
         return logits, np.concatenate(hidden)

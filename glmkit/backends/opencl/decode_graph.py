@@ -279,7 +279,7 @@ class DeviceDecodeStep:
         # per turn (forwards queued while earlier ones run, `TURNS`): cos/sin, the token the device chose (or the
         # host wrote for it to look up) and whether the host must choose instead (1: sample_token could not decide)
         self.cs = [new(rope) for _ in range(TURNS)]
-        self.token_ids = [self.buffers.array(2, np.uint32) for _ in range(TURNS)]
+        self.token_ids = [self.buffers.array(max(2, rows), np.uint32) for _ in range(TURNS)]
         # discrete devices, per turn: every layer's new cache rows ([kv_lat | k_rot | index_k], token_rows writes
         # them) for one read back, and the (cache, position) they belong to until `_collect` stores them there
         self.stage_fields = {"kv_lat": kvl, "k_rot": rope, "index_k": cfg.index_head_dim}  # name -> width
@@ -313,7 +313,9 @@ class DeviceDecodeStep:
         self.id_stride = self.buffers.aligned_items(rows * cfg.num_experts_per_tok)
         self.route_ids = [self.buffers.array(max(n_moe, 1) * self.id_stride, np.uint32) for _ in range(ID_SLOTS)]
         self.scratch: dict[str, DeviceArray] = {}
-        self.masked: list[int] = []  # several token rows: the keys `scratch["allowed"]` holds at 0 (the causal mask)
+        # several token rows, per turn: the causal mask (`allowed[turn]`) and the keys it holds at 0
+        self.allowed: list[DeviceArray] = []
+        self.masked: list[list[int]] = [[] for _ in range(TURNS)]
         self.layers: list[_Layer] = []
         self.draft: _Draft | None = None
         self._grow(INITIAL_KEYS)
@@ -328,7 +330,8 @@ class DeviceDecodeStep:
         self.argmax = kernels.bind("argmax_row", (self.red,), (self.red,), x=self.logits.buffer,
                                    n=self.logits.host.size // rows, token=self.token_ids[0].buffer)
         embed = self._cw(weight(EMBED))  # the device-side lookup of pipelined greedy decode
-        self.embed = None if embed is None else bind_embed_row(kernels, embed, self.token_ids[0].buffer, self.x.buffer)
+        self.embed = None if embed is None else bind_embed_row(kernels, embed, self.token_ids[0].buffer, self.x.buffer,
+                                                               rows)
         if draft is not None:
             self.draft = self._bind_draft(*draft)
         self.owner: DecodePipeline | None = None  # the pipeline whose token is in flight
@@ -422,16 +425,17 @@ class DeviceDecodeStep:
 
     def _grow(self, keys: int) -> None:
         """Per-key scratch for at least `keys` keys, per token row: attention scores (then probabilities), indexer
-        scores, the selection, the keys the selection may choose (all ones for one row: `_mask_causal`)."""
+        scores, the selection, and per turn the keys the selection may choose (all ones for one row:
+        `_mask_causal`)."""
         if keys <= self.capacity:
             return
         cap = max(keys, 2 * self.capacity)
         nh, rows = self.cfg.num_attention_heads, self.rows
         new = self.buffers.array
         self.scratch = {"scores": new(rows * nh * cap), "index_scores": new(rows * cap),
-                        "selected": new(rows * cap, np.uint8),
-                        "allowed": self.buffers.filled(np.ones(rows * cap), np.uint8)}
-        self.masked = []
+                        "selected": new(rows * cap, np.uint8)}
+        self.allowed = [self.buffers.filled(np.ones(rows * cap), np.uint8) for _ in range(TURNS if rows > 1 else 1)]
+        self.masked = [[] for _ in range(TURNS)]
         self.capacity = cap
         scores, index_scores = self.scratch["scores"].buffer, self.scratch["index_scores"].buffer
         for layer in self._bound_layers():  # the bound launches that read the scratch get the new buffers
@@ -439,7 +443,7 @@ class DeviceDecodeStep:
             layer.values.set(scores=scores)
             if layer.scores is not None:
                 layer.scores.set(out=index_scores)
-                layer.topk.set(scores=index_scores, allowed=self.scratch["allowed"].buffer,
+                layer.topk.set(scores=index_scores, allowed=self.allowed[0].buffer,
                                selected=self.scratch["selected"].buffer)
 
     def _bound_layers(self) -> list[_Layer]:
@@ -529,7 +533,7 @@ class DeviceDecodeStep:
                                 w_scale=ix.head_scale)
             name, size, local = k.topk_kernel(self.rows)
             out.topk = k.bind(name, size, local, scores=scratch["index_scores"].buffer,
-                              allowed=scratch["allowed"].buffer, selected=scratch["selected"].buffer,
+                              allowed=self.allowed[0].buffer, selected=scratch["selected"].buffer,
                               chosen=self.chosen.buffer, n_keys=1, k=ix.topk, n_rows=self.rows)
             out.scoring = [*self._matvec(self._matrix(ix.wq_b), self.q_lat, self.iq, quantized=self.q_lat_x8),
                            self._rope(self.iq, 0, ihd, self.iq_rot, ihd, ihd, inh),
@@ -823,14 +827,14 @@ class DeviceDecodeStep:
         m.rows = pos + 1  # row pos: written by this token's kernels
         return m
 
-    def _mask_causal(self, keys: int) -> None:
-        """The keys each token row's selection may choose (`scratch["allowed"]`, rows of `keys`): row r not the
+    def _mask_causal(self, keys: int, turn: int) -> None:
+        """The keys each token row's selection may choose (`allowed[turn]`, rows of `keys`): row r not the
         keys after its own position (`keys - rows + r`); the earlier forward's zeros set back to 1 first."""
-        allowed = self.scratch["allowed"].host
-        allowed[self.masked] = 1
-        self.masked = [r * keys + t for r in range(self.rows - 1) for t in range(keys - self.rows + r + 1, keys)]
-        allowed[self.masked] = 0
-        self.buffers.to_device(self.scratch["allowed"])
+        allowed = self.allowed[turn].host
+        allowed[self.masked[turn]] = 1
+        self.masked[turn] = [r * keys + t for r in range(self.rows - 1) for t in range(keys - self.rows + r + 1, keys)]
+        allowed[self.masked[turn]] = 0
+        self.buffers.to_device(self.allowed[turn])
 
     def complete(self, event, turn: int) -> None:
         """Wait for the token of this turn (`event`: `_enqueue`'s), then store its cache rows (`_collect`)."""
@@ -860,19 +864,25 @@ class DeviceDecodeStep:
         return (self.logits.host.reshape(rows, -1).copy(), self.hidden.host.reshape(rows, -1).copy(),
                 self.routes(0))
 
-    def prompt(self, cache: KVCache, token_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray, list] | None:
-        """Append the tokens `token_ids [S]` at `cache.length..`, one forward each, queued back to back: the host
-        writes each token's id for the device's embedding lookup and waits only for the forward TURNS before it, whose
-        buffers the next one takes. Only the last token runs the lm_head; the others' hidden states go to `kept`,
-        read back once. Returns (the last token's logits `[1, V]`, hidden `[S, H]`, the routes of every token in
-        order), each token's as `__call__` gives them for the same token; None where the device cannot look the
-        embeddings up (or the step has several rows)."""
-        if self.embed is None or self.rows > 1 or not len(token_ids):
+    def prompt(self, cache: KVCache, token_ids: Sequence[int], logits: bool = True
+               ) -> tuple[np.ndarray | None, np.ndarray, list] | None:
+        """Append the tokens `token_ids [S]` (S a multiple of the step's rows) at `cache.length..`, `rows` of them per
+        forward, the forwards queued back to back: the host writes each forward's token ids for the device's
+        embedding lookup and waits only for the forward TURNS before it, whose buffers the next one takes. Only the
+        last forward runs the lm_head (none without `logits`); the others' hidden states go to `kept`, read back
+        once. Returns (the last token's logits `[1, V]` or None, hidden `[S, H]`, the routes of every forward in
+        order), each forward's as `__call__` gives them for the same tokens; None where the device cannot look the
+        embeddings up."""
+        rows = self.rows
+        if len(token_ids) % rows:
+            raise ValueError(f"{len(token_ids)} prompt tokens on a step of {rows} rows")
+        if self.embed is None or not len(token_ids):
             return None
         self.settle()
         n, h, start = len(token_ids), self.cfg.hidden_size, cache.length
-        if n > 1 and (self.kept is None or self.kept.host.size < (n - 1) * h):
-            self.kept = self.buffers.array((n - 1) * h)
+        head = rows if logits else 0  # the rows the lm_head runs for (their hidden states: in `hidden`)
+        if n > head and (self.kept is None or self.kept.host.size < (n - head) * h):
+            self.kept = self.buffers.array((n - head) * h)
         queued: deque[tuple[Any, int]] = deque()  # (event, turn) of each forward in flight, oldest first
         routes: list = []
 
@@ -882,16 +892,16 @@ class DeviceDecodeStep:
             routes.extend(self.routes(turn))
 
         try:
-            for i, token in enumerate(token_ids):
+            for forward, i in enumerate(range(0, n, rows)):
                 if len(queued) == TURNS:  # this forward takes the turn of the oldest one in flight
                     finish_oldest()
-                turn = i % TURNS
-                queued.append((self._enqueue(cache, turn, None, token=int(token), kept_row=i if i < n - 1 else None),
-                               turn))
+                turn = forward % TURNS
+                queued.append((self._enqueue(cache, turn, None, tokens=token_ids[i:i + rows],
+                                             kept_row=i if i < n - head else None), turn))
             while queued:
                 finish_oldest()
             hidden = np.empty((n, h), np.float32)
-            kept = self.kept.host[:(n - 1) * h] if n > 1 else None
+            kept = self.kept.host[:(n - head) * h] if n > head else None
             if kept is not None and not self.k.direct:
                 self.buffers.download(kept, self.kept.buffer).wait()
         except BaseException:
@@ -900,9 +910,11 @@ class DeviceDecodeStep:
             cache.truncate(start)
             raise
         if kept is not None:
-            hidden[:-1] = kept.reshape(n - 1, h)
-        hidden[-1] = self.hidden.host
-        return self.logits.host.reshape(1, -1).copy(), hidden, routes
+            hidden[:n - head] = kept.reshape(n - head, h)
+        if not head:
+            return None, hidden, routes
+        hidden[-rows:] = self.hidden.host.reshape(rows, h)
+        return self.logits.host.reshape(rows, -1)[-1:].copy(), hidden, routes
 
     def verify(self, cache: KVCache, embed: np.ndarray, choose: bool
                ) -> tuple[np.ndarray, np.ndarray, list, tuple[np.ndarray, np.ndarray] | None]:
@@ -985,7 +997,7 @@ class DeviceDecodeStep:
         if scored and layer.scores is not None:
             layer.scores.set(k=index_k, k_scale=rows.get("index_k.scale", index_k), n_keys=keys)
             layer.scores.size = (per_key, n_rows)
-            layer.topk.set(n_keys=keys)
+            layer.topk.set(n_keys=keys, allowed=self.allowed[turn % len(self.allowed)].buffer)
             for launch in layer.scoring:
                 launch.enqueue()
         layer.attention.set(kv_lat=lat, k_rot=rot, **scaled, use_keys=int(scored), n=attended, n_total=keys)
@@ -1024,7 +1036,7 @@ class DeviceDecodeStep:
         for launch in self._cs_users:
             launch.set(cs=cs)
         if keys > self.topk and self.rows > 1:
-            self._mask_causal(keys)
+            self._mask_causal(keys, turn)
 
     def _next_slot(self, turn: int) -> int:
         """The routed-id slot of the forward queued next at this turn."""
@@ -1053,14 +1065,15 @@ class DeviceDecodeStep:
         return event
 
     def _enqueue(self, cache: KVCache, turn: int, embed: np.ndarray | None, choice: TokenChoice | None = None,
-                 draft: bool = False, token: int | None = None, kept_row: int | None = None):
+                 draft: bool = False, tokens: Sequence[int] | None = None, kept_row: int | None = None):
         """Queue one token's forward at position `cache.length`; returns the event of its last launch.
 
-        embed: its embedding row `[H]`, written by the host (nothing may be in flight), or None: the embedding of
-        `token` (the host writes it into `token_ids[turn]`: the forward queued last at this turn has finished), else
-        of the token the device chose at the other turn, looked up on the device. choice: also choose the next
-        token on the device (into `token_ids[turn]`). draft: MTP's draft of the rows follows (`_queue_draft`).
-        kept_row: the hidden state goes to this row of `kept` and no lm_head runs (a prompt's token but its last)."""
+        embed: its embedding rows `[rows, H]`, written by the host (nothing may be in flight), or None: the
+        embeddings of `tokens` (`[rows]`, the host writes them into `token_ids[turn]`: the forward queued last at this
+        turn has finished), else of the token the device chose at the other turn, looked up on the device. choice:
+        also choose the next token on the device (into `token_ids[turn]`). draft: MTP's draft of the rows follows
+        (`_queue_draft`). kept_row: the hidden states go to the rows of `kept` from this one and no lm_head runs (a
+        prompt's forward but its last)."""
 
         cfg, n_rows = self.cfg, self.rows
         layers = range(cfg.num_hidden_layers + draft)
@@ -1081,11 +1094,11 @@ class DeviceDecodeStep:
         slot = self._next_slot(turn)
         for i in range(cfg.num_hidden_layers):
             cache.layer(i).claim(n_rows)
-        if token is not None:
-            self.token_ids[turn].host[0] = token
+        if tokens is not None:
+            self.token_ids[turn].host[:n_rows] = tokens
             self.buffers.to_device(self.token_ids[turn])
         if embed is None:
-            self.embed.set(token=self.token_ids[turn if token is not None else 1 - turn].buffer)
+            self.embed.set(token=self.token_ids[turn if tokens is not None else 1 - turn].buffer)
             self.embed.enqueue()
         try:
             for i, layer in enumerate(self.layers):
