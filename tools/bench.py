@@ -125,7 +125,7 @@ def worker_glmkit(spec: dict) -> dict:
     for key, values in speeds.items():
         result[f"decode_tok_s_{key}"] = statistics.median(values)
         result[f"decode_tok_s_{key}_rounds"] = values
-    if spec.get("short_prompt"):  # TTFT of a short prompt: one token per step, queued or each waiting; or batched
+    if spec.get("short_prompt"):  # TTFT of a short prompt: on the step, queued or each token waiting; batched
         short = token_ids(spec["short_prompt"], vocab, 2)
         ttft: dict[str, list[float]] = {"step": [], "step_waiting": [], "batch": []}
         for _ in range(spec.get("mtp_rounds", 1)):
@@ -489,10 +489,11 @@ def main(argv: list[str] | None = None) -> int:
     for device, row in table.items():
         if row.get("ttft_short_step_s"):
             ratios_short = sorted(round(x, 3) for x in row["ttft_short_queued_ratios"])
-            text += (f"\n- {device}: TTFT of a {args.short_prompt}-token prompt {row['ttft_short_step_s']:.3f} s one "
-                     f"token per forward on the decode step queued, {row['ttft_short_step_waiting_s']:.3f} s each "
-                     f"waiting for its logits, {row['ttft_short_batch_s']:.3f} s as one batched forward; queued over "
-                     f"waiting per round {statistics.median(ratios_short):.3f}x ({ratios_short[0]}-{ratios_short[-1]})")
+            text += (f"\n- {device}: TTFT of a {args.short_prompt}-token prompt {row['ttft_short_step_s']:.3f} s "
+                     f"on the decode step with its forwards queued, {row['ttft_short_step_waiting_s']:.3f} s one "
+                     f"token per forward each waiting for its logits, {row['ttft_short_batch_s']:.3f} s as one "
+                     f"batched forward; queued over waiting per round {statistics.median(ratios_short):.3f}x "
+                     f"({ratios_short[0]}-{ratios_short[-1]})")
     print(text)
     if args.md:
         args.md.write_text(text + "\n")

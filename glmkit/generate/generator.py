@@ -13,10 +13,10 @@ advance) and queues its forward before the host sees it (`GlmMoeDsaModel.pipelin
 and the same cache at the end. A sampler that needs the logits on the host (a constraint, penalties or biases,
 logprobs) decodes one token at a time.
 
-A short prompt (piece) on such a backend is prefilled one token per forward through the decode step as well
-(`forward_prompt`), its forwards queued back to back and only the last one's logits computed: a batched forward of
-a few rows dequantizes each expert it routes to for a few rows, which costs more than reading them as the step
-does, token by token.
+A short prompt (piece) on such a backend is prefilled through the decode step as well (`forward_prompt`: one or two
+tokens per forward), its forwards queued back to back and only the last one's logits computed: a batched forward
+of a few rows dequantizes each expert it routes to for a few rows, which costs more than reading them as the step
+does.
 """
 
 from __future__ import annotations
@@ -34,14 +34,14 @@ from glmkit.model.kv_cache import KVCache
 MTP_PROBE_DRAFTS = 16  # drafts after which a generation compares its acceptance with the model's break-even
 PREFILL_CHUNK = 2048  # prompt tokens per forward: a long prompt's temporaries stay those of one chunk
 DECODE_RESERVE = 4096  # KV rows made room for after the prompt, at most
-STEP_PREFILL_ROWS = 48  # prompt pieces up to this many tokens go through the decode step one token per forward
+STEP_PREFILL_ROWS = 48  # prompt pieces up to this many tokens go through the decode step (one or two tokens a forward)
 
 
 def forward_prompt(model: GlmMoeDsaModel, ids: np.ndarray, cache: KVCache, step_rows: int = STEP_PREFILL_ROWS,
                    queued: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """Prompt tokens `ids [S]` appended at `cache.length..`: (the last position's logits `[1, V]`, hidden `[S, H]`
-    after the final norm). Up to `step_rows` tokens run one token per forward where single tokens run as the device
-    decode step, queued back to back unless not `queued` (`GlmMoeDsaModel.prefill_on_step`), else one batched
+    after the final norm). Up to `step_rows` tokens run through the device decode step where single tokens run as it,
+    the forwards queued back to back unless not `queued` (`GlmMoeDsaModel.prefill_on_step`), else one batched
     forward."""
     if not 1 < len(ids) <= step_rows or not model.decodes_on_device():
         return model.forward(ids, cache, last_logits_only=True)
@@ -94,8 +94,8 @@ class Generator:
         last, the cache then holding `prompt_ids[:cache.length]` (glm-run stores them in the prefix cache, so that a
         long prefill killed half way resumes there); pipelined: False decodes one token at a time even where the
         device could choose the tokens (the same tokens; tools/bench_sampling.py compares the two); step_prefill:
-        prompt pieces up to this many tokens run one token per forward on the decode step (`forward_prompt`; 0:
-        never); queue_prompt: False waits for each of those forwards' logits before queueing the next (the same rows;
+        prompt pieces up to this many tokens run through the decode step (`forward_prompt`; 0: never); queue_prompt:
+        False runs them one token per forward, each waiting for its logits before the next is queued (the same rows;
         tools/bench.py compares the two)."""
         self.model = model
         self.pipelined = pipelined

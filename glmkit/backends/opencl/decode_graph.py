@@ -42,10 +42,10 @@ the forward queued after it is redone). Buffers that a queued token and the one 
 per turn (TURNS of them, of which a pipeline alternates two, its token parity; the routed expert ids: per token,
 in ID_SLOTS turns, for the route watcher).
 
-A short prompt's tokens (`prompt`) are forwards of the step too, queued back to back: the host writes each token's
-id for the device's embedding lookup and waits only for the forward TURNS before it, whose turn the next one
-takes; the tokens before the last skip the lm_head, their final norm writing their row of the prompt's hidden
-states (read back once).
+A short prompt's tokens (`prompt`) are forwards of the step too, `rows` tokens each, queued back to back: the host
+writes each forward's token ids for the device's embedding lookup and waits only for the forward TURNS before it,
+whose turn the next one takes (with several rows the causal mask is kept per turn too); the forwards before the
+last skip the lm_head, their final norm writing their rows of the prompt's hidden states (read back once).
 """
 
 from __future__ import annotations
