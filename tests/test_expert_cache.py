@@ -71,6 +71,26 @@ def test_out_of_core_logits_are_bit_identical(snapshots, preset, device):
     streamed.close()
 
 
+def test_the_first_moe_layer_is_read_ahead_from_the_dense_layer_before_it(snapshots):
+    """No MoE layer routes before the first one: the dense layer before it starts reading its likely experts, with
+    its own normed MLP input, while its MLP runs."""
+    engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False, expert_cache=64 << 20)
+    cache, model, first = engine.experts, engine.model, engine.config.first_k_dense_replace
+    started: dict[int, int] = {}
+
+    def ahead(layer: int, u: np.ndarray) -> None:
+        before = cache.stats.read_ahead
+        cache.read_ahead(layer, u)
+        started[layer] = started.get(layer, 0) + cache.stats.read_ahead - before
+
+    model.ahead_hook = ahead
+    model.forward(np.arange(5, 37), model.new_cache())
+    assert set(started) == set(range(first)) and started[first - 1] > 0
+    assert all(started[layer] == 0 for layer in range(first - 1))  # the next layer is dense: nothing to read
+    assert cache.stats.predicted_used > 0  # the first MoE layer then routed to some of them
+    engine.close()
+
+
 def test_generation_with_mtp_matches(snapshots):
     snap = snapshots("tiny-trained", "q4")
     ram = Engine(snap, "numpy", load_tokenizer=False)

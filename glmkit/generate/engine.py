@@ -67,7 +67,7 @@ class Engine:
             cache = self.experts = ExpertCache(self.container, int(expert_cache), readahead=prefetch,
                                                usage_file=usage)
             self.model = GlmMoeDsaModel(self.config, cache, self.backend, route_hook=cache.on_route,
-                                        step_experts=cache, kv_dtype=kv_dtype)
+                                        step_experts=cache, kv_dtype=kv_dtype, ahead_hook=cache.read_ahead)
         else:
             self.experts = ExpertStreamer(self.container, ram_budget_bytes, prefetch)
             # a device decode step's routing is watched only when experts will come from disk: its callbacks cost

@@ -355,7 +355,8 @@ class ExpertCache:
 
     def read_ahead(self, layer: int, normed: np.ndarray) -> None:
         """Start reading the experts layer `layer + 1`'s router picks for the hidden state of `normed [S, H]` (layer
-        `layer`'s MoE input), normed as layer `layer + 1` norms it, that are not cached (when read-ahead is on)."""
+        `layer`'s MoE or dense MLP input), normed as layer `layer + 1` norms it, that are not cached (when read-ahead is
+        on)."""
         if not self.readahead:
             return
         nxt = self.moe.get(layer + 1) if layer + 1 < self.config.num_hidden_layers else None

@@ -116,6 +116,8 @@ class GlmMoeDsaModel:
     absorb_max_rows: calls appending at most this many tokens to a non-empty cache use the absorbed
     MLA path (decode, MTP verification); others (prefill, rows recomputed in place) reconstruct keys and values.
     route_hook: optional `hook(layer, expert_ids [S, k], u [S, H])` (hit/miss counting, prefetch).
+    ahead_hook: optional `hook(layer, u [S, H])` with a dense layer's normed MLP input, before the MLP runs (an expert
+    cache starts reading the next layer's likely experts: the first MoE layer has no MoE layer before it to do so).
     step_experts: where the backend's decode step reads the routed experts when the weight source moves them
     between slots (an expert cache: `ExpertArena`); None: the step binds every weight's bytes once.
     kv_dtype: the precision of the cache rows `new_cache` keeps (`KV_DTYPES`); attention reads them at it.
@@ -124,7 +126,8 @@ class GlmMoeDsaModel:
     def __init__(self, config: ModelConfig, weights: WeightSource, backend: Backend,
                  absorb_max_rows: int = 4, route_hook: RouteHook | None = None,
                  step_route_hook: Callable[[int, np.ndarray], None] | None = None,
-                 step_experts: ExpertArena | None = None, kv_dtype: str = "f32") -> None:
+                 step_experts: ExpertArena | None = None, kv_dtype: str = "f32",
+                 ahead_hook: Callable[[int, np.ndarray], None] | None = None) -> None:
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv dtype {kv_dtype!r}: not one of {', '.join(KV_DTYPES)}")
         self.config = config
@@ -133,6 +136,7 @@ class GlmMoeDsaModel:
         self.backend = backend
         self.absorb_max_rows = absorb_max_rows
         self.route_hook = route_hook
+        self.ahead_hook = ahead_hook
         self.step_route_hook = step_route_hook  # a decode step's routing as it happens: `DecodeStep.watch_routes`
         self.step_experts = step_experts
         self._step: DecodeStep | None | bool = False  # the backend's decode step, asked for on first decode
@@ -429,6 +433,8 @@ class GlmMoeDsaModel:
         ffn = self.layers[layer].ffn
         if isinstance(ffn, MoESpec):
             return self._moe(ffn, u)
+        if self.ahead_hook is not None:
+            self.ahead_hook(layer, u)
         mlp = self._mlp(ffn)
         if u.shape[0] <= DENSE_MLP_ROWS:
             return self.backend.expert_mlp(u, *mlp)
