@@ -533,6 +533,7 @@ def test_routes_watched_as_they_happen(snapshots, direct_kernels, monkeypatch):
     assert Engine(snap, "opencl", load_tokenizer=False).model.step_route_hook is None  # fits in RAM
     monkeypatch.setattr(expert_stream, "memory_limit_bytes", lambda: 1 << 20)
     monkeypatch.setattr(expert_cache, "memory_limit_bytes", lambda: 1 << 20)
+    monkeypatch.setattr(expert_cache, "anonymous_resident_bytes", lambda: 0)  # a process of no size
     # 1 MB holds no expert cache (one layer's experts): the page cache streams them, the step's routing watched
     assert isinstance(Engine(snap, "opencl", load_tokenizer=False).experts, expert_stream.ExpertStreamer)
     watched = Engine(snap, "opencl", load_tokenizer=False, expert_cache=0)

@@ -15,10 +15,12 @@ from glmkit.format.schema import EXPERT_PROJECTIONS, expert_weight_name
 from glmkit.generate.engine import Engine
 from glmkit.generate.generator import Generator
 from glmkit.generate.sampling import Sampler, SamplingParams
+from glmkit.model import expert_cache
 from glmkit.model.expert_cache import (
     READ_AHEAD_PROBE,
     ExpertCache,
     ExpertScores,
+    auto_cache_bytes,
     read_usage,
     usage_path,
     write_usage,
@@ -99,6 +101,21 @@ def test_generation_with_mtp_matches(snapshots):
     runs = [list(Generator(e.model, eos_token_ids=(), use_mtp=True).generate(prompt, 12, Sampler(SamplingParams())))
             for e in (ram, streamed)]
     assert runs[0] == runs[1] and len(runs[0]) == 12
+
+
+def test_the_auto_size_leaves_what_the_process_holds_and_a_quarter_of_the_limit(snapshots, monkeypatch):
+    """The cache gets the memory the process may use less the pinned non-expert weights, what the process already
+    holds (its heap, a device runtime) and a quarter of the limit for activations: never what the process needs."""
+    container = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False).container
+    experts = sum(r.nbytes for r in container.manifest.experts)
+    limit, held = 8 << 20, 1 << 20
+    monkeypatch.setattr(expert_cache, "memory_limit_bytes", lambda: limit)
+    monkeypatch.setattr(expert_cache, "anonymous_resident_bytes", lambda: held)
+    size, why = auto_cache_bytes(container)
+    assert size == min(experts, limit - (container.nbytes - experts) - held - limit // 4) > 0
+    assert "holds now" in why
+    monkeypatch.setattr(expert_cache, "anonymous_resident_bytes", lambda: limit)  # it holds all of it already
+    assert auto_cache_bytes(container)[0] == 0
 
 
 def test_a_budget_below_one_layer_is_refused(snapshots):

@@ -362,6 +362,7 @@ def test_list_devices(device, capsys, tmp_path, monkeypatch):
         f"{format_size(n)} ({dtype})" for dtype, n in per_token.items())) in out
     monkeypatch.setattr(expert_stream, "memory_limit_bytes", lambda: 64 << 20)
     monkeypatch.setattr(expert_cache, "memory_limit_bytes", lambda: 64 << 20)
+    monkeypatch.setattr(expert_cache, "anonymous_resident_bytes", lambda: 0)  # a process of no size
     assert cli_run.main([snap, "--list-devices"]) == 0
     assert f"{snap}: expert cache " in capsys.readouterr().out
     assert cli_run.main([str(tmp_path / "missing"), "--list-devices"]) == 2

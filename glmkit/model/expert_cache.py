@@ -41,6 +41,7 @@ from glmkit.format.schema import EXPERT_PROJECTIONS, expert_weight_name
 from glmkit.format.tensors import Weight
 from glmkit.model.expert_stream import (
     anonymous_bytes,
+    anonymous_resident_bytes,
     copy_weight,
     copy_weights_into,
     memory_limit_bytes,
@@ -175,15 +176,19 @@ def expert_slot_bytes(container: Container) -> int:
 def auto_cache_bytes(container: Container, reserve_bytes: int | None = None) -> tuple[int, str]:
     """A cache size from the RAM this process may use (`memory_limit_bytes`: the cgroup's limit or the machine's),
     less the non-expert weights it copies into RAM and `reserve_bytes` for the process, KV cache and activations
-    (default: a quarter of the limit, at most 1 GB); with the reason, for the log."""
+    (default: what the process holds now, `anonymous_resident_bytes`, and a quarter of the limit, at most 1 GB);
+    with the reason, for the log."""
     limit = memory_limit_bytes()
+    held = ""
     if reserve_bytes is None:
-        reserve_bytes = min(1 << 30, limit // 4)
+        now = anonymous_resident_bytes()
+        reserve_bytes = now + min(1 << 30, limit // 4)
+        held = f" ({format_size(now)} it holds now)"
     experts = sum(r.nbytes for r in container.manifest.experts)
     pinned = container.nbytes - experts
     size = max(0, min(limit - pinned - reserve_bytes, experts))
     why = (f"{format_size(size)}: {format_size(limit)} may be used, less {format_size(pinned)} of non-expert weights "
-           f"and {format_size(reserve_bytes)} kept for the process; the experts are {format_size(experts)}")
+           f"and {format_size(reserve_bytes)} kept for the process{held}; the experts are {format_size(experts)}")
     return size, why
 
 
@@ -244,6 +249,7 @@ class ExpertCache:
         for name, entry in container.manifest.tensors.items():
             if name not in self._names and name not in self._pinned and entry.role != "scales":
                 self._pinned[name] = copy_weight(container.weight(name))
+        container.release_pages()  # the copies are what is read from now on: the mapping's pages would count twice
         self._free = list(range(self.n_slots - 1, -1, -1))
         self._slot: dict[Key, int] = {}  # resident experts
         self._views: dict[Key, list[Weight]] = {}
