@@ -228,6 +228,13 @@ class DeviceDecodeStep:
     devices over the mapping only. Each row's logits, hidden state and KV rows are bit for bit those of the
     single-row step fed the same tokens. draft: (the MTP layer's description, the MTP head's): `verify` then also
     drafts in the same queue.
+
+    span: the main layers bound (default all; `layers` always describes them all: the numerics and the indexers' key
+    count are the model's). A pipeline stage's step (`logits` False) takes the hidden state entering its first layer
+    in `x` and leaves the one after its last in `x` (`run_span`: the final norm's launch adds the last FFN output into
+    it); the head's (no layers, `logits`) runs the final norm and lm_head on the last stage's hidden state. Each
+    launch is the whole step's, so the parts chained give its logits bit for bit (the next part's first norm reads
+    the sum the previous part's last norm wrote).
     """
 
     def __init__(self, cfg: ModelConfig, layers: Sequence[LayerSpec], weight: Callable[[str], Weight],
