@@ -191,7 +191,7 @@ def test_stages_decode_on_the_device_step(cluster, snapshot, restores_blas_threa
     assert np.array_equal(got[True], want)
     assert not np.array_equal(got[False], got[True])  # int8 inputs show: the stages did run the step
     assert kl_divergence(log_softmax(got[False]), log_softmax(got[True])).mean() < 0.01
-    assert (got[False].argmax(-1) == got[True].argmax(-1)).mean() >= 0.9
+    assert (got[False].argmax(-1) == got[True].argmax(-1)).mean() >= 0.95
 
 
 def test_prefix_cache_stores_and_restores_through_the_stages(single, pipelines, tmp_path):
