@@ -168,6 +168,33 @@ def test_decode_step_over_compact_kv_rows(snapshots, kernels, kv_dtype):
     assert (got.argmax(-1) == want.argmax(-1)).all()
 
 
+def test_steps_over_parts_chain_to_the_whole_step(snapshots, kernels):
+    """A pipeline's parts of a decoded token as device steps: the steps over layers 0-1 and 2-3 (the hidden state and
+    the selection layer 2 reuses handed from one to the next, `run_span`), then the final norm and lm_head (a step
+    over no layers) give the whole step's logits, KV rows and routes bit for bit, across the indexer's switch to
+    top-k selection."""
+    engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
+    (_, whole), (_, parts) = models(engine, kernels, True), models(engine, kernels, True)
+    cfg = engine.config
+    assert cfg.indexer_type(2) == "shared"
+    ids = np.array(oracle("tiny-trained")["full_ids"])
+    caches = whole.new_cache(), parts.new_cache()
+    for model, cache in zip((whole, parts), caches, strict=True):
+        model.forward(ids[:cfg.index_topk - 3], cache)
+    head = parts.part_step(range(0), True)
+    for token in ids[cfg.index_topk - 3:cfg.index_topk + 3]:
+        want = whole.forward(np.array([token]), caches[0])[0]
+        x, chosen = parts.embed(np.array([token])), None
+        for span in (range(0, 2), range(2, cfg.num_hidden_layers)):
+            x, chosen = parts.step_layers(span, x, caches[1], chosen)
+        assert np.array_equal(head(int(token), caches[1], x[0])[0], want)
+    for a, b in zip(caches[0].layers, caches[1].layers, strict=True):
+        assert a.length == b.length
+        for name in ("kv_lat", "k_rot", "index_k") if a.has_index else ("kv_lat", "k_rot"):
+            assert np.array_equal(a.rows(name), b.rows(name))
+    assert parts.route_hook.seen == whole.route_hook.seen and parts.route_hook.seen
+
+
 def launch_names(step: DeviceDecodeStep) -> set[str]:
     return {launch.kernel.function_name for layer in step.layers for launch in (*layer.head, *layer.tail)} | {
         step.lm_head.kernel.function_name}

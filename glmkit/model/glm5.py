@@ -141,6 +141,7 @@ class GlmMoeDsaModel:
         self.step_experts = step_experts
         self._step: DecodeStep | None | bool = False  # the backend's decode step, asked for on first decode
         self._verify: DecodeStep | None | bool = False  # its two-row form (MTP's verification), on first use
+        self._parts: dict[tuple[int, int, bool], DecodeStep | None] = {}  # steps over parts: `part_step`
         # the MTP acceptance below which drafting decodes slower than single tokens on the device step, where
         # measured (`Engine.use_mtp`): a generation turns MTP off once its first drafts fall below it
         self.mtp_break_even: float | None = None
@@ -201,6 +202,30 @@ class GlmMoeDsaModel:
         for layer in layers:
             x, chosen = self.decoder_layer(layer, x, positions, cache.layer(layer), chosen)
         return x, chosen
+
+    def part_step(self, layers: range, logits: bool) -> DecodeStep | None:
+        """The backend's decode step over a part of the model, built on first use: a pipeline stage's `layers` (its
+        hidden state in and out, no logits), or none of them with `logits` (a pipeline head's final norm and lm_head);
+        None: single tokens run through the operations."""
+        key = (layers.start, layers.stop, logits)
+        if key not in self._parts:
+            step = self._parts[key] = self.backend.decode_step(
+                self.config, self.layers[:self.config.num_hidden_layers], self._w, self.step_experts, self.kv_dtype,
+                span=layers, logits=logits)
+            if step is not None and self.step_route_hook is not None and layers:
+                step.watch_routes(self.step_route_hook)
+        return self._parts[key]
+
+    def step_layers(self, layers: range, x: np.ndarray, cache: KVCache, chosen: np.ndarray | None
+                    ) -> tuple[np.ndarray, np.ndarray | None] | None:
+        """`run_layers` of one token `x [1, H]` appended to layers that already hold rows, as one device step over
+        `layers` (`part_step`: a pipeline stage's part of a decoded token); None where the backend has no such step."""
+        step = self.part_step(layers, False)
+        if step is None:
+            return None
+        out, chosen, routes = step.run_span(cache, x, chosen)
+        self._report_routes(routes)
+        return out, chosen
 
     @property
     def numerics(self) -> str:

@@ -226,7 +226,8 @@ class OpenCLBackend:
 
     def decode_step(self, config: ModelConfig, layers: Sequence[LayerSpec], weight: Callable[[str], Weight],
                     experts: ExpertArena | None = None, kv_dtype: str = "f32", rows: int = 1,
-                    draft: tuple[LayerSpec, MTPSpec] | None = None) -> DeviceDecodeStep | None:
+                    draft: tuple[LayerSpec, MTPSpec] | None = None, span: range | None = None,
+                    logits: bool = True) -> DeviceDecodeStep | None:
         """The device decode step for this model (placement.decode_step "cl"; on a discrete device every weight
         must fit the budget), or None: the model then decodes operation by operation. experts: see
         `DeviceDecodeStep`; rows: token rows per forward (2: MTP's verification of a draft); draft: the MTP layer and
@@ -237,7 +238,7 @@ class OpenCLBackend:
         for mtp in (draft, None) if draft is not None else (None,):
             try:
                 return DeviceDecodeStep(config, layers, weight, self._cw, self._expert_ref, self.k,
-                                        self.int8_activations, experts, kv_dtype, rows, mtp)
+                                        self.int8_activations, experts, kv_dtype, rows, mtp, span, logits)
             except Unsupported:
                 pass
         return None

@@ -228,23 +228,37 @@ class DeviceDecodeStep:
     devices over the mapping only. Each row's logits, hidden state and KV rows are bit for bit those of the
     single-row step fed the same tokens. draft: (the MTP layer's description, the MTP head's): `verify` then also
     drafts in the same queue.
+
+    span: the main layers bound (default all; `layers` always describes them all: the numerics and the indexers' key
+    count are the model's). A pipeline stage's step (`logits` False) takes the hidden state entering its first layer
+    in `x` and leaves the one after its last in `x` (`run_span`: the final norm's launch adds the last FFN output into
+    it); the head's (no layers, `logits`) runs the final norm and lm_head on the last stage's hidden state. Each
+    launch is the whole step's, so the parts chained give its logits bit for bit (the next part's first norm reads
+    the sum the previous part's last norm wrote).
     """
 
     def __init__(self, cfg: ModelConfig, layers: Sequence[LayerSpec], weight: Callable[[str], Weight],
                  cw: Callable[[Weight], ClWeight | None], expert_ref: Callable, kernels: Kernels,
                  int8_activations: bool = True, experts: ExpertArena | None = None, kv_dtype: str = "f32",
-                 rows: int = 1, draft: tuple[LayerSpec, MTPSpec] | None = None) -> None:
+                 rows: int = 1, draft: tuple[LayerSpec, MTPSpec] | None = None, span: range | None = None,
+                 logits: bool = True) -> None:
 
         if cfg.n_routed_experts > MAX_ROUTED_EXPERTS:
             raise Unsupported(f"{cfg.n_routed_experts} routed experts (the routing kernel holds {MAX_ROUTED_EXPERTS})")
         check_bindable(layers if draft is None else [*layers, draft[0]])
+        span = range(len(layers)) if span is None else span
+        whole = span == range(len(layers)) and logits
+        if not whole and (rows > 1 or draft is not None):
+            raise Unsupported("a part of the model (a pipeline stage's layers, or its head): one token row, no draft")
         if rows > 1 and (not kernels.direct or experts is not None):
             raise Unsupported("several token rows per forward: CPU OpenCL devices over the mapping only")
         if draft is not None and (rows < 2 or any(n.bias for n in (draft[1].enorm, draft[1].hnorm,
                                                                      draft[1].head_norm))):
             raise Unsupported("MTP's draft: in a verification step (rows > 1) of an MTP head with RMSNorms")
         self.draft_spec = draft
-        self.cfg, self.specs, self.k, self.buffers = cfg, list(layers), kernels, kernels.buffers
+        # the model's main layers (numerics, RoPE, the indexers' key count), and those this step runs: `span`
+        self.cfg, self.model_specs, self.k, self.buffers = cfg, list(layers), kernels, kernels.buffers
+        self.span, self.specs = span, list(layers[span.start:span.stop])
         self.kv_dtype = kv_dtype
         self.rows = rows
         self.topk = index_topk(layers)
@@ -289,7 +303,8 @@ class DeviceDecodeStep:
         self.comp = new(kvl + rope)
         self.q_rot, self.q_abs, self.o_lat = new(nh * rope), new(nh * kvl), new(nh * kvl)
         self.heads_out, self.attn_out = new(nh * v_dim), new(h)
-        self.hidden, self.logits = new(h), new(self._matrix(LM_HEAD).rows)
+        self.hidden = new(h)
+        self.logits = new(self._matrix(LM_HEAD).rows) if logits else None
         ihd, inh = cfg.index_head_dim, cfg.index_n_heads
         self.key_raw, self.key = new(ihd), new(ihd)
         # a lower precision's new cache rows in f32, as token_rows computes them (kv_store_rows stores them)
@@ -312,12 +327,22 @@ class DeviceDecodeStep:
         self._grow(INITIAL_KEYS)
         for spec in self.specs:
             self.layers.append(self._bind_layer(spec))
-        self.final_norm = self._norm(self.x, self.ffn_out, final_norm_spec(cfg), self.hidden, h, self.hidden_x8)
-        (self.lm_head,) = self._matvec(self._matrix(LM_HEAD), self.hidden, self.logits, quantized=self.hidden_x8)
-        self.argmax = kernels.bind("argmax_row", (self.red,), (self.red,), x=self.logits.buffer,
-                                   n=self.logits.host.size // rows, token=self.token_ids[0].buffer)
-        embed = self._cw(weight(EMBED))  # the device-side lookup of pipelined greedy decode
-        self.embed = None if embed is None else bind_embed_row(kernels, embed, self.token_ids[0].buffer, self.x.buffer)
+        # after the last layer, the residual add into x (the hidden state a pipeline stage hands on) and the final norm
+        self.final_norm = self._norm(self.x, self.ffn_out if self.specs else None, final_norm_spec(cfg), self.hidden,
+                                     h, self.hidden_x8)
+        self.lm_head: Launch | None = None
+        self.argmax: Launch | None = None
+        self.embed: Launch | None = None
+        # what the host reads of a forward: the logits and the final norm's output, or a pipeline stage's hidden
+        # state and the selection a following 'previous' layer reuses
+        self.outputs = (self.x, self.chosen) if self.logits is None else (self.logits, self.hidden)
+        if self.logits is not None:
+            (self.lm_head,) = self._matvec(self._matrix(LM_HEAD), self.hidden, self.logits, quantized=self.hidden_x8)
+            self.argmax = kernels.bind("argmax_row", (self.red,), (self.red,), x=self.logits.buffer,
+                                       n=self.logits.host.size // rows, token=self.token_ids[0].buffer)
+            embed = self._cw(weight(EMBED)) if whole else None  # the device-side lookup of pipelined greedy decode
+            self.embed = None if embed is None else bind_embed_row(kernels, embed, self.token_ids[0].buffer,
+                                                                   self.x.buffer)
         if draft is not None:
             self.draft = self._bind_draft(*draft)
         self.owner: DecodePipeline | None = None  # the pipeline whose token is in flight
@@ -402,7 +427,7 @@ class DeviceDecodeStep:
         (y_row apart), `width` values per row."""
         return self._reads_cs(self.k.bind("rope_rows", (width, rows * self.rows), None, x=x.buffer, x_off=x_off,
                                           x_row=x_row, y=y.buffer, y_off=0, y_row=y_row, cs=self.cs[0].buffer,
-                                          width=width, n_half=self.specs[0].attention.rope // 2, per_cs=rows))
+                                          width=width, n_half=self.model_specs[0].attention.rope // 2, per_cs=rows))
 
     def _reads_cs(self, launch: Launch) -> Launch:
         """Record that `launch` reads the cos/sin buffer (its argument `cs`, set per token parity)."""
@@ -464,9 +489,10 @@ class DeviceDecodeStep:
         h, nh, nope, rope, v_dim, kvl = cfg.hidden_size, a.heads, a.nope, a.rope, a.v_dim, a.kv_lora
         kv_b = self._matrix(a.kv_b)
         out.head = [
-            # the first layer and the MTP layer start from x itself (an embedding; eh_proj's output)
-            self._norm(self.x, self.ffn_out if 0 < spec.index < cfg.num_hidden_layers else None, spec.input_norm,
-                       self.u, h, self.u_x8),
+            # the first layer bound and the MTP layer start from x itself (an embedding, a pipeline stage's input
+            # hidden state; eh_proj's output)
+            self._norm(self.x, self.ffn_out if self.span.start < spec.index < cfg.num_hidden_layers else None,
+                       spec.input_norm, self.u, h, self.u_x8),
             *self._matvec_pair(self._matrix(a.q_a), self.q_a, self._matrix(a.kv_a), self.comp),
         ]
         ix = a.indexer  # a layer with an indexer of its own (else it attends with the previous layer's choice)
@@ -770,7 +796,7 @@ class DeviceDecodeStep:
         (tools/quality_int8_activations.py)."""
         if not int8_activations:
             return frozenset()
-        moe = next((spec.ffn for spec in self.specs if isinstance(spec.ffn, MoESpec)), None)
+        moe = next((spec.ffn for spec in self.model_specs if isinstance(spec.ffn, MoESpec)), None)
         if moe is None:
             return frozenset({3, 4})
         expert = self._weight(moe.expert(0).gate)
@@ -832,8 +858,8 @@ class DeviceDecodeStep:
         if staged is None:
             return
         cache, pos = staged
-        rows = self.row_stage[parity].host.reshape(len(self.layers), self.stage_width)
-        for i, layer in enumerate(self.layers):
+        rows = self.row_stage[parity].host.reshape(-1, self.stage_width)  # a row per main layer
+        for i, layer in zip(self.span, self.layers, strict=True):
             kv, start = cache.layer(i), 0
             for name, width in self.stage_fields.items():
                 if name in layer.mirrors and pos < kv.length:
@@ -847,6 +873,24 @@ class DeviceDecodeStep:
         self.complete(self._enqueue(cache, 0, embed), 0)
         rows = self.rows
         return (self.logits.host.reshape(rows, -1).copy(), self.hidden.host.reshape(rows, -1).copy(),
+                self.routes(0))
+
+    def run_span(self, cache: KVCache, x: np.ndarray, chosen: np.ndarray | None
+                 ) -> tuple[np.ndarray, np.ndarray | None, list]:
+        """A pipeline stage's part of a decoded token (a step bound to `span`, without logits): the layers on the hidden
+        state `x [1, H]` entering them, appended at `cache.layer(span.start).length`; chosen: the DSA selection `[1, K]`
+        of the layer before them (None at layer 0, or with every key attended). Returns (the hidden state after the
+        last layer `[1, H]`, the selection a following 'previous' layer reuses `[1, K]` int32 or None, routes)."""
+        assert self.logits is None and self.span
+        self.settle()
+        scored = cache.layer(self.span.start).length + 1 > self.topk
+        if scored and chosen is not None:
+            self.chosen.host[:] = chosen.reshape(-1)
+            self.buffers.to_device(self.chosen)
+        elif scored and self.specs[0].attention.indexer is None:
+            raise ValueError(f"layer {self.span.start} reuses the previous layer's selection: none was given")
+        self.complete(self._enqueue(cache, 0, x), 0)
+        return (self.x.host.reshape(1, -1).copy(), self.chosen.host.astype(np.int32)[None] if scored else None,
                 self.routes(0))
 
     def verify(self, cache: KVCache, embed: np.ndarray, choose: bool
@@ -894,7 +938,7 @@ class DeviceDecodeStep:
             return []
         slot = self.slot_of[parity]
         return [(i, layer.ids[slot].host.reshape(self.rows, -1).astype(np.int64))
-                for i, layer in enumerate(self.layers) if layer.route is not None]
+                for i, layer in zip(self.span, self.layers, strict=True) if layer.route is not None]
 
     def settle(self) -> None:
         """Let the pipeline whose token is in flight (if any) finish it: the step's buffers are then free."""
@@ -961,7 +1005,7 @@ class DeviceDecodeStep:
         launch that reads them) and, with several rows where the indexer selects, the causal mask."""
         keys = pos + self.rows
         self._grow(keys)
-        attention = self.specs[0].attention  # every layer's RoPE is the same (`check_bindable`)
+        attention = self.model_specs[0].attention  # every layer's RoPE is the same (`check_bindable`)
         cos, sin = rope_cos_sin(np.arange(pos, keys), attention.rope, attention.rope_theta)
         self.cs[parity].host[:] = np.concatenate([cos, sin], axis=1).reshape(-1)
         self.buffers.to_device(self.cs[parity])  # the last token of this parity has finished: its copy was done
@@ -1006,10 +1050,10 @@ class DeviceDecodeStep:
         token on the device (into `token_ids[parity]`). draft: MTP's draft of the rows follows (`_queue_draft`)."""
 
         cfg, n_rows = self.cfg, self.rows
-        layers = range(cfg.num_hidden_layers + draft)
+        layers = [*self.span, *([cfg.num_hidden_layers] if draft else [])]
         if cache.dtype != self.kv_dtype:
             raise ValueError(f"a cache of {cache.dtype} rows given to a decode step built for {self.kv_dtype}")
-        pos = cache.length
+        pos = cache.layer(self.span.start).length if self.span else cache.length
         keys = pos + n_rows
         grows = keys > self.capacity or any(
             cache.layer(i).length + n_rows > len(cache.layer(i).storage("kv_lat")) for i in layers)
@@ -1022,22 +1066,23 @@ class DeviceDecodeStep:
             self.x.host[:] = embed.reshape(-1)
             self.buffers.to_device(self.x)
         slot = self._next_slot(parity)
-        for i in range(cfg.num_hidden_layers):
+        for i in self.span:
             cache.layer(i).claim(n_rows)
         if embed is None:
             self.embed.set(token=self.token_ids[1 - parity].buffer)
             self.embed.enqueue()
         try:
-            for i, layer in enumerate(self.layers):
+            for i, layer in zip(self.span, self.layers, strict=True):
                 event = self._queue_layer(i, layer, cache.layer(i), pos, keys, slot, parity)
-            self.final_norm.enqueue()
-            event = self.lm_head.enqueue()
+            event = self.final_norm.enqueue()
+            if self.lm_head is not None:
+                event = self.lm_head.enqueue()
             if draft:
                 event = self._queue_draft(cache, pos, slot, parity, choose=True)
             if choice is not None:
                 event = choice.enqueue(parity)
             if not self.k.direct:  # what the host reads of this token, behind its kernels
-                reads = (self.token_ids[parity],) if choice is not None else (self.logits, self.hidden)
+                reads = (self.token_ids[parity],) if choice is not None else self.outputs
                 for a in (self.row_stage[parity], self.route_ids[slot], *reads):
                     event = self.buffers.to_host(a)
                 self.staged[parity] = (cache, pos)
