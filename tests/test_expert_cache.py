@@ -12,6 +12,7 @@ import pytest
 
 from glmkit.errors import GlmkitError
 from glmkit.format.schema import EXPERT_PROJECTIONS, expert_weight_name
+from glmkit.generate import engine as engine_module
 from glmkit.generate.engine import Engine
 from glmkit.generate.generator import Generator
 from glmkit.generate.sampling import Sampler, SamplingParams
@@ -25,6 +26,7 @@ from glmkit.model.expert_cache import (
     usage_path,
     write_usage,
 )
+from glmkit.model.glm5 import prefill_rows_within
 from glmkit.model.ops import likely_experts
 from tests.runtime_support import Snapshots
 
@@ -116,6 +118,28 @@ def test_the_auto_size_leaves_what_the_process_holds_and_a_quarter_of_the_limit(
     assert "holds now" in why
     monkeypatch.setattr(expert_cache, "anonymous_resident_bytes", lambda: limit)  # it holds all of it already
     assert auto_cache_bytes(container)[0] == 0
+
+
+def test_an_auto_sized_cache_cuts_a_long_prompt_into_chunks_that_fit_its_allowance(snapshots, monkeypatch):
+    """Under a memory limit the auto-sized cache leaves `activation_allowance` for activations: a prompt is then
+    prefilled in chunks of `prefill_rows_within` rows (the same tokens as one whole forward)."""
+    snap = snapshots("tiny-trained", "q4")
+    whole = Engine(snap, "numpy", load_tokenizer=False)
+    limit = 8 << 20
+    monkeypatch.setattr(expert_cache, "memory_limit_bytes", lambda: limit)
+    monkeypatch.setattr(expert_cache, "anonymous_resident_bytes", lambda: 0)
+    monkeypatch.setattr(engine_module, "memory_limit_bytes", lambda: limit)
+    cut = Engine(snap, "numpy", load_tokenizer=False, expert_cache="auto")
+    rows = cut.model.prefill_rows
+    assert rows == prefill_rows_within(cut.config, expert_cache.activation_allowance(limit)) < 300
+    sizes: list[int] = []
+    forward = cut.model.forward
+    monkeypatch.setattr(cut.model, "forward", lambda ids, *a, **k: (sizes.append(len(ids)), forward(ids, *a, **k))[1])
+    prompt = np.random.default_rng(1).integers(0, cut.config.vocab_size, 300).tolist()
+    runs = [list(Generator(e.model, eos_token_ids=(), use_mtp=False).generate(prompt, 8, Sampler(SamplingParams())))
+            for e in (whole, cut)]
+    assert runs[0] == runs[1] and max(sizes) == rows and sum(s for s in sizes if s > 1) == 300
+    cut.close()
 
 
 def test_a_budget_below_one_layer_is_refused(snapshots):

@@ -173,16 +173,22 @@ def expert_slot_bytes(container: Container) -> int:
     return max(page_span(r.offset, r.nbytes)[1] for r in container.manifest.experts)
 
 
+def activation_allowance(limit: int) -> int:
+    """The bytes an auto-sized cache leaves for activations and KV rows under a memory limit: a quarter, at most
+    1 GB (a prefill's chunks are cut to fit it: `prefill_rows_within`)."""
+    return min(1 << 30, limit // 4)
+
+
 def auto_cache_bytes(container: Container, reserve_bytes: int | None = None) -> tuple[int, str]:
     """A cache size from the RAM this process may use (`memory_limit_bytes`: the cgroup's limit or the machine's),
     less the non-expert weights it copies into RAM and `reserve_bytes` for the process, KV cache and activations
-    (default: what the process holds now, `anonymous_resident_bytes`, and a quarter of the limit, at most 1 GB);
-    with the reason, for the log."""
+    (default: what the process holds now, `anonymous_resident_bytes`, and `activation_allowance`); with the reason,
+    for the log."""
     limit = memory_limit_bytes()
     held = ""
     if reserve_bytes is None:
         now = anonymous_resident_bytes()
-        reserve_bytes = now + min(1 << 30, limit // 4)
+        reserve_bytes = now + activation_allowance(limit)
         held = f" ({format_size(now)} it holds now)"
     experts = sum(r.nbytes for r in container.manifest.experts)
     pinned = container.nbytes - experts

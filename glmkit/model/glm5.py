@@ -53,6 +53,16 @@ VERIFY_ROWS = 2  # the rows of MTP's verification forward: the last token and on
 # Rows of a prompt per dense-MLP pass: its `[rows, intermediate]` products stay a few MB each; the weights'
 # repeated dequantization per block costs a few percent of the block's GEMMs.
 DENSE_MLP_ROWS = 512
+# float32 values per hidden unit that a prefill holds per prompt token at its peak (a 2,048-token chunk of the
+# 256-expert benchmark model: ~15; docs/BENCHMARKS.md, out of core)
+PREFILL_ROW_FLOATS = 20
+MIN_PREFILL_ROWS = 128
+
+
+def prefill_rows_within(config: ModelConfig, nbytes: int) -> int:
+    """The prompt rows one forward may take so that its temporaries stay within `nbytes` (at least
+    MIN_PREFILL_ROWS)."""
+    return max(MIN_PREFILL_ROWS, nbytes // (config.hidden_size * 4 * PREFILL_ROW_FLOATS))
 
 # ---- pure functions ----------------------------------------------------------------------------
 
@@ -139,6 +149,7 @@ class GlmMoeDsaModel:
         self.ahead_hook = ahead_hook
         self.step_route_hook = step_route_hook  # a decode step's routing as it happens: `DecodeStep.watch_routes`
         self.step_experts = step_experts
+        self.prefill_rows: int | None = None  # where memory is tight: the most prompt rows a forward should take
         self._step: DecodeStep | None | bool = False  # the backend's decode step, asked for on first decode
         self._verify: DecodeStep | None | bool = False  # its two-row form (MTP's verification), on first use
         self._parts: dict[tuple[int, int, bool], DecodeStep | None] = {}  # steps over parts: `part_step`
