@@ -24,9 +24,10 @@ must fit its budget) the step's buffers are device memory: the cache rows live i
 (`_CacheMirror`) that takes the rows the host wrote since (`LayerKV.edited_from`), and each token's new rows, its
 logits (or greedy token) and routed ids are copied back with non-blocking reads behind its kernels. A layer's
 experts may lie in several weight buffers (the files of the mapping: a GLM-5 layer outgrows one 4 GB file): the
-routing kernel fills the slots of each buffer, and each gets its own fused launches. `OpenCLBackend.decode_step`
-builds the step, or returns None when a weight or an expert cannot be used in place or placed on the device (the
-per-operation path runs then).
+routing kernel fills the slots of each buffer, and each gets its own fused launches. A discrete device that holds every
+weight but some routed experts runs those on a CPU OpenCL device beside it (`SpillDevice`, the split step: one host
+wait per MoE layer). `OpenCLBackend.decode_step` builds the step, or returns None when a weight or an expert cannot
+be used in place or placed on the device (the per-operation path runs then).
 
 MTP's verification of a draft runs as the same step bound for two token rows (`rows=2`, CPU devices over the
 mapping): the weight products take both rows, the kernels that work per token a row each (a work-group or a global
@@ -260,6 +261,11 @@ class DeviceDecodeStep:
     devices over the mapping only. Each row's logits, hidden state and KV rows are bit for bit those of the
     single-row step fed the same tokens. draft: (the MTP layer's description, the MTP head's): `verify` then also
     drafts in the same queue.
+
+    spill: a CPU OpenCL device beside a discrete one that cannot hold every routed expert (the split step: see
+    `_bind_split_moe`, `_place_split`, `_run_split`): the experts the budget leaves out run there, each MoE layer's
+    host wait bringing their input back and their per-slot rows over. The logits are the whole-model step's, bit for
+    bit where both devices run the same build of the expert kernels. One token row, the whole model, no expert cache.
 
     span: the main layers bound (default all; `layers` always describes them all: the numerics and the indexers' key
     count are the model's). A pipeline stage's step (`logits` False) takes the hidden state entering its first layer
@@ -792,66 +798,67 @@ class DeviceDecodeStep:
 
     def _place_split(self) -> None:
         """Upload as many routed experts as the budget still holds once every other weight is on the device: expert
-        ranks in turn over the layers (each layer's first expert, then each one's second, ...), so that every layer
-        keeps the same share; then bind each layer's launches on the device (per buffer holding its experts) and on
-        the CPU device (per mapping window holding the others)."""
+        ranks in turn over the layers (each layer's expert 0, then each one's expert 1, ...), so that every layer
+        keeps the same share; then bind each layer's launches on both sides (`_bind_split_sides`)."""
         split = [layer.split for layer in self.layers if layer.split is not None]
+        if not split:
+            return
         full = False
-        for e in range(max((len(s.views) for s in split), default=0)):
+        for e in range(max(len(s.views) for s in split)):
             for s in split:
                 if e < len(s.views) and not full:
                     s.resident[e] = self._expert_ref(*s.views[e])
                     full = s.resident[e] is None
-        spill = self.spill.kernels
-        x8 = self._x8(split[0].shape.bits, split[0].shape.group, split[0].shape.n_in, split[0].shape.inter) \
-            if split else False
-        if split:  # the CPU side's input: the post-attention norm's output u, or its int8 codes (`u_x8`)
-            n = self.cfg.hidden_size
-            if x8:
-                arrays = (spill.buffers.array(2 * n, np.int8), spill.buffers.array(n // X8_BLOCK),
-                          spill.buffers.array(n // X8_BLOCK, np.int32))
-                self.split_input = tuple(zip(self.u_x8, arrays, strict=True))
-                x_cpu: Any = Int8Codes(*(a.buffer for a in arrays))
-            else:
-                arrays = (spill.buffers.array(n),)
-                self.split_input = ((self.u.buffer, arrays[0]),)
-                x_cpu = arrays[0].buffer
+        shape, spill = split[0].shape, self.spill.kernels.buffers
+        x8 = self._x8(shape.bits, shape.group, shape.n_in, shape.inter)
+        n = self.cfg.hidden_size  # the CPU side's input: the post-attention norm's output u, or its int8 codes
+        if x8:
+            arrays = (spill.array(2 * n, np.int8), spill.array(n // X8_BLOCK), spill.array(n // X8_BLOCK, np.int32))
+            self.split_input = tuple(zip(self.u_x8, arrays, strict=True))
+            x_cpu: Any = Int8Codes(*(a.buffer for a in arrays))
+        else:
+            self.split_input = ((self.u.buffer, spill.array(n)),)
+            x_cpu = self.split_input[0][1].buffer
         for s in split:
-            buffers = list({id(ref.buf): ref.buf for ref in [*s.resident, s.shared] if ref is not None}.values())
-            for e, ref in enumerate(s.resident):
-                if ref is not None:
-                    s.table.host[e * 6:(e + 1) * 6] = ref.offs
-                    s.where[e] = next(b for b, buf in enumerate(buffers) if buf is ref.buf)
-            self.buffers.to_device(s.table)
-            regions = s.regions
-            for buf in buffers:
-                mask = self.buffers.filled(np.full(s.members, UNUSED_SLOT), np.uint32)
-                if s.shared is not None and s.shared.buf is buf:
-                    mask.host[s.top_k], s.shared_set = 0, len(s.masks)
-                    self.buffers.to_device(mask)
-                slots = ExpertSlots(regions["offs"].buffer, mask.buffer, regions["tok_start"].buffer,
-                                    regions["slot_w"].buffer, s.members)
-                s.masks.append(mask)
-                s.sets.append(list(self._bind_experts(s.cpu_refs[0], slots, self.ffn, buf, False, (s.hid, s.part))[0]))
-            s.cpu_offs = spill.buffers.array(s.members * 6, np.uint64)
-            tok_start = spill.buffers.filled(np.array([0, s.members]), np.uint32)
-            hid, part = spill.buffers.array(s.members * s.shape.inter), spill.buffers.array(s.members * s.shape.n_in)
-            s.cpu_part = part
-            for e, ref in enumerate(s.cpu_refs):
-                if s.resident[e] is not None or id(ref.buf) in s.cpu_sets:
-                    continue
-                slot_tok = spill.buffers.filled(np.full(s.members, UNUSED_SLOT), np.uint32)
-                slots = ExpertSlots(s.cpu_offs.buffer, slot_tok.buffer, tok_start.buffer, tok_start.buffer, s.members)
-                if x8:
-                    codes = Int8Codes(*(spill.buffers.array(m, t).buffer for m, t in (
-                        (2 * s.members * s.shape.inter, np.int8), (s.members * s.shape.inter // X8_BLOCK, np.float32),
-                        (s.members * s.shape.inter // X8_BLOCK, np.int32))))
-                    launches = bind_experts_x8(spill, ref.buf, s.shape, x_cpu, slots, hid.buffer, codes, part.buffer,
-                                               part.buffer, summed=False)
-                else:
-                    launches = bind_experts(spill, ref.buf, s.shape, x_cpu, slots, hid.buffer, part.buffer,
-                                            part.buffer, summed=False)
-                s.cpu_sets[id(ref.buf)] = (slot_tok, list(launches))
+            self._bind_split_sides(s, x_cpu, x8)
+
+    def _bind_split_sides(self, s: _SplitLayer, x_cpu: Any, x8: bool) -> None:
+        """A split layer's resident experts in the routing table and their fused launches per GPU buffer (each over
+        every slot, masked to its own); the CPU side's launches per mapping window over its own slot arrays, its
+        input `x_cpu` (u, or u's int8 codes where `x8`)."""
+        buffers = list({id(ref.buf): ref.buf for ref in [*s.resident, s.shared] if ref is not None}.values())
+        for e, ref in enumerate(s.resident):
+            if ref is not None:
+                s.table.host[e * 6:(e + 1) * 6] = ref.offs
+                s.where[e] = next(b for b, buf in enumerate(buffers) if buf is ref.buf)
+        self.buffers.to_device(s.table)
+        regions = s.regions
+        for buf in buffers:
+            mask = self.buffers.filled(np.full(s.members, UNUSED_SLOT), np.uint32)
+            if s.shared is not None and s.shared.buf is buf:
+                mask.host[s.top_k], s.shared_set = 0, len(s.masks)
+                self.buffers.to_device(mask)
+            slots = ExpertSlots(regions["offs"].buffer, mask.buffer, regions["tok_start"].buffer,
+                                regions["slot_w"].buffer, s.members)
+            s.masks.append(mask)
+            s.sets.append(list(self._bind_experts(s.cpu_refs[0], slots, self.ffn, buf, False, (s.hid, s.part))[0]))
+        spill, shape = self.spill.kernels, s.shape
+        new = spill.buffers.array
+        s.cpu_offs, s.cpu_part = new(s.members * 6, np.uint64), new(s.members * shape.n_in)
+        tok_start = spill.buffers.filled(np.array([0, s.members]), np.uint32)
+        hid = new(s.members * shape.inter)
+        for e, ref in enumerate(s.cpu_refs):
+            if s.resident[e] is not None or id(ref.buf) in s.cpu_sets:
+                continue
+            slot_tok = spill.buffers.filled(np.full(s.members, UNUSED_SLOT), np.uint32)
+            slots = ExpertSlots(s.cpu_offs.buffer, slot_tok.buffer, tok_start.buffer, tok_start.buffer, s.members)
+            part = s.cpu_part.buffer  # y: unused (the rows are not summed here)
+            if x8:
+                codes = self._x8_scratch(s.members * shape.inter, spill.buffers)
+                launches = bind_experts_x8(spill, ref.buf, shape, x_cpu, slots, hid.buffer, codes, part, part, False)
+            else:
+                launches = bind_experts(spill, ref.buf, shape, x_cpu, slots, hid.buffer, part, part, False)
+            s.cpu_sets[id(ref.buf)] = (slot_tok, list(launches))
 
     def _slot_ref(self, views: Sequence[Weight], slot: int) -> tuple[Any, np.ndarray]:
         """The fused-expert view of (gate, up, down) lying in arena slot `slot` (for its scheme and shape), and
@@ -943,9 +950,10 @@ class DeviceDecodeStep:
     def _x8(self, bits: int, group: int, *widths: int) -> bool:
         return bits in self.x8_bits and x8_eligible(bits, group, *widths)
 
-    def _x8_scratch(self, n: int) -> Int8Codes:
-        """Buffers of n int8-quantized inputs: codes (two orders: 2n bytes), n / X8_BLOCK scales and code sums."""
-        new = self.buffers.array
+    def _x8_scratch(self, n: int, buffers: Any = None) -> Int8Codes:
+        """Buffers of n int8-quantized inputs: codes (two orders: 2n bytes), n / X8_BLOCK scales and code sums (on
+        `buffers`' device, default this step's)."""
+        new = (buffers or self.buffers).array
         return Int8Codes(new(2 * n, np.int8).buffer, new(n // X8_BLOCK).buffer, new(n // X8_BLOCK, np.int32).buffer)
 
     # ---- one token ---------------------------------------------------------------------------------
