@@ -13,7 +13,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from glmkit.backends.opencl import decode_graph
+from glmkit.backends.opencl import decode_graph, weights
 from glmkit.backends.opencl.backend import OpenCLBackend, Placement
 from glmkit.backends.opencl.decode_graph import DeviceDecodeStep
 from glmkit.backends.opencl.ops import Kernels
@@ -447,6 +447,23 @@ def test_split_step_greedy_matches_numpy(snapshots, discrete_kernels, spill_kern
     tight = discrete_model(engine, discrete_kernels, spill_kernels, engine.container.nbytes // 20, False)
     cfg = engine.config
     assert tight.backend.decode_step(cfg, tight.layers[:cfg.num_hidden_layers], tight._w) is None
+
+
+def test_split_step_over_several_device_buffers(snapshots, discrete_kernels, spill_kernels, monkeypatch):
+    """Resident experts in several upload arenas of the device: a launch set per buffer, each masked to its own
+    slots, with the CPU device's slots beside them: NumPy's logits (float inputs) and greedy tokens."""
+    monkeypatch.setattr(weights, "ARENA_BYTES", 1 << 16)
+    engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
+    ref = GlmMoeDsaModel(engine.config, engine.experts, engine.backend, route_hook=Routes())
+    split = discrete_model(engine, discrete_kernels, spill_kernels, int(engine.container.nbytes * 0.5), False)
+    ids = np.array(oracle("tiny-trained")["full_ids"])
+    topk = engine.config.index_topk
+    want, got, caches = decode_both(ref, split, ids[:topk - 3], ids[topk - 3:topk + 5])
+    layers = [layer.split for layer in split._step.layers if layer.split is not None]
+    assert max(len(s.sets) for s in layers) > 1 and all((s.where < 0).any() for s in layers)
+    assert_same(want, got)
+    assert_same_rows(caches)
+    assert split.route_hook.seen == ref.route_hook.seen
 
 
 def test_validate_passes_with_the_step(snapshots, monkeypatch, capsys):
