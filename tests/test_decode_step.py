@@ -6,13 +6,14 @@ the routed experts the route hook sees, across the indexer's switch to top-k sel
 
 from __future__ import annotations
 
+import copy
 import time
 from collections import Counter
 
 import numpy as np
 import pytest
 
-from glmkit.backends.opencl import decode_graph
+from glmkit.backends.opencl import decode_graph, weights
 from glmkit.backends.opencl.backend import OpenCLBackend, Placement
 from glmkit.backends.opencl.decode_graph import DeviceDecodeStep
 from glmkit.backends.opencl.ops import Kernels
@@ -377,6 +378,92 @@ def test_where_the_step_runs(snapshots, direct_kernels, discrete_kernels):
     small = OpenCLBackend(discrete_kernels, Placement(), unified=False, model_bytes=size, budget=size // 2)
     assert small.decode_step(cfg, layers, weight) is None and small.memory.used == 0
     assert engine.backend.decode_step(cfg, layers, weight) is None  # NumPy
+
+
+# ---- a discrete device smaller than the model: the split step ------------------------------------------
+
+@pytest.fixture(scope="module")
+def spill_kernels():
+    """A CPU device beside the discrete one (the split step's CPU side), its kernels built as `discrete_kernels`'
+    are (the same expert kernels on both sides: bit-identical per-slot rows)."""
+    info = opencl_test_device()
+    if info.kind != "cpu":
+        pytest.skip("the split step's CPU side is a CPU OpenCL device")
+    return Kernels(info, lanes=8, red_lanes=8, cpu_loads=False)
+
+
+def discrete_model(engine: Engine, gpu: Kernels, spill: Kernels | None, budget: int | None, int8: bool
+                   ) -> GlmMoeDsaModel:
+    """The model on `gpu` driven as a discrete device with a weight budget of `budget` bytes (None: the device's
+    default, which holds the tiny models), routed experts over it on `spill`."""
+    placement = Placement(spill_experts=spill is not None)
+    backend = OpenCLBackend(gpu, placement, unified=False, model_bytes=engine.container.nbytes, budget=budget,
+                            int8_activations=int8,
+                            spill=None if spill is None else OpenCLBackend(spill, Placement.all_cl(True)))
+    return GlmMoeDsaModel(engine.config, engine.experts, backend, route_hook=Routes())
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_split_step_matches_the_whole_model_step(snapshots, discrete_kernels, spill_kernels, int8):
+    """At 30% of the model most routed experts run on the CPU device: the logits and KV rows are bit for bit those
+    of the step holding the whole model (same kernels), across the indexer's switch to top-k selection."""
+    engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
+    whole = discrete_model(engine, discrete_kernels, None, None, int8)
+    split = discrete_model(engine, discrete_kernels, spill_kernels, int(engine.container.nbytes * 0.3), int8)
+    ids = np.array(oracle("tiny-trained")["full_ids"])
+    topk = engine.config.index_topk
+    prompt, tokens = ids[:topk - 3], ids[topk - 3:topk + 5]
+    caches = [whole.new_cache()]
+    whole.forward(prompt, caches[0])
+    caches.append(copy.deepcopy(caches[0]))  # the same prefilled rows (the split model prefills on the spill device)
+    want, got, _ = decode_both(whole, split, prompt, tokens, caches)
+    step = split._step
+    assert isinstance(step, DeviceDecodeStep) and isinstance(whole._step, DeviceDecodeStep)
+    assert whole._step.spill is None and step.spill is not None
+    resident = [int((layer.split.where >= 0).sum()) for layer in step.layers if layer.split is not None]
+    n_moe = engine.config.num_hidden_layers - engine.config.first_k_dense_replace
+    assert len(resident) == n_moe and all(0 < r < engine.config.n_routed_experts // 2 for r in resident)
+    assert max(resident) - min(resident) <= 1  # the same share per layer
+    np.testing.assert_array_equal(got, want)
+    for a, b in zip(caches[0].layers, caches[1].layers, strict=True):
+        for name in ("kv_lat", "k_rot", "index_k") if a.has_index else ("kv_lat", "k_rot"):
+            np.testing.assert_array_equal(b.rows(name), a.rows(name))
+    assert split.route_hook.seen == whole.route_hook.seen
+
+
+def test_split_step_greedy_matches_numpy(snapshots, discrete_kernels, spill_kernels, monkeypatch):
+    """With float activations the split step's greedy tokens (pipelined, as glm-run decodes) are NumPy's; a budget
+    that cannot hold the non-expert weights leaves the per-operation path."""
+    engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
+    ref = GlmMoeDsaModel(engine.config, engine.experts, engine.backend)
+    split = discrete_model(engine, discrete_kernels, spill_kernels, int(engine.container.nbytes * 0.3), False)
+    queued = []
+    run_split = DeviceDecodeStep._run_split
+    monkeypatch.setattr(DeviceDecodeStep, "_run_split", lambda self, *a: queued.append(1) or run_split(self, *a))
+    prompt = oracle("tiny-trained")["prompt_ids"]
+    want, _ = greedy_run(ref, prompt, 24)
+    got, _ = greedy_run(split, prompt, 24)
+    assert got == want and queued
+    tight = discrete_model(engine, discrete_kernels, spill_kernels, engine.container.nbytes // 20, False)
+    cfg = engine.config
+    assert tight.backend.decode_step(cfg, tight.layers[:cfg.num_hidden_layers], tight._w) is None
+
+
+def test_split_step_over_several_device_buffers(snapshots, discrete_kernels, spill_kernels, monkeypatch):
+    """Resident experts in several upload arenas of the device: a launch set per buffer, each masked to its own
+    slots, with the CPU device's slots beside them: NumPy's logits (float inputs) and greedy tokens."""
+    monkeypatch.setattr(weights, "ARENA_BYTES", 1 << 16)
+    engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
+    ref = GlmMoeDsaModel(engine.config, engine.experts, engine.backend, route_hook=Routes())
+    split = discrete_model(engine, discrete_kernels, spill_kernels, int(engine.container.nbytes * 0.5), False)
+    ids = np.array(oracle("tiny-trained")["full_ids"])
+    topk = engine.config.index_topk
+    want, got, caches = decode_both(ref, split, ids[:topk - 3], ids[topk - 3:topk + 5])
+    layers = [layer.split for layer in split._step.layers if layer.split is not None]
+    assert max(len(s.sets) for s in layers) > 1 and all((s.where < 0).any() for s in layers)
+    assert_same(want, got)
+    assert_same_rows(caches)
+    assert split.route_hook.seen == ref.route_hook.seen
 
 
 def test_validate_passes_with_the_step(snapshots, monkeypatch, capsys):

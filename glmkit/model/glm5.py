@@ -150,7 +150,7 @@ class GlmMoeDsaModel:
         self.step_route_hook = step_route_hook  # a decode step's routing as it happens: `DecodeStep.watch_routes`
         self.step_experts = step_experts
         self.prefill_rows: int | None = None  # where memory is tight: the most prompt rows a forward should take
-        self._step: DecodeStep | None | bool = False  # the backend's decode step, asked for on first decode
+        self._step: DecodeStep | None | bool = False  # the backend's decode step, asked for on the first forward
         self._verify: DecodeStep | None | bool = False  # its two-row form (MTP's verification), on first use
         self._parts: dict[tuple[int, int, bool], DecodeStep | None] = {}  # steps over parts: `part_step`
         # the MTP acceptance below which drafting decodes slower than single tokens on the device step, where
@@ -187,7 +187,10 @@ class GlmMoeDsaModel:
         hidden `[S, H]` after the final norm, the input the MTP layer needs).
         """
         x = self.embed(token_ids)
-        if len(token_ids) == 1 and cache.length > 0 and self._decode_step() is not None:
+        # asked for before any prefill: a discrete device's step places its weights (and what is left of the budget
+        # for routed experts) before per-operation calls upload weights as they come
+        step = self._decode_step()
+        if len(token_ids) == 1 and cache.length > 0 and step is not None:
             return self._device_decode(int(token_ids[0]), x[0], cache)
         if len(token_ids) == VERIFY_ROWS and cache.length > 0 and self._verify_step() is not None:
             logits, hidden = self._device_verify(x, cache)

@@ -24,9 +24,10 @@ must fit its budget) the step's buffers are device memory: the cache rows live i
 (`_CacheMirror`) that takes the rows the host wrote since (`LayerKV.edited_from`), and each token's new rows, its
 logits (or greedy token) and routed ids are copied back with non-blocking reads behind its kernels. A layer's
 experts may lie in several weight buffers (the files of the mapping: a GLM-5 layer outgrows one 4 GB file): the
-routing kernel fills the slots of each buffer, and each gets its own fused launches. `OpenCLBackend.decode_step`
-builds the step, or returns None when a weight or an expert cannot be used in place or placed on the device (the
-per-operation path runs then).
+routing kernel fills the slots of each buffer, and each gets its own fused launches. A discrete device that holds every
+weight but some routed experts runs those on a CPU OpenCL device beside it (`SpillDevice`, the split step: one host
+wait per MoE layer). `OpenCLBackend.decode_step` builds the step, or returns None when a weight or an expert cannot
+be used in place or placed on the device (the per-operation path runs then).
 
 MTP's verification of a draft runs as the same step bound for two token rows (`rows=2`, CPU devices over the
 mapping): the weight products take both rows, the kernels that work per token a row each (a work-group or a global
@@ -170,6 +171,37 @@ class _ArenaLayer(NamedTuple):
     masks: tuple[DeviceArray, DeviceArray] | None  # slot tokens of the launches before and after the misses' reads
 
 
+class SpillDevice(NamedTuple):
+    """A CPU OpenCL device beside a discrete one (the backend's `spill`): its kernels and its fused-expert view of
+    (gate, up, down) in place over the mapping (`OpenCLBackend._expert_ref`'s, or None)."""
+
+    kernels: Kernels
+    expert_ref: Callable
+
+
+class _SplitLayer:
+    """A MoE layer whose routed experts lie partly in the discrete device's memory and partly on the CPU device
+    (`SpillDevice`). Routing fills one slot per routed expert (the shared one last) as over the whole model; per
+    token the host reads the ids, masks each slot to the launches that compute it (`masks`, one per device buffer
+    holding resident experts: `sets`), and the CPU device computes the other slots' rows from the same input,
+    uploaded into the same per-slot rows (`part`): the next norm sums them in slot order."""
+
+    def __init__(self, views: list[tuple[Weight, Weight, Weight]], cpu_refs: list, shape: Any, top_k: int,
+                 members: int, table: DeviceArray, regions: dict[str, DeviceArray], scratch: tuple[DeviceArray, Any],
+                 shared: Any) -> None:
+        self.views, self.cpu_refs, self.shape, self.top_k, self.members = views, cpu_refs, shape, top_k, members
+        self.table, self.regions, self.hid, self.part = table, regions, *scratch
+        self.shared = shared  # the shared expert's device view (resident), or None
+        self.resident: list[Any] = [None] * len(views)  # per routed expert: its device view, or None (CPU side)
+        self.where = np.full(len(views), -1, np.int64)  # per routed expert: its launch set (`sets`), -1: CPU side
+        self.masks: list[DeviceArray] = []  # per launch set: the slot tokens it runs (0) or skips (UNUSED_SLOT)
+        self.shared_set = -1  # the launch set that computes the shared expert's slot (run every token)
+        self.sets: list[list[Launch]] = []  # per device buffer holding resident experts: the fused launches
+        self.cpu_sets: dict[int, tuple[DeviceArray, list[Launch]]] = {}  # per CPU-side buffer: slot tokens, launches
+        self.cpu_offs: DeviceArray | None = None  # the CPU side's slot offsets (members x 6)
+        self.cpu_part: DeviceArray | None = None  # the CPU side's per-slot down rows (members x n_in)
+
+
 class _Layer:
     """One decoder layer's bound launches, by name those whose arguments change per token (cache rows, key
     count, token parity)."""
@@ -189,6 +221,7 @@ class _Layer:
         self.route: Launch | None = None
         self.ids: list[DeviceArray] = []  # MoE layers, per token slot: the routed expert ids
         self.arena: _ArenaLayer | None = None  # experts in an expert cache's slots: what the host places per token
+        self.split: _SplitLayer | None = None  # routed experts partly on a CPU device beside a discrete one
         self.after_route: list[Launch] = []  # with `arena`: the launches queued once the host placed the experts
         self.after_misses: list[Launch] = []  # with `arena.masks`: those queued once the misses are read
         self.cache_buffers: dict[str, DeviceArray] = {}  # direct devices: field -> its storage array and buffer
@@ -229,6 +262,11 @@ class DeviceDecodeStep:
     single-row step fed the same tokens. draft: (the MTP layer's description, the MTP head's): `verify` then also
     drafts in the same queue.
 
+    spill: a CPU OpenCL device beside a discrete one that cannot hold every routed expert (the split step: see
+    `_bind_split_moe`, `_place_split`, `_run_split`): the experts the budget leaves out run there, each MoE layer's
+    host wait bringing their input back and their per-slot rows over. The logits are the whole-model step's, bit for
+    bit where both devices run the same build of the expert kernels. One token row, the whole model, no expert cache.
+
     span: the main layers bound (default all; `layers` always describes them all: the numerics and the indexers' key
     count are the model's). A pipeline stage's step (`logits` False) takes the hidden state entering its first layer
     in `x` and leaves the one after its last in `x` (`run_span`: the final norm's launch adds the last FFN output into
@@ -241,7 +279,7 @@ class DeviceDecodeStep:
                  cw: Callable[[Weight], ClWeight | None], expert_ref: Callable, kernels: Kernels,
                  int8_activations: bool = True, experts: ExpertArena | None = None, kv_dtype: str = "f32",
                  rows: int = 1, draft: tuple[LayerSpec, MTPSpec] | None = None, span: range | None = None,
-                 logits: bool = True) -> None:
+                 logits: bool = True, spill: SpillDevice | None = None) -> None:
 
         if cfg.n_routed_experts > MAX_ROUTED_EXPERTS:
             raise Unsupported(f"{cfg.n_routed_experts} routed experts (the routing kernel holds {MAX_ROUTED_EXPERTS})")
@@ -255,6 +293,8 @@ class DeviceDecodeStep:
         if draft is not None and (rows < 2 or any(n.bias for n in (draft[1].enorm, draft[1].hnorm,
                                                                      draft[1].head_norm))):
             raise Unsupported("MTP's draft: in a verification step (rows > 1) of an MTP head with RMSNorms")
+        if spill is not None and (kernels.direct or experts is not None or not whole or rows > 1):
+            raise Unsupported("routed experts on a CPU device beside: a discrete device's whole-model step, one row")
         self.draft_spec = draft
         # the model's main layers (numerics, RoPE, the indexers' key count), and those this step runs: `span`
         self.cfg, self.model_specs, self.k, self.buffers = cfg, list(layers), kernels, kernels.buffers
@@ -264,6 +304,8 @@ class DeviceDecodeStep:
         self.topk = index_topk(layers)
         self._weight, self._cw, self._expert_ref = weight, cw, expert_ref
         self.experts = experts
+        self.spill = spill
+        self.split_input: tuple[tuple[Any, DeviceArray], ...] = ()  # spill: (device buffer, CPU array) to copy
         if experts is not None:  # the arena in chunks no larger than one buffer may be, slot-aligned
             if not kernels.direct:
                 raise Unsupported("an expert cache's slots are read in place: CPU OpenCL devices only")
@@ -345,6 +387,8 @@ class DeviceDecodeStep:
                                                                    self.x.buffer)
         if draft is not None:
             self.draft = self._bind_draft(*draft)
+        if spill is not None:  # after every other weight: the routed experts get what is left of the budget
+            self._place_split()
         self.owner: DecodePipeline | None = None  # the pipeline whose token is in flight
         self.sample_scratch: SampleScratch | None = None  # the buffers of SampledChoice (made on first use)
         self.watcher: RouteWatcher | None = None  # see watch_routes
@@ -594,6 +638,8 @@ class DeviceDecodeStep:
             return list(launches)
         if self.experts is not None:
             return self._bind_arena_moe(ffn, out)
+        if self.spill is not None:
+            return self._bind_split_moe(ffn, out)
         r = ffn.router
         experts = [self._ref(ffn.expert(e)) for e in range(r.n_experts)]
         if len({scheme(ref) for ref in experts}) != 1:
@@ -715,6 +761,105 @@ class DeviceDecodeStep:
         out.after_route = [place, *groups, *(self._bind_apart(separate) if separate is not None else ())]
         return [bind_matvec(k, self._matrix(r.weight), self.u.buffer, logits.buffer), out.route]
 
+    def _bind_split_moe(self, ffn: MoESpec, out: _Layer) -> list[Launch]:
+        """`_bind_ffn` for a discrete device that cannot hold every routed expert (`SpillDevice` beside it): the
+        router and `route_noaux_tc` over one slot region (every expert's slot in one order, the shared one last,
+        as over the whole model), closing the layer's queue; which experts run where is decided once every layer
+        is bound (`_place_split`), the per-token part in `_run_split`."""
+        r, k = ffn.router, self.k
+        if r.top_k > MAX_TOPK or r.topk_group * (r.n_experts // r.n_group) < r.top_k:
+            raise Unsupported(f"{r.weight}: a routing that may choose fewer than top_k experts")
+        views = [tuple(self._weight(name) for name in ffn.expert(e).names) for e in range(r.n_experts)]
+        cpu_refs = [self.spill.expert_ref(*triple) for triple in views]
+        if any(ref is None for ref in cpu_refs) or len({ref.key[1:] for ref in cpu_refs}) != 1:
+            raise Unsupported(f"{r.weight}: the routed experts cannot run as fused experts of one scheme on the CPU")
+        shape = cpu_refs[0].shape
+        shared = None if ffn.shared is None else self._ref(ffn.shared)
+        if shared is not None and shared.key[1:] != cpu_refs[0].key[1:]:
+            raise Unsupported(f"{r.weight}: a shared expert of another scheme beside CPU-side routed experts")
+        members = r.top_k + (shared is not None)
+        regions, stride = self._slot_regions(1, members)
+        table = self.buffers.array((r.n_experts + 1) * 6, np.uint64)  # the resident experts' rows: `_place_split`
+        if shared is not None:
+            table.host[r.n_experts * 6:] = shared.offs
+        scratch = self._expert_scratch(members, shape)
+        out.ids = self._route_ids(r.top_k)
+        logits = self.buffers.array(r.n_experts)
+        out.route = k.bind("route_noaux_tc", (1,), None, logits=logits.buffer, vec=self._vectors.buffer,
+                           bias_off=self.offsets[r.bias], table=table.buffer,
+                           buffer_of=self.buffers.filled(np.zeros(r.n_experts + 1), np.uint32).buffer, n_buffers=1,
+                           n_experts=r.n_experts, n_group=r.n_group, topk_group=r.topk_group, top_k=r.top_k,
+                           norm=int(r.norm_topk_prob), scaling=r.scaling, shared=int(shared is not None),
+                           stride=stride, ids=out.ids[0].buffer, n_tok=1,  # ids: set per token slot
+                           **{name: a.buffer for name, a in regions.items()})
+        out.split = _SplitLayer(views, cpu_refs, shape, r.top_k, members, table, regions, scratch, shared)
+        self.ffn_out = Addend(scratch[1], regions["tok_start"].buffer, regions["slot_w"].buffer)
+        return [bind_matvec(k, self._matrix(r.weight), self.u.buffer, logits.buffer), out.route]
+
+    def _place_split(self) -> None:
+        """Upload as many routed experts as the budget still holds once every other weight is on the device: expert
+        ranks in turn over the layers (each layer's expert 0, then each one's expert 1, ...), so that every layer
+        keeps the same share; then bind each layer's launches on both sides (`_bind_split_sides`)."""
+        split = [layer.split for layer in self.layers if layer.split is not None]
+        if not split:
+            return
+        full = False
+        for e in range(max(len(s.views) for s in split)):
+            for s in split:
+                if e < len(s.views) and not full:
+                    s.resident[e] = self._expert_ref(*s.views[e])
+                    full = s.resident[e] is None
+        shape, spill = split[0].shape, self.spill.kernels.buffers
+        x8 = self._x8(shape.bits, shape.group, shape.n_in, shape.inter)
+        n = self.cfg.hidden_size  # the CPU side's input: the post-attention norm's output u, or its int8 codes
+        if x8:
+            arrays = (spill.array(2 * n, np.int8), spill.array(n // X8_BLOCK), spill.array(n // X8_BLOCK, np.int32))
+            self.split_input = tuple(zip(self.u_x8, arrays, strict=True))
+            x_cpu: Any = Int8Codes(*(a.buffer for a in arrays))
+        else:
+            self.split_input = ((self.u.buffer, spill.array(n)),)
+            x_cpu = self.split_input[0][1].buffer
+        for s in split:
+            self._bind_split_sides(s, x_cpu, x8)
+
+    def _bind_split_sides(self, s: _SplitLayer, x_cpu: Any, x8: bool) -> None:
+        """A split layer's resident experts in the routing table and their fused launches per GPU buffer (each over
+        every slot, masked to its own); the CPU side's launches per mapping window over its own slot arrays, its
+        input `x_cpu` (u, or u's int8 codes where `x8`)."""
+        buffers = list({id(ref.buf): ref.buf for ref in [*s.resident, s.shared] if ref is not None}.values())
+        for e, ref in enumerate(s.resident):
+            if ref is not None:
+                s.table.host[e * 6:(e + 1) * 6] = ref.offs
+                s.where[e] = next(b for b, buf in enumerate(buffers) if buf is ref.buf)
+        self.buffers.to_device(s.table)
+        regions = s.regions
+        for buf in buffers:
+            mask = self.buffers.filled(np.full(s.members, UNUSED_SLOT), np.uint32)
+            if s.shared is not None and s.shared.buf is buf:
+                mask.host[s.top_k], s.shared_set = 0, len(s.masks)
+                self.buffers.to_device(mask)
+            slots = ExpertSlots(regions["offs"].buffer, mask.buffer, regions["tok_start"].buffer,
+                                regions["slot_w"].buffer, s.members)
+            s.masks.append(mask)
+            s.sets.append(list(self._bind_experts(s.cpu_refs[0], slots, self.ffn, buf, False, (s.hid, s.part))[0]))
+        spill, shape = self.spill.kernels, s.shape
+        new = spill.buffers.array
+        s.cpu_offs, s.cpu_part = new(s.members * 6, np.uint64), new(s.members * shape.n_in)
+        tok_start = spill.buffers.filled(np.array([0, s.members]), np.uint32)
+        hid = new(s.members * shape.inter)
+        for e, ref in enumerate(s.cpu_refs):
+            if s.resident[e] is not None or id(ref.buf) in s.cpu_sets:
+                continue
+            slot_tok = spill.buffers.filled(np.full(s.members, UNUSED_SLOT), np.uint32)
+            slots = ExpertSlots(s.cpu_offs.buffer, slot_tok.buffer, tok_start.buffer, tok_start.buffer, s.members)
+            part = s.cpu_part.buffer  # y: unused (the rows are not summed here)
+            if x8:
+                codes = self._x8_scratch(s.members * shape.inter, spill.buffers)
+                launches = bind_experts_x8(spill, ref.buf, shape, x_cpu, slots, hid.buffer, codes, part, part, False)
+            else:
+                launches = bind_experts(spill, ref.buf, shape, x_cpu, slots, hid.buffer, part, part, False)
+            s.cpu_sets[id(ref.buf)] = (slot_tok, list(launches))
+
     def _slot_ref(self, views: Sequence[Weight], slot: int) -> tuple[Any, np.ndarray]:
         """The fused-expert view of (gate, up, down) lying in arena slot `slot` (for its scheme and shape), and
         the byte offsets of its 6 arrays from the slot's start (uint64 [6])."""
@@ -805,9 +950,10 @@ class DeviceDecodeStep:
     def _x8(self, bits: int, group: int, *widths: int) -> bool:
         return bits in self.x8_bits and x8_eligible(bits, group, *widths)
 
-    def _x8_scratch(self, n: int) -> Int8Codes:
-        """Buffers of n int8-quantized inputs: codes (two orders: 2n bytes), n / X8_BLOCK scales and code sums."""
-        new = self.buffers.array
+    def _x8_scratch(self, n: int, buffers: Any = None) -> Int8Codes:
+        """Buffers of n int8-quantized inputs: codes (two orders: 2n bytes), n / X8_BLOCK scales and code sums (on
+        `buffers`' device, default this step's)."""
+        new = (buffers or self.buffers).array
         return Int8Codes(new(2 * n, np.int8).buffer, new(n // X8_BLOCK).buffer, new(n // X8_BLOCK, np.int32).buffer)
 
     # ---- one token ---------------------------------------------------------------------------------
@@ -987,6 +1133,8 @@ class DeviceDecodeStep:
             event = launch.enqueue()
             if launch is layer.route and self.watcher is not None:
                 self.watcher.watch(event, i, layer.ids[slot].host)
+        if layer.split is not None:
+            event = self._run_split(layer, slot)
         if layer.arena is not None:
             event.wait()
             missing = self._place(layer, slot)
@@ -998,6 +1146,44 @@ class DeviceDecodeStep:
                 self.experts.wait_places(layer.arena.layer, missing)
                 for launch in layer.after_misses:
                     event = launch.enqueue()
+        return event
+
+    def _run_split(self, layer: _Layer, slot: int) -> Any:
+        """The routed experts of a split layer (`_SplitLayer`; its routing is queued): wait for the ids and the
+        experts' input, queue the resident experts' launches, run the others on the CPU device meanwhile, and queue
+        the upload of their rows into the device's per-slot rows. Returns the event of the last command."""
+        s = layer.split
+        self.buffers.to_host(layer.ids[slot])
+        for buf, arr in self.split_input:
+            event = self.buffers.download(arr.host, buf)
+        event.wait()
+        ids = layer.ids[slot].host[:s.top_k].astype(np.int64)
+        where = s.where[ids]
+        for b, (mask, launches) in enumerate(zip(s.masks, s.sets, strict=True)):
+            if (where == b).any() or b == s.shared_set:
+                mask.host[:s.top_k] = np.where(where == b, 0, UNUSED_SLOT)
+                self.buffers.to_device(mask)
+                for launch in launches:
+                    event = launch.enqueue()
+        self.k.flush()  # the device's experts run while the CPU device computes the others
+        cpu = np.flatnonzero(where < 0)
+        if not cpu.size:
+            return event
+        spill, n = self.spill.kernels, s.shape.n_in
+        offs = s.cpu_offs.host.reshape(-1, 6)
+        for i in cpu.tolist():
+            offs[i] = s.cpu_refs[ids[i]].offs
+        for key, (slot_tok, launches) in s.cpu_sets.items():
+            mine = [i for i in cpu.tolist() if id(s.cpu_refs[ids[i]].buf) == key]
+            if mine:
+                slot_tok.host[:] = UNUSED_SLOT
+                slot_tok.host[mine] = 0
+                for launch in launches:
+                    launch.enqueue()
+        spill.finish()
+        rows = s.cpu_part.host.reshape(-1, n)
+        for i in cpu.tolist():
+            event = self.buffers.upload(s.part, rows[i], 4 * n * i)
         return event
 
     def _place_rows(self, pos: int, parity: int) -> None:
