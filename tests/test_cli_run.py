@@ -180,6 +180,7 @@ def test_expert_cache_is_on_by_default_only_where_the_model_outgrows_ram(snapsho
                                ("off", 64 << 20, ["--expert-cache", "off"])):
         monkeypatch.setattr(expert_stream, "memory_limit_bytes", lambda limit=limit: limit)
         monkeypatch.setattr(expert_cache, "memory_limit_bytes", lambda limit=limit: limit)
+        monkeypatch.setattr(expert_cache, "anonymous_resident_bytes", lambda: 0)  # a process of no size
         stats_path = tmp_path / f"{name}.json"
         rc, out, err = run(capsys, snapshot, "-p", "Hello " * 12, "--max-tokens", 6, "--no-cache", "--no-mtp",
                            "--device", "numpy", "--stats-json", stats_path, *flags)

@@ -143,6 +143,11 @@ CRAFTED: dict[str, tuple[Callable[[dict[str, Any]], None], tuple[str, ...]]] = {
     "uniform codes where the conversion's grid says nl4": (quant(EXPERT, scheme="symmetric"), (EXPERT, "scheme")),
     "nl4 codes where the grid says uniform": (lambda m: m["conversion"].update(grid="uniform"), ("scheme", "grid")),
     "unknown grid": (lambda m: m["conversion"].update(grid="lloyd"), ("grid",)),
+    "group sizes not an object": (lambda m: m["conversion"].update(group_sizes=[32]), ("group_sizes",)),
+    "group size of an unknown role": (lambda m: m["conversion"].update(group_sizes={"bias": 32}), ("group_sizes",)),
+    "a role's group size 0": (lambda m: m["conversion"].update(group_sizes={"attention": 0}), ("group_sizes",)),
+    "a role's group size the tensors do not have": (
+        lambda m: m["conversion"].update(group_sizes={"routed_expert": 32}), ("routed_expert", "group_size=32")),
     "nl4 at 8 bits": (lambda m: (quant(EXPERT, bits=8)(m), tensor(EXPERT, nbytes=2048)(m)), (EXPERT, "nl4")),
     "scales of another tensor": (quant(EXPERT, scales=ROUTER), (EXPERT, "scales")),
     "scales shape": (_scales_shape, (EXPERT + ".qs",)),

@@ -82,7 +82,13 @@ def test_q2_and_overrides(sharded_source, tmp_path):
     src, _ = sharded_source
     t = convert(src, tmp_path / "q8", "--preset", "q8").manifest.tensors
     assert t["model.embed_tokens.weight"].quant is None and t["model.embed_tokens.weight"].dtype == "F32"  # a lookup
-    assert (t["lm_head.weight"].quant.bits, t["lm_head.weight"].quant.group_size) == (8, 64)
+    # q8: groups of 32 for every role but the routed experts (64); an explicit --group-size applies to all
+    for name, group in (("lm_head.weight", 32), ("model.layers.2.self_attn.o_proj.weight", 32),
+                        ("model.layers.2.mlp.shared_experts.gate_proj.weight", 32),
+                        ("model.layers.2.mlp.experts.0.gate_proj.weight", 64)):
+        assert (t[name].quant.bits, t[name].quant.group_size) == (8, group), name
+    t = convert(src, tmp_path / "q8-g64", "--preset", "q8", "--group-size", "64").manifest.tensors
+    assert {e.quant.group_size for e in t.values() if e.quant is not None} == {64}
     c = convert(src, tmp_path / "q2", "--preset", "q2")
     assert c.manifest.tensors["model.layers.2.mlp.experts.0.gate_proj.weight"].quant.bits == 2
     assert c.manifest.tensors["model.layers.2.mlp.shared_experts.gate_proj.weight"].quant.bits == 4
@@ -198,6 +204,7 @@ def test_side_files_and_manifest_fields(sharded_source, tmp_path):
     assert m["format"] == "glmkit-container" and m["format_version"] == 1
     assert len(m["source"]["files"]) == 3 and all(len(f["sha256"]) == 64 for f in m["source"]["files"].values())
     assert m["conversion"]["preset"] == "q4" and m["conversion"]["group_size"] == 64
+    assert "group_sizes" not in m["conversion"]  # a plan without per-role groups records what it always did
     e = m["tensors"]["model.layers.2.mlp.experts.1.down_proj.weight"]
     assert e["quant"] == {"bits": 4, "group_size": 64, "scales": "model.layers.2.mlp.experts.1.down_proj.weight.qs",
                           "scheme": "nl4"}

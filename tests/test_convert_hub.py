@@ -199,7 +199,7 @@ def test_dry_run_lists_files_sizes_and_disk(hub, tmp_path, capsys, monkeypatch):
     for shard in SHARDS:
         assert shard in text
     assert "download: 1.2 MB" in text
-    for line in ("f32      2.4 MB", "q8     788.6 kB", "q4     469.5 kB", "q2     371.1 kB  <- selected"):
+    for line in ("f32      2.4 MB", "q8     795.1 kB", "q4     469.5 kB", "q2     371.1 kB  <- selected"):
         assert line in text
     assert "disk needed in" in text and "shards in flight" in text
     assert not (tmp_path / "out").exists()

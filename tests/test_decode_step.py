@@ -6,13 +6,14 @@ the routed experts the route hook sees, across the indexer's switch to top-k sel
 
 from __future__ import annotations
 
+import copy
 import time
 from collections import Counter
 
 import numpy as np
 import pytest
 
-from glmkit.backends.opencl import decode_graph
+from glmkit.backends.opencl import decode_graph, weights
 from glmkit.backends.opencl.backend import OpenCLBackend, Placement
 from glmkit.backends.opencl.decode_graph import DeviceDecodeStep
 from glmkit.backends.opencl.ops import Kernels
@@ -170,6 +171,33 @@ def test_decode_step_over_compact_kv_rows(snapshots, kernels, kv_dtype):
     want, got, caches = decode_both(ref, dev, None, rng.integers(0, engine.config.vocab_size, 4), caches)
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
     assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+def test_steps_over_parts_chain_to_the_whole_step(snapshots, kernels):
+    """A pipeline's parts of a decoded token as device steps: the steps over layers 0-1 and 2-3 (the hidden state and
+    the selection layer 2 reuses handed from one to the next, `run_span`), then the final norm and lm_head (a step
+    over no layers) give the whole step's logits, KV rows and routes bit for bit, across the indexer's switch to
+    top-k selection."""
+    engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
+    (_, whole), (_, parts) = models(engine, kernels, True), models(engine, kernels, True)
+    cfg = engine.config
+    assert cfg.indexer_type(2) == "shared"
+    ids = np.array(oracle("tiny-trained")["full_ids"])
+    caches = whole.new_cache(), parts.new_cache()
+    for model, cache in zip((whole, parts), caches, strict=True):
+        model.forward(ids[:cfg.index_topk - 3], cache)
+    head = parts.part_step(range(0), True)
+    for token in ids[cfg.index_topk - 3:cfg.index_topk + 3]:
+        want = whole.forward(np.array([token]), caches[0])[0]
+        x, chosen = parts.embed(np.array([token])), None
+        for span in (range(0, 2), range(2, cfg.num_hidden_layers)):
+            x, chosen = parts.step_layers(span, x, caches[1], chosen)
+        assert np.array_equal(head(int(token), caches[1], x[0])[0], want)
+    for a, b in zip(caches[0].layers, caches[1].layers, strict=True):
+        assert a.length == b.length
+        for name in ("kv_lat", "k_rot", "index_k") if a.has_index else ("kv_lat", "k_rot"):
+            assert np.array_equal(a.rows(name), b.rows(name))
+    assert parts.route_hook.seen == whole.route_hook.seen and parts.route_hook.seen
 
 
 def launch_names(step: DeviceDecodeStep) -> set[str]:
@@ -360,6 +388,92 @@ def test_where_the_step_runs(snapshots, direct_kernels, discrete_kernels):
     assert engine.backend.decode_step(cfg, layers, weight) is None  # NumPy
 
 
+# ---- a discrete device smaller than the model: the split step ------------------------------------------
+
+@pytest.fixture(scope="module")
+def spill_kernels():
+    """A CPU device beside the discrete one (the split step's CPU side), its kernels built as `discrete_kernels`'
+    are (the same expert kernels on both sides: bit-identical per-slot rows)."""
+    info = opencl_test_device()
+    if info.kind != "cpu":
+        pytest.skip("the split step's CPU side is a CPU OpenCL device")
+    return Kernels(info, lanes=8, red_lanes=8, cpu_loads=False)
+
+
+def discrete_model(engine: Engine, gpu: Kernels, spill: Kernels | None, budget: int | None, int8: bool
+                   ) -> GlmMoeDsaModel:
+    """The model on `gpu` driven as a discrete device with a weight budget of `budget` bytes (None: the device's
+    default, which holds the tiny models), routed experts over it on `spill`."""
+    placement = Placement(spill_experts=spill is not None)
+    backend = OpenCLBackend(gpu, placement, unified=False, model_bytes=engine.container.nbytes, budget=budget,
+                            int8_activations=int8,
+                            spill=None if spill is None else OpenCLBackend(spill, Placement.all_cl(True)))
+    return GlmMoeDsaModel(engine.config, engine.experts, backend, route_hook=Routes())
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_split_step_matches_the_whole_model_step(snapshots, discrete_kernels, spill_kernels, int8):
+    """At 30% of the model most routed experts run on the CPU device: the logits and KV rows are bit for bit those
+    of the step holding the whole model (same kernels), across the indexer's switch to top-k selection."""
+    engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
+    whole = discrete_model(engine, discrete_kernels, None, None, int8)
+    split = discrete_model(engine, discrete_kernels, spill_kernels, int(engine.container.nbytes * 0.3), int8)
+    ids = np.array(oracle("tiny-trained")["full_ids"])
+    topk = engine.config.index_topk
+    prompt, tokens = ids[:topk - 3], ids[topk - 3:topk + 5]
+    caches = [whole.new_cache()]
+    whole.forward(prompt, caches[0])
+    caches.append(copy.deepcopy(caches[0]))  # the same prefilled rows (the split model prefills on the spill device)
+    want, got, _ = decode_both(whole, split, prompt, tokens, caches)
+    step = split._step
+    assert isinstance(step, DeviceDecodeStep) and isinstance(whole._step, DeviceDecodeStep)
+    assert whole._step.spill is None and step.spill is not None
+    resident = [int((layer.split.where >= 0).sum()) for layer in step.layers if layer.split is not None]
+    n_moe = engine.config.num_hidden_layers - engine.config.first_k_dense_replace
+    assert len(resident) == n_moe and all(0 < r < engine.config.n_routed_experts // 2 for r in resident)
+    assert max(resident) - min(resident) <= 1  # the same share per layer
+    np.testing.assert_array_equal(got, want)
+    for a, b in zip(caches[0].layers, caches[1].layers, strict=True):
+        for name in ("kv_lat", "k_rot", "index_k") if a.has_index else ("kv_lat", "k_rot"):
+            np.testing.assert_array_equal(b.rows(name), a.rows(name))
+    assert split.route_hook.seen == whole.route_hook.seen
+
+
+def test_split_step_greedy_matches_numpy(snapshots, discrete_kernels, spill_kernels, monkeypatch):
+    """With float activations the split step's greedy tokens (pipelined, as glm-run decodes) are NumPy's; a budget
+    that cannot hold the non-expert weights leaves the per-operation path."""
+    engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
+    ref = GlmMoeDsaModel(engine.config, engine.experts, engine.backend)
+    split = discrete_model(engine, discrete_kernels, spill_kernels, int(engine.container.nbytes * 0.3), False)
+    queued = []
+    run_split = DeviceDecodeStep._run_split
+    monkeypatch.setattr(DeviceDecodeStep, "_run_split", lambda self, *a: queued.append(1) or run_split(self, *a))
+    prompt = oracle("tiny-trained")["prompt_ids"]
+    want, _ = greedy_run(ref, prompt, 24)
+    got, _ = greedy_run(split, prompt, 24)
+    assert got == want and queued
+    tight = discrete_model(engine, discrete_kernels, spill_kernels, engine.container.nbytes // 20, False)
+    cfg = engine.config
+    assert tight.backend.decode_step(cfg, tight.layers[:cfg.num_hidden_layers], tight._w) is None
+
+
+def test_split_step_over_several_device_buffers(snapshots, discrete_kernels, spill_kernels, monkeypatch):
+    """Resident experts in several upload arenas of the device: a launch set per buffer, each masked to its own
+    slots, with the CPU device's slots beside them: NumPy's logits (float inputs) and greedy tokens."""
+    monkeypatch.setattr(weights, "ARENA_BYTES", 1 << 16)
+    engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
+    ref = GlmMoeDsaModel(engine.config, engine.experts, engine.backend, route_hook=Routes())
+    split = discrete_model(engine, discrete_kernels, spill_kernels, int(engine.container.nbytes * 0.5), False)
+    ids = np.array(oracle("tiny-trained")["full_ids"])
+    topk = engine.config.index_topk
+    want, got, caches = decode_both(ref, split, ids[:topk - 3], ids[topk - 3:topk + 5])
+    layers = [layer.split for layer in split._step.layers if layer.split is not None]
+    assert max(len(s.sets) for s in layers) > 1 and all((s.where < 0).any() for s in layers)
+    assert_same(want, got)
+    assert_same_rows(caches)
+    assert split.route_hook.seen == ref.route_hook.seen
+
+
 def test_validate_passes_with_the_step(snapshots, monkeypatch, capsys):
     """glm-validate's greedy run (MTP off) decodes through the step: f32 agrees with transformers on every
     greedy token."""
@@ -543,6 +657,7 @@ def test_routes_watched_as_they_happen(snapshots, direct_kernels, monkeypatch):
     assert Engine(snap, "opencl", load_tokenizer=False).model.step_route_hook is None  # fits in RAM
     monkeypatch.setattr(expert_stream, "memory_limit_bytes", lambda: 1 << 20)
     monkeypatch.setattr(expert_cache, "memory_limit_bytes", lambda: 1 << 20)
+    monkeypatch.setattr(expert_cache, "anonymous_resident_bytes", lambda: 0)  # a process of no size
     # 1 MB holds no expert cache (one layer's experts): the page cache streams them, the step's routing watched
     assert isinstance(Engine(snap, "opencl", load_tokenizer=False).experts, expert_stream.ExpertStreamer)
     watched = Engine(snap, "opencl", load_tokenizer=False, expert_cache=0)

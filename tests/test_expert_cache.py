@@ -12,17 +12,21 @@ import pytest
 
 from glmkit.errors import GlmkitError
 from glmkit.format.schema import EXPERT_PROJECTIONS, expert_weight_name
+from glmkit.generate import engine as engine_module
 from glmkit.generate.engine import Engine
 from glmkit.generate.generator import Generator
 from glmkit.generate.sampling import Sampler, SamplingParams
+from glmkit.model import expert_cache
 from glmkit.model.expert_cache import (
     READ_AHEAD_PROBE,
     ExpertCache,
     ExpertScores,
+    auto_cache_bytes,
     read_usage,
     usage_path,
     write_usage,
 )
+from glmkit.model.glm5 import prefill_rows_within
 from glmkit.model.ops import likely_experts
 from tests.runtime_support import Snapshots
 
@@ -71,6 +75,26 @@ def test_out_of_core_logits_are_bit_identical(snapshots, preset, device):
     streamed.close()
 
 
+def test_the_first_moe_layer_is_read_ahead_from_the_dense_layer_before_it(snapshots):
+    """No MoE layer routes before the first one: the dense layer before it starts reading its likely experts, with
+    its own normed MLP input, while its MLP runs."""
+    engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False, expert_cache=64 << 20)
+    cache, model, first = engine.experts, engine.model, engine.config.first_k_dense_replace
+    started: dict[int, int] = {}
+
+    def ahead(layer: int, u: np.ndarray) -> None:
+        before = cache.stats.read_ahead
+        cache.read_ahead(layer, u)
+        started[layer] = started.get(layer, 0) + cache.stats.read_ahead - before
+
+    model.ahead_hook = ahead
+    model.forward(np.arange(5, 37), model.new_cache())
+    assert set(started) == set(range(first)) and started[first - 1] > 0
+    assert all(started[layer] == 0 for layer in range(first - 1))  # the next layer is dense: nothing to read
+    assert cache.stats.predicted_used > 0  # the first MoE layer then routed to some of them
+    engine.close()
+
+
 def test_generation_with_mtp_matches(snapshots):
     snap = snapshots("tiny-trained", "q4")
     ram = Engine(snap, "numpy", load_tokenizer=False)
@@ -79,6 +103,43 @@ def test_generation_with_mtp_matches(snapshots):
     runs = [list(Generator(e.model, eos_token_ids=(), use_mtp=True).generate(prompt, 12, Sampler(SamplingParams())))
             for e in (ram, streamed)]
     assert runs[0] == runs[1] and len(runs[0]) == 12
+
+
+def test_the_auto_size_leaves_what_the_process_holds_and_a_quarter_of_the_limit(snapshots, monkeypatch):
+    """The cache gets the memory the process may use less the pinned non-expert weights, what the process already
+    holds (its heap, a device runtime) and a quarter of the limit for activations: never what the process needs."""
+    container = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False).container
+    experts = sum(r.nbytes for r in container.manifest.experts)
+    limit, held = 8 << 20, 1 << 20
+    monkeypatch.setattr(expert_cache, "memory_limit_bytes", lambda: limit)
+    monkeypatch.setattr(expert_cache, "anonymous_resident_bytes", lambda: held)
+    size, why = auto_cache_bytes(container)
+    assert size == min(experts, limit - (container.nbytes - experts) - held - limit // 4) > 0
+    assert "holds now" in why
+    monkeypatch.setattr(expert_cache, "anonymous_resident_bytes", lambda: limit)  # it holds all of it already
+    assert auto_cache_bytes(container)[0] == 0
+
+
+def test_an_auto_sized_cache_cuts_a_long_prompt_into_chunks_that_fit_its_allowance(snapshots, monkeypatch):
+    """Under a memory limit the auto-sized cache leaves `activation_allowance` for activations: a prompt is then
+    prefilled in chunks of `prefill_rows_within` rows (the same tokens as one whole forward)."""
+    snap = snapshots("tiny-trained", "q4")
+    whole = Engine(snap, "numpy", load_tokenizer=False)
+    limit = 8 << 20
+    monkeypatch.setattr(expert_cache, "memory_limit_bytes", lambda: limit)
+    monkeypatch.setattr(expert_cache, "anonymous_resident_bytes", lambda: 0)
+    monkeypatch.setattr(engine_module, "memory_limit_bytes", lambda: limit)
+    cut = Engine(snap, "numpy", load_tokenizer=False, expert_cache="auto")
+    rows = cut.model.prefill_rows
+    assert rows == prefill_rows_within(cut.config, expert_cache.activation_allowance(limit)) < 300
+    sizes: list[int] = []
+    forward = cut.model.forward
+    monkeypatch.setattr(cut.model, "forward", lambda ids, *a, **k: (sizes.append(len(ids)), forward(ids, *a, **k))[1])
+    prompt = np.random.default_rng(1).integers(0, cut.config.vocab_size, 300).tolist()
+    runs = [list(Generator(e.model, eos_token_ids=(), use_mtp=False).generate(prompt, 8, Sampler(SamplingParams())))
+            for e in (whole, cut)]
+    assert runs[0] == runs[1] and max(sizes) == rows and sum(s for s in sizes if s > 1) == 300
+    cut.close()
 
 
 def test_a_budget_below_one_layer_is_refused(snapshots):

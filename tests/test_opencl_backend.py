@@ -189,7 +189,8 @@ def test_experts_over_the_budget_spill_to_a_cpu_device(snapshots, device):
 
 def test_make_backend_spills_when_the_model_outgrows_a_discrete_device(snapshots, device, monkeypatch):
     """`--device opencl` on a discrete GPU whose weight budget the model exceeds runs the experts over it on the
-    machine's CPU OpenCL device (named in the device string); a model that fits does not; `auto` measures the CPU
+    machine's CPU OpenCL device (named in the device string), in the split step where the rest fits the budget; a
+    model that fits does not; `auto` measures the CPU
     device's experts against the NumPy path's. (A GPU here: PoCL's device described as a small discrete one.)"""
     if device.kind != "cpu":
         pytest.skip("needs a CPU OpenCL device to play both parts")
@@ -200,9 +201,12 @@ def test_make_backend_spills_when_the_model_outgrows_a_discrete_device(snapshots
     def gpu_of(global_mem: int):
         return dataclasses.replace(device, kind="gpu", unified=False, global_mem=global_mem, name="Small GPU")
 
-    for global_mem, spills in ((nbytes // 4, True), (4 * nbytes, False)):  # 80% of it: a fifth of the model, or all
+    # 80% of it: a fifth of the model (the non-expert weights do not fit), half of it (they do: the split step
+    # decodes), or all of it
+    for global_mem, spills, split in ((nbytes // 4, True, False), (nbytes * 5 // 8, True, True),
+                                      (4 * nbytes, False, False)):
         monkeypatch.setattr(devices, "list_devices", lambda gm=global_mem: [gpu_of(gm), device])
-        backend, name = devices.open_backend("opencl", engine.container)
+        backend, name = devices.open_backend("opencl", engine.container, int8_activations=False)
         assert (backend.spill is not None) == spills and name.endswith(f"+experts@{device.spec}") == spills
         # beside the spill device BLAS runs one thread: the GPU's own host work gets the worker pool
         assert backend.host.workers == ((initial_blas_threads() or 1) if spills else 1)
@@ -211,7 +215,7 @@ def test_make_backend_spills_when_the_model_outgrows_a_discrete_device(snapshots
             ids = np.array(json.loads((FIXTURES / "tiny-bf16" / "oracle.json").read_text())["full_ids"][:12])
             got, want = logits_of(model, ids), logits_of(engine.model, ids)
             assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
-            assert not model.decodes_on_device()  # operation by operation: the model outgrows the device
+            assert model.decodes_on_device() == split  # else operation by operation: the model outgrows the device
             assert any(ref is not None for ref in backend.spill._experts.values())  # experts ran on the CPU device
     monkeypatch.setattr(devices, "list_devices", lambda: [gpu_of(nbytes), device])
     monkeypatch.setattr(devices, "measure_bandwidth", lambda k: {"device_read_gbs": 1.0, "host_read_gbs": 1.0})
@@ -362,6 +366,7 @@ def test_list_devices(device, capsys, tmp_path, monkeypatch):
         f"{format_size(n)} ({dtype})" for dtype, n in per_token.items())) in out
     monkeypatch.setattr(expert_stream, "memory_limit_bytes", lambda: 64 << 20)
     monkeypatch.setattr(expert_cache, "memory_limit_bytes", lambda: 64 << 20)
+    monkeypatch.setattr(expert_cache, "anonymous_resident_bytes", lambda: 0)  # a process of no size
     assert cli_run.main([snap, "--list-devices"]) == 0
     assert f"{snap}: expert cache " in capsys.readouterr().out
     assert cli_run.main([str(tmp_path / "missing"), "--list-devices"]) == 2

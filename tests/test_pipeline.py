@@ -22,10 +22,12 @@ from glmkit.cache.session import Session
 from glmkit.cli.run import main as run_main
 from glmkit.cli.serve import build_app, build_parser
 from glmkit.errors import GlmkitError
+from glmkit.eval.metrics import kl_divergence, log_softmax
 from glmkit.generate.engine import Engine
 from glmkit.generate.generator import Generator
 from glmkit.generate.pipeline import (
     PipelineEngine,
+    StagedDecodeStep,
     check_reachable,
     import_ray,
     layer_nbytes,
@@ -147,6 +149,49 @@ def test_greedy_output_is_identical(single, pipelines, mtp):
     generator = Generator(pipelines[3].model, (), use_mtp=mtp)
     assert list(generator.generate(PROMPT, 24, Sampler(GREEDY))) == reference
     assert (generator.stats.mtp_drafts > 0) == mtp
+
+
+def decoded_logits(model: GlmMoeDsaModel, prompt: int, tokens: int) -> np.ndarray:
+    """The logits `[tokens, V]` of PROMPT's tokens from `prompt` on, one forward each, after one forward of the first
+    `prompt` tokens."""
+    cache = model.new_cache()
+    model.forward(np.asarray(PROMPT[:prompt]), cache)
+    return np.concatenate([model.forward(np.asarray([t]), cache)[0] for t in PROMPT[prompt:prompt + tokens]])
+
+
+@pytest.fixture
+def restores_blas_threads():
+    """The module's BLAS thread count back after the test (an OpenCL backend pins this process's to one thread)."""
+    with threadpool_limits(len(os.sched_getaffinity(0)), user_api="blas"):
+        yield
+
+
+def test_stages_decode_on_the_device_step(cluster, snapshot, restores_blas_threads):
+    """With OpenCL (PoCL), each stage runs a decoded token as one device step over its layers and the head the final
+    norm and lm_head as one: the logits and greedy tokens of one process's step, bit for bit (the hop between the
+    stages carries the selection layer 2 reuses); against the stages' per-operation path, int8-input noise as
+    test_decode_step's (the step's products take int8 inputs, the operations' float ones)."""
+    single = Engine(snapshot, "opencl", load_tokenizer=False)
+    topk = single.config.index_topk
+    want = decoded_logits(single.model, topk - 3, 10)  # the indexer starts selecting while decoding
+    reference = list(Generator(single.model, (), use_mtp=False).generate(PROMPT[:40], 16, Sampler(GREEDY)))
+    got = {}
+    for step in (True, False):  # one pipeline at a time: the module's pipelines hold 5 of the cluster's 8 CPUs
+        engine = PipelineEngine(snapshot, 2, device="opencl", load_tokenizer=False, verbose=False, decode_step=step)
+        try:  # prompts in one piece, as the single process runs them
+            model = engine.model
+            assert model.decodes_on_device() == step and isinstance(model._decode_step(), StagedDecodeStep) == step
+            assert [w["decode_step"] for w in engine.pipeline.where] == [step, step]
+            got[step] = decoded_logits(model, topk - 3, 10)
+            if step:
+                tokens = list(Generator(model, (), use_mtp=False).generate(PROMPT[:40], 16, Sampler(GREEDY)))
+                assert tokens == reference
+        finally:
+            engine.close()
+    assert np.array_equal(got[True], want)
+    assert not np.array_equal(got[False], got[True])  # int8 inputs show: the stages did run the step
+    assert kl_divergence(log_softmax(got[False]), log_softmax(got[True])).mean() < 0.01
+    assert (got[False].argmax(-1) == got[True].argmax(-1)).mean() >= 0.95
 
 
 def test_prefix_cache_stores_and_restores_through_the_stages(single, pipelines, tmp_path):

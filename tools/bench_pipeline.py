@@ -2,9 +2,13 @@
 layers split over 1, 2 and 3 stage processes against one process.
 
     PYTHONPATH=. python tools/bench_pipeline.py --rounds 3 --json /tmp/pipeline.json
+    PYTHONPATH=. python tools/bench_pipeline.py --device opencl --stages 1,2 --tokens 64
 
-The benchmark model (tools/bench_model.py) at q4, NumPy backend everywhere (the head and every stage: the logits are
-bit-identical to the single process's, tests/test_pipeline.py), `--blas` BLAS threads in every process (default 1:
+The benchmark model (tools/bench_model.py) at q4, the `--device` backend everywhere (default NumPy; the head and every
+stage: the logits are bit-identical to the single process's, tests/test_pipeline.py). Where that device decodes on the
+device decode step, each stage count is measured twice: the stages on the step (as they run by default) and the
+stages running a decoded token operation by operation ("per operation"). `--blas` BLAS threads in every process
+(default 1:
 on two shared cores, two threads per process spin while they wait for a core). A local Ray cluster is started in
 this process (or `--ray-address` joins one); the pipelines are opened once and measured round-robin with the single
 process (this process's own model) after one uncounted warm-up run of each, so a change of load hits every
@@ -16,6 +20,16 @@ Per round and configuration:
   token over the single process's divided by N, the hop cost as decoding sees it;
 - prefill: a `--prefill`-token random prompt, one token out: prompt tok/s, the pipeline streaming pieces of
   `--chunk` tokens and the single process prefilling in pieces of the same size (the same arithmetic).
+
+    PYTHONPATH=. python tools/bench_pipeline.py --cgroup 0.6 --device auto --rounds 2
+
+`--cgroup FRACTION` measures instead the case a pipeline is for: the 256-expert model of tools/bench_stream.py, each
+of 2 stage processes moved into a fresh memory cgroup of FRACTION of the container's bytes (the stage holds its half
+of the layers resident), against one process in one such cgroup (bench_stream's `cache` mode: `--device auto` and
+glm-run's default expert cache; it must stream). Per round, alternating, each cold (every container file dropped
+from the page cache first): a 256-token random prompt, then 64 greedy tokens (MTP off); decode tok/s and each
+cgroup's peak memory. The stages start without reading their experts ahead (what they read before the move would be
+charged to this process's cgroup); the head (this process: embedding, final norm, lm_head) is not limited.
 """
 
 from __future__ import annotations
@@ -36,6 +50,15 @@ from glmkit.generate.generator import Generator
 from glmkit.generate.pipeline import PipelineEngine
 from glmkit.generate.sampling import Sampler, SamplingParams
 from tools.bench_model import DEFAULT_WORK, ensure_bench_snapshot
+from tools.bench_stream import (
+    PROMPT,
+    TOKENS,
+    drop_from_page_cache,
+    ensure_stream_snapshot,
+    new_cgroup,
+    peak_mb,
+    run_child,
+)
 
 GREEDY = SamplingParams()
 
@@ -78,6 +101,53 @@ def hop_ms(engine: PipelineEngine, hidden: int, trips: int) -> float:
     return (time.perf_counter() - start) / trips / len(actors) * 1e3
 
 
+def cgroup_rounds(args: argparse.Namespace) -> None:
+    """`--cgroup`: 2 stages, each in a memory cgroup of its own, against one process in one such cgroup."""
+    from glmkit.format.reader import Container
+
+    snapshot = ensure_stream_snapshot(DEFAULT_WORK.with_name("glmkit-stream-model"))
+    size = Container(snapshot).nbytes
+    limit = int(args.cgroup * size)
+    ray.init(address="local", num_cpus=4, object_store_memory=100 << 20, include_dashboard=False,
+             log_to_driver=False, logging_level="warning")
+    engine = PipelineEngine(snapshot, 2, device=args.device, prefetch=False, load_tokenizer=False,
+                            blas_threads=args.blas)
+    groups = [new_cgroup(limit, f"glmkit-stage-{os.getpid()}-{i}") for i in range(2)]
+    for group, where in zip(groups, engine.pipeline.where, strict=True):
+        (group / "cgroup.procs").write_text(str(where["pid"]))
+    prompt = np.random.default_rng(0).integers(0, engine.config.vocab_size, PROMPT).tolist()  # bench_stream's
+    rounds: dict[str, list[float]] = {"single": [], "2 stages": []}
+    peaks: dict[str, list[int | None]] = {"single": [], "2 stages": []}
+    try:
+        for _ in range(args.rounds):
+            single = run_child(snapshot, "cache", limit, 900)
+            if "error" in single:
+                raise SystemExit(f"the single process failed: {single['error']}")
+            rounds["single"].append(single["decode_tok_s"])
+            peaks["single"].append(single["peak_mb"])
+            drop_from_page_cache(snapshot)
+            rounds["2 stages"].append(decode_rate(engine, prompt, TOKENS + 1)[0])
+            peaks["2 stages"].append(max(peak_mb(g) or 0 for g in groups))
+            print(f"single {rounds['single'][-1]:.2f} tok/s, 2 stages {rounds['2 stages'][-1]:.2f} tok/s", flush=True)
+    finally:
+        engine.close()
+        time.sleep(1)  # the stage processes leave their groups as they exit
+        for group in groups:
+            group.rmdir()
+    single_rate, staged = statistics.median(rounds["single"]), statistics.median(rounds["2 stages"])
+    print(f"{snapshot}: {size / 1e9:.2f} GB, cgroups of {limit >> 20} MiB ({args.cgroup:g} of it), --device "
+          f"{args.device}; {args.rounds} rounds, medians")
+    print("| configuration | decode tok/s | per round | cgroup peak MiB |")
+    print("|---|---:|---|---:|")
+    for name, rate in (("single", single_rate), ("2 stages", staged)):
+        print(f"| {name} | {rate:.2f} | {' / '.join(f'{r:.2f}' for r in rounds[name])} | "
+              f"{max(p or 0 for p in peaks[name])} |")
+    print(f"2 stages / single: {staged / single_rate:.2f}x")
+    if args.json:
+        args.json.write_text(json.dumps({"limit_bytes": limit, "container_bytes": size, "device": args.device,
+                                         "decode_tok_s": rounds, "peak_mb": peaks}, indent=1) + "\n")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--work", type=Path, default=DEFAULT_WORK, help="where the benchmark model is built and reused")
@@ -88,10 +158,18 @@ def main() -> None:
     p.add_argument("--prefill", type=int, default=512, help="prefill runs' prompt tokens (default %(default)s)")
     p.add_argument("--chunk", type=int, default=128, help="prefill piece, pipeline and single (default %(default)s)")
     p.add_argument("--hops", type=int, default=200, help="round trips per hop measurement (default %(default)s)")
+    p.add_argument("--device", default="numpy", help="backend of the head, the stages and the single process "
+                   "(default %(default)s; opencl: the device decode step)")
     p.add_argument("--ray-address", help="join this Ray cluster instead of starting a local one")
     p.add_argument("--blas", type=int, default=1, help="BLAS threads, this process and every stage (default 1)")
+    p.add_argument("--cgroup", type=float, metavar="FRACTION",
+                   help="instead: 2 stages and one process, each in a memory cgroup of this fraction of the 256-expert "
+                        "model (module docstring)")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
+    if args.cgroup is not None:
+        cgroup_rounds(args)
+        return
 
     snapshot = ensure_bench_snapshot("q4", args.work)
     threadpool_limits(args.blas, user_api="blas")
@@ -100,12 +178,14 @@ def main() -> None:
     else:
         ray.init(address="local", num_cpus=8, object_store_memory=200 << 20, include_dashboard=False,
                  log_to_driver=False, logging_level="warning")
-    single = Engine(snapshot, "numpy", load_tokenizer=False)
+    single = Engine(snapshot, args.device, load_tokenizer=False)
     counts = [int(n) for n in args.stages.split(",")]
     engines: dict[str, Engine] = {"single": single}
-    for n in counts:
-        engines[f"{n} stage{'s' if n > 1 else ''}"] = PipelineEngine(snapshot, n, device="numpy", chunk=args.chunk,
-                                                                     load_tokenizer=False, blas_threads=args.blas)
+    for step in (True, False) if single.model.decodes_on_device() else (True,):
+        for n in counts:
+            name = f"{n} stage{'s' if n > 1 else ''}{'' if step else ', per operation'}"
+            engines[name] = PipelineEngine(snapshot, n, device=args.device, chunk=args.chunk, load_tokenizer=False,
+                                           blas_threads=args.blas, decode_step=step)
     rng = np.random.default_rng(0)
     vocab = single.config.vocab_size - 2  # never an eos id: every run decodes all its tokens
     decode_prompt = rng.integers(0, vocab, args.prompt).tolist()
@@ -155,7 +235,8 @@ def main() -> None:
     for engine in engines.values():
         engine.close()
     if args.json:
-        meta = {"snapshot": str(snapshot), "rounds": args.rounds, "blas_threads": args.blas, "prompt": args.prompt,
+        meta = {"snapshot": str(snapshot), "device": args.device, "rounds": args.rounds, "blas_threads": args.blas,
+                "prompt": args.prompt,
                 "tokens": args.tokens,
                 "prefill": args.prefill, "chunk": args.chunk, "load_start": load_start, "load_end": load_end,
                 "cores": os.cpu_count()}

@@ -83,17 +83,19 @@ def disk_bandwidth(snapshot: Path, ranges: list[tuple[str, int, int]], depth: in
             os.close(fd)
 
 
-def new_cgroup(limit: int | None) -> Path | None:
-    """A fresh memory cgroup below this process's (v1 or v2) holding at most `limit` bytes; None: no limit."""
+def new_cgroup(limit: int | None, name: str | None = None) -> Path | None:
+    """A fresh memory cgroup `name` (default glmkit-stream-PID) below this process's (v1 or v2) holding at most `limit`
+    bytes; None: no limit."""
     if limit is None:
         return None
+    name = name or f"glmkit-stream-{os.getpid()}"
     for line in Path("/proc/self/cgroup").read_text().splitlines():
         _, controllers, path = line.split(":", 2)
         if controllers == "" and Path("/sys/fs/cgroup/cgroup.controllers").exists():
-            group, knob = Path("/sys/fs/cgroup") / path.lstrip("/") / f"glmkit-stream-{os.getpid()}", "memory.max"
+            group, knob = Path("/sys/fs/cgroup") / path.lstrip("/") / name, "memory.max"
             break
         if "memory" in controllers.split(","):
-            group = Path("/sys/fs/cgroup/memory") / path.lstrip("/") / f"glmkit-stream-{os.getpid()}"
+            group = Path("/sys/fs/cgroup/memory") / path.lstrip("/") / name
             knob = "memory.limit_in_bytes"
             break
     else:
@@ -101,6 +103,12 @@ def new_cgroup(limit: int | None) -> Path | None:
     group.mkdir(exist_ok=True)
     (group / knob).write_text(str(limit))
     return group
+
+
+def peak_mb(group: Path) -> int | None:
+    """The memory cgroup's peak use in MiB (its processes' memory and the page cache they read), where it tells."""
+    knob = next((group / n for n in ("memory.max_usage_in_bytes", "memory.peak") if (group / n).exists()), None)
+    return None if knob is None else int(knob.read_text()) >> 20
 
 
 def run_child(snapshot: Path, mode: str, limit: int | None, timeout: float, cache: str = "auto",
@@ -126,8 +134,7 @@ def run_child(snapshot: Path, mode: str, limit: int | None, timeout: float, cach
         peak = None
         if group is not None:
             time.sleep(0.2)
-            knob = next((group / n for n in ("memory.max_usage_in_bytes", "memory.peak") if (group / n).exists()), None)
-            peak = None if knob is None else int(knob.read_text()) >> 20
+            peak = peak_mb(group)
             group.rmdir()
     if done.returncode != 0:
         killed = f"killed by signal {-done.returncode} (over the memory limit?)" if done.returncode < 0 else "?"

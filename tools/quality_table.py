@@ -46,37 +46,39 @@ from glmkit.generate.engine import Engine  # noqa: E402
 from glmkit.generate.generator import Generator  # noqa: E402
 from glmkit.generate.sampling import Sampler, SamplingParams  # noqa: E402
 
-# (label, preset, group size (0 = per row), quantizer, calibration statistics: None or a --hessians choice, the
-# 4-bit grid: "nl" (the default) or "uniform")
-VARIANTS: list[tuple[str, str, int, str, str | None, str]] = [
-    ("f32", "f32", 64, "absmax", None, "nl"),
-    ("q8 absmax", "q8", 64, "absmax", None, "nl"),
-    ("q8 mse", "q8", 64, "mse", None, "nl"),
-    ("q8 gptq", "q8", 64, "gptq", "all", "nl"),
-    ("q8 gptq, pooled expert Hessians", "q8", 64, "gptq", "pooled", "nl"),
+# (label, preset, group size (None: the preset's; 0 = per row), quantizer, calibration statistics: None or a
+# --hessians choice, the 4-bit grid: "nl" (the default) or "uniform")
+VARIANTS: list[tuple[str, str, int | None, str, str | None, str]] = [
+    ("f32", "f32", None, "absmax", None, "nl"),
+    ("q8 absmax", "q8", None, "absmax", None, "nl"),
+    ("q8 mse", "q8", None, "mse", None, "nl"),
+    ("q8 gptq", "q8", None, "gptq", "all", "nl"),
+    ("q8 gptq, pooled expert Hessians", "q8", None, "gptq", "pooled", "nl"),
+    ("q8 mse, group 64 for every weight", "q8", 64, "mse", None, "nl"),
+    ("q8 gptq, pooled expert Hessians, group 64 for every weight", "q8", 64, "gptq", "pooled", "nl"),
     ("q8 per-row mse", "q8", 0, "mse", None, "nl"),
     ("q8 per-row gptq", "q8", 0, "gptq", "all", "nl"),
-    ("q4 absmax", "q4", 64, "absmax", None, "nl"),
-    ("q4 mse", "q4", 64, "mse", None, "nl"),
-    ("q4 mse+imatrix", "q4", 64, "mse", "all", "nl"),
-    ("q4 gptq", "q4", 64, "gptq", "all", "nl"),
-    ("q4 gptq, pooled expert Hessians", "q4", 64, "gptq", "pooled", "nl"),
-    ("q4 gptq, no expert Hessians", "q4", 64, "gptq", "dense", "nl"),
+    ("q4 absmax", "q4", None, "absmax", None, "nl"),
+    ("q4 mse", "q4", None, "mse", None, "nl"),
+    ("q4 mse+imatrix", "q4", None, "mse", "all", "nl"),
+    ("q4 gptq", "q4", None, "gptq", "all", "nl"),
+    ("q4 gptq, pooled expert Hessians", "q4", None, "gptq", "pooled", "nl"),
+    ("q4 gptq, no expert Hessians", "q4", None, "gptq", "dense", "nl"),
     ("q4 per-row absmax", "q4", 0, "absmax", None, "nl"),
     ("q4 per-row mse+imatrix", "q4", 0, "mse", "all", "nl"),
     ("q4 per-row gptq", "q4", 0, "gptq", "all", "nl"),
-    ("q4 absmax, uniform grid", "q4", 64, "absmax", None, "uniform"),
-    ("q4 mse, uniform grid", "q4", 64, "mse", None, "uniform"),
-    ("q4 gptq, uniform grid", "q4", 64, "gptq", "all", "uniform"),
-    ("q4 gptq, pooled expert Hessians, uniform grid", "q4", 64, "gptq", "pooled", "uniform"),
-    ("q3 absmax", "q3", 64, "absmax", None, "nl"),
-    ("q3 mse", "q3", 64, "mse", None, "nl"),
-    ("q3 gptq, pooled expert Hessians", "q3", 64, "gptq", "pooled", "nl"),
-    ("q2 absmax", "q2", 64, "absmax", None, "nl"),
-    ("q2 mse", "q2", 64, "mse", None, "nl"),
-    ("q2 mse+imatrix", "q2", 64, "mse", "all", "nl"),
-    ("q2 gptq", "q2", 64, "gptq", "all", "nl"),
-    ("q2 gptq, pooled expert Hessians", "q2", 64, "gptq", "pooled", "nl"),
+    ("q4 absmax, uniform grid", "q4", None, "absmax", None, "uniform"),
+    ("q4 mse, uniform grid", "q4", None, "mse", None, "uniform"),
+    ("q4 gptq, uniform grid", "q4", None, "gptq", "all", "uniform"),
+    ("q4 gptq, pooled expert Hessians, uniform grid", "q4", None, "gptq", "pooled", "uniform"),
+    ("q3 absmax", "q3", None, "absmax", None, "nl"),
+    ("q3 mse", "q3", None, "mse", None, "nl"),
+    ("q3 gptq, pooled expert Hessians", "q3", None, "gptq", "pooled", "nl"),
+    ("q2 absmax", "q2", None, "absmax", None, "nl"),
+    ("q2 mse", "q2", None, "mse", None, "nl"),
+    ("q2 mse+imatrix", "q2", None, "mse", "all", "nl"),
+    ("q2 gptq", "q2", None, "gptq", "all", "nl"),
+    ("q2 gptq, pooled expert Hessians", "q2", None, "gptq", "pooled", "nl"),
 ]
 MTP_PROMPTS = 32
 MTP_PROMPT_TOKENS = 64

@@ -49,8 +49,8 @@ from glmkit.format.tensors import QuantWeight
 from glmkit.model.compute import Backend
 from glmkit.model.layer_spec import LM_HEAD, MLPSpec, MoESpec, layer_spec
 
-PROFILE_VERSION = 6  # 2: Placement.decode_step; 3: on discrete devices too; 4: Placement.spill_experts;
-# 5: Placement.index_prefill; 6: index_prefill measured over INDEX_PREFILL_KEYS keys
+PROFILE_VERSION = 7  # 2: Placement.decode_step; 3: on discrete devices too; 4: Placement.spill_experts;
+# 5: Placement.index_prefill; 6: index_prefill measured over INDEX_PREFILL_KEYS keys; 7: the split step
 PREFILL_ROWS = 256  # rows of the prefill measurements
 # keys of the indexer's prefill measurement: a long prompt's context, where the selection's cost matters (the two
 # paths scale differently with it)
@@ -390,8 +390,10 @@ def measure(kernels: Kernels, container: Any, bandwidth: dict[str, float] | None
             placement.spill_experts = timings["experts"]["spill"] < MARGIN * timings["experts"]["host"]
     # the device decode step runs the experts, and every other decode operation, as kernels: on devices that
     # share host memory it follows the fused experts (a token's weight bytes are mostly theirs); a discrete device
-    # runs it whenever the model fits its weight budget (its per-operation timings above pay transfers it avoids)
-    step = placement.experts == "cl" if kernels.direct else container.nbytes <= cl_backend.memory.budget
+    # runs it whenever the model fits its weight budget (its per-operation timings above pay transfers it avoids),
+    # or its routed experts over the budget run on the spill device (the split step, where the rest fits)
+    step = placement.experts == "cl" if kernels.direct else (container.nbytes <= cl_backend.memory.budget
+                                                             or placement.spill_experts)
     placement.decode_step = "cl" if step else "host"
 
     # attention: decode in latent space (one shared key head) over 1,024 keys; prefill with per-head keys

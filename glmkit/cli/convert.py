@@ -13,7 +13,15 @@ import time
 from pathlib import Path
 
 from glmkit.convert.convert import DEFAULT_FILE_BYTES, DEFAULT_INFLIGHT_BYTES, Calibration, convert, dry_run_report
-from glmkit.convert.plan import DEFAULT_GRID, DEFAULT_GROUP_SIZE, DEFAULT_QUANTIZER, GRIDS, PRESETS, QuantPlan
+from glmkit.convert.plan import (
+    DEFAULT_GRID,
+    DEFAULT_GROUP_SIZE,
+    DEFAULT_QUANTIZER,
+    FINE_GROUP_SIZE,
+    GRIDS,
+    PRESETS,
+    QuantPlan,
+)
 from glmkit.convert.quantizers import QUANTIZERS
 from glmkit.convert.sources.open import open_source
 from glmkit.convert.sources.source import Source
@@ -39,8 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dense-bits", type=int, choices=(2, 3, 4, 8, 32),
                    help="override attention, dense MLP and shared-expert bits (32 = F32)")
     p.add_argument("--embed-bits", type=int, choices=(2, 3, 4, 8, 32), help="override embed/lm_head bits (32 = F32)")
-    p.add_argument("--group-size", type=int, default=DEFAULT_GROUP_SIZE,
-                   help=f"scale group size of quantized weights (default {DEFAULT_GROUP_SIZE}; 0 = per row)")
+    p.add_argument("--group-size", type=int, default=None,
+                   help=f"scale group size of every quantized weight (default {DEFAULT_GROUP_SIZE}, and "
+                        f"{FINE_GROUP_SIZE} for q8's weights other than routed experts; 0 = per row)")
     p.add_argument("--quantizer", choices=QUANTIZERS,
                    help=f"how codes and scales are chosen: mse searches each group's error-minimising scale "
                         f"(default {DEFAULT_QUANTIZER}), absmax takes amax/qmax (faster), gptq corrects rounding "

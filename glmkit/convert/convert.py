@@ -402,7 +402,7 @@ def dry_run_report(source: str | Path | Source, out_dir: str | Path, plan: Quant
         str(source), revision=revision, endpoint=endpoint, keep_source=keep_source)
     try:
         if calibrating and imatrix is None:  # statistics to come: plan the same layout
-            plan = QuantPlan(plan.bits, plan.group_size, DEFAULT_QUANTIZER, plan.grid)
+            plan = replace(plan, quantizer=DEFAULT_QUANTIZER)
         job = ConversionJob.create(src, plan, preset, max_file_bytes, imatrix)
         snapshot = src.snapshot
         origin = src.origin
@@ -420,12 +420,9 @@ def dry_run_report(source: str | Path | Source, out_dir: str | Path, plan: Quant
         for name in PRESETS:
             if name == preset:
                 size = sum(layout.size for layout in job.layouts)
-                default = QuantPlan.from_preset(name, group_size=plan.group_size or 0, quantizer=plan.quantizer,
-                                                grid=plan.grid)
-                mark = "  <- selected" + ("" if plan == default else " (with your overrides)")
+                mark = "  <- selected" + ("" if plan == plan.on_preset(name) else " (with your overrides)")
             else:
-                other = QuantPlan.from_preset(name, group_size=plan.group_size or 0, quantizer=plan.quantizer)
-                size = sum(layout.size for layout in _layouts(job.specs, other, max_file_bytes))
+                size = sum(layout.size for layout in _layouts(job.specs, plan.on_preset(name), max_file_bytes))
                 mark = ""
             lines.append(f"  {name:4s} {format_size(size):>10s}{mark}")
         output, in_flight = job.disk_needed(job.layouts, max_inflight)

@@ -249,13 +249,14 @@ class Manifest:
         size `conversion` records for that role (plus its `.qs` scales when quantized); and in `experts`, for
         every routed expert of every MoE layer, the one byte range its weights and scales fill back to back."""
         conversion = self.conversion
-        bits_of, group = conversion["bits"], conversion["group_size"]
+        bits_of, groups = conversion["bits"], conversion.get("group_sizes", {})
         nl4 = conversion.get("grid", "uniform") == "nl"  # containers from before the grid choice: uniform
         tensors = self.tensors
         stored = 0
         for spec in model_tensors(config, include_mtp=conversion["mtp"]):
             e = tensors.get(spec.name)
             bits = bits_of.get(spec.role) if len(spec.shape) == 2 else None
+            group = groups.get(spec.role, conversion["group_size"])
             q = e.quant if e is not None else None
             if (e is None or e.shape != spec.shape or e.role != spec.role or (q is None) != (bits is None)
                     or (q is not None and (q.bits, q.group_size) != (bits, group))):
@@ -436,7 +437,8 @@ def _source_from_json(path: Path, source: Any) -> dict[str, Any]:
 
 
 def _conversion_from_json(path: Path, conversion: Any) -> dict[str, Any]:
-    """`conversion`: what the reader relies on is checked: the bits per role, the group size, `mtp`."""
+    """`conversion`: what the reader relies on is checked: the bits per role, the group size (and the per-role ones
+    that replace it), `mtp`."""
     if type(conversion) is not dict:
         raise GlmkitError(f"{path}: 'conversion' must be an object")
     bits, group, mtp = conversion.get("bits"), conversion.get("group_size"), conversion.get("mtp")
@@ -446,6 +448,11 @@ def _conversion_from_json(path: Path, conversion: Any) -> dict[str, Any]:
                           f"{SUPPORTED_BITS}")
     if group is not None and (type(group) is not int or group < 1):
         raise GlmkitError(f"{path}: conversion group_size {short_repr(group)} is neither null nor a positive integer")
+    groups = conversion.get("group_sizes", {})
+    if type(groups) is not dict or not all(role in ROLES and (g is None or (type(g) is int and g >= 1))
+                                           for role, g in groups.items()):
+        raise GlmkitError(f"{path}: conversion group_sizes {short_repr(groups)} must map tensor roles to null or a "
+                          "positive integer")
     if type(mtp) is not bool:
         raise GlmkitError(f"{path}: conversion mtp {short_repr(mtp)} must be true or false")
     if conversion.get("grid", "uniform") not in ("uniform", "nl"):

@@ -209,6 +209,18 @@ class Container:
             for start in range(0, len(mapped), chunk):
                 mapped.madvise(advice, start, min(chunk, len(mapped) - start))
 
+    def release_pages(self) -> None:
+        """Unmap every data file's pages from this process (`MADV_DONTNEED`) and drop their clean pages from the page
+        cache (`POSIX_FADV_DONTNEED`): for a reader that has copied what it needs, so that a memory cgroup does not
+        keep counting them. The mappings stay valid: a later access reads the bytes again."""
+        for name, mapped in self._maps.items():
+            mapped.madvise(mmap.MADV_DONTNEED)
+            fd = os.open(self.directory / name, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
     def verify_data(self, progress: Callable[[int], None] | None = None) -> list[str]:
         """Re-hash the data files against the sha256 digests the converter recorded: each file whole (`files`),
         and the tensors of a file whose digest differs (`tensors`), to name them.

@@ -11,9 +11,15 @@ from glmkit.errors import GlmkitError
 from glmkit.format.reader import Container
 from glmkit.generate.tokenizer import ChatTokenizer, read_side_json
 from glmkit.model.compute import Backend
-from glmkit.model.expert_cache import ExpertCache, auto_cache_bytes, expert_slot_bytes, usage_path
+from glmkit.model.expert_cache import (
+    ExpertCache,
+    activation_allowance,
+    auto_cache_bytes,
+    expert_slot_bytes,
+    usage_path,
+)
 from glmkit.model.expert_stream import ExpertStreamer, memory_limit_bytes, outgrows_memory
-from glmkit.model.glm5 import GlmMoeDsaModel
+from glmkit.model.glm5 import GlmMoeDsaModel, prefill_rows_within
 from glmkit.units import format_size
 
 
@@ -67,7 +73,9 @@ class Engine:
             cache = self.experts = ExpertCache(self.container, int(expert_cache), readahead=prefetch,
                                                usage_file=usage)
             self.model = GlmMoeDsaModel(self.config, cache, self.backend, route_hook=cache.on_route,
-                                        step_experts=cache, kv_dtype=kv_dtype)
+                                        step_experts=cache, kv_dtype=kv_dtype, ahead_hook=cache.read_ahead)
+            if self.expert_cache_reason:  # sized from the RAM: a long prompt's chunks fit what it left for them
+                self.model.prefill_rows = prefill_rows_within(self.config, activation_allowance(memory_limit_bytes()))
         else:
             self.experts = ExpertStreamer(self.container, ram_budget_bytes, prefetch)
             # a device decode step's routing is watched only when experts will come from disk: its callbacks cost

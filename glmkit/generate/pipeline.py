@@ -3,6 +3,10 @@ on whichever machine of the cluster Ray places it) that opens the container, run
 model's own layer code (`GlmMoeDsaModel.run_layers`) and holds their KV rows; the head process keeps the
 embedding, the final norm, lm_head, the MTP layer (its KV rows too) and the sampler.
 
+Where the device decodes on the device decode step (OpenCL), so does the pipeline: a decoded token runs on each stage
+as one queued step over its layers (`GlmMoeDsaModel.step_layers`: the hidden state in, the hidden state out), and the
+head's final norm and lm_head as a step of their own, the kernels of one process's step: the same logits.
+
 A forward sends the embedded rows `[S, H]` (and the DSA selection a 'shared' layer reuses) from stage to stage
 as Ray object references: the head submits every stage's call at once and waits once, for the last stage. A
 block of more than `chunk` rows is cut at multiples of `chunk` positions and every piece is submitted before
@@ -152,12 +156,15 @@ class PipelineStage:
     (`cache_id` -> a KVCache whose other layers stay empty). Run as a Ray actor; plain methods, plain arrays."""
 
     def __init__(self, snapshot: str, index: int, layers: range, device: str, float_activations: bool,
-                 prefetch: bool, blas_threads: int | None = None, niceness: int = 0, kv_dtype: str = "f32") -> None:
+                 prefetch: bool, blas_threads: int | None = None, niceness: int = 0, kv_dtype: str = "f32",
+                 decode_step: bool = True) -> None:
         """blas_threads: BLAS threads (None: the CPUs this process may use, as in a process of its own; Ray starts an
         actor of one CPU with OMP_NUM_THREADS=1, and the thread count changes the float sums' order). niceness: the
         scheduling priority to run at, the head's (Ray starts its workers at 15, behind any other work on the
         machine); kept at Ray's where the process may not raise its priority (`RAY_worker_niceness=0 ray start`
-        then does it for every worker). kv_dtype: the precision its KV rows are kept at (`KV_DTYPES`)."""
+        then does it for every worker). kv_dtype: the precision its KV rows are kept at (`KV_DTYPES`). decode_step:
+        a decoded token runs as the device's decode step over the stage's layers where the device has one (off: through
+        the operations)."""
         self.index, self.layer_range = index, layers
         threadpool_limits(blas_threads or len(os.sched_getaffinity(0)), user_api="blas")
         with contextlib.suppress(PermissionError):
@@ -168,16 +175,18 @@ class PipelineStage:
         self.model = GlmMoeDsaModel(container.config, self.experts, backend, route_hook=self.experts.on_route,
                                     kv_dtype=kv_dtype)
         self.caches: dict[int, KVCache] = {}
+        self.steps = decode_step and self.model.part_step(layers, False) is not None  # built here, not at a token
         self.busy_s = 0.0  # seconds spent in `run`: the compute a pipeline's hops are compared with
         if prefetch:
             self.experts.warm_in_background(layers)
 
     def describe(self) -> dict[str, Any]:
-        """Where this stage runs: host name, IP address, process id, device, numerics."""
+        """Where this stage runs: host name, IP address, process id, device, numerics, whether a decoded token runs
+        as one device step."""
         import ray
 
         return {"host": socket.gethostname(), "ip": ray.util.get_node_ip_address(), "pid": os.getpid(),
-                "device": self.device, "numerics": self.model.numerics}
+                "device": self.device, "numerics": self.model.numerics, "decode_step": self.steps}
 
     def _cache(self, cache_id: int) -> KVCache:
         cache = self.caches.get(cache_id)
@@ -195,7 +204,10 @@ class PipelineStage:
         held = cache.layer(self.layer_range.start).length
         if held != start:  # never compute against rows that are not the ones the head counts on
             raise GlmkitError(f"pipeline stage {self.index}: holds {held} KV rows, asked to append at {start}")
-        out = self.model.run_layers(self.layer_range, x, np.arange(start, start + len(x)), cache, chosen)
+        stepped = self.model.step_layers(self.layer_range, x, cache, chosen) if \
+            self.steps and len(x) == 1 and start > 0 else None
+        out = stepped if stepped is not None else \
+            self.model.run_layers(self.layer_range, x, np.arange(start, start + len(x)), cache, chosen)
         if len(x) > self.model.absorb_max_rows:
             self.model.backend.release_memory()
         self.busy_s += time.perf_counter() - began
@@ -398,10 +410,11 @@ def check_reachable(address: str | None, timeout_s: float = 10.0) -> None:
 def open_pipeline(snapshot: str | Path, container: Container, stages: int | str, address: str | None = None,
                   device: str = "numpy", float_activations: bool = False, prefetch: bool = True,
                   chunk: int = DEFAULT_PIPELINE_CHUNK, verbose: bool = True, blas_threads: int | None = None,
-                  kv_dtype: str = "f32") -> Pipeline:
+                  kv_dtype: str = "f32", decode_step: bool = True) -> Pipeline:
     """Start one stage actor per range of the plan on the Ray cluster at `address` (None: the cluster `ray start`
     made on this machine, else a new local one; already connected: that one), wait until each has opened the
-    container, and print the plan on stderr when `verbose`. blas_threads, kv_dtype: see `PipelineStage`."""
+    container, and print the plan on stderr when `verbose`. blas_threads, kv_dtype, decode_step: see
+    `PipelineStage`."""
     ray = import_ray()
     if chunk < 1:
         raise GlmkitError(f"--pipeline-chunk: must be >= 1, got {chunk}")
@@ -430,10 +443,12 @@ def open_pipeline(snapshot: str | Path, container: Container, stages: int | str,
         else:
             options["scheduling_strategy"] = "SPREAD"
         return remote.options(**options).remote(str(snapshot), i, plan.layers[i], device, float_activations, prefetch,
-                                                 blas_threads, os.getpriority(os.PRIO_PROCESS, 0), kv_dtype)
+                                                 blas_threads, os.getpriority(os.PRIO_PROCESS, 0), kv_dtype,
+                                                 decode_step)
 
     actors = [start_stage(i) for i in range(len(plan.layers))]
-    pipeline = Pipeline(ray, actors, plan, [{"host": "?", "ip": "?", "pid": "?"}] * len(actors), chunk, start_stage)
+    unknown = {"host": "?", "ip": "?", "pid": "?", "decode_step": False}  # until each stage describes itself
+    pipeline = Pipeline(ray, actors, plan, [unknown] * len(actors), chunk, start_stage)
     try:
         pipeline.where = ray.get([actor.describe.remote() for actor in actors], timeout=STAGE_START_TIMEOUT_S)
     except ray.exceptions.GetTimeoutError:
@@ -445,7 +460,8 @@ def open_pipeline(snapshot: str | Path, container: Container, stages: int | str,
         pipeline.close()
         raise GlmkitError(f"--pipeline: a stage failed to start ({_first_line(e)})") from None
     if verbose:
-        print(plan.describe([f"{w['host']} ({w['ip']}), {w['device']}" for w in pipeline.where]), file=sys.stderr)
+        print(plan.describe([f"{w['host']} ({w['ip']}), {w['device']}{', decode step' if w['decode_step'] else ''}"
+                             for w in pipeline.where]), file=sys.stderr)
     return pipeline
 
 
@@ -549,9 +565,41 @@ def _drop_remote(pipeline: Pipeline, cache_id: int) -> None:
             pass
 
 
+class StagedDecodeStep:
+    """A decoded token as device steps (`DecodeStep`'s single-token call): each stage's layers as one step on the
+    stage (`PipelineStage.run`), then the final norm and lm_head as the head's step `head` (`part_step` over no
+    layers). The kernels of one process's step: the same logits."""
+
+    def __init__(self, model: PipelineModel, head: DecodeStep) -> None:
+        self.model, self.head = model, head
+
+    def __call__(self, token: int, cache: KVCache, embed: np.ndarray) -> tuple[np.ndarray, np.ndarray, list]:
+        """Append `token` (embedding row `embed [H]`): (logits `[1, V]`, hidden `[1, H]` after the final norm, no
+        routes: the stages' route hooks saw them)."""
+        x = self.model.main_layers(embed[None], cache)
+        return self.head(token, cache, x[0])
+
+    def pipeline(self, token: int, cache: KVCache, embed_of: Callable[[int], np.ndarray], draws: Any = None,
+                 on_routes: Any = None) -> None:
+        return None  # the next token's forward starts on the first stage: nothing to queue here ahead of the host
+
+    def prompt(self, cache: KVCache, token_ids: Sequence[int], logits: bool = True) -> None:
+        return None  # as `pipeline`: a short prompt's tokens run one `__call__` each
+
+    def watch_routes(self, hook: Callable[[int, np.ndarray], None]) -> None:
+        pass  # the experts are read on the stages
+
+    def settle(self) -> None:
+        self.head.settle()
+
+    def drafts(self) -> bool:
+        return False
+
+
 class PipelineModel(GlmMoeDsaModel):
     """The head's model: embedding, final norm, lm_head and MTP run here; the main decoder layers on the stages.
-    Every single-token forward runs through the operations (no device decode step at the head)."""
+    Where every stage decodes on its device step, so does a single-token forward (`StagedDecodeStep`); MTP's
+    two-row verification runs through the operations."""
 
     def __init__(self, config: ModelConfig, weights: WeightSource, backend: Backend, pipeline: Pipeline,
                  kv_dtype: str = "f32") -> None:
@@ -579,7 +627,13 @@ class PipelineModel(GlmMoeDsaModel):
         return out
 
     def _decode_step(self) -> DecodeStep | None:
-        return None  # the decode step runs a whole model in one call: here the layers are elsewhere
+        if self._step is False:
+            head = self.part_step(range(0), True) if all(w["decode_step"] for w in self.pipeline.where) else None
+            self._step = None if head is None else StagedDecodeStep(self, head)
+        return self._step
+
+    def _verify_step(self) -> DecodeStep | None:
+        return None  # two rows run through the operations: the stages' steps take one
 
 
 class StageExpertStats:
@@ -601,11 +655,11 @@ class PipelineEngine(Engine):
     def __init__(self, snapshot: str | Path, stages: int | str, address: str | None = None, device: str = "numpy",
                  float_activations: bool = False, prefetch: bool = True, chunk: int = DEFAULT_PIPELINE_CHUNK,
                  load_tokenizer: bool = True, verbose: bool = True, blas_threads: int | None = None,
-                 kv_dtype: str = "f32") -> None:
+                 kv_dtype: str = "f32", decode_step: bool = True) -> None:
         super().__init__(snapshot, device, prefetch=False, load_tokenizer=load_tokenizer,
                          float_activations=float_activations, expert_cache=0, kv_dtype=kv_dtype)
         self.pipeline = open_pipeline(snapshot, self.container, stages, address, device, float_activations, prefetch,
-                                      chunk, verbose, blas_threads, kv_dtype)
+                                      chunk, verbose, blas_threads, kv_dtype, decode_step)
         self.model = PipelineModel(self.config, self.experts, self.backend, self.pipeline, kv_dtype)
         self.experts.stats = StageExpertStats(self.pipeline)  # type: ignore[assignment]  # the head routes nothing
 

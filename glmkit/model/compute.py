@@ -104,12 +104,16 @@ class Backend(Protocol):
 
     def decode_step(self, config: ModelConfig, layers: Sequence[LayerSpec], weight: Callable[[str], Weight],
                     experts: ExpertArena | None = None, kv_dtype: str = "f32", rows: int = 1,
-                    draft: tuple[LayerSpec, MTPSpec] | None = None) -> DecodeStep | None:
+                    draft: tuple[LayerSpec, MTPSpec] | None = None, span: range | None = None,
+                    logits: bool = True) -> DecodeStep | None:
         """A whole forward of `rows` consecutive tokens (1: a decoded token; 2: MTP's verification of a draft) of the
         main model, whose decoder layers `layers` describes, in one call (`DecodeStep`), or None: the model then
         runs them through the operations above. experts: where the routed experts are read from instead of `weight`
         (an expert cache's slots, filled as each layer routes); kv_dtype: the precision of the cache rows it reads
-        and writes; draft: the MTP layer and head, for a verification step that also drafts (`verify`)."""
+        and writes; draft: the MTP layer and head, for a verification step that also drafts (`verify`).
+        span: the layers it runs (default all: a pipeline stage's range, `run_span`; none: only the final norm and
+        lm_head, a pipeline head's); logits: whether the final norm's output goes through lm_head (not on a stage).
+        A step of a part of the model takes one token row and no draft."""
         ...
 
 
@@ -197,6 +201,13 @@ class DecodeStep(Protocol):
 
     def settle(self) -> None:
         """Let a pipelined forward in flight finish (another forward is about to use the cache)."""
+        ...
+
+    def run_span(self, cache: KVCache, x: np.ndarray, chosen: np.ndarray | None
+                 ) -> tuple[np.ndarray, np.ndarray | None, Routes]:
+        """A step bound to a span of layers without logits (a pipeline stage's): the hidden state `x [1, H]` entering
+        them and the DSA selection `chosen [1, K]` of the layer before them (or None) -> (the hidden state after the
+        last one `[1, H]`, the selection a following 'previous' layer reuses or None, the routes)."""
         ...
 
     def verify(self, cache: KVCache, embed: np.ndarray, choose: bool

@@ -41,6 +41,7 @@ from glmkit.format.schema import EXPERT_PROJECTIONS, expert_weight_name
 from glmkit.format.tensors import Weight
 from glmkit.model.expert_stream import (
     anonymous_bytes,
+    anonymous_resident_bytes,
     copy_weight,
     copy_weights_into,
     memory_limit_bytes,
@@ -172,18 +173,28 @@ def expert_slot_bytes(container: Container) -> int:
     return max(page_span(r.offset, r.nbytes)[1] for r in container.manifest.experts)
 
 
+def activation_allowance(limit: int) -> int:
+    """The bytes an auto-sized cache leaves for activations and KV rows under a memory limit: a quarter, at most
+    1 GB (a prefill's chunks are cut to fit it: `prefill_rows_within`)."""
+    return min(1 << 30, limit // 4)
+
+
 def auto_cache_bytes(container: Container, reserve_bytes: int | None = None) -> tuple[int, str]:
     """A cache size from the RAM this process may use (`memory_limit_bytes`: the cgroup's limit or the machine's),
     less the non-expert weights it copies into RAM and `reserve_bytes` for the process, KV cache and activations
-    (default: a quarter of the limit, at most 1 GB); with the reason, for the log."""
+    (default: what the process holds now, `anonymous_resident_bytes`, and `activation_allowance`); with the reason,
+    for the log."""
     limit = memory_limit_bytes()
+    held = ""
     if reserve_bytes is None:
-        reserve_bytes = min(1 << 30, limit // 4)
+        now = anonymous_resident_bytes()
+        reserve_bytes = now + activation_allowance(limit)
+        held = f" ({format_size(now)} it holds now)"
     experts = sum(r.nbytes for r in container.manifest.experts)
     pinned = container.nbytes - experts
     size = max(0, min(limit - pinned - reserve_bytes, experts))
     why = (f"{format_size(size)}: {format_size(limit)} may be used, less {format_size(pinned)} of non-expert weights "
-           f"and {format_size(reserve_bytes)} kept for the process; the experts are {format_size(experts)}")
+           f"and {format_size(reserve_bytes)} kept for the process{held}; the experts are {format_size(experts)}")
     return size, why
 
 
@@ -244,6 +255,7 @@ class ExpertCache:
         for name, entry in container.manifest.tensors.items():
             if name not in self._names and name not in self._pinned and entry.role != "scales":
                 self._pinned[name] = copy_weight(container.weight(name))
+        container.release_pages()  # the copies are what is read from now on: the mapping's pages would count twice
         self._free = list(range(self.n_slots - 1, -1, -1))
         self._slot: dict[Key, int] = {}  # resident experts
         self._views: dict[Key, list[Weight]] = {}
@@ -355,7 +367,8 @@ class ExpertCache:
 
     def read_ahead(self, layer: int, normed: np.ndarray) -> None:
         """Start reading the experts layer `layer + 1`'s router picks for the hidden state of `normed [S, H]` (layer
-        `layer`'s MoE input), normed as layer `layer + 1` norms it, that are not cached (when read-ahead is on)."""
+        `layer`'s MoE or dense MLP input), normed as layer `layer + 1` norms it, that are not cached (when read-ahead is
+        on)."""
         if not self.readahead:
             return
         nxt = self.moe.get(layer + 1) if layer + 1 < self.config.num_hidden_layers else None

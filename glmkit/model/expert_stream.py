@@ -70,6 +70,17 @@ def memory_limit_bytes() -> int:
     return limit
 
 
+def anonymous_resident_bytes() -> int:
+    """This process's anonymous resident memory now (`RssAnon`: its heap, libraries' allocations, a device runtime's
+    host memory); 0 where /proc does not say."""
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return 0
+    line = next((row for row in status.splitlines() if row.startswith("RssAnon:")), None)
+    return int(line.split()[1]) * 1024 if line is not None else 0
+
+
 def outgrows_memory(container: Container, margin: int = 1 << 30) -> bool:
     """Whether the container, plus `margin` bytes for the process, is larger than the RAM it may use: its experts
     are then read from disk again and again while decoding."""

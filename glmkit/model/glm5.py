@@ -53,6 +53,16 @@ VERIFY_ROWS = 2  # the rows of MTP's verification forward: the last token and on
 # Rows of a prompt per dense-MLP pass: its `[rows, intermediate]` products stay a few MB each; the weights'
 # repeated dequantization per block costs a few percent of the block's GEMMs.
 DENSE_MLP_ROWS = 512
+# float32 values per hidden unit that a prefill holds per prompt token at its peak (a 2,048-token chunk of the
+# 256-expert benchmark model: ~15; docs/BENCHMARKS.md, out of core)
+PREFILL_ROW_FLOATS = 20
+MIN_PREFILL_ROWS = 128
+
+
+def prefill_rows_within(config: ModelConfig, nbytes: int) -> int:
+    """The prompt rows one forward may take so that its temporaries stay within `nbytes` (at least
+    MIN_PREFILL_ROWS)."""
+    return max(MIN_PREFILL_ROWS, nbytes // (config.hidden_size * 4 * PREFILL_ROW_FLOATS))
 
 # ---- pure functions ----------------------------------------------------------------------------
 
@@ -116,6 +126,8 @@ class GlmMoeDsaModel:
     absorb_max_rows: calls appending at most this many tokens to a non-empty cache use the absorbed
     MLA path (decode, MTP verification); others (prefill, rows recomputed in place) reconstruct keys and values.
     route_hook: optional `hook(layer, expert_ids [S, k], u [S, H])` (hit/miss counting, prefetch).
+    ahead_hook: optional `hook(layer, u [S, H])` with a dense layer's normed MLP input, before the MLP runs (an expert
+    cache starts reading the next layer's likely experts: the first MoE layer has no MoE layer before it to do so).
     step_experts: where the backend's decode step reads the routed experts when the weight source moves them
     between slots (an expert cache: `ExpertArena`); None: the step binds every weight's bytes once.
     kv_dtype: the precision of the cache rows `new_cache` keeps (`KV_DTYPES`); attention reads them at it.
@@ -124,7 +136,8 @@ class GlmMoeDsaModel:
     def __init__(self, config: ModelConfig, weights: WeightSource, backend: Backend,
                  absorb_max_rows: int = 4, route_hook: RouteHook | None = None,
                  step_route_hook: Callable[[int, np.ndarray], None] | None = None,
-                 step_experts: ExpertArena | None = None, kv_dtype: str = "f32") -> None:
+                 step_experts: ExpertArena | None = None, kv_dtype: str = "f32",
+                 ahead_hook: Callable[[int, np.ndarray], None] | None = None) -> None:
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv dtype {kv_dtype!r}: not one of {', '.join(KV_DTYPES)}")
         self.config = config
@@ -133,10 +146,13 @@ class GlmMoeDsaModel:
         self.backend = backend
         self.absorb_max_rows = absorb_max_rows
         self.route_hook = route_hook
+        self.ahead_hook = ahead_hook
         self.step_route_hook = step_route_hook  # a decode step's routing as it happens: `DecodeStep.watch_routes`
         self.step_experts = step_experts
-        self._step: DecodeStep | None | bool = False  # the backend's decode step, asked for on first decode
+        self.prefill_rows: int | None = None  # where memory is tight: the most prompt rows a forward should take
+        self._step: DecodeStep | None | bool = False  # the backend's decode step, asked for on the first forward
         self._verify: DecodeStep | None | bool = False  # its two-row form (MTP's verification), on first use
+        self._parts: dict[tuple[int, int, bool], DecodeStep | None] = {}  # steps over parts: `part_step`
         # the MTP acceptance below which drafting decodes slower than single tokens on the device step, where
         # measured (`Engine.use_mtp`): a generation turns MTP off once its first drafts fall below it
         self.mtp_break_even: float | None = None
@@ -171,7 +187,10 @@ class GlmMoeDsaModel:
         hidden `[S, H]` after the final norm, the input the MTP layer needs).
         """
         x = self.embed(token_ids)
-        if len(token_ids) == 1 and cache.length > 0 and self._decode_step() is not None:
+        # asked for before any prefill: a discrete device's step places its weights (and what is left of the budget
+        # for routed experts) before per-operation calls upload weights as they come
+        step = self._decode_step()
+        if len(token_ids) == 1 and cache.length > 0 and step is not None:
             return self._device_decode(int(token_ids[0]), x[0], cache)
         if len(token_ids) == VERIFY_ROWS and cache.length > 0 and self._verify_step() is not None:
             logits, hidden = self._device_verify(x, cache)
@@ -232,6 +251,30 @@ class GlmMoeDsaModel:
         for layer in layers:
             x, chosen = self.decoder_layer(layer, x, positions, cache.layer(layer), chosen)
         return x, chosen
+
+    def part_step(self, layers: range, logits: bool) -> DecodeStep | None:
+        """The backend's decode step over a part of the model, built on first use: a pipeline stage's `layers` (its
+        hidden state in and out, no logits), or none of them with `logits` (a pipeline head's final norm and lm_head);
+        None: single tokens run through the operations."""
+        key = (layers.start, layers.stop, logits)
+        if key not in self._parts:
+            step = self._parts[key] = self.backend.decode_step(
+                self.config, self.layers[:self.config.num_hidden_layers], self._w, self.step_experts, self.kv_dtype,
+                span=layers, logits=logits)
+            if step is not None and self.step_route_hook is not None and layers:
+                step.watch_routes(self.step_route_hook)
+        return self._parts[key]
+
+    def step_layers(self, layers: range, x: np.ndarray, cache: KVCache, chosen: np.ndarray | None
+                    ) -> tuple[np.ndarray, np.ndarray | None] | None:
+        """`run_layers` of one token `x [1, H]` appended to layers that already hold rows, as one device step over
+        `layers` (`part_step`: a pipeline stage's part of a decoded token); None where the backend has no such step."""
+        step = self.part_step(layers, False)
+        if step is None:
+            return None
+        out, chosen, routes = step.run_span(cache, x, chosen)
+        self._report_routes(routes)
+        return out, chosen
 
     @property
     def numerics(self) -> str:
@@ -464,6 +507,8 @@ class GlmMoeDsaModel:
         ffn = self.layers[layer].ffn
         if isinstance(ffn, MoESpec):
             return self._moe(ffn, u)
+        if self.ahead_hook is not None:
+            self.ahead_hook(layer, u)
         mlp = self._mlp(ffn)
         if u.shape[0] <= DENSE_MLP_ROWS:
             return self.backend.expert_mlp(u, *mlp)

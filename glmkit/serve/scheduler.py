@@ -268,9 +268,9 @@ class Scheduler:
             job.cached, job.reuse = min(kv.length, len(ids) - 1), session.last_reuse
             job.decoder = StreamDecoder(self.engine.tokenizer)
         kv = session.kv
-        start = kv.length
-        if len(ids) - start > self.prefill_chunk:
-            prefill_part(model, ids, start + self.prefill_chunk, kv, self.use_mtp)
+        start, chunk = kv.length, min(self.prefill_chunk, model.prefill_rows or self.prefill_chunk)
+        if len(ids) - start > chunk:
+            prefill_part(model, ids, start + chunk, kv, self.use_mtp)
             session.store_progress(ids)  # a server stopped during a long prefill resumes it from here
             return
         request = job.request

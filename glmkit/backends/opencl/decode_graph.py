@@ -24,9 +24,10 @@ must fit its budget) the step's buffers are device memory: the cache rows live i
 (`_CacheMirror`) that takes the rows the host wrote since (`LayerKV.edited_from`), and each token's new rows, its
 logits (or greedy token) and routed ids are copied back with non-blocking reads behind its kernels. A layer's
 experts may lie in several weight buffers (the files of the mapping: a GLM-5 layer outgrows one 4 GB file): the
-routing kernel fills the slots of each buffer, and each gets its own fused launches. `OpenCLBackend.decode_step`
-builds the step, or returns None when a weight or an expert cannot be used in place or placed on the device (the
-per-operation path runs then).
+routing kernel fills the slots of each buffer, and each gets its own fused launches. A discrete device that holds every
+weight but some routed experts runs those on a CPU OpenCL device beside it (`SpillDevice`, the split step: one host
+wait per MoE layer). `OpenCLBackend.decode_step` builds the step, or returns None when a weight or an expert cannot
+be used in place or placed on the device (the per-operation path runs then).
 
 MTP's verification of a draft runs as the same step bound for two token rows (`rows=2`, CPU devices over the
 mapping): the weight products take both rows, the kernels that work per token a row each (a work-group or a global
@@ -177,9 +178,40 @@ class _ArenaLayer(NamedTuple):
     masks: tuple[DeviceArray, DeviceArray] | None  # slot tokens of the launches before and after the misses' reads
 
 
+class SpillDevice(NamedTuple):
+    """A CPU OpenCL device beside a discrete one (the backend's `spill`): its kernels and its fused-expert view of
+    (gate, up, down) in place over the mapping (`OpenCLBackend._expert_ref`'s, or None)."""
+
+    kernels: Kernels
+    expert_ref: Callable
+
+
+class _SplitLayer:
+    """A MoE layer whose routed experts lie partly in the discrete device's memory and partly on the CPU device
+    (`SpillDevice`). Routing fills one slot per routed expert (the shared one last) as over the whole model; per
+    token the host reads the ids, masks each slot to the launches that compute it (`masks`, one per device buffer
+    holding resident experts: `sets`), and the CPU device computes the other slots' rows from the same input,
+    uploaded into the same per-slot rows (`part`): the next norm sums them in slot order."""
+
+    def __init__(self, views: list[tuple[Weight, Weight, Weight]], cpu_refs: list, shape: Any, top_k: int,
+                 members: int, table: DeviceArray, regions: dict[str, DeviceArray], scratch: tuple[DeviceArray, Any],
+                 shared: Any) -> None:
+        self.views, self.cpu_refs, self.shape, self.top_k, self.members = views, cpu_refs, shape, top_k, members
+        self.table, self.regions, self.hid, self.part = table, regions, *scratch
+        self.shared = shared  # the shared expert's device view (resident), or None
+        self.resident: list[Any] = [None] * len(views)  # per routed expert: its device view, or None (CPU side)
+        self.where = np.full(len(views), -1, np.int64)  # per routed expert: its launch set (`sets`), -1: CPU side
+        self.masks: list[DeviceArray] = []  # per launch set: the slot tokens it runs (0) or skips (UNUSED_SLOT)
+        self.shared_set = -1  # the launch set that computes the shared expert's slot (run every token)
+        self.sets: list[list[Launch]] = []  # per device buffer holding resident experts: the fused launches
+        self.cpu_sets: dict[int, tuple[DeviceArray, list[Launch]]] = {}  # per CPU-side buffer: slot tokens, launches
+        self.cpu_offs: DeviceArray | None = None  # the CPU side's slot offsets (members x 6)
+        self.cpu_part: DeviceArray | None = None  # the CPU side's per-slot down rows (members x n_in)
+
+
 class _Layer:
     """One decoder layer's bound launches, by name those whose arguments change per token (cache rows, key
-    count, token parity)."""
+    count, turn)."""
 
     def __init__(self) -> None:
         self.head: list[Launch] = []  # from the input norm to the query's absorption (always)
@@ -196,6 +228,7 @@ class _Layer:
         self.route: Launch | None = None
         self.ids: list[DeviceArray] = []  # MoE layers, per token slot: the routed expert ids
         self.arena: _ArenaLayer | None = None  # experts in an expert cache's slots: what the host places per token
+        self.split: _SplitLayer | None = None  # routed experts partly on a CPU device beside a discrete one
         self.after_route: list[Launch] = []  # with `arena`: the launches queued once the host placed the experts
         self.after_misses: list[Launch] = []  # with `arena.masks`: those queued once the misses are read
         self.cache_buffers: dict[str, DeviceArray] = {}  # direct devices: field -> its storage array and buffer
@@ -235,28 +268,51 @@ class DeviceDecodeStep:
     devices over the mapping only. Each row's logits, hidden state and KV rows are bit for bit those of the
     single-row step fed the same tokens. draft: (the MTP layer's description, the MTP head's): `verify` then also
     drafts in the same queue.
+
+    spill: a CPU OpenCL device beside a discrete one that cannot hold every routed expert (the split step: see
+    `_bind_split_moe`, `_place_split`, `_run_split`): the experts the budget leaves out run there, each MoE layer's
+    host wait bringing their input back and their per-slot rows over. The logits are the whole-model step's, bit for
+    bit where both devices run the same build of the expert kernels. One token row, the whole model, no expert cache.
+
+    span: the main layers bound (default all; `layers` always describes them all: the numerics and the indexers' key
+    count are the model's). A pipeline stage's step (`logits` False) takes the hidden state entering its first layer
+    in `x` and leaves the one after its last in `x` (`run_span`: the final norm's launch adds the last FFN output into
+    it); the head's (no layers, `logits`) runs the final norm and lm_head on the last stage's hidden state. Each
+    launch is the whole step's, so the parts chained give its logits bit for bit (the next part's first norm reads
+    the sum the previous part's last norm wrote).
     """
 
     def __init__(self, cfg: ModelConfig, layers: Sequence[LayerSpec], weight: Callable[[str], Weight],
                  cw: Callable[[Weight], ClWeight | None], expert_ref: Callable, kernels: Kernels,
                  int8_activations: bool = True, experts: ExpertArena | None = None, kv_dtype: str = "f32",
-                 rows: int = 1, draft: tuple[LayerSpec, MTPSpec] | None = None) -> None:
+                 rows: int = 1, draft: tuple[LayerSpec, MTPSpec] | None = None, span: range | None = None,
+                 logits: bool = True, spill: SpillDevice | None = None) -> None:
 
         if cfg.n_routed_experts > MAX_ROUTED_EXPERTS:
             raise Unsupported(f"{cfg.n_routed_experts} routed experts (the routing kernel holds {MAX_ROUTED_EXPERTS})")
         check_bindable(layers if draft is None else [*layers, draft[0]])
+        span = range(len(layers)) if span is None else span
+        whole = span == range(len(layers)) and logits
+        if not whole and (rows > 1 or draft is not None):
+            raise Unsupported("a part of the model (a pipeline stage's layers, or its head): one token row, no draft")
         if rows > 1 and (not kernels.direct or experts is not None):
             raise Unsupported("several token rows per forward: CPU OpenCL devices over the mapping only")
         if draft is not None and (rows < 2 or any(n.bias for n in (draft[1].enorm, draft[1].hnorm,
                                                                      draft[1].head_norm))):
             raise Unsupported("MTP's draft: in a verification step (rows > 1) of an MTP head with RMSNorms")
+        if spill is not None and (kernels.direct or experts is not None or not whole or rows > 1):
+            raise Unsupported("routed experts on a CPU device beside: a discrete device's whole-model step, one row")
         self.draft_spec = draft
-        self.cfg, self.specs, self.k, self.buffers = cfg, list(layers), kernels, kernels.buffers
+        # the model's main layers (numerics, RoPE, the indexers' key count), and those this step runs: `span`
+        self.cfg, self.model_specs, self.k, self.buffers = cfg, list(layers), kernels, kernels.buffers
+        self.span, self.specs = span, list(layers[span.start:span.stop])
         self.kv_dtype = kv_dtype
         self.rows = rows
         self.topk = index_topk(layers)
         self._weight, self._cw, self._expert_ref = weight, cw, expert_ref
         self.experts = experts
+        self.spill = spill
+        self.split_input: tuple[tuple[Any, DeviceArray], ...] = ()  # spill: (device buffer, CPU array) to copy
         if experts is not None:  # the arena in chunks no larger than one buffer may be, slot-aligned
             if not kernels.direct:
                 raise Unsupported("an expert cache's slots are read in place: CPU OpenCL devices only")
@@ -296,7 +352,8 @@ class DeviceDecodeStep:
         self.comp = new(kvl + rope)
         self.q_rot, self.q_abs, self.o_lat = new(nh * rope), new(nh * kvl), new(nh * kvl)
         self.heads_out, self.attn_out = new(nh * v_dim), new(h)
-        self.hidden, self.logits = new(h), new(self._matrix(LM_HEAD).rows)
+        self.hidden = new(h)
+        self.logits = new(self._matrix(LM_HEAD).rows) if logits else None
         ihd, inh = cfg.index_head_dim, cfg.index_n_heads
         self.key_raw, self.key = new(ihd), new(ihd)
         # a lower precision's new cache rows in f32, as token_rows computes them (kv_store_rows stores them)
@@ -321,19 +378,30 @@ class DeviceDecodeStep:
         self._grow(INITIAL_KEYS)
         for spec in self.specs:
             self.layers.append(self._bind_layer(spec))
-        self.final_norm = self._norm(self.x, self.ffn_out, final_norm_spec(cfg), self.hidden, h, self.hidden_x8)
-        # a prompt's token before its last: the final norm into its row of the prompt's hidden states (`prompt`), no
-        # lm_head after it (y and y_off set per token)
-        self.kept_norm = self._norm(self.x, self.ffn_out, final_norm_spec(cfg), self.hidden, h)
-        self.kept: DeviceArray | None = None  # those hidden states `[S - 1, H]`, grown as needed
-        (self.lm_head,) = self._matvec(self._matrix(LM_HEAD), self.hidden, self.logits, quantized=self.hidden_x8)
-        self.argmax = kernels.bind("argmax_row", (self.red,), (self.red,), x=self.logits.buffer,
-                                   n=self.logits.host.size // rows, token=self.token_ids[0].buffer)
-        embed = self._cw(weight(EMBED))  # the device-side lookup of pipelined greedy decode
-        self.embed = None if embed is None else bind_embed_row(kernels, embed, self.token_ids[0].buffer, self.x.buffer,
-                                                               rows)
+        # after the last layer, the residual add into x (the hidden state a pipeline stage hands on) and the final norm
+        self.final_norm = self._norm(self.x, self.ffn_out if self.specs else None, final_norm_spec(cfg), self.hidden,
+                                     h, self.hidden_x8)
+        # a prompt's forward but its last: the final norm into its rows of the prompt's hidden states (`prompt`), no
+        # lm_head after it (y and y_off set per forward)
+        self.kept_norm = self._norm(self.x, self.ffn_out if self.specs else None, final_norm_spec(cfg), self.hidden, h)
+        self.kept: DeviceArray | None = None  # those hidden states `[S - rows, H]`, grown as needed
+        self.lm_head: Launch | None = None
+        self.argmax: Launch | None = None
+        self.embed: Launch | None = None
+        # what the host reads of a forward: the logits and the final norm's output, or a pipeline stage's hidden
+        # state and the selection a following 'previous' layer reuses
+        self.outputs = (self.x, self.chosen) if self.logits is None else (self.logits, self.hidden)
+        if self.logits is not None:
+            (self.lm_head,) = self._matvec(self._matrix(LM_HEAD), self.hidden, self.logits, quantized=self.hidden_x8)
+            self.argmax = kernels.bind("argmax_row", (self.red,), (self.red,), x=self.logits.buffer,
+                                       n=self.logits.host.size // rows, token=self.token_ids[0].buffer)
+            embed = self._cw(weight(EMBED)) if whole else None  # the device-side lookup of pipelined greedy decode
+            self.embed = None if embed is None else bind_embed_row(kernels, embed, self.token_ids[0].buffer,
+                                                                   self.x.buffer, rows)
         if draft is not None:
             self.draft = self._bind_draft(*draft)
+        if spill is not None:  # after every other weight: the routed experts get what is left of the budget
+            self._place_split()
         self.owner: DecodePipeline | None = None  # the pipeline whose token is in flight
         self.sample_scratch: SampleScratch | None = None  # the buffers of SampledChoice (made on first use)
         self.watcher: RouteWatcher | None = None  # see watch_routes
@@ -416,7 +484,7 @@ class DeviceDecodeStep:
         (y_row apart), `width` values per row."""
         return self._reads_cs(self.k.bind("rope_rows", (width, rows * self.rows), None, x=x.buffer, x_off=x_off,
                                           x_row=x_row, y=y.buffer, y_off=0, y_row=y_row, cs=self.cs[0].buffer,
-                                          width=width, n_half=self.specs[0].attention.rope // 2, per_cs=rows))
+                                          width=width, n_half=self.model_specs[0].attention.rope // 2, per_cs=rows))
 
     def _reads_cs(self, launch: Launch) -> Launch:
         """Record that `launch` reads the cos/sin buffer (its argument `cs`, set per turn)."""
@@ -479,9 +547,10 @@ class DeviceDecodeStep:
         h, nh, nope, rope, v_dim, kvl = cfg.hidden_size, a.heads, a.nope, a.rope, a.v_dim, a.kv_lora
         kv_b = self._matrix(a.kv_b)
         out.head = [
-            # the first layer and the MTP layer start from x itself (an embedding; eh_proj's output)
-            self._norm(self.x, self.ffn_out if 0 < spec.index < cfg.num_hidden_layers else None, spec.input_norm,
-                       self.u, h, self.u_x8),
+            # the first layer bound and the MTP layer start from x itself (an embedding, a pipeline stage's input
+            # hidden state; eh_proj's output)
+            self._norm(self.x, self.ffn_out if self.span.start < spec.index < cfg.num_hidden_layers else None,
+                       spec.input_norm, self.u, h, self.u_x8),
             *self._matvec_pair(self._matrix(a.q_a), self.q_a, self._matrix(a.kv_a), self.comp),
         ]
         ix = a.indexer  # a layer with an indexer of its own (else it attends with the previous layer's choice)
@@ -583,6 +652,8 @@ class DeviceDecodeStep:
             return list(launches)
         if self.experts is not None:
             return self._bind_arena_moe(ffn, out)
+        if self.spill is not None:
+            return self._bind_split_moe(ffn, out)
         r = ffn.router
         experts = [self._ref(ffn.expert(e)) for e in range(r.n_experts)]
         if len({scheme(ref) for ref in experts}) != 1:
@@ -704,6 +775,105 @@ class DeviceDecodeStep:
         out.after_route = [place, *groups, *(self._bind_apart(separate) if separate is not None else ())]
         return [bind_matvec(k, self._matrix(r.weight), self.u.buffer, logits.buffer), out.route]
 
+    def _bind_split_moe(self, ffn: MoESpec, out: _Layer) -> list[Launch]:
+        """`_bind_ffn` for a discrete device that cannot hold every routed expert (`SpillDevice` beside it): the
+        router and `route_noaux_tc` over one slot region (every expert's slot in one order, the shared one last,
+        as over the whole model), closing the layer's queue; which experts run where is decided once every layer
+        is bound (`_place_split`), the per-token part in `_run_split`."""
+        r, k = ffn.router, self.k
+        if r.top_k > MAX_TOPK or r.topk_group * (r.n_experts // r.n_group) < r.top_k:
+            raise Unsupported(f"{r.weight}: a routing that may choose fewer than top_k experts")
+        views = [tuple(self._weight(name) for name in ffn.expert(e).names) for e in range(r.n_experts)]
+        cpu_refs = [self.spill.expert_ref(*triple) for triple in views]
+        if any(ref is None for ref in cpu_refs) or len({ref.key[1:] for ref in cpu_refs}) != 1:
+            raise Unsupported(f"{r.weight}: the routed experts cannot run as fused experts of one scheme on the CPU")
+        shape = cpu_refs[0].shape
+        shared = None if ffn.shared is None else self._ref(ffn.shared)
+        if shared is not None and shared.key[1:] != cpu_refs[0].key[1:]:
+            raise Unsupported(f"{r.weight}: a shared expert of another scheme beside CPU-side routed experts")
+        members = r.top_k + (shared is not None)
+        regions, stride = self._slot_regions(1, members)
+        table = self.buffers.array((r.n_experts + 1) * 6, np.uint64)  # the resident experts' rows: `_place_split`
+        if shared is not None:
+            table.host[r.n_experts * 6:] = shared.offs
+        scratch = self._expert_scratch(members, shape)
+        out.ids = self._route_ids(r.top_k)
+        logits = self.buffers.array(r.n_experts)
+        out.route = k.bind("route_noaux_tc", (1,), None, logits=logits.buffer, vec=self._vectors.buffer,
+                           bias_off=self.offsets[r.bias], table=table.buffer,
+                           buffer_of=self.buffers.filled(np.zeros(r.n_experts + 1), np.uint32).buffer, n_buffers=1,
+                           n_experts=r.n_experts, n_group=r.n_group, topk_group=r.topk_group, top_k=r.top_k,
+                           norm=int(r.norm_topk_prob), scaling=r.scaling, shared=int(shared is not None),
+                           stride=stride, ids=out.ids[0].buffer, n_tok=1,  # ids: set per token slot
+                           **{name: a.buffer for name, a in regions.items()})
+        out.split = _SplitLayer(views, cpu_refs, shape, r.top_k, members, table, regions, scratch, shared)
+        self.ffn_out = Addend(scratch[1], regions["tok_start"].buffer, regions["slot_w"].buffer)
+        return [bind_matvec(k, self._matrix(r.weight), self.u.buffer, logits.buffer), out.route]
+
+    def _place_split(self) -> None:
+        """Upload as many routed experts as the budget still holds once every other weight is on the device: expert
+        ranks in turn over the layers (each layer's expert 0, then each one's expert 1, ...), so that every layer
+        keeps the same share; then bind each layer's launches on both sides (`_bind_split_sides`)."""
+        split = [layer.split for layer in self.layers if layer.split is not None]
+        if not split:
+            return
+        full = False
+        for e in range(max(len(s.views) for s in split)):
+            for s in split:
+                if e < len(s.views) and not full:
+                    s.resident[e] = self._expert_ref(*s.views[e])
+                    full = s.resident[e] is None
+        shape, spill = split[0].shape, self.spill.kernels.buffers
+        x8 = self._x8(shape.bits, shape.group, shape.n_in, shape.inter)
+        n = self.cfg.hidden_size  # the CPU side's input: the post-attention norm's output u, or its int8 codes
+        if x8:
+            arrays = (spill.array(2 * n, np.int8), spill.array(n // X8_BLOCK), spill.array(n // X8_BLOCK, np.int32))
+            self.split_input = tuple(zip(self.u_x8, arrays, strict=True))
+            x_cpu: Any = Int8Codes(*(a.buffer for a in arrays))
+        else:
+            self.split_input = ((self.u.buffer, spill.array(n)),)
+            x_cpu = self.split_input[0][1].buffer
+        for s in split:
+            self._bind_split_sides(s, x_cpu, x8)
+
+    def _bind_split_sides(self, s: _SplitLayer, x_cpu: Any, x8: bool) -> None:
+        """A split layer's resident experts in the routing table and their fused launches per GPU buffer (each over
+        every slot, masked to its own); the CPU side's launches per mapping window over its own slot arrays, its
+        input `x_cpu` (u, or u's int8 codes where `x8`)."""
+        buffers = list({id(ref.buf): ref.buf for ref in [*s.resident, s.shared] if ref is not None}.values())
+        for e, ref in enumerate(s.resident):
+            if ref is not None:
+                s.table.host[e * 6:(e + 1) * 6] = ref.offs
+                s.where[e] = next(b for b, buf in enumerate(buffers) if buf is ref.buf)
+        self.buffers.to_device(s.table)
+        regions = s.regions
+        for buf in buffers:
+            mask = self.buffers.filled(np.full(s.members, UNUSED_SLOT), np.uint32)
+            if s.shared is not None and s.shared.buf is buf:
+                mask.host[s.top_k], s.shared_set = 0, len(s.masks)
+                self.buffers.to_device(mask)
+            slots = ExpertSlots(regions["offs"].buffer, mask.buffer, regions["tok_start"].buffer,
+                                regions["slot_w"].buffer, s.members)
+            s.masks.append(mask)
+            s.sets.append(list(self._bind_experts(s.cpu_refs[0], slots, self.ffn, buf, False, (s.hid, s.part))[0]))
+        spill, shape = self.spill.kernels, s.shape
+        new = spill.buffers.array
+        s.cpu_offs, s.cpu_part = new(s.members * 6, np.uint64), new(s.members * shape.n_in)
+        tok_start = spill.buffers.filled(np.array([0, s.members]), np.uint32)
+        hid = new(s.members * shape.inter)
+        for e, ref in enumerate(s.cpu_refs):
+            if s.resident[e] is not None or id(ref.buf) in s.cpu_sets:
+                continue
+            slot_tok = spill.buffers.filled(np.full(s.members, UNUSED_SLOT), np.uint32)
+            slots = ExpertSlots(s.cpu_offs.buffer, slot_tok.buffer, tok_start.buffer, tok_start.buffer, s.members)
+            part = s.cpu_part.buffer  # y: unused (the rows are not summed here)
+            if x8:
+                codes = self._x8_scratch(s.members * shape.inter, spill.buffers)
+                launches = bind_experts_x8(spill, ref.buf, shape, x_cpu, slots, hid.buffer, codes, part, part, False)
+            else:
+                launches = bind_experts(spill, ref.buf, shape, x_cpu, slots, hid.buffer, part, part, False)
+            s.cpu_sets[id(ref.buf)] = (slot_tok, list(launches))
+
     def _slot_ref(self, views: Sequence[Weight], slot: int) -> tuple[Any, np.ndarray]:
         """The fused-expert view of (gate, up, down) lying in arena slot `slot` (for its scheme and shape), and
         the byte offsets of its 6 arrays from the slot's start (uint64 [6])."""
@@ -785,7 +955,7 @@ class DeviceDecodeStep:
         (tools/quality_int8_activations.py)."""
         if not int8_activations:
             return frozenset()
-        moe = next((spec.ffn for spec in self.specs if isinstance(spec.ffn, MoESpec)), None)
+        moe = next((spec.ffn for spec in self.model_specs if isinstance(spec.ffn, MoESpec)), None)
         if moe is None:
             return frozenset({3, 4})
         expert = self._weight(moe.expert(0).gate)
@@ -794,9 +964,10 @@ class DeviceDecodeStep:
     def _x8(self, bits: int, group: int, *widths: int) -> bool:
         return bits in self.x8_bits and x8_eligible(bits, group, *widths)
 
-    def _x8_scratch(self, n: int) -> Int8Codes:
-        """Buffers of n int8-quantized inputs: codes (two orders: 2n bytes), n / X8_BLOCK scales and code sums."""
-        new = self.buffers.array
+    def _x8_scratch(self, n: int, buffers: Any = None) -> Int8Codes:
+        """Buffers of n int8-quantized inputs: codes (two orders: 2n bytes), n / X8_BLOCK scales and code sums (on
+        `buffers`' device, default this step's)."""
+        new = (buffers or self.buffers).array
         return Int8Codes(new(2 * n, np.int8).buffer, new(n // X8_BLOCK).buffer, new(n // X8_BLOCK, np.int32).buffer)
 
     # ---- one token ---------------------------------------------------------------------------------
@@ -847,8 +1018,8 @@ class DeviceDecodeStep:
         if staged is None:
             return
         cache, pos = staged
-        rows = self.row_stage[turn].host.reshape(len(self.layers), self.stage_width)
-        for i, layer in enumerate(self.layers):
+        rows = self.row_stage[turn].host.reshape(-1, self.stage_width)  # a row per main layer
+        for i, layer in zip(self.span, self.layers, strict=True):
             kv, start = cache.layer(i), 0
             for name, width in self.stage_fields.items():
                 if name in layer.mirrors and pos < kv.length:
@@ -916,6 +1087,24 @@ class DeviceDecodeStep:
         hidden[-rows:] = self.hidden.host.reshape(rows, h)
         return self.logits.host.reshape(rows, -1)[-1:].copy(), hidden, routes
 
+    def run_span(self, cache: KVCache, x: np.ndarray, chosen: np.ndarray | None
+                 ) -> tuple[np.ndarray, np.ndarray | None, list]:
+        """A pipeline stage's part of a decoded token (a step bound to `span`, without logits): the layers on the hidden
+        state `x [1, H]` entering them, appended at `cache.layer(span.start).length`; chosen: the DSA selection `[1, K]`
+        of the layer before them (None at layer 0, or with every key attended). Returns (the hidden state after the
+        last layer `[1, H]`, the selection a following 'previous' layer reuses `[1, K]` int32 or None, routes)."""
+        assert self.logits is None and self.span
+        self.settle()
+        scored = cache.layer(self.span.start).length + 1 > self.topk
+        if scored and chosen is not None:
+            self.chosen.host[:] = chosen.reshape(-1)
+            self.buffers.to_device(self.chosen)
+        elif scored and self.specs[0].attention.indexer is None:
+            raise ValueError(f"layer {self.span.start} reuses the previous layer's selection: none was given")
+        self.complete(self._enqueue(cache, 0, x), 0)
+        return (self.x.host.reshape(1, -1).copy(), self.chosen.host.astype(np.int32)[None] if scored else None,
+                self.routes(0))
+
     def verify(self, cache: KVCache, embed: np.ndarray, choose: bool
                ) -> tuple[np.ndarray, np.ndarray, list, tuple[np.ndarray, np.ndarray] | None]:
         """The token rows of embeddings `embed [rows, H]` appended at `cache.length` (MTP's verification of a token
@@ -961,7 +1150,7 @@ class DeviceDecodeStep:
             return []
         slot = self.slot_of[turn]
         return [(i, layer.ids[slot].host.reshape(self.rows, -1).astype(np.int64))
-                for i, layer in enumerate(self.layers) if layer.route is not None]
+                for i, layer in zip(self.span, self.layers, strict=True) if layer.route is not None]
 
     def settle(self) -> None:
         """Let the pipeline whose token is in flight (if any) finish it: the step's buffers are then free."""
@@ -1010,6 +1199,8 @@ class DeviceDecodeStep:
             event = launch.enqueue()
             if launch is layer.route and self.watcher is not None:
                 self.watcher.watch(event, i, layer.ids[slot].host)
+        if layer.split is not None:
+            event = self._run_split(layer, slot)
         if layer.arena is not None:
             event.wait()
             missing = self._place(layer, slot)
@@ -1023,12 +1214,50 @@ class DeviceDecodeStep:
                     event = launch.enqueue()
         return event
 
+    def _run_split(self, layer: _Layer, slot: int) -> Any:
+        """The routed experts of a split layer (`_SplitLayer`; its routing is queued): wait for the ids and the
+        experts' input, queue the resident experts' launches, run the others on the CPU device meanwhile, and queue
+        the upload of their rows into the device's per-slot rows. Returns the event of the last command."""
+        s = layer.split
+        self.buffers.to_host(layer.ids[slot])
+        for buf, arr in self.split_input:
+            event = self.buffers.download(arr.host, buf)
+        event.wait()
+        ids = layer.ids[slot].host[:s.top_k].astype(np.int64)
+        where = s.where[ids]
+        for b, (mask, launches) in enumerate(zip(s.masks, s.sets, strict=True)):
+            if (where == b).any() or b == s.shared_set:
+                mask.host[:s.top_k] = np.where(where == b, 0, UNUSED_SLOT)
+                self.buffers.to_device(mask)
+                for launch in launches:
+                    event = launch.enqueue()
+        self.k.flush()  # the device's experts run while the CPU device computes the others
+        cpu = np.flatnonzero(where < 0)
+        if not cpu.size:
+            return event
+        spill, n = self.spill.kernels, s.shape.n_in
+        offs = s.cpu_offs.host.reshape(-1, 6)
+        for i in cpu.tolist():
+            offs[i] = s.cpu_refs[ids[i]].offs
+        for key, (slot_tok, launches) in s.cpu_sets.items():
+            mine = [i for i in cpu.tolist() if id(s.cpu_refs[ids[i]].buf) == key]
+            if mine:
+                slot_tok.host[:] = UNUSED_SLOT
+                slot_tok.host[mine] = 0
+                for launch in launches:
+                    launch.enqueue()
+        spill.finish()
+        rows = s.cpu_part.host.reshape(-1, n)
+        for i in cpu.tolist():
+            event = self.buffers.upload(s.part, rows[i], 4 * n * i)
+        return event
+
     def _place_rows(self, pos: int, turn: int) -> None:
         """Make ready for the token rows at pos..: scratch for their keys, their cos/sin (`cs[turn]`, set on every
         launch that reads them) and, with several rows where the indexer selects, the causal mask."""
         keys = pos + self.rows
         self._grow(keys)
-        attention = self.specs[0].attention  # every layer's RoPE is the same (`check_bindable`)
+        attention = self.model_specs[0].attention  # every layer's RoPE is the same (`check_bindable`)
         cos, sin = rope_cos_sin(np.arange(pos, keys), attention.rope, attention.rope_theta)
         self.cs[turn].host[:] = np.concatenate([cos, sin], axis=1).reshape(-1)
         self.buffers.to_device(self.cs[turn])  # the last token of this turn has finished: its copy was done
@@ -1076,10 +1305,10 @@ class DeviceDecodeStep:
         prompt's forward but its last)."""
 
         cfg, n_rows = self.cfg, self.rows
-        layers = range(cfg.num_hidden_layers + draft)
+        layers = [*self.span, *([cfg.num_hidden_layers] if draft else [])]
         if cache.dtype != self.kv_dtype:
             raise ValueError(f"a cache of {cache.dtype} rows given to a decode step built for {self.kv_dtype}")
-        pos = cache.length
+        pos = cache.layer(self.span.start).length if self.span else cache.length
         keys = pos + n_rows
         grows = keys > self.capacity or any(
             cache.layer(i).length + n_rows > len(cache.layer(i).storage("kv_lat")) for i in layers)
@@ -1092,7 +1321,7 @@ class DeviceDecodeStep:
             self.x.host[:] = embed.reshape(-1)
             self.buffers.to_device(self.x)
         slot = self._next_slot(turn)
-        for i in range(cfg.num_hidden_layers):
+        for i in self.span:
             cache.layer(i).claim(n_rows)
         if tokens is not None:
             self.token_ids[turn].host[:n_rows] = tokens
@@ -1101,11 +1330,12 @@ class DeviceDecodeStep:
             self.embed.set(token=self.token_ids[turn if tokens is not None else 1 - turn].buffer)
             self.embed.enqueue()
         try:
-            for i, layer in enumerate(self.layers):
+            for i, layer in zip(self.span, self.layers, strict=True):
                 event = self._queue_layer(i, layer, cache.layer(i), pos, keys, slot, turn)
             if kept_row is None:
-                self.final_norm.enqueue()
-                event = self.lm_head.enqueue()
+                event = self.final_norm.enqueue()
+                if self.lm_head is not None:
+                    event = self.lm_head.enqueue()
             else:
                 self.kept_norm.set(y=self.kept.buffer, y_off=kept_row * self.cfg.hidden_size)
                 event = self.kept_norm.enqueue()
@@ -1115,7 +1345,7 @@ class DeviceDecodeStep:
                 event = choice.enqueue(turn)
             if not self.k.direct:  # what the host reads of this token, behind its kernels
                 reads = ((self.token_ids[turn],) if choice is not None else
-                         () if kept_row is not None else (self.logits, self.hidden))
+                         () if kept_row is not None else self.outputs)
                 for a in (self.row_stage[turn], self.route_ids[slot], *reads):
                     event = self.buffers.to_host(a)
                 self.staged[turn] = (cache, pos)
