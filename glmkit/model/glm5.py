@@ -237,6 +237,11 @@ class GlmMoeDsaModel:
             hidden.append(h)
         return logits, np.concatenate(hidden)
 
+    def prompt_chunk(self, chunk: int) -> int:
+        """Prompt rows per forward for a caller that would take `chunk`: fewer where memory is tight
+        (`prefill_rows`)."""
+        return chunk if self.prefill_rows is None else min(chunk, self.prefill_rows)
+
     def main_layers(self, x: np.ndarray, cache: KVCache) -> np.ndarray:
         """Every decoder layer of the main model on the embedded rows `x [S, H]` of the tokens appended at
         `cache.length..`; returns the last layer's output `[S, H]` (before the final norm)."""

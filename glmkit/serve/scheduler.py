@@ -268,7 +268,7 @@ class Scheduler:
             job.cached, job.reuse = min(kv.length, len(ids) - 1), session.last_reuse
             job.decoder = StreamDecoder(self.engine.tokenizer)
         kv = session.kv
-        start, chunk = kv.length, min(self.prefill_chunk, model.prefill_rows or self.prefill_chunk)
+        start, chunk = kv.length, model.prompt_chunk(self.prefill_chunk)
         if len(ids) - start > chunk:
             prefill_part(model, ids, start + chunk, kv, self.use_mtp)
             session.store_progress(ids)  # a server stopped during a long prefill resumes it from here

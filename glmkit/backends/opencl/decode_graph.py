@@ -1232,15 +1232,15 @@ class DeviceDecodeStep:
                 for launch in launches:
                     event = launch.enqueue()
         self.k.flush()  # the device's experts run while the CPU device computes the others
-        cpu = np.flatnonzero(where < 0)
-        if not cpu.size:
+        cpu = np.flatnonzero(where < 0).tolist()
+        if not cpu:
             return event
         spill, n = self.spill.kernels, s.shape.n_in
         offs = s.cpu_offs.host.reshape(-1, 6)
-        for i in cpu.tolist():
+        for i in cpu:
             offs[i] = s.cpu_refs[ids[i]].offs
         for key, (slot_tok, launches) in s.cpu_sets.items():
-            mine = [i for i in cpu.tolist() if id(s.cpu_refs[ids[i]].buf) == key]
+            mine = [i for i in cpu if id(s.cpu_refs[ids[i]].buf) == key]
             if mine:
                 slot_tok.host[:] = UNUSED_SLOT
                 slot_tok.host[mine] = 0
@@ -1248,7 +1248,7 @@ class DeviceDecodeStep:
                     launch.enqueue()
         spill.finish()
         rows = s.cpu_part.host.reshape(-1, n)
-        for i in cpu.tolist():
+        for i in cpu:
             event = self.buffers.upload(s.part, rows[i], 4 * n * i)
         return event
 
