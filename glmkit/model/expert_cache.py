@@ -260,7 +260,9 @@ class ExpertCache:
         self._slot: dict[Key, int] = {}  # resident experts
         self._views: dict[Key, list[Weight]] = {}
         self._loading: dict[Key, Future] = {}
-        self._in_use: set[Key] = set()  # routed to by the layer being computed: not evicted
+        self._in_use: set[Key] = set()  # routed to by the layer being computed and not yet run: not evicted
+        self._wanted: set[Key] = set()  # the next layer's experts read-ahead named: not evicted for read-ahead
+        self._pending: list[Key] = []  # of those, the ones still to read once slots come free (`ran`)
         self._handed: dict[Key, list[Weight]] = {}  # its experts handed out so far
         self._heap: list[tuple[float, int, Key]] = []  # (score when pushed, tiebreak, key): lazily updated
         self._tiebreak = 0
@@ -342,6 +344,7 @@ class ExpertCache:
         with self._lock:
             self._in_use = {(layer, e) for e in used}  # the previous layer's experts have run; these are next
             self._handed = {}
+            self._wanted, self._pending = set(), []  # the layer's own misses replace what was guessed for it
             for e in used:
                 key = (layer, e)
                 if key in self._slot and key not in self._loading:
@@ -386,18 +389,38 @@ class ExpertCache:
             self.stats.predicted += len(likely)
             if self.ahead_precision < READ_AHEAD_PRECISION:
                 return  # named (its precision still measured), not read: a wrong guess costs a read and a slot
-            for e in sorted(likely):
-                key = (layer + 1, e)
-                if key not in self._slot:
-                    if self._start_load(key) is None:
-                        break
-                    self.stats.read_ahead += 1
+            self._wanted = {(layer + 1, e) for e in likely}
+            self._pending = [(layer + 1, e) for e in sorted(likely) if (layer + 1, e) not in self._slot]
+            self._continue_read_ahead()
+
+    def ran(self, layer: int, expert: int) -> None:
+        """Layer `layer`'s expert `expert` has run on all of its rows (a prompt's MoE runs each routed expert once):
+        its slot may be evicted now, and the next layer's pending read-ahead continues into free slots."""
+        with self._lock:
+            key = (layer, expert)
+            self._in_use.discard(key)
+            self._handed.pop(key, None)
+            self._continue_read_ahead()
+
+    def _continue_read_ahead(self) -> None:
+        """Start the pending read-ahead's reads while slots can be had (lock held); the layer being computed goes
+        first: nothing starts while one of its routed experts waits for a slot."""
+        if any(key not in self._slot for key in self._in_use):
+            return
+        while self._pending:
+            key = self._pending[0]
+            if key not in self._slot:
+                if self._start_load(key, ahead=True) is None:
+                    return
+                self.stats.read_ahead += 1
+            self._pending.pop(0)
 
     # ---- slots ----
 
-    def _start_load(self, key: Key) -> Future | None:
-        """Claim a slot for `key` and queue its read (lock held); None when every slot is held for this layer."""
-        slot = self._claim_slot()
+    def _start_load(self, key: Key, ahead: bool = False) -> Future | None:
+        """Claim a slot for `key` and queue its read (lock held); None when every slot is held for this layer (or, for
+        a read `ahead` of its layer's routing, for the experts read-ahead named)."""
+        slot = self._claim_slot(ahead)
         if slot is None:
             return None
         self._slot[key] = slot
@@ -405,7 +428,7 @@ class ExpertCache:
         self._loading[key] = future
         return future
 
-    def _claim_slot(self) -> int | None:
+    def _claim_slot(self, ahead: bool = False) -> int | None:
         if self._free:
             return self._free.pop()
         held: list[tuple[float, int, Key]] = []  # resident but not evictable now: back on the heap after
@@ -415,7 +438,7 @@ class ExpertCache:
                 score, _, key = entry
                 if key not in self._slot:
                     continue  # stale: evicted since
-                if key in self._loading or key in self._in_use:
+                if key in self._loading or key in self._in_use or (ahead and key in self._wanted):
                     held.append(entry)
                     continue
                 if score != self.scores.score(key):  # used since it was pushed: back with its score now
