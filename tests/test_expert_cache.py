@@ -55,7 +55,7 @@ def logits_of(engine: Engine, prompt: list[int], steps: int) -> list[np.ndarray]
 
 @pytest.mark.parametrize("preset,device", [("q4", "numpy"), ("f32", "numpy"), ("q4", "opencl")])
 def test_out_of_core_logits_are_bit_identical(snapshots, preset, device):
-    """Two slots per MoE layer (nearly every expert misses), a prompt past the indexer's top-k (DSA selection on),
+    """Two slots per MoE layer (experts miss and are evicted all the time), a prompt past the indexer's top-k (DSA selection on),
     on NumPy and on OpenCL (every product on the device; single tokens run on the device decode step). The prompt's
     experts of a layer outnumber the slots: each one's slot is taken over by a later one once it has run."""
     snap = snapshots("tiny-trained", preset)
@@ -68,7 +68,7 @@ def test_out_of_core_logits_are_bit_identical(snapshots, preset, device):
     for a, b in zip(logits_of(ram, prompt, 6), logits_of(streamed, prompt, 6), strict=True):
         assert np.array_equal(a, b)
     stats = streamed.experts.stats
-    assert stats.misses > stats.hits and stats.evictions > 0 and stats.reads > 0 and stats.bounced == 0
+    assert stats.misses > 0 and stats.evictions >= stats.misses and stats.reads > 0 and stats.bounced == 0
     assert (device == "opencl") == streamed.model.decodes_on_device()
     # nothing read twice while cached: every read is a miss or a read ahead
     assert stats.reads <= stats.misses + stats.predicted
