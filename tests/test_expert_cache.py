@@ -171,6 +171,8 @@ def test_a_miss_with_every_slot_in_use_is_read_into_a_buffer_of_its_own(snapshot
     cache = ExpertCache(container, k * slot_bytes(engine), readahead=False)
     layer = cfg.first_k_dense_replace
     cache.on_route(layer, np.array([list(range(k))]))
+    for e in range(k):
+        cache.expert(layer, e)  # read (and waited for), not run
     views = cache.expert(layer, k)
     for view, projection in zip(views, EXPERT_PROJECTIONS, strict=True):
         mapped = container.weight(expert_weight_name(layer, k, projection))
