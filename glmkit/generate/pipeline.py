@@ -8,15 +8,17 @@ as one queued step over its layers (`GlmMoeDsaModel.step_layers`: the hidden sta
 head's final norm and lm_head as a step of their own, the kernels of one process's step: the same logits.
 
 A forward sends the embedded rows `[S, H]` (and the DSA selection a 'shared' layer reuses) from stage to stage.
-By default (`hops="graph"`) the stages are one Ray compiled graph (`ray.dag`, built at the first forward): the
-head writes the rows into a shared-memory channel, each stage reads its input from the one before and writes
-its output to the next, and the head reads the last; no task is submitted per token (Ray's channels wait by
-polling: the stages and the head keep a core busy while the graph is built, so it is torn down after
-`GRAPH_IDLE_S` without a forward and built again at the next). With `hops="tasks"` each stage's `run` is an
-actor task taking the previous one's result as an object reference, submitted at once and waited for once.
-A block of more than `chunk` rows is cut at multiples of `chunk` positions and the pieces are all in flight
-(up to `GRAPH_INFLIGHT` on the graph), so stage 2 runs piece 1 while stage 1 runs piece 2 (each stage runs its
-calls in order). The logits equal those of one process that prefills in pieces of `chunk` tokens.
+A forward of one piece (a decoded token, MTP's two rows, a short prompt) goes by default (`hops="graph"`) through
+one Ray compiled graph of the stages (`ray.dag`, built at the first such forward): the head writes the rows into a
+shared-memory channel, each stage reads its input from the one before and writes its output to the next, and the
+head reads the last; no task is submitted per token. Ray's channels wait by polling (the stages and the head keep a
+core busy while the graph is built), so it is torn down after `GRAPH_IDLE_S` without a forward and built again at
+the next. Otherwise (`hops="tasks"`, or a block of several pieces) each stage's `run` is an actor task taking the
+previous one's result as an object reference, submitted at once and waited for once. A block of more than `chunk`
+rows is cut at multiples of `chunk` positions and every piece is submitted before any is awaited, so stage 2 runs
+piece 1 while stage 1 runs piece 2 (each actor runs its calls in the order they were submitted; Ray 2.60's compiled
+graph loses results with several executions in flight, so a prompt's pieces do not use it). The logits equal those
+of one process that prefills in pieces of `chunk` tokens.
 
 Ray is an optional dependency (`pip install glmkit[distributed]`): it is imported here only, and only when a
 pipeline is opened. A stage that dies raises a GlmkitError naming it and its machine, and the head starts it again:
@@ -35,7 +37,6 @@ import sys
 import threading
 import time
 import weakref
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,7 +60,6 @@ DEFAULT_PIPELINE_CHUNK = 256  # prompt tokens per piece streamed through the sta
 STAGE_START_TIMEOUT_S = 120  # a stage not started by then cannot be placed (or cannot open the container)
 INSTALL_HINT = 'pip install "glmkit[distributed]"'
 PIPELINE_HOPS = ("graph", "tasks")  # a compiled graph of shared-memory channels, or an actor task per stage
-GRAPH_INFLIGHT = 8  # prompt pieces in the compiled graph at once (each channel holds as many messages)
 GRAPH_IDLE_S = 2.0  # the compiled graph is torn down after this long without a forward (its waits poll)
 
 StageMessage = tuple[int, np.ndarray, "np.ndarray | None", int]  # (cache id, rows [S, H], selection [S, K], start)
@@ -324,8 +324,8 @@ class Pipeline:
         `[S, H]`. Pieces end at multiples of `chunk` positions, all in flight at once."""
         self._check()
         ends = list(range((start // self.chunk + 1) * self.chunk, start + len(x), self.chunk)) + [start + len(x)]
-        if self.hops == "graph":
-            done = self._run_graph(cache_id, x, start, ends)
+        if self.hops == "graph" and len(ends) == 1:
+            done = [self._graph_forward(cache_id, x, start)]
         else:
             outputs, lo = [], start
             for hi in ends:
@@ -337,27 +337,18 @@ class Pipeline:
             done = self.wait(outputs)
         return done[0][0] if len(done) == 1 else np.concatenate([rows for rows, _ in done])
 
-    def _run_graph(self, cache_id: int, x: np.ndarray, start: int, ends: list[int]
-                   ) -> list[tuple[np.ndarray, np.ndarray | None]]:
-        """`run`'s pieces (`x`'s rows from `start` to each of `ends`) through the compiled graph, at most
-        `GRAPH_INFLIGHT` at once: each piece's (rows, selection) after the last stage."""
+    def _graph_forward(self, cache_id: int, x: np.ndarray, start: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """`run` of one piece through the compiled graph: (rows, selection) after the last stage."""
         self.wait([])  # the calls sent before run first: the graph's loop and the stage's other calls run apart
         with self._graph_lock:
             try:
                 graph = self._graph or self._build_graph()
-                inflight: deque[Any] = deque()
-                done, lo = [], start
-                for hi in ends:
-                    if len(inflight) == GRAPH_INFLIGHT:
-                        done.append(inflight.popleft().get(timeout=-1))
-                    inflight.append(graph.execute((cache_id, x[lo - start:hi - start], None, lo)))
-                    lo = hi
-                done += [ref.get(timeout=-1) for ref in inflight]
+                _, rows, chosen, _ = graph.execute((cache_id, x, None, start)).get(timeout=-1)
             except self.ray.exceptions.RayError as e:
                 self._drop_graph()  # a stage failed or died: the graph is not used again
                 self._failed(e)
             self._last_forward = time.monotonic()
-        return [(rows, chosen) for _, rows, chosen, _ in done]
+        return rows, chosen
 
     def _build_graph(self) -> Any:
         """Compile the stages' `forward` calls into one graph (input: a `StageMessage`; output: the last stage's) and
@@ -368,7 +359,7 @@ class Pipeline:
             node = message
             for actor in self.actors:
                 node = actor.forward.bind(node)
-        self._graph = node.experimental_compile(_submit_timeout=-1, _max_inflight_executions=GRAPH_INFLIGHT)
+        self._graph = node.experimental_compile(_submit_timeout=-1)
         self._last_forward = time.monotonic()
         threading.Thread(target=self._release_idle_graph, args=(self._graph,), name="glmkit-pipeline-graph",
                          daemon=True).start()
