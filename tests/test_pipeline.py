@@ -190,6 +190,7 @@ def test_stages_decode_on_the_device_step(cluster, snapshot, restores_blas_threa
             model = engine.model
             assert model.decodes_on_device() == step and isinstance(model._decode_step(), StagedDecodeStep) == step
             assert [w["decode_step"] for w in engine.pipeline.where] == [step, step]
+            assert engine.pipeline.hops == ("graph" if step else "tasks")  # the default, "auto"
             got[step] = decoded_logits(model, topk - 3, 10)
             if step:
                 tokens = list(Generator(model, (), use_mtp=False).generate(PROMPT[:40], 16, Sampler(GREEDY)))
@@ -248,7 +249,7 @@ def test_rows_read_back_are_the_stages_current_ones(single, pipelines):
 
 
 def test_a_killed_stage_is_named_started_again_and_replayed_from_the_prefix_cache(cluster, snapshot, tmp_path):
-    engine = PipelineEngine(snapshot, 2, chunk=CHUNK, load_tokenizer=False, verbose=False)
+    engine = PipelineEngine(snapshot, 2, chunk=CHUNK, load_tokenizer=False, verbose=False, hops="graph")
     try:
         model, pipeline = engine.model, engine.pipeline
         cache = PrefixCache.for_model(model, engine.model_hash, tmp_path, use_mtp=True, chunk_tokens=16)
@@ -346,15 +347,15 @@ def test_glm_run_pipeline_leaves_no_process_behind(snapshot, tmp_path):
 
     run = subprocess.Popen([sys.executable, "-m", "glmkit.cli.run", str(snapshot), "--raw-prompt", "-p", "def f():",
                             "--max-tokens", "6", "--device", "numpy", "--cache-dir", str(tmp_path), "--pipeline", "2",
-                            "--ray-address", "local"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True)
+                            "--pipeline-hops", "graph", "--ray-address", "local"], env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
     seen: set[int] = set()
     while run.poll() is None:
         seen |= marked()
         time.sleep(0.2)
     out, err = run.communicate()
     assert run.returncode == 0 and len(out.strip()) > 3, err
-    assert "pipeline stage 1: layers 2-3" in err
+    assert "pipeline stage 1: layers 2-3" in err and "pipeline hops: a compiled graph" in err
     assert len(seen - {run.pid}) >= 3  # Ray's processes and the two stages were seen
     deadline = time.monotonic() + 20
     while (left := marked()) and time.monotonic() < deadline:

@@ -43,11 +43,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, expert_memory: bool
                                 "new local one)")
         group.add_argument("--pipeline-chunk", type=int, default=DEFAULT_PIPELINE_CHUNK, metavar="N",
                            help="prompt tokens per piece streamed through the stages (default %(default)s)")
-        group.add_argument("--pipeline-hops", choices=PIPELINE_HOPS, default="graph",
-                           help="how the hidden state goes stage to stage: graph (a Ray compiled graph of "
-                                "shared-memory channels, the default: its waits poll, a core per waiting stage "
-                                "while tokens flow) or tasks (a Ray actor task per stage and token: slower hops, "
-                                "idle waits)")
+        group.add_argument("--pipeline-hops", choices=PIPELINE_HOPS, default="auto",
+                           help="how a token's hidden state goes stage to stage: graph (a Ray compiled graph of "
+                                "shared-memory channels: faster hops, but every waiting stage and the head poll a "
+                                "core while tokens flow), tasks (a Ray actor task per stage) or auto (the default: "
+                                "graph where the stages decode on the device step, else tasks)")
     if expert_memory:
         parser.add_argument("--ram-budget", type=parse_size, default=0, metavar="SIZE",
                             help="pin the hottest routed experts in RAM up to SIZE (e.g. 8G); default 0 = page "

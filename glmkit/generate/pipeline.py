@@ -8,13 +8,15 @@ as one queued step over its layers (`GlmMoeDsaModel.step_layers`: the hidden sta
 head's final norm and lm_head as a step of their own, the kernels of one process's step: the same logits.
 
 A forward sends the embedded rows `[S, H]` (and the DSA selection a 'shared' layer reuses) from stage to stage.
-A forward of one piece (a decoded token, MTP's two rows, a short prompt) goes by default (`hops="graph"`) through
-one Ray compiled graph of the stages (`ray.dag`, built at the first such forward): the head writes the rows into a
-shared-memory channel, each stage reads its input from the one before and writes its output to the next, and the
-head reads the last; no task is submitted per token. Ray's channels wait by polling (the stages and the head keep a
-core busy while the graph is built), so it is torn down after `GRAPH_IDLE_S` without a forward and built again at
-the next. Otherwise (`hops="tasks"`, or a block of several pieces) each stage's `run` is an actor task taking the
-previous one's result as an object reference, submitted at once and waited for once. A block of more than `chunk`
+With `hops="graph"` (the default where every stage decodes on the device step) a forward of one piece (a decoded
+token, MTP's two rows, a short prompt) goes through one Ray compiled graph of the stages (`ray.dag`, built at the
+first such forward): the head writes the rows into a shared-memory channel, each stage reads its input from the one
+before and writes its output to the next, and the head reads the last; no task is submitted per token. Ray's
+channels wait by polling (the stages and the head keep a core busy while the graph is built: where the stages
+compute on the cores they share, that costs more than the cheaper hops save), so it is torn down after
+`GRAPH_IDLE_S` without a forward and built again at the next. Otherwise (`hops="tasks"`, or a block of several
+pieces) each stage's `run` is an actor task taking the previous one's result as an object reference, submitted at
+once and waited for once. A block of more than `chunk`
 rows is cut at multiples of `chunk` positions and every piece is submitted before any is awaited, so stage 2 runs
 piece 1 while stage 1 runs piece 2 (each actor runs its calls in the order they were submitted; Ray 2.60's compiled
 graph loses results with several executions in flight, so a prompt's pieces do not use it). The logits equal those
@@ -59,7 +61,9 @@ from glmkit.units import format_size
 DEFAULT_PIPELINE_CHUNK = 256  # prompt tokens per piece streamed through the stages
 STAGE_START_TIMEOUT_S = 120  # a stage not started by then cannot be placed (or cannot open the container)
 INSTALL_HINT = 'pip install "glmkit[distributed]"'
-PIPELINE_HOPS = ("graph", "tasks")  # a compiled graph of shared-memory channels, or an actor task per stage
+# a compiled graph of shared-memory channels, an actor task per stage, or the graph where every stage decodes on its
+# device step and tasks elsewhere (docs/BENCHMARKS.md, "Pipeline over Ray")
+PIPELINE_HOPS = ("auto", "graph", "tasks")
 GRAPH_IDLE_S = 2.0  # the compiled graph is torn down after this long without a forward (its waits poll)
 
 StageMessage = tuple[int, np.ndarray, "np.ndarray | None", int]  # (cache id, rows [S, H], selection [S, K], start)
@@ -276,9 +280,9 @@ class Pipeline:
     def __init__(self, ray: Any, actors: list[Any], plan: StagePlan, where: list[dict[str, Any]], chunk: int,
                  start_stage: Callable[[int], Any] | None = None, hops: str = "graph") -> None:
         """start_stage(i): a new actor for stage i (None: a dead stage is not started again). hops: how a forward
-        goes through the stages, one of `PIPELINE_HOPS` (module docstring)."""
-        if hops not in PIPELINE_HOPS:
-            raise GlmkitError(f"--pipeline-hops: one of {', '.join(PIPELINE_HOPS)}, got {hops!r}")
+        goes through the stages, "graph" or "tasks" (module docstring)."""
+        if hops not in ("graph", "tasks"):
+            raise GlmkitError(f"--pipeline-hops: graph or tasks, got {hops!r}")
         self.ray, self.actors, self.plan, self.where, self.chunk = ray, actors, plan, where, chunk
         self.start_stage, self.hops = start_stage, hops
         self.broken: str | None = None  # the error that broke the pipeline: every later call raises it again
@@ -505,11 +509,12 @@ def check_reachable(address: str | None, timeout_s: float = 10.0) -> None:
 def open_pipeline(snapshot: str | Path, container: Container, stages: int | str, address: str | None = None,
                   device: str = "numpy", float_activations: bool = False, prefetch: bool = True,
                   chunk: int = DEFAULT_PIPELINE_CHUNK, verbose: bool = True, blas_threads: int | None = None,
-                  kv_dtype: str = "f32", decode_step: bool = True, hops: str = "graph") -> Pipeline:
+                  kv_dtype: str = "f32", decode_step: bool = True, hops: str = "auto") -> Pipeline:
     """Start one stage actor per range of the plan on the Ray cluster at `address` (None: the cluster `ray start`
     made on this machine, else a new local one; already connected: that one), wait until each has opened the
     container, and print the plan on stderr when `verbose`. blas_threads, kv_dtype, decode_step: see
-    `PipelineStage`; hops: see `Pipeline`."""
+    `PipelineStage`; hops: one of `PIPELINE_HOPS` ("auto": "graph" where every stage decodes on the device step, else
+    "tasks"; see `Pipeline`)."""
     ray = import_ray()
     if chunk < 1:
         raise GlmkitError(f"--pipeline-chunk: must be >= 1, got {chunk}")
@@ -545,7 +550,8 @@ def open_pipeline(snapshot: str | Path, container: Container, stages: int | str,
 
     actors = [start_stage(i) for i in range(len(plan.layers))]
     unknown = {"host": "?", "ip": "?", "pid": "?", "decode_step": False}  # until each stage describes itself
-    pipeline = Pipeline(ray, actors, plan, [unknown] * len(actors), chunk, start_stage, hops)
+    pipeline = Pipeline(ray, actors, plan, [unknown] * len(actors), chunk, start_stage,
+                        "tasks" if hops == "auto" else hops)
     try:
         pipeline.where = ray.get([actor.describe.remote() for actor in actors], timeout=STAGE_START_TIMEOUT_S)
     except ray.exceptions.GetTimeoutError:
@@ -556,9 +562,12 @@ def open_pipeline(snapshot: str | Path, container: Container, stages: int | str,
     except ray.exceptions.RayError as e:
         pipeline.close()
         raise GlmkitError(f"--pipeline: a stage failed to start ({_first_line(e)})") from None
+    if hops == "auto" and all(w["decode_step"] for w in pipeline.where):
+        pipeline.hops = "graph"
     if verbose:
         print(plan.describe([f"{w['host']} ({w['ip']}), {w['device']}{', decode step' if w['decode_step'] else ''}"
                              for w in pipeline.where]), file=sys.stderr)
+        print(f"pipeline hops: {'a compiled graph' if pipeline.hops == 'graph' else 'actor tasks'}", file=sys.stderr)
     return pipeline
 
 
@@ -752,7 +761,7 @@ class PipelineEngine(Engine):
     def __init__(self, snapshot: str | Path, stages: int | str, address: str | None = None, device: str = "numpy",
                  float_activations: bool = False, prefetch: bool = True, chunk: int = DEFAULT_PIPELINE_CHUNK,
                  load_tokenizer: bool = True, verbose: bool = True, blas_threads: int | None = None,
-                 kv_dtype: str = "f32", decode_step: bool = True, hops: str = "graph") -> None:
+                 kv_dtype: str = "f32", decode_step: bool = True, hops: str = "auto") -> None:
         super().__init__(snapshot, device, prefetch=False, load_tokenizer=load_tokenizer,
                          float_activations=float_activations, expert_cache=0, kv_dtype=kv_dtype)
         self.pipeline = open_pipeline(snapshot, self.container, stages, address, device, float_activations, prefetch,
