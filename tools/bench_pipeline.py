@@ -207,8 +207,7 @@ def main() -> None:
     for hops in args.hops.split(","):
         for step in (True, False) if single.model.decodes_on_device() and hops == "graph" else (True,):
             for n in counts:
-                name = f"{n} stage{'s' if n > 1 else ''}{'' if hops == 'graph' else ', ' + hops}" \
-                       f"{'' if step else ', per operation'}"
+                name = f"{n} stage{'s' if n > 1 else ''}, {hops}{'' if step else ', per operation'}"
                 engines[name] = PipelineEngine(snapshot, n, device=args.device, chunk=args.chunk,
                                                load_tokenizer=False, blas_threads=args.blas, decode_step=step,
                                                hops=hops)
