@@ -16,11 +16,10 @@ channels wait by polling (the stages and the head keep a core busy while the gra
 compute on the cores they share, that costs more than the cheaper hops save), so it is torn down after
 `GRAPH_IDLE_S` without a forward and built again at the next. Otherwise (`hops="tasks"`, or a block of several
 pieces) each stage's `run` is an actor task taking the previous one's result as an object reference, submitted at
-once and waited for once. A block of more than `chunk`
-rows is cut at multiples of `chunk` positions and every piece is submitted before any is awaited, so stage 2 runs
-piece 1 while stage 1 runs piece 2 (each actor runs its calls in the order they were submitted; Ray 2.60's compiled
-graph loses results with several executions in flight, so a prompt's pieces do not use it). The logits equal those
-of one process that prefills in pieces of `chunk` tokens.
+once and waited for once. A block of more than `chunk` rows is cut at multiples of `chunk` positions and every piece
+is submitted before any is awaited, so stage 2 runs piece 1 while stage 1 runs piece 2 (each actor runs its calls in
+the order they were submitted; Ray 2.60's compiled graph loses results with several executions in flight, so a
+prompt's pieces do not use it). The logits equal those of one process that prefills in pieces of `chunk` tokens.
 
 Ray is an optional dependency (`pip install glmkit[distributed]`): it is imported here only, and only when a
 pipeline is opened. A stage that dies raises a GlmkitError naming it and its machine, and the head starts it again:
@@ -281,8 +280,6 @@ class Pipeline:
                  start_stage: Callable[[int], Any] | None = None, hops: str = "graph") -> None:
         """start_stage(i): a new actor for stage i (None: a dead stage is not started again). hops: how a forward
         goes through the stages, "graph" or "tasks" (module docstring)."""
-        if hops not in ("graph", "tasks"):
-            raise GlmkitError(f"--pipeline-hops: graph or tasks, got {hops!r}")
         self.ray, self.actors, self.plan, self.where, self.chunk = ray, actors, plan, where, chunk
         self.start_stage, self.hops = start_stage, hops
         self.broken: str | None = None  # the error that broke the pipeline: every later call raises it again
