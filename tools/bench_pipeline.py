@@ -6,16 +6,17 @@ layers split over 1, 2 and 3 stage processes against one process.
 
 The benchmark model (tools/bench_model.py) at q4, the `--device` backend everywhere (default NumPy; the head and every
 stage: the logits are bit-identical to the single process's, tests/test_pipeline.py). Each stage count is measured
-with the hidden state going stage to stage through Ray's compiled graph (the default, `--pipeline-hops graph`) and
-as a Ray actor task per stage ("tasks"). Where the device decodes on the device decode step, each stage count is also
-measured with the stages running a decoded token operation by operation ("per operation", on the graph). `--blas`
-BLAS threads in every process (default 1: on two shared cores, two threads per process spin while they wait for a
-core). A local Ray cluster is started in this process (or `--ray-address` joins one); the pipelines are opened once
-and measured round-robin with the single process (this process's own model) after one uncounted warm-up run of
-each, so a change of load hits every configuration alike; a pipeline's compiled graph is torn down after its turn
-(its waiting stages poll: left built, they would take the cores from the next configuration).
+with the hidden state going stage to stage through Ray's compiled graph (`--pipeline-hops graph`, the default where
+the stages decode on the device step) and as a Ray actor task per stage ("tasks", the default elsewhere). Where the
+device decodes on the device decode step, each stage count is also measured with the stages running a decoded token
+operation by operation ("per operation", on the graph). `--blas` BLAS threads in every process (default 1: on two
+shared cores, two threads per process spin while they wait for a core). A local Ray cluster is started in this
+process (or `--ray-address` joins one); the pipelines are opened once and measured round-robin with the single
+process (this process's own model) after one uncounted warm-up run of each, so a change of load hits every
+configuration alike; a pipeline's compiled graph is torn down after its turn (its waiting stages poll: left built,
+they would take the cores from the next configuration).
 Per round and configuration:
-- echo hop (on the default configuration of each stage count): `--trips` round trips of one token's hidden state
+- echo hop (on the first configuration of each stage count): `--trips` round trips of one token's hidden state
   `[1, H]` through N actors that return it untouched: chained actor tasks submitted at once and waited for once
   ("tasks"), and a compiled graph of the same actors' `echo` ("graph"); milliseconds per token per hop;
 - decode: a `--prompt`-token random prompt, then `--tokens` greedy tokens (MTP off): decode tok/s, and the time per
@@ -31,7 +32,8 @@ of the layers resident), against one process in one such cgroup (bench_stream's 
 glm-run's default expert cache; it must stream). Per round, alternating, each cold (every container file dropped
 from the page cache first): a 256-token random prompt, then 64 greedy tokens (MTP off); decode tok/s and each
 cgroup's peak memory. The stages start without reading their experts ahead (what they read before the move would be
-charged to this process's cgroup); the head (this process: embedding, final norm, lm_head) is not limited.
+charged to this process's cgroup); the head (this process: embedding, final norm, lm_head) is not limited; the
+hops glm-run's default picks (`--pipeline-hops auto`).
 """
 
 from __future__ import annotations
