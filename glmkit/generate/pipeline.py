@@ -340,7 +340,8 @@ class Pipeline:
 
     def _graph_forward(self, cache_id: int, x: np.ndarray, start: int) -> tuple[np.ndarray, np.ndarray | None]:
         """`run` of one piece through the compiled graph: (rows, selection) after the last stage."""
-        self.wait([])  # the calls sent before run first: the graph's loop and the stage's other calls run apart
+        if self._pending:  # the calls sent before first: the graph's loop and the stage's other calls run apart
+            self.wait([])
         with self._graph_lock:
             try:
                 graph = self._graph or self._build_graph()
