@@ -1,6 +1,7 @@
 """Pipeline parallelism over Ray (glmkit.generate.pipeline): 2 and 3 stage processes of a local Ray cluster give the
-logits and tokens of one process, the prefix cache stores and restores rows through the stages, a dead stage is a
-clear error; the layer split and the `--pipeline` flags."""
+logits and tokens of one process, through the compiled graph and through actor tasks, the prefix cache stores and
+restores rows through the stages, a dead stage is a clear error, the compiled graph is torn down when idle and glm-run
+leaves no process behind; the layer split and the `--pipeline` flags."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,6 +25,7 @@ from glmkit.cli.run import main as run_main
 from glmkit.cli.serve import build_app, build_parser
 from glmkit.errors import GlmkitError
 from glmkit.eval.metrics import kl_divergence, log_softmax
+from glmkit.generate import pipeline as pipeline_module
 from glmkit.generate.engine import Engine
 from glmkit.generate.generator import Generator
 from glmkit.generate.pipeline import (
@@ -46,9 +49,9 @@ GREEDY = SamplingParams()
 
 @pytest.fixture(scope="module")
 def cluster():
-    """One local Ray cluster of the module's own, whatever cluster `ray start` may have made on this machine (8 logical
-    CPUs: a stage takes one, 7 are alive at most)."""
-    ray.init(address="local", num_cpus=8, object_store_memory=100 << 20, include_dashboard=False, log_to_driver=False,
+    """One local Ray cluster of the module's own, whatever cluster `ray start` may have made on this machine (10 logical
+    CPUs: a stage takes one, 9 are alive at most)."""
+    ray.init(address="local", num_cpus=10, object_store_memory=100 << 20, include_dashboard=False, log_to_driver=False,
              logging_level="warning")
     yield
     ray.shutdown()
@@ -74,7 +77,9 @@ def single(snapshot) -> Engine:
 
 @pytest.fixture(scope="module")
 def pipelines(cluster, snapshot):
-    engines = {n: PipelineEngine(snapshot, n, chunk=CHUNK, load_tokenizer=False, verbose=False) for n in (2, 3)}
+    """(stages, hops) -> a PipelineEngine: 2 and 3 stages on the compiled graph, 2 on actor tasks."""
+    engines = {(n, hops): PipelineEngine(snapshot, n, chunk=CHUNK, load_tokenizer=False, verbose=False, hops=hops)
+               for n, hops in ((2, "graph"), (3, "graph"), (2, "tasks"))}
     yield engines
     for engine in engines.values():
         engine.close()
@@ -125,9 +130,10 @@ def test_auto_plan_follows_each_node_memory(snapshot):
         plan_stages(container, "auto", [])
 
 
-@pytest.mark.parametrize("stages", [2, 3])
-def test_logits_are_those_of_one_process(single, pipelines, stages):
-    pipeline = pipelines[stages]
+@pytest.mark.parametrize(("stages", "hops"), [(2, "graph"), (3, "graph"), (2, "tasks")])
+def test_logits_are_those_of_one_process(single, pipelines, stages, hops):
+    pipeline = pipelines[stages, hops]
+    pipeline.pipeline.release_graph()
     layers = pipeline.pipeline.layers
     assert layers == split_layers(layer_nbytes(single.container), [1] * stages)
     assert [r.start for r in layers[1:]] == ([2] if stages == 2 else [2, 3])
@@ -137,7 +143,9 @@ def test_logits_are_those_of_one_process(single, pipelines, stages):
     # one forward of the whole prompt: the pipeline cuts it into the same pieces and streams them
     cache = pipeline.model.new_cache()
     logits, hidden = pipeline.model.forward(np.asarray(PROMPT), cache, last_logits_only=True)
+    assert pipeline.pipeline._graph is None  # a prompt's pieces go as actor tasks, all in flight
     got = [hidden, logits] + [pipeline.model.forward(np.asarray(t), cache)[0] for t in ([5], [17], [230], [40, 41])]
+    assert (pipeline.pipeline._graph is not None) == (hops == "graph")  # one piece: the way asked
     for ref, out in zip(reference, got, strict=True):
         assert ref.shape == out.shape and np.array_equal(ref, out)
     assert not np.array_equal(reference[2], reference[3])  # the compared logits are not all alike
@@ -146,7 +154,7 @@ def test_logits_are_those_of_one_process(single, pipelines, stages):
 @pytest.mark.parametrize("mtp", [False, True])
 def test_greedy_output_is_identical(single, pipelines, mtp):
     reference = list(Generator(single.model, (), use_mtp=mtp).generate(PROMPT, 24, Sampler(GREEDY)))
-    generator = Generator(pipelines[3].model, (), use_mtp=mtp)
+    generator = Generator(pipelines[3, "graph"].model, (), use_mtp=mtp)
     assert list(generator.generate(PROMPT, 24, Sampler(GREEDY))) == reference
     assert (generator.stats.mtp_drafts > 0) == mtp
 
@@ -176,12 +184,13 @@ def test_stages_decode_on_the_device_step(cluster, snapshot, restores_blas_threa
     want = decoded_logits(single.model, topk - 3, 10)  # the indexer starts selecting while decoding
     reference = list(Generator(single.model, (), use_mtp=False).generate(PROMPT[:40], 16, Sampler(GREEDY)))
     got = {}
-    for step in (True, False):  # one pipeline at a time: the module's pipelines hold 5 of the cluster's 8 CPUs
+    for step in (True, False):  # one pipeline at a time: the module's pipelines hold 7 of the cluster's 10 CPUs
         engine = PipelineEngine(snapshot, 2, device="opencl", load_tokenizer=False, verbose=False, decode_step=step)
         try:  # prompts in one piece, as the single process runs them
             model = engine.model
             assert model.decodes_on_device() == step and isinstance(model._decode_step(), StagedDecodeStep) == step
             assert [w["decode_step"] for w in engine.pipeline.where] == [step, step]
+            assert engine.pipeline.hops == ("graph" if step else "tasks")  # the default, "auto"
             got[step] = decoded_logits(model, topk - 3, 10)
             if step:
                 tokens = list(Generator(model, (), use_mtp=False).generate(PROMPT[:40], 16, Sampler(GREEDY)))
@@ -195,7 +204,7 @@ def test_stages_decode_on_the_device_step(cluster, snapshot, restores_blas_threa
 
 
 def test_prefix_cache_stores_and_restores_through_the_stages(single, pipelines, tmp_path):
-    model = pipelines[2].model
+    model = pipelines[2, "graph"].model
 
     def cache() -> PrefixCache:
         return PrefixCache.for_model(model, single.model_hash, tmp_path, use_mtp=True, chunk_tokens=16)
@@ -225,7 +234,7 @@ def test_prefix_cache_stores_and_restores_through_the_stages(single, pipelines, 
 def test_rows_read_back_are_the_stages_current_ones(single, pipelines):
     """Rows fetched from the stages (what the prefix cache stores) follow truncation and new rows at the same
     length, and equal one process's."""
-    model, ref = pipelines[2].model, single.model
+    model, ref = pipelines[2, "graph"].model, single.model
     caches = (model.new_cache(), ref.new_cache())
     for m, c in zip((model, ref), caches, strict=True):
         m.forward(np.asarray(PROMPT[:16]), c)
@@ -239,8 +248,9 @@ def test_rows_read_back_are_the_stages_current_ones(single, pipelines):
     assert not np.array_equal(before, caches[0].layer(3).rows("kv_lat"))
 
 
-def test_a_killed_stage_is_named_started_again_and_replayed_from_the_prefix_cache(cluster, snapshot, tmp_path):
-    engine = PipelineEngine(snapshot, 2, chunk=CHUNK, load_tokenizer=False, verbose=False)
+@pytest.mark.parametrize("hops", ["graph", "tasks"])
+def test_a_killed_stage_is_named_started_again_and_replayed_from_the_prefix_cache(cluster, snapshot, tmp_path, hops):
+    engine = PipelineEngine(snapshot, 2, chunk=CHUNK, load_tokenizer=False, verbose=False, hops=hops)
     try:
         model, pipeline = engine.model, engine.pipeline
         cache = PrefixCache.for_model(model, engine.model_hash, tmp_path, use_mtp=True, chunk_tokens=16)
@@ -248,6 +258,7 @@ def test_a_killed_stage_is_named_started_again_and_replayed_from_the_prefix_cach
         reference = list(Generator(model, (), use_mtp=True).generate(PROMPT, 12, Sampler(GREEDY),
                                                                      session.prepare(PROMPT)))
         session.commit(PROMPT, reference)
+        assert (pipeline._graph is not None) == (hops == "graph")  # killed while the graph is built over it
         killed = pipeline.where[1]["pid"]
         os.kill(killed, signal.SIGKILL)
         time.sleep(0.5)
@@ -259,6 +270,7 @@ def test_a_killed_stage_is_named_started_again_and_replayed_from_the_prefix_cach
         kv = session.prepare(PROMPT)  # the session starts over: the prompt's rows from the prefix cache
         assert session.last_reuse.process == 0 and session.last_reuse.exact == kv.length >= 64
         assert list(Generator(model, (), use_mtp=True).generate(PROMPT, 12, Sampler(GREEDY), kv)) == reference
+        assert (pipeline._graph is not None) == (hops == "graph")  # built again, over the new stage
         # a stage that cannot be started again leaves the pipeline refusing every call
         pipeline.start_stage = None
         os.kill(pipeline.where[0]["pid"], signal.SIGKILL)
@@ -271,9 +283,10 @@ def test_a_killed_stage_is_named_started_again_and_replayed_from_the_prefix_cach
         engine.close()
 
 
-def test_a_stage_never_computes_out_of_step(cluster, snapshot):
+@pytest.mark.parametrize("hops", ["graph", "tasks"])
+def test_a_stage_never_computes_out_of_step(cluster, snapshot, hops):
     """A call whose position is not the end of the stage's rows is refused, named, and breaks the pipeline."""
-    engine = PipelineEngine(snapshot, 1, load_tokenizer=False, verbose=False)
+    engine = PipelineEngine(snapshot, 1, load_tokenizer=False, verbose=False, hops=hops)
     try:
         pipeline = engine.pipeline
         x = engine.model.embed(np.asarray(PROMPT[:3]))
@@ -284,6 +297,71 @@ def test_a_stage_never_computes_out_of_step(cluster, snapshot):
             engine.model.forward(np.asarray(PROMPT[:3]), engine.model.new_cache())
     finally:
         engine.close()
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system, every thread) process `pid` has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_the_compiled_graph_is_torn_down_when_idle_and_built_again(single, pipelines, monkeypatch):
+    """Ray's channels wait by polling: the graph goes once the pipeline idles (its stages then take no CPU), and the
+    next forward builds it again and continues the sequence with one process's logits."""
+    monkeypatch.setattr(pipeline_module, "GRAPH_IDLE_S", 0.5)
+    engine = pipelines[2, "graph"]
+    engine.pipeline.release_graph()
+    caches = (engine.model.new_cache(), single.model.new_cache())
+    for model, cache in zip((engine.model, single.model), caches, strict=True):
+        model.forward(np.asarray(PROMPT[:CHUNK]), cache)  # one piece in both
+    assert engine.pipeline._graph is not None
+    time.sleep(1.5)  # past GRAPH_IDLE_S, and the teardown's own time
+    assert engine.pipeline._graph is None
+    pids = [w["pid"] for w in engine.pipeline.where]
+    before = [cpu_seconds(pid) for pid in pids]
+    time.sleep(1.0)
+    idle = [cpu_seconds(pid) - b for pid, b in zip(pids, before, strict=True)]
+    assert max(idle) < 0.1, idle  # a polling stage takes most of a core
+    for token in PROMPT[CHUNK:CHUNK + 4]:
+        got, want = (model.forward(np.asarray([token]), cache)[0] for model, cache in
+                     zip((engine.model, single.model), caches, strict=True))
+        assert np.array_equal(got, want)
+    assert engine.pipeline._graph is not None
+
+
+def test_glm_run_pipeline_leaves_no_process_behind(snapshot, tmp_path):
+    """glm-run on a Ray cluster of its own: every process it started (Ray's, the stages) is gone soon after it exits.
+    They are found by an environment variable only they inherit."""
+    mark = f"{time.time_ns()}-{os.getpid()}"
+    env = {**os.environ, "GLMKIT_TEST_TEARDOWN": mark, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+
+    def marked() -> set[int]:
+        found = set()
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit() and entry.name != str(os.getpid()):
+                try:
+                    if f"GLMKIT_TEST_TEARDOWN={mark}".encode() in (entry / "environ").read_bytes():
+                        found.add(int(entry.name))
+                except OSError:
+                    pass  # gone meanwhile, or not ours to read
+        return found
+
+    run = subprocess.Popen([sys.executable, "-m", "glmkit.cli.run", str(snapshot), "--raw-prompt", "-p", "def f():",
+                            "--max-tokens", "6", "--device", "numpy", "--cache-dir", str(tmp_path), "--pipeline", "2",
+                            "--pipeline-hops", "graph", "--ray-address", "local"], env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    seen: set[int] = set()
+    while run.poll() is None:
+        seen |= marked()
+        time.sleep(0.2)
+    out, err = run.communicate()
+    assert run.returncode == 0 and len(out.strip()) > 3, err
+    assert "pipeline stage 1: layers 2-3" in err and "pipeline hops: a compiled graph" in err
+    assert len(seen - {run.pid}) >= 3  # Ray's processes and the two stages were seen
+    deadline = time.monotonic() + 20
+    while (left := marked()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, [Path(f"/proc/{pid}/cmdline").read_bytes()[:80] for pid in left]
 
 
 def test_glm_run_pipeline_prints_the_single_process_reply(cluster, snapshot, capsys, tmp_path):

@@ -5,17 +5,20 @@ layers split over 1, 2 and 3 stage processes against one process.
     PYTHONPATH=. python tools/bench_pipeline.py --device opencl --stages 1,2 --tokens 64
 
 The benchmark model (tools/bench_model.py) at q4, the `--device` backend everywhere (default NumPy; the head and every
-stage: the logits are bit-identical to the single process's, tests/test_pipeline.py). Where that device decodes on the
-device decode step, each stage count is measured twice: the stages on the step (as they run by default) and the
-stages running a decoded token operation by operation ("per operation"). `--blas` BLAS threads in every process
-(default 1:
-on two shared cores, two threads per process spin while they wait for a core). A local Ray cluster is started in
-this process (or `--ray-address` joins one); the pipelines are opened once and measured round-robin with the single
+stage: the logits are bit-identical to the single process's, tests/test_pipeline.py). Each stage count is measured
+with the hidden state going stage to stage through Ray's compiled graph (`--pipeline-hops graph`, the default where
+the stages decode on the device step) and as a Ray actor task per stage ("tasks", the default elsewhere). Where the
+device decodes on the device decode step, each stage count is also measured with the stages running a decoded token
+operation by operation ("per operation", on the graph). `--blas` BLAS threads in every process (default 1: on two
+shared cores, two threads per process spin while they wait for a core). A local Ray cluster is started in this
+process (or `--ray-address` joins one); the pipelines are opened once and measured round-robin with the single
 process (this process's own model) after one uncounted warm-up run of each, so a change of load hits every
-configuration alike.
+configuration alike; a pipeline's compiled graph is torn down after its turn (its waiting stages poll: left built,
+they would take the cores from the next configuration).
 Per round and configuration:
-- hop: `--hops` round trips of one token's hidden state `[1, H]` through N actors that return it untouched (the
-  head submits the N calls chained and waits once, as a decode step does): milliseconds per token per hop;
+- echo hop (on the first configuration of each stage count): `--trips` round trips of one token's hidden state
+  `[1, H]` through N actors that return it untouched: chained actor tasks submitted at once and waited for once
+  ("tasks"), and a compiled graph of the same actors' `echo` ("graph"); milliseconds per token per hop;
 - decode: a `--prompt`-token random prompt, then `--tokens` greedy tokens (MTP off): decode tok/s, and the time per
   token over the single process's divided by N, the hop cost as decoding sees it;
 - prefill: a `--prefill`-token random prompt, one token out: prompt tok/s, the pipeline streaming pieces of
@@ -29,7 +32,8 @@ of the layers resident), against one process in one such cgroup (bench_stream's 
 glm-run's default expert cache; it must stream). Per round, alternating, each cold (every container file dropped
 from the page cache first): a 256-token random prompt, then 64 greedy tokens (MTP off); decode tok/s and each
 cgroup's peak memory. The stages start without reading their experts ahead (what they read before the move would be
-charged to this process's cgroup); the head (this process: embedding, final norm, lm_head) is not limited.
+charged to this process's cgroup); the head (this process: embedding, final norm, lm_head) is not limited; the
+hops glm-run's default picks (`--pipeline-hops auto`).
 """
 
 from __future__ import annotations
@@ -87,18 +91,36 @@ def prefill_rate(engine: Engine, prompt: list[int], chunk: int) -> float:
     return len(prompt) / generator.stats.prefill_s
 
 
-def hop_ms(engine: PipelineEngine, hidden: int, trips: int) -> float:
-    """Milliseconds per token per hop: `[1, hidden]` sent through every stage's `echo`, chained, waited for once."""
+def hop_ms(engine: PipelineEngine, hidden: int, trips: int) -> dict[str, float]:
+    """Milliseconds per token per hop, `[1, hidden]` sent through every stage's `echo`: as chained actor tasks waited
+    for once ("tasks") and through a compiled graph of the same calls ("graph")."""
+    from ray.dag import InputNode
+
     actors = engine.pipeline.actors
     x = np.zeros((1, hidden), np.float32)
-    ray.get(actors[0].echo.remote(x))
-    start = time.perf_counter()
-    for _ in range(trips):
+    engine.pipeline.release_graph()  # an actor runs one compiled graph at a time
+
+    def tasks() -> None:
         carried = x
         for actor in actors:
             carried = actor.echo.remote(carried)
         ray.get(carried)
-    return (time.perf_counter() - start) / trips / len(actors) * 1e3
+
+    with InputNode() as node:
+        for actor in actors:
+            node = actor.echo.bind(node)
+    graph = node.experimental_compile()
+    try:
+        ms = {}
+        for name, trip in (("tasks", tasks), ("graph", lambda: ray.get(graph.execute(x)))):
+            trip()
+            start = time.perf_counter()
+            for _ in range(trips):
+                trip()
+            ms[name] = (time.perf_counter() - start) / trips / len(actors) * 1e3
+        return ms
+    finally:
+        graph.teardown()
 
 
 def cgroup_rounds(args: argparse.Namespace) -> None:
@@ -157,7 +179,9 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=32, help="decoded tokens per run (default %(default)s)")
     p.add_argument("--prefill", type=int, default=512, help="prefill runs' prompt tokens (default %(default)s)")
     p.add_argument("--chunk", type=int, default=128, help="prefill piece, pipeline and single (default %(default)s)")
-    p.add_argument("--hops", type=int, default=200, help="round trips per hop measurement (default %(default)s)")
+    p.add_argument("--trips", type=int, default=200, help="round trips per echo hop measurement (default %(default)s)")
+    p.add_argument("--hops", default="graph,tasks", help="how the stages pass the hidden state (--pipeline-hops), "
+                   "the pipeline configurations measured (default %(default)s)")
     p.add_argument("--device", default="numpy", help="backend of the head, the stages and the single process "
                    "(default %(default)s; opencl: the device decode step)")
     p.add_argument("--ray-address", help="join this Ray cluster instead of starting a local one")
@@ -176,26 +200,33 @@ def main() -> None:
     if args.ray_address:
         ray.init(address=args.ray_address, log_to_driver=False, logging_level="warning")
     else:
-        ray.init(address="local", num_cpus=8, object_store_memory=200 << 20, include_dashboard=False,
-                 log_to_driver=False, logging_level="warning")
+        ray.init(address="local", num_cpus=64, object_store_memory=200 << 20, include_dashboard=False,
+                 log_to_driver=False, logging_level="warning")  # logical CPUs: one per stage of every configuration
     single = Engine(snapshot, args.device, load_tokenizer=False)
     counts = [int(n) for n in args.stages.split(",")]
     engines: dict[str, Engine] = {"single": single}
-    for step in (True, False) if single.model.decodes_on_device() else (True,):
-        for n in counts:
-            name = f"{n} stage{'s' if n > 1 else ''}{'' if step else ', per operation'}"
-            engines[name] = PipelineEngine(snapshot, n, device=args.device, chunk=args.chunk, load_tokenizer=False,
-                                           blas_threads=args.blas, decode_step=step)
+    echoed = []  # the configurations whose actors measure the echo hop: the first of each stage count
+    for hops in args.hops.split(","):
+        for step in (True, False) if single.model.decodes_on_device() and hops == "graph" else (True,):
+            for n in counts:
+                name = f"{n} stage{'s' if n > 1 else ''}, {hops}{'' if step else ', per operation'}"
+                engines[name] = PipelineEngine(snapshot, n, device=args.device, chunk=args.chunk,
+                                               load_tokenizer=False, blas_threads=args.blas, decode_step=step,
+                                               hops=hops)
+                if not any(len(engines[e].pipeline.layers) == n for e in echoed):
+                    echoed.append(name)
     rng = np.random.default_rng(0)
     vocab = single.config.vocab_size - 2  # never an eos id: every run decodes all its tokens
     decode_prompt = rng.integers(0, vocab, args.prompt).tolist()
     prefill_prompt = rng.integers(0, vocab, args.prefill).tolist()
     load_start = os.getloadavg()[0]
-    results: dict[str, dict[str, list[float]]] = {name: {"decode": [], "prefill": [], "hop": [], "stage_ms": []}
-                                                  for name in engines}
+    results: dict[str, dict[str, list[float]]] = {
+        name: {"decode": [], "prefill": [], "hop_tasks": [], "hop_graph": [], "stage_ms": []} for name in engines}
     for engine in engines.values():  # warm-up, not counted: weights into the page cache, first-call costs
         decode_rate(engine, decode_prompt[:8], 4)
         prefill_rate(engine, prefill_prompt[:args.chunk + 1], args.chunk)
+        if isinstance(engine, PipelineEngine):
+            engine.pipeline.release_graph()
     for _ in range(args.rounds):
         for name, engine in engines.items():
             rate, stage_ms = decode_rate(engine, decode_prompt, args.tokens)
@@ -203,14 +234,18 @@ def main() -> None:
             results[name]["stage_ms"].append(stage_ms)
             results[name]["prefill"].append(prefill_rate(engine, prefill_prompt, args.chunk))
             if isinstance(engine, PipelineEngine):
-                results[name]["hop"].append(hop_ms(engine, single.config.hidden_size, args.hops))
+                engine.pipeline.release_graph()
+            if name in echoed:
+                for hops, ms in hop_ms(engine, single.config.hidden_size, args.trips).items():
+                    results[name][f"hop_{hops}"].append(ms)
     load_end = os.getloadavg()[0]
     single_ms = 1e3 / statistics.median(results["single"]["decode"])
     print(f"{snapshot}: {single.config.num_hidden_layers} layers; {args.rounds} rounds, medians; "
           f"load average {load_start:.1f} -> {load_end:.1f}")
     print("| configuration | layers per stage | decode tok/s | ms per token | stages' compute ms per token | rest ms "
-          "per token per stage | over the single process, ms per token per stage | echo hop ms | prefill tok/s |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+          "per token per stage | over the single process, ms per token per stage | echo hop ms, tasks | "
+          "echo hop ms, graph | prefill tok/s |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     table = {}
     for name, engine in engines.items():
         r = results[name]
@@ -218,7 +253,7 @@ def main() -> None:
         layers = "-" if name == "single" else "/".join(str(len(x)) for x in engine.pipeline.layers)
         stages = 0 if name == "single" else len(engine.pipeline.layers)
         per_hop = (1e3 / decode - single_ms) / stages if stages else None
-        hop = statistics.median(r["hop"]) if r["hop"] else None
+        hop = {k: statistics.median(r[f"hop_{k}"]) if r[f"hop_{k}"] else None for k in ("tasks", "graph")}
         stage_ms = statistics.median(r["stage_ms"])
         # per token: head work + hops = the token's time less the stages' compute, per stage
         rest = statistics.median([(1e3 / d - s) / stages for d, s in zip(r["decode"], r["stage_ms"], strict=True)]
@@ -231,13 +266,13 @@ def main() -> None:
             return "-" if value is None else f"{value:.2f}"
 
         print(f"| {name} | {layers} | {decode:.2f} | {1e3 / decode:.1f} | {cell(stage_ms if stages else None)} | "
-              f"{cell(rest)} | {cell(per_hop)} | {cell(hop)} | {prefill:.1f} |")
+              f"{cell(rest)} | {cell(per_hop)} | {cell(hop['tasks'])} | {cell(hop['graph'])} | "
+              f"{prefill:.1f} |")
     for engine in engines.values():
         engine.close()
     if args.json:
         meta = {"snapshot": str(snapshot), "device": args.device, "rounds": args.rounds, "blas_threads": args.blas,
-                "prompt": args.prompt,
-                "tokens": args.tokens,
+                "prompt": args.prompt, "tokens": args.tokens, "trips": args.trips, "hops": args.hops,
                 "prefill": args.prefill, "chunk": args.chunk, "load_start": load_start, "load_end": load_end,
                 "cores": os.cpu_count()}
         args.json.write_text(json.dumps({"meta": meta, "results": table}, indent=1) + "\n")

@@ -13,7 +13,7 @@ from glmkit.errors import GlmkitError
 from glmkit.eval.windows import DEFAULT_CTX, text_windows, token_windows
 from glmkit.format.reader import Container
 from glmkit.generate.engine import Engine
-from glmkit.generate.pipeline import DEFAULT_PIPELINE_CHUNK, pipeline_stages
+from glmkit.generate.pipeline import DEFAULT_PIPELINE_CHUNK, PIPELINE_HOPS, pipeline_stages
 from glmkit.model.kv_cache import KV_DTYPES
 from glmkit.units import parse_size
 
@@ -26,7 +26,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, expert_memory: bool
                          pipeline: bool = False) -> None:
     """`--device`, `--float-activations` and `--kv-dtype`; with `expert_memory` also `--ram-budget` and
     `--no-prefetch`, with `mtp` the `--mtp` / `--no-mtp` pair (read by `use_mtp_from_arguments`), with `pipeline` the
-    Ray pipeline's flags (`--pipeline`, `--ray-address`, `--pipeline-chunk`)."""
+    Ray pipeline's flags (`--pipeline`, `--ray-address`, `--pipeline-chunk`, `--pipeline-hops`)."""
     parser.add_argument("--device", default="auto", help=DEVICE_HELP)
     parser.add_argument("--float-activations", action="store_true", help=FLOAT_ACTIVATIONS_HELP)
     parser.add_argument("--kv-dtype", choices=KV_DTYPES, default="f32",
@@ -43,6 +43,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, expert_memory: bool
                                 "new local one)")
         group.add_argument("--pipeline-chunk", type=int, default=DEFAULT_PIPELINE_CHUNK, metavar="N",
                            help="prompt tokens per piece streamed through the stages (default %(default)s)")
+        group.add_argument("--pipeline-hops", choices=PIPELINE_HOPS, default="auto",
+                           help="how a token's hidden state goes stage to stage: graph (a Ray compiled graph of "
+                                "shared-memory channels: faster hops, but every waiting stage and the head poll a "
+                                "core while tokens flow), tasks (a Ray actor task per stage) or auto (the default: "
+                                "graph where the stages decode on the device step, else tasks)")
     if expert_memory:
         parser.add_argument("--ram-budget", type=parse_size, default=0, metavar="SIZE",
                             help="pin the hottest routed experts in RAM up to SIZE (e.g. 8G); default 0 = page "
@@ -102,7 +107,7 @@ def pipeline_engine_from_arguments(args: argparse.Namespace, load_tokenizer: boo
 
     return PipelineEngine(args.snapshot, args.pipeline, args.ray_address, args.device, args.float_activations,
                           prefetch=not getattr(args, "no_prefetch", False), chunk=args.pipeline_chunk,
-                          load_tokenizer=load_tokenizer, kv_dtype=args.kv_dtype)
+                          load_tokenizer=load_tokenizer, kv_dtype=args.kv_dtype, hops=args.pipeline_hops)
 
 
 def use_mtp_from_arguments(engine: Engine, args: argparse.Namespace) -> bool:

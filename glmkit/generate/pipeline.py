@@ -7,11 +7,19 @@ Where the device decodes on the device decode step (OpenCL), so does the pipelin
 as one queued step over its layers (`GlmMoeDsaModel.step_layers`: the hidden state in, the hidden state out), and the
 head's final norm and lm_head as a step of their own, the kernels of one process's step: the same logits.
 
-A forward sends the embedded rows `[S, H]` (and the DSA selection a 'shared' layer reuses) from stage to stage
-as Ray object references: the head submits every stage's call at once and waits once, for the last stage. A
-block of more than `chunk` rows is cut at multiples of `chunk` positions and every piece is submitted before
-any is awaited, so stage 2 runs piece 1 while stage 1 runs piece 2 (each actor runs its calls in the order
-they were submitted). The logits equal those of one process that prefills in pieces of `chunk` tokens.
+A forward sends the embedded rows `[S, H]` (and the DSA selection a 'shared' layer reuses) from stage to stage.
+With `hops="graph"` (the default where every stage decodes on the device step) a forward of one piece (a decoded
+token, MTP's two rows, a short prompt) goes through one Ray compiled graph of the stages (`ray.dag`, built at the
+first such forward): the head writes the rows into a shared-memory channel, each stage reads its input from the one
+before and writes its output to the next, and the head reads the last; no task is submitted per token. Ray's
+channels wait by polling (the stages and the head keep a core busy while the graph is built: where the stages
+compute on the cores they share, that costs more than the cheaper hops save), so it is torn down after
+`GRAPH_IDLE_S` without a forward and built again at the next. Otherwise (`hops="tasks"`, or a block of several
+pieces) each stage's `run` is an actor task taking the previous one's result as an object reference, submitted at
+once and waited for once. A block of more than `chunk` rows is cut at multiples of `chunk` positions and every piece
+is submitted before any is awaited, so stage 2 runs piece 1 while stage 1 runs piece 2 (each actor runs its calls in
+the order they were submitted; Ray 2.60's compiled graph loses results with several executions in flight, so a
+prompt's pieces do not use it). The logits equal those of one process that prefills in pieces of `chunk` tokens.
 
 Ray is an optional dependency (`pip install glmkit[distributed]`): it is imported here only, and only when a
 pipeline is opened. A stage that dies raises a GlmkitError naming it and its machine, and the head starts it again:
@@ -27,12 +35,13 @@ import os
 import re
 import socket
 import sys
+import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 from threadpoolctl import threadpool_limits
@@ -51,6 +60,12 @@ from glmkit.units import format_size
 DEFAULT_PIPELINE_CHUNK = 256  # prompt tokens per piece streamed through the stages
 STAGE_START_TIMEOUT_S = 120  # a stage not started by then cannot be placed (or cannot open the container)
 INSTALL_HINT = 'pip install "glmkit[distributed]"'
+# a compiled graph of shared-memory channels, an actor task per stage, or the graph where every stage decodes on its
+# device step and tasks elsewhere (docs/BENCHMARKS.md, "Pipeline over Ray")
+PIPELINE_HOPS = ("auto", "graph", "tasks")
+GRAPH_IDLE_S = 2.0  # the compiled graph is torn down after this long without a forward (its waits poll)
+
+StageMessage = tuple[int, np.ndarray, "np.ndarray | None", int]  # (cache id, rows [S, H], selection [S, K], start)
 
 
 def import_ray() -> Any:
@@ -165,10 +180,9 @@ class PipelineStage:
         then does it for every worker). kv_dtype: the precision its KV rows are kept at (`KV_DTYPES`). decode_step:
         a decoded token runs as the device's decode step over the stage's layers where the device has one (off: through
         the operations)."""
-        self.index, self.layer_range = index, layers
+        self.index, self.layer_range, self.niceness = index, layers, niceness
         threadpool_limits(blas_threads or len(os.sched_getaffinity(0)), user_api="blas")
-        with contextlib.suppress(PermissionError):
-            os.setpriority(os.PRIO_PROCESS, 0, niceness)
+        self._take_priority()
         container = Container(snapshot)
         backend, self.device = make_backend(device, container, not float_activations)
         self.experts = ExpertStreamer(container, 0, prefetch)
@@ -188,6 +202,13 @@ class PipelineStage:
         return {"host": socket.gethostname(), "ip": ray.util.get_node_ip_address(), "pid": os.getpid(),
                 "device": self.device, "numerics": self.model.numerics, "decode_step": self.steps}
 
+    def _take_priority(self) -> None:
+        """The calling thread at `niceness` (Linux keeps a priority per thread: the compiled graph's loop runs on a
+        thread of Ray's, started at the worker's 15)."""
+        with contextlib.suppress(PermissionError):
+            if os.getpriority(os.PRIO_PROCESS, 0) != self.niceness:
+                os.setpriority(os.PRIO_PROCESS, 0, self.niceness)
+
     def _cache(self, cache_id: int) -> KVCache:
         cache = self.caches.get(cache_id)
         if cache is None:
@@ -199,6 +220,7 @@ class PipelineStage:
         """This stage's layers on the rows `carried[0] [S, H]` of the tokens appended at `start..`, `carried[1]` the
         DSA selection `[S, K]` the layer before them chose (or None). Returns the same pair after the last layer."""
         began = time.perf_counter()
+        self._take_priority()
         x, chosen = carried
         cache = self._cache(cache_id)
         held = cache.layer(self.layer_range.start).length
@@ -212,6 +234,13 @@ class PipelineStage:
             self.model.backend.release_memory()
         self.busy_s += time.perf_counter() - began
         return out
+
+    def forward(self, message: StageMessage) -> StageMessage:
+        """`run` as a node of the compiled graph: (cache id, rows `[S, H]`, selection `[S, K]` or None, start) in,
+        the same after this stage's layers out."""
+        cache_id, x, chosen, start = message
+        x, chosen = self.run(cache_id, (x, chosen), start)
+        return cache_id, x, chosen, start
 
     def truncate(self, cache_id: int, n: int) -> None:
         self._cache(cache_id).truncate(n)
@@ -248,14 +277,18 @@ class Pipeline:
     """The stage actors in order, their plan, and the calls the head makes on them."""
 
     def __init__(self, ray: Any, actors: list[Any], plan: StagePlan, where: list[dict[str, Any]], chunk: int,
-                 start_stage: Callable[[int], Any] | None = None) -> None:
-        """start_stage(i): a new actor for stage i (None: a dead stage is not started again)."""
+                 start_stage: Callable[[int], Any] | None = None, hops: str = "graph") -> None:
+        """start_stage(i): a new actor for stage i (None: a dead stage is not started again). hops: how a forward
+        goes through the stages, "graph" or "tasks" (module docstring)."""
         self.ray, self.actors, self.plan, self.where, self.chunk = ray, actors, plan, where, chunk
-        self.start_stage = start_stage
+        self.start_stage, self.hops = start_stage, hops
         self.broken: str | None = None  # the error that broke the pipeline: every later call raises it again
         self.epoch = 0  # counts restarts: a sequence begun in an earlier epoch has lost rows
         self._pending: list[Any] = []  # refs of calls whose failure must surface at the next wait
         self._next_cache = 0
+        self._graph: Any = None  # the compiled graph of the stages' `forward`, while one is built
+        self._graph_lock = threading.Lock()  # held by a forward through the graph and by its teardown
+        self._last_forward = 0.0  # time.monotonic() at the end of the last forward through the graph
 
     @property
     def layers(self) -> list[range]:
@@ -292,24 +325,84 @@ class Pipeline:
         `[S, H]`. Pieces end at multiples of `chunk` positions, all in flight at once."""
         self._check()
         ends = list(range((start // self.chunk + 1) * self.chunk, start + len(x), self.chunk)) + [start + len(x)]
-        outputs, lo = [], start
-        for hi in ends:
-            carried: Any = (x[lo - start:hi - start], None)
-            for actor in self.actors:
-                carried = actor.run.remote(cache_id, carried, lo)
-            outputs.append(carried)
-            lo = hi
-        done = self.wait(outputs)
+        if self.hops == "graph" and len(ends) == 1:
+            done = [self._graph_forward(cache_id, x, start)]
+        else:
+            outputs, lo = [], start
+            for hi in ends:
+                carried: Any = (x[lo - start:hi - start], None)
+                for actor in self.actors:
+                    carried = actor.run.remote(cache_id, carried, lo)
+                outputs.append(carried)
+                lo = hi
+            done = self.wait(outputs)
         return done[0][0] if len(done) == 1 else np.concatenate([rows for rows, _ in done])
+
+    def _graph_forward(self, cache_id: int, x: np.ndarray, start: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """`run` of one piece through the compiled graph: (rows, selection) after the last stage."""
+        if self._pending:  # the calls sent before first: the graph's loop and the stage's other calls run apart
+            self.wait([])
+        with self._graph_lock:
+            try:
+                graph = self._graph or self._build_graph()
+                _, rows, chosen, _ = graph.execute((cache_id, x, None, start)).get(timeout=-1)
+            except self.ray.exceptions.RayError as e:
+                self._drop_graph()  # a stage failed or died: the graph is not used again
+                self._failed(e)
+            self._last_forward = time.monotonic()
+        return rows, chosen
+
+    def _build_graph(self) -> Any:
+        """Compile the stages' `forward` calls into one graph (input: a `StageMessage`; output: the last stage's) and
+        start the thread that tears it down once idle."""
+        from ray.dag import InputNode
+
+        with InputNode() as message:
+            node = message
+            for actor in self.actors:
+                node = actor.forward.bind(node)
+        self._graph = node.experimental_compile(_submit_timeout=-1)
+        self._last_forward = time.monotonic()
+        threading.Thread(target=self._release_idle_graph, args=(self._graph,), name="glmkit-pipeline-graph",
+                         daemon=True).start()
+        return self._graph
+
+    def _release_idle_graph(self, graph: Any) -> None:
+        """Tear `graph` down once no forward has gone through it for `GRAPH_IDLE_S` (its waiting stages poll)."""
+        while True:
+            time.sleep(max(self._last_forward + GRAPH_IDLE_S - time.monotonic(), 0.05))
+            with self._graph_lock:
+                if self._graph is not graph:
+                    return  # torn down or replaced meanwhile
+                if time.monotonic() - self._last_forward >= GRAPH_IDLE_S:
+                    self._drop_graph()
+                    return
+
+    def release_graph(self) -> None:
+        """Tear the compiled graph down now (the next forward builds it again)."""
+        with self._graph_lock:
+            self._drop_graph()
+
+    def _drop_graph(self) -> None:
+        graph, self._graph = self._graph, None
+        if graph is not None:
+            with contextlib.suppress(Exception):  # a stage already gone: nothing left to tear down there
+                graph.teardown()
 
     def wait(self, refs: list[Any]) -> list[Any]:
         """The results of `refs` (after every call sent before them); a stage's death or error becomes a
         GlmkitError naming the stage, and breaks the pipeline."""
-        ray = self.ray
         pending, self._pending = self._pending, []
         try:
-            return ray.get(pending + refs)[len(pending):]
-        except ray.exceptions.RayActorError as e:
+            return self.ray.get(pending + refs)[len(pending):]
+        except self.ray.exceptions.RayError as e:
+            self._failed(e)
+
+    def _failed(self, e: Exception) -> NoReturn:
+        """Raise the GlmkitError of a stage's error `e` (breaking the pipeline); a stage that died (its actor gone, or
+        the compiled graph's channel closed with it) is started again first."""
+        ray = self.ray
+        if isinstance(e, ray.exceptions.RayActorError | ray.exceptions.RayChannelError):
             message = f"{self._dead_stage(e)} died (its process or machine is gone: {type(e).__name__})"
             self.broken = f"{message}; its KV rows are lost"
             try:
@@ -319,7 +412,7 @@ class Pipeline:
             else:
                 raise GlmkitError(f"{message}; started again: the sequences it ran lost their KV rows, new ones run "
                                   "(a prompt restores from the prefix cache)") from None
-        except ray.exceptions.RayTaskError as e:
+        elif isinstance(e, ray.exceptions.RayTaskError):
             cause = e.cause if isinstance(e.cause, Exception) else e
             # the worker's pid: an attribute of a plain RayTaskError, in the message of one also of its cause's type
             found = re.search(r"pid=(\d+)", str(e))
@@ -327,6 +420,8 @@ class Pipeline:
             stage = next((self.stage_name(i) for i, w in enumerate(self.where) if w.get("pid") == pid),
                          "a pipeline stage")
             self.broken = f"{stage} failed: {type(cause).__name__}: {_first_line(cause)}"
+        else:
+            raise e
         raise GlmkitError(self.broken)
 
     def check_epoch(self, epoch: int) -> None:
@@ -340,6 +435,7 @@ class Pipeline:
         sequences of earlier epochs are never computed with again. GlmkitError where a stage cannot be started."""
         if self.start_stage is None:
             raise GlmkitError("--pipeline: no way to start a stage again")
+        self._drop_graph()  # compiled over the old actors: the next forward compiles one over the new
         for i, actor in enumerate(self.actors):
             try:
                 self.ray.get(actor.describe.remote(), timeout=10)
@@ -381,7 +477,8 @@ class Pipeline:
         return total
 
     def close(self) -> None:
-        """End the stage actors (their processes and KV rows)."""
+        """Tear down the compiled graph and end the stage actors (their processes and KV rows)."""
+        self.release_graph()
         for actor in self.actors:
             try:
                 self.ray.kill(actor, no_restart=True)
@@ -410,14 +507,17 @@ def check_reachable(address: str | None, timeout_s: float = 10.0) -> None:
 def open_pipeline(snapshot: str | Path, container: Container, stages: int | str, address: str | None = None,
                   device: str = "numpy", float_activations: bool = False, prefetch: bool = True,
                   chunk: int = DEFAULT_PIPELINE_CHUNK, verbose: bool = True, blas_threads: int | None = None,
-                  kv_dtype: str = "f32", decode_step: bool = True) -> Pipeline:
+                  kv_dtype: str = "f32", decode_step: bool = True, hops: str = "auto") -> Pipeline:
     """Start one stage actor per range of the plan on the Ray cluster at `address` (None: the cluster `ray start`
     made on this machine, else a new local one; already connected: that one), wait until each has opened the
     container, and print the plan on stderr when `verbose`. blas_threads, kv_dtype, decode_step: see
-    `PipelineStage`."""
+    `PipelineStage`; hops: one of `PIPELINE_HOPS` ("auto": "graph" where every stage decodes on the device step, else
+    "tasks"; see `Pipeline`)."""
     ray = import_ray()
     if chunk < 1:
         raise GlmkitError(f"--pipeline-chunk: must be >= 1, got {chunk}")
+    if hops not in PIPELINE_HOPS:
+        raise GlmkitError(f"--pipeline-hops: one of {', '.join(PIPELINE_HOPS)}, got {hops!r}")
     if not ray.is_initialized():
         check_reachable(address)
         try:
@@ -448,7 +548,8 @@ def open_pipeline(snapshot: str | Path, container: Container, stages: int | str,
 
     actors = [start_stage(i) for i in range(len(plan.layers))]
     unknown = {"host": "?", "ip": "?", "pid": "?", "decode_step": False}  # until each stage describes itself
-    pipeline = Pipeline(ray, actors, plan, [unknown] * len(actors), chunk, start_stage)
+    pipeline = Pipeline(ray, actors, plan, [unknown] * len(actors), chunk, start_stage,
+                        "tasks" if hops == "auto" else hops)
     try:
         pipeline.where = ray.get([actor.describe.remote() for actor in actors], timeout=STAGE_START_TIMEOUT_S)
     except ray.exceptions.GetTimeoutError:
@@ -459,9 +560,12 @@ def open_pipeline(snapshot: str | Path, container: Container, stages: int | str,
     except ray.exceptions.RayError as e:
         pipeline.close()
         raise GlmkitError(f"--pipeline: a stage failed to start ({_first_line(e)})") from None
+    if hops == "auto" and all(w["decode_step"] for w in pipeline.where):
+        pipeline.hops = "graph"
     if verbose:
         print(plan.describe([f"{w['host']} ({w['ip']}), {w['device']}{', decode step' if w['decode_step'] else ''}"
                              for w in pipeline.where]), file=sys.stderr)
+        print(f"pipeline hops: {'a compiled graph' if pipeline.hops == 'graph' else 'actor tasks'}", file=sys.stderr)
     return pipeline
 
 
@@ -655,11 +759,11 @@ class PipelineEngine(Engine):
     def __init__(self, snapshot: str | Path, stages: int | str, address: str | None = None, device: str = "numpy",
                  float_activations: bool = False, prefetch: bool = True, chunk: int = DEFAULT_PIPELINE_CHUNK,
                  load_tokenizer: bool = True, verbose: bool = True, blas_threads: int | None = None,
-                 kv_dtype: str = "f32", decode_step: bool = True) -> None:
+                 kv_dtype: str = "f32", decode_step: bool = True, hops: str = "auto") -> None:
         super().__init__(snapshot, device, prefetch=False, load_tokenizer=load_tokenizer,
                          float_activations=float_activations, expert_cache=0, kv_dtype=kv_dtype)
         self.pipeline = open_pipeline(snapshot, self.container, stages, address, device, float_activations, prefetch,
-                                      chunk, verbose, blas_threads, kv_dtype, decode_step)
+                                      chunk, verbose, blas_threads, kv_dtype, decode_step, hops)
         self.model = PipelineModel(self.config, self.experts, self.backend, self.pipeline, kv_dtype)
         self.experts.stats = StageExpertStats(self.pipeline)  # type: ignore[assignment]  # the head routes nothing
 
