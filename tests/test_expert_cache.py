@@ -55,9 +55,9 @@ def logits_of(engine: Engine, prompt: list[int], steps: int) -> list[np.ndarray]
 
 @pytest.mark.parametrize("preset,device", [("q4", "numpy"), ("f32", "numpy"), ("q4", "opencl")])
 def test_out_of_core_logits_are_bit_identical(snapshots, preset, device):
-    """Two slots per MoE layer (experts miss and are evicted all the time), a prompt past the indexer's top-k (DSA selection on),
-    on NumPy and on OpenCL (every product on the device; single tokens run on the device decode step). The prompt's
-    experts of a layer outnumber the slots: each one's slot is taken over by a later one once it has run."""
+    """Two slots per MoE layer (experts miss and are evicted all the time), a prompt past the indexer's top-k (DSA
+    selection on), on NumPy and on OpenCL (every product on the device; single tokens run on the device decode step).
+    The prompt's experts of a layer outnumber the slots: each one's slot is taken over by a later one once it ran."""
     snap = snapshots("tiny-trained", preset)
     ram = Engine(snap, device, load_tokenizer=False, expert_cache=0)
     cfg = ram.config
