@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from glmkit.cli.serve import build_app
+from glmkit.errors import GlmkitError
 from glmkit.generate.engine import Engine
 from glmkit.generate.generator import Generator
 from glmkit.generate.sampling import SamplingParams
@@ -265,6 +266,24 @@ def test_batched_requests_commit_their_sessions(engine):
     for r in first:
         done = runs[2][r.request_id + "2"][2]
         assert done.cached_tokens == len(r.prompt_ids) + 8 - 1  # all but its last token, which was never forwarded
+
+
+def test_the_batch_size_is_decided_by_the_model(engine, monkeypatch):
+    """Default: --parallel where batching pays (NumPy), one request per forward on a device decode step (there a
+    step per request is faster) or on a model whose forwards take one sequence (a Ray pipeline's)."""
+    def started(max_batch: int | None = None) -> int:
+        scheduler = Scheduler(engine, max_active=4, max_batch=max_batch)
+        scheduler.start()
+        scheduler.stop()
+        return scheduler.max_batch
+
+    assert (started(), started(1), started(3), started(9)) == (4, 1, 3, 4)
+    monkeypatch.setattr(engine.model, "decodes_on_device", lambda: True)
+    assert (started(), started(3)) == (1, 3)
+    monkeypatch.setattr(engine.model, "batches_sequences", False)
+    assert (started(), started(3)) == (1, 1)
+    with pytest.raises(GlmkitError, match="one sequence per forward"):
+        engine.model.decode_batch(np.array([1, 2]), [engine.model.new_cache(), engine.model.new_cache()])
 
 
 # ---- through the server ----------------------------------------------------------------------------------------

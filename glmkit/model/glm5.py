@@ -138,6 +138,8 @@ class GlmMoeDsaModel:
     kv_dtype: the precision of the cache rows `new_cache` keeps (`KV_DTYPES`); attention reads them at it.
     """
 
+    batches_sequences = True  # `decode_batch` can run: every layer's cache rows are in this process
+
     def __init__(self, config: ModelConfig, weights: WeightSource, backend: Backend,
                  absorb_max_rows: int = 4, route_hook: RouteHook | None = None,
                  step_route_hook: Callable[[int, np.ndarray], None] | None = None,
@@ -213,6 +215,8 @@ class GlmMoeDsaModel:
         selection); norms, projections, MLPs, the router and lm_head on the B rows at once, and the routed MoE runs
         each expert any row routes to once for the batch. Returns (logits `[B, V]`, hidden `[B, H]` after the final
         norm); one sequence goes through `forward` (the device decode step where there is one)."""
+        if not self.batches_sequences:
+            raise GlmkitError("this model runs one sequence per forward (its layers' rows are not all in this process)")
         if len(caches) != len(token_ids) or len({id(cache) for cache in caches}) != len(caches):
             raise ValueError(f"decode_batch: {len(token_ids)} tokens for {len(caches)} caches (one each, all distinct)")
         if len(caches) == 1:
@@ -228,6 +232,12 @@ class GlmMoeDsaModel:
             x, chosen = self._residual_block(layer, x, attend)
         hidden = self.final_norm(x)
         return self.backend.linear(hidden, self._w(LM_HEAD)), hidden
+
+    def batch_pays(self) -> bool:
+        """Whether decoding several sequences through `decode_batch` beats one forward each: where single tokens run
+        through the operations (NumPy). On a device decode step (OpenCL) the batch's per-operation forward is slower
+        than a step per sequence (docs/BENCHMARKS.md, glm-serve)."""
+        return self.batches_sequences and not self.decodes_on_device()
 
     def prefill_on_step(self, token_ids: np.ndarray, cache: KVCache, queued: bool = True
                         ) -> tuple[np.ndarray, np.ndarray]:

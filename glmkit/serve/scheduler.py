@@ -128,15 +128,17 @@ class Scheduler:
                  prefill_chunk: int = 512, max_batch: int | None = None):
         """prefix_cache: opens the on-disk cache (called on the worker thread; None = no disk cache).
         reuse: False = every request prefills its whole prompt (no Session reuse, no disk cache).
-        max_batch: decoding requests per batched forward (default max_active; 1: each decodes on its own, one
-        step each in turn)."""
+        max_batch: decoding requests per batched forward (1: each decodes on its own, one step each in turn; None:
+        max_active where batching pays, `GlmMoeDsaModel.batch_pays`, else 1). A model whose forwards take one
+        sequence (a Ray pipeline's) never batches."""
         self.engine = engine
         self.use_mtp = use_mtp and engine.model.has_mtp
         self.reuse = reuse
         self.max_active = max(1, max_active)
         self.max_queue = max_queue
         self.prefill_chunk = max(1, prefill_chunk)
-        self.max_batch = max(1, self.max_active if max_batch is None else max_batch)
+        self._max_batch = max_batch
+        self.max_batch = 1  # decided on the worker thread (whether the model decodes on a device step)
         self._open_cache = prefix_cache if reuse else None
         self.prefix_cache: PrefixCache | None = None
         self._cv = threading.Condition()
@@ -198,6 +200,9 @@ class Scheduler:
     def _run(self) -> None:
         try:
             self.prefix_cache = self._open_cache() if self._open_cache else None
+            model = self.engine.model
+            wanted = self.max_active if self._max_batch is None and model.batch_pays() else self._max_batch or 1
+            self.max_batch = max(1, min(wanted, self.max_active)) if model.batches_sequences else 1
         except BaseException as e:  # reported by start()
             self._startup_error = e
             self._ready.set()
