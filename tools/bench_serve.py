@@ -7,7 +7,7 @@ short load test with concurrent clients. Every request goes through the official
 
 Each configuration runs `python -m glmkit.cli.serve` as its own server process on a free loopback port,
 with a fresh cache directory (or `--no-cache`). A snapshot without a tokenizer (tools/bench_convert.py's
-synthetic ones) is served through a directory of symlinks plus the tiny fixture's tokenizer files.
+synthetic ones) is served through a directory of hard links plus the tiny fixture's tokenizer files.
 
 Agent conversation: a system prompt, three tool schemas and a task; every turn streams a reply (greedy,
 `ignore_eos`, `--max-tokens` tokens), then the script appends that reply with a scripted tool call and a
@@ -23,9 +23,9 @@ tokens, finish_reason "length" and (streaming) the final usage chunk.
 Streams (`--streams 1,2,4`): one server per `--stream-modes` entry (default: continuous batching forced on with
 `--max-batch 4`, and off with `--max-batch 1`), all up at once; each round sends N concurrent streaming requests
 (distinct short prompts, greedy, `ignore_eos`, `--stream-tokens` tokens) to each server in turn, for every N, so
-the modes alternate under the same machine load. Aggregate decode tok/s = the tokens after each stream's first,
-summed, over the time from the earliest first token to the last stream's end (each stream's first token: its end
-less the server's `timings.decode_s`); the table gives the median over `--stream-rounds` rounds.
+the modes alternate under the same machine load. Aggregate decode tok/s = the sum of the streams' decode rates, each
+its tokens after the first over the server's `timings.decode_s` (first token to end: the other streams' short
+prefills fall in its first steps); the table gives the median over `--stream-rounds` rounds.
 """
 
 from __future__ import annotations
@@ -100,14 +100,18 @@ def free_port() -> int:
 
 
 def servable(snapshot: Path, work: Path) -> Path:
-    """`snapshot`, or a symlinked copy of it with the fixture's tokenizer when it has none."""
+    """`snapshot`, or a hard-linked (else copied) view of it with the fixture's tokenizer when it has none (a
+    container refuses symlinks out of its directory)."""
     if (snapshot / "tokenizer.json").is_file():
         return snapshot
     view = work / "snapshot-with-tokenizer"
     view.mkdir(parents=True, exist_ok=True)
     for item in snapshot.iterdir():
         if not (view / item.name).exists():
-            (view / item.name).symlink_to(item.resolve())
+            try:
+                os.link(item.resolve(), view / item.name)
+            except OSError:  # another file system
+                shutil.copy(item, view / item.name)
     for name in TOKENIZER_FILES:
         shutil.copy(FIXTURE / name, view / name)
     return view
@@ -126,7 +130,8 @@ class Server:
         deadline = time.monotonic() + 300
         while True:
             if self.proc.poll() is not None:
-                raise SystemExit(f"server exited: see {log}")
+                self.log.close()
+                raise SystemExit(f"server exited: {log.read_text()[-2000:]}")
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=5) as r:
                     if r.status == 200:
@@ -257,7 +262,7 @@ def load_test(server: Server, model: str, clients: int, seconds: float, max_toke
 
 def concurrent_streams(server: Server, model: str, n: int, max_tokens: int, salt: int) -> dict[str, Any]:
     """n streaming requests at once; their aggregate decode rate (see the module docstring)."""
-    ends: list[tuple[float, float, int]] = []  # (end, decode_s, completion tokens)
+    rates: list[float] = []
     errors: list[str] = []
 
     def stream(index: int) -> None:
@@ -269,8 +274,7 @@ def concurrent_streams(server: Server, model: str, n: int, max_tokens: int, salt
                     extra_body={"ignore_eos": True}):
                 if chunk.usage is not None:
                     final = chunk
-            end = time.perf_counter()
-            ends.append((end, final.model_extra["timings"]["decode_s"], final.usage.completion_tokens))
+            rates.append((final.usage.completion_tokens - 1) / final.model_extra["timings"]["decode_s"])
         except Exception as e:  # reported in the record
             errors.append(f"{type(e).__name__}: {e}")
 
@@ -279,12 +283,9 @@ def concurrent_streams(server: Server, model: str, n: int, max_tokens: int, salt
         t.start()
     for t in threads:
         t.join()
-    if errors or len(ends) != n:
+    if errors or len(rates) != n:
         return {"streams": n, "errors": errors}
-    first = min(end - decode_s for end, decode_s, _ in ends)
-    tokens = sum(count - 1 for _, _, count in ends)
-    return {"streams": n, "tokens": tokens, "window_s": round(max(end for end, _, _ in ends) - first, 4),
-            "tok_per_s": round(tokens / (max(end for end, _, _ in ends) - first), 3)}
+    return {"streams": n, "stream_tok_per_s": [round(r, 3) for r in rates], "tok_per_s": round(sum(rates), 3)}
 
 
 def stream_scaling(servers: dict[str, Server], model: str, counts: list[int], max_tokens: int, rounds: int
@@ -402,7 +403,8 @@ def main(argv: list[str] | None = None) -> int:
                 load = load_test(server, model, args.load_clients, args.load_seconds, args.load_max_tokens)
             finally:
                 server.close()
-        print(markdown(runs, load))
+        if runs or load:
+            print(markdown(runs, load))
         if scaling:
             print(scaling_markdown(scaling))
         if args.json:
