@@ -23,9 +23,10 @@ tokens, finish_reason "length" and (streaming) the final usage chunk.
 Streams (`--streams 1,2,4`): one server per `--stream-modes` entry (default: continuous batching forced on with
 `--max-batch 4`, and off with `--max-batch 1`), all up at once; each round sends N concurrent streaming requests
 (distinct short prompts, greedy, `ignore_eos`, `--stream-tokens` tokens) to each server in turn, for every N, so
-the modes alternate under the same machine load. Aggregate decode tok/s = the sum of the streams' decode rates, each
-its tokens after the first over the server's `timings.decode_s` (first token to end: the other streams' short
-prefills fall in its first steps); the table gives the median over `--stream-rounds` rounds.
+the modes alternate under the same machine load. Aggregate decode tok/s = the tokens after each stream's first,
+summed, over the time from the earliest first token to the last stream's end (a stream's first token: its end less
+the server's `timings.decode_s`; the other streams' short prefills fall in that window); the table gives the median
+over `--stream-rounds` rounds.
 """
 
 from __future__ import annotations
@@ -262,7 +263,7 @@ def load_test(server: Server, model: str, clients: int, seconds: float, max_toke
 
 def concurrent_streams(server: Server, model: str, n: int, max_tokens: int, salt: int) -> dict[str, Any]:
     """n streaming requests at once; their aggregate decode rate (see the module docstring)."""
-    rates: list[float] = []
+    ends: list[tuple[float, float, int]] = []  # (end, decode_s, completion tokens)
     errors: list[str] = []
 
     def stream(index: int) -> None:
@@ -274,7 +275,8 @@ def concurrent_streams(server: Server, model: str, n: int, max_tokens: int, salt
                     extra_body={"ignore_eos": True}):
                 if chunk.usage is not None:
                     final = chunk
-            rates.append((final.usage.completion_tokens - 1) / final.model_extra["timings"]["decode_s"])
+            end = time.perf_counter()
+            ends.append((end, final.model_extra["timings"]["decode_s"], final.usage.completion_tokens))
         except Exception as e:  # reported in the record
             errors.append(f"{type(e).__name__}: {e}")
 
@@ -283,9 +285,12 @@ def concurrent_streams(server: Server, model: str, n: int, max_tokens: int, salt
         t.start()
     for t in threads:
         t.join()
-    if errors or len(rates) != n:
+    if errors or len(ends) != n:
         return {"streams": n, "errors": errors}
-    return {"streams": n, "stream_tok_per_s": [round(r, 3) for r in rates], "tok_per_s": round(sum(rates), 3)}
+    window = max(end for end, _, _ in ends) - min(end - decode_s for end, decode_s, _ in ends)
+    tokens = sum(count - 1 for _, _, count in ends)
+    return {"streams": n, "tokens": tokens, "window_s": round(window, 4), "tok_per_s": round(tokens / window, 3),
+            "stream_tok_per_s": [round((count - 1) / decode_s, 3) for _, decode_s, count in ends]}
 
 
 def stream_scaling(servers: dict[str, Server], model: str, counts: list[int], max_tokens: int, rounds: int
