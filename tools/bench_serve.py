@@ -327,7 +327,7 @@ def markdown(runs: dict[str, list[dict]], load: dict[str, Any] | None) -> str:
     on, off = runs.get("cache on", []), runs.get("cache off", [])
     lines = ["| turn | prompt tokens | cache on: cached | on: prefilled | on: TTFT client / server (s) "
              "| off: prefilled | off: TTFT client / server (s) |",
-             "|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---:|---:|---:|---:|---:|---:|---:|"] if on or off else []
     for a, b in zip(on, off, strict=False):
         lines.append(f"| {a['turn']} | {a['prompt_tokens']} | {a['cached_tokens']} | {a['prefill_tokens']} | "
                      f"{a['client_ttft_s']:.3f} / {a['server_ttft_s']:.3f} | {b['prefill_tokens']} | "
