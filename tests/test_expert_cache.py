@@ -55,9 +55,9 @@ def logits_of(engine: Engine, prompt: list[int], steps: int) -> list[np.ndarray]
 
 @pytest.mark.parametrize("preset,device", [("q4", "numpy"), ("f32", "numpy"), ("q4", "opencl")])
 def test_out_of_core_logits_are_bit_identical(snapshots, preset, device):
-    """Two slots per MoE layer (nearly every expert misses), a prompt past the indexer's top-k (DSA selection on),
-    on NumPy and on OpenCL (every product on the device: the prompt's experts that find no slot are read into
-    buffers of their own and run in place like the slots; single tokens run on the device decode step)."""
+    """Two slots per MoE layer (experts miss and are evicted all the time), a prompt past the indexer's top-k (DSA selection on),
+    on NumPy and on OpenCL (every product on the device; single tokens run on the device decode step). The prompt's
+    experts of a layer outnumber the slots: each one's slot is taken over by a later one once it has run."""
     snap = snapshots("tiny-trained", preset)
     ram = Engine(snap, device, load_tokenizer=False, expert_cache=0)
     cfg = ram.config
@@ -68,7 +68,7 @@ def test_out_of_core_logits_are_bit_identical(snapshots, preset, device):
     for a, b in zip(logits_of(ram, prompt, 6), logits_of(streamed, prompt, 6), strict=True):
         assert np.array_equal(a, b)
     stats = streamed.experts.stats
-    assert stats.misses > stats.hits and stats.evictions > 0 and stats.reads > 0 and stats.bounced > 0
+    assert stats.misses > 0 and stats.evictions >= stats.misses and stats.reads > 0 and stats.bounced == 0
     assert (device == "opencl") == streamed.model.decodes_on_device()
     # nothing read twice while cached: every read is a miss or a read ahead
     assert stats.reads <= stats.misses + stats.predicted
@@ -161,6 +161,51 @@ def test_eviction_keeps_the_frequent_and_never_the_layer_in_use(snapshots):
         cache.expert(layer, e)
     assert cache.resident(layer, 0) and all(cache.resident(layer, e) for e in (4, 5, 6))
     assert sum(cache.resident(layer, e) for e in (1, 2, 3)) == 1 and cache.stats.evictions == 2
+    cache.close()
+
+
+def test_a_miss_with_every_slot_in_use_is_read_into_a_buffer_of_its_own(snapshots):
+    """Every slot holds an expert the layer routed to and has not run: another expert is read, not cached."""
+    engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
+    cfg, container, k = engine.config, engine.container, engine.config.num_experts_per_tok
+    cache = ExpertCache(container, k * slot_bytes(engine), readahead=False)
+    layer = cfg.first_k_dense_replace
+    cache.on_route(layer, np.array([list(range(k))]))
+    for e in range(k):
+        cache.expert(layer, e)  # read (and waited for), not run
+    views = cache.expert(layer, k)
+    for view, projection in zip(views, EXPERT_PROJECTIONS, strict=True):
+        mapped = container.weight(expert_weight_name(layer, k, projection))
+        assert np.array_equal(view.packed, mapped.packed) and np.array_equal(view.scales, mapped.scales)
+    assert cache.stats.bounced == 1 and not cache.resident(layer, k) and all(cache.resident(layer, e) for e in range(k))
+    cache.ran(layer, 0)  # once one has run, its slot takes the next miss
+    cache.expert(layer, k + 1)
+    assert cache.stats.bounced == 1 and cache.resident(layer, k + 1) and not cache.resident(layer, 0)
+    cache.close()
+
+
+def test_read_ahead_waiting_for_slots_continues_as_the_layer_s_experts_run(snapshots):
+    """With slots for one layer's experts only, the next layer's read-ahead finds none while the layer is routed; as
+    each expert of the layer has run its slot goes to the read-ahead, never to an expert read-ahead already named."""
+    engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
+    c, k = engine.config, engine.config.num_experts_per_tok
+    cache = ExpertCache(engine.container, 2 * k * slot_bytes(engine))
+    first = c.first_k_dense_replace
+    r = cache.moe[first + 1].router
+    normed = np.random.default_rng(1).standard_normal((2, c.hidden_size)).astype(np.float32)
+    named = likely_experts(normed, np.asarray(cache.weight(r.weight)), cache.weight(r.bias), r.top_k)
+    assert len(named) <= 2 * k
+    routed = list(range(2 * k))  # the layer's prompt rows reach twice the top-k: every slot
+    cache.on_route(first, np.array([routed[:k], routed[k:]]))
+    cache.read_ahead(first, normed)
+    assert cache.stats.read_ahead == 0
+    for e in routed:
+        cache.expert(first, e)
+        cache.ran(first, e)
+    for future in list(cache._loading.values()):
+        future.result()
+    assert cache.stats.read_ahead == len(named) and all(cache.resident(first + 1, e) for e in named)
+    assert cache.stats.bounced == 0
     cache.close()
 
 

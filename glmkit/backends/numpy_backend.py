@@ -301,11 +301,11 @@ class NumpyBackend:
         return apply_rope(x, cos, sin)
 
     def moe(self, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, expert: ExpertFn,
-            shared: tuple[Weight, Weight, Weight] | None) -> np.ndarray:
+            shared: tuple[Weight, Weight, Weight] | None, done: Callable[[int], None] | None = None) -> np.ndarray:
         # Prefill: several experts (each dequantized once for all of its rows) at a time on the worker pool.
         if x.shape[0] > self.decode_rows and self.workers > 1:
-            return moe_layer(self, x, ids, weights, expert, shared, self._map, 2 * self.workers)
-        return moe_layer(self, x, ids, weights, expert, shared)
+            return moe_layer(self, x, ids, weights, expert, shared, self._map, 2 * self.workers, done)
+        return moe_layer(self, x, ids, weights, expert, shared, done=done)
 
     def release_memory(self) -> None:
         if _MALLOC_TRIM is not None:

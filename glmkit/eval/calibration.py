@@ -142,9 +142,10 @@ class RecordingBackend:
     def expert_mlp(self, x: np.ndarray, gate: Weight, up: Weight, down: Weight) -> np.ndarray:
         return self.linear(silu(self.linear(x, gate)) * self.linear(x, up), down)
 
-    def moe(self, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, expert: Any, shared: Any) -> np.ndarray:
+    def moe(self, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, expert: Any, shared: Any,
+            done: Any = None) -> np.ndarray:
         # the serial batch-union loop, so that every expert's products go through `linear` above
-        return moe_layer(self, x, ids, weights, expert, shared)  # type: ignore[arg-type]
+        return moe_layer(self, x, ids, weights, expert, shared, done=done)  # type: ignore[arg-type]
 
 
 def collect_imatrix(engine: Engine, windows: list[list[int]], progress: bool = False, hessians: str = "pooled",

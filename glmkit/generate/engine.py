@@ -73,7 +73,8 @@ class Engine:
             cache = self.experts = ExpertCache(self.container, int(expert_cache), readahead=prefetch,
                                                usage_file=usage)
             self.model = GlmMoeDsaModel(self.config, cache, self.backend, route_hook=cache.on_route,
-                                        step_experts=cache, kv_dtype=kv_dtype, ahead_hook=cache.read_ahead)
+                                        step_experts=cache, kv_dtype=kv_dtype, ahead_hook=cache.read_ahead,
+                                        ran_hook=cache.ran)
             if self.expert_cache_reason:  # sized from the RAM: a long prompt's chunks fit what it left for them
                 self.model.prefill_rows = prefill_rows_within(self.config, activation_allowance(memory_limit_bytes()))
         else:

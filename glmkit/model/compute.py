@@ -90,11 +90,12 @@ class Backend(Protocol):
         ...
 
     def moe(self, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, expert: ExpertFn,
-            shared: tuple[Weight, Weight, Weight] | None) -> np.ndarray:
+            shared: tuple[Weight, Weight, Weight] | None, done: Callable[[int], None] | None = None) -> np.ndarray:
         """Routed experts plus the shared expert on `x [S, H]`.
 
         `sum_k weights[s, k] * E_{ids[s, k]}(x[s]) + Shared(x[s])`; `expert(e)` gives expert e's (gate, up,
-        down). Every routed expert is fetched and run once per call, on all of its rows (batch-union).
+        down). Every routed expert is fetched and run once per call, on all of its rows (batch-union). `done(e)`,
+        where given, may be called as soon as expert e's weights are no longer read (a prompt's experts, one by one).
         """
         ...
 
@@ -229,10 +230,12 @@ class DecodeStep(Protocol):
 
 def moe_layer(backend: Backend, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, expert: ExpertFn,
               shared: tuple[Weight, Weight, Weight] | None,
-              parallel_map: Callable[[Callable, list], list] | None = None, chunk: int = 1) -> np.ndarray:
+              parallel_map: Callable[[Callable, list], list] | None = None, chunk: int = 1,
+              done: Callable[[int], None] | None = None) -> np.ndarray:
     """`Backend.moe` on top of any backend's `expert_mlp`: the routed experts by batch-union (`chunk` at a time
-    through `parallel_map` when given), plus the shared expert. `[S, H]`."""
-    out = moe_batch_union(x, ids, weights, lambda e, rows: backend.expert_mlp(rows, *expert(e)), parallel_map, chunk)
+    through `parallel_map` when given, `done(e)` after each), plus the shared expert. `[S, H]`."""
+    out = moe_batch_union(x, ids, weights, lambda e, rows: backend.expert_mlp(rows, *expert(e)), parallel_map, chunk,
+                          done)
     if shared is not None:
         out += backend.expert_mlp(x, *shared)
     return out

@@ -260,9 +260,12 @@ class ExpertCache:
         self._slot: dict[Key, int] = {}  # resident experts
         self._views: dict[Key, list[Weight]] = {}
         self._loading: dict[Key, Future] = {}
-        self._in_use: set[Key] = set()  # routed to by the layer being computed: not evicted
+        self._in_use: set[Key] = set()  # routed to by the layer being computed and not yet run: not evicted
+        self._wanted: set[Key] = set()  # the next layer's experts read-ahead named: kept until it routes
+        self._pending: list[Key] = []  # of those, the ones still to read once slots come free (`ran`)
         self._handed: dict[Key, list[Weight]] = {}  # its experts handed out so far
         self._heap: list[tuple[float, int, Key]] = []  # (score when pushed, tiebreak, key): lazily updated
+        self._parked: dict[Key, tuple[float, int, Key]] = {}  # entries taken off the heap while held: `_unpark`
         self._tiebreak = 0
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="glmkit-experts")
@@ -342,6 +345,8 @@ class ExpertCache:
         with self._lock:
             self._in_use = {(layer, e) for e in used}  # the previous layer's experts have run; these are next
             self._handed = {}
+            self._wanted, self._pending = set(), []  # the layer's own misses replace what was guessed for it
+            self._unpark(list(self._parked))
             for e in used:
                 key = (layer, e)
                 if key in self._slot and key not in self._loading:
@@ -386,17 +391,37 @@ class ExpertCache:
             self.stats.predicted += len(likely)
             if self.ahead_precision < READ_AHEAD_PRECISION:
                 return  # named (its precision still measured), not read: a wrong guess costs a read and a slot
-            for e in sorted(likely):
-                key = (layer + 1, e)
-                if key not in self._slot:
-                    if self._start_load(key) is None:
-                        break
-                    self.stats.read_ahead += 1
+            self._wanted = {(layer + 1, e) for e in likely}
+            self._pending = [(layer + 1, e) for e in sorted(likely) if (layer + 1, e) not in self._slot]
+            self._continue_read_ahead()
+
+    def ran(self, layer: int, expert: int) -> None:
+        """Layer `layer`'s expert `expert` has run on all of its rows (a prompt's MoE runs each routed expert once):
+        its slot may be evicted now, and the next layer's pending read-ahead continues into free slots."""
+        with self._lock:
+            key = (layer, expert)
+            self._in_use.discard(key)
+            self._handed.pop(key, None)
+            self._unpark([key])
+            self._continue_read_ahead()
+
+    def _continue_read_ahead(self) -> None:
+        """Start the pending read-ahead's reads while slots can be had (lock held); the layer being computed goes
+        first: nothing starts while one of its routed experts waits for a slot."""
+        if any(key not in self._slot for key in self._in_use):
+            return
+        while self._pending:
+            key = self._pending[0]
+            if key not in self._slot:
+                if self._start_load(key) is None:
+                    return
+                self.stats.read_ahead += 1
+            self._pending.pop(0)
 
     # ---- slots ----
 
     def _start_load(self, key: Key) -> Future | None:
-        """Claim a slot for `key` and queue its read (lock held); None when every slot is held for this layer."""
+        """Claim a slot for `key` and queue its read (lock held); None when every slot is held (`_held`)."""
         slot = self._claim_slot()
         if slot is None:
             return None
@@ -406,29 +431,38 @@ class ExpertCache:
         return future
 
     def _claim_slot(self) -> int | None:
+        """A free slot, or the slot of the resident expert with the lowest score that is not held (lock held)."""
         if self._free:
             return self._free.pop()
-        held: list[tuple[float, int, Key]] = []  # resident but not evictable now: back on the heap after
-        try:
-            while self._heap:
-                entry = heapq.heappop(self._heap)
-                score, _, key = entry
-                if key not in self._slot:
-                    continue  # stale: evicted since
-                if key in self._loading or key in self._in_use:
-                    held.append(entry)
-                    continue
-                if score != self.scores.score(key):  # used since it was pushed: back with its score now
-                    heapq.heappush(self._heap, (self.scores.score(key), entry[1], key))
-                    continue
-                slot = self._slot.pop(key)
-                self._views.pop(key, None)
-                self.stats.evictions += 1
-                return slot
-            return None
-        finally:
-            for entry in held:
-                heapq.heappush(self._heap, entry)
+        while self._heap:
+            entry = heapq.heappop(self._heap)
+            score, _, key = entry
+            if key not in self._slot:
+                continue  # stale: evicted since
+            if self._held(key):
+                self._parked[key] = entry  # off the heap until it is no longer held: not popped again per claim
+                continue
+            if score != self.scores.score(key):  # used since it was pushed: back with its score now
+                heapq.heappush(self._heap, (self.scores.score(key), entry[1], key))
+                continue
+            slot = self._slot.pop(key)
+            self._views.pop(key, None)
+            self.stats.evictions += 1
+            return slot
+        return None
+
+    def _held(self, key: Key) -> bool:
+        """Not to be evicted now: being read, routed to by the layer being computed and not yet run, or named by
+        the next layer's read-ahead."""
+        return key in self._loading or key in self._in_use or key in self._wanted
+
+    def _unpark(self, keys: list[Key]) -> None:
+        """Back on the heap, the parked entries of those `keys` that are no longer held (lock held)."""
+        for key in keys:
+            if key in self._parked and not self._held(key):
+                del self._parked[key]
+                if key in self._slot:
+                    self._push(key)
 
     def _push(self, key: Key) -> None:
         self._tiebreak += 1
@@ -436,6 +470,7 @@ class ExpertCache:
         if len(self._heap) > 4 * self.n_slots + 1024:  # outdated entries pile up: one entry per resident expert
             self._heap = [(self.scores.score(k), i, k) for i, k in enumerate(self._slot)]
             heapq.heapify(self._heap)
+            self._parked.clear()  # every resident expert has its entry on the heap again
 
     def _load(self, key: Key, slot: int) -> list[Weight]:
         data = self._slot_data(slot)
@@ -450,6 +485,7 @@ class ExpertCache:
         with self._lock:
             self._views[key] = views
             self._loading.pop(key, None)
+            self._parked.pop(key, None)
             self._push(key)
         return views
 

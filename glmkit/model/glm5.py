@@ -11,9 +11,9 @@ of the cache, and the same methods recompute rows in place at chosen positions (
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Protocol, TypeVar
 
 import numpy as np
@@ -133,6 +133,8 @@ class GlmMoeDsaModel:
     route_hook: optional `hook(layer, expert_ids [S, k], u [S, H])` (hit/miss counting, prefetch).
     ahead_hook: optional `hook(layer, u [S, H])` with a dense layer's normed MLP input, before the MLP runs (an expert
     cache starts reading the next layer's likely experts: the first MoE layer has no MoE layer before it to do so).
+    ran_hook: optional `hook(layer, expert)` once a routed expert's rows have run and its weights are no longer read
+    (an expert cache may then reuse its slot within the layer: a prompt's MoE runs each expert once).
     step_experts: where the backend's decode step reads the routed experts when the weight source moves them
     between slots (an expert cache: `ExpertArena`); None: the step binds every weight's bytes once.
     kv_dtype: the precision of the cache rows `new_cache` keeps (`KV_DTYPES`); attention reads them at it.
@@ -144,7 +146,8 @@ class GlmMoeDsaModel:
                  absorb_max_rows: int = 4, route_hook: RouteHook | None = None,
                  step_route_hook: Callable[[int, np.ndarray], None] | None = None,
                  step_experts: ExpertArena | None = None, kv_dtype: str = "f32",
-                 ahead_hook: Callable[[int, np.ndarray], None] | None = None) -> None:
+                 ahead_hook: Callable[[int, np.ndarray], None] | None = None,
+                 ran_hook: Callable[[int, int], None] | None = None) -> None:
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv dtype {kv_dtype!r}: not one of {', '.join(KV_DTYPES)}")
         self.config = config
@@ -154,6 +157,7 @@ class GlmMoeDsaModel:
         self.absorb_max_rows = absorb_max_rows
         self.route_hook = route_hook
         self.ahead_hook = ahead_hook
+        self.ran_hook = ran_hook
         self.step_route_hook = step_route_hook  # a decode step's routing as it happens: `DecodeStep.watch_routes`
         self.step_experts = step_experts
         self.prefill_rows: int | None = None  # where memory is tight: the most prompt rows a forward should take
@@ -228,7 +232,7 @@ class GlmMoeDsaModel:
         chosen: list[ChosenKeys] = [None] * len(caches)
         for layer in range(self.config.num_hidden_layers):
             kvs = [cache.layer(layer) for cache in caches]
-            attend = partial(self.batch_attention, layer, kvs=kvs, prev_chosen=chosen)
+            attend = functools.partial(self.batch_attention, layer, kvs=kvs, prev_chosen=chosen)
             x, chosen = self._residual_block(layer, x, attend)
         hidden = self.final_norm(x)
         return self.backend.linear(hidden, self._w(LM_HEAD)), hidden
@@ -611,5 +615,6 @@ class GlmMoeDsaModel:
                                       r.scaling)  # [S, k] each
         if self.route_hook is not None:
             self.route_hook(spec.layer, ids, u)
+        done = None if self.ran_hook is None else functools.partial(self.ran_hook, spec.layer)
         return self.backend.moe(u, ids, weights, lambda e: self._mlp(spec.expert(e)),
-                                None if spec.shared is None else self._mlp(spec.shared))
+                                None if spec.shared is None else self._mlp(spec.shared), done)

@@ -128,13 +128,15 @@ def route_noaux_tc(logits: np.ndarray, bias: np.ndarray, top_k: int, n_group: in
 
 def moe_batch_union(x: np.ndarray, ids: np.ndarray, weights: np.ndarray,
                     run_expert: Callable[[int, np.ndarray], np.ndarray],
-                    parallel_map: Callable[[Callable, list], list] | None = None, chunk: int = 1) -> np.ndarray:
+                    parallel_map: Callable[[Callable, list], list] | None = None, chunk: int = 1,
+                    done: Callable[[int], None] | None = None) -> np.ndarray:
     """`sum_k weights[s,k] * E_{ids[s,k]}(x[s])` `[S, H]`, running each unique expert once on its rows.
 
     Loading an expert's weights is the cost that matters (they stream from disk), so every expert
     routed to by any row of the batch is called exactly once with all of its rows.
     parallel_map: `map(fn, items) -> list` that may run `chunk` experts at a time (on a thread pool); their
     outputs are summed in expert order either way, so the result does not depend on it.
+    done: called with each expert once its rows have run (its weights are not read again by this call).
     """
     out = np.zeros_like(x)
     picks = [(int(e), *np.nonzero(ids == e)) for e in np.unique(ids)]  # a row picks an expert at most once
@@ -147,6 +149,9 @@ def moe_batch_union(x: np.ndarray, ids: np.ndarray, weights: np.ndarray,
         for (_, rows, slots), y in zip(group, results, strict=True):
             out[rows] += weights[rows, slots, None] * y
         del results  # freed before the next group runs, not beside it
+        if done is not None:
+            for e, _, _ in group:
+                done(e)
     return out
 
 

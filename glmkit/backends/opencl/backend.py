@@ -313,12 +313,12 @@ class OpenCLBackend:
         return self.linear(self._silu_mul(self.linear(x, gate), self.linear(x, up)), down)
 
     def moe(self, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, expert: ExpertFn,
-            shared: tuple[Weight, Weight, Weight] | None) -> np.ndarray:
+            shared: tuple[Weight, Weight, Weight] | None, done: Callable[[int], None] | None = None) -> np.ndarray:
         p = self.placement
         if x.shape[0] > DECODE_ROWS and p.matmul == "host" and p.vector_prefill == "host":
-            return self.host.moe(x, ids, weights, expert, shared)  # every product on the host: its worker pool
+            return self.host.moe(x, ids, weights, expert, shared, done)  # every product on the host: its worker pool
         if x.shape[0] > DECODE_ROWS or p.experts != "cl":
-            return moe_layer(self, x, ids, weights, expert, shared)
+            return moe_layer(self, x, ids, weights, expert, shared, done=done)
         # Decode: every (token, expert) pair is a slot carrying its expert's offsets; slots whose weights share
         # a buffer and a scheme (usually all of them, the shared expert included) run in one fused launch pair.
         # Experts the device does not hold are streamed to it in one upload (placement.stream_experts), run in
