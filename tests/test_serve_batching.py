@@ -16,7 +16,7 @@ from glmkit.generate.generator import Generator
 from glmkit.generate.sampling import SamplingParams
 from glmkit.model.glm5 import GlmMoeDsaModel
 from glmkit.serve.scheduler import Done, GenerationJob, GenRequest, Scheduler, Text
-from tests.test_serve import ServerThread, serve_args, stats, user
+from tests.test_serve import ServerThread, concurrent_chats, serve_args, stats, user
 
 STEPS = 10
 BASE = [374, 376, 379, 198, 54, 368, 266, 295, 82, 220, 345, 307, 282, 271, 291, 284, 81, 78, 86, 280]  # 20 tokens
@@ -304,31 +304,10 @@ def test_concurrent_openai_clients_are_batched_and_get_their_replies_alone(serve
     model = client.models.list().data[0].id
     questions = ["Tell me a story about the sea.", "Tell me a story about the mountains and the sky.",
                  "Why?", "Tell me a story about the sea, and then another one."]
-    alone = {q: client.chat.completions.create(model=model, messages=[user(q)], max_tokens=24, temperature=0,
+    alone = {q: client.chat.completions.create(model=model, messages=[user(q)], max_tokens=48, temperature=0,
                                                extra_body={"ignore_eos": True}).choices[0].message.content
              for q in questions}
     before = stats(server)["batched_forwards"]
-    results: dict[str, str] = {}
-    errors: list[BaseException] = []
-
-    def worker(question: str, stream: bool) -> None:
-        try:
-            c = server.client()
-            kwargs = {"model": model, "messages": [user(question)], "max_tokens": 24, "temperature": 0,
-                      "extra_body": {"ignore_eos": True}}
-            if stream:
-                results[question] = "".join(ch.choices[0].delta.content or ""
-                                            for ch in c.chat.completions.create(stream=True, **kwargs) if ch.choices)
-            else:
-                results[question] = c.chat.completions.create(**kwargs).choices[0].message.content
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=worker, args=(q, i % 2 == 0)) for i, q in enumerate(questions)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors and results == alone
+    assert concurrent_chats(server, model, questions, 48, ignore_eos=True) == alone
     after = stats(server)
     assert after["batched_forwards"] > before and after["max_batch_seen"] >= 2
