@@ -14,6 +14,7 @@ from glmkit.errors import GlmkitError
 from glmkit.generate.engine import Engine
 from glmkit.generate.generator import Generator
 from glmkit.generate.sampling import SamplingParams
+from glmkit.model.expert_cache import ExpertCache
 from glmkit.model.glm5 import GlmMoeDsaModel
 from glmkit.serve.scheduler import Done, GenerationJob, GenRequest, Scheduler, Text
 from tests.test_serve import ServerThread, concurrent_chats, serve_args, stats, user
@@ -70,6 +71,25 @@ def test_batched_decode_gives_each_request_its_logits_alone(engine, count, share
         alone, alone_rows = greedy_alone(model, prompt, STEPS)
         assert tokens[i] == alone
         np.testing.assert_array_equal(np.array(rows[i]), np.array(alone_rows))
+
+
+def test_batched_decode_through_an_expert_cache_matches_the_mapping(engine, snapshot):
+    """Out of core: an expert cache of two slots per MoE layer, far fewer than a batch of four rows routes to (the
+    union's experts take each other's slots as they run); every row's logits bit for bit the mapping's."""
+    cfg = engine.config
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers_with_mtp))
+    slot = ExpertCache(engine.container, 1 << 30).slot_bytes
+    streamed = Engine(snapshot, load_tokenizer=False, expert_cache=2 * moe_layers * slot)
+    try:
+        batch = prompts(4, True)
+        tokens, rows = greedy_batched(streamed.model, batch, 6)
+        ram_tokens, ram_rows = greedy_batched(engine.model, batch, 6)
+        assert tokens == ram_tokens
+        np.testing.assert_array_equal(np.array(rows), np.array(ram_rows))
+        stats = streamed.experts.stats
+        assert stats.misses > 0 and stats.evictions > 0
+    finally:
+        streamed.close()
 
 
 def test_batched_moe_reads_each_routed_expert_once(engine, monkeypatch):
