@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from glmkit.cli.serve import build_app
+from glmkit.cli.serve import main as serve_main
 from glmkit.errors import GlmkitError
 from glmkit.generate.engine import Engine
 from glmkit.generate.generator import Generator
@@ -331,3 +332,8 @@ def test_concurrent_openai_clients_are_batched_and_get_their_replies_alone(serve
     assert concurrent_chats(server, model, questions, 48, ignore_eos=True) == alone
     after = stats(server)
     assert after["batched_forwards"] > before and after["max_batch_seen"] >= 2
+
+
+def test_a_bad_max_batch_is_refused(snapshot, capsys):
+    assert serve_main([str(snapshot), "--max-batch", "0"]) == 1
+    assert capsys.readouterr().err == "glm-serve: error: --max-batch: must be >= 1\n"
