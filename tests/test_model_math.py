@@ -528,7 +528,7 @@ def test_workers_give_the_same_products_indexer_and_moe() -> None:
     assert pooled.numerics != serial.numerics  # rows computed with another split are not reused as identical
 
 
-@pytest.mark.parametrize("shape", [(64, 96), (700, 500)])  # below and above SMALL_GEMM_ELEMS
+@pytest.mark.parametrize("shape", [(64, 96), (700, 500)])
 def test_times_transposed_matches_the_product_for_every_row_count(shape):
     from glmkit.backends.numpy_backend import GEMV_ROWS, times_transposed
 

@@ -565,10 +565,9 @@ def test_full_queue_is_429(snapshot, tmp_path, model):
         srv.stop()
 
 
-def test_concurrent_clients_all_complete(server, client, model):
-    prompts = [f"Question number {i}?" for i in range(6)]
-    expected = {p: client.chat.completions.create(model=model, messages=[user(p)], max_tokens=16,
-                                                  temperature=0).choices[0].message.content for p in prompts}
+def concurrent_chats(server: ServerThread, model: str, prompts: list[str], max_tokens: int,
+                     **extra: Any) -> dict[str, str]:
+    """Each prompt's greedy chat reply, all requested at once from their own clients (every other one streamed)."""
     results: dict[str, str] = {}
     errors: list[BaseException] = []
 
@@ -576,12 +575,13 @@ def test_concurrent_clients_all_complete(server, client, model):
         try:
             c = server.client()
             if stream:
-                chunks = list(c.chat.completions.create(model=model, messages=[user(prompt)], max_tokens=16,
-                                                        temperature=0, stream=True))
+                chunks = list(c.chat.completions.create(model=model, messages=[user(prompt)], max_tokens=max_tokens,
+                                                        temperature=0, stream=True, extra_body=extra))
                 assert chunks[-1].choices[0].finish_reason in ("stop", "length")
                 results[prompt] = "".join(ch.choices[0].delta.content or "" for ch in chunks)
             else:
-                reply = c.chat.completions.create(model=model, messages=[user(prompt)], max_tokens=16, temperature=0)
+                reply = c.chat.completions.create(model=model, messages=[user(prompt)], max_tokens=max_tokens,
+                                                  temperature=0, extra_body=extra)
                 results[prompt] = reply.choices[0].message.content
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
@@ -591,7 +591,15 @@ def test_concurrent_clients_all_complete(server, client, model):
         t.start()
     for t in threads:
         t.join(60)
-    assert not errors and results == expected
+    assert not errors
+    return results
+
+
+def test_concurrent_clients_all_complete(server, client, model):
+    prompts = [f"Question number {i}?" for i in range(6)]
+    expected = {p: client.chat.completions.create(model=model, messages=[user(p)], max_tokens=16,
+                                                  temperature=0).choices[0].message.content for p in prompts}
+    assert concurrent_chats(server, model, prompts, 16) == expected
 
 
 # ---- tools ----------------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ short load test with concurrent clients. Every request goes through the official
 
 Each configuration runs `python -m glmkit.cli.serve` as its own server process on a free loopback port,
 with a fresh cache directory (or `--no-cache`). A snapshot without a tokenizer (tools/bench_convert.py's
-synthetic ones) is served through a directory of symlinks plus the tiny fixture's tokenizer files.
+synthetic ones) is served through a directory of hard links plus the tiny fixture's tokenizer files.
 
 Agent conversation: a system prompt, three tool schemas and a task; every turn streams a reply (greedy,
 `ignore_eos`, `--max-tokens` tokens), then the script appends that reply with a scripted tool call and a
@@ -19,6 +19,14 @@ server (`timings.ttft_s`).
 Load: `--load-clients` threads send requests back to back (alternating streaming and not, each its own
 short conversation) for `--load-seconds`; a response is complete when it has `--load-max-tokens`
 tokens, finish_reason "length" and (streaming) the final usage chunk.
+
+Streams (`--streams 1,2,4`): one server per `--stream-modes` entry (default: continuous batching forced on with
+`--max-batch 4`, and off with `--max-batch 1`), all up at once; each round sends N concurrent streaming requests
+(distinct short prompts, greedy, `ignore_eos`, `--stream-tokens` tokens) to each server in turn, for every N, so
+the modes alternate under the same machine load. Aggregate decode tok/s = the tokens after each stream's first,
+summed, over the time from the earliest first token to the last stream's end (a stream's first token: its end less
+the server's `timings.decode_s`; the other streams' short prefills fall in that window); the table gives the median
+over `--stream-rounds` rounds.
 """
 
 from __future__ import annotations
@@ -93,14 +101,18 @@ def free_port() -> int:
 
 
 def servable(snapshot: Path, work: Path) -> Path:
-    """`snapshot`, or a symlinked copy of it with the fixture's tokenizer when it has none."""
+    """`snapshot`, or a hard-linked (else copied) view of it with the fixture's tokenizer when it has none (a
+    container refuses symlinks out of its directory)."""
     if (snapshot / "tokenizer.json").is_file():
         return snapshot
     view = work / "snapshot-with-tokenizer"
     view.mkdir(parents=True, exist_ok=True)
     for item in snapshot.iterdir():
         if not (view / item.name).exists():
-            (view / item.name).symlink_to(item.resolve())
+            try:
+                os.link(item.resolve(), view / item.name)
+            except OSError:  # another file system
+                shutil.copy(item, view / item.name)
     for name in TOKENIZER_FILES:
         shutil.copy(FIXTURE / name, view / name)
     return view
@@ -119,7 +131,8 @@ class Server:
         deadline = time.monotonic() + 300
         while True:
             if self.proc.poll() is not None:
-                raise SystemExit(f"server exited: see {log}")
+                self.log.close()
+                raise SystemExit(f"server exited: {log.read_text()[-2000:]}")
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=5) as r:
                     if r.status == 200:
@@ -246,13 +259,75 @@ def load_test(server: Server, model: str, clients: int, seconds: float, max_toke
             "max_active_seen": server.stats()["max_active_seen"]}
 
 
+# ---- concurrent streams ---------------------------------------------------------------------------------
+
+def concurrent_streams(server: Server, model: str, n: int, max_tokens: int, salt: int) -> dict[str, Any]:
+    """n streaming requests at once; their aggregate decode rate (see the module docstring)."""
+    ends: list[tuple[float, float, int]] = []  # (end, decode_s, completion tokens)
+    errors: list[str] = []
+
+    def stream(index: int) -> None:
+        try:
+            final = None
+            for chunk in client(server).completions.create(
+                    model=model, prompt=f"Stream {index} of round {salt}: the plan, step by step.",
+                    max_tokens=max_tokens, temperature=0, stream=True, stream_options={"include_usage": True},
+                    extra_body={"ignore_eos": True}):
+                if chunk.usage is not None:
+                    final = chunk
+            end = time.perf_counter()
+            ends.append((end, final.model_extra["timings"]["decode_s"], final.usage.completion_tokens))
+        except Exception as e:  # reported in the record
+            errors.append(f"{type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors or len(ends) != n:
+        return {"streams": n, "errors": errors}
+    window = max(end for end, _, _ in ends) - min(end - decode_s for end, decode_s, _ in ends)
+    tokens = sum(count - 1 for _, _, count in ends)
+    return {"streams": n, "tokens": tokens, "window_s": round(window, 4), "tok_per_s": round(tokens / window, 3),
+            "stream_tok_per_s": [round((count - 1) / decode_s, 3) for _, decode_s, count in ends]}
+
+
+def stream_scaling(servers: dict[str, Server], model: str, counts: list[int], max_tokens: int, rounds: int
+                   ) -> dict[str, dict[int, list[dict[str, Any]]]]:
+    """Every round: for each stream count, each mode's server in turn (alternated under the same load)."""
+    runs: dict[str, dict[int, list[dict[str, Any]]]] = {label: {n: [] for n in counts} for label in servers}
+    for r in range(rounds):
+        for n in counts:
+            for label, server in servers.items():
+                record = concurrent_streams(server, model, n, max_tokens, r)
+                runs[label][n].append(record)
+                print(f"round {r + 1} {label} x{n}: {json.dumps(record)}", file=sys.stderr)
+    return runs
+
+
+def scaling_markdown(runs: dict[str, dict[int, list[dict[str, Any]]]]) -> str:
+    labels = list(runs)
+    counts = list(runs[labels[0]])
+    median = {(label, n): statistics.median(r.get("tok_per_s", 0.0) for r in runs[label][n])
+              for label in labels for n in counts}
+    lines = ["| streams | " + " | ".join(f"{label}: tok/s (x of 1 stream)" for label in labels) +
+             (f" | {labels[0]} / {labels[1]} |" if len(labels) > 1 else " |"),
+             "|---:|" + "---:|" * (len(labels) + (len(labels) > 1))]
+    for n in counts:
+        cells = [f"{median[label, n]:.2f} ({median[label, n] / median[label, counts[0]]:.2f}x)" for label in labels]
+        ratio = [f"{median[labels[0], n] / median[labels[1], n]:.2f}x"] if len(labels) > 1 else []
+        lines.append(f"| {n} | " + " | ".join(cells + ratio) + " |")
+    return "\n".join(lines)
+
+
 # ---- report ----------------------------------------------------------------------------------------
 
 def markdown(runs: dict[str, list[dict]], load: dict[str, Any] | None) -> str:
     on, off = runs.get("cache on", []), runs.get("cache off", [])
     lines = ["| turn | prompt tokens | cache on: cached | on: prefilled | on: TTFT client / server (s) "
              "| off: prefilled | off: TTFT client / server (s) |",
-             "|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---:|---:|---:|---:|---:|---:|---:|"] if on or off else []
     for a, b in zip(on, off, strict=False):
         lines.append(f"| {a['turn']} | {a['prompt_tokens']} | {a['cached_tokens']} | {a['prefill_tokens']} | "
                      f"{a['client_ttft_s']:.3f} / {a['server_ttft_s']:.3f} | {b['prefill_tokens']} | "
@@ -281,6 +356,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--load-clients", type=int, default=4)
     p.add_argument("--load-seconds", type=float, default=20)
     p.add_argument("--load-max-tokens", type=int, default=16)
+    p.add_argument("--streams", default="", help="concurrent stream counts to compare, e.g. 1,2,4 (default: none)")
+    p.add_argument("--stream-tokens", type=int, default=48, help="tokens per stream (default %(default)s)")
+    p.add_argument("--stream-rounds", type=int, default=3, help="rounds of every count and mode (default %(default)s)")
+    p.add_argument("--stream-modes", default="batched=--max-batch 4;per-request=--max-batch 1",
+                   help="LABEL=glm-serve flags, ';'-separated: one server each (default %(default)s)")
     p.add_argument("--server-args", default="", help="extra glm-serve flags, e.g. '--no-mtp --parallel 8'")
     p.add_argument("--json", type=Path, help="write all numbers here")
     args = p.parse_args(argv)
@@ -299,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         extra = args.server_args.split()
         runs: dict[str, list[dict]] = {}
         commands = {}
-        for label, cache in (("cache on", work / "cache"), ("cache off", None)):
+        for label, cache in (("cache on", work / "cache"), ("cache off", None)) if args.turns > 0 else ():
             server = Server(snapshot, cache, work / f"server-{label.replace(' ', '-')}.log", extra)
             commands[label] = server.command
             try:
@@ -307,6 +387,19 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 server.close()
             print(f"{label}: {json.dumps(runs[label])}", file=sys.stderr)
+        scaling = None
+        if args.streams:
+            counts = [int(n) for n in args.streams.split(",")]
+            servers = {}
+            try:
+                for mode in args.stream_modes.split(";"):
+                    label, _, flags = mode.partition("=")
+                    servers[label] = Server(snapshot, None, work / f"server-{label}.log", extra + flags.split())
+                    commands[label] = servers[label].command
+                scaling = stream_scaling(servers, model, counts, args.stream_tokens, args.stream_rounds)
+            finally:
+                for server in servers.values():
+                    server.close()
         load = None
         if args.load_clients > 0 and args.load_seconds > 0:
             server = Server(snapshot, work / "cache-load", work / "server-load.log", extra)
@@ -315,11 +408,15 @@ def main(argv: list[str] | None = None) -> int:
                 load = load_test(server, model, args.load_clients, args.load_seconds, args.load_max_tokens)
             finally:
                 server.close()
-        print(markdown(runs, load))
+        if runs or load:
+            print(markdown(runs, load))
+        if scaling:
+            print(scaling_markdown(scaling))
         if args.json:
             args.json.write_text(json.dumps({"snapshot": str(args.snapshot or f"tiny-bf16 8k ({args.preset})"),
                                              "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
-                                             "commands": commands, "turns": runs, "load": load}, indent=1))
+                                             "commands": commands, "turns": runs, "load": load,
+                                             "streams": scaling}, indent=1))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0

@@ -80,8 +80,9 @@ class NumpyBackend:
 
     def __init__(self, decode_rows: int = 4, decode_block: int = 1 << 18, prefill_block: int = 1 << 24,
                  query_block: int = 1 << 20, workers: int = 1) -> None:
-        # v5: DSA attention over the gathered chosen keys; -wN: the split changes rounding
-        self.numerics = "numpy-f32-v5" + (f"-w{workers}" if workers > 1 else "")
+        # v5: DSA attention over the gathered chosen keys; v6: 2-3-row products row by row; -wN: the split changes
+        # rounding
+        self.numerics = "numpy-f32-v6" + (f"-w{workers}" if workers > 1 else "")
         self.decode_rows = decode_rows
         self.decode_block = decode_block
         self.prefill_block = prefill_block
@@ -317,16 +318,16 @@ class NumpyBackend:
         return None  # the operations above are the decode step
 
 
-GEMV_ROWS = 4  # up to this many input rows, `times_transposed` may run one GEMV per row
-SMALL_GEMM_ELEMS = 1 << 18  # weights up to this size: OpenBLAS's GEMM handles 2-3 rows well
+GEMV_ROWS = 4  # up to this many input rows, `times_transposed` runs one GEMV per row
 
 
 def times_transposed(x: np.ndarray, w: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """`x [S, I] @ w[O, I]^T -> [S, O]` (written into `out` when given: no temporary). OpenBLAS runs this
-    transposed GEMM far below GEMV speed when S is a few rows and `w` is not small: such calls (MTP verification,
-    short chunks) go row by row."""
+    transposed GEMM far below GEMV speed when S is a few rows, even for the cache-sized blocks of a quantized weight:
+    such calls (MTP verification, a batch of decoded tokens, short chunks) go row by row, each row's product then the
+    one it has alone."""
     rows = x.shape[0]
-    if 1 < rows <= GEMV_ROWS and (rows == GEMV_ROWS or w.size > SMALL_GEMM_ELEMS):
+    if 1 < rows <= GEMV_ROWS:
         if out is None:
             return np.stack([w @ row for row in x])
         for i, row in enumerate(x):

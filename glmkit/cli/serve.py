@@ -34,7 +34,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-request-size", type=parse_size, default=16 << 20, metavar="SIZE",
                    help="larger request bodies get 413 (default 16M)")
     p.add_argument("--parallel", type=int, default=4, metavar="N",
-                   help="requests generating at once, round-robin, each with its own KV session (default 4)")
+                   help="requests generating at once, each with its own KV session (default 4)")
+    p.add_argument("--max-batch", type=int, metavar="N",
+                   help="decoding requests per batched forward (default: --parallel where batching pays, on the "
+                        "NumPy backend; 1 on an OpenCL decode step, where a step per request is faster; 1: each "
+                        "request decodes on its own in turn)")
     p.add_argument("--max-queue", type=int, default=64, metavar="N",
                    help="requests waiting beyond --parallel before 429 (default 64)")
     p.add_argument("--prefill-chunk", type=int, default=512, metavar="N",
@@ -53,8 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
 def check_args(args: argparse.Namespace) -> None:
     if not 0 <= args.port < 65536:
         raise GlmkitError(f"--port: must be in 0..65535, got {args.port}")
-    for name in ("parallel", "prefill_chunk", "default_max_tokens"):
-        if getattr(args, name) < 1:
+    for name in ("parallel", "prefill_chunk", "default_max_tokens", "max_batch"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise GlmkitError(f"--{name.replace('_', '-')}: must be >= 1")
     if args.max_queue < 0 or args.max_request_size < 1:
         raise GlmkitError("--max-queue must be >= 0, --max-request-size >= 1")
@@ -87,7 +91,7 @@ def make_loader(args: argparse.Namespace):
         use_mtp = use_mtp_from_arguments(engine, args)
         scheduler = Scheduler(engine, prefix_cache=lambda: open_prefix_cache(engine, args, use_mtp), use_mtp=use_mtp,
                               reuse=not args.no_cache, max_active=args.parallel, max_queue=args.max_queue,
-                              prefill_chunk=args.prefill_chunk)
+                              prefill_chunk=args.prefill_chunk, max_batch=args.max_batch)
         scheduler.start()
         return Loaded(engine, scheduler, generation_defaults(args.snapshot))
     return load

@@ -703,7 +703,9 @@ class StagedDecodeStep:
 class PipelineModel(GlmMoeDsaModel):
     """The head's model: embedding, final norm, lm_head and MTP run here; the main decoder layers on the stages.
     Where every stage decodes on its device step, so does a single-token forward (`StagedDecodeStep`); MTP's
-    two-row verification runs through the operations."""
+    two-row verification runs through the operations. Its forwards take one sequence (no `decode_batch`)."""
+
+    batches_sequences = False
 
     def __init__(self, config: ModelConfig, weights: WeightSource, backend: Backend, pipeline: Pipeline,
                  kv_dtype: str = "f32") -> None:

@@ -12,9 +12,9 @@ of the cache, and the same methods recompute rows in place at chosen positions (
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import numpy as np
 
@@ -44,6 +44,10 @@ class WeightSource(Protocol):
 
     def has(self, name: str) -> bool: ...
 
+
+ChosenKeys = np.ndarray | None
+"""A DSA selection `[S, K]` int32 (-1 padded), or None: every causal key."""
+Selection = TypeVar("Selection")  # one sequence's ChosenKeys, or a list of them (one per sequence of a batch)
 
 RouteHook = Callable[[int, np.ndarray, np.ndarray | None], None]
 """Called as `hook(layer, expert_ids [S, k], normed_input [S, H])` right after routing, before any expert runs;
@@ -136,6 +140,8 @@ class GlmMoeDsaModel:
     kv_dtype: the precision of the cache rows `new_cache` keeps (`KV_DTYPES`); attention reads them at it.
     """
 
+    batches_sequences = True  # `decode_batch` can run: every layer's cache rows are in this process
+
     def __init__(self, config: ModelConfig, weights: WeightSource, backend: Backend,
                  absorb_max_rows: int = 4, route_hook: RouteHook | None = None,
                  step_route_hook: Callable[[int, np.ndarray], None] | None = None,
@@ -206,6 +212,36 @@ class GlmMoeDsaModel:
         if len(token_ids) > self.absorb_max_rows:
             self.backend.release_memory()  # a prefill's temporaries are freed; decode should not carry them
         return logits, hidden
+
+    def decode_batch(self, token_ids: np.ndarray, caches: Sequence[KVCache]) -> tuple[np.ndarray, np.ndarray]:
+        """One new token for each of B sequences in one forward: `token_ids[i]` appended to `caches[i]` (B different
+        caches, each already holding rows) at its own length. Attention runs per sequence (its cache, its DSA
+        selection); norms, projections, MLPs, the router and lm_head on the B rows at once, and the routed MoE runs
+        each expert any row routes to once for the batch. Returns (logits `[B, V]`, hidden `[B, H]` after the final
+        norm); one sequence goes through `forward` (the device decode step where there is one)."""
+        if not self.batches_sequences:
+            raise GlmkitError("this model runs one sequence per forward (its layers' rows are not all in this process)")
+        if len(caches) != len(token_ids) or len({id(cache) for cache in caches}) != len(caches):
+            raise ValueError(f"decode_batch: {len(token_ids)} tokens for {len(caches)} caches (one each, all distinct)")
+        if len(caches) == 1:
+            return self.forward(np.asarray(token_ids), caches[0])
+        step = self._decode_step()
+        if step is not None:
+            step.settle()  # a pipelined single-token forward in flight finishes before its cache is read
+        x = self.embed(token_ids)  # [B, H]
+        chosen: list[ChosenKeys] = [None] * len(caches)
+        for layer in range(self.config.num_hidden_layers):
+            kvs = [cache.layer(layer) for cache in caches]
+            attend = functools.partial(self.batch_attention, layer, kvs=kvs, prev_chosen=chosen)
+            x, chosen = self._residual_block(layer, x, attend)
+        hidden = self.final_norm(x)
+        return self.backend.linear(hidden, self._w(LM_HEAD)), hidden
+
+    def batch_pays(self) -> bool:
+        """Whether decoding several sequences through `decode_batch` beats one forward each: where single tokens run
+        through the operations (NumPy). On a device decode step (OpenCL) the batch's per-operation forward is slower
+        than a step per sequence (docs/BENCHMARKS.md, glm-serve)."""
+        return self.batches_sequences and not self.decodes_on_device()
 
     def prefill_on_step(self, token_ids: np.ndarray, cache: KVCache, queued: bool = True
                         ) -> tuple[np.ndarray, np.ndarray]:
@@ -419,8 +455,14 @@ class GlmMoeDsaModel:
         """`h = x + Attn(RMSNorm(x))`; `x' = h + FFN(RMSNorm(h))` for the rows `x [S, H]` of the tokens at
         `positions [S]` (see `attention` for how their cache rows are written). Returns (x' `[S, H]`, the DSA
         selection `[S, K]` it attended with, or None)."""
+        return self._residual_block(layer, x, lambda u: self.attention(layer, u, positions, kv, prev_chosen))
+
+    def _residual_block(self, layer: int, x: np.ndarray, attend: Callable[[np.ndarray], tuple[np.ndarray, Selection]]
+                        ) -> tuple[np.ndarray, Selection]:
+        """`h = x + attend(RMSNorm(x))`; `x' = h + FFN(RMSNorm(h))` on `x [S, H]`, the attention `attend(u)` -> (output
+        `[S, H]`, the selection it used): one sequence's (`decoder_layer`) or one row per sequence (`decode_batch`)."""
         spec = self.layers[layer]
-        attn, chosen = self.attention(layer, self._norm(x, spec.input_norm), positions, kv, prev_chosen)
+        attn, chosen = attend(self._norm(x, spec.input_norm))
         h = x + attn  # [S, H]
         return h + self.feed_forward(layer, self._norm(h, spec.post_attention_norm)), chosen
 
@@ -437,11 +479,44 @@ class GlmMoeDsaModel:
         seq, start = u.shape[0], kv.length
         appending = seq > 0 and positions[0] == start and positions[-1] == start + seq - 1
         cos, sin = rope_cos_sin(positions, spec.rope, spec.rope_theta)  # [S, rope/2] each
+        a = self.attention_inputs(layer, u, cos, sin, self._scored(layer, start + seq if appending else start))
+        out, chosen = self._attend_cached(layer, a, positions, kv, prev_chosen, appending)
+        return self.backend.linear(out.reshape(seq, -1), self._w(spec.o_proj)), chosen
 
-        total = start + seq if appending else start
-        # with at most topk keys, the indexer keeps them all: no scores
-        scored = spec.indexer is not None and total > spec.indexer.topk
-        a = self.attention_inputs(layer, u, cos, sin, scored)
+    def _scored(self, layer: int, total: int) -> bool:
+        """Whether layer `layer`'s indexer scores keys for queries that see `total` cached rows (with at most topk
+        keys it keeps them all: no scores)."""
+        indexer = self.layers[layer].attention.indexer
+        return indexer is not None and total > indexer.topk
+
+    def batch_attention(self, layer: int, u: np.ndarray, kvs: Sequence[LayerKV], prev_chosen: Sequence[ChosenKeys]
+                        ) -> tuple[np.ndarray, list[ChosenKeys]]:
+        """`attention` of one new token per sequence: row i of normed input `u [B, H]` appended to `kvs[i]` at its
+        length. The projections run on the B rows at once; each row writes, selects (DSA, against its own indexer
+        keys) and attends over its own cache. Returns (output `[B, H]`, each row's selection `[1, K]` or None)."""
+        spec = self.layers[layer].attention
+        positions = np.array([kv.length for kv in kvs])
+        cos, sin = rope_cos_sin(positions, spec.rope, spec.rope_theta)  # [B, rope/2] each
+        scored = [self._scored(layer, kv.length + 1) for kv in kvs]
+        a = self.attention_inputs(layer, u, cos, sin, any(scored))
+        outs, chosen = [], []
+        for i, kv in enumerate(kvs):
+            row = slice(i, i + 1)
+            own = AttentionInputs(a.q_nope[row], a.q_rot[row], a.kv_lat[row], a.k_rot[row],
+                                  None if a.index_k is None else a.index_k[row],
+                                  None if a.index_q is None or not scored[i] else a.index_q[row],
+                                  None if a.index_weights is None or not scored[i] else a.index_weights[row])
+            out, keys = self._attend_cached(layer, own, positions[row], kv, prev_chosen[i], True)
+            outs.append(out)
+            chosen.append(keys)
+        return self.backend.linear(np.concatenate(outs).reshape(len(kvs), -1), self._w(spec.o_proj)), chosen
+
+    def _attend_cached(self, layer: int, a: AttentionInputs, positions: np.ndarray, kv: LayerKV,
+                       prev_chosen: ChosenKeys, appending: bool) -> tuple[np.ndarray, ChosenKeys]:
+        """The cache side of `attention` for one sequence's rows `a` at `positions [S]`: write their cache rows
+        (appended, or over rows already there), choose their keys, attend. Returns (`[S, nh, v]`, the selection)."""
+        spec = self.layers[layer].attention
+        seq, start = len(positions), kv.length
         rows = {"kv_lat": a.kv_lat, "k_rot": a.k_rot}
         if spec.indexer is not None:
             rows["index_k"] = a.index_k
@@ -458,7 +533,7 @@ class GlmMoeDsaModel:
             attend = mla_attend_absorbed if absorb else mla_attend_full
             out = attend(self.backend, a.q_nope, a.q_rot, kv.kv_lat, kv.k_rot, self._w(spec.kv_b),
                          position_mask(positions, kv.length), spec.scale)  # [S, nh, v]
-        return self.backend.linear(out.reshape(seq, -1), self._w(spec.o_proj)), chosen
+        return out, chosen
 
     def kv_latent(self, layer: int, x: np.ndarray) -> np.ndarray:
         """The normed latent `kv_lat [S, kv_lora_rank]` layer `layer` caches for rows whose layer input is

@@ -1,11 +1,18 @@
-"""The generation worker: one thread runs every request's steps round-robin over a pool of Sessions.
+"""The generation worker: one thread runs every request's steps over a pool of Sessions, with continuous batching.
 
 A step is one unit of work of one request: restoring its cached prefix, one chunk of its prefill
-(`prefill_chunk` tokens), or one decode step (`next()` on its `Generator`, one forward or an
-already verified MTP token). Every pass over the active requests gives each of them one step, so a
-long prompt does not stall the other conversations' decoding for more than one chunk, and a request
-that is cancelled (its client went away) stops at its next step. Decode steps of different requests
-are not batched into one forward: the runtime's forward takes one sequence.
+(`prefill_chunk` tokens), or one decode step. Every pass over the active requests gives each of them one step, so a
+long prompt does not stall the other conversations' decoding for more than one chunk, and a request that is
+cancelled (its client went away) stops at its next step.
+
+Decode steps are batched: when two or more requests are decoding, one pass decodes all of them (`max_batch` per
+forward) in one `GlmMoeDsaModel.decode_batch` forward, each row sampled by its request's own Sampler (constraint,
+penalties, logprobs, seed); a request that finishes its prefill joins the batch on the next pass, one that ends
+leaves it. A request decoding alone runs its `Generator` (`next()`: one forward, an already verified MTP token, the
+device decode step with its next forward in flight). Joining the batch closes that generator (its cache keeps the
+rows of the tokens given out so far, the last one's row not yet written); decoding alone again starts a new
+generator on the prompt plus the tokens so far, whose "prefill" is the last token's single-row forward. Batched rows
+run no MTP drafts, and such a request drafts nothing after it (its MTP rows fell behind).
 
 Every request goes through `Session.prepare` / `Session.commit` exactly like `glm-run --chat`: a
 request takes the idle Session whose KV rows share the longest prefix with its prompt (so a
@@ -23,6 +30,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from glmkit.cache.prefix_cache import PrefixCache, common_prefix
 from glmkit.cache.session import ReuseStats, Session
@@ -105,20 +114,31 @@ class GenerationJob:
         self.restore_s = 0.0
         self.started = 0.0
         self.first_token = 0.0
+        self.batched = False  # decoding in the batch: no generator; the cache lacks the last token's row
+
+    @property
+    def decoding(self) -> bool:
+        """Prefilled: its first token is out."""
+        return self.iterator is not None or self.batched
 
 
 class Scheduler:
     def __init__(self, engine: Engine, *, prefix_cache: Callable[[], PrefixCache | None] | None = None,
                  use_mtp: bool = True, reuse: bool = True, max_active: int = 4, max_queue: int = 64,
-                 prefill_chunk: int = 512):
+                 prefill_chunk: int = 512, max_batch: int | None = None):
         """prefix_cache: opens the on-disk cache (called on the worker thread; None = no disk cache).
-        reuse: False = every request prefills its whole prompt (no Session reuse, no disk cache)."""
+        reuse: False = every request prefills its whole prompt (no Session reuse, no disk cache).
+        max_batch: decoding requests per batched forward (1: each decodes on its own, one step each in turn; None:
+        max_active where batching pays, `GlmMoeDsaModel.batch_pays`, else 1). A model whose forwards take one
+        sequence (a Ray pipeline's) never batches."""
         self.engine = engine
         self.use_mtp = use_mtp and engine.model.has_mtp
         self.reuse = reuse
         self.max_active = max(1, max_active)
         self.max_queue = max_queue
         self.prefill_chunk = max(1, prefill_chunk)
+        self._max_batch = max_batch
+        self.max_batch = 1  # decided on the worker thread (whether the model decodes on a device step)
         self._open_cache = prefix_cache if reuse else None
         self.prefix_cache: PrefixCache | None = None
         self._cv = threading.Condition()
@@ -132,7 +152,8 @@ class Scheduler:
         self._startup_error: BaseException | None = None
         self.counters = {"requests": 0, "completed": 0, "cancelled": 0, "failed": 0, "rejected": 0,
                          "prompt_tokens": 0, "cached_tokens": 0, "prefill_tokens": 0, "completion_tokens": 0,
-                         "steps": 0, "max_active_seen": 0}
+                         "steps": 0, "max_active_seen": 0, "batched_forwards": 0, "batched_rows": 0,
+                         "max_batch_seen": 0}
         self.recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=RECENT)
         self._thread = threading.Thread(target=self._run, name="glm-serve-worker", daemon=True)
 
@@ -171,7 +192,7 @@ class Scheduler:
     def stats(self) -> dict[str, Any]:
         with self._cv:
             return {**self.counters, "active": len(self._active), "queued": len(self._queue),
-                    "sessions": len(self._sessions), "max_active": self.max_active,
+                    "sessions": len(self._sessions), "max_active": self.max_active, "max_batch": self.max_batch,
                     "recent": list(self.recent)}
 
     # ---- worker thread ---------------------------------------------------------------------------
@@ -179,6 +200,9 @@ class Scheduler:
     def _run(self) -> None:
         try:
             self.prefix_cache = self._open_cache() if self._open_cache else None
+            model = self.engine.model
+            wanted = self.max_active if self._max_batch is None and model.batch_pays() else self._max_batch or 1
+            self.max_batch = max(1, min(wanted, self.max_active)) if model.batches_sequences else 1
         except BaseException as e:  # reported by start()
             self._startup_error = e
             self._ready.set()
@@ -197,8 +221,14 @@ class Scheduler:
                     self._active.append(job)
                 self.counters["max_active_seen"] = max(self.counters["max_active_seen"], len(self._active))
                 jobs = list(self._active)
-            for job in jobs:  # round robin: one step each
-                self._step(job)
+            decoding = [job for job in jobs if job.decoding] if self.max_batch > 1 else []
+            if len(decoding) < 2:
+                decoding = []  # decoding alone: its generator's own steps
+            for job in jobs:  # one step each; the decoding ones together after the prefill steps
+                if job not in decoding:
+                    self._step(job)
+            for at in range(0, len(decoding), self.max_batch):
+                self._batch_step(decoding[at:at + self.max_batch])
         for job in list(self._active) + list(self._queue):
             job.cancelled = True
             self._finish(job, "cancelled")
@@ -246,6 +276,8 @@ class Scheduler:
             return
         self.counters["steps"] += 1
         try:
+            if job.batched:
+                self._leave_batch(job)
             if job.iterator is None:
                 self._prefill_step(job)
             else:
@@ -287,6 +319,72 @@ class Scheduler:
         except StopIteration:
             self._finish(job, "length")  # max_tokens or the model's context
             return
+        self._take(job, token)
+
+    def _batch_step(self, jobs: list[GenerationJob]) -> None:
+        """One decode step of each of `jobs` (all past their first token) in one batched forward."""
+        rows = []
+        for job in jobs:
+            if job.cancelled:
+                self._finish(job, "cancelled")
+                continue
+            try:
+                if not job.batched:
+                    self._join_batch(job)
+            except Exception as e:
+                log.exception("request %s failed", job.request.request_id)
+                self._finish(job, "error", error=f"{type(e).__name__}: {e}")
+                continue
+            assert job.session is not None
+            if job.session.kv.length + 1 >= self.engine.model.config.max_position_embeddings:
+                self._finish(job, "length")  # the model's context is full (as the Generator stops)
+                continue
+            rows.append(job)
+        if not rows:
+            return
+        self.counters["steps"] += len(rows)
+        self.counters["batched_forwards"] += 1
+        self.counters["batched_rows"] += len(rows)
+        self.counters["max_batch_seen"] = max(self.counters["max_batch_seen"], len(rows))
+        try:
+            logits, _ = self.engine.model.decode_batch(np.array([job.tokens[-1] for job in rows]),
+                                                       [job.session.kv for job in rows])  # type: ignore[union-attr]
+        except Exception as e:  # every row's cache may be half-written
+            log.exception("a batched decode step of %d requests failed", len(rows))
+            for job in rows:
+                self._finish(job, "error", error=f"{type(e).__name__}: {e}")
+            return
+        for job, row in zip(rows, logits, strict=True):
+            try:
+                assert job.sampler is not None
+                self._take(job, job.sampler(row))
+            except Exception as e:
+                log.exception("request %s failed", job.request.request_id)
+                self._finish(job, "error", error=f"{type(e).__name__}: {e}")
+
+    def _join_batch(self, job: GenerationJob) -> None:
+        """Move a decoding request from its generator to the batch: the generator closes (a forward it queued
+        ahead is dropped) and the cache keeps exactly the prompt and the tokens before the last one."""
+        assert job.session is not None
+        job.iterator.close()
+        job.iterator, job.batched = None, True
+        kv = job.session.kv
+        kv.truncate(len(job.request.prompt_ids) + len(job.tokens) - 1)  # an accepted MTP draft's row past it
+        if kv.length != len(job.request.prompt_ids) + len(job.tokens) - 1:
+            raise RuntimeError(f"request {job.request.request_id}: its cache holds {kv.length} rows, "
+                               f"not those of {len(job.request.prompt_ids)} prompt and {len(job.tokens) - 1} tokens")
+
+    def _leave_batch(self, job: GenerationJob) -> None:
+        """A batched request decoding alone again: a new generator over the prompt and its tokens so far, whose first
+        step is the last token's forward (the device decode step and its pipelining where there is one)."""
+        assert job.generator is not None and job.session is not None and job.sampler is not None
+        job.batched = False
+        job.iterator = job.generator.generate(job.request.prompt_ids + job.tokens,
+                                              job.request.max_tokens - len(job.tokens), job.sampler, job.session.kv)
+
+    def _take(self, job: GenerationJob, token: int) -> None:
+        """Record a decoded token of `job`: emit its text, finish at eos, a stop sequence or max_tokens."""
+        assert job.generator is not None and job.decoder is not None
         if not job.tokens:
             job.first_token = time.perf_counter()
         job.tokens.append(token)

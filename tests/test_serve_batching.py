@@ -1,0 +1,339 @@
+"""Continuous batching: `GlmMoeDsaModel.decode_batch` and glm-serve's worker decoding every request in one forward."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from glmkit.cli.serve import build_app
+from glmkit.cli.serve import main as serve_main
+from glmkit.errors import GlmkitError
+from glmkit.generate.engine import Engine
+from glmkit.generate.generator import Generator
+from glmkit.generate.sampling import SamplingParams
+from glmkit.model.expert_cache import ExpertCache
+from glmkit.model.glm5 import GlmMoeDsaModel
+from glmkit.serve.scheduler import Done, GenerationJob, GenRequest, Scheduler, Text
+from tests.test_serve import ServerThread, concurrent_chats, serve_args, stats, user
+
+STEPS = 10
+BASE = [374, 376, 379, 198, 54, 368, 266, 295, 82, 220, 345, 307, 282, 271, 291, 284, 81, 78, 86, 280]  # 20 tokens
+
+
+def prompts(count: int, shared: bool) -> list[list[int]]:
+    """`count` prompts of different lengths (3 to 29 tokens: below and above the fixture's DSA top-k of 8); `shared`:
+    all but the first start with the same 12 tokens."""
+    rng = np.random.default_rng(count + 10 * shared)
+    out = []
+    for i, n in enumerate((3, 29, 14, 9)[:count]):
+        own = [int(t) for t in rng.integers(0, 370, n)]
+        out.append(BASE[:12] + own[:max(n - 12, 1)] if shared and i else own)
+    return out
+
+
+def greedy_alone(model: GlmMoeDsaModel, prompt: list[int], n: int) -> tuple[list[int], list[np.ndarray]]:
+    """n greedy tokens of `prompt` decoded alone, one `forward` per token, with the logits each was chosen from."""
+    cache = model.new_cache()
+    logits, _ = model.forward(np.array(prompt), cache, last_logits_only=True)
+    tokens, rows = [], []
+    for _ in range(n):
+        rows.append(logits[-1])
+        tokens.append(int(np.argmax(logits[-1])))
+        logits, _ = model.forward(np.array(tokens[-1:]), cache)
+    return tokens, rows
+
+
+def greedy_batched(model: GlmMoeDsaModel, batch: list[list[int]], n: int) -> tuple[list[list[int]], list[list]]:
+    """The same, all prompts decoded together through `decode_batch`."""
+    caches = [model.new_cache() for _ in batch]
+    last = [model.forward(np.array(p), c, last_logits_only=True)[0][-1] for p, c in zip(batch, caches, strict=True)]
+    tokens: list[list[int]] = [[] for _ in batch]
+    rows: list[list[np.ndarray]] = [[] for _ in batch]
+    for _ in range(n):
+        for i, logits in enumerate(last):
+            rows[i].append(logits)
+            tokens[i].append(int(np.argmax(logits)))
+        last = list(model.decode_batch(np.array([t[-1] for t in tokens]), caches)[0])
+    return tokens, rows
+
+
+@pytest.mark.parametrize("count,shared", [(1, False), (2, False), (3, True), (4, False), (4, True)])
+def test_batched_decode_gives_each_request_its_logits_alone(engine, count, shared):
+    """NumPy, up to GEMV_ROWS rows: every product of the batch runs row by row, so each row's logits are bit for bit
+    those of its sequence decoded alone."""
+    model = engine.model
+    batch = prompts(count, shared)
+    tokens, rows = greedy_batched(model, batch, STEPS)
+    for i, prompt in enumerate(batch):
+        alone, alone_rows = greedy_alone(model, prompt, STEPS)
+        assert tokens[i] == alone
+        np.testing.assert_array_equal(np.array(rows[i]), np.array(alone_rows))
+
+
+def test_batched_decode_through_an_expert_cache_matches_the_mapping(engine, snapshot):
+    """Out of core: an expert cache of two slots per MoE layer, far fewer than a batch of four rows routes to (the
+    union's experts take each other's slots as they run); every row's logits bit for bit the mapping's."""
+    cfg = engine.config
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers_with_mtp))
+    slot = ExpertCache(engine.container, 1 << 30).slot_bytes
+    streamed = Engine(snapshot, load_tokenizer=False, expert_cache=2 * moe_layers * slot)
+    try:
+        batch = prompts(4, True)
+        tokens, rows = greedy_batched(streamed.model, batch, 6)
+        ram_tokens, ram_rows = greedy_batched(engine.model, batch, 6)
+        assert tokens == ram_tokens
+        np.testing.assert_array_equal(np.array(rows), np.array(ram_rows))
+        stats = streamed.experts.stats
+        assert stats.misses > 0 and stats.evictions > 0
+    finally:
+        streamed.close()
+
+
+def test_batched_moe_reads_each_routed_expert_once(engine, monkeypatch):
+    """The batch's routed experts run once each on the rows routed to them: the union of the rows' experts."""
+    model = engine.model
+    batch = prompts(4, False)
+    caches = [model.new_cache() for _ in batch]
+    for p, c in zip(batch, caches, strict=True):
+        model.forward(np.array(p), c)
+    routed: list[np.ndarray] = []
+    runs: list[int] = []
+    monkeypatch.setattr(model, "route_hook", lambda layer, ids, u: routed.append(ids))
+    backend_mlp = model.backend.expert_mlp
+    monkeypatch.setattr(model.backend, "expert_mlp", lambda x, *w: (runs.append(len(x)), backend_mlp(x, *w))[1])
+    model.decode_batch(np.array([5, 6, 7, 8]), caches)
+    moe_layers = len(routed)
+    assert moe_layers == model.config.num_hidden_layers - model.config.first_k_dense_replace
+    unions = sum(len(np.unique(ids)) for ids in routed)
+    dense, shared = model.config.first_k_dense_replace, moe_layers
+    assert len(runs) == unions + dense + shared  # one call per routed expert in the union, not one per row
+    assert all(ids.shape[0] == 4 for ids in routed)  # routed on the 4 rows at once
+
+
+def test_batched_decode_refuses_a_cache_twice(engine):
+    model = engine.model
+    cache = model.new_cache()
+    model.forward(np.array([1, 2, 3]), cache)
+    with pytest.raises(ValueError, match="distinct"):
+        model.decode_batch(np.array([4, 5]), [cache, cache])
+
+
+def test_batched_decode_on_opencl_matches_the_device_step_alone(snapshot):
+    """OpenCL: B rows through the operations give the tokens of each sequence alone on the device decode step."""
+    model = Engine(snapshot, device="opencl").model
+    assert model.decodes_on_device()
+    batch = prompts(3, True)
+    tokens, rows = greedy_batched(model, batch, 6)
+    for i, prompt in enumerate(batch):
+        alone, alone_rows = greedy_alone(model, prompt, 6)
+        assert tokens[i] == alone
+        np.testing.assert_allclose(np.array(rows[i]), np.array(alone_rows), rtol=0, atol=1e-3)
+
+
+# ---- the scheduler -------------------------------------------------------------------------------------------
+
+class MultiplesOf:
+    """A constraint: only token ids divisible by `k` (a grammar's mask, as `LogitsConstraint` sees it)."""
+
+    def __init__(self, k: int):
+        self.k, self.accepted = k, []
+
+    def mask(self, logits: np.ndarray) -> np.ndarray:
+        return np.where(np.arange(len(logits)) % self.k == 0, logits, -np.inf)
+
+    def accept(self, token: int) -> None:
+        assert token % self.k == 0
+        self.accepted.append(token)
+
+
+def mixed_requests(shared: bool) -> list[GenRequest]:
+    """Four requests of different prompt lengths and sampling settings (greedy, seeded top-p with penalties and
+    logprobs, a constraint, a stop sequence) and lengths."""
+    p = prompts(4, shared)
+    return [GenRequest(p[0], 12, ignore_eos=True, request_id="greedy"),
+            GenRequest(p[1], 9, SamplingParams(0.9, top_p=0.9, seed=7, presence_penalty=0.5), ignore_eos=True,
+                       logprobs=3, request_id="sampled"),
+            GenRequest(p[2], 14, SamplingParams(0.7, seed=3), ignore_eos=True, constraint=MultiplesOf(3),
+                       request_id="constrained"),
+            GenRequest(p[3], 7, ignore_eos=True, stop=(" of", "hi"), logprobs=0, request_id="stopped")]
+
+
+def serve(engine: Engine, requests: list[GenRequest], max_batch: int, cancel_after: dict[str, int] | None = None,
+          join_at: int = 0, then: list[GenRequest] = (), **kwargs: Any
+          ) -> dict[str, tuple[list[int], list[Text], Done]]:
+    """Run `requests` through a Scheduler (all queued before it starts, or with `join_at` the first alone and the
+    others once it has that many tokens), then `then` once they all ended: each request's (tokens, Text events, Done).
+    cancel_after: request id -> cancel it once it has emitted that many Texts."""
+    scheduler = Scheduler(engine, max_active=4, max_batch=max_batch, **kwargs)
+    events: dict[str, list[Any]] = {r.request_id: [] for r in [*requests, *then]}
+    jobs: dict[str, GenerationJob] = {}
+    finished = threading.Semaphore(0)
+
+    later = requests[1:] if join_at else []
+
+    def emitter(request_id: str):
+        def emit(event: Text | Done) -> None:
+            events[request_id].append(event)
+            if isinstance(event, Done):
+                finished.release()
+            elif cancel_after and len(events[request_id]) == cancel_after.get(request_id):
+                scheduler.cancel(jobs[request_id])
+            if later and request_id == requests[0].request_id and len(jobs[request_id].tokens) >= join_at:
+                for r in later:  # on the worker thread, between two of the first request's decode steps
+                    jobs[r.request_id] = scheduler.submit(r, emitter(r.request_id))
+                later.clear()
+        return emit
+
+    for r in requests[:1] if join_at else requests:
+        jobs[r.request_id] = scheduler.submit(r, emitter(r.request_id))
+    scheduler.start()
+    try:
+        for _ in requests:
+            assert finished.acquire(timeout=120), "a request never finished"
+        for r in then:
+            jobs[r.request_id] = scheduler.submit(r, emitter(r.request_id))
+        for _ in then:
+            assert finished.acquire(timeout=120), "a request never finished"
+    finally:
+        scheduler.stop()
+    out = {}
+    for request_id, got in events.items():
+        assert isinstance(got[-1], Done) and all(isinstance(e, Text) for e in got[:-1])
+        out[request_id] = (jobs[request_id].tokens, got[:-1], got[-1])
+    serve.stats = scheduler.counters  # type: ignore[attr-defined]
+    return out
+
+
+def assert_same_requests(batched: dict, alone: dict, skip: tuple[str, ...] = ()) -> None:
+    for request_id, (tokens, texts, done) in alone.items():
+        if request_id in skip:
+            continue
+        b_tokens, b_texts, b_done = batched[request_id]
+        assert b_tokens == tokens, request_id
+        assert "".join(t.text for t in b_texts) == "".join(t.text for t in texts), request_id
+        assert (b_done.finish_reason, b_done.stop_sequence, b_done.completion_tokens) == (
+            done.finish_reason, done.stop_sequence, done.completion_tokens), request_id
+        b_lp = [lp for t in b_texts for lp in t.logprobs]
+        lp = [lp for t in texts for lp in t.logprobs]
+        assert [x.token for x in b_lp] == [x.token for x in lp]
+        np.testing.assert_allclose([x.logprob for x in b_lp], [x.logprob for x in lp], atol=1e-4)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_scheduler_batches_decoding_requests_with_their_own_settings(engine, shared):
+    """Four requests with different prompts, samplers, constraints, stops and lengths give what each gives when the
+    worker decodes them one by one (max_batch 1: today's round robin, each through its Generator)."""
+    requests = mixed_requests(shared)
+    alone = serve(engine, requests, 1)
+    assert serve.stats["batched_forwards"] == 0
+    batched = serve(engine, mixed_requests(shared), 4)
+    assert serve.stats["max_batch_seen"] == 4 and serve.stats["batched_forwards"] >= 6
+    assert_same_requests(batched, alone)
+    assert alone["stopped"][2].finish_reason == "stop"  # the stop sequence is hit (while batched)
+    assert all(t % 3 == 0 for t in batched["constrained"][0])
+
+
+def test_requests_join_and_leave_the_batch_of_a_request_decoding_alone(engine, monkeypatch):
+    """The first request decodes alone (MTP drafts, all accepted) until the others arrive, is batched with them, and
+    decodes alone again once they end (their max_tokens are shorter): every request gets its tokens alone."""
+    first = prompts(1, False)[0]
+    sequence = first + greedy_alone(engine.model, first, 61)[0]
+    mtp_step = Generator._mtp_step
+
+    def perfect_drafts(self, hidden, next_ids, cache):  # the first request's true next token: accepted
+        draft = mtp_step(self, hidden, next_ids, cache)
+        position = cache.layer(self.model.config.num_hidden_layers).length + 1
+        return sequence[position] if position < len(sequence) else draft
+
+    monkeypatch.setattr(Generator, "_mtp_step", perfect_drafts)
+    requests = [GenRequest(first, 60, ignore_eos=True, request_id="long")] + mixed_requests(True)[1:]
+    alone = serve(engine, requests, 1)
+    joined = []
+    for join_at in (9, 10):  # the first request between two tokens of one verified forward, and after both
+        joined.append(serve(engine, [GenRequest(r.prompt_ids, r.max_tokens, r.params, r.stop, r.ignore_eos,
+                                                r.request_id, MultiplesOf(3) if r.constraint else None, r.logprobs)
+                                     for r in requests], 4, join_at=join_at))
+        assert serve.stats["max_batch_seen"] == 4
+    for batched in joined:
+        assert batched["long"][0] == sequence[len(first):len(first) + 60]
+        assert_same_requests(batched, alone)
+
+
+def test_a_cancelled_request_leaves_the_others_undisturbed(engine):
+    alone = serve(engine, mixed_requests(False), 1)
+    batched = serve(engine, mixed_requests(False), 4, cancel_after={"constrained": 2})
+    assert batched["constrained"][2].finish_reason == "cancelled"
+    assert 2 <= len(batched["constrained"][0]) < 14
+    assert batched["constrained"][0] == alone["constrained"][0][:len(batched["constrained"][0])]
+    assert serve.stats["max_batch_seen"] == 4
+    assert_same_requests(batched, alone, skip=("constrained",))
+
+
+def test_batched_requests_commit_their_sessions(engine):
+    """With Session reuse, each batched request's follow-up turn finds its own conversation's rows (its prompt and
+    reply) and continues as it does without batching."""
+    first = [GenRequest(p, 8, ignore_eos=True, request_id=name) for p, name in zip(prompts(2, False), "ab",
+                                                                                     strict=True)]
+    replies = serve(engine, first, 1)
+    follow = [GenRequest(r.prompt_ids + replies[r.request_id][0] + [7, 8], 8, ignore_eos=True,
+                         request_id=r.request_id + "2") for r in first]
+    runs = {max_batch: serve(engine, first, max_batch, then=follow, reuse=True) for max_batch in (1, 2)}
+    assert serve.stats["batched_forwards"] >= 2 * 7  # both turns batched
+    assert_same_requests(runs[2], runs[1])
+    for r in first:
+        done = runs[2][r.request_id + "2"][2]
+        assert done.cached_tokens == len(r.prompt_ids) + 8 - 1  # all but its last token, which was never forwarded
+
+
+def test_the_batch_size_is_decided_by_the_model(engine, monkeypatch):
+    """Default: --parallel where batching pays (NumPy), one request per forward on a device decode step (there a
+    step per request is faster) or on a model whose forwards take one sequence (a Ray pipeline's)."""
+    def started(max_batch: int | None = None) -> int:
+        scheduler = Scheduler(engine, max_active=4, max_batch=max_batch)
+        scheduler.start()
+        scheduler.stop()
+        return scheduler.max_batch
+
+    assert (started(), started(1), started(3), started(9)) == (4, 1, 3, 4)
+    monkeypatch.setattr(engine.model, "decodes_on_device", lambda: True)
+    assert (started(), started(3)) == (1, 3)
+    monkeypatch.setattr(engine.model, "batches_sequences", False)
+    assert (started(), started(3)) == (1, 1)
+    with pytest.raises(GlmkitError, match="one sequence per forward"):
+        engine.model.decode_batch(np.array([1, 2]), [engine.model.new_cache(), engine.model.new_cache()])
+
+
+# ---- through the server ----------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def server(snapshot: Path, tmp_path_factory: pytest.TempPathFactory):
+    srv = ServerThread(build_app_for(snapshot, tmp_path_factory.mktemp("batch-cache"))).start()
+    yield srv
+    srv.stop()
+
+
+def build_app_for(snapshot: Path, cache_dir: Path):
+    return build_app(serve_args(snapshot, cache_dir, "--parallel", "4"))
+
+
+def test_concurrent_openai_clients_are_batched_and_get_their_replies_alone(server):
+    client = server.client()
+    model = client.models.list().data[0].id
+    questions = ["Tell me a story about the sea.", "Tell me a story about the mountains and the sky.",
+                 "Why?", "Tell me a story about the sea, and then another one."]
+    alone = {q: client.chat.completions.create(model=model, messages=[user(q)], max_tokens=48, temperature=0,
+                                               extra_body={"ignore_eos": True}).choices[0].message.content
+             for q in questions}
+    before = stats(server)["batched_forwards"]
+    assert concurrent_chats(server, model, questions, 48, ignore_eos=True) == alone
+    after = stats(server)
+    assert after["batched_forwards"] > before and after["max_batch_seen"] >= 2
+
+
+def test_a_bad_max_batch_is_refused(snapshot, capsys):
+    assert serve_main([str(snapshot), "--max-batch", "0"]) == 1
+    assert capsys.readouterr().err == "glm-serve: error: --max-batch: must be >= 1\n"
