@@ -53,6 +53,9 @@ INLINE float fmax_(float a, float b) {  /* no NaN here; -inf is ordered */
 #ifndef ROWS
 #define ROWS (LANES > 1 ? 1 : 4)
 #endif
+#ifndef SHADOW_BLOCK
+#define SHADOW_BLOCK 8  /* keys per block of the indexer keys' shadows (kv_cache.SHADOW_BLOCK) */
+#endif
 #define VALUE_COLS (LANES > 1 ? 1 : 32)  /* latent columns per work-item of mla_decode_values */
 
 /* AVX2 CPUs: 32-byte vectors for the byte products (below) and for unpacking int3 blocks. */
