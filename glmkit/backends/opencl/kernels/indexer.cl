@@ -145,18 +145,24 @@ __kernel void index_shadow_scores(__global const float* q, __global const char* 
     const float8 scales = vload8(b, shadow_scale), key_scale = scales * scale;
     float8 total = (float8)(0.0f);
     uint h = 0;
-    for (; h + 4 <= nh; h += 4) {
+    for (; h + 8 <= nh; h += 8) {
         const __global float* qh = qs + (ulong)h * d;
-        float8 a0 = (float8)(0.0f), a1 = a0, a2 = a0, a3 = a0;
+        float8 a0 = (float8)(0.0f), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
         for (uint j = 0; j < d; j++) {
             const float8 kv = convert_float8(as_char8(LOAD_U8(j, kb)));
             a0 += qh[j] * kv;
             a1 += qh[d + j] * kv;
             a2 += qh[2 * d + j] * kv;
             a3 += qh[3 * d + j] * kv;
+            a4 += qh[4 * d + j] * kv;
+            a5 += qh[5 * d + j] * kv;
+            a6 += qh[6 * d + j] * kv;
+            a7 += qh[7 * d + j] * kv;
         }
         total += (ws[h] * w_scale) * fmax(a0 * key_scale, 0.0f) + (ws[h + 1] * w_scale) * fmax(a1 * key_scale, 0.0f)
-               + (ws[h + 2] * w_scale) * fmax(a2 * key_scale, 0.0f) + (ws[h + 3] * w_scale) * fmax(a3 * key_scale, 0.0f);
+               + (ws[h + 2] * w_scale) * fmax(a2 * key_scale, 0.0f) + (ws[h + 3] * w_scale) * fmax(a3 * key_scale, 0.0f)
+               + (ws[h + 4] * w_scale) * fmax(a4 * key_scale, 0.0f) + (ws[h + 5] * w_scale) * fmax(a5 * key_scale, 0.0f)
+               + (ws[h + 6] * w_scale) * fmax(a6 * key_scale, 0.0f) + (ws[h + 7] * w_scale) * fmax(a7 * key_scale, 0.0f);
     }
     for (; h < nh; h++) {
         const __global float* qh = qs + (ulong)h * d;
