@@ -117,6 +117,16 @@ def test_shadow_selection_chooses_the_exact_keys(kernels, kv_dtype):
     assert (count < len(keys) // 4).all() and (count >= 40).all()  # the bound keeps few keys for stage 2
 
 
+@pytest.mark.parametrize("nh, d", [(11, 20), (3, 17), (16, 24)])
+def test_shadow_selection_heads_in_eights_and_the_rest(kernels, nh, d):
+    """Stage 1 takes 8 heads at a time and the rest one by one: head counts and widths that hit each part."""
+    rng = np.random.default_rng(nh)
+    q, w, keys = random_case(rng, n_s=1, nh=nh, d=d, n=700)
+    exact, chosen, count = select_both(kernels, q, stored_keys(keys, "f32"), w, np.ones((1, 700), bool), 20)
+    np.testing.assert_array_equal(chosen, exact)
+    assert count[0] < 700 // 4
+
+
 def test_shadow_selection_ties_zeros_and_fallbacks(kernels):
     rng = np.random.default_rng(5)
     q, w, keys = random_case(rng, n=1203)
