@@ -332,8 +332,9 @@ class DeviceDecodeStep:
         self.kv_dtype = kv_dtype
         self.rows = rows
         self.topk = index_topk(layers)
-        # the shadow selection (exact, DESIGN section "DSA indexer"): CPU devices, where its single-item kernels run
-        # well and the cache arrays are read in place
+        # the two-stage selection from the keys' shadows (exact, DESIGN section 3, "DSA indexer"): CPU devices, where
+        # its single-item kernels run well and the cache arrays are read in place. Set False, the step selects in one
+        # stage over all keys (the shadows are still written): tools/bench_long.py's comparison
         self.shadow_selects = kernels.direct and kernels.lanes == 1
         self._weight, self._cw, self._expert_ref = weight, cw, expert_ref
         self.experts = experts
@@ -1265,7 +1266,7 @@ class DeviceDecodeStep:
         for launch in layer.head:
             launch.enqueue()
         allowed = self.allowed[turn % len(self.allowed)].buffer
-        if scored and layer.shadow is not None and keys >= SHADOW_MIN_KEYS * self.topk:
+        if scored and self.shadow_selects and layer.shadow is not None and keys >= SHADOW_MIN_KEYS * self.topk:
             blocks = -(-keys // SHADOW_BLOCK)
             layer.shadow_scores.set(shadow=shadow, shadow_scale=shadow_scale, allowed=allowed, n_keys=keys)
             layer.shadow_scores.size = (-(-blocks // SHADOW_GROUP) * SHADOW_GROUP, n_rows)
