@@ -88,7 +88,7 @@ def select_both(k: Kernels, q: np.ndarray, layer: LayerKV, w: np.ndarray, allowe
         block_top=top.buffer, block_scale=top_scale.buffer, block_low=low.buffer, allowed=al.buffer,
         listed=listed.buffer, count=count.buffer, k=topk, max_listed=n if max_listed is None else max_listed,
         bound=shadow_bound(d, nh) * scale, n_rows=n_s)
-    run(k, "index_scores_listed", (32, n_s), None, dtype, **common, k=keys, k_scale=key_scale, listed=listed.buffer,
+    run(k, "index_scores_listed", (n, n_s), None, dtype, **common, k=keys, k_scale=key_scale, listed=listed.buffer,
         count=count.buffer, out=listed_scores.buffer, scale=scale)
     run(k, "topk_listed", (n_s,), None, scores=listed_scores.buffer, listed=listed.buffer, count=count.buffer,
         chosen=chosen.buffer, n_keys=n, k=topk, n_rows=n_s)

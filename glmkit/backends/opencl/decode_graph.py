@@ -102,7 +102,6 @@ KEY_GROUP = 16  # work-group size of the kernels with one work-item per key
 SHADOW_GROUP = 4  # work-group size of index_shadow_scores (a work-item per block of SHADOW_BLOCK keys)
 SHADOW_MIN_KEYS = 16  # the shadow selection runs from this many keys per key it keeps (index_topk) on
 LISTED_SHARE = 4  # more listed keys than one in this many: the shadow selection rescores every key
-RESCORE_ITEMS = 64  # work-items of index_scores_listed per token row
 SHADOW_FIELDS = ("index_k.shadow", "index_k.shadow_scale")  # the cache's shadow arrays as `_cache_buffer` names them
 NO_STAGE = 0xFFFFFFFF  # token_rows: no staging copy of the cache rows (decode.cl)
 UNUSED_SLOT = 0xFFFFFFFF  # the token of an expert slot a launch skips (quant.cl)
@@ -577,7 +576,7 @@ class DeviceDecodeStep:
                                 **self._scratch_args("approx", "block_top", "block_scale", "block_low", "listed"),
                                 allowed=self.allowed[0].buffer, count=scratch["listed_count"].buffer, k=ix.topk,
                                 max_listed=1, bound=shadow_bound(ihd, inh) * abs(ix.score_scale), n_rows=self.rows)
-        out.rescore = k.bind("index_scores_listed", (RESCORE_ITEMS, self.rows), (KEY_GROUP, 1), kv_dtype=kv,
+        out.rescore = k.bind("index_scores_listed", (KEY_GROUP, self.rows), (KEY_GROUP, 1), kv_dtype=kv,
                              **scores, k=unset, k_scale=unset, listed=scratch["listed"].buffer,
                              count=scratch["listed_count"].buffer, out=scratch["index_scores"].buffer,
                              scale=ix.score_scale)
@@ -1273,6 +1272,7 @@ class DeviceDecodeStep:
             layer.candidates.set(shadow_scale=shadow_scale, allowed=allowed, n_keys=keys,
                                  max_listed=keys // LISTED_SHARE)
             layer.rescore.set(k=index_k, k_scale=index_k_scale, n_keys=keys)
+            layer.rescore.size = (per_key, n_rows)  # an item per listed key: all of them at most
             layer.select.set(n_keys=keys)
             for launch in layer.shadowed:
                 launch.enqueue()

@@ -142,7 +142,7 @@ __kernel void index_shadow_scores(__global const float* q, __global const char* 
     const __global uchar* kb = (const __global uchar*)shadow + (ulong)b * d * 8;
     const __global float* qs = q + (ulong)s * nh * d;
     const __global float* ws = w + (ulong)s * nh;
-    const float8 scales = vload8(b, shadow_scale), key_scale = scales * scale;
+    const float8 scales = LOAD_F8(b, shadow_scale), key_scale = scales * scale;
     float8 total = (float8)(0.0f);
     uint h = 0;
     for (; h + 8 <= nh; h += 8) {
@@ -170,21 +170,33 @@ __kernel void index_shadow_scores(__global const float* q, __global const char* 
         for (uint j = 0; j < d; j++) acc += qh[j] * convert_float8(as_char8(LOAD_U8(j, kb)));
         total += (ws[h] * w_scale) * fmax(acc * key_scale, 0.0f);
     }
-    const float got[8] = {total.s0, total.s1, total.s2, total.s3, total.s4, total.s5, total.s6, total.s7};
-    const float sc[8] = {scales.s0, scales.s1, scales.s2, scales.s3, scales.s4, scales.s5, scales.s6, scales.s7};
     const __global uchar* al = allowed + (ulong)s * n_keys;
     __global float* out = approx + (ulong)s * n_keys;
-    float top = -INFINITY, top_scale = 0.0f;
-    for (uint i = 0; i < 8 && b * 8 + i < n_keys; i++) {
-        const uint t = b * 8 + i;
-        out[t] = got[i];
-        if (al[t]) {
-            top = fmax(top, got[i]);
-            top_scale = fmax(top_scale, sc[i]);
+    float8 mine;  /* the block's allowed keys: their approx, -inf for the others */
+    float8 mine_scale;
+    if (b * 8 + 8 <= n_keys) {
+        STORE_F8(b, out, total);
+        const int8 take = convert_int8(LOAD_U8(b, al)) != (int8)(0);
+        mine = select((float8)(-INFINITY), total, take);
+        mine_scale = select((float8)(0.0f), scales, take);
+    } else {  /* the last block, partly past the keys */
+        const float got[8] = {total.s0, total.s1, total.s2, total.s3, total.s4, total.s5, total.s6, total.s7};
+        const float sc[8] = {scales.s0, scales.s1, scales.s2, scales.s3, scales.s4, scales.s5, scales.s6, scales.s7};
+        float m[8], ms[8];
+        for (uint i = 0; i < 8; i++) {
+            const uint t = b * 8 + i;
+            const int take = t < n_keys && al[t];
+            if (t < n_keys) out[t] = got[i];
+            m[i] = take ? got[i] : -INFINITY;
+            ms[i] = take ? sc[i] : 0.0f;
         }
+        mine = (float8)(m[0], m[1], m[2], m[3], m[4], m[5], m[6], m[7]);
+        mine_scale = (float8)(ms[0], ms[1], ms[2], ms[3], ms[4], ms[5], ms[6], ms[7]);
     }
-    block_top[(ulong)s * n_blocks + b] = top;
-    block_scale[(ulong)s * n_blocks + b] = top_scale;
+    const float4 m4 = fmax(mine.lo, mine.hi), s4 = fmax(mine_scale.lo, mine_scale.hi);
+    const float2 m2 = fmax(m4.lo, m4.hi), s2 = fmax(s4.lo, s4.hi);
+    block_top[(ulong)s * n_blocks + b] = fmax(m2.x, m2.y);
+    block_scale[(ulong)s * n_blocks + b] = fmax(s2.x, s2.y);
 }
 
 /* The smallest float whose float_key has the top 16 bits of `key` (NaN's keys never occur: -inf below them). */

@@ -302,17 +302,15 @@ __kernel void index_scores(__global const float* q, __global const kv_t* k, __gl
 }
 
 /* index_scores of the keys listed for row s (index_candidates' lists: listed[s, i] for i < count[s]) into
- * out[s, i], bit for bit the scores index_scores gives them. Item g takes list entries g, g + G, ... (G: the global
- * size along dim 0), so the items stay busy whatever the count. Global (G, S). */
+ * out[s, i], bit for bit the scores index_scores gives them: one work-item per list entry, those past the count
+ * idle. Global (entries, S). */
 __kernel void index_scores_listed(__global const float* q, __global const kv_t* k, __global const float* k_scale,
                                   __global const float* w, __global const uint* listed, __global const uint* count,
                                   __global float* out, uint nh, uint d, uint n_keys, float scale, float w_scale) {
-    const uint g = get_global_id(0), s = get_global_id(1), n = count[s];
-    const __global float* qs = q + (ulong)s * nh * d;
-    const __global float* ws = w + (ulong)s * nh;
-    for (uint i = g; i < n; i += get_global_size(0))
-        out[(ulong)s * n_keys + i] = index_score(qs, k, k_scale, ws, listed[(ulong)s * n_keys + i], nh, d, scale,
-                                                 w_scale);
+    const uint i = get_global_id(0), s = get_global_id(1);
+    if (i >= count[s]) return;
+    out[(ulong)s * n_keys + i] = index_score(q + (ulong)s * nh * d, k, k_scale, w + (ulong)s * nh,
+                                             listed[(ulong)s * n_keys + i], nh, d, scale, w_scale);
 }
 
 /* The shadows (kv_cache.encode_index_shadow) of the indexer keys at rows row .. row + n_rows - 1 of index_k, as the
