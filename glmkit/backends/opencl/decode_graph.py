@@ -99,7 +99,7 @@ ID_SLOTS = 32  # routed-id buffers per MoE layer, used in turn by successive tok
 TURNS = 4  # forwards queued at once, each with buffers of its own (a pipeline alternates two, a prompt uses all)
 INITIAL_KEYS = 1024  # keys the per-key scratch buffers hold at first (they double as the context grows)
 KEY_GROUP = 16  # work-group size of the kernels with one work-item per key
-SHADOW_GROUP = 4  # work-group size of index_shadow_scores (a work-item per block of SHADOW_BLOCK keys)
+SHADOW_GROUP = 4  # work-group size of index_shadow_scores (a work-item per two blocks of SHADOW_BLOCK keys)
 SHADOW_MIN_KEYS = 16  # the shadow selection runs from this many keys per key it keeps (index_topk) on
 LISTED_SHARE = 4  # more listed keys than one in this many: the shadow selection rescores every key
 SHADOW_FIELDS = ("index_k.shadow", "index_k.shadow_scale")  # the cache's shadow arrays as `_cache_buffer` names them
@@ -1268,7 +1268,7 @@ class DeviceDecodeStep:
         if scored and self.shadow_selects and layer.shadow is not None and keys >= SHADOW_MIN_KEYS * self.topk:
             blocks = -(-keys // SHADOW_BLOCK)
             layer.shadow_scores.set(shadow=shadow, shadow_scale=shadow_scale, allowed=allowed, n_keys=keys)
-            layer.shadow_scores.size = (-(-blocks // SHADOW_GROUP) * SHADOW_GROUP, n_rows)
+            layer.shadow_scores.size = (-(-blocks // (2 * SHADOW_GROUP)) * SHADOW_GROUP, n_rows)  # 2 blocks an item
             layer.candidates.set(shadow_scale=shadow_scale, allowed=allowed, n_keys=keys,
                                  max_listed=keys // LISTED_SHARE)
             layer.rescore.set(k=index_k, k_scale=index_k_scale, n_keys=keys)

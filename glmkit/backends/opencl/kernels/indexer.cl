@@ -127,53 +127,11 @@ __kernel void topk_select_group(__global const float* scores, __global const uch
 #error "index_shadow_scores takes a block of keys as one float8"
 #endif
 
-/* Stage 1: approx[s, t] = sum_h (w[s, h] * w_scale) * relu(q[s, h] . (c_t * scale_t) * scale) from the shadows
- * (codes c_t in blocks [d, 8], one scale_t per key: kv_cache.encode_index_shadow), one work-item per block of 8 keys
- * (a lane per key, so each code is converted once for every head); per block the largest approx of its keys that
- * row s may choose (block_top; -inf where none may) and their largest shadow scale (block_scale). Rows of n_keys
- * keys, of ceil(n_keys / 8) blocks. Global (blocks, S). */
-__kernel void index_shadow_scores(__global const float* q, __global const char* shadow,
-                                  __global const float* shadow_scale, __global const float* w,
-                                  __global const uchar* allowed, __global float* approx, __global float* block_top,
-                                  __global float* block_scale, uint nh, uint d, uint n_keys, float scale,
-                                  float w_scale) {
-    const uint b = get_global_id(0), s = get_global_id(1), n_blocks = (n_keys + 7) / 8;
-    if (b >= n_blocks) return;
-    const __global uchar* kb = (const __global uchar*)shadow + (ulong)b * d * 8;
-    const __global float* qs = q + (ulong)s * nh * d;
-    const __global float* ws = w + (ulong)s * nh;
-    const float8 scales = LOAD_F8(b, shadow_scale), key_scale = scales * scale;
-    float8 total = (float8)(0.0f);
-    uint h = 0;
-    for (; h + 8 <= nh; h += 8) {
-        const __global float* qh = qs + (ulong)h * d;
-        float8 a0 = (float8)(0.0f), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-        for (uint j = 0; j < d; j++) {
-            const float8 kv = convert_float8(as_char8(LOAD_U8(j, kb)));
-            a0 += qh[j] * kv;
-            a1 += qh[d + j] * kv;
-            a2 += qh[2 * d + j] * kv;
-            a3 += qh[3 * d + j] * kv;
-            a4 += qh[4 * d + j] * kv;
-            a5 += qh[5 * d + j] * kv;
-            a6 += qh[6 * d + j] * kv;
-            a7 += qh[7 * d + j] * kv;
-        }
-        total += (ws[h] * w_scale) * fmax(a0 * key_scale, 0.0f) + (ws[h + 1] * w_scale) * fmax(a1 * key_scale, 0.0f)
-               + (ws[h + 2] * w_scale) * fmax(a2 * key_scale, 0.0f) + (ws[h + 3] * w_scale) * fmax(a3 * key_scale, 0.0f)
-               + (ws[h + 4] * w_scale) * fmax(a4 * key_scale, 0.0f) + (ws[h + 5] * w_scale) * fmax(a5 * key_scale, 0.0f)
-               + (ws[h + 6] * w_scale) * fmax(a6 * key_scale, 0.0f) + (ws[h + 7] * w_scale) * fmax(a7 * key_scale, 0.0f);
-    }
-    for (; h < nh; h++) {
-        const __global float* qh = qs + (ulong)h * d;
-        float8 acc = (float8)(0.0f);
-        for (uint j = 0; j < d; j++) acc += qh[j] * convert_float8(as_char8(LOAD_U8(j, kb)));
-        total += (ws[h] * w_scale) * fmax(acc * key_scale, 0.0f);
-    }
-    const __global uchar* al = allowed + (ulong)s * n_keys;
-    __global float* out = approx + (ulong)s * n_keys;
-    float8 mine;  /* the block's allowed keys: their approx, -inf for the others */
-    float8 mine_scale;
+/* Block b's stage-1 scores `total` (its shadow scales `scales`) into approx, and its largest approx and shadow scale
+ * over the keys row s may choose (al) into block_top and block_scale (-inf and 0 where none may). */
+INLINE void shadow_block_out(float8 total, float8 scales, uint b, uint n_keys, const __global uchar* al,
+                             __global float* out, __global float* top, __global float* top_scale) {
+    float8 mine, mine_scale;  /* the allowed keys' approx and scales, -inf and 0 for the others */
     if (b * 8 + 8 <= n_keys) {
         STORE_F8(b, out, total);
         const int8 take = convert_int8(LOAD_U8(b, al)) != (int8)(0);
@@ -195,8 +153,69 @@ __kernel void index_shadow_scores(__global const float* q, __global const char* 
     }
     const float4 m4 = fmax(mine.lo, mine.hi), s4 = fmax(mine_scale.lo, mine_scale.hi);
     const float2 m2 = fmax(m4.lo, m4.hi), s2 = fmax(s4.lo, s4.hi);
-    block_top[(ulong)s * n_blocks + b] = fmax(m2.x, m2.y);
-    block_scale[(ulong)s * n_blocks + b] = fmax(s2.x, s2.y);
+    top[b] = fmax(m2.x, m2.y);
+    top_scale[b] = fmax(s2.x, s2.y);
+}
+
+/* Stage 1: approx[s, t] = sum_h (w[s, h] * w_scale) * relu(q[s, h] . (c_t * scale_t) * scale) from the shadows
+ * (codes c_t in blocks [d, 8], one scale_t per key: kv_cache.encode_index_shadow); per block the largest approx of
+ * its keys that row s may choose (block_top; -inf where none may) and their largest shadow scale (block_scale). A
+ * work-item takes two blocks, a lane per key: each code is converted once for 4 heads, each head's query value
+ * loaded once for 16 keys. Rows of n_keys keys, of ceil(n_keys / 8) blocks. Global (ceil(blocks / 2), S). */
+__kernel void index_shadow_scores(__global const float* q, __global const char* shadow,
+                                  __global const float* shadow_scale, __global const float* w,
+                                  __global const uchar* allowed, __global float* approx, __global float* block_top,
+                                  __global float* block_scale, uint nh, uint d, uint n_keys, float scale,
+                                  float w_scale) {
+    const uint b = 2 * get_global_id(0), s = get_global_id(1), n_blocks = (n_keys + 7) / 8;
+    if (b >= n_blocks) return;
+    const int pair = b + 1 < n_blocks;  /* the second block exists (else it reads the first one twice) */
+    const __global uchar* kb = (const __global uchar*)shadow + (ulong)b * d * 8;
+    const __global uchar* kc = pair ? kb + d * 8 : kb;
+    const __global float* qs = q + (ulong)s * nh * d;
+    const __global float* ws = w + (ulong)s * nh;
+    const float8 scales = LOAD_F8(b, shadow_scale), scales2 = pair ? LOAD_F8(b + 1, shadow_scale) : scales;
+    const float8 key_scale = scales * scale, key_scale2 = scales2 * scale;
+    float8 total = (float8)(0.0f), total2 = total;
+    uint h = 0;
+    for (; h + 4 <= nh; h += 4) {
+        const __global float* q0 = qs + (ulong)h * d;
+        const __global float *q1 = q0 + d, *q2 = q1 + d, *q3 = q2 + d;
+        float8 a0 = (float8)(0.0f), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+        for (uint j = 0; j < d; j++) {
+            const float8 kv = convert_float8(as_char8(LOAD_U8(j, kb))), kw = convert_float8(as_char8(LOAD_U8(j, kc)));
+            const float x0 = q0[j], x1 = q1[j], x2 = q2[j], x3 = q3[j];
+            a0 += x0 * kv;
+            a1 += x1 * kv;
+            a2 += x2 * kv;
+            a3 += x3 * kv;
+            b0 += x0 * kw;
+            b1 += x1 * kw;
+            b2 += x2 * kw;
+            b3 += x3 * kw;
+        }
+        const float w0 = ws[h] * w_scale, w1 = ws[h + 1] * w_scale, w2 = ws[h + 2] * w_scale, w3 = ws[h + 3] * w_scale;
+        total += w0 * fmax(a0 * key_scale, 0.0f) + w1 * fmax(a1 * key_scale, 0.0f) + w2 * fmax(a2 * key_scale, 0.0f)
+               + w3 * fmax(a3 * key_scale, 0.0f);
+        total2 += w0 * fmax(b0 * key_scale2, 0.0f) + w1 * fmax(b1 * key_scale2, 0.0f)
+                + w2 * fmax(b2 * key_scale2, 0.0f) + w3 * fmax(b3 * key_scale2, 0.0f);
+    }
+    for (; h < nh; h++) {
+        const __global float* qh = qs + (ulong)h * d;
+        float8 acc = (float8)(0.0f), acc2 = acc;
+        for (uint j = 0; j < d; j++) {
+            acc += qh[j] * convert_float8(as_char8(LOAD_U8(j, kb)));
+            acc2 += qh[j] * convert_float8(as_char8(LOAD_U8(j, kc)));
+        }
+        total += (ws[h] * w_scale) * fmax(acc * key_scale, 0.0f);
+        total2 += (ws[h] * w_scale) * fmax(acc2 * key_scale2, 0.0f);
+    }
+    const __global uchar* al = allowed + (ulong)s * n_keys;
+    __global float* out = approx + (ulong)s * n_keys;
+    __global float* top = block_top + (ulong)s * n_blocks;
+    __global float* top_scale = block_scale + (ulong)s * n_blocks;
+    shadow_block_out(total, scales, b, n_keys, al, out, top, top_scale);
+    if (pair) shadow_block_out(total2, scales2, b + 1, n_keys, al, out, top, top_scale);
 }
 
 /* The smallest float whose float_key has the top 16 bits of `key` (NaN's keys never occur: -inf below them). */
