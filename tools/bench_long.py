@@ -9,10 +9,11 @@ a prompt of random ids prefilled by the Generator (chunks of `PREFILL_CHUNK` tok
 step). Printed per length: prefill tok/s, decode tok/s, the peak RSS, and the model's bytes and the KV rows' bytes
 beside it. `--kv-dtypes f32,bf16,fp8`: each length once per KV row precision, in turn.
 
-`--decode-only`: in one process, decode speed alone after each length, per KV precision, in alternating rounds: the
-cache is filled with random rows (no prefill; the indexer's choice over random keys costs what it costs over real
-ones), then `--tokens` greedy tokens on the decode step per round, timed from the second. `--one-stage` adds, per
-precision, the decode step selecting in one stage over all keys (`shadow_selects` off) to the rounds.
+`--decode-only`: in one process, decode speed alone after each length, per KV precision, in alternating rounds (each
+round runs every length with every precision in turn): the cache is filled with random rows (no prefill; the
+indexer's choice over random keys costs what it costs over real ones), then `--tokens` greedy tokens on the decode
+step per round, timed from the second. `--one-stage` adds, per precision, the decode step selecting in one stage over
+all keys (`shadow_selects` off) to the rounds.
 """
 
 from __future__ import annotations
@@ -64,8 +65,8 @@ def worker(snapshot: str, length: int, chunk: int, kv_dtype: str) -> dict:
 
 def decode_rounds(snapshot: str, lengths: list[int], dtypes: list[str], tokens: int, rounds: int,
                   one_stage: bool = False) -> list[dict]:
-    """`--decode-only`: tok/s per (length, dtype, selection), each round over every variant in turn; median and
-    range. one_stage: each dtype also with the decode step's one-stage selection."""
+    """`--decode-only`: tok/s per (length, dtype, selection), each round over every length and variant in turn;
+    median and range. one_stage: each dtype also with the decode step's one-stage selection."""
     import numpy as np
 
     from glmkit.generate.engine import Engine
@@ -76,10 +77,10 @@ def decode_rounds(snapshot: str, lengths: list[int], dtypes: list[str], tokens: 
         step = engine.model._decode_step()
         if step is not None:
             step.shadow_selects &= selection == "two-stage"
-    rows = []
-    for length in lengths:
-        speeds: dict[tuple[str, str], list[float]] = {variant: [] for variant in engines}
-        for _ in range(rounds):
+    speeds: dict[tuple[int, str, str], list[float]] = {(length, *variant): [] for length in lengths
+                                                       for variant in engines}
+    for _ in range(rounds):  # each round: every length, each with every variant in turn
+        for length in lengths:
             for variant, engine in engines.items():
                 model, rng = engine.model, np.random.default_rng(length)
                 cache = model.new_cache()
@@ -93,12 +94,13 @@ def decode_rounds(snapshot: str, lengths: list[int], dtypes: list[str], tokens: 
                     if i == 1:
                         began = time.perf_counter()
                     token = int(model.forward(np.array([token]), cache)[0][-1].argmax())
-                speeds[variant].append(tokens / (time.perf_counter() - began))
-        for (dtype, selection), got in speeds.items():
-            rows.append({"context": length, "kv_dtype": dtype, "selection": selection,
-                         "decode_tok_s": round(float(np.median(got)), 1),
-                         "range": [round(min(got), 1), round(max(got), 1)]})
-            print(json.dumps(rows[-1]), flush=True)
+                speeds[length, *variant].append(tokens / (time.perf_counter() - began))
+    rows = []
+    for (length, dtype, selection), got in speeds.items():
+        rows.append({"context": length, "kv_dtype": dtype, "selection": selection,
+                     "decode_tok_s": round(float(np.median(got)), 1),
+                     "range": [round(min(got), 1), round(max(got), 1)]})
+        print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
