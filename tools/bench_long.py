@@ -12,8 +12,9 @@ beside it. `--kv-dtypes f32,bf16,fp8`: each length once per KV row precision, in
 `--decode-only`: in one process, decode speed alone after each length, per KV precision, in alternating rounds (each
 round runs every length with every precision in turn): the cache is filled with random rows (no prefill; the
 indexer's choice over random keys costs what it costs over real ones), then `--tokens` greedy tokens on the decode
-step per round, timed from the second. `--one-stage` adds, per precision, the decode step selecting in one stage over
-all keys (`shadow_selects` off) to the rounds.
+step per round, timed from the second (wall time, and the process's CPU time per token: the work, which a shared
+machine's load stretches less than the wall time). `--one-stage` adds, per precision, the decode step selecting in
+one stage over all keys (`shadow_selects` off) to the rounds.
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ def decode_rounds(snapshot: str, lengths: list[int], dtypes: list[str], tokens: 
             step.shadow_selects &= selection == "two-stage"
     speeds: dict[tuple[int, str, str], list[float]] = {(length, *variant): [] for length in lengths
                                                        for variant in engines}
+    cpu_ms: dict[tuple[int, str, str], list[float]] = {key: [] for key in speeds}  # the process's CPU time a token
     for _ in range(rounds):  # each round: every length, each with every variant in turn
         for length in lengths:
             for variant, engine in engines.items():
@@ -92,14 +94,16 @@ def decode_rounds(snapshot: str, lengths: list[int], dtypes: list[str], tokens: 
                 token = int(rng.integers(engine.config.vocab_size))
                 for i in range(tokens + 1):
                     if i == 1:
-                        began = time.perf_counter()
+                        began, cpu = time.perf_counter(), time.process_time()
                     token = int(model.forward(np.array([token]), cache)[0][-1].argmax())
                 speeds[length, *variant].append(tokens / (time.perf_counter() - began))
+                cpu_ms[length, *variant].append((time.process_time() - cpu) / tokens * 1e3)
     rows = []
     for (length, dtype, selection), got in speeds.items():
         rows.append({"context": length, "kv_dtype": dtype, "selection": selection,
                      "decode_tok_s": round(float(np.median(got)), 1),
-                     "range": [round(min(got), 1), round(max(got), 1)]})
+                     "range": [round(min(got), 1), round(max(got), 1)],
+                     "cpu_ms_per_token": round(float(np.median(cpu_ms[length, dtype, selection])), 2)})
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
