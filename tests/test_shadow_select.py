@@ -191,44 +191,46 @@ def device_model(engine: Engine, kernels: Kernels, kv_dtype: str) -> GlmMoeDsaMo
 @pytest.mark.parametrize("kv_dtype", ["f32", "fp8"])
 def test_decode_step_shadow_selection_logits_are_the_exact_paths(snapshots, kernels, monkeypatch, tmp_path,
                                                                   kv_dtype):
-    """Decoding past 2 x index_topk keys with the shadow selection (SHADOW_MIN_KEYS lowered to 2) gives the exact
-    path's logits bit for bit, token by token, also from a prefix restored from the prefill cache and where every key
-    is rescored (LISTED_SHARE 1: the fallback)."""
+    """Decoding past SHADOW_MIN_PER_KEPT x index_topk keys with the shadow selection (SHADOW_MIN_KEYS lowered to 0)
+    gives the one-stage selection's logits bit for bit, token by token, also from a prefix restored from the prefill
+    cache and where every key is rescored (LISTED_SHARE 1: the fallback)."""
     engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
     topk = engine.config.index_topk
     rng = np.random.default_rng(7)
-    prompt = rng.integers(0, engine.config.vocab_size, 3 * topk)
-    tokens = rng.integers(0, engine.config.vocab_size, 12)
+    prompt = rng.integers(0, engine.config.vocab_size, decode_graph.SHADOW_MIN_PER_KEPT * topk)
+    tokens = rng.integers(0, engine.config.vocab_size, 8)
     model = device_model(engine, kernels, kv_dtype)
     calls = {"shadow": 0}
     original = decode_graph.DeviceDecodeStep._queue_layer
 
     def counted(step, i, layer, kv, pos, keys, slot, turn):
-        calls["shadow"] += layer.shadow is not None and keys > topk and keys >= decode_graph.SHADOW_MIN_KEYS * topk
+        calls["shadow"] += step.shadow_selects and layer.shadow is not None and keys >= max(
+            decode_graph.SHADOW_MIN_KEYS, decode_graph.SHADOW_MIN_PER_KEPT * topk)
         return original(step, i, layer, kv, pos, keys, slot, turn)
 
     monkeypatch.setattr(decode_graph.DeviceDecodeStep, "_queue_layer", counted)
 
-    def decode(cache, min_keys: int, share: int = decode_graph.LISTED_SHARE) -> np.ndarray:
-        monkeypatch.setattr(decode_graph, "SHADOW_MIN_KEYS", min_keys)
+    def decode(cache, shadow: bool, share: int = decode_graph.LISTED_SHARE) -> np.ndarray:
+        monkeypatch.setattr(decode_graph, "SHADOW_MIN_KEYS", 0)
         monkeypatch.setattr(decode_graph, "LISTED_SHARE", share)
+        model._decode_step().shadow_selects = shadow
         return np.concatenate([model.forward(np.array([t]), cache)[0] for t in tokens])
 
     caches = [model.new_cache() for _ in range(3)]
     for cache in caches:
         model.forward(prompt, cache)
-    exact = decode(caches[0], 10 ** 9)
+    exact = decode(caches[0], False)
     assert calls["shadow"] == 0
-    shadowed = decode(caches[1], 2)
+    shadowed = decode(caches[1], True)
     assert calls["shadow"] > 0
     np.testing.assert_array_equal(shadowed, exact)
-    np.testing.assert_array_equal(decode(caches[2], 2, share=1), exact)
+    np.testing.assert_array_equal(decode(caches[2], True, share=1), exact)
     # a prefix restored from the prefill cache: the shadows are derived from the restored rows
     store = PrefixCache.for_model(model, engine.model_hash, tmp_path, use_mtp=False, chunk_tokens=topk)
     assert store.store(caches[0], prompt.tolist()) > 0
     restored = [model.new_cache() for _ in range(2)]
     for cache in restored:
         done = store.restore(cache, prompt.tolist()).tokens
-        assert done >= 2 * topk
+        assert done >= len(prompt) - topk
         model.forward(prompt[done:], cache)
-    np.testing.assert_array_equal(decode(restored[0], 2), decode(restored[1], 10 ** 9))
+    np.testing.assert_array_equal(decode(restored[0], True), decode(restored[1], False))

@@ -100,7 +100,8 @@ TURNS = 4  # forwards queued at once, each with buffers of its own (a pipeline a
 INITIAL_KEYS = 1024  # keys the per-key scratch buffers hold at first (they double as the context grows)
 KEY_GROUP = 16  # work-group size of the kernels with one work-item per key
 SHADOW_GROUP = 4  # work-group size of index_shadow_scores (a work-item per two blocks of SHADOW_BLOCK keys)
-SHADOW_MIN_KEYS = 16  # the shadow selection runs from this many keys per key it keeps (index_topk) on
+SHADOW_MIN_KEYS = 16384  # the shadow selection runs from this many keys on (below it the one-stage one is as fast)
+SHADOW_MIN_PER_KEPT = 16  # and from this many keys per key it keeps (index_topk), blocks enough for its threshold
 LISTED_SHARE = 4  # more listed keys than one in this many: the shadow selection rescores every key
 SHADOW_FIELDS = ("index_k.shadow", "index_k.shadow_scale")  # the cache's shadow arrays as `_cache_buffer` names them
 NO_STAGE = 0xFFFFFFFF  # token_rows: no staging copy of the cache rows (decode.cl)
@@ -1265,7 +1266,8 @@ class DeviceDecodeStep:
         for launch in layer.head:
             launch.enqueue()
         allowed = self.allowed[turn % len(self.allowed)].buffer
-        if scored and self.shadow_selects and layer.shadow is not None and keys >= SHADOW_MIN_KEYS * self.topk:
+        shadowed = keys >= max(SHADOW_MIN_KEYS, SHADOW_MIN_PER_KEPT * self.topk)
+        if scored and self.shadow_selects and layer.shadow is not None and shadowed:
             blocks = -(-keys // SHADOW_BLOCK)
             layer.shadow_scores.set(shadow=shadow, shadow_scale=shadow_scale, allowed=allowed, n_keys=keys)
             layer.shadow_scores.size = (-(-blocks // (2 * SHADOW_GROUP)) * SHADOW_GROUP, n_rows)  # 2 blocks an item
