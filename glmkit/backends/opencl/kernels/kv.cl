@@ -307,10 +307,15 @@ __kernel void index_scores(__global const float* q, __global const kv_t* k, __gl
 __kernel void index_scores_listed(__global const float* q, __global const kv_t* k, __global const float* k_scale,
                                   __global const float* w, __global const uint* listed, __global const uint* count,
                                   __global float* out, uint nh, uint d, uint n_keys, float scale, float w_scale) {
-    const uint i = get_global_id(0), s = get_global_id(1);
-    if (i >= count[s]) return;
-    out[(ulong)s * n_keys + i] = index_score(q + (ulong)s * nh * d, k, k_scale, w + (ulong)s * nh,
-                                             listed[(ulong)s * n_keys + i], nh, d, scale, w_scale);
+    const uint i = get_global_id(0), s = get_global_id(1), n = count[s];
+    if (i >= n) return;
+    const __global uint* keys = listed + (ulong)s * n_keys;
+    if (i + 1 < n) {  /* the next item's key (the listed rows are scattered: no hardware prefetch) */
+        const ulong next = keys[i + 1];
+        for (uint j = 0; j < d; j += KV_LINE) PREFETCH(k + next * d + j);
+    }
+    out[(ulong)s * n_keys + i] = index_score(q + (ulong)s * nh * d, k, k_scale, w + (ulong)s * nh, keys[i], nh, d,
+                                             scale, w_scale);
 }
 
 /* The shadows (kv_cache.encode_index_shadow) of the indexer keys at rows row .. row + n_rows - 1 of index_k, as the
