@@ -9,9 +9,12 @@ a prompt of random ids prefilled by the Generator (chunks of `PREFILL_CHUNK` tok
 step). Printed per length: prefill tok/s, decode tok/s, the peak RSS, and the model's bytes and the KV rows' bytes
 beside it. `--kv-dtypes f32,bf16,fp8`: each length once per KV row precision, in turn.
 
-`--decode-only`: in one process, decode speed alone after each length, per KV precision, in alternating rounds: the
-cache is filled with random rows (no prefill; the indexer's choice over random keys costs what it costs over real
-ones), then `--tokens` greedy tokens on the decode step per round, timed from the second.
+`--decode-only`: in one process, decode speed alone after each length, per KV precision, in alternating rounds (each
+round runs every length with every precision in turn): the cache is filled with random rows (no prefill; the
+indexer's choice over random keys costs what it costs over real ones), then `--tokens` greedy tokens on the decode
+step per round, timed from the second (wall time, and the process's CPU time per token: the work, which a shared
+machine's load stretches less than the wall time). `--one-stage` adds, per precision, the decode step selecting in
+one stage over all keys (`shadow_selects` off) to the rounds.
 """
 
 from __future__ import annotations
@@ -61,18 +64,26 @@ def worker(snapshot: str, length: int, chunk: int, kv_dtype: str) -> dict:
     return out
 
 
-def decode_rounds(snapshot: str, lengths: list[int], dtypes: list[str], tokens: int, rounds: int) -> list[dict]:
-    """`--decode-only`: tok/s per (length, dtype), each round over every dtype in turn; median and range."""
+def decode_rounds(snapshot: str, lengths: list[int], dtypes: list[str], tokens: int, rounds: int,
+                  one_stage: bool = False) -> list[dict]:
+    """`--decode-only`: tok/s per (length, dtype, selection), each round over every length and variant in turn;
+    median and range. one_stage: each dtype also with the decode step's one-stage selection."""
     import numpy as np
 
     from glmkit.generate.engine import Engine
 
-    engines = {dtype: Engine(snapshot, "auto", load_tokenizer=False, kv_dtype=dtype) for dtype in dtypes}
-    rows = []
-    for length in lengths:
-        speeds: dict[str, list[float]] = {dtype: [] for dtype in dtypes}
-        for _ in range(rounds):
-            for dtype, engine in engines.items():
+    engines = {(dtype, selection): Engine(snapshot, "auto", load_tokenizer=False, kv_dtype=dtype)
+               for dtype in dtypes for selection in (("two-stage", "one-stage") if one_stage else ("two-stage",))}
+    for (_, selection), engine in engines.items():
+        step = engine.model._decode_step()
+        if step is not None:
+            step.shadow_selects &= selection == "two-stage"
+    speeds: dict[tuple[int, str, str], list[float]] = {(length, *variant): [] for length in lengths
+                                                       for variant in engines}
+    cpu_ms: dict[tuple[int, str, str], list[float]] = {key: [] for key in speeds}  # the process's CPU time a token
+    for _ in range(rounds):  # each round: every length, each with every variant in turn
+        for length in lengths:
+            for variant, engine in engines.items():
                 model, rng = engine.model, np.random.default_rng(length)
                 cache = model.new_cache()
                 cache.reserve(length + tokens + 1)
@@ -83,13 +94,17 @@ def decode_rounds(snapshot: str, lengths: list[int], dtypes: list[str], tokens: 
                 token = int(rng.integers(engine.config.vocab_size))
                 for i in range(tokens + 1):
                     if i == 1:
-                        began = time.perf_counter()
+                        began, cpu = time.perf_counter(), time.process_time()
                     token = int(model.forward(np.array([token]), cache)[0][-1].argmax())
-                speeds[dtype].append(tokens / (time.perf_counter() - began))
-        for dtype, got in speeds.items():
-            rows.append({"context": length, "kv_dtype": dtype, "decode_tok_s": round(float(np.median(got)), 1),
-                         "range": [round(min(got), 1), round(max(got), 1)]})
-            print(json.dumps(rows[-1]), flush=True)
+                speeds[length, *variant].append(tokens / (time.perf_counter() - began))
+                cpu_ms[length, *variant].append((time.process_time() - cpu) / tokens * 1e3)
+    rows = []
+    for (length, dtype, selection), got in speeds.items():
+        rows.append({"context": length, "kv_dtype": dtype, "selection": selection,
+                     "decode_tok_s": round(float(np.median(got)), 1),
+                     "range": [round(min(got), 1), round(max(got), 1)],
+                     "cpu_ms_per_token": round(float(np.median(cpu_ms[length, dtype, selection])), 2)})
+        print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
@@ -106,13 +121,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-only", action="store_true", help="decode speed alone, over random cache rows")
     p.add_argument("--tokens", type=int, default=32, help="--decode-only: tokens per round")
     p.add_argument("--rounds", type=int, default=3, help="--decode-only: rounds over the dtypes")
+    p.add_argument("--one-stage", action="store_true",
+                   help="--decode-only: also the decode step's one-stage selection over all keys, in the same rounds")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     snapshot = ensure_bench_snapshot("q4", args.work, LONG_CONFIG)
     if args.decode_only:
         rows = decode_rounds(str(snapshot), [int(n) for n in args.lengths.split(",")], args.kv_dtypes.split(","),
-                             args.tokens, args.rounds)
+                             args.tokens, args.rounds, args.one_stage)
         if args.json:
             args.json.write_text(json.dumps(rows, indent=1))
         return 0

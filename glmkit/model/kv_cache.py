@@ -10,6 +10,11 @@ each float, rounded to nearest even), `f16` (IEEE half codes, rounded to nearest
 and field: 1, or the power of two that brings a row larger than F16_ROW_MAX within it) or `fp8` (e4m3 codes times
 one f32 scale per row and field, the row's largest magnitude over 448). Readers get float32 rows (`rows`); the
 device decode step reads and writes the stored codes (`storage`, `scales`).
+
+Beside each stored indexer key a layer keeps its shadow (`encode_index_shadow`, DESIGN section 3, "DSA indexer"):
+the key as the kernels read it, in int8 codes with one scale per key, in blocks of SHADOW_BLOCK keys. The device
+decode step scores every key from the shadows first and rescores from the stored keys only those that may be among
+the top-k.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ KV_DTYPES = ("f32", "bf16", "f16", "fp8")
 SCALED_KV_DTYPES = frozenset({"f16", "fp8"})  # rows stored with one f32 scale per row and field
 FP8_MAX = 448.0  # the largest finite e4m3 magnitude
 F16_ROW_MAX = 32768.0  # an f16 row whose largest magnitude exceeds this is scaled down by a power of two (exact)
+SHADOW_BLOCK = 8  # indexer-key shadows are stored in blocks of this many keys, `[d, SHADOW_BLOCK]` codes each
 _STORED = {"f32": np.dtype(np.float32), "bf16": np.dtype(ml_dtypes.bfloat16), "f16": np.dtype(np.float16),
            "fp8": np.dtype(ml_dtypes.float8_e4m3fn)}
 
@@ -59,6 +65,27 @@ def decode_kv_rows(codes: np.ndarray, scales: np.ndarray | None) -> np.ndarray:
     return rows if scales is None else rows * scales[:, None]
 
 
+def encode_index_shadow(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The shadows of indexer keys `keys [n, d]` f32 (the values the kernels read): (int8 codes `[n, d]`, scales `[n]`
+    f32) with `|keys - scale * codes| <= scale * (1/2 + 2^-12)` per value: scale = the row's largest magnitude / 127,
+    codes = rint(key * (127 / largest)); 0 and 0 for an all-zero row. kv.cl's `index_shadow_rows` is the same."""
+    keys = np.asarray(keys, np.float32)
+    amax = np.abs(keys).max(axis=-1) if keys.shape[-1] else np.zeros(len(keys), np.float32)  # [n]
+    live = amax > 0
+    scale = np.where(live, amax / np.float32(127), np.float32(0)).astype(np.float32)
+    inverse = (np.float32(127) / np.where(live, amax, np.float32(1))).astype(np.float32)
+    codes = np.clip(np.rint(keys * np.where(live, inverse, np.float32(0))[:, None]), -127, 127).astype(np.int8)
+    return codes, scale
+
+
+def shadow_bound(d: int, nh: int) -> float:
+    """The factor F of the shadow bound (DESIGN section 3, "DSA indexer"): with index-score scale `scale`, head weights
+    `W_h` and queries `q_h [d]` of `nh` heads, the float index score of a key and its stage-1 score from its shadow
+    (scale_t) differ by at most `scale_t * F * |scale| * sum_h |W_h| |q_h|_1`. 1/2 is the codes' rounding; the rest
+    covers float32 rounding in both sums, in the codes and in the comparisons made with the bound."""
+    return (0.5 + 300 * (d + nh + 16) * 2.0 ** -24) * (1 + 2.0 ** -8)
+
+
 class LayerKV:
     """Growable row arrays of one layer: `kv_lat [T, kv_lora_rank]`, `k_rot [T, rope]`, `index_k [T, ihd]`,
     stored at `dtype` (`KV_DTYPES`)."""
@@ -78,6 +105,11 @@ class LayerKV:
         # f16, fp8: one scale per row and field
         self._scales = {name: np.empty(capacity, np.float32) for name in self._data} \
             if dtype in SCALED_KV_DTYPES else {}
+        # the indexer keys' shadows (`encode_index_shadow`): codes in blocks
+        # `[capacity / SHADOW_BLOCK, d, SHADOW_BLOCK]`, one scale per key
+        self._shadow: tuple[np.ndarray, np.ndarray] | None = None
+        if index_dim is not None:
+            self._shadow = self._new_shadow(capacity, index_dim)
 
     @property
     def has_index(self) -> bool:
@@ -130,6 +162,7 @@ class LayerKV:
             self._data[name][start: self.length] = codes
             if self._scales:
                 self._scales[name][start: self.length] = scales
+        self._shade(np.arange(start, self.length))
 
     def encoded(self, name: str, start: int, stop: int) -> tuple[np.ndarray, np.ndarray | None]:
         """Copies of the stored codes `[n, width]` and (f16, fp8) scales `[n]` of rows [start, stop) of field `name`."""
@@ -143,6 +176,8 @@ class LayerKV:
         self._data[name][pos] = codes[0]
         if self._scales:
             self._scales[name][pos] = scales[0]
+        if name == "index_k":
+            self._shade(np.array([pos]))
 
     def _checked(self, rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         if set(rows) != set(self._data):
@@ -165,6 +200,7 @@ class LayerKV:
             data[positions] = codes
             if self._scales:
                 self._scales[name][positions] = scales
+        self._shade(np.asarray(positions))
 
     def claim(self, n: int) -> None:
         """Extend by `n` rows that the caller fills in place, through `storage` (the device decode step's
@@ -183,7 +219,33 @@ class LayerKV:
             if rows > len(data):
                 self._grow(name, rows)
 
+    def _shade(self, positions: np.ndarray) -> None:
+        """The shadows of the indexer keys at `positions [n]` from the stored keys (none without an indexer)."""
+        if self._shadow is None or len(positions) == 0:
+            return
+        codes, scales = encode_index_shadow(self.gather("index_k", positions))
+        blocks, scale = self._shadow
+        blocks[positions // SHADOW_BLOCK, :, positions % SHADOW_BLOCK] = codes
+        scale[positions] = scales
+
+    @staticmethod
+    def _new_shadow(capacity: int, index_dim: int) -> tuple[np.ndarray, np.ndarray]:
+        blocks = -(-capacity // SHADOW_BLOCK)
+        return np.zeros((blocks, index_dim, SHADOW_BLOCK), np.int8), np.zeros(blocks * SHADOW_BLOCK, np.float32)
+
+    def shadow(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """The whole shadow arrays of the indexer keys (codes `[capacity / SHADOW_BLOCK, d, SHADOW_BLOCK]` int8,
+        scales `[capacity]` f32; as `storage`, valid until the next append or claim grows them; rows past `length`
+        unused), None without an indexer. The device decode step writes the shadows of the rows it writes."""
+        return self._shadow
+
     def _grow(self, name: str, rows: int) -> None:
+        if name == "index_k" and self._shadow is not None:
+            grown_shadow = self._new_shadow(rows, self._shadow[0].shape[1])
+            used = -(-self.length // SHADOW_BLOCK)
+            grown_shadow[0][:used] = self._shadow[0][:used]
+            grown_shadow[1][: self.length] = self._shadow[1][: self.length]
+            self._shadow = grown_shadow
         data = self._data[name]
         grown = np.empty((rows, data.shape[1]), data.dtype)
         grown[: self.length] = data[: self.length]

@@ -76,8 +76,18 @@ from glmkit.backends.opencl.weights import X8_BLOCK, ClWeight, fused_expert_arra
 from glmkit.format.config import ModelConfig
 from glmkit.format.tensors import Weight
 from glmkit.model.compute import ExpertArena, SamplingSettings, TokenDraws
-from glmkit.model.kv_cache import SCALED_KV_DTYPES, KVCache
-from glmkit.model.layer_spec import EMBED, LM_HEAD, LayerSpec, MLPSpec, MoESpec, MTPSpec, NormSpec, final_norm_spec
+from glmkit.model.kv_cache import SCALED_KV_DTYPES, SHADOW_BLOCK, KVCache, shadow_bound
+from glmkit.model.layer_spec import (
+    EMBED,
+    LM_HEAD,
+    IndexerSpec,
+    LayerSpec,
+    MLPSpec,
+    MoESpec,
+    MTPSpec,
+    NormSpec,
+    final_norm_spec,
+)
 from glmkit.model.ops import rope_cos_sin
 
 MAX_ROUTED_EXPERTS = 1024  # the routing kernel's private arrays (MAX_EXPERTS in decode.cl)
@@ -89,6 +99,11 @@ ID_SLOTS = 32  # routed-id buffers per MoE layer, used in turn by successive tok
 TURNS = 4  # forwards queued at once, each with buffers of its own (a pipeline alternates two, a prompt uses all)
 INITIAL_KEYS = 1024  # keys the per-key scratch buffers hold at first (they double as the context grows)
 KEY_GROUP = 16  # work-group size of the kernels with one work-item per key
+SHADOW_GROUP = 4  # work-group size of index_shadow_scores (a work-item per two blocks of SHADOW_BLOCK keys)
+SHADOW_MIN_KEYS = 16384  # the shadow selection runs from this many keys on (below it the one-stage one is as fast)
+SHADOW_MIN_PER_KEPT = 16  # and from this many keys per key it keeps (index_topk), blocks enough for its threshold
+LISTED_SHARE = 4  # more listed keys than one in this many: the shadow selection rescores every key
+SHADOW_FIELDS = ("index_k.shadow", "index_k.shadow_scale")  # the cache's shadow arrays as `_cache_buffer` names them
 NO_STAGE = 0xFFFFFFFF  # token_rows: no staging copy of the cache rows (decode.cl)
 UNUSED_SLOT = 0xFFFFFFFF  # the token of an expert slot a launch skips (quant.cl)
 SLOT_ARRAYS = {"offs": (6, np.uint64), "slot_w": (1, np.float32), "slot_tok": (1, np.uint32),
@@ -223,6 +238,14 @@ class _Layer:
         self.cache_fields: tuple[str, ...] = ()
         self.scores: Launch | None = None
         self.topk: Launch | None = None
+        # the shadow selection (CPU devices): the new keys' shadows (in `head`), then the launches that replace
+        # `scores` and `topk` in `shadowed` once the keys are many (`DeviceDecodeStep.shadow_selects`)
+        self.shadow: Launch | None = None
+        self.shadowed: list[Launch] = []
+        self.shadow_scores: Launch | None = None
+        self.candidates: Launch | None = None
+        self.rescore: Launch | None = None
+        self.select: Launch | None = None
         self.attention: Launch | None = None  # scores, then softmax and values
         self.values: Launch | None = None
         self.route: Launch | None = None
@@ -309,6 +332,10 @@ class DeviceDecodeStep:
         self.kv_dtype = kv_dtype
         self.rows = rows
         self.topk = index_topk(layers)
+        # the two-stage selection from the keys' shadows (exact, DESIGN section 3, "DSA indexer"): CPU devices, where
+        # its single-item kernels run well and the cache arrays are read in place. Set False, the step selects in one
+        # stage over all keys (the shadows are still written): tools/bench_long.py's comparison
+        self.shadow_selects = kernels.direct and kernels.lanes == 1
         self._weight, self._cw, self._expert_ref = weight, cw, expert_ref
         self.experts = experts
         self.spill = spill
@@ -500,8 +527,11 @@ class DeviceDecodeStep:
         cap = max(keys, 2 * self.capacity)
         nh, rows = self.cfg.num_attention_heads, self.rows
         new = self.buffers.array
+        blocks = -(-cap // SHADOW_BLOCK)
         self.scratch = {"scores": new(rows * nh * cap), "index_scores": new(rows * cap),
-                        "selected": new(rows * cap, np.uint8)}
+                        "selected": new(rows * cap, np.uint8), "approx": new(rows * cap),
+                        "listed": new(rows * cap, np.uint32), "listed_count": new(rows, np.uint32),
+                        **{name: new(rows * blocks) for name in ("block_top", "block_scale", "block_low")}}
         self.allowed = [self.buffers.filled(np.ones(rows * cap), np.uint8) for _ in range(TURNS if rows > 1 else 1)]
         self.masked = [[] for _ in range(TURNS)]
         self.capacity = cap
@@ -513,6 +543,48 @@ class DeviceDecodeStep:
                 layer.scores.set(out=index_scores)
                 layer.topk.set(scores=index_scores, allowed=self.allowed[0].buffer,
                                selected=self.scratch["selected"].buffer)
+            if layer.shadow_scores is not None:
+                layer.shadow_scores.set(**self._scratch_args("approx", "block_top", "block_scale"))
+                layer.candidates.set(**self._scratch_args("approx", "block_top", "block_scale", "block_low", "listed"),
+                                     count=self.scratch["listed_count"].buffer)
+                layer.rescore.set(listed=self.scratch["listed"].buffer, count=self.scratch["listed_count"].buffer,
+                                  out=index_scores)
+                layer.select.set(scores=index_scores, listed=self.scratch["listed"].buffer,
+                                 count=self.scratch["listed_count"].buffer)
+
+    def _scratch_args(self, *names: str) -> dict[str, Any]:
+        """Kernel arguments named after per-key scratch arrays: their buffers."""
+        return {name: self.scratch[name].buffer for name in names}
+
+    def _bind_shadow_selection(self, out: _Layer, ix: IndexerSpec, query: list[Launch]) -> None:
+        """The shadow selection's launches of a layer with an indexer (DESIGN section "DSA indexer"): the new keys'
+        shadows (appended to `out.head`), then over the query the stage-1 scores from the shadows, the keys that may
+        be among the top-k, their exact scores and the top-k among them (`out.shadowed`); the cache arrays, key
+        counts and the turn's causal mask are set per token."""
+        k, cfg, scratch = self.k, self.cfg, self.scratch
+        ihd, inh, kv = cfg.index_head_dim, cfg.index_n_heads, self.kv_dtype
+        unset = self.key.buffer  # a placeholder until the token's arrays are set
+        out.shadow = k.bind("index_shadow_rows", (self.rows,), None, kv_dtype=kv, index_k=unset, index_k_scale=unset,
+                            shadow=unset, shadow_scale=unset, row=0, d=ihd)
+        out.head.append(out.shadow)
+        scores = {"q": self.iq_rot.buffer, "w": self.iw.buffer, "nh": inh, "d": ihd, "n_keys": 1,
+                  "w_scale": ix.head_scale}
+        out.shadow_scores = k.bind("index_shadow_scores", (SHADOW_GROUP, self.rows), (SHADOW_GROUP, 1), **scores,
+                                   shadow=unset, shadow_scale=unset, allowed=self.allowed[0].buffer,
+                                   **self._scratch_args("approx", "block_top", "block_scale"),
+                                   scale=ix.score_scale)
+        out.candidates = k.bind("index_candidates", (self.rows,), None, **scores, shadow_scale=unset,
+                                **self._scratch_args("approx", "block_top", "block_scale", "block_low", "listed"),
+                                allowed=self.allowed[0].buffer, count=scratch["listed_count"].buffer, k=ix.topk,
+                                max_listed=1, bound=shadow_bound(ihd, inh) * abs(ix.score_scale), n_rows=self.rows)
+        out.rescore = k.bind("index_scores_listed", (KEY_GROUP, self.rows), (KEY_GROUP, 1), kv_dtype=kv,
+                             **scores, k=unset, k_scale=unset, listed=scratch["listed"].buffer,
+                             count=scratch["listed_count"].buffer, out=scratch["index_scores"].buffer,
+                             scale=ix.score_scale)
+        out.select = k.bind("topk_listed", (self.rows,), None, scores=scratch["index_scores"].buffer,
+                            listed=scratch["listed"].buffer, count=scratch["listed_count"].buffer,
+                            chosen=self.chosen.buffer, n_keys=1, k=ix.topk, n_rows=self.rows)
+        out.shadowed = [*query, out.shadow_scores, out.candidates, out.rescore, out.select]
 
     def _bound_layers(self) -> list[_Layer]:
         """The main layers' launches, then the MTP layer's (with a draft)."""
@@ -604,10 +676,12 @@ class DeviceDecodeStep:
             out.topk = k.bind(name, size, local, scores=scratch["index_scores"].buffer,
                               allowed=self.allowed[0].buffer, selected=scratch["selected"].buffer,
                               chosen=self.chosen.buffer, n_keys=1, k=ix.topk, n_rows=self.rows)
-            out.scoring = [*self._matvec(self._matrix(ix.wq_b), self.q_lat, self.iq, quantized=self.q_lat_x8),
-                           self._rope(self.iq, 0, ihd, self.iq_rot, ihd, ihd, inh),
-                           *(() if paired else self._matvec(weights_proj, self.u, self.iw, quantized=self.u_x8)),
-                           out.scores, out.topk]
+            query = [*self._matvec(self._matrix(ix.wq_b), self.q_lat, self.iq, quantized=self.q_lat_x8),
+                     self._rope(self.iq, 0, ihd, self.iq_rot, ihd, ihd, inh),
+                     *(() if paired else self._matvec(weights_proj, self.u, self.iw, quantized=self.u_x8))]
+            out.scoring = [*query, out.scores, out.topk]
+            if self.shadow_selects:
+                self._bind_shadow_selection(out, ix, query)
         # the cache rows (kv_lat, k_rot), the key counts (n, n_total) and whether the indexer chose the keys
         # (use_keys) are set per token
         out.attention = k.bind("mla_decode_scores", (KEY_GROUP, 1, self.rows), (KEY_GROUP, 1, 1),
@@ -976,8 +1050,11 @@ class DeviceDecodeStep:
         """The buffer the kernels find a cache array's rows in (`_Layer.cache_fields`), up to date for a token at row
         `kv.length - 1`: on direct devices one over the host storage (a new one after the cache grew it), else the
         array's device mirror, given the rows the host wrote since it last had them (`LayerKV.edited_from`)."""
-        field, _, scale = name.partition(".")
-        arr = kv.scales(field) if scale else kv.storage(field)
+        field, _, part = name.partition(".")
+        if name in SHADOW_FIELDS:  # direct devices only (`shadow_selects`)
+            arr = kv.shadow()[SHADOW_FIELDS.index(name)]
+        else:
+            arr = kv.scales(field) if part else kv.storage(field)
         if not self.k.direct:
             return self._mirror(layer, kv, name, arr).buf
         have = layer.cache_buffers.get(name)
@@ -1176,17 +1253,35 @@ class DeviceDecodeStep:
             layer.store.set(row=pos, **{name.replace(".", "_"): b for name, b in rows.items()})
         if layer.scores is not None:
             index_k = rows["index_k"]
+            index_k_scale = rows.get("index_k.scale", index_k)
             if layer.store is None:
                 layer.rows.set(index_k=index_k)
+        if layer.shadow is not None:
+            shadow, shadow_scale = (self._cache_buffer(layer, kv, name) for name in SHADOW_FIELDS)
+            layer.shadow.set(index_k=index_k, index_k_scale=index_k_scale, shadow=shadow, shadow_scale=shadow_scale,
+                             row=pos)
         if not self.k.direct:
             layer.rows.set(stage=self.row_stage[turn].buffer)
             kv.edited_from = kv.length  # the host gets this row with the others (`_collect`)
         for launch in layer.head:
             launch.enqueue()
-        if scored and layer.scores is not None:
-            layer.scores.set(k=index_k, k_scale=rows.get("index_k.scale", index_k), n_keys=keys)
+        allowed = self.allowed[turn % len(self.allowed)].buffer
+        shadowed = keys >= max(SHADOW_MIN_KEYS, SHADOW_MIN_PER_KEPT * self.topk)
+        if scored and self.shadow_selects and layer.shadow is not None and shadowed:
+            blocks = -(-keys // SHADOW_BLOCK)
+            layer.shadow_scores.set(shadow=shadow, shadow_scale=shadow_scale, allowed=allowed, n_keys=keys)
+            layer.shadow_scores.size = (-(-blocks // (2 * SHADOW_GROUP)) * SHADOW_GROUP, n_rows)  # 2 blocks an item
+            layer.candidates.set(shadow_scale=shadow_scale, allowed=allowed, n_keys=keys,
+                                 max_listed=keys // LISTED_SHARE)
+            layer.rescore.set(k=index_k, k_scale=index_k_scale, n_keys=keys)
+            layer.rescore.size = (per_key, n_rows)  # an item per listed key: all of them at most
+            layer.select.set(n_keys=keys)
+            for launch in layer.shadowed:
+                launch.enqueue()
+        elif scored and layer.scores is not None:
+            layer.scores.set(k=index_k, k_scale=index_k_scale, n_keys=keys)
             layer.scores.size = (per_key, n_rows)
-            layer.topk.set(n_keys=keys, allowed=self.allowed[turn % len(self.allowed)].buffer)
+            layer.topk.set(n_keys=keys, allowed=allowed)
             for launch in layer.scoring:
                 launch.enqueue()
         layer.attention.set(kv_lat=lat, k_rot=rot, **scaled, use_keys=int(scored), n=attended, n_total=keys)

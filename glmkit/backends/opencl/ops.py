@@ -19,7 +19,7 @@ from glmkit.backends.opencl.device import DeviceInfo, cl
 from glmkit.backends.opencl.kernels import kernel_version
 from glmkit.backends.opencl.program import Launch, Program
 from glmkit.backends.opencl.weights import X8_BLOCK, ClWeight, ExpertShape, mvt_global
-from glmkit.model.kv_cache import F16_ROW_MAX
+from glmkit.model.kv_cache import F16_ROW_MAX, SHADOW_BLOCK
 
 KV_TYPES = {"f32": 0, "bf16": 1, "fp8": 2, "f16": 3}  # kv.cl's KV_TYPE for each of kv_cache.KV_DTYPES
 
@@ -49,7 +49,8 @@ class Kernels:
         self.fp64 = "cl_khr_fp64" in device.extensions  # float64 arithmetic: sample.cl is built only with it
         self.ctx = cl.Context([device])
         self.queue = cl.CommandQueue(self.ctx)
-        options = [f"-DLANES={self.lanes}", f"-DRED_LANES={self.red_lanes}", f"-DROWS={self.rows_per_item}"]
+        options = [f"-DLANES={self.lanes}", f"-DRED_LANES={self.red_lanes}", f"-DROWS={self.rows_per_item}",
+                   f"-DSHADOW_BLOCK={SHADOW_BLOCK}"]
         self.cpu_loads = (info.kind == "cpu") if cpu_loads is None else cpu_loads
         if self.cpu_loads:
             options.append("-DCPU_LOADS")  # plain unaligned vector loads (PoCL does not inline vloadn)

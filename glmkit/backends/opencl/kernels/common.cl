@@ -28,12 +28,14 @@ typedef struct __attribute__((packed)) { float4 v; } float4_u;
 #define LOAD_US8(i, p) (((const __global ushort8_u*)(p))[i].v)
 #define LOAD_F8(i, p) (((const __global float8_u*)(p))[i].v)
 #define LOAD_F4(i, p) (((const __global float4_u*)(p))[i].v)
+#define STORE_F8(i, p, x) (((__global float8_u*)(p))[i].v = (x))
 #else
 #define LOAD_U16(i, p) vload16((i), (p))
 #define LOAD_U8(i, p) vload8((i), (p))
 #define LOAD_US8(i, p) vload8((i), (p))
 #define LOAD_F8(i, p) vload8((i), (p))
 #define LOAD_F4(i, p) vload4((i), (p))
+#define STORE_F8(i, p, x) vstore8((x), (i), (p))
 #endif
 
 INLINE uint umin_(uint a, uint b) {
@@ -52,6 +54,9 @@ INLINE float fmax_(float a, float b) {  /* no NaN here; -inf is ordered */
 #endif
 #ifndef ROWS
 #define ROWS (LANES > 1 ? 1 : 4)
+#endif
+#ifndef SHADOW_BLOCK
+#define SHADOW_BLOCK 8  /* keys per block of the indexer keys' shadows (kv_cache.SHADOW_BLOCK) */
 #endif
 #define VALUE_COLS (LANES > 1 ? 1 : 32)  /* latent columns per work-item of mla_decode_values */
 

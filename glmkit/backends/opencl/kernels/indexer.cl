@@ -29,39 +29,47 @@ INLINE void mark_keys(const __global float* sc, const __global uchar* al, __glob
  * over the key's 4 bytes, most significant first (a 256-bin histogram of the keys still in the running per pass; the
  * first also counts the allowed keys), finds the k-th largest key, then one pass marks. One work-item per row.
  * Global (S). */
+/* The k-th largest float_key among the allowed scores sc[0, n) (al 0: all allowed), its top `bits` bits (8, 16, 24
+ * or 32; the rest 0) in *prefix, and in *need how many keys with those top bits complete the k (the larger ones being
+ * k - need). A radix select over the key's bytes, most significant first (a 256-bin histogram of the keys still in
+ * the running per pass). Returns 0, leaving *prefix 0, where at most k keys are allowed. */
+INLINE int kth_key(const __global float* sc, const __global uchar* al, uint n, uint k, int bits, uint* prefix,
+                   uint* need) {
+    uint known = 0, hist[256];
+    *prefix = 0;
+    *need = k;  /* the need-th largest key among those whose `known` bits are prefix's */
+    for (int shift = 24; shift >= 32 - bits; shift -= 8) {
+        for (uint b = 0; b < 256; b++) hist[b] = 0;
+        for (uint t = 0; t < n; t++) {
+            const uint key = float_key(sc[t]);
+            if ((al == 0 || al[t]) && (key & known) == *prefix) hist[(key >> shift) & 255u]++;
+        }
+        if (shift == 24) {  /* the first pass counts every allowed key: are there more than k? */
+            uint n_allowed = 0;
+            for (uint b = 0; b < 256; b++) n_allowed += hist[b];
+            if (n_allowed <= k) return 0;
+        }
+        uint digit = 255, above = 0;
+        while (above + hist[digit] < *need) above += hist[digit--];
+        *need -= above;
+        *prefix |= digit << shift;
+        known |= 255u << shift;
+    }
+    return 1;
+}
+
 __kernel void topk_select(__global const float* scores, __global const uchar* allowed, __global uchar* selected,
                           __global uint* chosen, uint n_keys, uint k, uint n_rows) {
     const uint s = get_global_id(0);
     if (s >= n_rows) return;
     const __global float* sc = scores + (ulong)s * n_keys;
     const __global uchar* al = allowed + (ulong)s * n_keys;
-    __global uchar* sel = selected + (ulong)s * n_keys;
-    __global uint* ch = chosen + (ulong)s * k;
-    uint prefix = 0, known = 0, need = k;  /* the need-th largest key among those whose `known` bits are prefix's */
-    uint hist[256];
-    for (int shift = 24; shift >= 0; shift -= 8) {
-        for (uint b = 0; b < 256; b++) hist[b] = 0;
-        for (uint t = 0; t < n_keys; t++) {
-            const uint key = float_key(sc[t]);
-            if (al[t] && (key & known) == prefix) hist[(key >> shift) & 255u]++;
-        }
-        if (shift == 24) {  /* the first pass counts every allowed key: are there more than k? */
-            uint n_allowed = 0;
-            for (uint b = 0; b < 256; b++) n_allowed += hist[b];
-            if (n_allowed <= k) {
-                mark_keys(sc, al, sel, ch, 0, n_keys, 0, 0, 0);
-                return;
-            }
-        }
-        uint digit = 255, above = 0;
-        while (above + hist[digit] < need) above += hist[digit--];
-        need -= above;
-        prefix |= digit << shift;
-        known |= 255u << shift;
-    }
+    uint prefix, need;
+    if (!kth_key(sc, al, n_keys, k, 32, &prefix, &need))
+        need = 0;  /* prefix 0: every allowed key */
     /* the keys above the k-th are those above it at some pass (k - need of them): the first `need` equal to it
      * complete the k */
-    mark_keys(sc, al, sel, ch, 0, n_keys, prefix, need, 0);
+    mark_keys(sc, al, selected + (ulong)s * n_keys, chosen + (ulong)s * k, 0, n_keys, prefix, need, 0);
 }
 
 /* topk_select with one work-group (RED_LANES items) per row, for GPUs, where the single work-item's serial passes
@@ -111,4 +119,187 @@ __kernel void topk_select_group(__global const float* scores, __global const uch
     uint n = 0;
     for (uint j = 0; j < l; j++) n += take_counts[j];
     mark_keys(sc, al, sel, ch, t0, t1, prefix, ties, n);
+}
+
+/* ---- the decode step's exact two-stage selection (DESIGN section "DSA indexer": the shadow bound) ---- */
+
+#if SHADOW_BLOCK != 8
+#error "index_shadow_scores takes a block of keys as one float8"
+#endif
+
+/* Block b's stage-1 scores `total` (its shadow scales `scales`) into approx, and its largest approx and shadow scale
+ * over the keys row s may choose (al) into block_top and block_scale (-inf and 0 where none may). */
+INLINE void shadow_block_out(float8 total, float8 scales, uint b, uint n_keys, const __global uchar* al,
+                             __global float* out, __global float* top, __global float* top_scale) {
+    float8 mine, mine_scale;  /* the allowed keys' approx and scales, -inf and 0 for the others */
+    if (b * 8 + 8 <= n_keys) {
+        STORE_F8(b, out, total);
+        const int8 take = convert_int8(LOAD_U8(b, al)) != (int8)(0);
+        mine = select((float8)(-INFINITY), total, take);
+        mine_scale = select((float8)(0.0f), scales, take);
+    } else {  /* the last block, partly past the keys */
+        const float got[8] = {total.s0, total.s1, total.s2, total.s3, total.s4, total.s5, total.s6, total.s7};
+        const float sc[8] = {scales.s0, scales.s1, scales.s2, scales.s3, scales.s4, scales.s5, scales.s6, scales.s7};
+        float m[8], ms[8];
+        for (uint i = 0; i < 8; i++) {
+            const uint t = b * 8 + i;
+            const int take = t < n_keys && al[t];
+            if (t < n_keys) out[t] = got[i];
+            m[i] = take ? got[i] : -INFINITY;
+            ms[i] = take ? sc[i] : 0.0f;
+        }
+        mine = (float8)(m[0], m[1], m[2], m[3], m[4], m[5], m[6], m[7]);
+        mine_scale = (float8)(ms[0], ms[1], ms[2], ms[3], ms[4], ms[5], ms[6], ms[7]);
+    }
+    const float4 m4 = fmax(mine.lo, mine.hi), s4 = fmax(mine_scale.lo, mine_scale.hi);
+    const float2 m2 = fmax(m4.lo, m4.hi), s2 = fmax(s4.lo, s4.hi);
+    top[b] = fmax(m2.x, m2.y);
+    top_scale[b] = fmax(s2.x, s2.y);
+}
+
+/* Stage 1: approx[s, t] = sum_h (w[s, h] * w_scale) * relu(q[s, h] . (c_t * scale_t) * scale) from the shadows
+ * (codes c_t in blocks [d, 8], one scale_t per key: kv_cache.encode_index_shadow); per block the largest approx of
+ * its keys that row s may choose (block_top; -inf where none may) and their largest shadow scale (block_scale). A
+ * work-item takes two blocks, a lane per key: each code is converted once for 4 heads, each head's query value
+ * loaded once for 16 keys. Rows of n_keys keys, of ceil(n_keys / 8) blocks. Global (ceil(blocks / 2), S). */
+__kernel void index_shadow_scores(__global const float* q, __global const char* shadow,
+                                  __global const float* shadow_scale, __global const float* w,
+                                  __global const uchar* allowed, __global float* approx, __global float* block_top,
+                                  __global float* block_scale, uint nh, uint d, uint n_keys, float scale,
+                                  float w_scale) {
+    const uint b = 2 * get_global_id(0), s = get_global_id(1), n_blocks = (n_keys + 7) / 8;
+    if (b >= n_blocks) return;
+    const int pair = b + 1 < n_blocks;  /* the second block exists (else it reads the first one twice) */
+    const __global uchar* kb = (const __global uchar*)shadow + (ulong)b * d * 8;
+    const __global uchar* kc = pair ? kb + d * 8 : kb;
+    const __global float* qs = q + (ulong)s * nh * d;
+    const __global float* ws = w + (ulong)s * nh;
+    const float8 scales = LOAD_F8(b, shadow_scale), scales2 = pair ? LOAD_F8(b + 1, shadow_scale) : scales;
+    const float8 key_scale = scales * scale, key_scale2 = scales2 * scale;
+    float8 total = (float8)(0.0f), total2 = total;
+    uint h = 0;
+    for (; h + 4 <= nh; h += 4) {
+        const __global float* q0 = qs + (ulong)h * d;
+        const __global float *q1 = q0 + d, *q2 = q1 + d, *q3 = q2 + d;
+        float8 a0 = (float8)(0.0f), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+        for (uint j = 0; j < d; j++) {
+            const float8 kv = convert_float8(as_char8(LOAD_U8(j, kb))), kw = convert_float8(as_char8(LOAD_U8(j, kc)));
+            const float x0 = q0[j], x1 = q1[j], x2 = q2[j], x3 = q3[j];
+            a0 += x0 * kv;
+            a1 += x1 * kv;
+            a2 += x2 * kv;
+            a3 += x3 * kv;
+            b0 += x0 * kw;
+            b1 += x1 * kw;
+            b2 += x2 * kw;
+            b3 += x3 * kw;
+        }
+        const float w0 = ws[h] * w_scale, w1 = ws[h + 1] * w_scale, w2 = ws[h + 2] * w_scale, w3 = ws[h + 3] * w_scale;
+        total += w0 * fmax(a0 * key_scale, 0.0f) + w1 * fmax(a1 * key_scale, 0.0f) + w2 * fmax(a2 * key_scale, 0.0f)
+               + w3 * fmax(a3 * key_scale, 0.0f);
+        total2 += w0 * fmax(b0 * key_scale2, 0.0f) + w1 * fmax(b1 * key_scale2, 0.0f)
+                + w2 * fmax(b2 * key_scale2, 0.0f) + w3 * fmax(b3 * key_scale2, 0.0f);
+    }
+    for (; h < nh; h++) {
+        const __global float* qh = qs + (ulong)h * d;
+        float8 acc = (float8)(0.0f), acc2 = acc;
+        for (uint j = 0; j < d; j++) {
+            acc += qh[j] * convert_float8(as_char8(LOAD_U8(j, kb)));
+            acc2 += qh[j] * convert_float8(as_char8(LOAD_U8(j, kc)));
+        }
+        total += (ws[h] * w_scale) * fmax(acc * key_scale, 0.0f);
+        total2 += (ws[h] * w_scale) * fmax(acc2 * key_scale2, 0.0f);
+    }
+    const __global uchar* al = allowed + (ulong)s * n_keys;
+    __global float* out = approx + (ulong)s * n_keys;
+    __global float* top = block_top + (ulong)s * n_blocks;
+    __global float* top_scale = block_scale + (ulong)s * n_blocks;
+    shadow_block_out(total, scales, b, n_keys, al, out, top, top_scale);
+    if (pair) shadow_block_out(total2, scales2, b + 1, n_keys, al, out, top, top_scale);
+}
+
+/* The smallest float whose float_key has the top 16 bits of `key` (NaN's keys never occur: -inf below them). */
+INLINE float key_floor16(uint key) {
+    key &= 0xffff0000u;
+    const float f = as_float((key & 0x80000000u) ? key & 0x7fffffffu : ~key);
+    return isnan(f) ? -INFINITY : f;
+}
+
+/* Stage 2's keys for row s: every allowed key whose stage-1 upper bound approx + scale_t * qb reaches A, a lower bound
+ * of the k-th largest exact score; listed[s, :count[s]] in ascending order. qb = bound * sum_h |w_h * w_scale| *
+ * |q_h|_1 bounds |exact - approx| / scale_t (bound: the factor of DESIGN's shadow bound times |scale|). A: below the
+ * k-th largest block lower bound block_top - block_scale * qb (each the lower bound of one key of its block), taken
+ * to its top 16 bits. Where fewer than k blocks hold allowed keys or more than max_listed keys reach A: every allowed
+ * key (then the selection is today's over all keys). One work-item per row. Global (S). */
+__kernel void index_candidates(__global const float* q, __global const float* w, __global const float* approx,
+                               __global const float* shadow_scale, __global const float* block_top,
+                               __global const float* block_scale, __global float* block_low,
+                               __global const uchar* allowed, __global uint* listed, __global uint* count, uint nh,
+                               uint d, uint n_keys, uint k, uint max_listed, float bound, float w_scale, uint n_rows) {
+    const uint s = get_global_id(0), n_blocks = (n_keys + 7) / 8;
+    if (s >= n_rows) return;
+    const __global float* qs = q + (ulong)s * nh * d;
+    float qb = 0.0f;
+    for (uint h = 0; h < nh; h++) {
+        float l1 = 0.0f;
+        for (uint j = 0; j < d; j++) l1 += fabs(qs[(ulong)h * d + j]);
+        qb += fabs(w[(ulong)s * nh + h] * w_scale) * l1;
+    }
+    qb *= bound;
+    const __global uchar* al = allowed + (ulong)s * n_keys;
+    const __global float* ap = approx + (ulong)s * n_keys;
+    const __global float* top = block_top + (ulong)s * n_blocks;
+    const __global float* top_scale = block_scale + (ulong)s * n_blocks;
+    __global float* low = block_low + (ulong)s * n_blocks;
+    __global uint* out = listed + (ulong)s * n_keys;
+    uint live = 0;  /* blocks with an allowed key; the others' lower bound -inf, below every live one's */
+    for (uint b = 0; b < n_blocks; b++) {
+        live += top[b] != -INFINITY;
+        low[b] = top[b] - top_scale[b] * qb;
+    }
+    uint n = 0, prefix, need;
+    if (live >= k && kth_key(low, 0, n_blocks, k, 16, &prefix, &need)) {
+        const float least = key_floor16(prefix);
+        for (uint b = 0; b < n_blocks && n <= max_listed; b++) {
+            if (top[b] + top_scale[b] * qb < least) continue;  /* no key of the block reaches it */
+            for (uint t = b * 8; t < min(b * 8 + 8, n_keys); t++) {
+                if (al[t] && ap[t] + shadow_scale[t] * qb >= least) {
+                    if (n < max_listed) out[n] = t;
+                    n++;
+                }
+            }
+        }
+        if (n <= max_listed) {
+            count[s] = n;
+            return;
+        }
+    }
+    n = 0;
+    for (uint t = 0; t < n_keys; t++)
+        if (al[t]) out[n++] = t;
+    count[s] = n;
+}
+
+/* The k keys with the largest exact scores among row s's listed keys (index_scores_listed's scores[s, i] of key
+ * listed[s, i], i < count[s], ascending keys), ties to the lowest key, into chosen[s, :] in ascending order (all of
+ * them where at most k are listed): topk_select's choice over the row's allowed keys. One work-item per row.
+ * Global (S). */
+__kernel void topk_listed(__global const float* scores, __global const uint* listed, __global const uint* count,
+                          __global uint* chosen, uint n_keys, uint k, uint n_rows) {
+    const uint s = get_global_id(0);
+    if (s >= n_rows) return;
+    const __global float* sc = scores + (ulong)s * n_keys;
+    const __global uint* keys = listed + (ulong)s * n_keys;
+    __global uint* ch = chosen + (ulong)s * k;
+    const uint n = count[s];
+    uint prefix, ties;
+    if (!kth_key(sc, 0, n, k, 32, &prefix, &ties)) ties = 0;
+    uint m = 0;
+    for (uint i = 0; i < n; i++) {
+        const uint key = float_key(sc[i]);
+        if (key > prefix || (key == prefix && ties > 0)) {
+            ties -= key == prefix;
+            ch[m++] = keys[i];
+        }
+    }
 }

@@ -250,14 +250,11 @@ INLINE float8 dots8(float8 a0, float8 a1, float8 a2, float8 a3, float8 a4, float
     return (float8)(c0.even + c0.odd, c1.even + c1.odd);  /* (sum a0, sum a1, ..., sum a7) */
 }
 
-__kernel void index_scores(__global const float* q, __global const kv_t* k, __global const float* k_scale,
-                           __global const float* w, __global float* out, uint nh, uint d, uint n_keys, float scale,
-                           float w_scale) {
-    const uint t = get_global_id(0), s = get_global_id(1);
-    if (t >= n_keys) return;
+/* The index score of key t against row qs's heads (qs [nh, d], ws [nh]): index_scores' and index_scores_listed's
+ * arithmetic, one function so that the two give the same float for a key. */
+INLINE float index_score(const __global float* qs, const __global kv_t* k, const __global float* k_scale,
+                         const __global float* ws, uint t, uint nh, uint d, float scale, float w_scale) {
     const __global kv_t* kt = k + (ulong)t * d;
-    const __global float* qs = q + (ulong)s * nh * d;
-    const __global float* ws = w + (ulong)s * nh;
     const float key_scale = scale * ROW_SCALE(k_scale, t);
     const uint d8 = d / 8;  /* 8-wide: one AVX2 register per load on CPUs */
     float total = 0.0f;
@@ -292,5 +289,48 @@ __kernel void index_scores(__global const float* q, __global const kv_t* k, __gl
         for (uint j = d8 * 8; j < d; j++) dot_ += qh[j] * KV_AT(kt, j);
         total += (ws[h] * w_scale) * (fmax_(dot_ * key_scale, 0.0f));
     }
-    out[(ulong)s * n_keys + t] = total;
+    return total;
+}
+
+__kernel void index_scores(__global const float* q, __global const kv_t* k, __global const float* k_scale,
+                           __global const float* w, __global float* out, uint nh, uint d, uint n_keys, float scale,
+                           float w_scale) {
+    const uint t = get_global_id(0), s = get_global_id(1);
+    if (t >= n_keys) return;
+    out[(ulong)s * n_keys + t] = index_score(q + (ulong)s * nh * d, k, k_scale, w + (ulong)s * nh, t, nh, d, scale,
+                                             w_scale);
+}
+
+/* index_scores of the keys listed for row s (index_candidates' lists: listed[s, i] for i < count[s]) into
+ * out[s, i], bit for bit the scores index_scores gives them: one work-item per list entry, those past the count
+ * idle. Global (entries, S). */
+__kernel void index_scores_listed(__global const float* q, __global const kv_t* k, __global const float* k_scale,
+                                  __global const float* w, __global const uint* listed, __global const uint* count,
+                                  __global float* out, uint nh, uint d, uint n_keys, float scale, float w_scale) {
+    const uint i = get_global_id(0), s = get_global_id(1), n = count[s];
+    if (i >= n) return;
+    const __global uint* keys = listed + (ulong)s * n_keys;
+    if (i + 1 < n) {  /* the next item's key (the listed rows are scattered: no hardware prefetch) */
+        const ulong next = keys[i + 1];
+        for (uint j = 0; j < d; j += KV_LINE) PREFETCH(k + next * d + j);
+    }
+    out[(ulong)s * n_keys + i] = index_score(q + (ulong)s * nh * d, k, k_scale, w + (ulong)s * nh, keys[i], nh, d,
+                                             scale, w_scale);
+}
+
+/* The shadows (kv_cache.encode_index_shadow) of the indexer keys at rows row .. row + n_rows - 1 of index_k, as the
+ * kernels read them (times an f16 or fp8 row's scale): int8 codes into shadow's blocks [d, SHADOW_BLOCK] and one
+ * scale per key. One work-item per key. Global (n_rows). */
+__kernel void index_shadow_rows(__global const kv_t* index_k, __global const float* index_k_scale,
+                                __global char* shadow, __global float* shadow_scale, uint row, uint d) {
+    const uint t = row + get_global_id(0);
+    const __global kv_t* kt = index_k + (ulong)t * d;
+    const float row_scale = ROW_SCALE(index_k_scale, t);
+    float amax = 0.0f;
+    for (uint j = 0; j < d; j++) amax = fmax(amax, fabs(KV_AT(kt, j) * row_scale));
+    const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+    __global char* codes = shadow + (ulong)(t / SHADOW_BLOCK) * d * SHADOW_BLOCK + t % SHADOW_BLOCK;
+    for (uint j = 0; j < d; j++)
+        codes[j * SHADOW_BLOCK] = (char)clamp(rint(KV_AT(kt, j) * row_scale * inverse), -127.0f, 127.0f);
+    shadow_scale[t] = amax > 0.0f ? amax / 127.0f : 0.0f;
 }
