@@ -408,7 +408,7 @@ class ExpertCache:
     def _continue_read_ahead(self) -> None:
         """Start the pending read-ahead's reads while slots can be had (lock held); the layer being computed goes
         first: nothing starts while one of its routed experts waits for a slot."""
-        if any(key not in self._slot for key in self._in_use):
+        if not self._pending or any(key not in self._slot for key in self._in_use):
             return
         while self._pending:
             key = self._pending[0]

@@ -283,8 +283,7 @@ class Scheduler:
             else:
                 self._decode_step(job)
         except Exception as e:  # a bug or an I/O error: fail this request, keep serving
-            log.exception("request %s failed", job.request.request_id)
-            self._finish(job, "error", error=f"{type(e).__name__}: {e}")
+            self._fail(job, e)
 
     def _prefill_step(self, job: GenerationJob) -> None:
         """The first step restores the cached prefix; later ones prefill one chunk each until at most
@@ -332,8 +331,7 @@ class Scheduler:
                 if not job.batched:
                     self._join_batch(job)
             except Exception as e:
-                log.exception("request %s failed", job.request.request_id)
-                self._finish(job, "error", error=f"{type(e).__name__}: {e}")
+                self._fail(job, e)
                 continue
             assert job.session is not None
             if job.session.kv.length + 1 >= self.engine.model.config.max_position_embeddings:
@@ -359,8 +357,12 @@ class Scheduler:
                 assert job.sampler is not None
                 self._take(job, job.sampler(row))
             except Exception as e:
-                log.exception("request %s failed", job.request.request_id)
-                self._finish(job, "error", error=f"{type(e).__name__}: {e}")
+                self._fail(job, e)
+
+    def _fail(self, job: GenerationJob, e: Exception) -> None:
+        """Log `job`'s error `e` and end it with it."""
+        log.exception("request %s failed", job.request.request_id)
+        self._finish(job, "error", error=f"{type(e).__name__}: {e}")
 
     def _join_batch(self, job: GenerationJob) -> None:
         """Move a decoding request from its generator to the batch: the generator closes (a forward it queued
