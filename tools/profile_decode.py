@@ -8,7 +8,8 @@ Prefills a random prompt (`--prompt` tokens, default 256) on the benchmark model
 kernel's device time per token, the device's idle time between launches inside a token and between tokens, and
 the host's time between tokens (the wait's return to the next token's first launch). Then, for comparison, the
 speed of the default greedy path, which keeps the next forward in flight (`Generator`, MTP off; no per-launch
-profile). On a shared machine compare rows of one run.
+profile). On a shared machine compare rows of one run. Where the shadow selection runs (a long `--prompt`), a pass
+after the timed tokens also counts the keys it lists for stage 2 in each scoring layer.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import argparse
 import collections
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +30,8 @@ from glmkit.backends.opencl.program import Launch  # noqa: E402
 from glmkit.generate.engine import Engine  # noqa: E402
 from glmkit.generate.generator import Generator  # noqa: E402
 from glmkit.generate.sampling import Sampler, SamplingParams  # noqa: E402
+from glmkit.model.glm5 import GlmMoeDsaModel  # noqa: E402
+from glmkit.model.kv_cache import KVCache  # noqa: E402
 from tools.bench_model import DEFAULT_WORK, ensure_bench_snapshot  # noqa: E402
 
 
@@ -110,8 +114,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{np.median(queueing) * 1e3:.2f} ms (median)")
     for name, ms in sorted(busy.items(), key=lambda kv: -kv[1]):
         print(f"  {name:24s} {ms:6.3f} ms  x{sum(1 for n, _ in events if n == name) // args.tokens}")
-    Launch.enqueue = enqueue  # type: ignore[method-assign]
     DeviceDecodeStep._enqueue = step_enqueue  # type: ignore[method-assign]
+    listed = listed_keys(model, cache, token, enqueue)
+    if listed:
+        print(f"shadow selection: {np.mean(listed):.0f} keys listed for stage 2 per scoring layer (median "
+              f"{np.median(listed):.0f}, {np.mean(listed) / cache.length:.2%} of {cache.length} keys), over 4 tokens")
+    Launch.enqueue = enqueue  # type: ignore[method-assign]
     generator = Generator(model, (), use_mtp=False)
     prompt = np.random.default_rng(0).integers(0, engine.config.vocab_size, args.prompt).tolist()
     list(generator.generate(prompt, args.tokens + 1, Sampler(SamplingParams())))
@@ -119,6 +127,26 @@ def main(argv: list[str] | None = None) -> int:
     print(f"pipelined greedy (Generator, next forward in flight): {(stats.decode_tokens - 1) / stats.decode_s:.1f} "
           f"tok/s")
     return 0
+
+
+def listed_keys(model: GlmMoeDsaModel, cache: KVCache, token: int, enqueue: Callable) -> list[int]:
+    """The keys the shadow selection listed for stage 2 in each scoring layer over 4 more tokens (each candidates
+    launch waited for and its count read: a pass of its own, after the timed tokens)."""
+    counts: list[int] = []
+    step = model._decode_step()
+
+    def counted(self: Launch):
+        event = enqueue(self)
+        if self.kernel.function_name == "index_candidates":
+            event.wait()
+            counts.append(int(step.scratch["listed_count"].host[0]))
+        return event
+
+    Launch.enqueue = counted  # type: ignore[method-assign]
+    for _ in range(4):
+        logits, _ = model.forward(np.array([token]), cache)
+        token = int(logits[-1].argmax())
+    return counts
 
 
 if __name__ == "__main__":
