@@ -122,16 +122,55 @@ def test_batched_decode_refuses_a_cache_twice(engine):
         model.decode_batch(np.array([4, 5]), [cache, cache])
 
 
-def test_batched_decode_on_opencl_matches_the_device_step_alone(snapshot):
-    """OpenCL: B rows through the operations give the tokens of each sequence alone on the device decode step."""
-    model = Engine(snapshot, device="opencl").model
+@pytest.fixture(scope="module")
+def cl_model(snapshot: Path) -> GlmMoeDsaModel:
+    """The fixture on OpenCL (PoCL's CPU device): single tokens decode on the device step."""
+    model = Engine(snapshot, device="opencl", load_tokenizer=False).model
     assert model.decodes_on_device()
-    batch = prompts(3, True)
-    tokens, rows = greedy_batched(model, batch, 6)
-    for i, prompt in enumerate(batch):
-        alone, alone_rows = greedy_alone(model, prompt, 6)
-        assert tokens[i] == alone
-        np.testing.assert_allclose(np.array(rows[i]), np.array(alone_rows), rtol=0, atol=1e-3)
+    return model
+
+
+@pytest.mark.parametrize("count", [2, 3, 4])
+def test_batched_decode_on_opencl_is_each_sequence_on_the_device_step_alone(cl_model, monkeypatch, count):
+    """OpenCL: B sequences of different lengths (below and past the DSA top-k: with and without the indexer's
+    selection) decode in one forward of the step over B sequences, each row's logits bit for bit those of its
+    sequence alone on the single-row step; no per-operation product runs."""
+    batch = prompts(count, True)
+    alone = [greedy_alone(cl_model, prompt, 6) for prompt in batch]
+    assert cl_model.sequences_step(count) is not None
+    decode_batch = cl_model.decode_batch
+
+    def on_the_step(token_ids: np.ndarray, caches: list) -> tuple[np.ndarray, np.ndarray]:
+        with monkeypatch.context() as m:
+            m.setattr(cl_model.backend, "linear", lambda *a: pytest.fail("a per-operation product ran"))
+            return decode_batch(token_ids, caches)
+
+    monkeypatch.setattr(cl_model, "decode_batch", on_the_step)
+    tokens, rows = greedy_batched(cl_model, batch, 6)
+    for i, (alone_tokens, alone_rows) in enumerate(alone):
+        assert tokens[i] == alone_tokens
+        np.testing.assert_array_equal(np.array(rows[i]), np.array(alone_rows))
+
+
+def test_opencl_batch_takes_requests_that_join_and_leave(cl_model):
+    """The batch changes as requests end and others join (steps over 4, 3 and 2 sequences in turn, caches of varied
+    lengths, one of them new): each row stays its sequence alone on the single-row step."""
+    batch = prompts(4, False) + [BASE[:5]]
+    alone = [greedy_alone(cl_model, prompt, 9)[1] for prompt in batch]
+    caches = [cl_model.new_cache() for _ in batch]
+    rows: list[list[np.ndarray]] = [[] for _ in batch]
+    for i in (0, 1, 2, 3):
+        rows[i].append(cl_model.forward(np.array(batch[i]), caches[i], last_logits_only=True)[0][-1])
+    for live in ([0, 1, 2, 3], [0, 1, 2, 3], [0, 2, 3], [0, 2, 3], [2, 3, 4], [2, 4], [2, 4], [2, 4]):
+        if not caches[4].length and 4 in live:
+            rows[4].append(cl_model.forward(np.array(batch[4]), caches[4], last_logits_only=True)[0][-1])
+        logits = cl_model.decode_batch(np.array([int(np.argmax(rows[i][-1])) for i in live]),
+                                       [caches[i] for i in live])[0]
+        for i, row in zip(live, logits, strict=True):
+            rows[i].append(row)
+    for i, got in enumerate(rows):
+        np.testing.assert_array_equal(np.array(got), np.array(alone[i][:len(got)]))
+    assert cl_model.batch_pays()
 
 
 # ---- the scheduler -------------------------------------------------------------------------------------------
