@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from glmkit.backends.opencl import decode_graph
 from glmkit.cli.serve import build_app
 from glmkit.cli.serve import main as serve_main
 from glmkit.errors import GlmkitError
@@ -123,11 +124,16 @@ def test_batched_decode_refuses_a_cache_twice(engine):
 
 
 @pytest.fixture(scope="module")
-def cl_model(snapshot: Path) -> GlmMoeDsaModel:
+def cl_engine(snapshot: Path) -> Engine:
     """The fixture on OpenCL (PoCL's CPU device): single tokens decode on the device step."""
-    model = Engine(snapshot, device="opencl", load_tokenizer=False).model
-    assert model.decodes_on_device()
-    return model
+    engine = Engine(snapshot, device="opencl")
+    assert engine.model.decodes_on_device()
+    return engine
+
+
+@pytest.fixture
+def cl_model(cl_engine: Engine) -> GlmMoeDsaModel:
+    return cl_engine.model
 
 
 @pytest.mark.parametrize("count", [2, 3, 4])
@@ -173,6 +179,30 @@ def test_opencl_batch_takes_requests_that_join_and_leave(cl_model):
     assert cl_model.batch_pays()
 
 
+def test_opencl_batch_selects_from_the_shadows_as_each_sequence_alone(cl_model, monkeypatch):
+    """Past SHADOW_MIN_PER_KEPT x index_topk keys (SHADOW_MIN_KEYS lowered to 0) a row's indexer selects through the
+    shadows, its neighbours in the batch in one stage or not at all: each row still its sequence alone."""
+    monkeypatch.setattr(decode_graph, "SHADOW_MIN_KEYS", 0)
+    topk = cl_model.config.index_topk
+    rng = np.random.default_rng(3)
+    batch = [[int(t) for t in rng.integers(0, 370, n)] for n in (decode_graph.SHADOW_MIN_PER_KEPT * topk, 20, 4)]
+    alone = [greedy_alone(cl_model, prompt, 4) for prompt in batch]
+    selections: list[int] = []
+    bind_cache = decode_graph.DeviceDecodeStep._bind_cache
+
+    def counted(step, layer, *args):
+        chosen = bind_cache(step, layer, *args)
+        selections.append(step.sequences and bool(chosen) and chosen == layer.shadowed)
+        return chosen
+
+    monkeypatch.setattr(decode_graph.DeviceDecodeStep, "_bind_cache", counted)
+    tokens, rows = greedy_batched(cl_model, batch, 4)
+    assert any(selections)
+    for i, (alone_tokens, alone_rows) in enumerate(alone):
+        assert tokens[i] == alone_tokens
+        np.testing.assert_array_equal(np.array(rows[i]), np.array(alone_rows))
+
+
 # ---- the scheduler -------------------------------------------------------------------------------------------
 
 class MultiplesOf:
@@ -201,7 +231,7 @@ def mixed_requests(shared: bool) -> list[GenRequest]:
             GenRequest(p[3], 7, ignore_eos=True, stop=(" of", "hi"), logprobs=0, request_id="stopped")]
 
 
-def serve(engine: Engine, requests: list[GenRequest], max_batch: int, cancel_after: dict[str, int] | None = None,
+def serve(engine: Engine, requests: list[GenRequest], max_batch: int | None, cancel_after: dict[str, int] | None = None,
           join_at: int = 0, then: list[GenRequest] = (), **kwargs: Any
           ) -> dict[str, tuple[list[int], list[Text], Done]]:
     """Run `requests` through a Scheduler (all queued before it starts, or with `join_at` the first alone and the
@@ -276,6 +306,15 @@ def test_scheduler_batches_decoding_requests_with_their_own_settings(engine, sha
     assert all(t % 3 == 0 for t in batched["constrained"][0])
 
 
+def test_scheduler_batches_on_opencl_by_default_and_each_request_gets_its_tokens_alone(cl_engine):
+    """OpenCL: the step over several sequences binds, so batching pays and is the default (--max-batch unset); four
+    requests (greedy, seeded sampling, a constraint, a stop) get what each gets decoded on its own."""
+    alone = serve(cl_engine, mixed_requests(False), 1)
+    batched = serve(cl_engine, mixed_requests(False), None)
+    assert serve.stats["max_batch_seen"] == 4 and serve.stats["batched_forwards"] >= 6
+    assert_same_requests(batched, alone)
+
+
 def test_requests_join_and_leave_the_batch_of_a_request_decoding_alone(engine, monkeypatch):
     """The first request decodes alone (MTP drafts, all accepted) until the others arrive, is batched with them, and
     decodes alone again once they end (their max_tokens are shorter): every request gets its tokens alone."""
@@ -329,8 +368,9 @@ def test_batched_requests_commit_their_sessions(engine):
 
 
 def test_the_batch_size_is_decided_by_the_model(engine, monkeypatch):
-    """Default: --parallel where batching pays (NumPy), one request per forward on a device decode step (there a
-    step per request is faster) or on a model whose forwards take one sequence (a Ray pipeline's)."""
+    """Default: --parallel where batching pays (NumPy; OpenCL's step over several sequences: the test above), one
+    request per forward on a device decode step without that form (there a step per request is faster) or on a model
+    whose forwards take one sequence (a Ray pipeline's)."""
     def started(max_batch: int | None = None) -> int:
         scheduler = Scheduler(engine, max_active=4, max_batch=max_batch)
         scheduler.start()
