@@ -179,6 +179,19 @@ def test_opencl_batch_takes_requests_that_join_and_leave(cl_model):
     assert cl_model.batch_pays()
 
 
+def test_opencl_batch_stores_lower_precision_rows_as_each_sequence_alone(snapshot):
+    """Cache rows kept at fp8 with their scales (each row's new rows stored by its own kv_store_rows launch): each
+    row of a batch of three still its sequence alone on the single-row step."""
+    model = Engine(snapshot, device="opencl", load_tokenizer=False, kv_dtype="fp8").model
+    batch = prompts(3, False)
+    alone = [greedy_alone(model, prompt, 4) for prompt in batch]
+    tokens, rows = greedy_batched(model, batch, 4)
+    assert model.sequences_step(3) is not None
+    for i, (alone_tokens, alone_rows) in enumerate(alone):
+        assert tokens[i] == alone_tokens
+        np.testing.assert_array_equal(np.array(rows[i]), np.array(alone_rows))
+
+
 def test_opencl_batch_selects_from_the_shadows_as_each_sequence_alone(cl_model, monkeypatch):
     """Past SHADOW_MIN_PER_KEPT x index_topk keys (SHADOW_MIN_KEYS lowered to 0) a row's indexer selects through the
     shadows, its neighbours in the batch in one stage or not at all: each row still its sequence alone."""
