@@ -34,6 +34,10 @@ mapping): the weight products take both rows, the kernels that work per token a 
 dimension per row), attention with each row's causal keys, and with `draft` the MTP layer and head after them in
 the same queue, from each row's greedy token (`verify`), or from the host's tokens (`redraft`).
 
+Continuous batching runs the same step bound for B token rows of B different sequences (`sequences`, `decode_rows`):
+what works on the rows' values takes the B rows in one launch, as for MTP's rows; what reads or writes a cache runs
+once per row (the row's launch at a global offset, `Launch.at_row`) on that row's own cache, position and key count.
+
 Pipelined decoding (`DecodePipeline`) also chooses the token and looks up the next embedding on the device, so that
 the next token's forward is queued before the host has seen this one: the device does not wait for the host
 between tokens. The token is the argmax (`ArgmaxChoice`, greedy) or drawn with temperature, top-k and top-p from
