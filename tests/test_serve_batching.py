@@ -320,12 +320,30 @@ def test_scheduler_batches_decoding_requests_with_their_own_settings(engine, sha
 
 
 def test_scheduler_batches_on_opencl_by_default_and_each_request_gets_its_tokens_alone(cl_engine):
-    """OpenCL: the step over several sequences binds, so batching pays and is the default (--max-batch unset); four
-    requests (greedy, seeded sampling, a constraint, a stop) get what each gets decoded on its own."""
+    """OpenCL: the step over several sequences binds and its forward of two costs less per token than single tokens
+    (measured once, kept in the device profile), so batching is the default (--max-batch unset); four requests
+    (greedy, seeded sampling, a constraint, a stop) get what each gets decoded on its own."""
     alone = serve(cl_engine, mixed_requests(False), 1)
     batched = serve(cl_engine, mixed_requests(False), None)
+    costs = cl_engine.batch_costs()
+    assert costs["batch"] < costs["token"]
     assert serve.stats["max_batch_seen"] == 4 and serve.stats["batched_forwards"] >= 6
     assert_same_requests(batched, alone)
+
+
+def test_opencl_batches_by_default_only_where_measured_faster(cl_engine, monkeypatch):
+    """The default follows the measurement: a device where two sequences' forward costs more per token than single
+    tokens keeps one request per forward (an explicit --max-batch still batches)."""
+    def started(max_batch: int | None = None) -> int:
+        scheduler = Scheduler(cl_engine, max_active=4, max_batch=max_batch)
+        scheduler.start()
+        scheduler.stop()
+        return scheduler.max_batch
+
+    monkeypatch.setattr(cl_engine, "batch_costs", lambda: {"token": 8.0, "batch": 6.5})
+    assert started() == 4
+    monkeypatch.setattr(cl_engine, "batch_costs", lambda: {"token": 8.0, "batch": 9.0})
+    assert (started(), started(3)) == (1, 3)
 
 
 def test_requests_join_and_leave_the_batch_of_a_request_decoding_alone(engine, monkeypatch):

@@ -246,10 +246,11 @@ class GlmMoeDsaModel:
         return self.backend.linear(hidden, self._w(LM_HEAD)), hidden
 
     def batch_pays(self) -> bool:
-        """Whether decoding several sequences through `decode_batch` beats one forward each: where single tokens run
+        """Whether decoding several sequences through `decode_batch` can beat one forward each: where single tokens run
         through the operations (NumPy), or where they decode on a device step whose form over several sequences binds
-        (`sequences_step`). Not where only the device step's single-row form does: the batch's per-operation forward
-        is then slower than a step per sequence (docs/BENCHMARKS.md, "Continuous batching")."""
+        (`sequences_step`; whether it is faster there is measured: `Engine.use_batching`). Not where only the device
+        step's single-row form does: the batch's per-operation forward is then slower than a step per sequence
+        (docs/BENCHMARKS.md, "Continuous batching")."""
         return self.batches_sequences and (not self.decodes_on_device() or self.sequences_step(2) is not None)
 
     def sequences_step(self, count: int) -> DecodeStep | None:

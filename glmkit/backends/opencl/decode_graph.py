@@ -560,7 +560,9 @@ class DeviceDecodeStep:
                         "selected": new(rows * cap, np.uint8), "approx": new(rows * cap),
                         "listed": new(rows * cap, np.uint32), "listed_count": new(rows, np.uint32),
                         **{name: new(rows * blocks) for name in ("block_top", "block_scale", "block_low")}}
-        self.allowed = [self.buffers.filled(np.ones(rows * cap), np.uint8) for _ in range(TURNS if rows > 1 else 1)]
+        # (a sequences step's rows are each their cache's last: no mask, one all-ones array)
+        self.allowed = [self.buffers.filled(np.ones(rows * cap), np.uint8)
+                        for _ in range(TURNS if rows > 1 and not self.sequences else 1)]
         self.masked = [[] for _ in range(TURNS)]
         self.capacity = cap
         scores, index_scores = self.scratch["scores"].buffer, self.scratch["index_scores"].buffer
