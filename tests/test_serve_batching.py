@@ -419,18 +419,21 @@ def test_the_batch_size_is_decided_by_the_model(engine, monkeypatch):
 
 # ---- through the server ----------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def server(snapshot: Path, tmp_path_factory: pytest.TempPathFactory):
-    srv = ServerThread(build_app_for(snapshot, tmp_path_factory.mktemp("batch-cache"))).start()
+@pytest.fixture(scope="module", params=["numpy", "opencl"])
+def server(snapshot: Path, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest):
+    """glm-serve with --parallel 4 and the default --max-batch, on NumPy and on OpenCL (PoCL's CPU device: the device
+    decode step over the batch's sequences)."""
+    srv = ServerThread(build_app_for(snapshot, tmp_path_factory.mktemp("batch-cache"), request.param)).start()
     yield srv
     srv.stop()
 
 
-def build_app_for(snapshot: Path, cache_dir: Path):
-    return build_app(serve_args(snapshot, cache_dir, "--parallel", "4"))
+def build_app_for(snapshot: Path, cache_dir: Path, device: str):
+    return build_app(serve_args(snapshot, cache_dir, "--parallel", "4", "--device", device))
 
 
 def test_concurrent_openai_clients_are_batched_and_get_their_replies_alone(server):
+    """Greedy replies to four concurrent clients, batched by default, are each client's reply served alone."""
     client = server.client()
     model = client.models.list().data[0].id
     questions = ["Tell me a story about the sea.", "Tell me a story about the mountains and the sky.",
