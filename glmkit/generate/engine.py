@@ -148,7 +148,7 @@ class Engine:
                                   lambda: measure_mtp_costs(self.model))
 
 
-def measure_batch_costs(model: GlmMoeDsaModel, rounds: int = 5, tokens: int = 8) -> dict[str, float]:
+def measure_batch_costs(model: GlmMoeDsaModel, rounds: int = 3, tokens: int = 4) -> dict[str, float]:
     """`Engine.batch_costs` measured now: two caches of random prompt tokens (past index_topk where it is small, so
     that the indexer selects; at most 64), ms per token of single-token forwards of one of them ("token": the
     single-row step, as one request per pass decodes) and of `decode_batch` forwards of both ("batch": the step over
