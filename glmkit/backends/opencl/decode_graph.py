@@ -108,6 +108,7 @@ SHADOW_GROUP = 4  # work-group size of index_shadow_scores (a work-item per two 
 SHADOW_MIN_KEYS = 16384  # the shadow selection runs from this many keys on (below it the one-stage one is as fast)
 SHADOW_MIN_PER_KEPT = 16  # and from this many keys per key it keeps (index_topk), blocks enough for its threshold
 LISTED_SHARE = 4  # more listed keys than one in this many: the shadow selection rescores every key
+LISTED_ITEMS = 32 * KEY_GROUP  # work-items of index_scores_listed: a few listed keys each, few idle work-groups
 SHADOW_FIELDS = ("index_k.shadow", "index_k.shadow_scale")  # the cache's shadow arrays as `_cache_buffer` names them
 NO_STAGE = 0xFFFFFFFF  # token_rows: no staging copy of the cache rows (decode.cl)
 UNUSED_SLOT = 0xFFFFFFFF  # the token of an expert slot a launch skips (quant.cl)
@@ -557,9 +558,9 @@ class DeviceDecodeStep:
         new = self.buffers.array
         blocks = -(-cap // SHADOW_BLOCK)
         self.scratch = {"scores": new(rows * nh * cap), "index_scores": new(rows * cap),
-                        "selected": new(rows * cap, np.uint8), "approx": new(rows * cap),
+                        "selected": new(rows * cap, np.uint8), "upper": new(rows * cap),
                         "listed": new(rows * cap, np.uint32), "listed_count": new(rows, np.uint32),
-                        **{name: new(rows * blocks) for name in ("block_top", "block_scale", "block_low")}}
+                        **{name: new(rows * blocks) for name in ("block_lower", "block_upper")}}
         # (a sequences step's rows are each their cache's last: no mask, one all-ones array)
         self.allowed = [self.buffers.filled(np.ones(rows * cap), np.uint8)
                         for _ in range(TURNS if rows > 1 and not self.sequences else 1)]
@@ -575,8 +576,9 @@ class DeviceDecodeStep:
                 layer.topk.set(scores=index_scores, allowed=self.allowed[0].buffer,
                                selected=self.scratch["selected"].buffer)
             if layer.shadow_scores is not None:
-                layer.shadow_scores.set(**self._scratch_args("approx", "block_top", "block_scale"))
-                layer.candidates.set(**self._scratch_args("approx", "block_top", "block_scale", "block_low", "listed"),
+                bounds = self._scratch_args("upper", "block_lower", "block_upper")
+                layer.shadow_scores.set(**bounds)
+                layer.candidates.set(**bounds, listed=self.scratch["listed"].buffer,
                                      count=self.scratch["listed_count"].buffer)
                 layer.rescore.set(listed=self.scratch["listed"].buffer, count=self.scratch["listed_count"].buffer,
                                   out=index_scores)
@@ -600,14 +602,13 @@ class DeviceDecodeStep:
         out.head.append(out.shadow)
         scores = {"q": self.iq_rot.buffer, "w": self.iw.buffer, "nh": inh, "d": ihd, "n_keys": 1,
                   "w_scale": ix.head_scale}
+        bounds = self._scratch_args("upper", "block_lower", "block_upper")
         out.shadow_scores = k.bind("index_shadow_scores", (SHADOW_GROUP, self.rows), (SHADOW_GROUP, 1), **scores,
-                                   shadow=unset, shadow_scale=unset, allowed=self.allowed[0].buffer,
-                                   **self._scratch_args("approx", "block_top", "block_scale"),
-                                   scale=ix.score_scale)
-        out.candidates = k.bind("index_candidates", (self.rows,), None, **scores, shadow_scale=unset,
-                                **self._scratch_args("approx", "block_top", "block_scale", "block_low", "listed"),
-                                allowed=self.allowed[0].buffer, count=scratch["listed_count"].buffer, k=ix.topk,
-                                max_listed=1, bound=shadow_bound(ihd, inh) * abs(ix.score_scale), n_rows=self.rows)
+                                   shadow=unset, shadow_scale=unset, allowed=self.allowed[0].buffer, **bounds,
+                                   scale=ix.score_scale, bound=shadow_bound(ihd, inh) * abs(ix.score_scale))
+        out.candidates = k.bind("index_candidates", (self.rows,), None, **bounds, listed=scratch["listed"].buffer,
+                                allowed=self.allowed[0].buffer, count=scratch["listed_count"].buffer, n_keys=1,
+                                k=ix.topk, max_listed=1, n_rows=self.rows)
         out.rescore = k.bind("index_scores_listed", (KEY_GROUP, self.rows), (KEY_GROUP, 1), kv_dtype=kv,
                              **scores, k=unset, k_scale=unset, listed=scratch["listed"].buffer,
                              count=scratch["listed_count"].buffer, out=scratch["index_scores"].buffer,
@@ -1402,10 +1403,9 @@ class DeviceDecodeStep:
             blocks = -(-keys // SHADOW_BLOCK)
             layer.shadow_scores.set(shadow=shadow, shadow_scale=shadow_scale, allowed=allowed, n_keys=keys)
             layer.shadow_scores.size = (-(-blocks // (2 * SHADOW_GROUP)) * SHADOW_GROUP, n_rows)  # 2 blocks an item
-            layer.candidates.set(shadow_scale=shadow_scale, allowed=allowed, n_keys=keys,
-                                 max_listed=keys // LISTED_SHARE)
+            layer.candidates.set(allowed=allowed, n_keys=keys, max_listed=keys // LISTED_SHARE)
             layer.rescore.set(k=index_k, k_scale=index_k_scale, n_keys=keys)
-            layer.rescore.size = (per_key, n_rows)  # an item per listed key: all of them at most
+            layer.rescore.size = (min(per_key, LISTED_ITEMS), n_rows)
             layer.select.set(n_keys=keys)
             selection = layer.shadowed
         elif scored and layer.scores is not None:

@@ -127,45 +127,66 @@ __kernel void topk_select_group(__global const float* scores, __global const uch
 #error "index_shadow_scores takes a block of keys as one float8"
 #endif
 
-/* Block b's stage-1 scores `total` (its shadow scales `scales`) into approx, and its largest approx and shadow scale
- * over the keys row s may choose (al) into block_top and block_scale (-inf and 0 where none may). */
-INLINE void shadow_block_out(float8 total, float8 scales, uint b, uint n_keys, const __global uchar* al,
-                             __global float* out, __global float* top, __global float* top_scale) {
-    float8 mine, mine_scale;  /* the allowed keys' approx and scales, -inf and 0 for the others */
+/* Block b's stage-1 bounds into upper (every key's) and, over the keys row s may choose (al), their largest lower bound
+ * into block_lower and largest upper bound into block_upper (-inf for both where none may). */
+INLINE void shadow_block_out(float8 hi, float8 lo, uint b, uint n_keys, const __global uchar* al, __global float* out,
+                             __global float* block_lower, __global float* block_upper) {
+    float8 mine_hi, mine_lo;  /* the allowed keys' bounds, -inf for the others */
     if (b * 8 + 8 <= n_keys) {
-        STORE_F8(b, out, total);
+        STORE_F8(b, out, hi);
         const int8 take = convert_int8(LOAD_U8(b, al)) != (int8)(0);
-        mine = select((float8)(-INFINITY), total, take);
-        mine_scale = select((float8)(0.0f), scales, take);
+        mine_hi = select((float8)(-INFINITY), hi, take);
+        mine_lo = select((float8)(-INFINITY), lo, take);
     } else {  /* the last block, partly past the keys */
-        const float got[8] = {total.s0, total.s1, total.s2, total.s3, total.s4, total.s5, total.s6, total.s7};
-        const float sc[8] = {scales.s0, scales.s1, scales.s2, scales.s3, scales.s4, scales.s5, scales.s6, scales.s7};
-        float m[8], ms[8];
+        const float his[8] = {hi.s0, hi.s1, hi.s2, hi.s3, hi.s4, hi.s5, hi.s6, hi.s7};
+        const float los[8] = {lo.s0, lo.s1, lo.s2, lo.s3, lo.s4, lo.s5, lo.s6, lo.s7};
+        float mh[8], ml[8];
         for (uint i = 0; i < 8; i++) {
             const uint t = b * 8 + i;
             const int take = t < n_keys && al[t];
-            if (t < n_keys) out[t] = got[i];
-            m[i] = take ? got[i] : -INFINITY;
-            ms[i] = take ? sc[i] : 0.0f;
+            if (t < n_keys) out[t] = his[i];
+            mh[i] = take ? his[i] : -INFINITY;
+            ml[i] = take ? los[i] : -INFINITY;
         }
-        mine = (float8)(m[0], m[1], m[2], m[3], m[4], m[5], m[6], m[7]);
-        mine_scale = (float8)(ms[0], ms[1], ms[2], ms[3], ms[4], ms[5], ms[6], ms[7]);
+        mine_hi = (float8)(mh[0], mh[1], mh[2], mh[3], mh[4], mh[5], mh[6], mh[7]);
+        mine_lo = (float8)(ml[0], ml[1], ml[2], ml[3], ml[4], ml[5], ml[6], ml[7]);
     }
-    const float4 m4 = fmax(mine.lo, mine.hi), s4 = fmax(mine_scale.lo, mine_scale.hi);
-    const float2 m2 = fmax(m4.lo, m4.hi), s2 = fmax(s4.lo, s4.hi);
-    top[b] = fmax(m2.x, m2.y);
-    top_scale[b] = fmax(s2.x, s2.y);
+    const float4 h4 = fmax(mine_hi.lo, mine_hi.hi), l4 = fmax(mine_lo.lo, mine_lo.hi);
+    const float2 h2 = fmax(h4.lo, h4.hi), l2 = fmax(l4.lo, l4.hi);
+    block_upper[b] = fmax(h2.x, h2.y);
+    block_lower[b] = fmax(l2.x, l2.y);
 }
 
-/* Stage 1: approx[s, t] = sum_h (w[s, h] * w_scale) * relu(q[s, h] . (c_t * scale_t) * scale) from the shadows
- * (codes c_t in blocks [d, 8], one scale_t per key: kv_cache.encode_index_shadow); per block the largest approx of
- * its keys that row s may choose (block_top; -inf where none may) and their largest shadow scale (block_scale). A
- * work-item takes two blocks, a lane per key: each code is converted once for 4 heads, each head's query value
- * loaded once for 16 keys. Rows of n_keys keys, of ceil(n_keys / 8) blocks. Global (ceil(blocks / 2), S). */
+/* |x|_1 of x [d]. */
+INLINE float abs_sum(const __global float* x, uint d) {
+    float8 acc = (float8)(0.0f);
+    uint j = 0;
+    for (; j + 8 <= d; j += 8) acc += fabs(vload8(0, x + j));
+    float sum = hsum8(acc);
+    for (; j < d; j++) sum += fabs(x[j]);
+    return sum;
+}
+
+/* One head's part of both bounds: with a = its stage-1 dot times the key's scale and e = its error bound, the exact
+ * ReLU lies in [relu(a - e), relu(a + e)] (ReLU is monotone); weight w >= 0 takes the ends in order, w < 0 swapped. */
+#define SHADOW_HEAD(w, a, e, hi, lo)                                                     \
+    do {                                                                                 \
+        const float8 up_ = fmax((a) + (e), 0.0f), down_ = fmax((a) - (e), 0.0f);         \
+        hi += (w) * ((w) >= 0.0f ? up_ : down_);                                         \
+        lo += (w) * ((w) >= 0.0f ? down_ : up_);                                         \
+    } while (0)
+
+/* Stage 1: bounds of each key's exact score from its shadow (codes c_t in blocks [d, 8], one scale s_t per key:
+ * kv_cache.encode_index_shadow). Per head h, a = (s_t scale) q[s, h] . c_t and e = s_t bound |q[s, h]|_1 bound
+ * |exact dot - a| (bound: shadow_bound's F times |scale|); upper[s, t] and the lower bound are sum_h W_h times the
+ * ends of [relu(a - e), relu(a + e)] (W_h = w[s, h] w_scale). Per block the largest lower and upper bound of the keys
+ * row s may choose (block_lower, block_upper; -inf where none may). A work-item takes two blocks, a lane per key:
+ * each code is converted once for 4 heads, each head's query value loaded once for 16 keys. Rows of n_keys keys,
+ * of ceil(n_keys / 8) blocks. Global (ceil(blocks / 2), S). */
 __kernel void index_shadow_scores(__global const float* q, __global const char* shadow,
                                   __global const float* shadow_scale, __global const float* w,
-                                  __global const uchar* allowed, __global float* approx, __global float* block_top,
-                                  __global float* block_scale, uint nh, uint d, uint n_keys, float scale,
+                                  __global const uchar* allowed, __global float* upper, __global float* block_lower,
+                                  __global float* block_upper, uint nh, uint d, uint n_keys, float scale, float bound,
                                   float w_scale) {
     const uint b = 2 * get_global_id(0), s = get_global_id(1), n_blocks = (n_keys + 7) / 8;
     if (b >= n_blocks) return;
@@ -176,7 +197,8 @@ __kernel void index_shadow_scores(__global const float* q, __global const char* 
     const __global float* ws = w + (ulong)s * nh;
     const float8 scales = LOAD_F8(b, shadow_scale), scales2 = pair ? LOAD_F8(b + 1, shadow_scale) : scales;
     const float8 key_scale = scales * scale, key_scale2 = scales2 * scale;
-    float8 total = (float8)(0.0f), total2 = total;
+    const float8 err_scale = scales * bound, err_scale2 = scales2 * bound;
+    float8 hi = (float8)(0.0f), lo = hi, hi2 = hi, lo2 = hi;
     uint h = 0;
     for (; h + 4 <= nh; h += 4) {
         const __global float* q0 = qs + (ulong)h * d;
@@ -194,11 +216,16 @@ __kernel void index_shadow_scores(__global const float* q, __global const char* 
             b2 += x2 * kw;
             b3 += x3 * kw;
         }
+        const float n0 = abs_sum(q0, d), n1 = abs_sum(q1, d), n2 = abs_sum(q2, d), n3 = abs_sum(q3, d);
         const float w0 = ws[h] * w_scale, w1 = ws[h + 1] * w_scale, w2 = ws[h + 2] * w_scale, w3 = ws[h + 3] * w_scale;
-        total += w0 * fmax(a0 * key_scale, 0.0f) + w1 * fmax(a1 * key_scale, 0.0f) + w2 * fmax(a2 * key_scale, 0.0f)
-               + w3 * fmax(a3 * key_scale, 0.0f);
-        total2 += w0 * fmax(b0 * key_scale2, 0.0f) + w1 * fmax(b1 * key_scale2, 0.0f)
-                + w2 * fmax(b2 * key_scale2, 0.0f) + w3 * fmax(b3 * key_scale2, 0.0f);
+        SHADOW_HEAD(w0, a0 * key_scale, n0 * err_scale, hi, lo);
+        SHADOW_HEAD(w1, a1 * key_scale, n1 * err_scale, hi, lo);
+        SHADOW_HEAD(w2, a2 * key_scale, n2 * err_scale, hi, lo);
+        SHADOW_HEAD(w3, a3 * key_scale, n3 * err_scale, hi, lo);
+        SHADOW_HEAD(w0, b0 * key_scale2, n0 * err_scale2, hi2, lo2);
+        SHADOW_HEAD(w1, b1 * key_scale2, n1 * err_scale2, hi2, lo2);
+        SHADOW_HEAD(w2, b2 * key_scale2, n2 * err_scale2, hi2, lo2);
+        SHADOW_HEAD(w3, b3 * key_scale2, n3 * err_scale2, hi2, lo2);
     }
     for (; h < nh; h++) {
         const __global float* qh = qs + (ulong)h * d;
@@ -207,15 +234,16 @@ __kernel void index_shadow_scores(__global const float* q, __global const char* 
             acc += qh[j] * convert_float8(as_char8(LOAD_U8(j, kb)));
             acc2 += qh[j] * convert_float8(as_char8(LOAD_U8(j, kc)));
         }
-        total += (ws[h] * w_scale) * fmax(acc * key_scale, 0.0f);
-        total2 += (ws[h] * w_scale) * fmax(acc2 * key_scale2, 0.0f);
+        const float wh = ws[h] * w_scale, l1 = abs_sum(qh, d);
+        SHADOW_HEAD(wh, acc * key_scale, l1 * err_scale, hi, lo);
+        SHADOW_HEAD(wh, acc2 * key_scale2, l1 * err_scale2, hi2, lo2);
     }
     const __global uchar* al = allowed + (ulong)s * n_keys;
-    __global float* out = approx + (ulong)s * n_keys;
-    __global float* top = block_top + (ulong)s * n_blocks;
-    __global float* top_scale = block_scale + (ulong)s * n_blocks;
-    shadow_block_out(total, scales, b, n_keys, al, out, top, top_scale);
-    if (pair) shadow_block_out(total2, scales2, b + 1, n_keys, al, out, top, top_scale);
+    __global float* out = upper + (ulong)s * n_keys;
+    __global float* low = block_lower + (ulong)s * n_blocks;
+    __global float* high = block_upper + (ulong)s * n_blocks;
+    shadow_block_out(hi, lo, b, n_keys, al, out, low, high);
+    if (pair) shadow_block_out(hi2, lo2, b + 1, n_keys, al, out, low, high);
 }
 
 /* The smallest float whose float_key has the top 16 bits of `key` (NaN's keys never occur: -inf below them). */
@@ -225,45 +253,30 @@ INLINE float key_floor16(uint key) {
     return isnan(f) ? -INFINITY : f;
 }
 
-/* Stage 2's keys for row s: every allowed key whose stage-1 upper bound approx + scale_t * qb reaches A, a lower bound
- * of the k-th largest exact score; listed[s, :count[s]] in ascending order. qb = bound * sum_h |w_h * w_scale| *
- * |q_h|_1 bounds |exact - approx| / scale_t (bound: the factor of DESIGN's shadow bound times |scale|). A: below the
- * k-th largest block lower bound block_top - block_scale * qb (each the lower bound of one key of its block), taken
- * to its top 16 bits. Where fewer than k blocks hold allowed keys or more than max_listed keys reach A: every allowed
- * key (then the selection is today's over all keys). One work-item per row. Global (S). */
-__kernel void index_candidates(__global const float* q, __global const float* w, __global const float* approx,
-                               __global const float* shadow_scale, __global const float* block_top,
-                               __global const float* block_scale, __global float* block_low,
-                               __global const uchar* allowed, __global uint* listed, __global uint* count, uint nh,
-                               uint d, uint n_keys, uint k, uint max_listed, float bound, float w_scale, uint n_rows) {
+/* Stage 2's keys for row s: every allowed key whose stage-1 upper bound reaches A, a lower bound of the k-th largest
+ * exact score; listed[s, :count[s]] in ascending order. A: below the k-th largest block_lower (each the lower bound
+ * of one key of its block), taken to its top 16 bits. Where fewer than k blocks hold allowed keys or more than
+ * max_listed keys reach A: every allowed key (then the selection is today's over all keys). One work-item per row.
+ * Global (S). */
+__kernel void index_candidates(__global const float* upper, __global const float* block_lower,
+                               __global const float* block_upper, __global const uchar* allowed, __global uint* listed,
+                               __global uint* count, uint n_keys, uint k, uint max_listed, uint n_rows) {
     const uint s = get_global_id(0), n_blocks = (n_keys + 7) / 8;
     if (s >= n_rows) return;
-    const __global float* qs = q + (ulong)s * nh * d;
-    float qb = 0.0f;
-    for (uint h = 0; h < nh; h++) {
-        float l1 = 0.0f;
-        for (uint j = 0; j < d; j++) l1 += fabs(qs[(ulong)h * d + j]);
-        qb += fabs(w[(ulong)s * nh + h] * w_scale) * l1;
-    }
-    qb *= bound;
     const __global uchar* al = allowed + (ulong)s * n_keys;
-    const __global float* ap = approx + (ulong)s * n_keys;
-    const __global float* top = block_top + (ulong)s * n_blocks;
-    const __global float* top_scale = block_scale + (ulong)s * n_blocks;
-    __global float* low = block_low + (ulong)s * n_blocks;
+    const __global float* up = upper + (ulong)s * n_keys;
+    const __global float* low = block_lower + (ulong)s * n_blocks;
+    const __global float* high = block_upper + (ulong)s * n_blocks;
     __global uint* out = listed + (ulong)s * n_keys;
-    uint live = 0;  /* blocks with an allowed key; the others' lower bound -inf, below every live one's */
-    for (uint b = 0; b < n_blocks; b++) {
-        live += top[b] != -INFINITY;
-        low[b] = top[b] - top_scale[b] * qb;
-    }
+    uint live = 0;  /* blocks with an allowed key; the others' bounds -inf, below every live one's */
+    for (uint b = 0; b < n_blocks; b++) live += low[b] != -INFINITY;
     uint n = 0, prefix, need;
     if (live >= k && kth_key(low, 0, n_blocks, k, 16, &prefix, &need)) {
         const float least = key_floor16(prefix);
         for (uint b = 0; b < n_blocks && n <= max_listed; b++) {
-            if (top[b] + top_scale[b] * qb < least) continue;  /* no key of the block reaches it */
+            if (high[b] < least) continue;  /* no key of the block reaches it */
             for (uint t = b * 8; t < min(b * 8 + 8, n_keys); t++) {
-                if (al[t] && ap[t] + shadow_scale[t] * qb >= least) {
+                if (al[t] && up[t] >= least) {
                     if (n < max_listed) out[n] = t;
                     n++;
                 }

@@ -303,20 +303,21 @@ __kernel void index_scores(__global const float* q, __global const kv_t* k, __gl
 }
 
 /* index_scores of the keys listed for row s (index_candidates' lists: listed[s, i] for i < count[s]) into
- * out[s, i], bit for bit the scores index_scores gives them: one work-item per list entry, those past the count
- * idle. Global (entries, S). */
+ * out[s, i], bit for bit the scores index_scores gives them: the work-items stride over the list (the count is
+ * known only here; items past it idle). Global (any multiple of the work-group, S). */
 __kernel void index_scores_listed(__global const float* q, __global const kv_t* k, __global const float* k_scale,
                                   __global const float* w, __global const uint* listed, __global const uint* count,
                                   __global float* out, uint nh, uint d, uint n_keys, float scale, float w_scale) {
-    const uint i = get_global_id(0), s = get_global_id(1), n = count[s];
-    if (i >= n) return;
+    const uint s = get_global_id(1), n = count[s], stride = get_global_size(0);
     const __global uint* keys = listed + (ulong)s * n_keys;
-    if (i + 1 < n) {  /* the next item's key (the listed rows are scattered: no hardware prefetch) */
-        const ulong next = keys[i + 1];
-        for (uint j = 0; j < d; j += KV_LINE) PREFETCH(k + next * d + j);
+    for (uint i = get_global_id(0); i < n; i += stride) {
+        if (i + stride < n) {  /* this item's next key (the listed rows are scattered: no hardware prefetch) */
+            const ulong next = keys[i + stride];
+            for (uint j = 0; j < d; j += KV_LINE) PREFETCH(k + next * d + j);
+        }
+        out[(ulong)s * n_keys + i] = index_score(q + (ulong)s * nh * d, k, k_scale, w + (ulong)s * nh, keys[i], nh,
+                                                 d, scale, w_scale);
     }
-    out[(ulong)s * n_keys + i] = index_score(q + (ulong)s * nh * d, k, k_scale, w + (ulong)s * nh, keys[i], nh, d,
-                                             scale, w_scale);
 }
 
 /* The shadows (kv_cache.encode_index_shadow) of the indexer keys at rows row .. row + n_rows - 1 of index_k, as the
