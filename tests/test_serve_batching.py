@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from glmkit.backends.opencl import decode_graph
 from glmkit.cli.serve import build_app
 from glmkit.cli.serve import main as serve_main
 from glmkit.errors import GlmkitError
@@ -122,16 +123,97 @@ def test_batched_decode_refuses_a_cache_twice(engine):
         model.decode_batch(np.array([4, 5]), [cache, cache])
 
 
-def test_batched_decode_on_opencl_matches_the_device_step_alone(snapshot):
-    """OpenCL: B rows through the operations give the tokens of each sequence alone on the device decode step."""
-    model = Engine(snapshot, device="opencl").model
-    assert model.decodes_on_device()
-    batch = prompts(3, True)
-    tokens, rows = greedy_batched(model, batch, 6)
-    for i, prompt in enumerate(batch):
-        alone, alone_rows = greedy_alone(model, prompt, 6)
-        assert tokens[i] == alone
-        np.testing.assert_allclose(np.array(rows[i]), np.array(alone_rows), rtol=0, atol=1e-3)
+@pytest.fixture(scope="module")
+def cl_engine(snapshot: Path) -> Engine:
+    """The fixture on OpenCL (PoCL's CPU device): single tokens decode on the device step."""
+    engine = Engine(snapshot, device="opencl")
+    assert engine.model.decodes_on_device()
+    return engine
+
+
+@pytest.fixture
+def cl_model(cl_engine: Engine) -> GlmMoeDsaModel:
+    return cl_engine.model
+
+
+@pytest.mark.parametrize("count", [2, 3, 4])
+def test_batched_decode_on_opencl_is_each_sequence_on_the_device_step_alone(cl_model, monkeypatch, count):
+    """OpenCL: B sequences of different lengths (below and past the DSA top-k: with and without the indexer's
+    selection) decode in one forward of the step over B sequences, each row's logits bit for bit those of its
+    sequence alone on the single-row step; no per-operation product runs."""
+    batch = prompts(count, True)
+    alone = [greedy_alone(cl_model, prompt, 6) for prompt in batch]
+    assert cl_model.sequences_step(count) is not None
+    decode_batch = cl_model.decode_batch
+
+    def on_the_step(token_ids: np.ndarray, caches: list) -> tuple[np.ndarray, np.ndarray]:
+        with monkeypatch.context() as m:
+            m.setattr(cl_model.backend, "linear", lambda *a: pytest.fail("a per-operation product ran"))
+            return decode_batch(token_ids, caches)
+
+    monkeypatch.setattr(cl_model, "decode_batch", on_the_step)
+    tokens, rows = greedy_batched(cl_model, batch, 6)
+    for i, (alone_tokens, alone_rows) in enumerate(alone):
+        assert tokens[i] == alone_tokens
+        np.testing.assert_array_equal(np.array(rows[i]), np.array(alone_rows))
+
+
+def test_opencl_batch_takes_requests_that_join_and_leave(cl_model):
+    """The batch changes as requests end and others join (steps over 4, 3 and 2 sequences in turn, caches of varied
+    lengths, one of them new): each row stays its sequence alone on the single-row step."""
+    batch = prompts(4, False) + [BASE[:5]]
+    alone = [greedy_alone(cl_model, prompt, 9)[1] for prompt in batch]
+    caches = [cl_model.new_cache() for _ in batch]
+    rows: list[list[np.ndarray]] = [[] for _ in batch]
+    for i in (0, 1, 2, 3):
+        rows[i].append(cl_model.forward(np.array(batch[i]), caches[i], last_logits_only=True)[0][-1])
+    for live in ([0, 1, 2, 3], [0, 1, 2, 3], [0, 2, 3], [0, 2, 3], [2, 3, 4], [2, 4], [2, 4], [2, 4]):
+        if not caches[4].length and 4 in live:
+            rows[4].append(cl_model.forward(np.array(batch[4]), caches[4], last_logits_only=True)[0][-1])
+        logits = cl_model.decode_batch(np.array([int(np.argmax(rows[i][-1])) for i in live]),
+                                       [caches[i] for i in live])[0]
+        for i, row in zip(live, logits, strict=True):
+            rows[i].append(row)
+    for i, got in enumerate(rows):
+        np.testing.assert_array_equal(np.array(got), np.array(alone[i][:len(got)]))
+    assert cl_model.batch_pays()
+
+
+def test_opencl_batch_stores_lower_precision_rows_as_each_sequence_alone(snapshot):
+    """Cache rows kept at fp8 with their scales (each row's new rows stored by its own kv_store_rows launch): each
+    row of a batch of three still its sequence alone on the single-row step."""
+    model = Engine(snapshot, device="opencl", load_tokenizer=False, kv_dtype="fp8").model
+    batch = prompts(3, False)
+    alone = [greedy_alone(model, prompt, 4) for prompt in batch]
+    tokens, rows = greedy_batched(model, batch, 4)
+    assert model.sequences_step(3) is not None
+    for i, (alone_tokens, alone_rows) in enumerate(alone):
+        assert tokens[i] == alone_tokens
+        np.testing.assert_array_equal(np.array(rows[i]), np.array(alone_rows))
+
+
+def test_opencl_batch_selects_from_the_shadows_as_each_sequence_alone(cl_model, monkeypatch):
+    """Past SHADOW_MIN_PER_KEPT x index_topk keys (SHADOW_MIN_KEYS lowered to 0) a row's indexer selects through the
+    shadows, its neighbours in the batch in one stage or not at all: each row still its sequence alone."""
+    monkeypatch.setattr(decode_graph, "SHADOW_MIN_KEYS", 0)
+    topk = cl_model.config.index_topk
+    rng = np.random.default_rng(3)
+    batch = [[int(t) for t in rng.integers(0, 370, n)] for n in (decode_graph.SHADOW_MIN_PER_KEPT * topk, 20, 4)]
+    alone = [greedy_alone(cl_model, prompt, 4) for prompt in batch]
+    selections: list[int] = []
+    bind_cache = decode_graph.DeviceDecodeStep._bind_cache
+
+    def counted(step, layer, *args):
+        chosen = bind_cache(step, layer, *args)
+        selections.append(step.sequences and bool(chosen) and chosen == layer.shadowed)
+        return chosen
+
+    monkeypatch.setattr(decode_graph.DeviceDecodeStep, "_bind_cache", counted)
+    tokens, rows = greedy_batched(cl_model, batch, 4)
+    assert any(selections)
+    for i, (alone_tokens, alone_rows) in enumerate(alone):
+        assert tokens[i] == alone_tokens
+        np.testing.assert_array_equal(np.array(rows[i]), np.array(alone_rows))
 
 
 # ---- the scheduler -------------------------------------------------------------------------------------------
@@ -162,7 +244,7 @@ def mixed_requests(shared: bool) -> list[GenRequest]:
             GenRequest(p[3], 7, ignore_eos=True, stop=(" of", "hi"), logprobs=0, request_id="stopped")]
 
 
-def serve(engine: Engine, requests: list[GenRequest], max_batch: int, cancel_after: dict[str, int] | None = None,
+def serve(engine: Engine, requests: list[GenRequest], max_batch: int | None, cancel_after: dict[str, int] | None = None,
           join_at: int = 0, then: list[GenRequest] = (), **kwargs: Any
           ) -> dict[str, tuple[list[int], list[Text], Done]]:
     """Run `requests` through a Scheduler (all queued before it starts, or with `join_at` the first alone and the
@@ -237,6 +319,33 @@ def test_scheduler_batches_decoding_requests_with_their_own_settings(engine, sha
     assert all(t % 3 == 0 for t in batched["constrained"][0])
 
 
+def test_scheduler_batches_on_opencl_by_default_and_each_request_gets_its_tokens_alone(cl_engine):
+    """OpenCL: the step over several sequences binds and its forward of two costs less per token than single tokens
+    (measured once, kept in the device profile), so batching is the default (--max-batch unset); four requests
+    (greedy, seeded sampling, a constraint, a stop) get what each gets decoded on its own."""
+    alone = serve(cl_engine, mixed_requests(False), 1)
+    batched = serve(cl_engine, mixed_requests(False), None)
+    costs = cl_engine.batch_costs()
+    assert costs["batch"] < costs["token"]
+    assert serve.stats["max_batch_seen"] == 4 and serve.stats["batched_forwards"] >= 6
+    assert_same_requests(batched, alone)
+
+
+def test_opencl_batches_by_default_only_where_measured_faster(cl_engine, monkeypatch):
+    """The default follows the measurement: a device where two sequences' forward costs more per token than single
+    tokens keeps one request per forward (an explicit --max-batch still batches)."""
+    def started(max_batch: int | None = None) -> int:
+        scheduler = Scheduler(cl_engine, max_active=4, max_batch=max_batch)
+        scheduler.start()
+        scheduler.stop()
+        return scheduler.max_batch
+
+    monkeypatch.setattr(cl_engine, "batch_costs", lambda: {"token": 8.0, "batch": 6.5})
+    assert started() == 4
+    monkeypatch.setattr(cl_engine, "batch_costs", lambda: {"token": 8.0, "batch": 9.0})
+    assert (started(), started(3)) == (1, 3)
+
+
 def test_requests_join_and_leave_the_batch_of_a_request_decoding_alone(engine, monkeypatch):
     """The first request decodes alone (MTP drafts, all accepted) until the others arrive, is batched with them, and
     decodes alone again once they end (their max_tokens are shorter): every request gets its tokens alone."""
@@ -290,8 +399,9 @@ def test_batched_requests_commit_their_sessions(engine):
 
 
 def test_the_batch_size_is_decided_by_the_model(engine, monkeypatch):
-    """Default: --parallel where batching pays (NumPy), one request per forward on a device decode step (there a
-    step per request is faster) or on a model whose forwards take one sequence (a Ray pipeline's)."""
+    """Default: --parallel where batching pays (NumPy; OpenCL's step over several sequences: the test above), one
+    request per forward on a device decode step without that form (there a step per request is faster) or on a model
+    whose forwards take one sequence (a Ray pipeline's)."""
     def started(max_batch: int | None = None) -> int:
         scheduler = Scheduler(engine, max_active=4, max_batch=max_batch)
         scheduler.start()
@@ -309,18 +419,21 @@ def test_the_batch_size_is_decided_by_the_model(engine, monkeypatch):
 
 # ---- through the server ----------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def server(snapshot: Path, tmp_path_factory: pytest.TempPathFactory):
-    srv = ServerThread(build_app_for(snapshot, tmp_path_factory.mktemp("batch-cache"))).start()
+@pytest.fixture(scope="module", params=["numpy", "opencl"])
+def server(snapshot: Path, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest):
+    """glm-serve with --parallel 4 and the default --max-batch, on NumPy and on OpenCL (PoCL's CPU device: the device
+    decode step over the batch's sequences)."""
+    srv = ServerThread(build_app_for(snapshot, tmp_path_factory.mktemp("batch-cache"), request.param)).start()
     yield srv
     srv.stop()
 
 
-def build_app_for(snapshot: Path, cache_dir: Path):
-    return build_app(serve_args(snapshot, cache_dir, "--parallel", "4"))
+def build_app_for(snapshot: Path, cache_dir: Path, device: str):
+    return build_app(serve_args(snapshot, cache_dir, "--parallel", "4", "--device", device))
 
 
 def test_concurrent_openai_clients_are_batched_and_get_their_replies_alone(server):
+    """Greedy replies to four concurrent clients, batched by default, are each client's reply served alone."""
     client = server.client()
     model = client.models.list().data[0].id
     questions = ["Tell me a story about the sea.", "Tell me a story about the mountains and the sky.",

@@ -6,10 +6,12 @@
 
 Four caches are prefilled with random prompts of 40, 47, 54 and 61 tokens; each round times `--forwards` forwards
 of every batch size in turn (B=1 on the first cache: `forward`, the device decode step where there is one; B>1 the
-first B caches through the operations), so a change of machine load hits every size alike, and each cache is cut
-back to its prompt after every forward (the same keys each time). The table gives the median milliseconds per
-forward and per token over `--rounds` rounds, and tokens/s against B=1; with `--profile B` it adds where the time of
-B-row forwards goes (cProfile, the top functions by own time).
+first B caches: the device step over B sequences where there is one, else through the operations), so a change of
+machine load hits every size alike, and each cache is cut back to its prompt after every forward (the same keys each
+time). The table gives the median milliseconds per forward and per token over `--rounds` rounds, and tokens/s
+against B=1; where the device step over several sequences runs, each round also times the B>1 forwards through the
+operations (the alternative it replaces). With `--profile B` it adds where the time of B-row forwards goes
+(cProfile, the top functions by own time).
 """
 
 from __future__ import annotations
@@ -36,8 +38,20 @@ from glmkit.model.kv_cache import KVCache  # noqa: E402
 PROMPTS = (40, 47, 54, 61)
 
 
-def timed_forwards(model: GlmMoeDsaModel, caches: list[KVCache], rows: int, count: int) -> float:
-    """Seconds per forward of `rows` sequences (one new token each), the caches cut back after each."""
+def timed_forwards(model: GlmMoeDsaModel, caches: list[KVCache], rows: int, count: int,
+                   operations: bool = False) -> float:
+    """Seconds per forward of `rows` sequences (one new token each), the caches cut back after each; operations:
+    B>1 through the operations even where the device step over several sequences runs."""
+    if operations:
+        model.sequences_step = lambda count: None  # type: ignore[method-assign]  # this instance: no device batch
+    try:
+        return _timed(model, caches, rows, count)
+    finally:
+        if operations:
+            del model.sequences_step
+
+
+def _timed(model: GlmMoeDsaModel, caches: list[KVCache], rows: int, count: int) -> float:
     lengths = [cache.length for cache in caches[:rows]]
     spent = 0.0
     for _ in range(count):
@@ -68,17 +82,30 @@ def main(argv: list[str] | None = None) -> int:
     for cache, n in zip(caches, PROMPTS, strict=True):
         model.forward(rng.integers(0, model.config.vocab_size, n), cache)
         cache.reserve(n + 8)
-    timed_forwards(model, caches, max(sizes), 1)  # warm-up: kernel builds, first page faults
+    both = any(b > 1 and model.sequences_step(b) is not None for b in sizes)  # also time the operations' batch
+    for b in sizes:  # warm-up: kernel builds, the steps over B sequences, first page faults
+        timed_forwards(model, caches, b, 1)
     times: dict[int, list[float]] = {b: [] for b in sizes}
+    ops: dict[int, list[float]] = {b: [] for b in sizes if b > 1 and both}
     for _ in range(args.rounds):
         for b in sizes:
             times[b].append(timed_forwards(model, caches, b, args.forwards))
-    print(f"{args.snapshot.name} on {engine.device} (device decode step: {model.decodes_on_device()})")
-    print(f"| B | ms per forward | ms per token | tok/s vs B={sizes[0]} |\n|---:|---:|---:|---:|")
+            if b in ops:
+                ops[b].append(timed_forwards(model, caches, b, args.forwards, operations=True))
+    print(f"{args.snapshot.name} on {engine.device} (device decode step: {model.decodes_on_device()}, "
+          f"over several sequences: {both})")
+    print(f"| B | ms per forward | ms per token | tok/s vs B={sizes[0]} | operations: ms per forward | tok/s vs "
+          f"B={sizes[0]} |\n|---:|---:|---:|---:|---:|---:|")
     base = statistics.median(times[sizes[0]]) / sizes[0]
     for b in sizes:
         per_forward = statistics.median(times[b])
-        print(f"| {b} | {per_forward * 1e3:.1f} | {per_forward / b * 1e3:.1f} | {base / (per_forward / b):.2f}x |")
+        row = f"| {b} | {per_forward * 1e3:.1f} | {per_forward / b * 1e3:.1f} | {base / (per_forward / b):.2f}x |"
+        if b in ops:
+            through = statistics.median(ops[b])
+            row += f" {through * 1e3:.1f} | {base / (through / b):.2f}x |"
+        else:
+            row += " | |"
+        print(row)
     if args.profile:
         profile = cProfile.Profile()
         profile.enable()

@@ -36,9 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--parallel", type=int, default=4, metavar="N",
                    help="requests generating at once, each with its own KV session (default 4)")
     p.add_argument("--max-batch", type=int, metavar="N",
-                   help="decoding requests per batched forward (default: --parallel where batching pays, on the "
-                        "NumPy backend; 1 on an OpenCL decode step, where a step per request is faster; 1: each "
-                        "request decodes on its own in turn)")
+                   help="decoding requests per batched forward (default: --parallel where batching pays: on the "
+                        "NumPy backend, and on an OpenCL decode step over the mapping where a forward of two "
+                        "sequences measured faster per token than single tokens; else 1, e.g. with an expert cache "
+                        "or a discrete GPU; 1: each request decodes on its own in turn)")
     p.add_argument("--max-queue", type=int, default=64, metavar="N",
                    help="requests waiting beyond --parallel before 429 (default 64)")
     p.add_argument("--prefill-chunk", type=int, default=512, metavar="N",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -117,6 +118,26 @@ class Engine:
         self.model.mtp_break_even = costs["cycle"] / costs["token"] - 1
         return self.model.mtp_break_even < 1
 
+    def use_batching(self) -> bool:
+        """Whether glm-serve batches decoding requests by default: where `GlmMoeDsaModel.batch_pays` (the batch through
+        the operations, or the device decode step over several sequences) and, on the device step, where a forward of
+        two sequences costs less per token than single-token forwards, as measured on this device (`batch_costs`)."""
+        if not self.model.batch_pays():
+            return False
+        if not self.model.decodes_on_device():
+            return True
+        costs = self.batch_costs()
+        return costs["batch"] < costs["token"]
+
+    def batch_costs(self) -> dict[str, float]:
+        """ms per token of a single-token forward ("token") and of a forward of two sequences ("batch") on this
+        model's device steps: measured once per device and model (`measure_batch_costs`), kept in the device's
+        profile."""
+        from glmkit.backends.devices import stored_measurement
+
+        return stored_measurement(self.backend.k.info, self.container, "batch_ms",
+                                  lambda: measure_batch_costs(self.model))
+
     def mtp_costs(self) -> dict[str, float]:
         """ms of one single decoded token (pipelined, "token") and of one MTP verification with its draft
         ("cycle") on this model's device steps: measured once per device and model (`measure_mtp_costs`), kept in
@@ -125,6 +146,32 @@ class Engine:
 
         return stored_measurement(self.backend.k.info, self.container, "mtp_ms",
                                   lambda: measure_mtp_costs(self.model))
+
+
+def measure_batch_costs(model: GlmMoeDsaModel, rounds: int = 3, tokens: int = 4) -> dict[str, float]:
+    """`Engine.batch_costs` measured now: two caches of random prompt tokens (past index_topk where it is small, so
+    that the indexer selects; at most 64), ms per token of single-token forwards of one of them ("token": the
+    single-row step, as one request per pass decodes) and of `decode_batch` forwards of both ("batch": the step over
+    two sequences), the medians of `rounds` alternations of `tokens` forwards each (after one more, untimed); the
+    caches are cut back to their prompts after each."""
+    cfg = model.config
+    length = min(cfg.index_topk + 16, 64, cfg.max_position_embeddings // 2)
+    rng = np.random.default_rng(0)
+    caches = [model.new_cache() for _ in range(2)]
+    for cache in caches:
+        model.forward(rng.integers(0, cfg.vocab_size, length), cache)
+    costs: dict[str, list[float]] = {"token": [], "batch": []}
+    for round_ in range(rounds + 1):  # round 0 warms up: kernel builds, the step over two sequences
+        for name, rows in (("token", 1), ("batch", 2)):
+            start = time.perf_counter()
+            for _ in range(tokens):
+                model.decode_batch(np.full(rows, 5), caches[:rows])
+            spent = time.perf_counter() - start
+            for cache in caches:
+                cache.truncate(length)
+            if round_:
+                costs[name].append(spent * 1e3 / (tokens * rows))
+    return {name: round(float(np.median(values)), 4) for name, values in costs.items()}
 
 
 def measure_mtp_costs(model: GlmMoeDsaModel, rounds: int = 5, tokens: int = 24) -> dict[str, float]:

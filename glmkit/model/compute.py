@@ -106,7 +106,7 @@ class Backend(Protocol):
     def decode_step(self, config: ModelConfig, layers: Sequence[LayerSpec], weight: Callable[[str], Weight],
                     experts: ExpertArena | None = None, kv_dtype: str = "f32", rows: int = 1,
                     draft: tuple[LayerSpec, MTPSpec] | None = None, span: range | None = None,
-                    logits: bool = True) -> DecodeStep | None:
+                    logits: bool = True, sequences: bool = False) -> DecodeStep | None:
         """A whole forward of `rows` consecutive tokens (1: a decoded token; 2: MTP's verification of a draft) of the
         main model, whose decoder layers `layers` describes, in one call (`DecodeStep`), or None: the model then
         runs them through the operations above. experts: where the routed experts are read from instead of `weight`
@@ -114,7 +114,8 @@ class Backend(Protocol):
         and writes; draft: the MTP layer and head, for a verification step that also drafts (`verify`).
         span: the layers it runs (default all: a pipeline stage's range, `run_span`; none: only the final norm and
         lm_head, a pipeline head's); logits: whether the final norm's output goes through lm_head (not on a stage).
-        A step of a part of the model takes one token row and no draft."""
+        A step of a part of the model takes one token row and no draft. sequences: the rows are as many sequences,
+        each appended to its own cache (`DecodeStep.decode_rows`: continuous batching)."""
         ...
 
 
@@ -209,6 +210,11 @@ class DecodeStep(Protocol):
         """A step bound to a span of layers without logits (a pipeline stage's): the hidden state `x [1, H]` entering
         them and the DSA selection `chosen [1, K]` of the layer before them (or None) -> (the hidden state after the
         last one `[1, H]`, the selection a following 'previous' layer reuses or None, the routes)."""
+        ...
+
+    def decode_rows(self, caches: Sequence[KVCache], embed: np.ndarray) -> tuple[np.ndarray, np.ndarray, Routes]:
+        """A step of R sequences: token row r (embedding `embed[r]`, `[R, H]`) appended to `caches[r]` at its own
+        length: (logits `[R, V]`, hidden `[R, H]` after the final norm, the routes)."""
         ...
 
     def verify(self, cache: KVCache, embed: np.ndarray, choose: bool

@@ -164,6 +164,7 @@ class GlmMoeDsaModel:
         self._step: DecodeStep | None | bool = False  # the backend's decode step, asked for on the first forward
         self._verify: DecodeStep | None | bool = False  # its two-row form (MTP's verification), on first use
         self._parts: dict[tuple[int, int, bool], DecodeStep | None] = {}  # steps over parts: `part_step`
+        self._sequences: dict[int, DecodeStep | None] = {}  # per batch size: the step over that many sequences
         # the MTP acceptance below which drafting decodes slower than single tokens on the device step, where
         # measured (`Engine.use_mtp`): a generation turns MTP off once its first drafts fall below it
         self.mtp_break_even: float | None = None
@@ -217,7 +218,9 @@ class GlmMoeDsaModel:
         """One new token for each of B sequences in one forward: `token_ids[i]` appended to `caches[i]` (B different
         caches, each already holding rows) at its own length. Attention runs per sequence (its cache, its DSA
         selection); norms, projections, MLPs, the router and lm_head on the B rows at once, and the routed MoE runs
-        each expert any row routes to once for the batch. Returns (logits `[B, V]`, hidden `[B, H]` after the final
+        each expert any row routes to once for the batch. Where single tokens decode on the device step, the batch is
+        one forward of its form over B sequences (`sequences_step`: each row's logits bit for bit its sequence's on
+        the single-row step), else through the operations. Returns (logits `[B, V]`, hidden `[B, H]` after the final
         norm); one sequence goes through `forward` (the device decode step where there is one)."""
         if not self.batches_sequences:
             raise GlmkitError("this model runs one sequence per forward (its layers' rows are not all in this process)")
@@ -229,6 +232,11 @@ class GlmMoeDsaModel:
         if step is not None:
             step.settle()  # a pipelined single-token forward in flight finishes before its cache is read
         x = self.embed(token_ids)  # [B, H]
+        rows_step = self.sequences_step(len(caches)) if all(cache.length > 0 for cache in caches) else None
+        if rows_step is not None:
+            logits, hidden, routes = rows_step.decode_rows(caches, x)
+            self._report_routes(routes)
+            return logits, hidden
         chosen: list[ChosenKeys] = [None] * len(caches)
         for layer in range(self.config.num_hidden_layers):
             kvs = [cache.layer(layer) for cache in caches]
@@ -238,10 +246,26 @@ class GlmMoeDsaModel:
         return self.backend.linear(hidden, self._w(LM_HEAD)), hidden
 
     def batch_pays(self) -> bool:
-        """Whether decoding several sequences through `decode_batch` beats one forward each: where single tokens run
-        through the operations (NumPy). On a device decode step (OpenCL) the batch's per-operation forward is slower
-        than a step per sequence (docs/BENCHMARKS.md, glm-serve)."""
-        return self.batches_sequences and not self.decodes_on_device()
+        """Whether decoding several sequences through `decode_batch` can beat one forward each: where single tokens run
+        through the operations (NumPy), or where they decode on a device step whose form over several sequences binds
+        (`sequences_step`; whether it is faster there is measured: `Engine.use_batching`). Not where only the device
+        step's single-row form does: the batch's per-operation forward is then slower than a step per sequence
+        (docs/BENCHMARKS.md, "Continuous batching")."""
+        return self.batches_sequences and (not self.decodes_on_device() or self.sequences_step(2) is not None)
+
+    def sequences_step(self, count: int) -> DecodeStep | None:
+        """The decode step's form over `count` sequences (`DecodeStep.decode_rows`), built on first use for that
+        count and kept (a batch grows and shrinks as requests come and go); None where single tokens do not decode
+        on the device step or the backend has no such form (e.g. an expert cache's slots, a discrete device)."""
+        if count not in self._sequences:
+            step = None
+            if self._decode_step() is not None:
+                step = self.backend.decode_step(self.config, self.layers[:self.config.num_hidden_layers], self._w,
+                                                self.step_experts, self.kv_dtype, count, sequences=True)
+                if step is not None and self.step_route_hook is not None:
+                    step.watch_routes(self.step_route_hook)
+            self._sequences[count] = step
+        return self._sequences[count]
 
     def prefill_on_step(self, token_ids: np.ndarray, cache: KVCache, queued: bool = True
                         ) -> tuple[np.ndarray, np.ndarray]:

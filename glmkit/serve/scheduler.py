@@ -129,7 +129,7 @@ class Scheduler:
         """prefix_cache: opens the on-disk cache (called on the worker thread; None = no disk cache).
         reuse: False = every request prefills its whole prompt (no Session reuse, no disk cache).
         max_batch: decoding requests per batched forward (1: each decodes on its own, one step each in turn; None:
-        max_active where batching pays, `GlmMoeDsaModel.batch_pays`, else 1). A model whose forwards take one
+        max_active where batching pays, `Engine.use_batching`, else 1). A model whose forwards take one
         sequence (a Ray pipeline's) never batches."""
         self.engine = engine
         self.use_mtp = use_mtp and engine.model.has_mtp
@@ -201,7 +201,7 @@ class Scheduler:
         try:
             self.prefix_cache = self._open_cache() if self._open_cache else None
             model = self.engine.model
-            wanted = self.max_active if self._max_batch is None and model.batch_pays() else self._max_batch or 1
+            wanted = self.max_active if self._max_batch is None and self.engine.use_batching() else self._max_batch or 1
             self.max_batch = max(1, min(wanted, self.max_active)) if model.batches_sequences else 1
         except BaseException as e:  # reported by start()
             self._startup_error = e

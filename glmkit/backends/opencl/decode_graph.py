@@ -34,6 +34,10 @@ mapping): the weight products take both rows, the kernels that work per token a 
 dimension per row), attention with each row's causal keys, and with `draft` the MTP layer and head after them in
 the same queue, from each row's greedy token (`verify`), or from the host's tokens (`redraft`).
 
+Continuous batching runs the same step bound for B token rows of B different sequences (`sequences`, `decode_rows`):
+what works on the rows' values takes the B rows in one launch, as for MTP's rows; what reads or writes a cache runs
+once per row (the row's launch at a global offset, `Launch.at_row`) on that row's own cache, position and key count.
+
 Pipelined decoding (`DecodePipeline`) also chooses the token and looks up the next embedding on the device, so that
 the next token's forward is queued before the host has seen this one: the device does not wait for the host
 between tokens. The token is the argmax (`ArgmaxChoice`, greedy) or drawn with temperature, top-k and top-p from
@@ -51,6 +55,7 @@ last skip the lm_head, their final norm writing their rows of the prompt's hidde
 
 from __future__ import annotations
 
+import copy
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
@@ -107,6 +112,10 @@ LISTED_ITEMS = 32 * KEY_GROUP  # work-items of index_scores_listed: a few listed
 SHADOW_FIELDS = ("index_k.shadow", "index_k.shadow_scale")  # the cache's shadow arrays as `_cache_buffer` names them
 NO_STAGE = 0xFFFFFFFF  # token_rows: no staging copy of the cache rows (decode.cl)
 UNUSED_SLOT = 0xFFFFFFFF  # the token of an expert slot a launch skips (quant.cl)
+# a sequences step's launches that read or write a token row's cache, each run per row (`Launch.at_row`): the _Layer
+# attribute and the global dimension that counts the kernel's token rows
+PER_ROW = (("rows", 1), ("store", 1), ("shadow", 0), ("scores", 1), ("topk", 0), ("shadow_scores", 1),
+           ("candidates", 0), ("rescore", 1), ("select", 0), ("attention", 2), ("values", 1))
 SLOT_ARRAYS = {"offs": (6, np.uint64), "slot_w": (1, np.float32), "slot_tok": (1, np.uint32),
                "tok_start": (1, np.uint32)}  # what routing writes per expert slot: values per slot, type
 
@@ -257,6 +266,13 @@ class _Layer:
         self.after_misses: list[Launch] = []  # with `arena.masks`: those queued once the misses are read
         self.cache_buffers: dict[str, DeviceArray] = {}  # direct devices: field -> its storage array and buffer
         self.mirrors: dict[str, _CacheMirror] = {}  # discrete devices: field -> its rows in device memory
+        # a sequences step (`DeviceDecodeStep.decode_rows`): per token row, this layer with that row's own launches of
+        # PER_ROW (`seqs`); `head` and `tail` with those launches row by row (`rows_head`, `rows_tail`); the indexer
+        # query's launches, run once for every row
+        self.seqs: list[_Layer] = []
+        self.rows_head: list[Launch] = []
+        self.rows_tail: list[Launch] = []
+        self.query: list[Launch] = []
 
 
 class _Draft(NamedTuple):
@@ -293,6 +309,13 @@ class DeviceDecodeStep:
     single-row step fed the same tokens. draft: (the MTP layer's description, the MTP head's): `verify` then also
     drafts in the same queue.
 
+    sequences: the token rows are as many different sequences, row r appended to its own cache at its own length
+    (`decode_rows`: continuous batching). Norms, products, RoPE, routing, the experts and the lm_head take the rows
+    at once (the routed experts' slots per row, as for `rows`); each launch that reads or writes a cache (its new rows,
+    the indexer's scores and top-k, attention: `PER_ROW`) runs once per row, bound to that row's cache, position and
+    key count (`Launch.at_row`). Each row's logits are bit for bit the single-row step's for its sequence alone.
+    CPU devices over the mapping (as `rows`), with single-item top-k kernels.
+
     spill: a CPU OpenCL device beside a discrete one that cannot hold every routed expert (the split step: see
     `_bind_split_moe`, `_place_split`, `_run_split`): the experts the budget leaves out run there, each MoE layer's
     host wait bringing their input back and their per-slot rows over. The logits are the whole-model step's, bit for
@@ -310,7 +333,7 @@ class DeviceDecodeStep:
                  cw: Callable[[Weight], ClWeight | None], expert_ref: Callable, kernels: Kernels,
                  int8_activations: bool = True, experts: ExpertArena | None = None, kv_dtype: str = "f32",
                  rows: int = 1, draft: tuple[LayerSpec, MTPSpec] | None = None, span: range | None = None,
-                 logits: bool = True, spill: SpillDevice | None = None) -> None:
+                 logits: bool = True, spill: SpillDevice | None = None, sequences: bool = False) -> None:
 
         if cfg.n_routed_experts > MAX_ROUTED_EXPERTS:
             raise Unsupported(f"{cfg.n_routed_experts} routed experts (the routing kernel holds {MAX_ROUTED_EXPERTS})")
@@ -326,6 +349,9 @@ class DeviceDecodeStep:
             raise Unsupported("MTP's draft: in a verification step (rows > 1) of an MTP head with RMSNorms")
         if spill is not None and (kernels.direct or experts is not None or not whole or rows > 1):
             raise Unsupported("routed experts on a CPU device beside: a discrete device's whole-model step, one row")
+        if sequences and (rows < 2 or draft is not None or kernels.lanes > 1):
+            raise Unsupported("a step of several sequences: several rows, no draft, single-item top-k kernels")
+        self.sequences = sequences
         self.draft_spec = draft
         # the model's main layers (numerics, RoPE, the indexers' key count), and those this step runs: `span`
         self.cfg, self.model_specs, self.k, self.buffers = cfg, list(layers), kernels, kernels.buffers
@@ -406,6 +432,8 @@ class DeviceDecodeStep:
         self._grow(INITIAL_KEYS)
         for spec in self.specs:
             self.layers.append(self._bind_layer(spec))
+            if sequences:
+                self._bind_row_views(self.layers[-1])
         # after the last layer, the residual add into x (the hidden state a pipeline stage hands on) and the final norm
         self.final_norm = self._norm(self.x, self.ffn_out if self.specs else None, final_norm_spec(cfg), self.hidden,
                                      h, self.hidden_x8)
@@ -533,11 +561,14 @@ class DeviceDecodeStep:
                         "selected": new(rows * cap, np.uint8), "upper": new(rows * cap),
                         "listed": new(rows * cap, np.uint32), "listed_count": new(rows, np.uint32),
                         **{name: new(rows * blocks) for name in ("block_lower", "block_upper")}}
-        self.allowed = [self.buffers.filled(np.ones(rows * cap), np.uint8) for _ in range(TURNS if rows > 1 else 1)]
+        # (a sequences step's rows are each their cache's last: no mask, one all-ones array)
+        self.allowed = [self.buffers.filled(np.ones(rows * cap), np.uint8)
+                        for _ in range(TURNS if rows > 1 and not self.sequences else 1)]
         self.masked = [[] for _ in range(TURNS)]
         self.capacity = cap
         scores, index_scores = self.scratch["scores"].buffer, self.scratch["index_scores"].buffer
-        for layer in self._bound_layers():  # the bound launches that read the scratch get the new buffers
+        # the bound launches that read the scratch get the new buffers (a sequences step: each row's own too)
+        for layer in [view for bound in self._bound_layers() for view in (bound, *bound.seqs)]:
             layer.attention.set(scores=scores)
             layer.values.set(scores=scores)
             if layer.scores is not None:
@@ -586,6 +617,45 @@ class DeviceDecodeStep:
                             listed=scratch["listed"].buffer, count=scratch["listed_count"].buffer,
                             chosen=self.chosen.buffer, n_keys=1, k=ix.topk, n_rows=self.rows)
         out.shadowed = [*query, out.shadow_scores, out.candidates, out.rescore, out.select]
+
+    def _bind_row_views(self, layer: _Layer) -> None:
+        """A sequences step: per token row r, `layer` with its PER_ROW launches for row r alone (`layer.seqs[r]`, whose
+        cache arrays, position and key count `_bind_cache` sets to that row's sequence's), and the launches of the
+        indexer's query that run once for all rows (`layer.query`)."""
+        per_row: dict[Launch, list[Launch]] = {}  # a PER_ROW launch -> its copy per row
+        for r in range(self.rows):
+            view = copy.copy(layer)
+            view.cache_buffers, view.mirrors, view.seqs = {}, {}, []
+            for name, dim in PER_ROW:
+                launch = getattr(layer, name)
+                if launch is not None:
+                    mine = launch.at_row(dim, r)
+                    setattr(view, name, mine)
+                    per_row.setdefault(launch, []).append(mine)
+                    if launch in self._cs_users:
+                        self._cs_users.append(mine)
+            view.scoring = [view.scores, view.topk] if layer.scores is not None else []
+            view.shadowed = ([view.shadow_scores, view.candidates, view.rescore, view.select]
+                             if layer.shadow_scores is not None else [])
+            layer.seqs.append(view)
+        layer.query = [launch for launch in layer.scoring if launch not in per_row]
+
+        def row_by_row(launches: list[Launch]) -> list[Launch]:
+            """`launches` with each run of consecutive PER_ROW ones queued a row at a time: a row's attention scores
+            (at its own key count's stride in the shared scratch) are consumed before the next row's are written."""
+            out: list[Launch] = []
+            run: list[Launch] = []
+            for launch in [*launches, None]:
+                if launch in per_row:
+                    run.append(launch)
+                    continue
+                out += [per_row[each][r] for r in range(self.rows) for each in run]
+                run = []
+                if launch is not None:
+                    out.append(launch)
+            return out
+
+        layer.rows_head, layer.rows_tail = row_by_row(layer.head), row_by_row(layer.tail)
 
     def _bound_layers(self) -> list[_Layer]:
         """The main layers' launches, then the MTP layer's (with a draft)."""
@@ -1165,6 +1235,38 @@ class DeviceDecodeStep:
         hidden[-rows:] = self.hidden.host.reshape(rows, h)
         return self.logits.host.reshape(rows, -1)[-1:].copy(), hidden, routes
 
+    def decode_rows(self, caches: Sequence[KVCache], embed: np.ndarray) -> tuple[np.ndarray, np.ndarray, list]:
+        """A sequences step's forward: token row r (embedding `embed[r]`, `[rows, H]`) appended to `caches[r]` at its
+        own length (`rows` distinct caches). Returns (logits `[rows, V]`, hidden `[rows, H]` after the final norm,
+        routes), each row's bit for bit the single-row step's for its sequence alone."""
+        if not self.sequences or len(caches) != self.rows or len({id(c) for c in caches}) != self.rows:
+            raise ValueError(f"decode_rows: {len(caches)} caches for a step of {self.rows} sequences (distinct)")
+        for cache in caches:
+            if cache.dtype != self.kv_dtype:
+                raise ValueError(f"a cache of {cache.dtype} rows given to a decode step built for {self.kv_dtype}")
+        self.settle()
+        positions = [cache.length for cache in caches]
+        self._place_rows(positions, 0)
+        self.x.host[:] = embed.reshape(-1)
+        self.buffers.to_device(self.x)
+        slot = self._next_slot(0)
+        for cache in caches:
+            for i in self.span:
+                cache.layer(i).claim(1)
+        try:
+            for i, layer in zip(self.span, self.layers, strict=True):
+                self._queue_sequences_layer(i, layer, [cache.layer(i) for cache in caches], positions, slot, 0)
+            self.final_norm.enqueue()
+            self.lm_head.enqueue().wait()
+        except BaseException:
+            self.k.finish()
+            for cache, pos in zip(caches, positions, strict=True):
+                cache.truncate(pos)
+            raise
+        rows = self.rows
+        return (self.logits.host.reshape(rows, -1).copy(), self.hidden.host.reshape(rows, -1).copy(),
+                self.routes(0))
+
     def run_span(self, cache: KVCache, x: np.ndarray, chosen: np.ndarray | None
                  ) -> tuple[np.ndarray, np.ndarray | None, list]:
         """A pipeline stage's part of a decoded token (a step bound to `span`, without logits): the layers on the hidden
@@ -1208,7 +1310,7 @@ class DeviceDecodeStep:
         assert self.draft is not None
         self.settle()
         pos = cache.layer(self.cfg.num_hidden_layers).length
-        self._place_rows(pos, 0)
+        self._place_rows(range(pos, pos + self.rows), 0)
         self.hidden.host[:] = hidden.reshape(-1)
         self.verified.host[:] = tokens
         self.complete(self._queue_draft(cache, pos, self._next_slot(0), 0, choose=False), 0)
@@ -1238,7 +1340,36 @@ class DeviceDecodeStep:
     def _queue_layer(self, i: int, layer: _Layer, kv, pos: int, keys: int, slot: int, turn: int) -> Any:
         """Queue decoder layer i's launches (its cache rows `kv`) for the token rows at pos.. of `keys` keys in all;
         returns the event of its last launch."""
-        n_rows, scored = self.rows, keys > self.topk
+        selection = self._bind_cache(layer, kv, pos, keys, turn, self.rows)
+        for launch in layer.head:
+            launch.enqueue()
+        for launch in selection:
+            launch.enqueue()
+        return self._queue_tail(i, layer, slot, layer.tail)
+
+    def _queue_sequences_layer(self, i: int, layer: _Layer, kvs: Sequence, positions: Sequence[int], slot: int,
+                               turn: int) -> Any:
+        """A sequences step: queue decoder layer i for token row r appended to `kvs[r]` (its sequence's cache rows of
+        this layer) at `positions[r]`: the shared launches once, each PER_ROW one per row bound to that row's cache;
+        the indexer's query once where any row selects. Returns the event of its last launch."""
+        selections = [self._bind_cache(view, kv, pos, pos + 1, turn, 1, r)
+                      for r, (view, kv, pos) in enumerate(zip(layer.seqs, kvs, positions, strict=True))]
+        for launch in layer.rows_head:
+            launch.enqueue()
+        if any(selections):
+            for launch in layer.query:
+                launch.enqueue()
+        for selection in selections:
+            for launch in selection:
+                launch.enqueue()
+        return self._queue_tail(i, layer, slot, layer.rows_tail)
+
+    def _bind_cache(self, layer: _Layer, kv, pos: int, keys: int, turn: int, n_rows: int, base: int = 0
+                    ) -> list[Launch]:
+        """Set the launches of `layer` that read or write its cache rows `kv` for `n_rows` token rows at pos.. of
+        `keys` keys in all (from token row `base` of the forward: a sequence's own launches, `_bind_row_views`).
+        Returns the selection launches to queue after the head ([]: every key is attended)."""
+        scored = keys > self.topk
         # per-key kernels: work-groups of KEY_GROUP items (a size left to the driver would follow the key count
         # down to groups of one item for a prime count: one work-group per key)
         per_key = -(-keys // KEY_GROUP) * KEY_GROUP
@@ -1248,10 +1379,11 @@ class DeviceDecodeStep:
         rows = {name: self._cache_buffer(layer, kv, name) for name in layer.cache_fields}
         lat, rot = rows["kv_lat"], rows["k_rot"]
         scaled = {f"{name}_scale": rows.get(f"{name}.scale", rows[name]) for name in ("kv_lat", "k_rot")}
+        row = (pos - base) % (1 << 32)  # the kernels write cache row `row` + their token row (uint arithmetic)
         if layer.store is None:
-            layer.rows.set(kv_lat=lat, k_rot=rot, row=pos)
+            layer.rows.set(kv_lat=lat, k_rot=rot, row=row)
         else:
-            layer.store.set(row=pos, **{name.replace(".", "_"): b for name, b in rows.items()})
+            layer.store.set(row=row, **{name.replace(".", "_"): b for name, b in rows.items()})
         if layer.scores is not None:
             index_k = rows["index_k"]
             index_k_scale = rows.get("index_k.scale", index_k)
@@ -1260,14 +1392,13 @@ class DeviceDecodeStep:
         if layer.shadow is not None:
             shadow, shadow_scale = (self._cache_buffer(layer, kv, name) for name in SHADOW_FIELDS)
             layer.shadow.set(index_k=index_k, index_k_scale=index_k_scale, shadow=shadow, shadow_scale=shadow_scale,
-                             row=pos)
+                             row=row)
         if not self.k.direct:
             layer.rows.set(stage=self.row_stage[turn].buffer)
             kv.edited_from = kv.length  # the host gets this row with the others (`_collect`)
-        for launch in layer.head:
-            launch.enqueue()
         allowed = self.allowed[turn % len(self.allowed)].buffer
         shadowed = keys >= max(SHADOW_MIN_KEYS, SHADOW_MIN_PER_KEPT * self.topk)
+        selection: list[Launch] = []
         if scored and self.shadow_selects and layer.shadow is not None and shadowed:
             blocks = -(-keys // SHADOW_BLOCK)
             layer.shadow_scores.set(shadow=shadow, shadow_scale=shadow_scale, allowed=allowed, n_keys=keys)
@@ -1276,21 +1407,24 @@ class DeviceDecodeStep:
             layer.rescore.set(k=index_k, k_scale=index_k_scale, n_keys=keys)
             layer.rescore.size = (min(per_key, LISTED_ITEMS), n_rows)
             layer.select.set(n_keys=keys)
-            for launch in layer.shadowed:
-                launch.enqueue()
+            selection = layer.shadowed
         elif scored and layer.scores is not None:
             layer.scores.set(k=index_k, k_scale=index_k_scale, n_keys=keys)
             layer.scores.size = (per_key, n_rows)
             layer.topk.set(n_keys=keys, allowed=allowed)
-            for launch in layer.scoring:
-                launch.enqueue()
+            selection = layer.scoring
         layer.attention.set(kv_lat=lat, k_rot=rot, **scaled, use_keys=int(scored), n=attended, n_total=keys)
         layer.attention.size = (per_attended, heads, n_rows)
         layer.values.set(kv_lat=lat, kv_lat_scale=scaled["kv_lat_scale"], n=attended, n_total=keys,
                          use_keys=int(scored))
+        return selection
+
+    def _queue_tail(self, i: int, layer: _Layer, slot: int, tail: list[Launch]) -> Any:
+        """Queue decoder layer i's launches from attention on, `tail` (`layer.tail`, or a sequences step's
+        `rows_tail`), with token slot `slot`'s routed ids; returns the event of its last launch."""
         if layer.route is not None:
             layer.route.set(ids=layer.ids[slot].buffer)
-        for launch in layer.tail:
+        for launch in tail:
             event = launch.enqueue()
             if launch is layer.route and self.watcher is not None:
                 self.watcher.watch(event, i, layer.ids[slot].host)
@@ -1347,19 +1481,20 @@ class DeviceDecodeStep:
             event = self.buffers.upload(s.part, rows[i], 4 * n * i)
         return event
 
-    def _place_rows(self, pos: int, turn: int) -> None:
-        """Make ready for the token rows at pos..: scratch for their keys, their cos/sin (`cs[turn]`, set on every
-        launch that reads them) and, with several rows where the indexer selects, the causal mask."""
-        keys = pos + self.rows
+    def _place_rows(self, positions: Sequence[int], turn: int) -> None:
+        """Make ready for token rows at `positions` (consecutive ones of one cache, or a sequences step's rows' own):
+        scratch for their keys, their cos/sin (`cs[turn]`, set on every launch that reads them) and, with several rows
+        of one cache where the indexer selects, the causal mask."""
+        keys = max(positions) + 1
         self._grow(keys)
         attention = self.model_specs[0].attention  # every layer's RoPE is the same (`check_bindable`)
-        cos, sin = rope_cos_sin(np.arange(pos, keys), attention.rope, attention.rope_theta)
+        cos, sin = rope_cos_sin(np.asarray(positions), attention.rope, attention.rope_theta)
         self.cs[turn].host[:] = np.concatenate([cos, sin], axis=1).reshape(-1)
         self.buffers.to_device(self.cs[turn])  # the last token of this turn has finished: its copy was done
         cs = self.cs[turn].buffer
         for launch in self._cs_users:
             launch.set(cs=cs)
-        if keys > self.topk and self.rows > 1:
+        if keys > self.topk and self.rows > 1 and not self.sequences:
             self._mask_causal(keys, turn)
 
     def _next_slot(self, turn: int) -> int:
@@ -1400,6 +1535,8 @@ class DeviceDecodeStep:
         prompt's forward but its last)."""
 
         cfg, n_rows = self.cfg, self.rows
+        if self.sequences:
+            raise ValueError("a step of several sequences decodes through decode_rows")
         layers = [*self.span, *([cfg.num_hidden_layers] if draft else [])]
         if cache.dtype != self.kv_dtype:
             raise ValueError(f"a cache of {cache.dtype} rows given to a decode step built for {self.kv_dtype}")
@@ -1411,7 +1548,7 @@ class DeviceDecodeStep:
             self.k.finish()
             for staged in range(TURNS):  # a device mirror that grows takes every row from the host again
                 self._collect(staged)
-        self._place_rows(pos, turn)
+        self._place_rows(range(pos, keys), turn)
         if embed is not None:
             self.x.host[:] = embed.reshape(-1)
             self.buffers.to_device(self.x)

@@ -185,12 +185,24 @@ class Launch:
     def __init__(self, program: Program, queue: Any, name: str, size: tuple[int, ...], local: tuple[int, ...] | None,
                  args: dict[str, Any]) -> None:
         self.queue = queue
+        self.program, self.name = program, name
         self.kernel = program.new_kernel(name)
         signature = program.signatures[name]
         self.args = signature.ordered(name, args)  # an OpenCL kernel does not keep its buffers alive: this does
         self.kernel.set_args(*self.args)
         self._index, self._types = signature.index, signature.scalars
         self.size, self.local = size, local
+        self.offset: tuple[int, ...] | None = None  # the global work offset (`at_row`)
+
+    def at_row(self, dim: int, row: int) -> Launch:
+        """This launch for token row `row` alone: the same kernel and arguments on a kernel object of its own, global
+        size 1 in dimension `dim` offset to `row` (its get_global_id(dim) is `row`: the kernel reads and writes that
+        row of its per-row buffers). A kernel whose row index is its global id in `dim` only."""
+        copy = Launch(self.program, self.queue, self.name, self.size, self.local,
+                      {name: self.args[i] for name, i in self._index.items()})
+        copy.size = tuple(1 if d == dim else n for d, n in enumerate(self.size))
+        copy.offset = tuple(row if d == dim else 0 for d in range(len(self.size)))
+        return copy
 
     def set(self, **named: Any) -> None:
         """Set the arguments given by name (unchanged ones cost nothing)."""
@@ -209,4 +221,4 @@ class Launch:
             self.args[index] = value
 
     def enqueue(self) -> Any:
-        return cl.enqueue_nd_range_kernel(self.queue, self.kernel, self.size, self.local)
+        return cl.enqueue_nd_range_kernel(self.queue, self.kernel, self.size, self.local, self.offset)

@@ -106,9 +106,10 @@ __kernel void kv_store_rows(__global const float* lat, __global const float* rot
 }
 
 /* The keys token row r of `rows` attends: n (the key list's length) capped by its causal keys, n_total - (rows - 1 - r)
- * (the last row's: every key). */
+ * (the last row's: every key). A row past the launch's rows (a sequence's own launch at a global offset, its cache's
+ * last row: `Launch.at_row`) attends all n. */
 INLINE uint row_keys(uint n, uint n_total, uint r, uint rows) {
-    return min(n, n_total - (rows - 1 - r));
+    return r < rows ? min(n, n_total - (rows - 1 - r)) : n;
 }
 
 /* Absorbed MLA attention of one query token, in two launches: these scores, then `mla_decode_values`, over n keys:
