@@ -217,10 +217,10 @@ class GlmMoeDsaModel:
     def decode_batch(self, token_ids: np.ndarray, caches: Sequence[KVCache]) -> tuple[np.ndarray, np.ndarray]:
         """One new token for each of B sequences in one forward: `token_ids[i]` appended to `caches[i]` (B different
         caches, each already holding rows) at its own length. Attention runs per sequence (its cache, its DSA
-        selection); norms, projections, MLPs, the router and lm_head on the B rows at once, and the routed MoE runs
-        each expert any row routes to once for the batch. Where single tokens decode on the device step, the batch is
-        one forward of its form over B sequences (`sequences_step`: each row's logits bit for bit its sequence's on
-        the single-row step), else through the operations. Returns (logits `[B, V]`, hidden `[B, H]` after the final
+        selection); norms, projections, MLPs, the router and lm_head on the B rows at once. Where single tokens decode
+        on the device step, the batch is one forward of its form over B sequences (`sequences_step`: each row's
+        logits bit for bit its sequence's on the single-row step; each row runs its own expert slots), else through
+        the operations (the routed MoE runs each expert any row routes to once for the batch). Returns (logits `[B, V]`, hidden `[B, H]` after the final
         norm); one sequence goes through `forward` (the device decode step where there is one)."""
         if not self.batches_sequences:
             raise GlmkitError("this model runs one sequence per forward (its layers' rows are not all in this process)")
