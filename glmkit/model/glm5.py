@@ -220,8 +220,9 @@ class GlmMoeDsaModel:
         selection); norms, projections, MLPs, the router and lm_head on the B rows at once. Where single tokens decode
         on the device step, the batch is one forward of its form over B sequences (`sequences_step`: each row's
         logits bit for bit its sequence's on the single-row step; each row runs its own expert slots), else through
-        the operations (the routed MoE runs each expert any row routes to once for the batch). Returns (logits `[B, V]`, hidden `[B, H]` after the final
-        norm); one sequence goes through `forward` (the device decode step where there is one)."""
+        the operations (the routed MoE runs each expert any row routes to once for the batch). Returns (logits
+        `[B, V]`, hidden `[B, H]` after the final norm); one sequence goes through `forward` (the device decode step
+        where there is one)."""
         if not self.batches_sequences:
             raise GlmkitError("this model runs one sequence per forward (its layers' rows are not all in this process)")
         if len(caches) != len(token_ids) or len({id(cache) for cache in caches}) != len(caches):
