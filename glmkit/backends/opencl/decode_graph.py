@@ -104,6 +104,7 @@ ID_SLOTS = 32  # routed-id buffers per MoE layer, used in turn by successive tok
 TURNS = 4  # forwards queued at once, each with buffers of its own (a pipeline alternates two, a prompt uses all)
 INITIAL_KEYS = 1024  # keys the per-key scratch buffers hold at first (they double as the context grows)
 KEY_GROUP = 16  # work-group size of the kernels with one work-item per key
+MAX_INDEX_HEADS = 64  # indexer heads index_shadow_scores holds the query norms of (MAX_INDEX_HEADS in indexer.cl)
 SHADOW_GROUP = 4  # work-group size of index_shadow_scores (a work-item per two blocks of SHADOW_BLOCK keys)
 SHADOW_MIN_KEYS = 16384  # the shadow selection runs from this many keys on (below it the one-stage one is as fast)
 SHADOW_MIN_PER_KEPT = 16  # and from this many keys per key it keeps (index_topk), blocks enough for its threshold
@@ -362,7 +363,7 @@ class DeviceDecodeStep:
         # the two-stage selection from the keys' shadows (exact, DESIGN section 3, "DSA indexer"): CPU devices, where
         # its single-item kernels run well and the cache arrays are read in place. Set False, the step selects in one
         # stage over all keys (the shadows are still written): tools/bench_long.py's comparison
-        self.shadow_selects = kernels.direct and kernels.lanes == 1
+        self.shadow_selects = kernels.direct and kernels.lanes == 1 and cfg.index_n_heads <= MAX_INDEX_HEADS
         self._weight, self._cw, self._expert_ref = weight, cw, expert_ref
         self.experts = experts
         self.spill = spill

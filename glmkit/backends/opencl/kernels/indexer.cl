@@ -126,6 +126,7 @@ __kernel void topk_select_group(__global const float* scores, __global const uch
 #if SHADOW_BLOCK != 8
 #error "index_shadow_scores takes a block of keys as one float8"
 #endif
+#define MAX_INDEX_HEADS 64  /* index_shadow_scores' heads (decode_graph.MAX_INDEX_HEADS) */
 
 /* Block b's stage-1 bounds into upper (every key's) and, over the keys row s may choose (al), their largest lower bound
  * into block_lower and largest upper bound into block_upper (-inf for both where none may). */
@@ -180,15 +181,20 @@ INLINE float abs_sum(const __global float* x, uint d) {
  * kv_cache.encode_index_shadow). Per head h, a = (s_t scale) q[s, h] . c_t and e = s_t bound |q[s, h]|_1 bound
  * |exact dot - a| (bound: shadow_bound's F times |scale|); upper[s, t] and the lower bound are sum_h W_h times the
  * ends of [relu(a - e), relu(a + e)] (W_h = w[s, h] w_scale). Per block the largest lower and upper bound of the keys
- * row s may choose (block_lower, block_upper; -inf where none may). A work-item takes two blocks, a lane per key:
- * each code is converted once for 4 heads, each head's query value loaded once for 16 keys. Rows of n_keys keys,
- * of ceil(n_keys / 8) blocks. Global (ceil(blocks / 2), S). */
+ * row s may choose (block_lower, block_upper; -inf where none may). The heads' |q_h|_1 are taken once per work-group
+ * (nh <= MAX_INDEX_HEADS). A work-item takes two blocks, a lane per key: each code is converted once for 4 heads, each
+ * head's query value loaded once for 16 keys. Rows of n_keys keys, of ceil(n_keys / 8) blocks. Global
+ * (ceil(blocks / 2), S). */
 __kernel void index_shadow_scores(__global const float* q, __global const char* shadow,
                                   __global const float* shadow_scale, __global const float* w,
                                   __global const uchar* allowed, __global float* upper, __global float* block_lower,
                                   __global float* block_upper, uint nh, uint d, uint n_keys, float scale, float bound,
                                   float w_scale) {
     const uint b = 2 * get_global_id(0), s = get_global_id(1), n_blocks = (n_keys + 7) / 8;
+    __local float norms[MAX_INDEX_HEADS];  /* |q_h|_1 of row s's heads, once per work-group */
+    for (uint head = get_local_id(0); head < nh; head += get_local_size(0))
+        norms[head] = abs_sum(q + ((ulong)s * nh + head) * d, d);
+    barrier(CLK_LOCAL_MEM_FENCE);
     if (b >= n_blocks) return;
     const int pair = b + 1 < n_blocks;  /* the second block exists (else it reads the first one twice) */
     const __global uchar* kb = (const __global uchar*)shadow + (ulong)b * d * 8;
@@ -216,7 +222,7 @@ __kernel void index_shadow_scores(__global const float* q, __global const char* 
             b2 += x2 * kw;
             b3 += x3 * kw;
         }
-        const float n0 = abs_sum(q0, d), n1 = abs_sum(q1, d), n2 = abs_sum(q2, d), n3 = abs_sum(q3, d);
+        const float n0 = norms[h], n1 = norms[h + 1], n2 = norms[h + 2], n3 = norms[h + 3];
         const float w0 = ws[h] * w_scale, w1 = ws[h + 1] * w_scale, w2 = ws[h + 2] * w_scale, w3 = ws[h + 3] * w_scale;
         SHADOW_HEAD(w0, a0 * key_scale, n0 * err_scale, hi, lo);
         SHADOW_HEAD(w1, a1 * key_scale, n1 * err_scale, hi, lo);
@@ -234,7 +240,7 @@ __kernel void index_shadow_scores(__global const float* q, __global const char* 
             acc += qh[j] * convert_float8(as_char8(LOAD_U8(j, kb)));
             acc2 += qh[j] * convert_float8(as_char8(LOAD_U8(j, kc)));
         }
-        const float wh = ws[h] * w_scale, l1 = abs_sum(qh, d);
+        const float wh = ws[h] * w_scale, l1 = norms[h];
         SHADOW_HEAD(wh, acc * key_scale, l1 * err_scale, hi, lo);
         SHADOW_HEAD(wh, acc2 * key_scale2, l1 * err_scale2, hi2, lo2);
     }
