@@ -9,6 +9,7 @@ import numpy as np
 
 from glmkit.backends.numpy_backend import NumpyBackend
 from glmkit.errors import GlmkitError
+from glmkit.format.config import ModelConfig
 from glmkit.format.reader import Container
 from glmkit.generate.tokenizer import ChatTokenizer, read_side_json
 from glmkit.model.compute import Backend
@@ -148,6 +149,12 @@ class Engine:
                                   lambda: measure_mtp_costs(self.model))
 
 
+def _probe_prompt_length(cfg: ModelConfig) -> int:
+    """Tokens of the random prompts the cost measurements decode after: past index_topk where it is small (so that the
+    indexer selects), at most 64."""
+    return min(cfg.index_topk + 16, 64, cfg.max_position_embeddings // 2)
+
+
 def measure_batch_costs(model: GlmMoeDsaModel, rounds: int = 3, tokens: int = 4) -> dict[str, float]:
     """`Engine.batch_costs` measured now: two caches of random prompt tokens (past index_topk where it is small, so
     that the indexer selects; at most 64), ms per token of single-token forwards of one of them ("token": the
@@ -155,7 +162,7 @@ def measure_batch_costs(model: GlmMoeDsaModel, rounds: int = 3, tokens: int = 4)
     two sequences), the medians of `rounds` alternations of `tokens` forwards each (after one more, untimed); the
     caches are cut back to their prompts after each."""
     cfg = model.config
-    length = min(cfg.index_topk + 16, 64, cfg.max_position_embeddings // 2)
+    length = _probe_prompt_length(cfg)
     rng = np.random.default_rng(0)
     caches = [model.new_cache() for _ in range(2)]
     for cache in caches:
@@ -184,7 +191,7 @@ def measure_mtp_costs(model: GlmMoeDsaModel, rounds: int = 5, tokens: int = 24) 
     from glmkit.generate.sampling import Sampler, SamplingParams
 
     cfg = model.config
-    length = min(cfg.index_topk + 16, 64, cfg.max_position_embeddings // 2)
+    length = _probe_prompt_length(cfg)
     prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, length).tolist()
     costs: dict[str, list[float]] = {"token": [], "cycle": []}
     for round_ in range(rounds + 1):  # round 0 warms up: kernel builds, first launches
