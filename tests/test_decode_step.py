@@ -13,6 +13,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from glmkit.backends.opencl import backend as backend_module
 from glmkit.backends.opencl import decode_graph, weights
 from glmkit.backends.opencl.backend import OpenCLBackend, Placement
 from glmkit.backends.opencl.decode_graph import DeviceDecodeStep
@@ -323,6 +324,51 @@ def test_int8_input_experts_step(tmp_path, direct_kernels, preset, split, grid, 
                and ("expert_sum" in names) == (split or preset == "q3") for names in moe)
     assert kl_divergence(log_softmax(want), log_softmax(got)).mean() < 0.01  # see test_int8_activations_step
     assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.95
+
+
+def test_prompt_moe_int8_inputs(tmp_path, direct_kernels, monkeypatch):
+    """Where a prompt's products run on the host (a CPU device's measured placement), its routed experts that take int8
+    inputs run as the step's fused kernels over (row, expert) slots, a few slots per launch pair: each row's output is
+    that row's MoE decoded alone through the same kernels (the sums in another order), not the float host path's;
+    every routed expert is released once, after its launches; a prefill over an expert cache of a few slots gives the
+    mapping's logits bit for bit."""
+    kernels = in_place(direct_kernels)
+    padded = pad_experts(FIXTURES / "tiny-trained", tmp_path / "padded")
+    engine = Engine(convert(padded, tmp_path / "q4", "q4"), "numpy", load_tokenizer=False)
+    cfg = engine.config
+
+    def backend() -> OpenCLBackend:
+        return OpenCLBackend(kernels, Placement(matmul="host", vector_prefill="host"), int8_activations=True,
+                             model_bytes=engine.container.nbytes)
+
+    dev, calls = backend(), []
+    moe = dev.moe
+    monkeypatch.setattr(dev, "moe", lambda *args: (calls.append(args), moe(*args))[1])
+    ids = np.array(oracle("tiny-trained")["full_ids"])
+    model = GlmMoeDsaModel(cfg, engine.experts, dev)
+    model.forward(ids[:40], model.new_cache())
+    x, route, gates, expert, _, _ = calls[0]
+    monkeypatch.setattr(backend_module, "PROMPT_SLOTS", 16)  # several launch pairs per layer
+    launches, x8 = [], dev.k.experts_x8
+    monkeypatch.setattr(dev.k, "experts_x8", lambda *args: (launches.append(len(args[4])), x8(*args))[1])
+    released: list[int] = []
+    got = moe(x, route, gates, expert, None, released.append)
+    assert len(launches) >= 2 and sum(launches) == route.size and max(launches) < 16 + len(x)
+    assert released == sorted(set(route.ravel().tolist()))
+    alone = np.concatenate([moe(x[i:i + 1], route[i:i + 1], gates[i:i + 1], expert, None) for i in range(len(x))])
+    scale = np.abs(alone).max()
+    assert np.abs(got - alone).max() <= 1e-5 * scale
+    assert np.abs(dev.host.moe(x, route, gates, expert, None) - alone).max() > 1e-4 * scale  # float inputs differ
+
+    mapped = GlmMoeDsaModel(cfg, engine.experts, backend())
+    slots = 2 * cfg.num_experts_per_tok
+    cache = ExpertCache(engine.container, slots * expert_cache.expert_slot_bytes(engine.container))
+    cached = GlmMoeDsaModel(cfg, cache, backend(), route_hook=cache.on_route, step_experts=cache,
+                            ahead_hook=cache.read_ahead, ran_hook=cache.ran)
+    want = mapped.forward(ids[:40], mapped.new_cache())[0]
+    assert np.array_equal(cached.forward(ids[:40], cached.new_cache())[0], want)
+    assert cache.stats.misses > 0
+    cache.close()
 
 
 def test_cache_growth_and_truncation(snapshots, kernels, monkeypatch):

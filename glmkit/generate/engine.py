@@ -91,6 +91,8 @@ class Engine:
                 self.experts.warm_in_background()
         self.tokenizer = ChatTokenizer(snapshot) if load_tokenizer else None
         self.eos_token_ids = _eos_ids(Path(snapshot), self.config.eos_token_ids)
+        # the device decode step (if any) is built now, with the model, not inside the first prompt's time to token
+        self.model.decodes_on_device()
 
     def close(self) -> None:
         """Let the expert cache finish its reads and save its usage scores (nothing to do otherwise)."""

@@ -45,6 +45,8 @@ from glmkit.model.ops import position_mask, silu
 
 DECODE_ROWS = 4  # calls with at most this many rows are decode calls (MTP verification has 2)
 INDEX_BLOCK = 1 << 22  # indexer scores [rows, T] of one prefill launch
+PROMPT_SLOTS = 512  # (row, expert) slots of a prompt's MoE per fused launch pair: bounds its [slots, I] temporaries
+PROMPT_HOST_ROWS = 64  # a prompt's expert with this many rows runs on the host: one dequantization, then BLAS, pays
 
 
 @dataclass
@@ -156,7 +158,7 @@ class OpenCLBackend:
         self.int8_activations = int8_activations
         tag = {"device": kernels.info.key, "kernels": kernels.version, "placement": self.placement.to_json(),
                "unified": unified, "host": self.host.numerics, "int8_activations": int8_activations,
-               "spill": None if self.spill is None else self.spill.numerics}
+               "spill": None if self.spill is None else self.spill.numerics, "prompt_experts": self._prompt_x8()}
         if not unified and budget < model_bytes and not self.placement.stream_experts:
             # which experts end up on the device depends on the order they were first used: the arithmetic of a
             # row is then only reproducible within this process, so its prefill-cache entries stay its own
@@ -317,6 +319,8 @@ class OpenCLBackend:
             shared: tuple[Weight, Weight, Weight] | None, done: Callable[[int], None] | None = None) -> np.ndarray:
         p = self.placement
         if x.shape[0] > DECODE_ROWS and p.matmul == "host" and p.vector_prefill == "host":
+            if self._prompt_x8():
+                return self._prompt_moe_x8(x, ids, weights, expert, shared, done)
             return self.host.moe(x, ids, weights, expert, shared, done)  # every product on the host: its worker pool
         if x.shape[0] > DECODE_ROWS or p.experts != "cl":
             return moe_layer(self, x, ids, weights, expert, shared, done=done)
@@ -356,6 +360,51 @@ class OpenCLBackend:
         for ref, slots in groups.values():
             out += self._run_fused(x, ref, slots)
         del keep  # the streamed bytes had to live until the launches that read them completed
+        return out
+
+    def _prompt_x8(self) -> bool:
+        """Whether a prompt's routed experts that take int8 inputs run as fused kernels (`_prompt_moe_x8`): where the
+        decode MoE runs on the device and the prompt's products on the host (a CPU device)."""
+        p = self.placement
+        return self.int8_activations and p.experts == "cl" and p.matmul == "host" and p.vector_prefill == "host"
+
+    def _prompt_moe_x8(self, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, expert: ExpertFn,
+                       shared: tuple[Weight, Weight, Weight] | None, done: Callable[[int], None] | None
+                       ) -> np.ndarray:
+        """A prompt's MoE on a device that shares host memory: the routed experts that take int8 inputs (as in the
+        decode step) and have fewer than PROMPT_HOST_ROWS rows run as the fused expert kernels over their (row, expert)
+        slots, PROMPT_SLOTS at a time in expert order (each chunk's experts are then released: `done`); the others,
+        and the shared expert, on the host. Few rows per expert (a 256-expert MoE) make the host's
+        dequantize-then-GEMM cost far more than the kernels' integer sums (docs/BENCHMARKS.md)."""
+        out = np.zeros_like(x)
+        chunk: list[tuple[int, np.ndarray, np.ndarray, _ExpertRef]] = []  # (expert, rows, slot weights, its view)
+
+        def flush() -> None:
+            used = np.unique(np.concatenate([rows for _, rows, _, _ in chunk]))  # [U] the rows these slots read
+            slots = [(int(i), float(w), ref.offs) for _, rows, gate, ref in chunk
+                     for i, w in zip(np.searchsorted(used, rows), gate, strict=True)]
+            out[used] += self._run_fused(x[used], chunk[0][3], slots)
+            if done is not None:
+                for e, *_ in chunk:
+                    done(e)
+            chunk.clear()
+
+        for e in np.unique(ids).tolist():
+            rows, cols = np.nonzero(ids == e)
+            triple = expert(e)
+            ref = self._expert_ref(*triple)
+            if ref is None or not self._x8_ref(ref) or len(rows) >= PROMPT_HOST_ROWS:
+                out[rows] += weights[rows, cols, None] * self.host.expert_mlp(x[rows], *triple)
+                if done is not None:
+                    done(e)
+                continue
+            if chunk and (ref.key != chunk[0][3].key or sum(len(c[1]) for c in chunk) >= PROMPT_SLOTS):
+                flush()
+            chunk.append((e, rows, weights[rows, cols], ref))
+        if chunk:
+            flush()
+        if shared is not None:
+            out += self.host.expert_mlp(x, *shared)
         return out
 
     def _streamable(self, triple: tuple[Weight, Weight, Weight]) -> bool:
@@ -403,12 +452,15 @@ class OpenCLBackend:
         np.cumsum(np.bincount(tok, minlength=x.shape[0]), out=tok_start[1:])
         offs = np.array([slot[2] for slot in slots], np.uint64)
         slot_w = np.array([slot[1] for slot in slots], np.float32)
-        # int8 inputs for int4 and int3 experts only, as in the decode step (a q8 model's experts keep float inputs)
+        run = self.k.experts_x8 if self._x8_ref(ref) else self.k.experts
+        return run(ref.buf, ref.shape, x, offs, tok, tok_start, slot_w)
+
+    def _x8_ref(self, ref: _ExpertRef) -> bool:
+        """Whether the expert's products take int8 inputs: int4 and int3 experts only, as in the decode step (a q8
+        model's experts keep float inputs)."""
         shape = ref.shape
-        x8 = self.int8_activations and shape.bits in (3, 4) and x8_eligible(shape.bits, shape.group, shape.n_in,
-                                                                       shape.inter)
-        run = self.k.experts_x8 if x8 else self.k.experts
-        return run(ref.buf, shape, x, offs, tok, tok_start, slot_w)
+        return self.int8_activations and shape.bits in (3, 4) and x8_eligible(shape.bits, shape.group, shape.n_in,
+                                                                             shape.inter)
 
     # ---- attention and the indexer ---------------------------------------------------------------
 
