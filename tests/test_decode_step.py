@@ -349,11 +349,14 @@ def test_prompt_moe_int8_inputs(tmp_path, direct_kernels, monkeypatch):
     model.forward(ids[:40], model.new_cache())
     x, route, gates, expert, _, _ = calls[0]
     monkeypatch.setattr(backend_module, "PROMPT_SLOTS", 16)  # several launch pairs per layer
-    launches, x8 = [], dev.k.experts_x8
-    monkeypatch.setattr(dev.k, "experts_x8", lambda *args: (launches.append(len(args[4])), x8(*args))[1])
+    monkeypatch.setattr(backend_module, "PROMPT_EXPERTS", 3)
+    launches, x8 = [], dev.k.experts_x8  # (slots, experts) per launch pair
+    monkeypatch.setattr(dev.k, "experts_x8",
+                        lambda *args: (launches.append((len(args[4]), len(np.unique(args[3], axis=0)))), x8(*args))[1])
     released: list[int] = []
     got = moe(x, route, gates, expert, None, released.append)
-    assert len(launches) >= 2 and sum(launches) == route.size and max(launches) < 16 + len(x)
+    assert len(launches) >= len(np.unique(route)) / 3 and sum(n for n, _ in launches) == route.size
+    assert max(n for n, _ in launches) < 16 + len(x) and max(e for _, e in launches) <= 3
     assert released == sorted(set(route.ravel().tolist()))
     alone = np.concatenate([moe(x[i:i + 1], route[i:i + 1], gates[i:i + 1], expert, None) for i in range(len(x))])
     scale = np.abs(alone).max()

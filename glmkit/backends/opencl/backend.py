@@ -46,6 +46,7 @@ from glmkit.model.ops import position_mask, silu
 DECODE_ROWS = 4  # calls with at most this many rows are decode calls (MTP verification has 2)
 INDEX_BLOCK = 1 << 22  # indexer scores [rows, T] of one prefill launch
 PROMPT_SLOTS = 512  # (row, expert) slots of a prompt's MoE per fused launch pair: bounds its [slots, I] temporaries
+PROMPT_EXPERTS = 16  # routed experts per launch pair: the weights an expert cache holds for it at once
 PROMPT_HOST_ROWS = 64  # a prompt's expert with this many rows runs on the host: one dequantization, then BLAS, pays
 
 
@@ -373,9 +374,9 @@ class OpenCLBackend:
                        ) -> np.ndarray:
         """A prompt's MoE on a device that shares host memory: the routed experts that take int8 inputs (as in the
         decode step) and have fewer than PROMPT_HOST_ROWS rows run as the fused expert kernels over their (row, expert)
-        slots, PROMPT_SLOTS at a time in expert order (each chunk's experts are then released: `done`); the others,
-        and the shared expert, on the host. Few rows per expert (a 256-expert MoE) make the host's
-        dequantize-then-GEMM cost far more than the kernels' integer sums (docs/BENCHMARKS.md)."""
+        slots, at most PROMPT_EXPERTS experts and PROMPT_SLOTS slots at a time in expert order (each chunk's experts
+        are then released: `done`); the others, and the shared expert, on the host. Few rows per expert (a 256-expert
+        MoE) make the host's dequantize-then-GEMM cost far more than the kernels' integer sums (docs/BENCHMARKS.md)."""
         out = np.zeros_like(x)
         chunk: list[tuple[int, np.ndarray, np.ndarray, _ExpertRef]] = []  # (expert, rows, slot weights, its view)
 
@@ -398,7 +399,8 @@ class OpenCLBackend:
                 if done is not None:
                     done(e)
                 continue
-            if chunk and (ref.key != chunk[0][3].key or sum(len(c[1]) for c in chunk) >= PROMPT_SLOTS):
+            if chunk and (ref.key != chunk[0][3].key or len(chunk) == PROMPT_EXPERTS
+                          or sum(len(c[1]) for c in chunk) >= PROMPT_SLOTS):
                 flush()
             chunk.append((e, rows, weights[rows, cols], ref))
         if chunk:

@@ -212,11 +212,13 @@ class Kernels:
         g_inter, l_inter = self.rows_global(inter)
         g_out, l_out = self.rows_global(n_in)
         tokens = b.put("slot_tok", slot_tok, np.uint32)
-        self._run("quantize_x8", (n_in // X8_BLOCK, n_tok), None, x=b.put("x", x), x_s=n_in, n=n_in,
+        # one work-group per row: a size left to the driver follows the row count (PoCL builds each size anew)
+        self._run("quantize_x8", (n_in // X8_BLOCK, n_tok), (n_in // X8_BLOCK, 1), x=b.put("x", x), x_s=n_in, n=n_in,
                   **x_codes.args())
         self._run(f"eg_{shape.suffix}_x8", (g_inter, n_slots), l_inter, wbuf=wbuf, offs=ob, slot_tok=tokens,
                   **shape.gate_up_args(), **x_codes.args("x"), hid=hid, inter=inter)
-        self._run("quantize_x8", (inter // X8_BLOCK, n_slots), None, x=hid, x_s=inter, n=inter, **hid_codes.args())
+        self._run("quantize_x8", (inter // X8_BLOCK, n_slots), (inter // X8_BLOCK, 1), x=hid, x_s=inter, n=inter,
+                  **hid_codes.args())
         evt = self._run(f"edp_{shape.suffix}_x8", (g_out, n_slots), l_out, wbuf=wbuf, offs=ob, slot_tok=tokens,
                         **shape.down_args(), **hid_codes.args("h"), part=part, rows=n_in)
         part = b.get("part", (n_slots, n_in), evt) * slot_w[:, None]
