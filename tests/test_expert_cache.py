@@ -164,6 +164,22 @@ def test_eviction_keeps_the_frequent_and_never_the_layer_in_use(snapshots):
     cache.close()
 
 
+def test_a_prompt_s_rows_each_count_in_an_expert_s_frequency(snapshots):
+    """Experts that several of a prompt's rows routed to outscore those one row routed to: they stay when the next
+    routing needs the slots."""
+    engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
+    cache = ExpertCache(engine.container, 5 * slot_bytes(engine), readahead=False)
+    layer = next(i for i in range(engine.config.num_hidden_layers) if engine.config.is_moe_layer(i))
+    cache.on_route(layer, np.array([[0, 1, 2, 3], [0, 1, 2, 4]]))  # 0, 1, 2 twice; 3 and 4 (routed last) once
+    for e in range(5):
+        cache.expert(layer, e)
+    cache.on_route(layer, np.array([[7, 8, 9, 10]]))  # four slots wanted: one of the five stays
+    for e in (7, 8, 9, 10):
+        cache.expert(layer, e)
+    assert sum(cache.resident(layer, e) for e in (0, 1, 2)) == 1 and not any(cache.resident(layer, e) for e in (3, 4))
+    cache.close()
+
+
 def test_a_miss_with_every_slot_in_use_is_read_into_a_buffer_of_its_own(snapshots):
     """Every slot holds an expert the layer routed to and has not run: another expert is read, not cached."""
     engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)

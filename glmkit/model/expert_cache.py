@@ -28,6 +28,7 @@ import math
 import os
 import threading
 import time
+from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -339,9 +340,10 @@ class ExpertCache:
     # ---- the model's route hook ----
 
     def on_route(self, layer: int, expert_ids: np.ndarray, normed: np.ndarray | None = None) -> None:
-        """Layer `layer` routed `expert_ids [S, k]` (its input `normed [S, H]`): count their use, read its misses
-        (several in flight), and read ahead the next MoE layer's likely experts."""
-        used = sorted(set(expert_ids.ravel().tolist()))
+        """Layer `layer` routed `expert_ids [S, k]` (its input `normed [S, H]`): count their use (one per row), read
+        its misses (several in flight), and read ahead the next MoE layer's likely experts."""
+        rows_of = Counter(expert_ids.ravel().tolist())  # expert -> how many rows routed to it
+        used = sorted(rows_of)
         with self._lock:
             self._in_use = {(layer, e) for e in used}  # the previous layer's experts have run; these are next
             self._handed = {}
@@ -353,7 +355,7 @@ class ExpertCache:
                     self.stats.hits += 1
                 else:
                     self.stats.misses += 1
-                self.scores.use(key)
+                self.scores.use(key, rows_of[e])
                 self._push(key)
             if layer == self._first_moe:  # one tick per routed token
                 self.scores.tick(len(expert_ids))
