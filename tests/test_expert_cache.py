@@ -26,6 +26,7 @@ from glmkit.model.expert_cache import (
     usage_path,
     write_usage,
 )
+from glmkit.model.expert_stream import memory_limit_bytes
 from glmkit.model.glm5 import prefill_rows_within
 from glmkit.model.ops import likely_experts
 from tests.runtime_support import Snapshots
@@ -118,6 +119,27 @@ def test_the_auto_size_leaves_what_the_process_holds_and_a_quarter_of_the_limit(
     assert "holds now" in why
     monkeypatch.setattr(expert_cache, "anonymous_resident_bytes", lambda: limit)  # it holds all of it already
     assert auto_cache_bytes(container)[0] == 0
+
+
+def test_the_memory_limit_is_the_lowest_of_the_cgroup_and_those_above_it(tmp_path):
+    """cgroup v1 and v2: a limit set on a cgroup above the process's counts; v2's "max" and v1's huge root value
+    mean no limit (the machine's RAM)."""
+    machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    proc, sysfs = tmp_path / "cgroup", tmp_path / "sys"
+    proc.write_text("5:cpu,cpuacct:/a\n4:memory:/outer/inner\n")
+    v1 = sysfs / "memory"
+    (v1 / "outer" / "inner").mkdir(parents=True)
+    (v1 / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    (v1 / "outer" / "memory.limit_in_bytes").write_text(f"{1 << 30}\n")
+    (v1 / "outer" / "inner" / "memory.limit_in_bytes").write_text(f"{3 << 30}\n")
+    assert memory_limit_bytes(proc, sysfs) == min(machine, 1 << 30)
+    proc.write_text("0::/slice/leaf\n")
+    (sysfs / "slice" / "leaf").mkdir(parents=True)
+    (sysfs / "slice" / "leaf" / "memory.max").write_text("max\n")
+    (sysfs / "slice" / "memory.max").write_text(f"{2 << 30}\n")
+    assert memory_limit_bytes(proc, sysfs) == min(machine, 2 << 30)
+    (sysfs / "slice" / "memory.max").write_text("max\n")
+    assert memory_limit_bytes(proc, sysfs) == machine
 
 
 def test_an_auto_sized_cache_cuts_a_long_prompt_into_chunks_that_fit_its_allowance(snapshots, monkeypatch):

@@ -46,27 +46,32 @@ def resident_fraction(view: np.ndarray) -> float:
     return np.count_nonzero(np.frombuffer(vec, np.uint8) & 1) / pages
 
 
-def memory_limit_bytes() -> int:
-    """The RAM this process may use: the machine's, or its memory cgroup's limit when lower (v1 or v2)."""
+def memory_limit_bytes(proc_cgroup: Path = Path("/proc/self/cgroup"), sysfs: Path = Path("/sys/fs/cgroup")) -> int:
+    """The RAM this process may use: the machine's, or the lowest memory limit of its cgroup and the cgroups above it
+    (v1 `memory.limit_in_bytes`, v2 `memory.max`) when lower. proc_cgroup, sysfs: where the kernel shows them."""
     limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
+        lines = proc_cgroup.read_text().splitlines()
     except OSError:
         return limit
     for line in lines:
         _, controllers, path = line.split(":", 2)
         if controllers == "":  # cgroup v2
-            file = Path("/sys/fs/cgroup") / path.lstrip("/") / "memory.max"
+            root, knob = sysfs, "memory.max"
         elif "memory" in controllers.split(","):
-            file = Path("/sys/fs/cgroup/memory") / path.lstrip("/") / "memory.limit_in_bytes"
+            root, knob = sysfs / "memory", "memory.limit_in_bytes"
         else:
             continue
-        try:
-            text = file.read_text().strip()
-        except OSError:
-            continue
-        if text.isdigit():  # v2 says "max" when unlimited
-            limit = min(limit, int(text))
+        group = root / path.strip().lstrip("/")
+        for directory in (group, *group.parents):  # a limit may be set on any cgroup above this one
+            try:
+                text = (directory / knob).read_text().strip()
+            except OSError:
+                text = ""
+            if text.isdigit():  # v2 says "max" when unlimited
+                limit = min(limit, int(text))
+            if directory == root:
+                break
     return limit
 
 
