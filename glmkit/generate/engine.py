@@ -158,11 +158,10 @@ def _probe_prompt_length(cfg: ModelConfig) -> int:
 
 
 def measure_batch_costs(model: GlmMoeDsaModel, rounds: int = 3, tokens: int = 4) -> dict[str, float]:
-    """`Engine.batch_costs` measured now: two caches of random prompt tokens (past index_topk where it is small, so
-    that the indexer selects; at most 64), ms per token of single-token forwards of one of them ("token": the
-    single-row step, as one request per pass decodes) and of `decode_batch` forwards of both ("batch": the step over
-    two sequences), the medians of `rounds` alternations of `tokens` forwards each (after one more, untimed); the
-    caches are cut back to their prompts after each."""
+    """`Engine.batch_costs` measured now: two caches of random prompt tokens (`_probe_prompt_length`), ms per token of
+    single-token forwards of one of them ("token": the single-row step, as one request per pass decodes) and of
+    `decode_batch` forwards of both ("batch": the step over two sequences), the medians of `rounds` alternations of
+    `tokens` forwards each (after one more, untimed); the caches are cut back to their prompts after each."""
     cfg = model.config
     length = _probe_prompt_length(cfg)
     rng = np.random.default_rng(0)
@@ -184,11 +183,10 @@ def measure_batch_costs(model: GlmMoeDsaModel, rounds: int = 3, tokens: int = 4)
 
 
 def measure_mtp_costs(model: GlmMoeDsaModel, rounds: int = 5, tokens: int = 24) -> dict[str, float]:
-    """`Engine.mtp_costs` measured now, as `Generator` decodes greedily after random prompt tokens (past index_topk
-    where it is small, so that the indexer selects; at most 64): ms per decoded token with MTP off ("token", the
-    pipelined step) and per main forward with MTP on ("cycle": a verification with its draft, the host's work
-    between them included), the medians of `rounds` alternations of `tokens` tokens each (after one more,
-    untimed)."""
+    """`Engine.mtp_costs` measured now, as `Generator` decodes greedily after random prompt tokens
+    (`_probe_prompt_length`): ms per decoded token with MTP off ("token", the pipelined step) and per main forward
+    with MTP on ("cycle": a verification with its draft, the host's work between them included), the medians of
+    `rounds` alternations of `tokens` tokens each (after one more, untimed)."""
     from glmkit.generate.generator import Generator
     from glmkit.generate.sampling import Sampler, SamplingParams
 

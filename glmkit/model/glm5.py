@@ -27,8 +27,10 @@ from glmkit.model.layer_spec import (
     EMBED,
     LM_HEAD,
     AttentionSpec,
+    LayerSpec,
     MLPSpec,
     MoESpec,
+    MTPSpec,
     NormSpec,
     final_norm_spec,
     layer_spec,
@@ -259,13 +261,8 @@ class GlmMoeDsaModel:
         count and kept (a batch grows and shrinks as requests come and go); None where single tokens do not decode
         on the device step or the backend has no such form (e.g. an expert cache's slots, a discrete device)."""
         if count not in self._sequences:
-            step = None
-            if self._decode_step() is not None:
-                step = self.backend.decode_step(self.config, self.layers[:self.config.num_hidden_layers], self._w,
-                                                self.step_experts, self.kv_dtype, count, sequences=True)
-                if step is not None and self.step_route_hook is not None:
-                    step.watch_routes(self.step_route_hook)
-            self._sequences[count] = step
+            self._sequences[count] = (self._new_step(rows=count, sequences=True)
+                                      if self._decode_step() is not None else None)
         return self._sequences[count]
 
     def prefill_on_step(self, token_ids: np.ndarray, cache: KVCache, queued: bool = True
@@ -329,11 +326,7 @@ class GlmMoeDsaModel:
         None: single tokens run through the operations."""
         key = (layers.start, layers.stop, logits)
         if key not in self._parts:
-            step = self._parts[key] = self.backend.decode_step(
-                self.config, self.layers[:self.config.num_hidden_layers], self._w, self.step_experts, self.kv_dtype,
-                span=layers, logits=logits)
-            if step is not None and self.step_route_hook is not None and layers:
-                step.watch_routes(self.step_route_hook)
+            self._parts[key] = self._new_step(span=layers, logits=logits)
         return self._parts[key]
 
     def step_layers(self, layers: range, x: np.ndarray, cache: KVCache, chosen: np.ndarray | None
@@ -358,11 +351,19 @@ class GlmMoeDsaModel:
 
     def _decode_step(self) -> DecodeStep | None:
         if self._step is False:
-            self._step = self.backend.decode_step(self.config, self.layers[:self.config.num_hidden_layers], self._w,
-                                                  self.step_experts, self.kv_dtype)
-            if self._step is not None and self.step_route_hook is not None:
-                self._step.watch_routes(self.step_route_hook)
+            self._step = self._new_step()
         return self._step
+
+    def _new_step(self, rows: int = 1, draft: tuple[LayerSpec, MTPSpec] | None = None, span: range | None = None,
+                  logits: bool = True, sequences: bool = False) -> DecodeStep | None:
+        """The backend's decode step over the main layers in one of its forms (`Backend.decode_step`), its routing
+        watched by `step_route_hook` where it runs any layer; None where the backend has no such form."""
+        step = self.backend.decode_step(self.config, self.layers[:self.config.num_hidden_layers], self._w,
+                                        self.step_experts, self.kv_dtype, rows=rows, draft=draft, span=span,
+                                        logits=logits, sequences=sequences)
+        if step is not None and self.step_route_hook is not None and (span is None or span):
+            step.watch_routes(self.step_route_hook)
+        return step
 
     def _verify_step(self) -> DecodeStep | None:
         """The decode step's form over VERIFY_ROWS token rows (a token and MTP's draft in one forward), built on
@@ -372,10 +373,7 @@ class GlmMoeDsaModel:
             if self._decode_step() is not None:
                 cfg = self.config
                 draft = (self.layers[cfg.num_hidden_layers], mtp_spec(cfg)) if self.has_mtp else None
-                self._verify = self.backend.decode_step(cfg, self.layers[:cfg.num_hidden_layers], self._w,
-                                                        self.step_experts, self.kv_dtype, VERIFY_ROWS, draft)
-                if self._verify is not None and self.step_route_hook is not None:
-                    self._verify.watch_routes(self.step_route_hook)
+                self._verify = self._new_step(VERIFY_ROWS, draft)
         return self._verify
 
     def drafts_on_device(self) -> bool:

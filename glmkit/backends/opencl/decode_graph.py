@@ -1243,8 +1243,7 @@ class DeviceDecodeStep:
         if not self.sequences or len(caches) != self.rows or len({id(c) for c in caches}) != self.rows:
             raise ValueError(f"decode_rows: {len(caches)} caches for a step of {self.rows} sequences (distinct)")
         for cache in caches:
-            if cache.dtype != self.kv_dtype:
-                raise ValueError(f"a cache of {cache.dtype} rows given to a decode step built for {self.kv_dtype}")
+            self._check_dtype(cache)
         self.settle()
         positions = [cache.length for cache in caches]
         self._place_rows(positions, 0)
@@ -1498,6 +1497,10 @@ class DeviceDecodeStep:
         if keys > self.topk and self.rows > 1 and not self.sequences:
             self._mask_causal(keys, turn)
 
+    def _check_dtype(self, cache: KVCache) -> None:
+        if cache.dtype != self.kv_dtype:
+            raise ValueError(f"a cache of {cache.dtype} rows given to a decode step built for {self.kv_dtype}")
+
     def _next_slot(self, turn: int) -> int:
         """The routed-id slot of the forward queued next at this turn."""
         slot = self.slot_of[turn] = self.tokens % ID_SLOTS
@@ -1539,8 +1542,7 @@ class DeviceDecodeStep:
         if self.sequences:
             raise ValueError("a step of several sequences decodes through decode_rows")
         layers = [*self.span, *([cfg.num_hidden_layers] if draft else [])]
-        if cache.dtype != self.kv_dtype:
-            raise ValueError(f"a cache of {cache.dtype} rows given to a decode step built for {self.kv_dtype}")
+        self._check_dtype(cache)
         pos = cache.layer(self.span.start).length if self.span else cache.length
         keys = pos + n_rows
         grows = keys > self.capacity or any(
