@@ -91,6 +91,32 @@ def test_every_operation_as_a_kernel_matches_numpy_quantized(snapshots, kernels)
         assert backend.numerics.startswith("opencl-") and backend.numerics != engine.backend.numerics
 
 
+def test_prompt_lengths_share_work_groups(snapshots, kernels, monkeypatch):
+    """A prompt of a new length launches each per-operation kernel with a work-group size a prompt of another
+    length used too (PoCL builds a kernel anew for each work-group size it is given or picks by the global size,
+    so a new length would wait for builds); the logits stay NumPy's at lengths that are not multiples of it."""
+    engine = Engine(snapshots("tiny-bf16", "q4"), "numpy", load_tokenizer=False)
+    ids = np.array(json.loads((FIXTURES / "tiny-bf16" / "oracle.json").read_text())["full_ids"])
+    model = with_backend(engine, OpenCLBackend(kernels, Placement.all_cl(kernels.direct), int8_activations=False))
+    run, launched = kernels.program.run, set()
+
+    def recorded(queue, name, size, local, **args):  # an open work-group: the driver's pick for this global size
+        launched.add((name, local or ("open", size)))
+        return run(queue, name, size, local, **args)
+
+    monkeypatch.setattr(kernels.program, "run", recorded)
+    kinds = []
+    for n in (19, 37):
+        launched.clear()
+        want = logits_of(engine.model, ids[:n])
+        got = logits_of(model, ids[:n])
+        assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+        kinds.append(set(launched))
+    assert {"rope", "silu_mul", "index_scores", kernels.topk_kernel(1)[0]} <= {name for name, _ in kinds[0]}
+    if kernels.lanes == 1:  # a GPU build leaves these work-groups to the driver, which builds no kernel per size
+        assert kinds[0] == kinds[1], kinds[0] ^ kinds[1]
+
+
 def test_per_operation_int4_experts_take_int8_inputs(snapshots, kernels):
     """Fused int4 experts of decode rows run operation by operation (here three-token forwards: a two-token one, an
     MTP draft's verification, runs as the two-row decode step; the trained fixture's dense MLP is the int4 MLP with

@@ -110,6 +110,15 @@ class Kernels:
         g = self.items_per_group
         return -(-items // g) * g, (g, 1)
 
+    def open_sizes(self, size: tuple[int, ...], items: int = 16) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+        """Global and local size of a launch of a kernel that checks its dimension-0 id against its bound and takes
+        any work-group: the driver's choice on GPUs; on CPU builds work-groups of `items` along dimension 0 (the
+        global size rounded up to them), since PoCL builds a kernel anew for each work-group size it picks and
+        picks by the global size: each new prompt length would wait for builds."""
+        if self.lanes > 1:
+            return size, None
+        return (-(-size[0] // items) * items, *size[1:]), (items, *(1,) * (len(size) - 1))
+
     def topk_kernel(self, rows: int) -> tuple[str, tuple[int], tuple[int] | None]:
         """The top-k selection kernel for `rows` rows, with its global and local size: one work-group per row on GPUs
         (LANES > 1: one item's serial passes are slow there), one work-item per row on CPUs."""
@@ -251,14 +260,14 @@ class Kernels:
         b = self.buffers
         xb = b.put("x", x)
         yb = b.put("y", x) if width < dim else b.out("y", x.size * 4)
-        evt = self._run("rope", (width // 2, n_s * heads), None, x=xb, y=yb, cos_t=b.put("cos", cos),
+        evt = self._run("rope", *self.open_sizes((width // 2, n_s * heads)), x=xb, y=yb, cos_t=b.put("cos", cos),
                         sin_t=b.put("sin", sin), heads=heads, stride=dim, off=offset, n_half=width // 2)
         return b.get("y", x.shape, evt)
 
     def silu_mul(self, g: np.ndarray, u: np.ndarray) -> np.ndarray:
         b = self.buffers
-        evt = self._run("silu_mul", (g.size,), None, g=b.put("x", g), u=b.put("u", u), y=b.out("y", g.size * 4),
-                        n=g.size)
+        evt = self._run("silu_mul", *self.open_sizes((g.size,), 256), g=b.put("x", g), u=b.put("u", u),
+                        y=b.out("y", g.size * 4), n=g.size)
         return b.get("y", g.shape, evt)
 
     # ---- attention and the indexer ---------------------------------------------------------------
@@ -291,8 +300,9 @@ class Kernels:
         n_keys = k.shape[0]
         b = self.buffers
         keys = b.put("k", k)
-        self._run("index_scores", (n_keys, n_s), None, q=b.put("q", q), k=keys, k_scale=keys, w=b.put("iw", weights),
-                  out=b.out("scores", n_s * n_keys * 4), nh=heads, d=d, n_keys=n_keys, scale=scale, w_scale=1.0)
+        self._run("index_scores", *self.open_sizes((n_keys, n_s)), q=b.put("q", q), k=keys, k_scale=keys,
+                  w=b.put("iw", weights), out=b.out("scores", n_s * n_keys * 4), nh=heads, d=d, n_keys=n_keys,
+                  scale=scale, w_scale=1.0)
         return self._topk(allowed, topk, (n_s, n_keys))
 
     def _topk(self, allowed: np.ndarray, k: int, shape: tuple[int, int]) -> np.ndarray:
@@ -300,6 +310,8 @@ class Kernels:
         n_s, n_keys = shape
         b = self.buffers
         name, size, local = self.topk_kernel(n_s)
+        if local is None:
+            size, local = self.open_sizes(size)
         evt = self._run(name, size, local, scores=b.staged("scores"), allowed=b.put("mask", allowed, np.uint8),
                         selected=b.out("sel", n_s * n_keys), chosen=b.out("chosen", 4 * n_s * k), n_keys=n_keys, k=k,
                         n_rows=n_s)
