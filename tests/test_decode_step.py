@@ -27,7 +27,7 @@ from glmkit.generate.engine import Engine
 from glmkit.generate.generator import STEP_PREFILL_ROWS, Generator
 from glmkit.generate.sampling import Sampler, SamplingParams
 from glmkit.model import expert_cache, expert_stream
-from glmkit.model.expert_cache import ExpertCache
+from glmkit.model.expert_cache import ExpertCache, expert_slot_bytes
 from glmkit.model.glm5 import VERIFY_ROWS, GlmMoeDsaModel
 from tests.runtime_support import FIXTURES, Snapshots, convert, copy_with_config, opencl_test_device, oracle
 from tools.quality_int8_activations import pad_experts
@@ -301,6 +301,47 @@ def test_step_reads_experts_from_cache_slots(snapshots, direct_kernels, variant,
     more = ids[topk + 5:topk + 11]
     queued = [model.prefill_on_step(more, c) for model, c in zip((mapped, cached), caches, strict=True)]
     assert np.array_equal(queued[0][0], queued[1][0]) and np.array_equal(queued[0][1], queued[1][1])
+    cache.close()
+
+
+@pytest.mark.parametrize("chunk_slots", [None, 7])
+def test_step_over_resident_experts_fills_their_slots_itself(snapshots, direct_kernels, monkeypatch, chunk_slots):
+    """Where every routed expert of a layer is already read (a roomy cache after the prompt), the step fills the
+    slots from where they lie and queues their launches before the cache hears of the route: the logits stay those
+    of the step on the mapping bit for bit (within float rounding where the arena lies in buffers of 7 slots, each
+    buffer's experts summed apart), and the cache still counts every routed expert as a hit."""
+    kernels = in_place(direct_kernels)
+    engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
+    cfg = engine.config
+    if chunk_slots is not None:  # the arena in buffers of `chunk_slots` slots (a device's largest allocation)
+        monkeypatch.setattr(kernels.buffers, "max_alloc", chunk_slots * expert_slot_bytes(engine.container))
+
+    def backend() -> OpenCLBackend:  # float inputs where the sums differ: int8 codes would magnify their rounding
+        return OpenCLBackend(kernels, Placement(), int8_activations=chunk_slots is None,
+                             model_bytes=engine.container.nbytes)
+
+    mapped = GlmMoeDsaModel(cfg, engine.experts, backend())
+    moe_layers = cfg.num_hidden_layers - cfg.first_k_dense_replace
+    cache = ExpertCache(engine.container, moe_layers * cfg.n_routed_experts * expert_slot_bytes(engine.container))
+    cached = GlmMoeDsaModel(cfg, cache, backend(), route_hook=cache.on_route, step_experts=cache)
+    found, resident_places = [], cache.resident_places
+
+    def counted(layer: int, experts: np.ndarray) -> np.ndarray | None:
+        places = resident_places(layer, experts)
+        found.append(places is not None)
+        return places
+
+    monkeypatch.setattr(cache, "resident_places", counted)
+    ids = np.array(oracle("tiny-trained")["full_ids"])
+    want, got, _ = decode_both(mapped, cached, ids[:40], ids[40:52])
+    assert isinstance(cached._step, DeviceDecodeStep) and cached._step.experts is cache
+    assert (len(cached._step.chunks) > 1) == (chunk_slots is not None)
+    if chunk_slots is None:
+        assert np.array_equal(want, got)
+    else:
+        assert_same(want, got)
+    assert len(found) == 12 * moe_layers and sum(found) >= len(found) // 2  # most layers found every expert read
+    assert cache.stats.hits >= sum(found) * cfg.num_experts_per_tok
     cache.close()
 
 

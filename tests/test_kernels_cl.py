@@ -17,7 +17,7 @@ import pytest
 
 from glmkit.backends.numpy_backend import NumpyBackend
 from glmkit.backends.opencl.buffers import DeviceArray, Int8Codes
-from glmkit.backends.opencl.decode_graph import NO_STAGE
+from glmkit.backends.opencl.decode_graph import NO_STAGE, SLOT_ARRAYS, DeviceDecodeStep, _ArenaLayer
 from glmkit.backends.opencl.decode_launches import (
     ExpertSlots,
     bind_experts,
@@ -621,7 +621,8 @@ def test_kv_store_rows_codes_as_the_host_encodes_them(kernels, rng, kv_dtype):
 def test_decode_routing(kernels, rng, norm):
     """noaux_tc on the device against the model's `route_noaux_tc`: the slots it writes for the fused experts of
     each weight buffer (the chosen experts there by ascending id, then the shared expert's if it is there; the
-    rest marked unused) and their weights."""
+    rest marked unused) and their weights; `route_select` and the host's `_fill_slots` (the expert cache's step)
+    write the same slots."""
     mirror = Mirrors(kernels)
     from glmkit.model.ops import route_noaux_tc
 
@@ -654,7 +655,8 @@ def test_decode_routing(kernels, rng, norm):
             np.testing.assert_allclose(w.host[slots], weights[mine], rtol=1e-6)
             want_offs = (chosen[mine][:, None] * 6 + np.arange(6)) * 1000 + 7
             assert offs.host.reshape(-1, 6)[slots].tolist() == want_offs.tolist()
-        # the same in two launches, the places written between them (the expert cache's decode step)
+        # the same with the selection alone on the device and the slots filled by the host from the places of the
+        # chosen experts (the expert cache's decode step)
         ids2, routed_w = mirror(top_k, np.uint32), mirror(top_k)
         mirror.launch("route_select", (1,), None, logits=mirror.of(logits).buffer,
                       vec=mirror.of(np.concatenate([np.zeros(3), bias])).buffer, bias_off=3, n_experts=experts,
@@ -664,10 +666,10 @@ def test_decode_routing(kernels, rng, norm):
         np.testing.assert_allclose(routed_w.host, want_w[0][order], rtol=1e-6)
         placed = [mirror(3 * stride * 6, np.uint64), mirror(3 * stride), mirror(3 * stride, np.uint32),
                   mirror(3 * stride, np.uint32)]
-        mirror.launch("route_place", (1,), None, routed_w=routed_w.buffer, top_k=top_k, shared=1,
-                      table=mirror.of(table.host.reshape(-1, 6)[chosen], np.uint64).buffer,
-                      buffer_of=mirror.of(buffer_of[chosen], np.uint32).buffer, n_buffers=3, offs=placed[0].buffer,
-                      slot_w=placed[1].buffer, slot_tok=placed[2].buffer, stride=stride, tok_start=placed[3].buffer)
+        rows = table.host.reshape(-1, 6)
+        arena = _ArenaLayer(0, top_k, np.zeros(6, np.uint64), routed_w, dict(zip(SLOT_ARRAYS, placed, strict=True)),
+                            stride, 3, (rows[experts], int(buffer_of[experts])), None)
+        DeviceDecodeStep._fill_slots(arena, rows[chosen[:top_k]], buffer_of[chosen[:top_k]].astype(np.uint32))
         for b in range(3):
             head, used = slice(b * stride, b * stride + 2), slice(b * stride, (b + 1) * stride)
             assert placed[3].host[head].tolist() == start.host[head].tolist()

@@ -259,6 +259,9 @@ class ExpertCache:
         container.release_pages()  # the copies are what is read from now on: the mapping's pages would count twice
         self._free = list(range(self.n_slots - 1, -1, -1))
         self._slot: dict[Key, int] = {}  # resident experts
+        # where each read expert starts in the arena (-1: not resident or still being read), as an array the device
+        # decode step indexes with a layer's routed ids: `resident_places`
+        self._place_of = np.full((cfg.num_layers_with_mtp, cfg.n_routed_experts), -1, np.int64)
         self._views: dict[Key, list[Weight]] = {}
         self._loading: dict[Key, Future] = {}
         self._in_use: set[Key] = set()  # routed to by the layer being computed and not yet run: not evicted
@@ -448,6 +451,7 @@ class ExpertCache:
                 heapq.heappush(self._heap, (self.scores.score(key), entry[1], key))
                 continue
             slot = self._slot.pop(key)
+            self._place_of[key] = -1
             self._views.pop(key, None)
             self.stats.evictions += 1
             return slot
@@ -487,6 +491,7 @@ class ExpertCache:
         with self._lock:
             self._views[key] = views
             self._loading.pop(key, None)
+            self._place_of[key] = self.place(*key, slot)
             self._parked.pop(key, None)
             self._push(key)
         return views
@@ -568,6 +573,13 @@ class ExpertCache:
         with self._lock:
             return [None if (layer, e) not in self._slot else
                     (self.place(layer, e, self._slot[(layer, e)]), (layer, e) not in self._loading) for e in experts]
+
+    def resident_places(self, layer: int, experts: np.ndarray) -> np.ndarray | None:
+        """Where these experts of `layer` start in the arena (`place`, int64 `[n]`), or None unless every one is
+        resident and read. Without the lock: only the thread that routes evicts, so an expert found here stays
+        until that thread's next `on_route` and the claims after it."""
+        at = self._place_of[layer, experts]
+        return None if (at < 0).any() else at
 
     def wait_places(self, layer: int, experts: list[int]) -> list[int]:
         """Where these experts of `layer` (routed by the last `on_route`) start in the arena once their reads are

@@ -193,14 +193,19 @@ class _CacheMirror:
 
 
 class _ArenaLayer(NamedTuple):
-    """A MoE layer whose routed experts lie in an expert cache's slots: per token the host writes each routed
-    expert's 6 byte offsets (`table`, the layout `rel` from its slot's start) and arena chunk (`where`)."""
+    """A MoE layer whose routed experts lie in an expert cache's slots: per token the host fills the fused launches'
+    slots (`regions`, buffer b's from `stride * b`) with each routed expert's 6 byte offsets (the layout `rel` from
+    its slot's start) and weight (`routed_w`, from the device's routing), the shared expert's (`shared`: its offsets
+    and arena chunk) last."""
 
     layer: int
     top_k: int
     rel: np.ndarray  # uint64 [6]
-    table: DeviceArray
-    where: DeviceArray
+    routed_w: DeviceArray
+    regions: dict[str, DeviceArray]
+    stride: int
+    n_buffers: int
+    shared: tuple[np.ndarray, int] | None
     masks: tuple[DeviceArray, DeviceArray] | None  # slot tokens of the launches before and after the misses' reads
 
 
@@ -299,7 +304,8 @@ class DeviceDecodeStep:
     experts: the routed experts lie in an expert cache's slots (`ExpertArena`, a CPU device only). Each MoE layer's
     routing then ends the queue: the host hands the routed ids to the cache (`on_route`: its misses are read),
     writes where they lie, queues the launches of those already read, names the next layer's likely experts to the
-    cache (`read_ahead`), waits for the rest and queues theirs.
+    cache (`read_ahead`), waits for the rest and queues theirs. Where every routed expert is read already
+    (`resident_places`), their launches are queued first and the cache hears of them after.
     The slots' bytes are the container's: the logits are those of the step on the mapping (bit for bit where a
     layer's experts lie in one buffer in both). routes are then [] (the cache saw them as they happened). Greedy
     decoding is pipelined as on the mapping: the next token's forward is queued up to its first MoE layer's
@@ -873,8 +879,8 @@ class DeviceDecodeStep:
 
     def _bind_arena_moe(self, ffn: MoESpec, out: _Layer) -> list[Launch]:
         """`_bind_ffn` for routed experts in the expert cache's slots: the router and `route_select` (ids and
-        weights) close the layer's queue; after the host placed the experts (`_place`), `route_place` fills the
-        slots per arena chunk and the fused launches per chunk follow (`out.after_route`)."""
+        weights) close the layer's queue; the host places the experts and fills the slots per arena chunk
+        (`_place`), then queues the fused launches per chunk (`out.after_route`)."""
         arena, r, k = self.experts, ffn.router, self.k
         if not arena.uniform_layout(ffn.layer):
             raise Unsupported(f"{r.weight}: the layer's experts are laid out unalike")
@@ -889,10 +895,10 @@ class DeviceDecodeStep:
             if shared_ref is None or shared_ref.key[1:] != routed.key[1:]:
                 separate, shared_slot = self._ref(ffn.shared), None
         members = r.top_k + (shared_slot is not None)
-        table, where = self.buffers.array(members * 6, np.uint64), self.buffers.array(members, np.uint32)
+        shared_place = None
         if shared_slot is not None:
             rows, chunk = self._place_offsets(shared_rel, [shared_slot * arena.slot_bytes])
-            table.host[r.top_k * 6:], where.host[r.top_k] = rows.reshape(-1), chunk[0]
+            shared_place = rows[0], int(chunk[0])
         # one chunk, the shared expert in it: the resident experts' launches run while the misses are read, the
         # others' after, over the same slots (each slot's rows are its own: the logits do not change)
         split = len(self.chunks) == 1 and separate is None
@@ -914,11 +920,10 @@ class DeviceDecodeStep:
                            bias_off=self.offsets[r.bias], n_experts=r.n_experts, n_group=r.n_group,
                            topk_group=r.topk_group, top_k=r.top_k, norm=int(r.norm_topk_prob), scaling=r.scaling,
                            ids=out.ids[0].buffer, routed_w=routed_w.buffer)  # ids: set per token slot
-        place = k.bind("route_place", (1,), None, routed_w=routed_w.buffer, top_k=r.top_k,
-                       shared=int(shared_slot is not None), table=table.buffer, buffer_of=where.buffer,
-                       n_buffers=len(self.chunks), stride=stride, **{name: a.buffer for name, a in regions.items()})
-        out.arena = _ArenaLayer(ffn.layer, r.top_k, rel, table, where, masks)
-        out.after_route = [place, *groups, *(self._bind_apart(separate) if separate is not None else ())]
+        out.arena = _ArenaLayer(ffn.layer, r.top_k, rel, routed_w, regions, stride, len(self.chunks), shared_place,
+                                masks)
+        self._fill_slots(out.arena, np.zeros((r.top_k, 6), np.uint64), np.zeros(r.top_k, np.uint32), whole=True)
+        out.after_route = [*groups, *(self._bind_apart(separate) if separate is not None else ())]
         return [bind_matvec(k, self._matrix(r.weight), self.u.buffer, logits.buffer), out.route]
 
     def _bind_split_moe(self, ffn: MoESpec, out: _Layer) -> list[Launch]:
@@ -1029,32 +1034,62 @@ class DeviceDecodeStep:
         start = address(self.experts.arena) + slot * self.experts.slot_bytes
         return ref, np.array([address(a) - start for a in arrays], np.uint64)
 
-    def _place_offsets(self, rel: np.ndarray, places: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    def _place_offsets(self, rel: np.ndarray, places: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(6 byte offsets per expert `[n, 6]` in its arena chunk, the chunk `[n]`) for experts laid out as `rel`
         starting at these byte offsets `places` of the arena."""
         at = np.asarray(places, np.uint64)
         chunk = np.uint64(self.chunk_slots * self.experts.slot_bytes)
         return (at % chunk)[:, None] + rel[None, :], (at // chunk).astype(np.uint32)
 
-    def _place(self, layer: _Layer, slot: int) -> list[int]:
-        """Hand the layer's routed ids (token slot `slot`) and its input to the cache and write where they lie
-        for `route_place` (the device has finished the layer's routing). With `masks`, the experts still being
-        read are returned (the launches of the others go first), else every read is waited for: []."""
+    def _place(self, layer: _Layer, slot: int) -> tuple[np.ndarray, bool, list[int]]:
+        """Fill the fused launches' slots with where the layer's routed ids (token slot `slot`) lie (the device has
+        finished the layer's routing: its ids and weights are final). Returns (the ids, whether the cache heard of
+        them, the experts still being read). Where every one was read already, the cache hears of them after their
+        launches are queued (`_queue_tail`); else first (`on_route`: its misses start reading), and with `masks` the
+        experts still being read are returned (the launches of the others go first), else every read is waited
+        for."""
         a = layer.arena
-        ids = layer.ids[slot].host[:a.top_k].astype(np.int64).tolist()
-        self.experts.on_route(a.layer, np.array([ids]))
-        now = None if a.masks is None else self.experts.places_now(a.layer, ids)
-        if now is None or any(place is None for place in now):
-            places, ready = self.experts.wait_places(a.layer, ids), [True] * len(ids)
-        else:
-            places, ready = [place[0] for place in now], [place[1] for place in now]
-        rows, chunk = self._place_offsets(a.rel, places)
-        a.table.host[:rows.size], a.where.host[:a.top_k] = rows.reshape(-1), chunk
+        routed = layer.ids[slot].host[:a.top_k].copy()
+        at = self.experts.resident_places(a.layer, routed)
+        heard, ready = at is None, None
+        if heard:
+            ids = routed.tolist()
+            self.experts.on_route(a.layer, np.array([ids]))
+            now = None if a.masks is None else self.experts.places_now(a.layer, ids)
+            if now is None or any(place is None for place in now):
+                at = np.array(self.experts.wait_places(a.layer, ids))
+            else:
+                at, ready = np.array([place[0] for place in now]), [place[1] for place in now]
+        self._fill_slots(a, *self._place_offsets(a.rel, at))
         if a.masks is not None:
-            done = np.array(ready)
+            done = np.ones(a.top_k, bool) if ready is None else np.array(ready)
             a.masks[0].host[:a.top_k] = np.where(done, 0, UNUSED_SLOT)
             a.masks[1].host[:a.top_k] = np.where(done, UNUSED_SLOT, 0)
-        return [e for e, done in zip(ids, ready, strict=True) if not done]
+        return routed, heard, [] if ready is None else [int(e) for e, r in zip(routed, ready, strict=True) if not r]
+
+    @staticmethod
+    def _fill_slots(a: _ArenaLayer, rows: np.ndarray, chunk: np.ndarray, whole: bool = False) -> None:
+        """The fused launches' slots of one token (as decode.cl's `route_fill` writes them): the routed experts at
+        `rows [k, 6]` in arena chunks `chunk [k]` with the routing's weights, then the shared expert with weight 1,
+        each in the next slot of its chunk's range (the sum's order is the members' order); the rest unused. In one
+        chunk only the routed experts' offsets and weights change from token to token (`whole`: write all)."""
+        r, k = a.regions, a.top_k
+        if a.n_buffers == 1 and not whole:
+            r["offs"].host[:rows.size], r["slot_w"].host[:k] = rows.reshape(-1), a.routed_w.host[:k]
+            return
+        if a.shared is not None:
+            rows, chunk = np.vstack([rows, a.shared[0]]), np.append(chunk, a.shared[1])
+        weights = np.append(a.routed_w.host[:k], np.float32(1.0))[:len(chunk)]
+        order = np.argsort(chunk, kind="stable")  # by chunk, members in order within one
+        counts = np.bincount(chunk, minlength=a.n_buffers)
+        firsts = np.cumsum(counts) - counts  # where each chunk's members begin in `order`
+        slots = chunk[order] * a.stride + np.arange(len(order)) - firsts[chunk[order]]
+        r["offs"].host.reshape(-1, 6)[slots] = rows[order]
+        r["slot_w"].host[slots] = weights[order]
+        slot_tok, tok_start = r["slot_tok"].host.reshape(a.n_buffers, a.stride), r["tok_start"].host
+        for b in range(a.n_buffers):
+            slot_tok[b, :counts[b]], slot_tok[b, counts[b]:] = 0, UNUSED_SLOT
+            tok_start[b * a.stride:b * a.stride + 2] = 0, counts[b]
 
     def _add(self, y: DeviceArray, a: DeviceArray) -> Launch:
         n = self.rows * self.cfg.hidden_size
@@ -1432,10 +1467,12 @@ class DeviceDecodeStep:
             event = self._run_split(layer, slot)
         if layer.arena is not None:
             event.wait()
-            missing = self._place(layer, slot)
+            routed, heard, missing = self._place(layer, slot)
             for launch in layer.after_route:
                 event = launch.enqueue()
             self.k.flush()  # the resident experts run while the next layer's are named and the rest read
+            if not heard:
+                self.experts.on_route(layer.arena.layer, routed[None, :])
             self.experts.read_ahead(layer.arena.layer, self.u.host[None, :])
             if missing:
                 self.experts.wait_places(layer.arena.layer, missing)

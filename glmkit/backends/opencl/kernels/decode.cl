@@ -311,20 +311,3 @@ __kernel void route_select(__global const float* logits, __global const float* v
     const uint k = route_choose(logits, vec, bias_off, n_experts, n_group, topk_group, top_k, norm, scaling, ids, w);
     for (uint i = 0; i < k; i++) routed_w[i] = w[i];
 }
-
-/* The slots of `route_select`'s top_k experts (then the shared one when `shared`) from the places the host
- * wrote for them: table and buffer_of per member, in the order of ids (one work-item). */
-__kernel void route_place(__global const float* routed_w, uint top_k, uint shared, __global const ulong* table,
-                          __global const uint* buffer_of, uint n_buffers, __global ulong* offs,
-                          __global float* slot_w, __global uint* slot_tok, uint stride, __global uint* tok_start) {
-    if (get_global_id(0) != 0) return;
-    float w[MAX_TOPK];
-    uint row[MAX_TOPK + 1];
-    for (uint i = 0; i <= top_k; i++) row[i] = i;
-    for (uint i = 0; i < top_k; i++) w[i] = routed_w[i];
-    uint count[MAX_BUFFERS];
-    for (uint b = 0; b < n_buffers; b++) count[b] = 0;
-    route_fill(0, top_k, shared, row, w, table, buffer_of, n_buffers, offs, slot_w, slot_tok, stride, tok_start,
-               count);
-    route_close(1, n_buffers, slot_tok, stride, tok_start, count);
-}
