@@ -1038,6 +1038,8 @@ class DeviceDecodeStep:
         """(6 byte offsets per expert `[n, 6]` in its arena chunk, the chunk `[n]`) for experts laid out as `rel`
         starting at these byte offsets `places` of the arena."""
         at = np.asarray(places, np.uint64)
+        if len(self.chunks) == 1:
+            return at[:, None] + rel[None, :], np.zeros(len(at), np.uint32)
         chunk = np.uint64(self.chunk_slots * self.experts.slot_bytes)
         return (at % chunk)[:, None] + rel[None, :], (at // chunk).astype(np.uint32)
 
@@ -1061,8 +1063,10 @@ class DeviceDecodeStep:
             else:
                 at, ready = np.array([place[0] for place in now]), [place[1] for place in now]
         self._fill_slots(a, *self._place_offsets(a.rel, at))
-        if a.masks is not None:
-            done = np.ones(a.top_k, bool) if ready is None else np.array(ready)
+        if a.masks is not None and ready is None:
+            a.masks[0].host[:a.top_k], a.masks[1].host[:a.top_k] = 0, UNUSED_SLOT
+        elif a.masks is not None:
+            done = np.array(ready)
             a.masks[0].host[:a.top_k] = np.where(done, 0, UNUSED_SLOT)
             a.masks[1].host[:a.top_k] = np.where(done, UNUSED_SLOT, 0)
         return routed, heard, [] if ready is None else [int(e) for e, r in zip(routed, ready, strict=True) if not r]
