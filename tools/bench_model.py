@@ -34,20 +34,21 @@ BENCH_CONFIG = {
 
 
 def ensure_bench_snapshot(preset: str = "q4", work: Path = DEFAULT_WORK, config: dict | None = None,
-                          router_bias_std: float = 1.0, residual_write_scale: float = 1.0) -> Path:
+                          router_bias_std: float = 1.0, residual_write_scale: float = 1.0, grid: str = "nl") -> Path:
     """The converted benchmark model for `preset` (built on first use under `work`, and again when the preset's
     layout or the source's parameters have changed since); `config`: another shape than BENCH_CONFIG's;
-    router_bias_std, residual_write_scale: see `write_snapshot_streaming`."""
+    router_bias_std, residual_write_scale: see `write_snapshot_streaming`; grid: glm-convert's `--grid` (another
+    than the default converts into a folder of its own, `q4-uniform`)."""
     source = work / "source"
     params = synth_params(0, router_bias_std, residual_write_scale)
     fresh = not (source / "config.json").is_file() or _synth_params(source) != params
     if fresh:
         write_snapshot_streaming(source, config or BENCH_CONFIG, shards=4, router_bias_std=router_bias_std,
                                  residual_write_scale=residual_write_scale)
-    out = work / preset
+    out = work / (preset if grid == "nl" else f"{preset}-{grid}")
     if fresh or not (out / "manifest.json").is_file() or not layout_is_current(out, preset):
         with contextlib.redirect_stdout(io.StringIO()):
-            assert convert_main([str(source), str(out), "--preset", preset, "--quiet", "--force"]) == 0
+            assert convert_main([str(source), str(out), "--preset", preset, "--grid", grid, "--quiet", "--force"]) == 0
     return out
 
 

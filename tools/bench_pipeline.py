@@ -59,7 +59,7 @@ from tools.bench_stream import (
     TOKENS,
     drop_from_page_cache,
     ensure_stream_snapshot,
-    new_cgroup,
+    new_cgroups,
     peak_mb,
     run_child,
 )
@@ -134,7 +134,7 @@ def cgroup_rounds(args: argparse.Namespace) -> None:
              log_to_driver=False, logging_level="warning")
     engine = PipelineEngine(snapshot, 2, device=args.device, prefetch=False, load_tokenizer=False,
                             blas_threads=args.blas)
-    groups = [new_cgroup(limit, f"glmkit-stage-{os.getpid()}-{i}") for i in range(2)]
+    groups = [new_cgroups(limit, name=f"glmkit-stage-{os.getpid()}-{i}")[0] for i in range(2)]
     for group, where in zip(groups, engine.pipeline.where, strict=True):
         (group / "cgroup.procs").write_text(str(where["pid"]))
     prompt = np.random.default_rng(0).integers(0, engine.config.vocab_size, PROMPT).tolist()  # bench_stream's

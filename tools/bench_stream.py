@@ -39,10 +39,10 @@ PROMPT, TOKENS, QUEUE_DEPTH = 256, 64, 8  # QUEUE_DEPTH: the expert cache's I/O 
 MTP_CHOICES = {"off": (False,), "on": (True,), "both": (False, True)}
 
 
-def ensure_stream_snapshot(work: Path, residual_write_scale: float = 1.0) -> Path:
+def ensure_stream_snapshot(work: Path, residual_write_scale: float = 1.0, grid: str = "nl") -> Path:
     """The 256-expert model at q4 under `work` (written and converted on first use); residual_write_scale: see
-    `tools.synth.write_snapshot_streaming`."""
-    return ensure_bench_snapshot("q4", work, STREAM_CONFIG, ROUTER_BIAS_STD, residual_write_scale)
+    `tools.synth.write_snapshot_streaming`; grid: glm-convert's `--grid`."""
+    return ensure_bench_snapshot("q4", work, STREAM_CONFIG, ROUTER_BIAS_STD, residual_write_scale, grid)
 
 
 def drop_from_page_cache(snapshot: Path) -> None:
@@ -83,26 +83,47 @@ def disk_bandwidth(snapshot: Path, ranges: list[tuple[str, int, int]], depth: in
             os.close(fd)
 
 
-def new_cgroup(limit: int | None, name: str | None = None) -> Path | None:
-    """A fresh memory cgroup `name` (default glmkit-stream-PID) below this process's (v1 or v2) holding at most `limit`
-    bytes; None: no limit."""
-    if limit is None:
-        return None
+def whole_disk(path: Path) -> str:
+    """`MAJ:MIN` of the disk holding `path` (a partition's disk: read throttles take whole devices)."""
+    dev = os.stat(path).st_dev
+    sysdev = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
+    if (sysdev / "partition").exists():
+        sysdev = sysdev.resolve().parent
+    return (sysdev / "dev").read_text().strip()
+
+
+def new_cgroups(limit: int | None, read_bps: int | None = None, disk: str = "", name: str | None = None
+                ) -> list[Path]:
+    """Fresh cgroups `name` (default glmkit-stream-PID) below this process's whose processes hold at most `limit`
+    bytes of memory and read disk `disk` (`MAJ:MIN`) at most `read_bps` bytes a second: v1, a memory group and a
+    blkio group (`blkio.throttle.read_bps_device`); v2, one group (`memory.max`, `io.max`). None: no such limit;
+    [] where neither is asked for."""
+    if limit is None and read_bps is None:
+        return []
     name = name or f"glmkit-stream-{os.getpid()}"
-    for line in Path("/proc/self/cgroup").read_text().splitlines():
-        _, controllers, path = line.split(":", 2)
-        if controllers == "" and Path("/sys/fs/cgroup/cgroup.controllers").exists():
-            group, knob = Path("/sys/fs/cgroup") / path.lstrip("/") / name, "memory.max"
-            break
-        if "memory" in controllers.split(","):
-            group = Path("/sys/fs/cgroup/memory") / path.lstrip("/") / name
-            knob = "memory.limit_in_bytes"
-            break
-    else:
-        raise SystemExit("no memory cgroup controller found")
-    group.mkdir(exist_ok=True)
-    (group / knob).write_text(str(limit))
-    return group
+    lines = [line.split(":", 2) for line in Path("/proc/self/cgroup").read_text().splitlines()]
+    unified = next((path for _, controllers, path in lines if controllers == ""), None)
+    if unified is not None and Path("/sys/fs/cgroup/cgroup.controllers").exists():
+        group = Path("/sys/fs/cgroup") / unified.lstrip("/") / name
+        group.mkdir(exist_ok=True)
+        if limit is not None:
+            (group / "memory.max").write_text(str(limit))
+        if read_bps is not None:
+            (group / "io.max").write_text(f"{disk} rbps={read_bps}")
+        return [group]
+    groups = []
+    for controller, knob, value in (("memory", "memory.limit_in_bytes", limit),
+                                    ("blkio", "blkio.throttle.read_bps_device", read_bps)):
+        if value is None:
+            continue
+        path = next((path for _, controllers, path in lines if controller in controllers.split(",")), None)
+        if path is None:
+            raise SystemExit(f"no {controller} cgroup controller found")
+        group = Path("/sys/fs/cgroup") / controller / path.lstrip("/") / name
+        group.mkdir(exist_ok=True)
+        (group / knob).write_text(str(value) if controller == "memory" else f"{disk} {value}")
+        groups.append(group)
+    return groups
 
 
 def peak_mb(group: Path) -> int | None:
@@ -112,13 +133,15 @@ def peak_mb(group: Path) -> int | None:
 
 
 def run_child(snapshot: Path, mode: str, limit: int | None, timeout: float, cache: str = "auto",
-              mtp: bool = False, prompt_file: Path | None = None, baseline_tree: Path | None = None) -> dict:
-    group = new_cgroup(limit)
+              mtp: bool = False, prompt_file: Path | None = None, baseline_tree: Path | None = None,
+              read_bps: int | None = None) -> dict:
+    groups = new_cgroups(limit, read_bps, whole_disk(snapshot) if read_bps else "")
+    memory = next((g for g in groups if "blkio" not in g.parts), None)  # the group whose peak is the memory's
     drop_from_page_cache(snapshot)
     argv = [sys.executable, __file__, "--worker", str(snapshot), mode, cache, str(int(mtp)), str(prompt_file or "")]
 
     def enter() -> None:
-        if group is not None:
+        for group in groups:
             (group / "cgroup.procs").write_text(str(os.getpid()))
 
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "2"}
@@ -131,10 +154,9 @@ def run_child(snapshot: Path, mode: str, limit: int | None, timeout: float, cach
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f} s"}
     finally:
-        peak = None
-        if group is not None:
-            time.sleep(0.2)
-            peak = peak_mb(group)
+        time.sleep(0.2 if groups else 0)
+        peak = None if memory is None or limit is None else peak_mb(memory)
+        for group in groups:
             group.rmdir()
     if done.returncode != 0:
         killed = f"killed by signal {-done.returncode} (over the memory limit?)" if done.returncode < 0 else "?"
@@ -208,6 +230,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--residual-write-scale", type=float, default=1.0,
                    help="build the 256-expert model with its residual writers scaled so (e.g. 0.02: each layer a "
                         "small change of the hidden state, as in a trained model; read-ahead then predicts)")
+    p.add_argument("--grid", choices=("nl", "uniform"),
+                   help="glm-convert's --grid for the 256-expert model (default: uniform where a base run is asked "
+                        "for, since the code before the expert cache reads uniform int4 only; else nl, the default)")
+    p.add_argument("--disk-mbps", type=float, help="each run reads the disk at most this many MB/s (a cgroup read "
+                                                    "throttle: a slower disk than the machine's)")
     p.add_argument("--cache", default="auto", help="the cache mode's --expert-cache (bytes or auto)")
     p.add_argument("--mtp", default="off", help="off, on, or both (MTP speculative decoding)")
     p.add_argument("--prompt-tokens", type=Path,
@@ -216,22 +243,27 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     from glmkit.format.reader import Container
 
-    snapshot = args.snapshot or ensure_stream_snapshot(args.work, args.residual_write_scale)
+    grid = args.grid or ("uniform" if "base" in args.modes.split(",") else "nl")
+    snapshot = args.snapshot or ensure_stream_snapshot(args.work, args.residual_write_scale, grid)
     container = Container(snapshot)
     size = container.nbytes
     ranges = [(r.file, r.offset, r.nbytes) for r in container.manifest.experts[::7]][:256]
     # the bound takes the faster of one read in flight (a decoded token's few misses) and the cache's full depth
     by_depth = {depth: disk_bandwidth(snapshot, ranges, depth) for depth in (1, QUEUE_DEPTH)}
+    read_bps = None if args.disk_mbps is None else int(args.disk_mbps * 1e6)
+    if read_bps is not None:  # the throttle caps what the disk gives (measured here unthrottled)
+        by_depth = {depth: min(bw, read_bps / 1e9) for depth, bw in by_depth.items()}
     bandwidth = max(by_depth.values())
     print(f"container {size / 1e9:.2f} GB, expert reads "
-          + ", ".join(f"{bw:.2f} GB/s at depth {depth}" for depth, bw in by_depth.items()))
+          + ", ".join(f"{bw:.2f} GB/s at depth {depth}" for depth, bw in by_depth.items())
+          + ("" if read_bps is None else f" (reads throttled to {args.disk_mbps:g} MB/s)"))
     rows = []
     for fraction in args.fractions.split(","):
         limit = None if fraction == "none" else int(float(fraction) * size)
         for mode, mtp in [(m, t) for m in args.modes.split(",") for t in MTP_CHOICES[args.mtp]]:
             row = {"fraction": fraction, "limit_mb": None if limit is None else limit >> 20, "mtp": mtp,
                    **run_child(snapshot, mode, limit, args.timeout, args.cache, mtp, args.prompt_tokens,
-                               args.baseline_tree)}
+                               args.baseline_tree, read_bps)}
             if "expert_mb_read_per_token" in row and row["expert_mb_read_per_token"] > 0:
                 row["io_bound_tok_s"] = round(bandwidth * 1e3 / row["expert_mb_read_per_token"], 1)
             if "prefill_expert_mb" in row:  # the prompt's expert reads alone, at the measured bandwidth
