@@ -15,6 +15,8 @@ Printed per run: decode tok/s, TTFT, bytes read from disk per decoded token (the
 expert hit rate, read-ahead recall, the cgroup's peak memory, and the I/O bounds: the expert bytes missed per
 decoded token (and the prompt's expert bytes, for the TTFT) over the disk bandwidth measured in the same run for
 expert-sized reads, read as the cache reads them (O_DIRECT), the faster of 1 and 8 (its I/O threads) in flight.
+`--disk-mbps N` also puts each child in a cgroup whose reads of the snapshot's disk are throttled to N MB/s (v1 blkio,
+v2 io.max): the bounds then take at most N MB/s.
 """
 
 from __future__ import annotations
@@ -87,6 +89,8 @@ def whole_disk(path: Path) -> str:
     """`MAJ:MIN` of the disk holding `path` (a partition's disk: read throttles take whole devices)."""
     dev = os.stat(path).st_dev
     sysdev = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
+    if not sysdev.exists():
+        raise SystemExit(f"--disk-mbps: {path} lies on no block device (device {os.major(dev)}:{os.minor(dev)})")
     if (sysdev / "partition").exists():
         sysdev = sysdev.resolve().parent
     return (sysdev / "dev").read_text().strip()
