@@ -1038,8 +1038,6 @@ class DeviceDecodeStep:
         """(6 byte offsets per expert `[n, 6]` in its arena chunk, the chunk `[n]`) for experts laid out as `rel`
         starting at these byte offsets `places` of the arena."""
         at = np.asarray(places, np.uint64)
-        if len(self.chunks) == 1:
-            return at[:, None] + rel[None, :], np.zeros(len(at), np.uint32)
         chunk = np.uint64(self.chunk_slots * self.experts.slot_bytes)
         return (at % chunk)[:, None] + rel[None, :], (at // chunk).astype(np.uint32)
 
@@ -1056,7 +1054,7 @@ class DeviceDecodeStep:
         heard, ready = at is None, None
         if heard:
             ids = routed.tolist()
-            self.experts.on_route(a.layer, np.array([ids]))
+            self.experts.on_route(a.layer, routed[None, :])
             now = None if a.masks is None else self.experts.places_now(a.layer, ids)
             if now is None or any(place is None for place in now):
                 at = np.array(self.experts.wait_places(a.layer, ids))
