@@ -1,9 +1,10 @@
 """tools/bench.py's summary: the bandwidth ceiling per row (a GPU row divides by its own memory's bandwidth), and
-the per-round fractions shown beside it."""
+the per-round fractions shown beside it; tools/bench_stream.py's summary over rounds."""
 
 from __future__ import annotations
 
 from tools.bench import markdown, ratios, summarize
+from tools.bench_stream import summary
 
 
 def run(decode: float, **extra) -> dict:
@@ -56,3 +57,27 @@ def test_quality_grids_reconstructs_values_on_its_grids():
     w = rng.standard_normal((5, 96)).astype(np.float32)
     codes, s = quantize(w, 3, 64)
     np.testing.assert_array_equal(int_dequant(w, 3, 64, "absmax"), dequantize(pack(codes, 3), s, 3, 64, 96))
+
+
+def test_stream_summary_pairs_each_run_with_the_base_run_of_its_round():
+    """bench_stream --rounds: a cache run's ratio is taken against the base run of the same round and fraction (never
+    another round's), failed runs are left out, and the I/O-bound shares are the cache runs' medians."""
+    rows = [
+        {"round": 0, "fraction": "0.7", "mode": "base", "mtp": False, "decode_tok_s": 50.0, "ttft_s": 2.0},
+        {"round": 0, "fraction": "0.7", "mode": "cache", "mtp": False, "decode_tok_s": 100.0, "ttft_s": 1.0,
+         "io_bound_tok_s": 200.0, "ttft_io_bound_s": 0.5},
+        {"round": 1, "fraction": "0.7", "mode": "base", "mtp": False, "decode_tok_s": 40.0, "ttft_s": 2.2},
+        {"round": 1, "fraction": "0.7", "mode": "cache", "mtp": False, "decode_tok_s": 60.0, "ttft_s": 1.2,
+         "io_bound_tok_s": 200.0, "ttft_io_bound_s": 0.5},
+        {"round": 2, "fraction": "0.7", "mode": "base", "mtp": False, "decode_tok_s": 10.0, "ttft_s": 2.2},
+        {"round": 2, "fraction": "0.7", "mode": "cache", "mtp": False, "error": "timed out after 300 s"},
+    ]
+    lines = summary(rows)
+    assert lines[0].startswith("summary over the rounds (5 of 6 runs finished)")
+    cache = next(line for line in lines if line.startswith("0.7 cache"))
+    assert "decode 80.00 (60.00-100.00) tok/s" in cache
+    assert "1.75 (1.50-2.00)x base in its round" in cache  # 100 / 50 and 60 / 40; round 2's base has no partner
+    assert "0.40 (0.30-0.50) of the decode I/O bound" in cache
+    assert "TTFT 2.20 (2.00-2.40)x its I/O bound" in cache
+    base = next(line for line in lines if line.startswith("0.7 base"))
+    assert "x base" not in base and "decode 40.00 (10.00-50.00) tok/s" in base

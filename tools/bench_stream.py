@@ -16,7 +16,8 @@ expert hit rate, read-ahead recall, the cgroup's peak memory, and the I/O bounds
 decoded token (and the prompt's expert bytes, for the TTFT) over the disk bandwidth measured in the same run for
 expert-sized reads, read as the cache reads them (O_DIRECT), the faster of 1 and 8 (its I/O threads) in flight.
 `--disk-mbps N` also puts each child in a cgroup whose reads of the snapshot's disk are throttled to N MB/s (v1 blkio,
-v2 io.max): the bounds then take at most N MB/s.
+v2 io.max): the bounds then take at most N MB/s. `--rounds N` runs every fraction and mode N times in turn and ends
+with the medians and ranges, each mode's speed taken against the `base` run of its own round.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import threading
@@ -218,6 +220,36 @@ def worker(snapshot: str, mode: str, cache: str, mtp: bool, prompt_file: str) ->
     return out
 
 
+def summary(rows: list[dict]) -> list[str]:
+    """Per fraction and mode over the rounds: the median and range of decode tok/s and TTFT; against `base` in the
+    same round (the run just before or after it) the median and range of the speed ratio; for the cache mode the
+    median shares of the decode and TTFT I/O bounds."""
+    def spread(values: list[float], digits: int = 2) -> str:
+        values = sorted(values)
+        mid = statistics.median(values)
+        return f"{mid:.{digits}f} ({values[0]:.{digits}f}-{values[-1]:.{digits}f})" if values else "-"
+
+    ok = [r for r in rows if "error" not in r]
+    lines = [f"summary over the rounds ({len(ok)} of {len(rows)} runs finished): median (range)"]
+    keys = sorted({(r["fraction"], r["mode"], r["mtp"]) for r in ok}, key=lambda k: (k[0] != "none", k[0], k[1:]))
+    for fraction, mode, mtp in keys:
+        runs = [r for r in ok if (r["fraction"], r["mode"], r["mtp"]) == (fraction, mode, mtp)]
+        line = (f"{fraction} {mode}{' mtp' if mtp else ''}: decode {spread([r['decode_tok_s'] for r in runs])} "
+                f"tok/s, TTFT {spread([r['ttft_s'] for r in runs], 3)} s")
+        base = {r["round"]: r["decode_tok_s"] for r in ok if (r["fraction"], r["mode"]) == (fraction, "base")}
+        ratios = [r["decode_tok_s"] / base[r["round"]] for r in runs if r["round"] in base and mode != "base"]
+        if ratios:
+            line += f", {spread(ratios)}x base in its round"
+        shares = [r["decode_tok_s"] / r["io_bound_tok_s"] for r in runs if r.get("io_bound_tok_s")]
+        if shares and fraction != "none":
+            line += f", {spread(shares)} of the decode I/O bound"
+        ttft = [r["ttft_s"] / r["ttft_io_bound_s"] for r in runs if r.get("ttft_io_bound_s")]
+        if ttft and fraction != "none":
+            line += f", TTFT {spread(ttft)}x its I/O bound"
+        lines.append(line)
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
@@ -243,8 +275,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mtp", default="off", help="off, on, or both (MTP speculative decoding)")
     p.add_argument("--prompt-tokens", type=Path,
                    help="a JSON list of token ids or of windows of them, the prompt's (default: random ids)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every fraction and mode this many times, in turn (a summary of medians follows)")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
     from glmkit.format.reader import Container
 
     grid = args.grid or ("uniform" if "base" in args.modes.split(",") else "nl")
@@ -262,18 +298,22 @@ def main(argv: list[str] | None = None) -> int:
           + ", ".join(f"{bw:.2f} GB/s at depth {depth}" for depth, bw in by_depth.items())
           + ("" if read_bps is None else f" (reads throttled to {args.disk_mbps:g} MB/s)"))
     rows = []
-    for fraction in args.fractions.split(","):
-        limit = None if fraction == "none" else int(float(fraction) * size)
-        for mode, mtp in [(m, t) for m in args.modes.split(",") for t in MTP_CHOICES[args.mtp]]:
-            row = {"fraction": fraction, "limit_mb": None if limit is None else limit >> 20, "mtp": mtp,
-                   **run_child(snapshot, mode, limit, args.timeout, args.cache, mtp, args.prompt_tokens,
-                               args.baseline_tree, read_bps)}
-            if "expert_mb_read_per_token" in row and row["expert_mb_read_per_token"] > 0:
-                row["io_bound_tok_s"] = round(bandwidth * 1e3 / row["expert_mb_read_per_token"], 1)
-            if "prefill_expert_mb" in row:  # the prompt's expert reads alone, at the measured bandwidth
-                row["ttft_io_bound_s"] = round(row["prefill_expert_mb"] / 1e3 / bandwidth, 3)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+    for turn in range(args.rounds):
+        for fraction in args.fractions.split(","):
+            limit = None if fraction == "none" else int(float(fraction) * size)
+            for mode, mtp in [(m, t) for m in args.modes.split(",") for t in MTP_CHOICES[args.mtp]]:
+                row = {"round": turn, "fraction": fraction, "limit_mb": None if limit is None else limit >> 20,
+                       "mtp": mtp, **run_child(snapshot, mode, limit, args.timeout, args.cache, mtp,
+                                               args.prompt_tokens, args.baseline_tree, read_bps)}
+                if "expert_mb_read_per_token" in row and row["expert_mb_read_per_token"] > 0:
+                    row["io_bound_tok_s"] = round(bandwidth * 1e3 / row["expert_mb_read_per_token"], 1)
+                if "prefill_expert_mb" in row:  # the prompt's expert reads alone, at the measured bandwidth
+                    row["ttft_io_bound_s"] = round(row["prefill_expert_mb"] / 1e3 / bandwidth, 3)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    if args.rounds > 1:
+        for line in summary(rows):
+            print(line)
     if args.json:
         args.json.write_text(json.dumps({"bandwidth_gbs": by_depth, "container_bytes": size, "rows": rows},
                                         indent=1))
