@@ -27,7 +27,7 @@ from glmkit.generate.engine import Engine
 from glmkit.generate.generator import STEP_PREFILL_ROWS, Generator
 from glmkit.generate.sampling import Sampler, SamplingParams
 from glmkit.model import expert_cache, expert_stream
-from glmkit.model.expert_cache import ExpertCache, expert_slot_bytes
+from glmkit.model.expert_cache import ExpertCache, ExpertScores, expert_slot_bytes
 from glmkit.model.glm5 import VERIFY_ROWS, GlmMoeDsaModel
 from tests.runtime_support import FIXTURES, Snapshots, convert, copy_with_config, opencl_test_device, oracle
 from tools.quality_int8_activations import pad_experts
@@ -490,14 +490,15 @@ def spill_kernels():
     return Kernels(info, lanes=8, red_lanes=8, cpu_loads=False)
 
 
-def discrete_model(engine: Engine, gpu: Kernels, spill: Kernels | None, budget: int | None, int8: bool
-                   ) -> GlmMoeDsaModel:
+def discrete_model(engine: Engine, gpu: Kernels, spill: Kernels | None, budget: int | None, int8: bool,
+                   usage: ExpertScores | None = None) -> GlmMoeDsaModel:
     """The model on `gpu` driven as a discrete device with a weight budget of `budget` bytes (None: the device's
-    default, which holds the tiny models), routed experts over it on `spill`."""
+    default, which holds the tiny models), routed experts over it on `spill` (uploaded by `usage` scores)."""
     placement = Placement(spill_experts=spill is not None)
     backend = OpenCLBackend(gpu, placement, unified=False, model_bytes=engine.container.nbytes, budget=budget,
                             int8_activations=int8,
-                            spill=None if spill is None else OpenCLBackend(spill, Placement.all_cl(True)))
+                            spill=None if spill is None else OpenCLBackend(spill, Placement.all_cl(True)),
+                            expert_usage=usage)
     return GlmMoeDsaModel(engine.config, engine.experts, backend, route_hook=Routes())
 
 
@@ -527,6 +528,37 @@ def test_split_step_matches_the_whole_model_step(snapshots, discrete_kernels, sp
         for name in ("kv_lat", "k_rot", "index_k") if a.has_index else ("kv_lat", "k_rot"):
             np.testing.assert_array_equal(b.rows(name), a.rows(name))
     assert split.route_hook.seen == whole.route_hook.seen
+
+
+def test_split_step_uploads_the_most_used_experts_and_counts_its_routes(snapshots, discrete_kernels, spill_kernels):
+    """Usage scores saved by earlier processes choose the routed experts the device holds: here each layer's highest
+    expert ids, which the rank order would upload last. The logits stay bit for bit those of the step holding the
+    whole model, and each decoded token counts once for every expert it routed to."""
+    engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
+    cfg, n = engine.config, engine.config.n_routed_experts
+    usage = ExpertScores(half_life=1e12)  # no aging within the test: a score is a count
+    usage.scores.update({(layer, e): 1.0 + e for layer in range(cfg.num_hidden_layers) for e in range(n)})
+    saved = dict(usage.scores)
+    whole = discrete_model(engine, discrete_kernels, None, None, False)
+    split = discrete_model(engine, discrete_kernels, spill_kernels, int(engine.container.nbytes * 0.3), False, usage)
+    ids = np.array(oracle("tiny-trained")["full_ids"])
+    prompt, tokens = ids[:20], ids[20:28]
+    caches = [whole.new_cache()]
+    whole.forward(prompt, caches[0])
+    caches.append(copy.deepcopy(caches[0]))  # the same prefilled rows (the split model prefills on the spill device)
+    want, got, _ = decode_both(whole, split, prompt, tokens, caches)
+    np.testing.assert_array_equal(got, want)
+    layers = [layer.split for layer in split._step.layers if layer.split is not None]
+    resident = [np.flatnonzero(s.where >= 0) for s in layers]
+    assert all(0 < len(r) < n // 2 for r in resident) and max(map(len, resident)) - min(map(len, resident)) <= 1
+    for r in resident:  # the most used of each layer, with the budget shared alike (the scores are alike)
+        np.testing.assert_array_equal(r, np.arange(n - len(r), n))
+    decoded = split.route_hook.seen  # (layer, routed ids) of the single-token forwards: the decoded tokens
+    assert len(decoded) == len(tokens) * len(layers)
+    counts = Counter((layer, e) for layer, routed in decoded for e in routed)
+    assert usage.tokens == len(tokens)
+    for key, before in saved.items():
+        assert usage.score(key) == pytest.approx(before + counts[key], abs=1e-6), key
 
 
 def test_split_step_greedy_matches_numpy(snapshots, discrete_kernels, spill_kernels, monkeypatch):

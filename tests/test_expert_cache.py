@@ -329,6 +329,29 @@ def test_usage_persists_and_a_corrupt_file_is_ignored(snapshots, tmp_path):
     assert read_usage(path, h, c.num_layers_with_mtp, c.n_routed_experts) == {(layer, 1): 2.0}
 
 
+def test_engine_keeps_the_split_steps_usage_from_process_to_process(snapshots, tmp_path):
+    """The usage scores an engine hands its backend (what a split step uploads experts by and counts its decoded
+    tokens' routes into) are read from the usage file and saved on close once tokens were counted; an engine that
+    counted none leaves the file as it was; only routed experts of this model are taken."""
+    snap = snapshots("tiny-trained", "q4")
+    first = Engine(snap, "numpy", load_tokenizer=False, expert_usage_dir=tmp_path)
+    c, h = first.config, first.model_hash
+    path, layer = usage_path(tmp_path, h), c.first_k_dense_replace
+    assert first.expert_usage.scores == {}
+    first.close()
+    assert not path.exists()  # nothing counted: nothing saved
+    first.expert_usage.tick()
+    for e in (2, 4, 4):
+        first.expert_usage.use((layer, e))
+    first.close()
+    second = Engine(snap, "numpy", load_tokenizer=False, expert_usage_dir=tmp_path)
+    assert second.expert_usage.scores == pytest.approx({(layer, 2): 1.0, (layer, 4): 2.0})
+    write_usage(path, h, {(layer, 2): 1.0, (0, 3): 5.0})  # layer 0 is dense: no routed expert 3 there
+    third = Engine(snap, "numpy", load_tokenizer=False, expert_usage_dir=tmp_path)
+    assert third.expert_usage.scores == {(layer, 2): 1.0}
+    assert Engine(snap, "numpy", load_tokenizer=False).expert_usage.scores == {}  # no directory: none read
+
+
 def takes_direct_io(path) -> bool:
     try:
         os.close(os.open(path, os.O_RDONLY | os.O_DIRECT))

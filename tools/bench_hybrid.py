@@ -10,10 +10,12 @@ driven as a discrete one (device buffers, weights uploaded within `--budget` x t
 `Kernels(direct=False)`). Rows: decoding operation by operation (the routed experts that do not fit run on the host
 three ways: the NumPy path, fused kernels on a CPU OpenCL device with float inputs, and the same with int8 inputs),
 and the split step (the device decode step with the experts that do not fit on the CPU OpenCL device, float and
-int8 inputs). Prints decode tok/s (greedy, 20 tokens after a 64-token prompt; median of `--runs`, every row of
-every budget in turn per run) and the host's time per token in the experts (per operation: the CPU side's expert
-calls; split step: from the wait for each layer's routed ids to the upload of the CPU side's rows). Both
-"devices" share this machine's cores: on a real GPU its own share of a token is far smaller.
+int8 inputs; the routed experts uploaded in rank order, or by the usage scores a split step counted over
+`--learn-tokens` tokens after another prompt, as an earlier process leaves them). Prints decode tok/s (greedy, 20
+tokens after a 64-token prompt; median of `--runs`, every row of every budget in turn per run), the host's time per
+token in the experts (per operation: the CPU side's expert calls; split step: from the wait for each layer's routed
+ids to the upload of the CPU side's rows) and, for the split step, the share of the routed experts the timed tokens
+found on the GPU. Both "devices" share this machine's cores: on a real GPU its own share of a token is far smaller.
 """
 
 from __future__ import annotations
@@ -32,24 +34,29 @@ from glmkit.backends.opencl.backend import OpenCLBackend, Placement  # noqa: E40
 from glmkit.backends.opencl.device import list_devices  # noqa: E402
 from glmkit.backends.opencl.ops import Kernels  # noqa: E402
 from glmkit.generate.engine import Engine  # noqa: E402
+from glmkit.model.expert_cache import ExpertScores  # noqa: E402
 from glmkit.model.glm5 import GlmMoeDsaModel  # noqa: E402
 from tools.bench_model import DEFAULT_WORK, ensure_bench_snapshot  # noqa: E402
 
-PATHS = {"numpy": (False, False, False), "cpu-device float": (True, False, False),
-         "cpu-device int8": (True, True, False), "split step float": (True, False, True),
-         "split step int8": (True, True, True)}  # name: (spill device, int8 inputs, split step)
+PATHS = {"numpy": (False, False, False, False), "cpu-device float": (True, False, False, False),
+         "cpu-device int8": (True, True, False, False), "split step float": (True, False, True, False),
+         "split step int8": (True, True, True, False), "split step int8, by usage": (True, True, True, True)}
+# name: (spill device, int8 inputs, split step, experts uploaded by usage scores learned on another prompt)
+NO_AGING = 1e12  # the scores' half-life in tokens: within a run a score is a count
 
 
-def hybrid_model(engine: Engine, gpu: Kernels, cpu: Kernels, budget: int, spill: bool, int8: bool, split: bool
-                 ) -> tuple[GlmMoeDsaModel, list[float]]:
+def hybrid_model(engine: Engine, gpu: Kernels, cpu: Kernels, budget: int, spill: bool, int8: bool, split: bool,
+                 usage: ExpertScores | None = None) -> tuple[GlmMoeDsaModel, list[float]]:
     """A model on the emulated GPU whose over-budget experts run on `cpu` (spill) or NumPy, per operation or in
-    the split step (`split`); and the list that collects the seconds each call of that expert path took."""
+    the split step (`split`, uploading routed experts by `usage`, into which it counts its decoded routes); and the
+    list that collects the seconds each call of that expert path took."""
     placement = Placement.all_cl(False)
     placement.spill_experts = spill
     placement.decode_step = "cl" if split else "host"
     backend = OpenCLBackend(gpu, placement, budget=budget, unified=False, model_bytes=engine.container.nbytes,
                             int8_activations=int8 and split,
-                            spill=OpenCLBackend(cpu, Placement.all_cl(True), int8_activations=int8) if spill else None)
+                            spill=OpenCLBackend(cpu, Placement.all_cl(True), int8_activations=int8) if spill else None,
+                            expert_usage=usage)
     model = GlmMoeDsaModel(engine.config, engine.experts, backend)
     spent: list[float] = []
     if split:
@@ -71,6 +78,29 @@ def hybrid_model(engine: Engine, gpu: Kernels, cpu: Kernels, budget: int, spill:
     return model, spent
 
 
+def learn_usage(engine: Engine, gpu: Kernels, cpu: Kernels, budget: int, tokens: int) -> ExpertScores:
+    """The usage scores a split step counts over `tokens` greedy tokens after a random prompt other than the timed
+    one's (what an earlier process leaves in the usage file)."""
+    usage = ExpertScores(NO_AGING)
+    model, _ = hybrid_model(engine, gpu, cpu, budget, True, True, True, usage)
+    cache = model.new_cache()
+    token = int(model.forward(np.random.default_rng(1).integers(0, engine.config.vocab_size, 64), cache)[0][-1]
+                .argmax())
+    for _ in range(tokens):
+        token = int(model.forward(np.array([token]), cache)[0][-1].argmax())
+    return usage
+
+
+def share_on_device(model: GlmMoeDsaModel, usage: ExpertScores, before: dict) -> float:
+    """Of the routes `usage` counted since `before` (its scores then), the share whose experts the split step holds
+    on the device."""
+    resident = {(s.layer, int(e)) for s in (layer.split for layer in model._step.layers if layer.split is not None)
+                for e in np.flatnonzero(s.where >= 0)}
+    counted = {key: score - before.get(key, 0.0) for key, score in usage.scores.items()}
+    total = sum(counted.values())
+    return sum(v for key, v in counted.items() if key in resident) / total if total else 0.0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="q4")
@@ -78,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the GPU's weight budgets, fractions of the container")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=20)
+    ap.add_argument("--learn-tokens", type=int, default=64,
+                    help="tokens whose routes choose the experts of the rows placed by usage (another prompt's)")
     ap.add_argument("--work", type=Path, default=DEFAULT_WORK)
     ap.add_argument("--gpu", action="store_true", help="the machine's GPU as the discrete device (default: PoCL's "
                                                        "CPU device driven as one)")
@@ -90,29 +122,47 @@ def main(argv: list[str] | None = None) -> int:
               "'pyopencl[pocl]')", file=sys.stderr)
         return 1
     gpu, cpu = Kernels(gpus[0]) if args.gpu else Kernels(cpus[0], direct=False), Kernels(cpus[0])
-    models = {(share, name): hybrid_model(engine, gpu, cpu, int(engine.container.nbytes * share), *flags)
-              for share in args.budget for name, flags in PATHS.items()}
+    learned = {share: learn_usage(engine, gpu, cpu, int(engine.container.nbytes * share), args.learn_tokens)
+               for share in args.budget}
+    models, usages = {}, {}
+    for share in args.budget:
+        for name, (spill, int8, split, by_usage) in PATHS.items():
+            usage = ExpertScores(NO_AGING) if split else None  # counts the timed routes (empty: the rank order)
+            if by_usage:
+                usage.scores.update(learned[share].scores)
+            models[share, name] = hybrid_model(engine, gpu, cpu, int(engine.container.nbytes * share), spill, int8,
+                                               split, usage)
+            usages[share, name] = usage
     prompt = np.random.default_rng(0).integers(0, engine.config.vocab_size, 64)
-    rows: dict[tuple, dict[str, list[float]]] = {key: {"tok_s": [], "experts_ms": []} for key in models}
+    rows: dict[tuple, dict[str, list[float]]] = {key: {"tok_s": [], "experts_ms": [], "on_gpu": []}
+                                                 for key in models}
     for _ in range(args.runs):  # the paths alternate: a slow moment of the machine hits each of them
         for key, (model, spent) in models.items():
             cache = model.new_cache()
             model.forward(prompt, cache)
             spent.clear()
+            usage = usages[key]
+            before = {} if usage is None else dict(usage.scores)
             token, start = 5, time.perf_counter()
             for _ in range(args.tokens):
                 token = int(model.forward(np.array([token]), cache)[0][-1].argmax())
             rows[key]["tok_s"].append(args.tokens / (time.perf_counter() - start))
             rows[key]["experts_ms"].append(sum(spent) / args.tokens * 1e3)
-    result = {key: {k: round(float(np.median(v)), 2) for k, v in row.items()} for key, row in rows.items()}
+            if usage is not None:
+                rows[key]["on_gpu"].append(share_on_device(model, usage, before))
+    result = {key: {k: round(float(np.median(v)), 2) if v else None for k, v in row.items()}
+              for key, row in rows.items()}
     where = gpu.info.name if args.gpu else "PoCL driven as a discrete device"
     print(f"bench model {args.preset}, {engine.container.nbytes / 1e6:.0f} MB ({where}); medians of {args.runs} runs")
-    print("| budget | decode | experts over the budget run on | decode tok/s | host expert time per token (ms) |")
-    print("|---|---|---|---|---|")
+    print("| budget | decode | experts over the budget run on | decode tok/s | host expert time per token (ms) | "
+          "routed experts on the GPU |")
+    print("|---|---|---|---|---|---|")
     for (share, name), row in result.items():
-        how = "split step" if PATHS[name][2] else "per operation"
-        on = {"numpy": "NumPy path"}.get(name, "CPU OpenCL device, " + name.split()[-1] + " inputs")
-        print(f"| {share:.0%} | {how} | {on} | {row['tok_s']} | {row['experts_ms']} |")
+        how = "split step" + (", experts uploaded by usage" if PATHS[name][3] else "") if PATHS[name][2] \
+            else "per operation"
+        on = {"numpy": "NumPy path"}.get(name, "CPU OpenCL device, " + name.split(",")[0].split()[-1] + " inputs")
+        gpu_share = "" if row["on_gpu"] is None else f"{row['on_gpu']:.0%}"
+        print(f"| {share:.0%} | {how} | {on} | {row['tok_s']} | {row['experts_ms']} | {gpu_share} |")
     print(json.dumps({"preset": args.preset, "gpu": where,
                       "paths": {f"{share} {name}": row for (share, name), row in result.items()}}))
     return 0

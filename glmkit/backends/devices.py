@@ -102,11 +102,14 @@ def pick(devices: list[DeviceInfo], platform: int | None = None, device: int | N
     return next((d for d in devices if d.kind == "cpu"), devices[0])
 
 
-def open_backend(spec: str, container: Any = None, int8_activations: bool = True) -> tuple[Backend, str]:
+def open_backend(spec: str, container: Any = None, int8_activations: bool = True, expert_usage: Any = None
+                 ) -> tuple[Backend, str]:
     """The backend for `--device spec` and its name (as `glm-run --stats-json` reports it).
 
     container: the opened snapshot (auto measures with its weights; its size sets the hybrid budget).
     int8_activations: the device decode step's quantized products take int8-quantized inputs (off: float inputs).
+    expert_usage: the routed experts' usage scores (`ExpertScores`) a discrete device smaller than the model uploads
+    its routed experts by.
     """
     kind, platform, device = parse_device(spec)
     if kind == "numpy":
@@ -144,7 +147,7 @@ def open_backend(spec: str, container: Any = None, int8_activations: bool = True
             set_blas_threads(blas_threads)  # measuring ran the OpenCL backend, which pins BLAS to one thread
         return NumpyBackend(), "numpy"
     backend = OpenCLBackend(kernels, placement, model_bytes=model_bytes, int8_activations=int8_activations,
-                            spill=spill)
+                            spill=spill, expert_usage=expert_usage)
     return backend, name + (f"+experts@{backend.spill.k.info.spec}" if backend.spill is not None else "")
 
 

@@ -15,9 +15,12 @@ from glmkit.generate.tokenizer import ChatTokenizer, read_side_json
 from glmkit.model.compute import Backend
 from glmkit.model.expert_cache import (
     ExpertCache,
+    ExpertScores,
     activation_allowance,
     auto_cache_bytes,
     expert_slot_bytes,
+    save_scores,
+    saved_scores,
     usage_path,
 )
 from glmkit.model.expert_stream import ExpertStreamer, memory_limit_bytes, outgrows_memory
@@ -25,14 +28,15 @@ from glmkit.model.glm5 import GlmMoeDsaModel, prefill_rows_within
 from glmkit.units import format_size
 
 
-def make_backend(device: str, container: Container | None = None, int8_activations: bool = True
-                 ) -> tuple[Backend, str]:
-    """`numpy`, `opencl[:P:D]` or `auto` (glmkit.backends.devices). Returns (backend, its name)."""
+def make_backend(device: str, container: Container | None = None, int8_activations: bool = True,
+                 expert_usage: ExpertScores | None = None) -> tuple[Backend, str]:
+    """`numpy`, `opencl[:P:D]` or `auto` (glmkit.backends.devices). Returns (backend, its name). expert_usage: see
+    `open_backend`."""
     if device in ("numpy", "cpu"):
         return NumpyBackend(), "numpy"
     from glmkit.backends.devices import open_backend  # imports pyopencl: only when OpenCL may be used
 
-    return open_backend(device, container, int8_activations)
+    return open_backend(device, container, int8_activations, expert_usage)
 
 
 class Engine:
@@ -44,7 +48,9 @@ class Engine:
     process may use: `auto_cache_bytes`), instead of the page cache (the device decode step reads them from its
     slots); 0: the page cache; None (default): "auto" where the container outgrows that RAM (`outgrows_memory`),
     unless ram_budget_bytes pins experts or the device is a discrete GPU, else 0. expert_usage_dir: where the
-    cache saves its usage scores (per model hash; None: not saved). kv_dtype: the KV rows' precision
+    routed experts' usage scores are kept from process to process (per model hash; None: neither read nor saved):
+    the expert cache loads its hot set by them, a discrete GPU smaller than the model uploads the most used routed
+    experts (the split step), and both add their tokens' routes. kv_dtype: the KV rows' precision
     (`glmkit.model.kv_cache.KV_DTYPES`)."""
 
     def __init__(self, snapshot: str | Path, device: str = "numpy", ram_budget_bytes: int = 0,
@@ -53,7 +59,11 @@ class Engine:
                  kv_dtype: str = "f32"):
         self.container = Container(snapshot)
         self.config = self.container.config
-        self.backend, self.device = make_backend(device, self.container, not float_activations)
+        self.usage_file = None if expert_usage_dir is None else usage_path(expert_usage_dir, self.container.model_hash)
+        # the routed experts' usage as saved by earlier processes: a discrete device smaller than the model uploads
+        # the most used (the split step), and its decoded tokens add theirs (an expert cache keeps scores of its own)
+        self.expert_usage = saved_scores(self.usage_file, self.container)
+        self.backend, self.device = make_backend(device, self.container, not float_activations, self.expert_usage)
         discrete = getattr(getattr(self.backend, "k", None), "direct", True) is False
         self.experts: ExpertStreamer | ExpertCache  # the model's weight source
         self.expert_cache_reason = ""  # how an "auto" cache was sized
@@ -71,9 +81,8 @@ class Engine:
                                   "--device numpy or a CPU OpenCL device")
             if ram_budget_bytes:
                 raise GlmkitError("--expert-cache and --ram-budget both keep experts in RAM: give one of them")
-            usage = None if expert_usage_dir is None else usage_path(expert_usage_dir, self.container.model_hash)
             cache = self.experts = ExpertCache(self.container, int(expert_cache), readahead=prefetch,
-                                               usage_file=usage)
+                                               usage_file=self.usage_file)
             self.model = GlmMoeDsaModel(self.config, cache, self.backend, route_hook=cache.on_route,
                                         step_experts=cache, kv_dtype=kv_dtype, ahead_hook=cache.read_ahead,
                                         ran_hook=cache.ran)
@@ -95,9 +104,12 @@ class Engine:
         self.model.decodes_on_device()
 
     def close(self) -> None:
-        """Let the expert cache finish its reads and save its usage scores (nothing to do otherwise)."""
+        """Let the expert cache finish its reads and save its usage scores, or save the split step's (nothing to do
+        otherwise)."""
         if isinstance(self.experts, ExpertCache):
             self.experts.close()
+        elif self.usage_file is not None and self.expert_usage.tokens:  # a split step counted decoded tokens
+            save_scores(self.usage_file, self.container.model_hash, self.expert_usage)
 
     @property
     def model_hash(self) -> str:

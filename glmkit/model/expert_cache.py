@@ -151,6 +151,27 @@ def read_usage(path: Path, model_hash: str, n_layers: int, n_experts: int) -> di
     return out
 
 
+def saved_scores(path: Path | None, container: Container, half_life: float = 256.0) -> ExpertScores:
+    """Usage scores to go on from: those `save_scores` left at `path` for the container's routed experts (none
+    where there is no path, or the file is missing, corrupt or another model's)."""
+    scores = ExpertScores(half_life)
+    if path is not None:
+        cfg = container.config
+        saved = read_usage(path, container.model_hash, cfg.num_layers_with_mtp, cfg.n_routed_experts)
+        routed = {(r.layer, r.expert) for r in container.manifest.experts}
+        scores.scores.update({key: score for key, score in saved.items() if key in routed})
+    return scores
+
+
+def save_scores(path: Path, model_hash: str, scores: ExpertScores) -> None:
+    """`write_usage` of the scores in units of one use now; a file that cannot be written is left as it is (the
+    scores are only a hint for the next process)."""
+    try:
+        write_usage(path, model_hash, scores.normalized())
+    except OSError:
+        pass
+
+
 def write_usage(path: Path, model_hash: str, scores: dict[Key, float]) -> None:
     """Save scores (atomically: a temporary file renamed; a reader sees the old file or the new one)."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -243,7 +264,7 @@ class ExpertCache:
         self._shared_slot = {layer: self.n_slots + j for j, layer in enumerate(shared)}
         self.arena = anonymous_bytes((self.n_slots + len(shared)) * self.slot_bytes)
         self.stats = CacheStats()
-        self.scores = ExpertScores(half_life)
+        self.scores = saved_scores(usage_file, container, half_life)
         self._names: dict[str, tuple[Key, int]] = {
             expert_weight_name(r.layer, r.expert, p): ((r.layer, r.expert), i)
             for r in ranges for i, p in enumerate(EXPERT_PROJECTIONS)}
@@ -284,16 +305,11 @@ class ExpertCache:
         self._first_moe = min(self.moe)
         self._closed = False
         self.preloader: threading.Thread | None = None  # loads the saved hot set into free slots
-        if usage_file is not None:
-            saved = read_usage(usage_file, container.model_hash, cfg.num_layers_with_mtp, cfg.n_routed_experts)
-            cached = {(r.layer, r.expert) for r in ranges}
-            known = {k: v for k, v in saved.items() if k in cached}
-            self.scores.scores.update(known)
-            hot = sorted(known, key=known.get, reverse=True)[:self.n_slots]
-            if hot:
-                self.preloader = threading.Thread(target=self._preload, args=(hot,), daemon=True,
-                                                  name="glmkit-preload")
-                self.preloader.start()
+        known = self.scores.scores  # the saved scores' hot set
+        hot = sorted(known, key=known.get, reverse=True)[:self.n_slots]
+        if hot:
+            self.preloader = threading.Thread(target=self._preload, args=(hot,), daemon=True, name="glmkit-preload")
+            self.preloader.start()
 
     def _slot_data(self, slot: int) -> np.ndarray:
         return self.arena[slot * self.slot_bytes:(slot + 1) * self.slot_bytes]
@@ -617,7 +633,4 @@ class ExpertCache:
             os.close(fd)
         self._fds.clear()
         if self.usage_file is not None:
-            try:
-                write_usage(self.usage_file, self.container.model_hash, self.scores.normalized())
-            except OSError:
-                pass  # only a hint for the next process
+            save_scores(self.usage_file, self.container.model_hash, self.scores)

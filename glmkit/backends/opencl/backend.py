@@ -40,6 +40,7 @@ from glmkit.backends.opencl.weights import (
 from glmkit.format.config import ModelConfig
 from glmkit.format.tensors import QuantWeight, Weight
 from glmkit.model.compute import ExpertArena, ExpertFn, moe_layer
+from glmkit.model.expert_cache import ExpertScores
 from glmkit.model.layer_spec import LayerSpec, MTPSpec
 from glmkit.model.ops import position_mask, silu
 
@@ -130,11 +131,12 @@ class OpenCLBackend:
     """`Backend` on one OpenCL device. `budget`: bytes of weights kept on a discrete device (default
     `weight_budget`); `model_bytes`: the container size (a budget below it makes expert placement per process);
     `spill`: a backend on a CPU OpenCL device that runs the routed experts this device does not hold, in fused
-    launches over the mapping (used where `placement.spill_experts`)."""
+    launches over the mapping (used where `placement.spill_experts`); `expert_usage`: the routed experts' usage
+    scores, by which the split step chooses the experts it uploads (and which its decoded tokens' routes count)."""
 
     def __init__(self, kernels: Kernels, placement: Placement | None = None, budget: int | None = None,
                  model_bytes: int = 0, unified: bool | None = None, int8_activations: bool = True,
-                 spill: OpenCLBackend | None = None) -> None:
+                 spill: OpenCLBackend | None = None, expert_usage: ExpertScores | None = None) -> None:
         self.k = kernels
         workers = 1
         if kernels.info.kind == "cpu":
@@ -152,6 +154,7 @@ class OpenCLBackend:
             budget = 1 << 62 if unified else weight_budget(kernels.info.global_mem)
         self.memory = WeightMemory(kernels.buffers, unified, budget)
         self.spill = spill if self.placement.spill_experts else None
+        self.expert_usage = expert_usage  # the split step's: which experts it uploads, and its decoded routes
         self.model_bytes = model_bytes
         self.device = kernels.info.spec
         # int8_activations: the device decode step's quantized products take int8-quantized inputs (DeviceDecodeStep),
@@ -241,7 +244,7 @@ class OpenCLBackend:
         if self.placement.decode_step != "cl" or (over and self.spill is None):
             return None
         # a discrete device smaller than the model: the routed experts it cannot hold run on the spill device
-        spill = SpillDevice(self.spill.k, self.spill._expert_ref) if over else None
+        spill = SpillDevice(self.spill.k, self.spill._expert_ref, self.expert_usage) if over else None
         for mtp in (draft, None) if draft is not None else (None,):
             try:
                 return DeviceDecodeStep(config, layers, weight, self._cw, self._expert_ref, self.k,

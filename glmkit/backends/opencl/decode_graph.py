@@ -81,6 +81,7 @@ from glmkit.backends.opencl.weights import X8_BLOCK, ClWeight, fused_expert_arra
 from glmkit.format.config import ModelConfig
 from glmkit.format.tensors import Weight
 from glmkit.model.compute import ExpertArena, SamplingSettings, TokenDraws
+from glmkit.model.expert_cache import ExpertScores
 from glmkit.model.kv_cache import SCALED_KV_DTYPES, SHADOW_BLOCK, KVCache, shadow_bound
 from glmkit.model.layer_spec import (
     EMBED,
@@ -211,10 +212,13 @@ class _ArenaLayer(NamedTuple):
 
 class SpillDevice(NamedTuple):
     """A CPU OpenCL device beside a discrete one (the backend's `spill`): its kernels and its fused-expert view of
-    (gate, up, down) in place over the mapping (`OpenCLBackend._expert_ref`'s, or None)."""
+    (gate, up, down) in place over the mapping (`OpenCLBackend._expert_ref`'s, or None); and the routed experts'
+    usage scores (`ExpertScores`, or None): the most used go to the discrete device, and each decoded token's
+    routes count."""
 
     kernels: Kernels
     expert_ref: Callable
+    usage: ExpertScores | None = None
 
 
 class _SplitLayer:
@@ -224,9 +228,10 @@ class _SplitLayer:
     holding resident experts: `sets`), and the CPU device computes the other slots' rows from the same input,
     uploaded into the same per-slot rows (`part`): the next norm sums them in slot order."""
 
-    def __init__(self, views: list[tuple[Weight, Weight, Weight]], cpu_refs: list, shape: Any, top_k: int,
+    def __init__(self, layer: int, views: list[tuple[Weight, Weight, Weight]], cpu_refs: list, shape: Any, top_k: int,
                  members: int, table: DeviceArray, regions: dict[str, DeviceArray], scratch: tuple[DeviceArray, Any],
                  shared: Any) -> None:
+        self.layer = layer  # the decoder layer's index
         self.views, self.cpu_refs, self.shape, self.top_k, self.members = views, cpu_refs, shape, top_k, members
         self.table, self.regions, self.hid, self.part = table, regions, *scratch
         self.shared = shared  # the shared expert's device view (resident), or None
@@ -465,6 +470,8 @@ class DeviceDecodeStep:
             self.draft = self._bind_draft(*draft)
         if spill is not None:  # after every other weight: the routed experts get what is left of the budget
             self._place_split()
+        # the first split layer: where a decoded token ticks the usage scores' clock
+        self.first_split = next((layer.split.layer for layer in self.layers if layer.split is not None), None)
         self.owner: DecodePipeline | None = None  # the pipeline whose token is in flight
         self.sample_scratch: SampleScratch | None = None  # the buffers of SampledChoice (made on first use)
         self.watcher: RouteWatcher | None = None  # see watch_routes
@@ -957,23 +964,27 @@ class DeviceDecodeStep:
                            norm=int(r.norm_topk_prob), scaling=r.scaling, shared=int(shared is not None),
                            stride=stride, ids=out.ids[0].buffer, n_tok=1,  # ids: set per token slot
                            **{name: a.buffer for name, a in regions.items()})
-        out.split = _SplitLayer(views, cpu_refs, shape, r.top_k, members, table, regions, scratch, shared)
+        out.split = _SplitLayer(ffn.layer, views, cpu_refs, shape, r.top_k, members, table, regions, scratch, shared)
         self.ffn_out = Addend(scratch[1], regions["tok_start"].buffer, regions["slot_w"].buffer)
         return [bind_matvec(k, self._matrix(r.weight), self.u.buffer, logits.buffer), out.route]
 
     def _place_split(self) -> None:
-        """Upload as many routed experts as the budget still holds once every other weight is on the device: expert
-        ranks in turn over the layers (each layer's expert 0, then each one's expert 1, ...), so that every layer
-        keeps the same share; then bind each layer's launches on both sides (`_bind_split_sides`)."""
+        """Upload as many routed experts as the budget still holds once every other weight is on the device: the
+        most used first (the spill device's `usage` scores, which earlier processes saved: a token then finds more
+        of its experts on the device), and in ties, or with no scores, expert ranks in turn over the layers (each
+        layer's expert 0, then each one's expert 1, ...: every layer keeps the same share); then bind each layer's
+        launches on both sides (`_bind_split_sides`)."""
         split = [layer.split for layer in self.layers if layer.split is not None]
         if not split:
             return
-        full = False
-        for e in range(max(len(s.views) for s in split)):
-            for s in split:
-                if e < len(s.views) and not full:
-                    s.resident[e] = self._expert_ref(*s.views[e])
-                    full = s.resident[e] is None
+        usage = self.spill.usage
+        order = sorted(((e, i) for i, s in enumerate(split) for e in range(len(s.views))),
+                       key=lambda p: (-usage.score((split[p[1]].layer, p[0])) if usage is not None else 0.0, *p))
+        for e, i in order:
+            s = split[i]
+            s.resident[e] = self._expert_ref(*s.views[e])
+            if s.resident[e] is None:
+                break  # the budget is spent
         shape, spill = split[0].shape, self.spill.kernels.buffers
         x8 = self._x8(shape.bits, shape.group, shape.n_in, shape.inter)
         n = self.cfg.hidden_size  # the CPU side's input: the post-attention norm's output u, or its int8 codes
@@ -1492,6 +1503,12 @@ class DeviceDecodeStep:
             event = self.buffers.download(arr.host, buf)
         event.wait()
         ids = layer.ids[slot].host[:s.top_k].astype(np.int64)
+        usage = self.spill.usage
+        if usage is not None:  # a decoded token's routes
+            if s.layer == self.first_split:
+                usage.tick()
+            for e in ids.tolist():
+                usage.use((s.layer, e))
         where = s.where[ids]
         for b, (mask, launches) in enumerate(zip(s.masks, s.sets, strict=True)):
             if (where == b).any() or b == s.shared_set:
