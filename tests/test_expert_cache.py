@@ -322,7 +322,9 @@ def test_usage_persists_and_a_corrupt_file_is_ignored(snapshots, tmp_path):
     for bad in ("{", json.dumps({"version": 1, "model_hash": h, "scores": [[layer, 10_000, 1.0]]}),
                 json.dumps({"version": 1, "model_hash": "other", "scores": [[layer, 1, 1.0]]}),
                 f'{{"version": 1, "model_hash": "{h}", "scores": [[{layer}, 1, 1e999]]}}',
-                json.dumps({"version": 1, "model_hash": h, "scores": [[True, 1, 1.0]]})):
+                json.dumps({"version": 1, "model_hash": h, "scores": [[True, 1, 1.0]]}),
+                # valid, but longer than any file of this model's experts can be: not parsed
+                json.dumps({"version": 1, "model_hash": h, "scores": [[layer, 1, 1.0]]}) + " " * 8192):
         path.write_text(bad)
         assert read_usage(path, h, c.num_layers_with_mtp, c.n_routed_experts) == {}
     write_usage(path, h, {(layer, 1): 2.0})

@@ -57,7 +57,9 @@ USAGE_VERSION = 1
 READ_AHEAD_PRECISION = 0.5  # read-ahead reads only while at least this share of what it names is routed to
 READ_AHEAD_PROBE = 8  # while it does not read, read-ahead names (and measures) one layer's experts in this many
 PRECISION_WEIGHT = 0.05  # weight of one layer's outcome in the moving average of the read-ahead's precision
-MAX_USAGE_BYTES = 64 << 20  # a usage file larger than this is not read (GLM-5: ~20k experts, ~1 MB)
+# a usage file is read only up to its longest valid size: one `[layer, expert, score]` entry per routed expert, at
+# most USAGE_ENTRY_BYTES each with its separator, and USAGE_HEAD_BYTES for the rest (GLM-5: ~1.3 MB)
+USAGE_ENTRY_BYTES, USAGE_HEAD_BYTES = 64, 1024
 Key = tuple[int, int]  # (layer, expert)
 
 
@@ -130,9 +132,10 @@ def usage_path(cache_dir: Path, model_hash: str) -> Path:
 
 
 def read_usage(path: Path, model_hash: str, n_layers: int, n_experts: int) -> dict[Key, float]:
-    """Scores saved by `write_usage`; {} for a missing, corrupt or other model's file (it is only a hint)."""
+    """Scores saved by `write_usage`; {} for a missing, corrupt, oversized or other model's file (it is only a
+    hint)."""
     try:
-        raw = read_json_file(path, MAX_USAGE_BYTES)
+        raw = read_json_file(path, USAGE_HEAD_BYTES + USAGE_ENTRY_BYTES * n_layers * n_experts)
     except (GlmkitError, OSError):
         return {}
     if not (isinstance(raw, dict) and raw.get("version") == USAGE_VERSION and raw.get("model_hash") == model_hash
