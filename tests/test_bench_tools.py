@@ -1,10 +1,11 @@
 """tools/bench.py's summary: the bandwidth ceiling per row (a GPU row divides by its own memory's bandwidth), and
-the per-round fractions shown beside it; tools/bench_stream.py's summary over rounds."""
+the per-round fractions shown beside it; tools/bench_stream.py's summary over rounds and its cgroups (v1 and v2, on
+a fake tree)."""
 
 from __future__ import annotations
 
 from tools.bench import markdown, ratios, summarize
-from tools.bench_stream import summary
+from tools.bench_stream import new_cgroups, summary
 
 
 def run(decode: float, **extra) -> dict:
@@ -81,3 +82,28 @@ def test_stream_summary_pairs_each_run_with_the_base_run_of_its_round():
     assert "TTFT 2.20 (2.00-2.40)x its I/O bound" in cache
     base = next(line for line in lines if line.startswith("0.7 base"))
     assert "x base" not in base and "decode 40.00 (10.00-50.00) tok/s" in base
+
+
+def test_stream_cgroups_v1_and_v2(tmp_path):
+    """bench_stream's child groups: under cgroup v2 one group below the process's with `memory.max` and `io.max`;
+    under v1 a memory group and a blkio group, each below the process's group of that controller."""
+    v2 = tmp_path / "v2"
+    (v2 / "user.slice" / "me").mkdir(parents=True)
+    (v2 / "cgroup.controllers").write_text("memory io\n")
+    proc = tmp_path / "proc-v2"
+    proc.write_text("0::/user.slice/me\n")
+    (group,) = new_cgroups(1 << 30, 5 * 10**8, "254:0", "run", proc_cgroup=proc, sysfs=v2)
+    assert group == v2 / "user.slice" / "me" / "run"
+    assert (group / "memory.max").read_text() == str(1 << 30)
+    assert (group / "io.max").read_text() == "254:0 rbps=500000000"
+    v1 = tmp_path / "v1"
+    for controller in ("memory", "blkio"):
+        (v1 / controller / "jobs").mkdir(parents=True)
+    proc = tmp_path / "proc-v1"
+    proc.write_text("9:blkio:/jobs\n4:memory:/jobs\n1:name=systemd:/x\n")
+    memory, blkio = new_cgroups(1 << 30, 5 * 10**8, "254:0", "run", proc_cgroup=proc, sysfs=v1)
+    assert (memory / "memory.limit_in_bytes").read_text() == str(1 << 30) and memory.parent == v1 / "memory" / "jobs"
+    assert (blkio / "blkio.throttle.read_bps_device").read_text() == "254:0 500000000"
+    assert new_cgroups(None, None, proc_cgroup=proc, sysfs=v1) == []
+    (only,) = new_cgroups(1 << 20, None, name="m", proc_cgroup=proc, sysfs=v1)  # no throttle: no blkio group
+    assert only == v1 / "memory" / "jobs" / "m"

@@ -98,19 +98,19 @@ def whole_disk(path: Path) -> str:
     return (sysdev / "dev").read_text().strip()
 
 
-def new_cgroups(limit: int | None, read_bps: int | None = None, disk: str = "", name: str | None = None
-                ) -> list[Path]:
+def new_cgroups(limit: int | None, read_bps: int | None = None, disk: str = "", name: str | None = None,
+                proc_cgroup: Path = Path("/proc/self/cgroup"), sysfs: Path = Path("/sys/fs/cgroup")) -> list[Path]:
     """Fresh cgroups `name` (default glmkit-stream-PID) below this process's whose processes hold at most `limit`
     bytes of memory and read disk `disk` (`MAJ:MIN`) at most `read_bps` bytes a second: v1, a memory group and a
     blkio group (`blkio.throttle.read_bps_device`); v2, one group (`memory.max`, `io.max`). None: no such limit;
-    [] where neither is asked for."""
+    [] where neither is asked for. proc_cgroup, sysfs: where the kernel shows the process's cgroups and the tree."""
     if limit is None and read_bps is None:
         return []
     name = name or f"glmkit-stream-{os.getpid()}"
-    lines = [line.split(":", 2) for line in Path("/proc/self/cgroup").read_text().splitlines()]
+    lines = [line.split(":", 2) for line in proc_cgroup.read_text().splitlines()]
     unified = next((path for _, controllers, path in lines if controllers == ""), None)
-    if unified is not None and Path("/sys/fs/cgroup/cgroup.controllers").exists():
-        group = Path("/sys/fs/cgroup") / unified.lstrip("/") / name
+    if unified is not None and (sysfs / "cgroup.controllers").exists():
+        group = sysfs / unified.lstrip("/") / name
         group.mkdir(exist_ok=True)
         if limit is not None:
             (group / "memory.max").write_text(str(limit))
@@ -125,7 +125,7 @@ def new_cgroups(limit: int | None, read_bps: int | None = None, disk: str = "", 
         path = next((path for _, controllers, path in lines if controller in controllers.split(",")), None)
         if path is None:
             raise SystemExit(f"no {controller} cgroup controller found")
-        group = Path("/sys/fs/cgroup") / controller / path.lstrip("/") / name
+        group = sysfs / controller / path.lstrip("/") / name
         group.mkdir(exist_ok=True)
         (group / knob).write_text(str(value) if controller == "memory" else f"{disk} {value}")
         groups.append(group)
