@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.stats_json:
                 write_stats(args.stats_json, turns, engine, per_turn=args.chat)
         finally:
-            engine.close()  # the expert cache's usage scores, for the next run
+            engine.close()  # the routed experts' usage scores, for the next run
     except GlmkitError as e:
         print(f"glm-run: error: {e}", file=sys.stderr)
         return 1

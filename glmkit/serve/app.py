@@ -95,7 +95,7 @@ def create_app(config: ServeConfig, load: Callable[[], Loaded],
         state.begin_shutdown()
         if state.loaded is not None:
             await run_in_threadpool(state.loaded.scheduler.stop)
-            await run_in_threadpool(state.loaded.engine.close)  # the expert cache's usage scores
+            await run_in_threadpool(state.loaded.engine.close)  # the routed experts' usage scores
 
     routes = [
         Route("/health", health, methods=["GET"]),
