@@ -13,8 +13,9 @@ beside it. `--kv-dtypes f32,bf16,fp8`: each length once per KV row precision, in
 round runs every length with every precision in turn): the cache is filled with random rows (no prefill; the
 indexer's choice over random keys costs what it costs over real ones), then `--tokens` greedy tokens on the decode
 step per round, timed from the second (wall time, and the process's CPU time per token: the work, which a shared
-machine's load stretches less than the wall time). `--one-stage` adds, per precision, the decode step selecting in
-one stage over all keys (`shadow_selects` off) to the rounds.
+machine's load stretches less than the wall time); each length's speed is also given per round as a fraction of the
+first length's in the same round (`of_first_length`: median and range). `--one-stage` adds, per precision, the
+decode step selecting in one stage over all keys (`shadow_selects` off) to the rounds.
 """
 
 from __future__ import annotations
@@ -100,9 +101,13 @@ def decode_rounds(snapshot: str, lengths: list[int], dtypes: list[str], tokens: 
                 cpu_ms[length, *variant].append((time.process_time() - cpu) / tokens * 1e3)
     rows = []
     for (length, dtype, selection), got in speeds.items():
+        # against the first length in the same round: a slow moment of the machine hits both sides of a ratio
+        ratios = [a / b for a, b in zip(got, speeds[lengths[0], dtype, selection], strict=True)]
         rows.append({"context": length, "kv_dtype": dtype, "selection": selection,
                      "decode_tok_s": round(float(np.median(got)), 1),
                      "range": [round(min(got), 1), round(max(got), 1)],
+                     "of_first_length": round(float(np.median(ratios)), 3),
+                     "of_first_range": [round(min(ratios), 3), round(max(ratios), 3)],
                      "cpu_ms_per_token": round(float(np.median(cpu_ms[length, dtype, selection])), 2)})
         print(json.dumps(rows[-1]), flush=True)
     return rows
