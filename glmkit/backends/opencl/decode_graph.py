@@ -978,8 +978,9 @@ class DeviceDecodeStep:
         if not split:
             return
         usage = self.spill.usage
+        score = usage.score if usage is not None else lambda key: 0.0
         order = sorted(((e, i) for i, s in enumerate(split) for e in range(len(s.views))),
-                       key=lambda p: (-usage.score((split[p[1]].layer, p[0])) if usage is not None else 0.0, *p))
+                       key=lambda p: (-score((split[p[1]].layer, p[0])), *p))
         for e, i in order:
             s = split[i]
             s.resident[e] = self._expert_ref(*s.views[e])
