@@ -37,6 +37,12 @@ class GrammarTokenizer:
             raise GlmkitError("constrained output needs an end-of-sequence token id (generation_config.json)")
         self.ll = llguidance.LLTokenizer(tokenizer.to_str(), n_vocab=max(vocab_size, tokenizer.get_vocab_size()),
                                          eos_token=list(eos_ids))
+        # llguidance matches an added token only as itself (a grammar names it `<[id]>`), never by its text
+        self.added = {token.content: i for i, token in tokenizer.get_added_tokens_decoder().items()}
+
+    def added_token_ids(self, texts: tuple[str, ...]) -> dict[str, int]:
+        """{text: id} for each of `texts` that is one added token of the vocabulary."""
+        return {text: self.added[text] for text in texts if text in self.added}
 
     def check(self, grammar: str) -> str | None:
         """Why the library cannot use `grammar` (None: it can)."""

@@ -37,7 +37,9 @@ from glmkit.serve.chat import (
     closing_pieces,
     parse_messages,
     parse_response_format,
+    parse_tool_choice,
     parse_tools,
+    replies_in_thinking,
     template_variables,
 )
 from glmkit.serve.config import Loaded, ServeConfig, State
@@ -71,6 +73,7 @@ from glmkit.serve.protocol import (
     value_error,
 )
 from glmkit.serve.scheduler import Done, GenerationJob, GenRequest, Text
+from glmkit.serve.tool_grammar import ToolChoice, needs_grammar
 from glmkit.serve.toolcalls import ToolCall, prepare_messages
 
 # the names glm-serve's command line builds the app from
@@ -272,6 +275,20 @@ async def _json_constraint(loaded: Loaded, common: Common, schema: dict[str, Any
     return await run_in_threadpool(loaded.json_constraint, schema, field)
 
 
+async def _tool_constraint(loaded: Loaded, common: Common, tools: list[dict[str, Any]] | None, choice: ToolChoice,
+                           prompt_text: str, json_field: str | None) -> TokenConstraint | None:
+    """The constraint that a forced call or strict tools ask for (None: neither); 400 with `ignore_eos`, or beside a
+    JSON reply format (`json_field`, where the request asked for one)."""
+    if not needs_grammar(tools, choice):
+        return None
+    assert tools is not None
+    if json_field is not None:
+        raise value_error(json_field, "cannot be combined with a forced tool call or strict tools")
+    if common.ignore_eos:
+        raise value_error("ignore_eos", "cannot be used with a forced tool call or strict tools")
+    return await run_in_threadpool(loaded.tool_constraint, tools, choice, replies_in_thinking(prompt_text))
+
+
 async def _whole_reply(request: Request, state: State, loaded: Loaded, job: GenerationJob, channel: Channel,
                        router: ChatText, tools: list[dict[str, Any]] | None
                        ) -> tuple[list[tuple[str, str]], str, list[ToolCall], Done, list[TokenLogprob]] | None:
@@ -294,11 +311,15 @@ async def chat_completions(request: Request) -> Response:
     common = parse_common(body, state.config.model_name, state.defaults, loaded.engine.config.vocab_size, chat=True)
     messages = parse_messages(body)
     tools = parse_tools(body)
+    choice = parse_tool_choice(body, tools)
     thinking, kwargs = template_variables(body)
     constrained, schema = parse_response_format(body)
     constraint = await _json_constraint(loaded, common, schema, "response_format") if constrained else None
-    thinking = thinking and constraint is None  # the JSON starts at the first generated token: no thinking before
+    # the JSON, or a forced call, starts at the first generated token: no thinking before
+    thinking = thinking and constraint is None and not choice.required
     prompt_text, ids = await _render_chat(loaded, messages, tools, thinking, kwargs)
+    constraint = await _tool_constraint(loaded, common, tools, choice, prompt_text,
+                                        "response_format" if constrained else None) or constraint
     request_id = "chatcmpl-" + uuid.uuid4().hex[:24]
     job, channel = _start_generation(state, loaded, ids, common, request_id, constraint)
     decode = loaded.engine.tokenizer.decode
@@ -306,7 +327,7 @@ async def chat_completions(request: Request) -> Response:
     def logprobs_of(chosen: list[TokenLogprob]) -> dict[str, Any] | None:
         return None if common.logprobs is None else {"content": logprobs_content(chosen, decode)}
 
-    reasoning = state.config.split_reasoning and prompt_text.rstrip().endswith("<think>")
+    reasoning = state.config.split_reasoning and replies_in_thinking(prompt_text)
     router = ChatText(reasoning, tools is not None)
     created = int(time.time())
     base = {"id": request_id, "object": "chat.completion", "created": created, "model": state.config.model_name,
@@ -418,9 +439,11 @@ async def anthropic_messages(request: Request) -> Response:
         loaded, parsed.common, parsed.output_schema, "output_config.format")
     thinking = parsed.thinking and constraint is None  # the JSON starts at the first generated token
     prompt_text, ids = await _render_chat(loaded, parsed.messages, parsed.tools, thinking, {})
+    constraint = await _tool_constraint(loaded, parsed.common, parsed.tools, parsed.tool_choice, prompt_text,
+                                        "output_config.format" if constraint is not None else None) or constraint
     message_id = new_message_id()
     job, channel = _start_generation(state, loaded, ids, parsed.common, message_id, constraint)
-    router = ChatText(prompt_text.rstrip().endswith("<think>"), parsed.tools is not None)
+    router = ChatText(replies_in_thinking(prompt_text), parsed.tools is not None)
     model = state.config.model_name
 
     if not parsed.common.stream:

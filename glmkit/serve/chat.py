@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from glmkit.serve.protocol import ApiError, type_error, value_error
+from glmkit.serve.protocol import ApiError, opt_bool, type_error, value_error
+from glmkit.serve.tool_grammar import ToolChoice
 from glmkit.serve.toolcalls import TOOL_CALL_OPEN, ToolCall, parse_tool_calls
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
@@ -101,6 +102,24 @@ def parse_tools(body: dict) -> list[dict[str, Any]] | None:
     return tools or None
 
 
+def parse_tool_choice(body: dict, tools: list[dict[str, Any]] | None) -> ToolChoice:
+    """`tool_choice` ("auto", "required" or {"type": "function", "function": {"name": ...}}; "none" is
+    `parse_tools`' business) and `parallel_tool_calls` (default true)."""
+    choice, parallel = body.get("tool_choice"), opt_bool(body, "parallel_tool_calls", True)
+    if choice in (None, "auto", "none"):
+        return ToolChoice(parallel=parallel)
+    function = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if choice != "required" and not isinstance(name, str):
+        raise value_error("tool_choice", "expected 'none', 'auto', 'required' or "
+                                         "{'type': 'function', 'function': {'name': ...}}")
+    if not tools:
+        raise value_error("tool_choice", "asks for a tool call, but the request has no tools")
+    if name is not None and name not in {t["function"]["name"] for t in tools}:
+        raise value_error("tool_choice", f"names {name!r}, which is not among the tools")
+    return ToolChoice(required=True, name=name, parallel=parallel)
+
+
 def parse_response_format(body: dict) -> tuple[bool, dict[str, Any] | None]:
     """`response_format`: (whether the reply is constrained to JSON, the JSON schema it must match; None: any JSON
     object). `text` or absent: not constrained."""
@@ -138,6 +157,11 @@ def template_variables(body: dict) -> tuple[bool, dict[str, Any]]:
 
 
 # ---- reply text -> message parts ----------------------------------------------------------------
+
+def replies_in_thinking(prompt_text: str) -> bool:
+    """Whether the reply starts inside the thinking block: the prompt ends with `<think>` (thinking on)."""
+    return prompt_text.rstrip().endswith("<think>")
+
 
 class ChatText:
     """Sorts a chat reply's text into reasoning, content and tool-call text as it streams.

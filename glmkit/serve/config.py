@@ -15,6 +15,7 @@ from glmkit.generate.engine import Engine
 from glmkit.serve.bridge import Channels
 from glmkit.serve.protocol import ApiError, SamplingDefaults, shutting_down
 from glmkit.serve.scheduler import Scheduler
+from glmkit.serve.tool_grammar import MARKERS, ToolChoice, tool_call_grammar
 from glmkit.serve.toolcalls import TemplateSupport
 
 log = logging.getLogger("glmkit.serve")
@@ -43,23 +44,40 @@ class Loaded:
 
     def json_constraint(self, schema: dict[str, Any] | None, field: str = "response_format") -> TokenConstraint:
         """A token constraint to JSON matching `schema` (None: any JSON object); a 400 on `field` naming what the
-        grammar library refuses. Builds the library's view of the vocabulary on first use."""
+        grammar library refuses."""
+        try:
+            grammar = json_grammar(schema)
+        except ValueError as e:
+            raise ApiError(400, f"{field}: the JSON schema cannot be used: {e}", param=field,
+                           code="invalid_schema") from None
+        return self._constraint(grammar, field, "the JSON schema")
+
+    def tool_constraint(self, tools: list[dict[str, Any]], choice: ToolChoice, reasoning: bool,
+                        field: str = "tools") -> TokenConstraint:
+        """A token constraint to replies that call these tools as `choice` asks (tool_grammar.py; `reasoning`: the
+        reply starts inside the thinking block); a 400 on `field` naming what cannot be enforced."""
+        markers = self._grammar().added_token_ids(MARKERS)
+        try:
+            grammar = tool_call_grammar(tools, choice, reasoning, markers)
+        except ValueError as e:
+            raise ApiError(400, f"{field}: {e}", param=field, code="invalid_schema") from None
+        return self._constraint(grammar, field, "a tool's parameters")
+
+    def _grammar(self) -> GrammarTokenizer:
+        """The grammar library's view of the vocabulary, built on first use."""
         with self._grammar_lock:
             if self._grammar_tokenizer is None:
                 tok = self.engine.tokenizer
                 assert tok is not None
                 self._grammar_tokenizer = GrammarTokenizer(tok.tokenizer, self.engine.config.vocab_size,
                                                            tuple(self.engine.eos_token_ids))
-        try:
-            grammar = json_grammar(schema)
-        except ValueError as e:
-            raise ApiError(400, f"{field}: the JSON schema cannot be used: {e}", param=field,
-                           code="invalid_schema") from None
-        error = self._grammar_tokenizer.check(grammar)
+            return self._grammar_tokenizer
+
+    def _constraint(self, grammar: str, field: str, what: str) -> TokenConstraint:
+        error = self._grammar().check(grammar)
         if error is not None:
-            raise ApiError(400, f"{field}: the JSON schema cannot be used: {error}", param=field,
-                           code="invalid_schema")
-        return self._grammar_tokenizer.constraint(grammar)
+            raise ApiError(400, f"{field}: {what} cannot be used: {error}", param=field, code="invalid_schema")
+        return self._grammar().constraint(grammar)
 
 
 class State:

@@ -6,10 +6,12 @@ stop reason and usage, `message_stop`).
 
 Errors on these routes use Anthropic's shape `{"type": "error", "error": {"type", "message"}}` (`error_body`).
 Content blocks: `text`, `tool_use` and `thinking` (assistant turns), `tool_result` (user turns); images and
-documents are refused with a 400. `tool_choice` `any` and `tool` are accepted but not enforced: the model
-decides whether to call a tool. `output_config.format` (a JSON schema) constrains the reply as `response_format` does
-on the OpenAI route. The sampling fields (`temperature`, `top_p`, `top_k`), which Anthropic's current
-clients no longer send, are taken when given; otherwise the model's generation_config.json decides.
+documents are refused with a 400. `tool_choice` `any` and `tool` hold the reply to a call (of that tool), and a tool
+with `strict: true` to arguments that match its `input_schema` (tool_grammar.py), as on the OpenAI route; with
+thinking on, a forced call is a 400, as Anthropic's API answers. `output_config.format` (a JSON schema) constrains
+the reply as `response_format` does on the OpenAI route. The sampling fields (`temperature`, `top_p`, `top_k`),
+which Anthropic's current clients no longer send, are taken when given; otherwise the model's
+generation_config.json decides.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from glmkit.serve.protocol import (
     value_error,
 )
 from glmkit.serve.scheduler import Done
+from glmkit.serve.tool_grammar import ToolChoice
 from glmkit.serve.toolcalls import ToolCall
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -72,6 +75,7 @@ class MessagesRequest:
     tools: list[dict[str, Any]] | None
     thinking: bool
     output_schema: dict[str, Any] | None  # `output_config.format`'s JSON schema: the reply is constrained to it
+    tool_choice: ToolChoice = ToolChoice()
 
 
 def parse_messages_request(body: dict, model_name: str, defaults: SamplingDefaults, count_only: bool = False
@@ -105,7 +109,11 @@ def parse_messages_request(body: dict, model_name: str, defaults: SamplingDefaul
     common = Common(opt_bool(body, "stream"), False, max_tokens, params, tuple(s for s in stops if s),
                     opt_bool(body, "ignore_eos"))  # ignore_eos: glm-serve's extension, as on the OpenAI routes
     messages = _system(body.get("system")) + _turns(body)
-    return MessagesRequest(common, messages, _tools(body), _thinking(body.get("thinking")), _output_schema(body))
+    tools, thinking = _tools(body), _thinking(body.get("thinking"))
+    choice = _tool_choice(body, tools)
+    if choice.required and thinking:
+        raise value_error("tool_choice", "thinking may not be enabled when tool_choice forces tool use")
+    return MessagesRequest(common, messages, tools, thinking, _output_schema(body), choice)
 
 
 def _output_schema(body: dict) -> dict[str, Any] | None:
@@ -230,6 +238,8 @@ def _tools(body: dict) -> list[dict[str, Any]] | None:
         function = {"name": tool["name"], "parameters": schema}
         if isinstance(tool.get("description"), str):
             function["description"] = tool["description"]
+        if tool.get("strict") is True:
+            function["strict"] = True
         out.append({"type": "function", "function": function})
     choice = body.get("tool_choice")
     if choice is not None and not (isinstance(choice, dict) and choice.get("type") in ("auto", "any", "tool", "none")):
@@ -237,6 +247,24 @@ def _tools(body: dict) -> list[dict[str, Any]] | None:
     if choice is not None and choice["type"] == "none":
         return None
     return out or None
+
+
+def _tool_choice(body: dict, tools: list[dict[str, Any]] | None) -> ToolChoice:
+    """`tool_choice` {"type": "auto" | "any" | "tool" (with its `name`) | "none"} and its
+    `disable_parallel_tool_use` (checked in `_tools` first)."""
+    choice = body.get("tool_choice") or {"type": "auto"}
+    disable = choice.get("disable_parallel_tool_use", False)
+    if not isinstance(disable, bool):
+        raise type_error("tool_choice.disable_parallel_tool_use", "a boolean", disable)
+    parallel = not disable
+    if choice["type"] in ("auto", "none"):
+        return ToolChoice(parallel=parallel)
+    if not tools:
+        raise value_error("tool_choice", "asks for a tool call, but the request has no tools")
+    name = choice.get("name") if choice["type"] == "tool" else None
+    if choice["type"] == "tool" and name not in {t["function"]["name"] for t in tools}:
+        raise value_error("tool_choice.name", f"{name!r} is not among the tools")
+    return ToolChoice(required=True, name=name, parallel=parallel)
 
 
 THINKING_ON = ("enabled", "adaptive", "between_tools")  # `thinking` types that turn GLM's thinking on

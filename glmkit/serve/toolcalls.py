@@ -27,10 +27,11 @@ import jinja2.meta
 
 from glmkit.generate.tokenizer import BoundedSandbox
 
-TOOL_CALL_OPEN = "<tool_call>"
-TOOL_CALL_CLOSE = "</tool_call>"
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+ARG_KEY_OPEN, ARG_KEY_CLOSE = "<arg_key>", "</arg_key>"
+ARG_VALUE_OPEN, ARG_VALUE_CLOSE = "<arg_value>", "</arg_value>"
 _BLOCK = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)" + re.escape(TOOL_CALL_CLOSE), re.S)
-_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
+_ARG = re.compile(f"{ARG_KEY_OPEN}(.*?){ARG_KEY_CLOSE}\\s*{ARG_VALUE_OPEN}(.*?){ARG_VALUE_CLOSE}", re.S)
 
 
 @dataclass
@@ -60,18 +61,18 @@ def parse_tool_calls(text: str, tools: list[dict[str, Any]] | None = None) -> tu
     string or it does not parse as JSON. A block without a name, or an unclosed one (generation cut
     off), stays in the text.
     """
-    schemas = _parameter_types(tools or [])
+    schemas = parameter_schemas(tools or [])
     calls: list[ToolCall] = []
     kept: list[str] = []
     pos = 0
     for match in _BLOCK.finditer(text):
         body = match.group(1)
-        cut = body.find("<arg_key>")
+        cut = body.find(ARG_KEY_OPEN)
         name = (body if cut < 0 else body[:cut]).strip()
         if not name or "<" in name:
             continue
-        types = schemas.get(name, {})
-        arguments = {key.strip(): _value(value, types.get(key.strip())) for key, value in _ARG.findall(body)}
+        properties = schemas.get(name, {})
+        arguments = {key.strip(): _value(value, properties.get(key.strip())) for key, value in _ARG.findall(body)}
         kept.append(text[pos:match.start()])
         pos = match.end()
         calls.append(ToolCall(name, arguments))
@@ -79,8 +80,8 @@ def parse_tool_calls(text: str, tools: list[dict[str, Any]] | None = None) -> tu
     return "".join(kept).strip(), calls
 
 
-def _parameter_types(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """{function name: {parameter: its JSON-schema `type`}}."""
+def parameter_schemas(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """{function name: {parameter: its JSON schema}} (the schemas of `parameters.properties`)."""
     out: dict[str, dict[str, Any]] = {}
     for tool in tools:
         function = tool.get("function") if isinstance(tool, dict) else None
@@ -88,15 +89,19 @@ def _parameter_types(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             continue
         parameters = function.get("parameters")
         properties = parameters.get("properties") if isinstance(parameters, dict) else None
-        out[function["name"]] = {key: spec.get("type") for key, spec in (properties or {}).items()
-                                 if isinstance(spec, dict)}
+        out[function["name"]] = {key: spec for key, spec in (properties or {}).items() if isinstance(spec, dict)}
     return out
 
 
-def _value(raw: str, schema_type: Any) -> Any:
-    is_string = schema_type == "string" or (isinstance(schema_type, list) and "string" in schema_type
-                                             and not {"object", "array"} & set(schema_type))
-    if is_string:
+def raw_string(schema: dict[str, Any] | None) -> bool:
+    """Whether a parameter's value is written as its bare text (its schema's `type` is "string", or a list of types
+    with "string" and neither "object" nor "array"), not as JSON."""
+    kind = (schema or {}).get("type")
+    return kind == "string" or (isinstance(kind, list) and "string" in kind and not {"object", "array"} & set(kind))
+
+
+def _value(raw: str, schema: dict[str, Any] | None) -> Any:
+    if raw_string(schema):
         return raw
     try:
         return json.loads(raw.strip())
