@@ -1,10 +1,14 @@
 """tools/bench.py's summary: the bandwidth ceiling per row (a GPU row divides by its own memory's bandwidth), and
 the per-round fractions shown beside it; tools/bench_stream.py's summary over rounds and its cgroups (v1 and v2, on
-a fake tree)."""
+a fake tree); tools/bench_constrained.py's synthetic vocabulary."""
 
 from __future__ import annotations
 
+from tokenizers import Tokenizer
+
+from glmkit.generate.constraint import GrammarTokenizer, json_grammar
 from tools.bench import markdown, ratios, summarize
+from tools.bench_constrained import synthetic_tokenizer
 from tools.bench_stream import new_cgroups, summary
 
 
@@ -107,3 +111,12 @@ def test_stream_cgroups_v1_and_v2(tmp_path):
     assert new_cgroups(None, None, proc_cgroup=proc, sysfs=v1) == []
     (only,) = new_cgroups(1 << 20, None, name="m", proc_cgroup=proc, sysfs=v1)  # no throttle: no blkio group
     assert only == v1 / "memory" / "jobs" / "m"
+
+
+def test_the_synthetic_vocabulary_is_byte_level_text_the_grammar_library_reads(tmp_path):
+    tok = Tokenizer.from_file(str(synthetic_tokenizer(2000, tmp_path / "tokenizer.json")))
+    assert tok.get_vocab_size() == 2000
+    spaced = next(t for t in tok.get_vocab() if t.startswith("\u0120") and len(t) > 2)  # a leading space
+    assert tok.decode([tok.token_to_id(spaced)]) == " " + spaced[1:]
+    gt = GrammarTokenizer(tok, 2000, (1999,))
+    assert gt.check(json_grammar({"type": "integer"})) is None and gt.ll.vocab_size == 2000
