@@ -10,6 +10,8 @@ often the device defers (never, here, where the nucleus fits its candidates)."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -18,15 +20,19 @@ from glmkit.backends.opencl.backend import OpenCLBackend, Placement
 from glmkit.backends.opencl.decode_graph import (
     DecodePipeline,
     DeviceDecodeStep,
+    MaskedChoice,
     SampledChoice,
     SampleLaunches,
     SampleScratch,
 )
 from glmkit.backends.opencl.ops import Kernels
+from glmkit.generate.constraint import GrammarTokenizer, json_grammar
 from glmkit.generate.engine import Engine
 from glmkit.generate.generator import Generator
 from glmkit.generate.sampling import Sampler, SamplingParams, token_probabilities
 from glmkit.model.glm5 import GlmMoeDsaModel
+from glmkit.serve.tool_grammar import MARKERS, ToolChoice, tool_call_grammar
+from glmkit.serve.toolcalls import parse_tool_calls
 from tests.runtime_support import Snapshots, opencl_test_device, oracle
 
 
@@ -243,3 +249,63 @@ def test_interleaved_sampled_pipelines(snapshots, kernels, monkeypatch):
     got = turns()
     host_only(monkeypatch)
     assert got == turns()
+
+
+def test_constrained_generation_is_the_host_paths(snapshots, kernels, monkeypatch):
+    """A constrained request (a JSON schema, a forced tool call) decodes pipelined on a CPU device, the device
+    choosing among the tokens the grammar's bitmask allows (MaskedChoice): the host path's tokens, greedy and
+    sampled, and the output parses. A discrete device, whose memory the host does not write in place, decodes
+    it one token at a time."""
+    engine = Engine(snapshots("tiny-trained", "q4"), "numpy")
+    dev = models(engine, kernels)
+    eos = tuple(engine.eos_token_ids)
+    grammar_tokenizer = GrammarTokenizer(engine.tokenizer.tokenizer, engine.config.vocab_size, eos)
+    tool = {"type": "function", "function": {"name": "pick", "strict": True, "parameters": {"type": "object",
+            "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                           "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
+            "required": ["n", "tags"]}}}
+    grammars = [json_grammar({"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999},
+                              "minItems": 6, "maxItems": 6}),
+                tool_call_grammar([tool], ToolChoice(required=True, parallel=False), False,
+                                  grammar_tokenizer.added_token_ids(MARKERS))]
+    settings = [SamplingParams(seed=4), SamplingParams(temperature=1.0, seed=5),
+                SamplingParams(temperature=0.8, top_k=20, seed=6)]  # top-k past the allowed tokens: ties at -inf
+    prompt = engine.tokenizer.encode("Numbers:")
+
+    def runs() -> list:
+        return [sampled_run(dev, prompt, 200, Sampler(params, grammar_tokenizer.constraint(g)), eos)
+                for g in grammars for params in settings]
+
+    pipes = []
+    pipeline = DeviceDecodeStep.pipeline
+    monkeypatch.setattr(DeviceDecodeStep, "pipeline", lambda self, *a: pipes.append(pipeline(self, *a)) or pipes[-1])
+    got = runs()
+    if kernels.direct:
+        assert all(isinstance(p.choice, MaskedChoice) and p.decided > 10 and not p.fallbacks for p in pipes)
+    else:
+        assert pipes and all(p is None for p in pipes)
+    host_only(monkeypatch)
+    want = runs()
+    assert got == want
+    texts = [engine.tokenizer.decode(tokens[:-1]) for tokens, _, _ in want]
+    assert all(tokens[-1] in eos for tokens, _, _ in want)  # every grammar completed
+    assert all(len(json.loads(text)) == 6 for text in texts[:len(settings)])
+    assert all(len(parse_tool_calls(text, [tool])[1]) == 1 for text in texts[len(settings):])
+
+    def interleaved() -> list[list[int]]:
+        """Two constrained sequences and a free one in turns on one step, as glm-serve's scheduler runs them."""
+        samplers = [Sampler(settings[0], grammar_tokenizer.constraint(grammars[1])),
+                    Sampler(settings[1], grammar_tokenizer.constraint(grammars[0])), Sampler(SamplingParams(seed=9))]
+        streams = [Generator(dev, eos, use_mtp=False).generate(prompt, 40, s) for s in samplers]
+        got: list[list[int]] = [[] for _ in streams]
+        for _ in range(12):
+            for s, stream in enumerate(streams):
+                got[s].append(next(stream))
+        for stream in streams:
+            stream.close()
+        return got
+
+    monkeypatch.undo()
+    turns = interleaved()
+    host_only(monkeypatch)
+    assert turns == interleaved()

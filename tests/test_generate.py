@@ -264,16 +264,16 @@ def test_penalties_lower_the_logits_of_tokens_already_chosen():
     its count, a presence penalty once, so the choice walks down the logits as OpenAI's definition says."""
     logits = np.array([3.0, 2.5, 2.0, 0.0], np.float32)
     plain = Sampler(SamplingParams())
-    assert [plain(logits) for _ in range(4)] == [0, 0, 0, 0] and not plain.needs_logits
+    assert [plain(logits) for _ in range(4)] == [0, 0, 0, 0] and not plain.host_only
     frequency = Sampler(SamplingParams(frequency_penalty=0.75))
     # counts after each pick: 3-.75=2.25 < 2.5 -> 1; 2.5-.75=1.75 < 2.25 -> 0; 3-1.5=1.5 < 2 -> 2; ...
-    assert [frequency(logits) for _ in range(5)] == [0, 1, 0, 2, 1] and frequency.needs_logits
+    assert [frequency(logits) for _ in range(5)] == [0, 1, 0, 2, 1] and frequency.host_only
     presence = Sampler(SamplingParams(presence_penalty=0.75))
     assert [presence(logits) for _ in range(4)] == [0, 1, 0, 0]  # penalized once only: 3 - .75 leads again
     negative = Sampler(SamplingParams(frequency_penalty=-1.0))  # rewards repeats
     assert [negative(np.array([2.0, 2.5], np.float32)) for _ in range(3)] == [1, 1, 1]
     biased = Sampler(SamplingParams(logit_bias=((3, 3.5), (0, -100.0))))
-    assert [biased(logits) for _ in range(2)] == [3, 3] and biased.needs_logits  # 0 + 3.5 beats 2.5; 0 is banned
+    assert [biased(logits) for _ in range(2)] == [3, 3] and biased.host_only  # 0 + 3.5 beats 2.5; 0 is banned
     chosen = Sampler(SamplingParams(frequency_penalty=2.0), logprobs=1)
     chosen(logits), chosen(logits)
     assert [c.token for c in chosen.chosen] == [0, 1] and chosen.chosen[1].top[0][0] == 0  # logprobs: raw logits

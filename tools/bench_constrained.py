@@ -6,11 +6,13 @@
     PYTHONPATH=. python tools/bench_constrained.py --rounds 5 --vocab 154880 --json /tmp/constrained.json
 
 Decode: the benchmark model (tools/bench_model.py; the tiny fixture's tokenizer, whose 372 tokens are the only ones
-a grammar can allow of the model's 8,192) through `Generator`, greedy, in four modes alternated `--rounds` times:
+a grammar can allow of the model's 8,192) through `Generator`, greedy, in six modes alternated `--rounds` times:
 `free` (the device picks each token, the next forward in flight), `host` (a no-op logit bias: each token chosen on
-the host from the logits, the path every constraint takes), `json` (an array of `--items` integers) and `tool` (a
-forced call of a strict tool with that array as its argument). Per mode: ms per decoded token (from the first token
-to the last) and the constraint's own time per token (the mask before each choice and the advance after it).
+the host from the logits), `json` (an array of `--items` integers) and `tool` (a forced call of a strict tool with
+that array as its argument), pipelined as `free` is on a CPU OpenCL device (the device masks the logits by the
+grammar's bitmask), and `json-host` / `tool-host`: the same grammars through the host's choice, as `host` (the path
+before the device masked). Per mode: ms per decoded token (from the first token to the last) and the constraint's
+own time per token (its bitmask or mask, and its advance).
 
 Mask alone (`--vocab N`, 0 to skip): the two grammars over a synthetic byte-level vocabulary of N tokens (GLM-5 has
 154,880): random strings of 1-12 letters, digits and JSON punctuation, half with a leading space. Per token, the mask
@@ -43,7 +45,7 @@ from glmkit.serve.tool_grammar import MARKERS, ToolChoice, tool_call_grammar  # 
 from tools.bench_model import DEFAULT_WORK, ensure_bench_snapshot  # noqa: E402
 from tools.bench_serve import servable  # noqa: E402
 
-MODES = ("free", "host", "json", "tool")
+MODES = ("free", "host", "json", "tool", "json-host", "tool-host")
 
 
 def numbers_schema(items: int) -> dict[str, Any]:
@@ -60,28 +62,36 @@ def grammars(gt: GrammarTokenizer, items: int) -> dict[str, str]:
 
 
 class TimedConstraint:
-    """A TokenConstraint that adds up the time of its mask and its advance."""
+    """A TokenConstraint that adds up the time of its mask (or bitmask, where the device masks) and its advance."""
 
     def __init__(self, inner: TokenConstraint) -> None:
         self.inner, self.seconds = inner, 0.0
 
-    def mask(self, logits: np.ndarray) -> np.ndarray:
+    def _timed(self, fn, *args):
         start = time.perf_counter()
-        out = self.inner.mask(logits)
+        out = fn(*args)
         self.seconds += time.perf_counter() - start
         return out
 
+    def mask(self, logits: np.ndarray) -> np.ndarray:
+        return self._timed(self.inner.mask, logits)
+
+    def allowed_bits(self) -> np.ndarray:
+        return self._timed(self.inner.allowed_bits)
+
     def accept(self, token: int) -> None:
-        start = time.perf_counter()
-        self.inner.accept(token)
-        self.seconds += time.perf_counter() - start
+        self._timed(self.inner.accept, token)
+
+    def rollback(self, tokens: int) -> None:
+        self.inner.rollback(tokens)
 
 
 def decode_once(engine: Engine, gt: GrammarTokenizer, end: tuple[int, ...], mode: str, grammar: dict[str, str],
                 prompt: list[int], max_tokens: int) -> dict[str, float]:
-    constraint = TimedConstraint(gt.constraint(grammar[mode])) if mode in grammar else None
+    kind, _, through = mode.partition("-")
+    constraint = TimedConstraint(gt.constraint(grammar[kind])) if kind in grammar else None
     params = SamplingParams(0.0, logit_bias=((0, 0.0),)) if mode == "host" else SamplingParams(0.0)
-    gen = Generator(engine.model, end, use_mtp=False)
+    gen = Generator(engine.model, end, use_mtp=False, pipelined=through != "host")
     stamps = []
     for _ in gen.generate(prompt, max_tokens, Sampler(params, constraint)):
         stamps.append(time.perf_counter())
@@ -176,14 +186,14 @@ def main(argv: list[str] | None = None) -> int:
         for mode in MODES:
             runs[mode].append(decode_once(engine, gt, end, mode, grammar, prompt, args.max_tokens))
     print(f"decode ({engine.config.vocab_size} logits, device {args.device}; medians of {args.rounds} rounds)")
-    print("| mode | tokens | ms per token | constraint ms per token | vs host |")
+    print("| mode | tokens | ms per token | constraint ms per token | vs free |")
     print("|---|---:|---:|---:|---:|")
-    host = statistics.median(r["ms_per_token"] for r in runs["host"])
+    free = statistics.median(r["ms_per_token"] for r in runs["free"])
     for mode in MODES:
         ms = statistics.median(r["ms_per_token"] for r in runs[mode])
         mask = statistics.median(r["mask_ms_per_token"] for r in runs[mode])
         tokens = statistics.median(r["tokens"] for r in runs[mode])
-        print(f"| {mode} | {tokens:.0f} | {ms:.2f} | {mask:.3f} | {ms / host:.2f}x |")
+        print(f"| {mode} | {tokens:.0f} | {ms:.2f} | {mask:.3f} | {ms / free:.2f}x |")
     alone = mask_alone(args.vocab, args.items, args.tokens) if args.vocab else {}
     if alone:
         print(f"\nmask alone over a synthetic vocabulary of {args.vocab} tokens")

@@ -62,14 +62,22 @@ class TokenConstraint:
             raise GlmkitError(f"constrained output: {self.matcher.get_error()}")
         self.bitmask = llguidance.numpy.allocate_token_bitmask(1, tokenizer.ll.vocab_size)  # [1, ceil(V / 32)]
 
+    def allowed_bits(self) -> np.ndarray:
+        """The tokens the grammar allows next: bit t % 32 of word t // 32, int32 `[ceil(V / 32)]` (llguidance's)."""
+        llguidance.numpy.fill_next_token_bitmask(self.matcher, self.bitmask, 0)
+        if not self.bitmask.any():
+            raise GlmkitError(f"constrained output: no token may follow ({self.matcher.get_error() or 'dead end'})")
+        return self.bitmask[0]
+
     def mask(self, logits: np.ndarray) -> np.ndarray:
         """`logits [V]` with every token the grammar does not allow next at -inf (a new array)."""
-        llguidance.numpy.fill_next_token_bitmask(self.matcher, self.bitmask, 0)
-        bits = np.unpackbits(self.bitmask.view(np.uint8), bitorder="little")[:len(logits)].astype(bool)  # [V]
-        if not bits.any():
-            raise GlmkitError(f"constrained output: no token may follow ({self.matcher.get_error() or 'dead end'})")
+        bits = np.unpackbits(self.allowed_bits().view(np.uint8), bitorder="little")[:len(logits)].astype(bool)  # [V]
         return np.where(bits, logits, np.float32(-np.inf)).astype(logits.dtype)
 
     def accept(self, token: int) -> None:
         if not self.matcher.consume_token(token):
             raise GlmkitError(f"constrained output: token {token} breaks the grammar ({self.matcher.get_error()})")
+
+    def rollback(self, tokens: int) -> None:
+        """Take back the last `tokens` accepted."""
+        self.matcher.rollback(tokens)

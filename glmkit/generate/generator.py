@@ -9,9 +9,10 @@ with and without MTP, and sampled output follows the same distribution.
 
 Decoding without MTP on a backend with a device decode step (OpenCL) keeps the next forward in flight: the
 device picks each token (the argmax, or a sampled draw from a uniform the host drew from the sampler's stream in
-advance) and queues its forward before the host sees it (`GlmMoeDsaModel.pipelined_decode`), with the same tokens
-and the same cache at the end. A sampler that needs the logits on the host (a constraint, penalties or biases,
-logprobs) decodes one token at a time.
+advance; with a constraint, among the tokens its bitmask allows, which the host writes while the forward before
+runs) and queues its forward before the host sees it (`GlmMoeDsaModel.pipelined_decode`), with the same tokens
+and the same cache at the end. A sampler that needs the logits on the host (penalties or biases, logprobs), or a
+constraint where the device cannot mask, decodes one token at a time.
 
 A short prompt (piece) on such a backend is prefilled through the decode step as well (`forward_prompt`: one or two
 tokens per forward), its forwards queued back to back and only the last one's logits computed: a batched forward
@@ -143,7 +144,7 @@ class Generator:
         emitted = 0
         pipe = None  # decoding with the next forward in flight (the device decode step)
         # tried once; off again once the pipe stops
-        pipelined = self.pipelined and not sampler.needs_logits and not self.use_mtp
+        pipelined = self.pipelined and not sampler.host_only and not self.use_mtp
         on_device = self.use_mtp and self.model.drafts_on_device()  # verification and drafts as one device step
         mtp_kept: int | None = None
         try:
@@ -163,7 +164,8 @@ class Generator:
                 if draft is None:
                     if pipe is None and pipelined:
                         pipelined = False
-                        pipe = self.model.pipelined_decode(token, cache, None if sampler.greedy else sampler)
+                        pipe = self.model.pipelined_decode(token, cache, None if sampler.greedy else sampler,
+                                                           sampler.constraint)
                     if pipe is not None:
                         token = pipe.advance()
                         if pipe.stopped:
@@ -205,7 +207,7 @@ class Generator:
                 if stats.mtp_drafts == MTP_PROBE_DRAFTS and break_even is not None and (
                         stats.mtp_accepted < break_even * stats.mtp_drafts):
                     draft = None  # too few accepted to pay on this device: single tokens from here on
-                    pipelined = self.pipelined and not sampler.needs_logits
+                    pipelined = self.pipelined and not sampler.host_only
         finally:
             if pipe is not None:
                 pipe.close()  # the cache keeps no row past the last token yielded

@@ -9,6 +9,7 @@ from typing import Protocol
 import numpy as np
 
 from glmkit.errors import GlmkitError
+from glmkit.model.compute import TokenMask
 
 
 @dataclass(frozen=True)
@@ -69,12 +70,11 @@ def token_logprob(logits: np.ndarray, token: int, top: int) -> TokenLogprob:
     return TokenLogprob(token, float(logp[token]), tuple((int(i), float(logp[i])) for i in best))
 
 
-class LogitsConstraint(Protocol):
-    """Which tokens may come next (`mask`: the others' logits at -inf), told each token chosen (`accept`)."""
+class LogitsConstraint(TokenMask, Protocol):
+    """Which tokens may come next (`mask`: the others' logits at -inf; as a bitmask for a device that masks the logits
+    itself: `TokenMask`), told each token chosen (`accept`)."""
 
     def mask(self, logits: np.ndarray) -> np.ndarray: ...
-
-    def accept(self, token: int) -> None: ...
 
 
 class Sampler:
@@ -98,9 +98,10 @@ class Sampler:
         return self.params.temperature == 0
 
     @property
-    def needs_logits(self) -> bool:
-        """Whether every choice needs the logits on the host (a constraint, penalties or biases, logprobs to report)."""
-        return self.constraint is not None or self.logprobs is not None or self.params.adjusts_logits
+    def host_only(self) -> bool:
+        """Whether every choice needs the logits on the host (penalties or biases, logprobs to report), even where a
+        device masks them by a constraint's bitmask."""
+        return self.logprobs is not None or self.params.adjusts_logits
 
     def __call__(self, logits: np.ndarray) -> int:
         """logits `[V]` -> token id: `Generator.choice(V, p=token_probabilities(...))`'s draw (one uniform from the

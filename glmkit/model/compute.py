@@ -168,6 +168,18 @@ class TokenDraws(Protocol):
     def pick(self, logits: np.ndarray, u: float) -> int: ...
 
 
+class TokenMask(Protocol):
+    """A constraint on the tokens as a device that masks the logits itself sees it: the tokens allowed next as a
+    bitmask (bit t % 32 of int32 word t // 32), told each token chosen (`accept`; `rollback` takes back the last
+    ones)."""
+
+    def allowed_bits(self) -> np.ndarray: ...
+
+    def accept(self, token: int) -> None: ...
+
+    def rollback(self, tokens: int) -> None: ...
+
+
 class PipelinedDecode(Protocol):
     """Decoding with the next forward queued ahead: `advance()` returns each next token."""
 
@@ -193,10 +205,10 @@ class DecodeStep(Protocol):
         ...
 
     def pipeline(self, token: int, cache: KVCache, embed_of: Callable[[int], np.ndarray],
-                 draws: TokenDraws | None = None, on_routes: Callable[[Routes], None] | None = None
-                 ) -> PipelinedDecode | None:
-        """Decoding from `token` (the next forward appends its row): greedy, or drawn as `draws` draws; None where
-        not supported."""
+                 draws: TokenDraws | None = None, on_routes: Callable[[Routes], None] | None = None,
+                 constraint: TokenMask | None = None) -> PipelinedDecode | None:
+        """Decoding from `token` (the next forward appends its row): greedy, or drawn as `draws` draws, among the
+        tokens `constraint` allows; None where not supported."""
         ...
 
     def watch_routes(self, hook: Callable[[int, np.ndarray], None]) -> None:

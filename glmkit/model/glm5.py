@@ -21,7 +21,7 @@ import numpy as np
 from glmkit.errors import GlmkitError
 from glmkit.format.config import ModelConfig
 from glmkit.format.tensors import Weight
-from glmkit.model.compute import Backend, DecodeStep, ExpertArena, PipelinedDecode, Routes, TokenDraws
+from glmkit.model.compute import Backend, DecodeStep, ExpertArena, PipelinedDecode, Routes, TokenDraws, TokenMask
 from glmkit.model.kv_cache import KV_DTYPES, KVCache, LayerKV
 from glmkit.model.layer_spec import (
     EMBED,
@@ -428,15 +428,17 @@ class GlmMoeDsaModel:
             for layer, ids in routes:
                 self.route_hook(layer, ids, None)
 
-    def pipelined_decode(self, token: int, cache: KVCache, draws: TokenDraws | None = None
-                         ) -> PipelinedDecode | None:
+    def pipelined_decode(self, token: int, cache: KVCache, draws: TokenDraws | None = None,
+                         constraint: TokenMask | None = None) -> PipelinedDecode | None:
         """Decoding from `token` (appended next) with the following forward queued before the host sees each
         token (the backend's decode step): greedy, or each token drawn on the device as the sampler `draws` would
-        draw it; None: the caller then decodes with `forward`."""
+        draw it, among those `constraint` allows (it has taken `token`, and takes each token returned); None: the
+        caller then decodes with `forward`."""
         step = self._decode_step() if cache.length > 0 else None
         if step is None:
             return None
-        return step.pipeline(token, cache, lambda t: self.embed(np.array([t]))[0], draws, self._report_routes)
+        return step.pipeline(token, cache, lambda t: self.embed(np.array([t]))[0], draws, self._report_routes,
+                             constraint)
 
     def mtp_forward(self, hidden: np.ndarray, next_token_ids: np.ndarray, cache: KVCache
                     ) -> tuple[np.ndarray, np.ndarray]:

@@ -80,7 +80,7 @@ from glmkit.backends.opencl.program import Launch
 from glmkit.backends.opencl.weights import X8_BLOCK, ClWeight, fused_expert_arrays, mvt_chunked, x8_eligible
 from glmkit.format.config import ModelConfig
 from glmkit.format.tensors import Weight
-from glmkit.model.compute import ExpertArena, SamplingSettings, TokenDraws
+from glmkit.model.compute import ExpertArena, SamplingSettings, TokenDraws, TokenMask
 from glmkit.model.expert_cache import ExpertScores
 from glmkit.model.kv_cache import SCALED_KV_DTYPES, SHADOW_BLOCK, KVCache, shadow_bound
 from glmkit.model.layer_spec import (
@@ -1648,18 +1648,21 @@ class DeviceDecodeStep:
         return event
 
     def pipeline(self, token: int, cache: KVCache, embed_of: Callable[[int], np.ndarray],
-                 draws: TokenDraws | None = None, on_routes: Callable[[list], None] | None = None
-                 ) -> DecodePipeline | None:
+                 draws: TokenDraws | None = None, on_routes: Callable[[list], None] | None = None,
+                 constraint: TokenMask | None = None) -> DecodePipeline | None:
         """Decoding from `token` with one forward in flight (`DecodePipeline`): greedy, or drawn as `draws` (a host
-        sampler) would draw. None where the device cannot: no embedding lookup on the device, or a sampled draw
-        `SampledChoice.fits` refuses. embed_of(token): a token's embedding row `[H]`."""
-        if self.embed is None or self.rows > 1:
+        sampler) would draw; with `constraint` (which has taken `token`), among the tokens it allows (`MaskedChoice`).
+        None where the device cannot: no embedding lookup on the device, a sampled draw `SampledChoice.fits`
+        refuses, or a constraint on a device whose memory the host does not write in place. embed_of(token): a
+        token's embedding row `[H]`."""
+        if self.embed is None or self.rows > 1 or (constraint is not None and not self.k.direct):
             return None
-        if draws is None:
-            return DecodePipeline(self, cache, token, embed_of, on_routes, ArgmaxChoice(self))
-        if not SampledChoice.fits(self, draws):
+        if draws is not None and not SampledChoice.fits(self, draws):
             return None
-        return DecodePipeline(self, cache, token, embed_of, on_routes, SampledChoice(self, draws))
+        choice: TokenChoice = ArgmaxChoice(self) if draws is None else SampledChoice(self, draws)
+        if constraint is not None:
+            choice = MaskedChoice(self, choice, constraint)
+        return DecodePipeline(self, cache, token, embed_of, on_routes, choice)
 
     def held_logits(self, parity: int) -> np.ndarray:
         """The logits sample_token kept for the host (`[V]`) of the token of this parity (it has finished)."""
@@ -1821,6 +1824,76 @@ class SampledChoice:
             self.draws.rng.bit_generator.state = unused[0][1]
         self.spare.clear()
         self.queued.clear()
+
+
+class MaskedChoice:
+    """A constrained request's token on the device: `inner`'s choice (the argmax or a draw) over the logits with the
+    tokens its `TokenMask` does not allow at -inf (mask_logits). The bitmask of a token's choice follows from the
+    token before it, which the host learns only as the forward before finishes: that mask launch waits behind a user
+    event, which the host completes once the constraint has taken that token and the bitmask is written
+    (`decided`), a forward before the device reaches it. The host writes the bitmask in place (CPU devices)."""
+
+    def __init__(self, step: DeviceDecodeStep, inner: TokenChoice, constraint: TokenMask) -> None:
+        self.step, self.inner, self.constraint = step, inner, constraint
+        vocab = step.logits.host.size
+        self.bits = [step.buffers.array(-(-vocab // 32), np.int32) for _ in range(2)]  # per parity
+        self.launch = step.k.bind("mask_logits", (vocab,), None, logits=step.logits.buffer,
+                                  bitmask=self.bits[0].buffer, n=vocab)
+        self.gates: deque[tuple[int, Any]] = deque()  # (parity, user event) of the choices queued before their bitmask
+        self.current = True  # the constraint has taken every token before the next choice queued
+
+    def enqueue(self, parity: int) -> Any:
+        self.launch.set(bitmask=self.bits[parity].buffer)
+        if self.current:
+            self._write(parity)
+            self.current = False
+            self.launch.enqueue()
+        else:
+            gate = self.step.k.user_event()
+            self.gates.append((parity, gate))
+            self.launch.enqueue(wait_for=[gate])
+        return self.inner.enqueue(parity)
+
+    def _write(self, parity: int, anything: bool = False) -> None:
+        """The bitmask of the constraint's next token at this parity (`anything`: every token, for a choice whose
+        token is dropped unused)."""
+        words = self.bits[parity].host
+        words[:] = -1 if anything else self.constraint.allowed_bits()[:len(words)]
+
+    def decided(self, parity: int) -> tuple[int, bool]:
+        token, on_device = self.inner.decided(parity)
+        try:
+            self.constraint.accept(token)
+            if self.gates:  # the choice queued after this token's forward: its bitmask is known now
+                gate_parity, gate = self.gates.popleft()
+                self._write(gate_parity)
+                self.step.k.complete(gate)
+            else:
+                self.current = True
+        except BaseException:
+            self._open_gates()  # nothing queued may wait for the host any more
+            raise
+        return token, on_device
+
+    def _open_gates(self) -> None:
+        while self.gates:
+            gate_parity, gate = self.gates.popleft()
+            self._write(gate_parity, anything=True)
+            self.step.k.complete(gate)
+
+    def discard(self) -> None:
+        self._open_gates()
+        self.current = True  # the next choice queued follows the last token decided
+        self.inner.discard()
+
+    def unuse(self) -> None:
+        self.constraint.rollback(1)
+        self.current = True
+        self.inner.unuse()
+
+    def release(self) -> None:
+        self._open_gates()
+        self.inner.release()
 
 
 class DecodePipeline:

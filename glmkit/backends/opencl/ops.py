@@ -96,6 +96,15 @@ class Kernels:
         """Hand the queued commands to the device without waiting for them."""
         self.queue.flush()
 
+    def user_event(self) -> Any:
+        """An event the host completes (`complete`): commands queued behind it wait for the host."""
+        return cl.UserEvent(self.ctx)
+
+    @staticmethod
+    def complete(event: Any) -> None:
+        """Complete a `user_event`: what waits for it may run."""
+        event.set_status(cl.command_execution_status.COMPLETE)
+
     def on_complete(self, event: Any, fn: Callable[[], None]) -> None:
         """Call `fn()` from the OpenCL runtime's callback thread once the command of `event` completed."""
         event.set_callback(cl.command_execution_status.COMPLETE, lambda status: fn())

@@ -220,5 +220,7 @@ class Launch:
                 self.kernel._set_arg_buf(index, kind(value))
             self.args[index] = value
 
-    def enqueue(self) -> Any:
-        return cl.enqueue_nd_range_kernel(self.queue, self.kernel, self.size, self.local, self.offset)
+    def enqueue(self, wait_for: list | None = None) -> Any:
+        """Queue it (after the events `wait_for` too, e.g. a user event the host sets); its event."""
+        return cl.enqueue_nd_range_kernel(self.queue, self.kernel, self.size, self.local, self.offset,
+                                          wait_for=wait_for)

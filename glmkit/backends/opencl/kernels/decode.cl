@@ -50,6 +50,13 @@ __kernel void residual_rms_norm(__global float* x, uint x_off, __global const fl
                  qsum + r * (n / 64), red);
 }
 
+/* The logits of the tokens a grammar does not allow next at -inf (bit t % 32 of bitmask[t / 32] clear: llguidance's
+ * bitmask), before the device chooses the token: a constrained request's pipelined decoding. Global (n). */
+__kernel void mask_logits(__global float* logits, __global const int* bitmask, uint n) {
+    const uint t = get_global_id(0);
+    if (t < n && !((bitmask[t >> 5] >> (t & 31)) & 1)) logits[t] = -INFINITY;
+}
+
 /* token[r] = the index of the largest of the n values of row r of x, the first one on ties (NumPy's argmax): the
  * greedy token, chosen on the device so that the next token's forward can be queued before the host sees this
  * one (and MTP's draft of the verified tokens, from the tokens chosen for them). One work-group per row: global

@@ -116,7 +116,11 @@ __kernel void sample_token(__global const float* logits, uint n, __global const 
             for (uint r = 0; r < top_k; r++) z += p[n_cand - 1 - (uint)(keys[r] & 0xffffffffu)];
         }
         uint cut = kept - 1;  /* the last rank kept */
-        bool ok = isfinite(z) && z > 0.0 && (top_k == 0 || (keys[top_k - 1] >> 32) != (keys[top_k] >> 32));
+        /* a tie at the top-k boundary is the host's to break, unless at -inf (logits a constraint masked): those
+         * tokens have no probability, kept or not */
+        bool ok = isfinite(z) && z > 0.0 && (top_k == 0 || (keys[top_k - 1] >> 32) != (keys[top_k] >> 32) ||
+                                             logits[cand[n_cand - 1 - (uint)(keys[top_k - 1] & 0xffffffffu)]] ==
+                                                 -INFINITY);
         if (ok && top_p < 1.0) {
             double cum = 0.0;
             bool reached = false;
