@@ -124,6 +124,15 @@ def test_strict_tools_leave_text_free_and_hold_every_call(vocab):
     assert accepts(vocab, single, "ok " + good) and not accepts(vocab, single, good + good)
 
 
+def test_names_and_keys_are_literal_text(vocab):
+    name, key = 'wé"ird', 'k"ü\\'
+    tools = [{"type": "function", "function": {"name": name, "strict": True, "parameters": {
+        "type": "object", "properties": {key: {"type": "string", "maxLength": 3}}, "required": [key]}}}]
+    forced = grammar(vocab, ToolChoice(required=True), tools=tools)
+    assert accepts(vocab, forced, call(name, (key, "ab")))
+    assert not accepts(vocab, forced, call("weird", (key, "ab"))) and not accepts(vocab, forced, call(name, ("k", "a")))
+
+
 def test_what_needs_a_grammar_and_what_cannot_be_enforced(vocab):
     free = [FREE_TOOL]
     assert not needs_grammar(free, ToolChoice()) and needs_grammar(free, ToolChoice(required=True))
@@ -251,7 +260,10 @@ def test_tool_choice_through_the_anthropic_route(server, snapshot):
     jsonschema.validate(uses[0].input, SCHEMAS[uses[0].name])
     for extra, said in [({"tool_choice": {"type": "any"}, "thinking": {"type": "enabled", "budget_tokens": 1024}},
                          "thinking may not be enabled"),
-                        ({"tool_choice": {"type": "tool", "name": "nope"}}, "not among the tools")]:
+                        ({"tool_choice": {"type": "tool", "name": "nope"}}, "not among the tools"),
+                        ({"tools": None, "tool_choice": {"type": "any"}}, "no tools"),
+                        ({"tools": None, "tool_choice": "always"}, "'auto' | 'any'"),
+                        ({"tool_choice": {"type": "any", "disable_parallel_tool_use": 1}}, "a boolean")]:
         with pytest.raises(anthropic.BadRequestError) as info:
-            client.messages.create(**kwargs, **extra)
+            client.messages.create(**{**kwargs, **extra})
         assert said in info.value.body["error"]["message"]

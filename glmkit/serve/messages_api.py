@@ -241,28 +241,36 @@ def _tools(body: dict) -> list[dict[str, Any]] | None:
         if tool.get("strict") is True:
             function["strict"] = True
         out.append({"type": "function", "function": function})
-    choice = body.get("tool_choice")
-    if choice is not None and not (isinstance(choice, dict) and choice.get("type") in ("auto", "any", "tool", "none")):
-        raise value_error("tool_choice", "expected {'type': 'auto' | 'any' | 'tool' | 'none'}")
-    if choice is not None and choice["type"] == "none":
+    if _tool_choice_type(body) == "none":
         return None
     return out or None
 
 
+def _tool_choice_type(body: dict) -> str:
+    """`tool_choice`'s type ("auto" when absent)."""
+    choice = body.get("tool_choice")
+    if choice is None:
+        return "auto"
+    if not (isinstance(choice, dict) and choice.get("type") in ("auto", "any", "tool", "none")):
+        raise value_error("tool_choice", "expected {'type': 'auto' | 'any' | 'tool' | 'none'}")
+    return choice["type"]
+
+
 def _tool_choice(body: dict, tools: list[dict[str, Any]] | None) -> ToolChoice:
     """`tool_choice` {"type": "auto" | "any" | "tool" (with its `name`) | "none"} and its
-    `disable_parallel_tool_use` (checked in `_tools` first)."""
-    choice = body.get("tool_choice") or {"type": "auto"}
+    `disable_parallel_tool_use`."""
+    kind = _tool_choice_type(body)
+    choice = body.get("tool_choice") or {}
     disable = choice.get("disable_parallel_tool_use", False)
     if not isinstance(disable, bool):
         raise type_error("tool_choice.disable_parallel_tool_use", "a boolean", disable)
     parallel = not disable
-    if choice["type"] in ("auto", "none"):
+    if kind in ("auto", "none"):
         return ToolChoice(parallel=parallel)
     if not tools:
         raise value_error("tool_choice", "asks for a tool call, but the request has no tools")
-    name = choice.get("name") if choice["type"] == "tool" else None
-    if choice["type"] == "tool" and name not in {t["function"]["name"] for t in tools}:
+    name = choice.get("name") if kind == "tool" else None
+    if kind == "tool" and name not in {t["function"]["name"] for t in tools}:
         raise value_error("tool_choice.name", f"{name!r} is not among the tools")
     return ToolChoice(required=True, name=name, parallel=parallel)
 
