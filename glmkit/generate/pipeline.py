@@ -684,7 +684,7 @@ class StagedDecodeStep:
         return self.head(token, cache, x[0])
 
     def pipeline(self, token: int, cache: KVCache, embed_of: Callable[[int], np.ndarray], draws: Any = None,
-                 on_routes: Any = None) -> None:
+                 on_routes: Any = None, constraint: Any = None) -> None:
         return None  # the next token's forward starts on the first stage: nothing to queue here ahead of the host
 
     def prompt(self, cache: KVCache, token_ids: Sequence[int], logits: bool = True) -> None:
