@@ -11,6 +11,7 @@ import numpy as np
 import openai
 import pytest
 
+from glmkit.errors import GlmkitError
 from glmkit.generate.constraint import GrammarTokenizer, json_grammar
 from glmkit.generate.generator import Generator
 from glmkit.generate.sampling import Sampler, SamplingParams
@@ -70,6 +71,14 @@ def test_any_json_object_and_the_mask(engine, grammar_tokenizer):
     assert 0 < allowed.sum() < len(logits) and not allowed[list(engine.eos_token_ids)].any()  # nothing is JSON yet
     text = generate(engine, Sampler(SamplingParams(1.0, seed=4), constraint))  # a seed whose object closes
     assert isinstance(json.loads(text), dict)
+
+
+def test_end_ids_outside_the_tokenizer_are_refused(engine):
+    """A model whose end-of-sequence ids its tokenizer does not have (a synthetic model with a borrowed tokenizer)
+    gets a clear error, not the library's."""
+    tok = engine.tokenizer.tokenizer
+    with pytest.raises(GlmkitError, match=f"end-of-sequence id {tok.get_vocab_size()} .* not a token"):
+        GrammarTokenizer(tok, engine.config.vocab_size, (tok.get_vocab_size(),))
 
 
 def test_schemas_the_library_cannot_compile_are_refused(grammar_tokenizer):

@@ -35,6 +35,10 @@ class GrammarTokenizer:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_ids: tuple[int, ...]) -> None:
         if not eos_ids:
             raise GlmkitError("constrained output needs an end-of-sequence token id (generation_config.json)")
+        outside = [i for i in eos_ids if not 0 <= i < tokenizer.get_vocab_size()]
+        if outside:  # the grammar library ends a grammar on tokens the tokenizer knows
+            raise GlmkitError(f"constrained output: end-of-sequence id {outside[0]} (generation_config.json) is not a "
+                              f"token of the tokenizer ({tokenizer.get_vocab_size()} tokens)")
         self.ll = llguidance.LLTokenizer(tokenizer.to_str(), n_vocab=max(vocab_size, tokenizer.get_vocab_size()),
                                          eos_token=list(eos_ids))
         # llguidance matches an added token only as itself (a grammar names it `<[id]>`), never by its text

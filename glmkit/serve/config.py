@@ -56,28 +56,34 @@ class Loaded:
                         field: str = "tools") -> TokenConstraint:
         """A token constraint to replies that call these tools as `choice` asks (tool_grammar.py; `reasoning`: the
         reply starts inside the thinking block); a 400 on `field` naming what cannot be enforced."""
-        markers = self._grammar().added_token_ids(MARKERS)
+        markers = self._grammar(field).added_token_ids(MARKERS)
         try:
             grammar = tool_call_grammar(tools, choice, reasoning, markers)
         except ValueError as e:
             raise ApiError(400, f"{field}: {e}", param=field, code="invalid_schema") from None
         return self._constraint(grammar, field, "a tool's parameters")
 
-    def _grammar(self) -> GrammarTokenizer:
-        """The grammar library's view of the vocabulary, built on first use."""
+    def _grammar(self, field: str) -> GrammarTokenizer:
+        """The grammar library's view of the vocabulary, built on first use; a 400 on `field` where this model's
+        tokenizer and generation_config.json do not allow constrained output."""
         with self._grammar_lock:
             if self._grammar_tokenizer is None:
                 tok = self.engine.tokenizer
                 assert tok is not None
-                self._grammar_tokenizer = GrammarTokenizer(tok.tokenizer, self.engine.config.vocab_size,
-                                                           tuple(self.engine.eos_token_ids))
+                try:
+                    self._grammar_tokenizer = GrammarTokenizer(tok.tokenizer, self.engine.config.vocab_size,
+                                                               tuple(self.engine.eos_token_ids))
+                except GlmkitError as e:
+                    raise ApiError(400, f"{field}: unavailable for this model: {e}", param=field,
+                                   code="invalid_request") from None
             return self._grammar_tokenizer
 
     def _constraint(self, grammar: str, field: str, what: str) -> TokenConstraint:
-        error = self._grammar().check(grammar)
+        grammar_tokenizer = self._grammar(field)
+        error = grammar_tokenizer.check(grammar)
         if error is not None:
             raise ApiError(400, f"{field}: {what} cannot be used: {error}", param=field, code="invalid_schema")
-        return self._grammar().constraint(grammar)
+        return grammar_tokenizer.constraint(grammar)
 
 
 class State:
