@@ -8,6 +8,7 @@ import shutil
 import sys
 from pathlib import Path
 
+import jsonschema
 import pytest
 
 from glmkit.cli.run import main as run_main
@@ -230,6 +231,25 @@ def test_chat_exit_command_and_empty_input(snapshot, capsys, monkeypatch, tmp_pa
     assert rc == 0 and out == "" and json.loads(stats_path.read_text())["turns"] == []
 
 
+def test_json_schema_and_grammar_constrain_the_reply(snapshot, capsys, tmp_path):
+    """--json-schema (inline or @FILE) and --grammar-file: the random fixture's reply parses and matches (its free
+    reply is no JSON: tests/test_constrained.py)."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9},
+                                               "tags": {"type": "array", "items": {"enum": ["a", "b"]},
+                                                        "maxItems": 3}}, "required": ["n", "tags"],
+              "additionalProperties": False}
+    path = write(tmp_path / "schema.json", json.dumps(schema))
+    for value in (json.dumps(schema), f"@{path}"):
+        rc, out, err = run(capsys, snapshot, "-p", "Describe it.", "--max-tokens", 100, "--json-schema", value)
+        assert rc == 0 and err == ""
+        jsonschema.validate(json.loads(out), schema)
+    rc, out, err = run(capsys, snapshot, "-p", "Yes or no?", "--max-tokens", 20, "--temp", 1, "--seed", 3,
+                       "--grammar-file", write(tmp_path / "g.lark", 'start: "yes" | "no" | "maybe"'))
+    assert rc == 0 and out.strip() in ("yes", "no", "maybe"), out
+    with pytest.raises(SystemExit):  # one or the other
+        run(capsys, snapshot, "-p", "x", "--json-schema", "{}", "--grammar-file", tmp_path / "g.lark")
+
+
 # ---- errors: exit 1 and one line -----------------------------------------------------------------
 
 ERROR_CASES = {
@@ -251,7 +271,21 @@ ERROR_CASES = {
                                                       "1M"],
     "stats path unwritable": lambda snap, tmp: [snap, "-p", "Hello", "--max-tokens", "2",
                                                 "--stats-json", tmp / "no" / "dir" / "stats.json"],
+    "json schema not JSON": lambda snap, tmp: [snap, "-p", "Hello", "--json-schema", "{type: object"],
+    "json schema not an object": lambda snap, tmp: [snap, "-p", "Hello", "--json-schema", "[1]"],
+    "json schema too deep": lambda snap, tmp: [snap, "-p", "Hello", "--json-schema", "[" * 100000],
+    "json schema uncompilable": lambda snap, tmp: [snap, "-p", "Hello", "--json-schema",
+                                                   '{"type": "string", "pattern": "(?=a)b"}'],
+    "json schema file missing": lambda snap, tmp: [snap, "-p", "Hello", "--json-schema", f"@{tmp / 'none.json'}"],
+    "grammar that does not parse": lambda snap, tmp: [snap, "-p", "Hello", "--grammar-file",
+                                                      write(tmp / "bad.lark", "start: (")],
+    "json schema with chat": lambda snap, tmp: [snap, "--chat", "--json-schema", "{}"],
 }
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
 
 
 @pytest.mark.parametrize("case", list(ERROR_CASES))

@@ -32,7 +32,9 @@ from glmkit.cli.common import (
     verify_snapshot_data,
 )
 from glmkit.errors import GlmkitError
+from glmkit.format.files import parse_json, read_json_file, read_text_file
 from glmkit.format.reader import Container
+from glmkit.generate.constraint import GrammarTokenizer, TokenConstraint, json_grammar
 from glmkit.generate.engine import Engine, default_expert_cache
 from glmkit.generate.generator import GenerationStats, Generator
 from glmkit.generate.sampling import Sampler, SamplingParams
@@ -60,6 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--frequency-penalty", type=float, default=0.0,
                    help="lower each token's logit by this much per time it was generated (-2..2, default 0)")
     add_engine_arguments(p, expert_memory=True, mtp=True, pipeline=True)
+    constrain = p.add_mutually_exclusive_group()
+    constrain.add_argument("--json-schema", metavar="SCHEMA",
+                           help="with -p: the reply is JSON matching this JSON schema (inline, or @FILE; '{}': any "
+                                "JSON object), compiled by llguidance; the prompt gets no thinking block")
+    constrain.add_argument("--grammar-file", type=Path, metavar="FILE",
+                           help="with -p: the reply follows this llguidance grammar (its Lark dialect)")
     p.add_argument("--list-devices", action="store_true",
                    help="list OpenCL platforms and devices with memory and measured bandwidths, then exit "
                         "(glm-run --list-devices; glm-run SNAPSHOT --list-devices also says where its routed "
@@ -113,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         check_cache_arguments(args)
         if args.session and not args.chat:
             raise GlmkitError("--session: only with --chat")
+        if args.chat and (args.json_schema is not None or args.grammar_file is not None):
+            raise GlmkitError("--json-schema, --grammar-file: only with -p")
         policy = approx_policy(args)
         engine = engine_from_arguments(args)
         try:
@@ -126,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.chat:
                 turns = chat(engine, generator, session, params, args)
             else:
-                turns = [one_shot(engine, generator, session, Sampler(params), args)]
+                sampler = Sampler(params, constraint_from_arguments(engine, args))
+                turns = [one_shot(engine, generator, session, sampler, args)]
             if args.stats_json:
                 write_stats(args.stats_json, turns, engine, per_turn=args.chat)
         finally:
@@ -159,6 +170,38 @@ def approx_policy(args: argparse.Namespace) -> ApproxPolicy | None:
                         similar=args.reuse_threshold <= 1)
 
 
+MAX_GRAMMAR_BYTES = 16 << 20  # a --json-schema or --grammar-file file, read whole
+
+
+def constraint_from_arguments(engine: Engine, args: argparse.Namespace) -> TokenConstraint | None:
+    """The constraint `--json-schema` or `--grammar-file` asks for (None: neither), checked by the grammar library
+    before anything is generated."""
+    if args.json_schema is not None:
+        name, text = "--json-schema", args.json_schema
+        if text.startswith("@"):
+            schema = read_json_file(text[1:], MAX_GRAMMAR_BYTES)
+        else:
+            schema = parse_json(text.encode("utf-8", "surrogateescape"), "--json-schema")
+        if not isinstance(schema, dict):
+            raise GlmkitError("--json-schema: a JSON schema is an object")
+        try:
+            grammar = json_grammar(schema or None)
+        except ValueError as e:
+            raise GlmkitError(f"--json-schema: the schema cannot be used: {e}") from None
+    elif args.grammar_file is not None:
+        name, grammar = "--grammar-file", read_text_file(args.grammar_file, MAX_GRAMMAR_BYTES, "a grammar")
+    else:
+        return None
+    if engine.tokenizer is None:
+        raise GlmkitError(f"{name}: the snapshot has no tokenizer")
+    grammar_tokenizer = GrammarTokenizer(engine.tokenizer.tokenizer, engine.config.vocab_size,
+                                         tuple(engine.eos_token_ids))
+    error = grammar_tokenizer.check(grammar)
+    if error is not None:
+        raise GlmkitError(f"{name}: the grammar library cannot use it: {error}")
+    return grammar_tokenizer.constraint(grammar)
+
+
 def one_shot(engine: Engine, generator: Generator, session: Session, sampler: Sampler,
              args: argparse.Namespace) -> TurnStats:
     if not args.prompt.strip():
@@ -168,7 +211,8 @@ def one_shot(engine: Engine, generator: Generator, session: Session, sampler: Sa
         ids = tok.encode(args.prompt)
     else:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
-        ids = tok.encode_chat(messages + [{"role": "user", "content": args.prompt}], not args.no_think)
+        constrained = sampler.constraint is not None  # the grammar starts at the first generated token
+        ids = tok.encode_chat(messages + [{"role": "user", "content": args.prompt}], not (args.no_think or constrained))
     check_context(engine, len(ids))
     kv, restore_s = prepare(session, ids)
     reply = stream(engine, generator, ids, args.max_tokens, sampler, kv)

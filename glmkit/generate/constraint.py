@@ -51,7 +51,10 @@ class GrammarTokenizer:
     def check(self, grammar: str) -> str | None:
         """Why the library cannot use `grammar` (None: it can)."""
         failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.ll)
-        return ("; ".join(messages) or "the grammar does not compile") if failed else None
+        if not failed:
+            return None
+        lines = [line.strip() for message in messages for line in message.splitlines() if line.strip()]
+        return " ".join(lines) or "the grammar does not compile"  # one line
 
     def constraint(self, grammar: str) -> TokenConstraint:
         return TokenConstraint(self, grammar)
