@@ -32,7 +32,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import llguidance.numpy as llnp
 import numpy as np
+from tokenizers import Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -126,8 +128,6 @@ def synthetic_tokenizer(n: int, path: Path) -> Path:
 
 
 def mask_alone(vocab: int, items: int, tokens: int) -> dict[str, dict[str, float]]:
-    from tokenizers import Tokenizer
-
     with tempfile.TemporaryDirectory() as tmp:
         tok = Tokenizer.from_file(str(synthetic_tokenizer(vocab, Path(tmp) / "tokenizer.json")))
     gt = GrammarTokenizer(tok, vocab, (vocab - 1,))
@@ -148,7 +148,6 @@ def mask_alone(vocab: int, items: int, tokens: int) -> dict[str, dict[str, float
             total += middle - start + time.perf_counter() - middle
             done += 1
         # the mask's parts, timed apart over the grammar's state at the end
-        import llguidance.numpy as llnp
         for _ in range(20):
             start = time.perf_counter()
             llnp.fill_next_token_bitmask(constraint.matcher, constraint.bitmask, 0)
