@@ -30,6 +30,7 @@ from glmkit.generate.constraint import GrammarTokenizer, json_grammar
 from glmkit.generate.engine import Engine
 from glmkit.generate.generator import Generator
 from glmkit.generate.sampling import Sampler, SamplingParams, token_probabilities
+from glmkit.model.expert_cache import ExpertCache, expert_slot_bytes
 from glmkit.model.glm5 import GlmMoeDsaModel
 from glmkit.serve.tool_grammar import MARKERS, ToolChoice, tool_call_grammar
 from glmkit.serve.toolcalls import parse_tool_calls
@@ -309,3 +310,35 @@ def test_constrained_generation_is_the_host_paths(snapshots, kernels, monkeypatc
     turns = interleaved()
     host_only(monkeypatch)
     assert turns == interleaved()
+
+
+def test_constrained_pipeline_over_the_expert_cache(snapshots, monkeypatch):
+    """Over an expert cache's slots (each MoE layer waits for the host to place its experts) the masked choice's
+    user event and the layers' waits interleave without a deadlock: the host path's tokens, greedy and sampled."""
+    kernels = Kernels(opencl_test_device())
+    if not kernels.direct:
+        pytest.skip("the expert cache's step runs on CPU devices only (GLMKIT_TEST_DEVICE names a GPU)")
+    engine = Engine(snapshots("tiny-trained", "q4"), "numpy")
+    cfg, eos = engine.config, tuple(engine.eos_token_ids)
+    cache = ExpertCache(engine.container, 24 * expert_slot_bytes(engine.container))
+    backend = OpenCLBackend(kernels, Placement(), model_bytes=engine.container.nbytes)
+    model = GlmMoeDsaModel(cfg, cache, backend, route_hook=cache.on_route, step_experts=cache)
+    grammar_tokenizer = GrammarTokenizer(engine.tokenizer.tokenizer, cfg.vocab_size, eos)
+    grammar = json_grammar({"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999},
+                            "minItems": 6, "maxItems": 6})
+    prompt = engine.tokenizer.encode("Numbers:")
+    pipes = []
+    pipeline = DeviceDecodeStep.pipeline
+    monkeypatch.setattr(DeviceDecodeStep, "pipeline", lambda self, *a: pipes.append(pipeline(self, *a)) or pipes[-1])
+
+    def runs() -> list:
+        return [sampled_run(model, prompt, 60, Sampler(params, grammar_tokenizer.constraint(grammar)), eos)
+                for params in (SamplingParams(seed=1), SamplingParams(temperature=1.0, seed=2))]
+
+    try:
+        got = runs()
+        assert len(pipes) == 2 and all(isinstance(p.choice, MaskedChoice) for p in pipes)
+        host_only(monkeypatch)
+        assert got == runs()
+    finally:
+        cache.close()
