@@ -8,6 +8,8 @@
 #   5. hybrid.txt   tools/bench_hybrid.py --gpu: a GPU budget of 25% of the bench model, the experts over it on
 #                   the NumPy path or on PoCL's CPU device (needs PoCL beside the GPU driver)
 #   6. sampling.txt tools/bench_sampling.py: sampled (drawn on the device, and by the host) against greedy decode
+#   7. constrained.txt tools/bench_constrained.py: JSON and tool grammars against free decoding (on a discrete GPU
+#                   through the host's choice: what pipelining them there would gain)
 #
 #   tools/gpu_check.sh OUTDIR [KIND] [BENCH_WORK]    KIND: gpu (default) or cpu; BENCH_WORK: the bench model's home
 # Needs pyopencl and a registered OpenCL driver (ICD). Exits 1 when no device of KIND is found.
@@ -54,3 +56,4 @@ step bench 240 python3 tools/bench.py --devices "opencl:$dev,auto" --runs 1 --wo
     --json "$out/bench.json" --md "$out/bench.md"
 step hybrid 150 python3 tools/bench_hybrid.py --gpu --runs 2 --work "$work"
 step sampling 150 python3 tools/bench_sampling.py --rounds 3 --work "$work"
+step constrained 120 python3 tools/bench_constrained.py --rounds 2 --max-tokens 100 --vocab 0 --work "$work"
