@@ -17,7 +17,9 @@ own time per token (its bitmask or mask, and its advance).
 Mask alone (`--vocab N`, 0 to skip): the two grammars over a synthetic byte-level vocabulary of N tokens (GLM-5 has
 154,880): random strings of 1-12 letters, digits and JSON punctuation, half with a leading space. Per token, the mask
 and the advance, over `--tokens` tokens each drawn at random from what the grammar allows, with the time of the
-mask's parts: llguidance's bitmask, and applying it to `[V]` logits.
+mask's parts: llguidance's bitmask, and applying it to `[V]` logits. Then what a request pays before its first token
+for 1, 10 and 30 strict tools shaped like a coding agent's (glm-serve builds each request's grammar): the check, the
+matcher, the first mask.
 """
 
 from __future__ import annotations
@@ -127,10 +129,49 @@ def synthetic_tokenizer(n: int, path: Path) -> Path:
     return path
 
 
-def mask_alone(vocab: int, items: int, tokens: int) -> dict[str, dict[str, float]]:
+def synthetic_grammar_tokenizer(vocab: int) -> tuple[GrammarTokenizer, float]:
+    """llguidance's view of a synthetic vocabulary of `vocab` tokens (its last the end), and the seconds it took."""
     with tempfile.TemporaryDirectory() as tmp:
         tok = Tokenizer.from_file(str(synthetic_tokenizer(vocab, Path(tmp) / "tokenizer.json")))
+    start = time.perf_counter()
     gt = GrammarTokenizer(tok, vocab, (vocab - 1,))
+    return gt, time.perf_counter() - start
+
+
+def agent_tools(n: int) -> list[dict[str, Any]]:
+    """n strict tools shaped like a coding agent's: a path, a line, a mode, nested options, tags."""
+    parameters = {"type": "object", "properties": {
+        "path": {"type": "string", "maxLength": 200}, "line": {"type": "integer", "minimum": 0},
+        "mode": {"type": "string", "enum": ["read", "write", "append"]},
+        "options": {"type": "object", "properties": {"recursive": {"type": "boolean"}, "depth": {"type": "integer"}},
+                    "required": ["recursive"], "additionalProperties": False},
+        "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 10}}, "required": ["path", "mode"]}
+    return [{"type": "function", "function": {"name": f"tool_{i}", "strict": True, "parameters": parameters}}
+            for i in range(n)]
+
+
+def compile_costs(gt: GrammarTokenizer, counts: tuple[int, ...] = (1, 10, 30)) -> dict[int, dict[str, float]]:
+    """What a request with n strict tools pays before its first token (medians of 3): its grammar checked, the
+    matcher built, and the first mask."""
+    out = {}
+    for n in counts:
+        grammar = tool_call_grammar(agent_tools(n), ToolChoice(), True, gt.added_token_ids(MARKERS))
+        times: dict[str, list[float]] = {"check_ms": [], "matcher_ms": [], "first_mask_ms": []}
+        for _ in range(3):
+            start = time.perf_counter()
+            gt.check(grammar)
+            checked = time.perf_counter()
+            constraint = gt.constraint(grammar)
+            built = time.perf_counter()
+            constraint.allowed_bits()
+            done = time.perf_counter()
+            for name, seconds in zip(times, (checked - start, built - checked, done - built), strict=True):
+                times[name].append(1e3 * seconds)
+        out[n] = {"grammar_kb": len(grammar) / 1024, **{k: statistics.median(v) for k, v in times.items()}}
+    return out
+
+
+def mask_alone(gt: GrammarTokenizer, vocab: int, items: int, tokens: int) -> dict[str, dict[str, float]]:
     out = {}
     for name, grammar in grammars(gt, items).items():
         constraint, rng = gt.constraint(grammar), np.random.default_rng(0)
@@ -193,15 +234,26 @@ def main(argv: list[str] | None = None) -> int:
         mask = statistics.median(r["mask_ms_per_token"] for r in runs[mode])
         tokens = statistics.median(r["tokens"] for r in runs[mode])
         print(f"| {mode} | {tokens:.0f} | {ms:.2f} | {mask:.3f} | {ms / free:.2f}x |")
-    alone = mask_alone(args.vocab, args.items, args.tokens) if args.vocab else {}
-    if alone:
-        print(f"\nmask alone over a synthetic vocabulary of {args.vocab} tokens")
+    alone: dict[str, dict[str, float]] = {}
+    costs: dict[int, dict[str, float]] = {}
+    if args.vocab:
+        synthetic, seconds = synthetic_grammar_tokenizer(args.vocab)
+        alone = mask_alone(synthetic, args.vocab, args.items, args.tokens)
+        print(f"\nmask alone over a synthetic vocabulary of {args.vocab} tokens (llguidance's view of it: "
+              f"{seconds:.2f} s, once per process)")
         print("| grammar | tokens | mask + advance ms per token | bitmask ms | bitmask + applied to logits ms |")
         print("|---|---:|---:|---:|---:|")
         for name, r in alone.items():
             print(f"| {name} | {r['tokens']} | {r['ms_per_token']:.3f} | {r['bitmask_ms']:.3f} | {r['mask_ms']:.3f} |")
+        costs = compile_costs(synthetic)
+        print("\na request's grammar before its first token (strict tools, thinking first)")
+        print("| strict tools | grammar KB | check ms | matcher ms | first mask ms |")
+        print("|---:|---:|---:|---:|---:|")
+        for n, r in costs.items():
+            print(f"| {n} | {r['grammar_kb']:.1f} | {r['check_ms']:.1f} | {r['matcher_ms']:.1f} | "
+                  f"{r['first_mask_ms']:.2f} |")
     if args.json:
-        args.json.write_text(json.dumps({"decode": runs, "mask_alone": alone}, indent=1))
+        args.json.write_text(json.dumps({"decode": runs, "mask_alone": alone, "compile": costs}, indent=1))
     return 0
 
 
