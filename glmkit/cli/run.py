@@ -34,7 +34,7 @@ from glmkit.cli.common import (
 from glmkit.errors import GlmkitError
 from glmkit.format.files import parse_json, read_json_file, read_text_file
 from glmkit.format.reader import Container
-from glmkit.generate.constraint import GrammarTokenizer, TokenConstraint, json_grammar
+from glmkit.generate.constraint import GrammarError, GrammarTokenizer, TokenConstraint, json_grammar
 from glmkit.generate.engine import Engine, default_expert_cache
 from glmkit.generate.generator import GenerationStats, Generator
 from glmkit.generate.sampling import Sampler, SamplingParams
@@ -196,10 +196,10 @@ def constraint_from_arguments(engine: Engine, args: argparse.Namespace) -> Token
         raise GlmkitError(f"{name}: the snapshot has no tokenizer")
     grammar_tokenizer = GrammarTokenizer(engine.tokenizer.tokenizer, engine.config.vocab_size,
                                          tuple(engine.eos_token_ids))
-    error = grammar_tokenizer.check(grammar)
-    if error is not None:
-        raise GlmkitError(f"{name}: the grammar library cannot use it: {error}")
-    return grammar_tokenizer.constraint(grammar)
+    try:
+        return grammar_tokenizer.constraint(grammar)
+    except GrammarError as e:
+        raise GlmkitError(f"{name}: the grammar library cannot use it: {e.reason}") from None
 
 
 def one_shot(engine: Engine, generator: Generator, session: Session, sampler: Sampler,

@@ -2,10 +2,10 @@
 applied to each token's logits before sampling.
 
 `GrammarTokenizer` wraps the model's tokenizer once (llguidance's view of the vocabulary: building it takes about
-a second for a large one); `json_grammar` turns a schema into a grammar, checked (`GrammarTokenizer.check`) so that
-a schema the library cannot compile is refused before generation; `TokenConstraint` is one generation's matcher:
-`mask(logits)` leaves the tokens the grammar allows next (end of sequence only once it is complete), `accept(token)`
-advances it. A constraint starts from the first generated token.
+a second for a large one); `json_grammar` turns a schema into a grammar; `TokenConstraint` is one generation's
+matcher, built by `GrammarTokenizer.constraint` (a grammar the library cannot compile is a `GrammarError` then, before
+generation): `mask(logits)` leaves the tokens the grammar allows next (end of sequence only once it is complete),
+`accept(token)` advances it. A constraint starts from the first generated token.
 """
 
 from __future__ import annotations
@@ -48,16 +48,17 @@ class GrammarTokenizer:
         """{text: id} for each of `texts` that is one added token of the vocabulary."""
         return {text: self.added[text] for text in texts if text in self.added}
 
-    def check(self, grammar: str) -> str | None:
-        """Why the library cannot use `grammar` (None: it can)."""
-        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.ll)
-        if not failed:
-            return None
-        lines = [line.strip() for message in messages for line in message.splitlines() if line.strip()]
-        return " ".join(lines) or "the grammar does not compile"  # one line
-
     def constraint(self, grammar: str) -> TokenConstraint:
+        """A generation's matcher of `grammar`; `GrammarError` where the library cannot use it (compiled once)."""
         return TokenConstraint(self, grammar)
+
+
+class GrammarError(GlmkitError):
+    """A grammar the library cannot use; `reason`: its message on one line."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"constrained output: {reason}")
+        self.reason = reason
 
 
 class TokenConstraint:
@@ -66,7 +67,8 @@ class TokenConstraint:
     def __init__(self, tokenizer: GrammarTokenizer, grammar: str) -> None:
         self.matcher = llguidance.LLMatcher(tokenizer.ll, grammar)
         if self.matcher.is_error():
-            raise GlmkitError(f"constrained output: {self.matcher.get_error()}")
+            lines = [line.strip() for line in self.matcher.get_error().splitlines() if line.strip()]
+            raise GrammarError(" ".join(lines) or "the grammar does not compile")
         self.bitmask = llguidance.numpy.allocate_token_bitmask(1, tokenizer.ll.vocab_size)  # [1, ceil(V / 32)]
 
     def allowed_bits(self) -> np.ndarray:

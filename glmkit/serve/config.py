@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from glmkit.errors import GlmkitError
-from glmkit.generate.constraint import GrammarTokenizer, TokenConstraint, json_grammar
+from glmkit.generate.constraint import GrammarError, GrammarTokenizer, TokenConstraint, json_grammar
 from glmkit.generate.engine import Engine
 from glmkit.serve.bridge import Channels
 from glmkit.serve.protocol import ApiError, SamplingDefaults, shutting_down
@@ -79,11 +79,11 @@ class Loaded:
             return self._grammar_tokenizer
 
     def _constraint(self, grammar: str, field: str, what: str) -> TokenConstraint:
-        grammar_tokenizer = self._grammar(field)
-        error = grammar_tokenizer.check(grammar)
-        if error is not None:
-            raise ApiError(400, f"{field}: {what} cannot be used: {error}", param=field, code="invalid_schema")
-        return grammar_tokenizer.constraint(grammar)
+        try:
+            return self._grammar(field).constraint(grammar)
+        except GrammarError as e:
+            raise ApiError(400, f"{field}: {what} cannot be used: {e.reason}", param=field,
+                           code="invalid_schema") from None
 
 
 class State:
