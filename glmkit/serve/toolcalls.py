@@ -61,7 +61,7 @@ def parse_tool_calls(text: str, tools: list[dict[str, Any]] | None = None) -> tu
     string or it does not parse as JSON. A block without a name, or an unclosed one (generation cut
     off), stays in the text.
     """
-    schemas = parameter_schemas(tools or [])
+    schemas = _parameter_schemas(tools or [])
     calls: list[ToolCall] = []
     kept: list[str] = []
     pos = 0
@@ -80,7 +80,7 @@ def parse_tool_calls(text: str, tools: list[dict[str, Any]] | None = None) -> tu
     return "".join(kept).strip(), calls
 
 
-def parameter_schemas(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def _parameter_schemas(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """{function name: {parameter: its JSON schema}} (the schemas of `parameters.properties`)."""
     out: dict[str, dict[str, Any]] = {}
     for tool in tools:
