@@ -60,8 +60,8 @@ class Engine:
         self.container = Container(snapshot)
         self.config = self.container.config
         self.usage_file = None if expert_usage_dir is None else usage_path(expert_usage_dir, self.container.model_hash)
-        # the routed experts' usage as saved by earlier processes: a discrete device smaller than the model uploads
-        # the most used (the split step), and its decoded tokens add theirs (an expert cache keeps scores of its own)
+        # the routed experts' usage as saved by earlier processes (read once): a discrete device smaller than the
+        # model uploads the most used (the split step), an expert cache loads them first; both add their routes
         self.expert_usage = saved_scores(self.usage_file, self.container)
         self.backend, self.device = make_backend(device, self.container, not float_activations, self.expert_usage)
         discrete = getattr(getattr(self.backend, "k", None), "direct", True) is False
@@ -82,7 +82,7 @@ class Engine:
             if ram_budget_bytes:
                 raise GlmkitError("--expert-cache and --ram-budget both keep experts in RAM: give one of them")
             cache = self.experts = ExpertCache(self.container, int(expert_cache), readahead=prefetch,
-                                               usage_file=self.usage_file)
+                                               usage_file=self.usage_file, scores=self.expert_usage)
             self.model = GlmMoeDsaModel(self.config, cache, self.backend, route_hook=cache.on_route,
                                         step_experts=cache, kv_dtype=kv_dtype, ahead_hook=cache.read_ahead,
                                         ran_hook=cache.ran)

@@ -240,12 +240,14 @@ def open_for_experts(path: Path, direct: bool) -> tuple[int, bool]:
 class ExpertCache:
     """A weight source over `container` with its routed experts in `budget_bytes` of slots (see the module).
 
-    io_threads: reads in flight at most; usage_file: where scores persist (None: they do not); direct: read with
-    `O_DIRECT` where the file system takes it (False: buffered reads everywhere). Raises GlmkitError
-    when the budget holds fewer slots than one layer routes to (`num_experts_per_tok`)."""
+    io_threads: reads in flight at most; usage_file: where scores persist (None: they do not); scores: the usage to
+    start from (default: what `saved_scores` reads at usage_file, aged by half_life); direct: read with `O_DIRECT`
+    where the file system takes it (False: buffered reads everywhere). Raises GlmkitError when the budget holds
+    fewer slots than one layer routes to (`num_experts_per_tok`)."""
 
     def __init__(self, container: Container, budget_bytes: int, io_threads: int = 8, readahead: bool = True,
-                 usage_file: Path | None = None, half_life: float = 256.0, direct: bool = True) -> None:
+                 usage_file: Path | None = None, half_life: float = 256.0, direct: bool = True,
+                 scores: ExpertScores | None = None) -> None:
         cfg = self.config = container.config
         self.container, self.readahead, self.usage_file = container, readahead, usage_file
         ranges = container.manifest.experts
@@ -267,7 +269,7 @@ class ExpertCache:
         self._shared_slot = {layer: self.n_slots + j for j, layer in enumerate(shared)}
         self.arena = anonymous_bytes((self.n_slots + len(shared)) * self.slot_bytes)
         self.stats = CacheStats()
-        self.scores = saved_scores(usage_file, container, half_life)
+        self.scores = scores if scores is not None else saved_scores(usage_file, container, half_life)
         self._names: dict[str, tuple[Key, int]] = {
             expert_weight_name(r.layer, r.expert, p): ((r.layer, r.expert), i)
             for r in ranges for i, p in enumerate(EXPERT_PROJECTIONS)}
