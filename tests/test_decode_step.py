@@ -7,12 +7,14 @@ the routed experts the route hook sees, across the indexer's switch to top-k sel
 from __future__ import annotations
 
 import copy
+import json
 import time
 from collections import Counter
 
 import numpy as np
 import pytest
 
+from glmkit.backends.devices import read_profile
 from glmkit.backends.opencl import backend as backend_module
 from glmkit.backends.opencl import decode_graph, weights
 from glmkit.backends.opencl.backend import OpenCLBackend, Placement
@@ -615,14 +617,27 @@ def test_validate_passes_with_the_step(snapshots, monkeypatch, capsys):
     assert len(calls) == len(full) - len(prompt) + (steps + steps % 2) // 2
 
 
-def test_mtp_is_off_by_default_where_verification_is_per_operation(snapshots):
-    """Over an expert cache the step has no two-row form: a draft's verification (two tokens, per operation) costs
-    more than two device steps, so MTP defaults off there (on the mapping the default follows measured costs:
-    test_mtp_step); it stays on without a step, and `--mtp` / `--no-mtp` decide when given."""
+def test_mtp_is_off_by_default_where_verification_is_per_operation(snapshots, monkeypatch, tmp_path):
+    """Over an expert cache too small for two token rows' routed experts the step has no two-row form: a draft's
+    verification (two tokens, per operation) costs more than two device steps, so MTP defaults off there; over a
+    larger cache (and on the mapping: test_mtp_step) the default follows costs measured over the cache, kept apart
+    from the mapping's; it stays on without a step, and `--mtp` / `--no-mtp` decide when given."""
+    from glmkit.generate import engine as engine_module
+
+    monkeypatch.setenv("GLMKIT_DEVICE_CACHE_DIR", str(tmp_path))  # a profile without these measurements
     snap = snapshots("tiny-trained", "q4")
-    device = Engine(snap, "opencl", load_tokenizer=False, expert_cache=4 << 20)
-    host = Engine(snap, "numpy", load_tokenizer=False)
+    ram = Engine(snap, "numpy", load_tokenizer=False)
+    k, slot = ram.config.num_experts_per_tok, expert_slot_bytes(ram.container)
+    device = Engine(snap, "opencl", load_tokenizer=False, expert_cache=k * slot)
+    host = ram
     assert device.model.decodes_on_device() and not device.model.drafts_on_device()
+    roomy = Engine(snap, "opencl", load_tokenizer=False, expert_cache=2 * k * slot)
+    measured = []
+    monkeypatch.setattr(engine_module, "measure_mtp_costs", lambda model: measured.append(model.step_experts) or
+                        {"token": 1.0, "cycle": 1.5})
+    assert roomy.model.drafts_on_device() and roomy.use_mtp(False, False)
+    assert measured == [roomy.experts] and "mtp_ms_expert_cache" in json.dumps(read_profile(roomy.backend.k.info))
+    roomy.close()
     assert not host.model.decodes_on_device()
     assert [device.use_mtp(False, False), device.use_mtp(True, False), device.use_mtp(False, True)] == [False, True,
                                                                                                       False]

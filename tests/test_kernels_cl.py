@@ -661,14 +661,15 @@ def test_decode_routing(kernels, rng, norm):
         mirror.launch("route_select", (1,), None, logits=mirror.of(logits).buffer,
                       vec=mirror.of(np.concatenate([np.zeros(3), bias])).buffer, bias_off=3, n_experts=experts,
                       n_group=n_group, topk_group=topk_group, top_k=top_k, norm=int(norm), scaling=scaling,
-                      ids=ids2.buffer, routed_w=routed_w.buffer)
+                      ids=ids2.buffer, routed_w=routed_w.buffer, n_tok=1)
         assert ids2.host.tolist() == ids.host.tolist()
         np.testing.assert_allclose(routed_w.host, want_w[0][order], rtol=1e-6)
         placed = [mirror(3 * stride * 6, np.uint64), mirror(3 * stride), mirror(3 * stride, np.uint32),
                   mirror(3 * stride, np.uint32)]
         rows = table.host.reshape(-1, 6)
-        arena = _ArenaLayer(0, top_k, np.zeros(6, np.uint64), routed_w, dict(zip(SLOT_ARRAYS, placed, strict=True)),
-                            stride, 3, (rows[experts], int(buffer_of[experts])), None)
+        arena = _ArenaLayer(0, 1, top_k, np.zeros(6, np.uint64), routed_w,
+                            dict(zip(SLOT_ARRAYS, placed, strict=True)), stride, 3,
+                            (rows[experts], int(buffer_of[experts])), None)
         DeviceDecodeStep._fill_slots(arena, rows[chosen[:top_k]], buffer_of[chosen[:top_k]].astype(np.uint32))
         for b in range(3):
             head, used = slice(b * stride, b * stride + 2), slice(b * stride, (b + 1) * stride)
@@ -678,6 +679,33 @@ def test_decode_routing(kernels, rng, norm):
             mine = slice(b * stride, b * stride + n)
             assert placed[1].host[mine].tolist() == w.host[mine].tolist()
             assert placed[0].host.reshape(-1, 6)[mine].tolist() == offs.host.reshape(-1, 6)[mine].tolist()
+    # two tokens at once (MTP's verification over the expert cache): the same slots as route_noaux_tc's for both
+    logits = (rng.standard_normal((2, experts)) * 2).astype(np.float32)
+    vec = mirror.of(np.concatenate([np.zeros(3), bias])).buffer
+    offs, w = mirror(3 * stride * 6, np.uint64), mirror(3 * stride)
+    tok, start, ids = mirror(3 * stride, np.uint32), mirror(3 * stride, np.uint32), mirror(2 * top_k, np.uint32)
+    mirror.launch("route_noaux_tc", (1,), None, logits=mirror.of(logits).buffer, vec=vec, bias_off=3,
+                  table=table.buffer, buffer_of=where.buffer, n_buffers=3, n_experts=experts, n_group=n_group,
+                  topk_group=topk_group, top_k=top_k, norm=int(norm), scaling=scaling, shared=1, offs=offs.buffer,
+                  slot_w=w.buffer, slot_tok=tok.buffer, stride=stride, tok_start=start.buffer, ids=ids.buffer, n_tok=2)
+    ids2, routed_w = mirror(2 * top_k, np.uint32), mirror(2 * top_k)
+    mirror.launch("route_select", (1,), None, logits=mirror.of(logits).buffer, vec=vec, bias_off=3,
+                  n_experts=experts, n_group=n_group, topk_group=topk_group, top_k=top_k, norm=int(norm),
+                  scaling=scaling, ids=ids2.buffer, routed_w=routed_w.buffer, n_tok=2)
+    assert ids2.host.tolist() == ids.host.tolist()
+    placed = [mirror(3 * stride * 6, np.uint64), mirror(3 * stride), mirror(3 * stride, np.uint32),
+              mirror(3 * stride, np.uint32)]
+    arena = _ArenaLayer(0, 2, top_k, np.zeros(6, np.uint64), routed_w, dict(zip(SLOT_ARRAYS, placed, strict=True)),
+                        stride, 3, (rows[experts], int(buffer_of[experts])), None)
+    chosen = ids2.host.astype(np.int64)
+    DeviceDecodeStep._fill_slots(arena, rows[chosen], buffer_of[chosen].astype(np.uint32))
+    for b in range(3):
+        n = int(start.host[b * stride + 2])
+        assert placed[3].host[b * stride:b * stride + 3].tolist() == start.host[b * stride:b * stride + 3].tolist()
+        assert placed[2].host[b * stride:(b + 1) * stride].tolist() == tok.host[b * stride:(b + 1) * stride].tolist()
+        mine = slice(b * stride, b * stride + n)
+        np.testing.assert_allclose(placed[1].host[mine], w.host[mine], rtol=1e-6)
+        assert placed[0].host.reshape(-1, 6)[mine].tolist() == offs.host.reshape(-1, 6)[mine].tolist()
 
 
 # ---- int8 activations: the device decode step's int4 experts ----------------------------------------------

@@ -15,6 +15,7 @@ from glmkit.backends.opencl.ops import Kernels
 from glmkit.generate.engine import Engine
 from glmkit.generate.generator import Generator
 from glmkit.generate.sampling import Sampler, SamplingParams
+from glmkit.model.expert_cache import ExpertCache, expert_slot_bytes
 from glmkit.model.glm5 import GlmMoeDsaModel
 from tests.runtime_support import Snapshots, opencl_test_device, oracle
 
@@ -134,9 +135,86 @@ def test_mtp_on_the_step_keeps_the_tokens(snapshots, kernels, variant, preset, m
     assert queues and not any(queues)  # the host chose: the MTP head ran again from its tokens
 
 
+def cached_model(engine: Engine, kernels: Kernels, slots: int, int8_activations: bool = True
+                 ) -> tuple[GlmMoeDsaModel, ExpertCache]:
+    """The engine's model on an OpenCL backend over `kernels` whose decode steps read the routed experts from an
+    expert cache of `slots` slots (the arena in place: a CPU device)."""
+    if not kernels.direct:
+        pytest.skip("an expert cache's slots are read in place on direct (CPU) devices only")
+    cache = ExpertCache(engine.container, slots * expert_slot_bytes(engine.container))
+    backend = OpenCLBackend(kernels, Placement(), int8_activations=int8_activations,
+                            model_bytes=engine.container.nbytes)
+    return GlmMoeDsaModel(engine.config, cache, backend, route_hook=cache.on_route, step_experts=cache), cache
+
+
+@pytest.mark.parametrize("variant,preset,chunk_slots", [("tiny-trained", "q4", None), ("tiny-trained", "q4", 5),
+                                                        ("tiny-fp8", "q2", None)])
+def test_two_rows_over_the_expert_cache(snapshots, kernels, monkeypatch, variant, preset, chunk_slots):
+    """The two-row step over an expert cache of two rows' routed experts (nearly every expert misses: each layer
+    waits for its reads, the resident ones' launches first) gives the two-row step on the mapping's logits, hidden
+    states, KV rows and MTP drafts bit for bit, across the indexer's switch to top-k selection; an expert both rows
+    route to is read once; with q2's shared expert apart; with the arena in buffers of 5 slots (each buffer's slots
+    summed apart: float inputs, within float rounding)."""
+    engine = Engine(snapshots(variant, preset), "numpy", load_tokenizer=False)
+    cfg = engine.config
+    if chunk_slots is not None:  # the arena in buffers of `chunk_slots` slots (a device's largest allocation)
+        monkeypatch.setattr(kernels.buffers, "max_alloc", chunk_slots * expert_slot_bytes(engine.container))
+    int8 = chunk_slots is None
+    mapped = device_model(engine, kernels, int8)
+    cached, cache = cached_model(engine, kernels, 2 * cfg.num_experts_per_tok, int8)
+    ids = np.array(oracle(variant)["full_ids"])
+    topk = cfg.index_topk
+    for start in (topk - 1, topk + 5):
+        caches = mapped.new_cache(), cached.new_cache()
+        _, hidden = mapped.forward(ids[:start], caches[0])
+        mapped.mtp_forward(hidden, ids[1:start + 1], caches[0])
+        copy_rows(caches[0], caches[1])
+        reads = cache.stats.reads
+        got = [model.verify_draft(ids[start:start + 2], c, greedy=True)
+               for model, c in zip((mapped, cached), caches, strict=True)]
+        assert cached._verify.experts is cache and cached.drafts_on_device()
+        (lw, hw, (cw, dw)), (lg, hg, (cg, dg)) = got
+        if int8:
+            assert np.array_equal(lw, lg) and np.array_equal(hw, hg)
+        else:
+            assert np.abs(lw - lg).max() <= 1e-5 * np.abs(lw).max()
+        assert cw.tolist() == cg.tolist() and dw.tolist() == dg.tolist()
+        for a, b in zip(*(c.layers for c in caches), strict=True):
+            assert a.length == b.length
+            for name in ("kv_lat", "k_rot", "index_k") if a.has_index else ("kv_lat", "k_rot"):
+                np.testing.assert_allclose(a.rows(name), b.rows(name), rtol=0 if int8 else 1e-5,
+                                           atol=0 if int8 else 1e-6)
+        moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers_with_mtp))
+        assert moe_layers < cache.stats.reads - reads <= 2 * moe_layers * cfg.num_experts_per_tok
+    assert (len(cached._verify.chunks) > 1) == (chunk_slots is not None)
+    cache.close()
+
+
+def test_mtp_over_the_expert_cache_keeps_the_tokens(snapshots, kernels, monkeypatch):
+    """Greedy decoding with MTP on over an expert cache (verification and drafts on the two-row step over its slots)
+    gives the tokens of MTP off, mostly accepted; a cache too small for two rows' experts has no two-row step (the
+    verification then runs operation by operation, the same tokens)."""
+    engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
+    k = engine.config.num_experts_per_tok
+    prompt = [int(t) for t in oracle("tiny-trained")["full_ids"][:40]]
+    queues = []
+    real = DeviceDecodeStep.verify
+    monkeypatch.setattr(DeviceDecodeStep, "verify", lambda self, *a: queues.append(a[2]) or real(self, *a))
+    greedy = SamplingParams(temperature=0)
+    for slots, fused in ((3 * k, True), (k, False)):
+        model, cache = cached_model(engine, kernels, slots)
+        off, _ = generate(model, prompt, False, greedy, 24)
+        on, gen = generate(model, prompt, True, greedy, 24)
+        assert on == off
+        assert model.drafts_on_device() is fused and bool(queues) is fused and all(queues)
+        assert gen.stats.mtp_acceptance > 0.5
+        queues.clear()
+        cache.close()
+
+
 def test_mtp_where_no_two_row_step(snapshots, kernels):
-    """A discrete device (and an expert cache) has no two-row step: the verification runs operation by operation,
-    the tokens stay those of MTP off."""
+    """A discrete device has no two-row step: the verification runs operation by operation, the tokens stay those
+    of MTP off."""
     engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
     discrete = Kernels(opencl_test_device(), lanes=8, red_lanes=8, direct=False, cpu_loads=False)
     dev = device_model(engine, discrete)

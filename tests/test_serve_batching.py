@@ -179,6 +179,29 @@ def test_opencl_batch_takes_requests_that_join_and_leave(cl_model):
     assert cl_model.batch_pays()
 
 
+@pytest.mark.parametrize("count", [2, 4])
+def test_opencl_batch_over_an_expert_cache_is_each_sequence_alone(cl_engine, snapshot, count):
+    """Out of core on OpenCL: the step over B sequences reads the routed experts from an expert cache's slots (as many
+    as the B rows route to: the rows' union is read, an expert several rows route to once, each layer waiting for
+    its misses); each row's logits bit for bit those of its sequence alone on the mapping's single-row step."""
+    cfg, cl_model = cl_engine.config, cl_engine.model
+    batch = prompts(count, True)
+    alone = [greedy_alone(cl_model, prompt, 6) for prompt in batch]
+    slot = ExpertCache(cl_engine.container, 1 << 30).slot_bytes
+    streamed = Engine(snapshot, device="opencl", load_tokenizer=False,
+                      expert_cache=count * cfg.num_experts_per_tok * slot)
+    try:
+        tokens, rows = greedy_batched(streamed.model, batch, 6)
+        step = streamed.model.sequences_step(count)
+        assert step is not None and step.experts is streamed.experts
+        for i, (alone_tokens, alone_rows) in enumerate(alone):
+            assert tokens[i] == alone_tokens
+            np.testing.assert_array_equal(np.array(rows[i]), np.array(alone_rows))
+        assert streamed.experts.stats.misses > 0 and streamed.experts.stats.evictions > 0
+    finally:
+        streamed.close()
+
+
 def test_opencl_batch_stores_lower_precision_rows_as_each_sequence_alone(snapshot):
     """Cache rows kept at fp8 with their scales (each row's new rows stored by its own kv_store_rows launch): each
     row of a batch of three still its sequence alone on the single-row step."""

@@ -150,7 +150,7 @@ class Engine:
         profile."""
         from glmkit.backends.devices import stored_measurement
 
-        return stored_measurement(self.backend.k.info, self.container, "batch_ms",
+        return stored_measurement(self.backend.k.info, self.container, self._measurement_name("batch_ms"),
                                   lambda: measure_batch_costs(self.model))
 
     def mtp_costs(self) -> dict[str, float]:
@@ -159,8 +159,13 @@ class Engine:
         the device's profile."""
         from glmkit.backends.devices import stored_measurement
 
-        return stored_measurement(self.backend.k.info, self.container, "mtp_ms",
+        return stored_measurement(self.backend.k.info, self.container, self._measurement_name("mtp_ms"),
                                   lambda: measure_mtp_costs(self.model))
+
+    def _measurement_name(self, name: str) -> str:
+        """A device-step timing's name in the device profile: its own over an expert cache, whose forwards wait for
+        expert reads the mapping's do not."""
+        return name if self.model.step_experts is None else f"{name}_expert_cache"
 
 
 def _probe_prompt_length(cfg: ModelConfig) -> int:

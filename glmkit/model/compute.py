@@ -125,6 +125,7 @@ class ExpertArena(Protocol):
 
     arena: np.ndarray  # uint8, slot s at [s * slot_bytes, (s + 1) * slot_bytes)
     slot_bytes: int
+    n_slots: int  # the routed experts' slots (the pinned shared experts' follow them)
 
     @property
     def slot_count(self) -> int: ...

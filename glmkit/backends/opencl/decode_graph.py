@@ -29,10 +29,11 @@ weight but some routed experts runs those on a CPU OpenCL device beside it (`Spi
 wait per MoE layer). `OpenCLBackend.decode_step` builds the step, or returns None when a weight or an expert cannot
 be used in place or placed on the device (the per-operation path runs then).
 
-MTP's verification of a draft runs as the same step bound for two token rows (`rows=2`, CPU devices over the
-mapping): the weight products take both rows, the kernels that work per token a row each (a work-group or a global
-dimension per row), attention with each row's causal keys, and with `draft` the MTP layer and head after them in
-the same queue, from each row's greedy token (`verify`), or from the host's tokens (`redraft`).
+MTP's verification of a draft runs as the same step bound for two token rows (`rows=2`, CPU devices, over the
+mapping or an expert cache's slots): the weight products take both rows, the kernels that work per token a row
+each (a work-group or a global dimension per row), attention with each row's causal keys, and with `draft` the MTP
+layer and head after them in the same queue, from each row's greedy token (`verify`), or from the host's tokens
+(`redraft`).
 
 Continuous batching runs the same step bound for B token rows of B different sequences (`sequences`, `decode_rows`):
 what works on the rows' values takes the B rows in one launch, as for MTP's rows; what reads or writes a cache runs
@@ -194,12 +195,13 @@ class _CacheMirror:
 
 
 class _ArenaLayer(NamedTuple):
-    """A MoE layer whose routed experts lie in an expert cache's slots: per token the host fills the fused launches'
-    slots (`regions`, buffer b's from `stride * b`) with each routed expert's 6 byte offsets (the layout `rel` from
-    its slot's start) and weight (`routed_w`, from the device's routing), the shared expert's (`shared`: its offsets
-    and arena chunk) last."""
+    """A MoE layer whose routed experts lie in an expert cache's slots: per forward the host fills the fused launches'
+    slots (`regions`, buffer b's from `stride * b`) with each token row's routed experts' 6 byte offsets (the layout
+    `rel` from its slot's start) and weights (`routed_w [rows * top_k]`, from the device's routing), the row's shared
+    expert (`shared`: its offsets and arena chunk) last."""
 
     layer: int
+    rows: int
     top_k: int
     rel: np.ndarray  # uint64 [6]
     routed_w: DeviceArray
@@ -208,6 +210,11 @@ class _ArenaLayer(NamedTuple):
     n_buffers: int
     shared: tuple[np.ndarray, int] | None
     masks: tuple[DeviceArray, DeviceArray] | None  # slot tokens of the launches before and after the misses' reads
+
+    @property
+    def members(self) -> int:
+        """Slots per token row: its routed experts, then the shared one where it lies in the arena."""
+        return self.top_k + (self.shared is not None)
 
 
 class SpillDevice(NamedTuple):
@@ -317,16 +324,17 @@ class DeviceDecodeStep:
     routing while this one finishes, so the device does not wait for the host between tokens.
 
     rows: token rows per forward (consecutive positions; 2: MTP's verification of [token, draft], `verify`), CPU
-    devices over the mapping only. Each row's logits, hidden state and KV rows are bit for bit those of the
-    single-row step fed the same tokens. draft: (the MTP layer's description, the MTP head's): `verify` then also
-    drafts in the same queue.
+    devices only (over an expert cache, one whose slots hold every row's routed experts at once: each MoE layer's
+    host wait places the union of the rows' experts, each read once). Each row's logits, hidden state and KV rows
+    are bit for bit those of the single-row step fed the same tokens. draft: (the MTP layer's description, the MTP
+    head's): `verify` then also drafts in the same queue.
 
     sequences: the token rows are as many different sequences, row r appended to its own cache at its own length
     (`decode_rows`: continuous batching). Norms, products, RoPE, routing, the experts and the lm_head take the rows
     at once (the routed experts' slots per row, as for `rows`); each launch that reads or writes a cache (its new rows,
     the indexer's scores and top-k, attention: `PER_ROW`) runs once per row, bound to that row's cache, position and
     key count (`Launch.at_row`). Each row's logits are bit for bit the single-row step's for its sequence alone.
-    CPU devices over the mapping (as `rows`), with single-item top-k kernels.
+    CPU devices (as `rows`), with single-item top-k kernels.
 
     spill: a CPU OpenCL device beside a discrete one that cannot hold every routed expert (the split step: see
     `_bind_split_moe`, `_place_split`, `_run_split`): the experts the budget leaves out run there, each MoE layer's
@@ -354,8 +362,8 @@ class DeviceDecodeStep:
         whole = span == range(len(layers)) and logits
         if not whole and (rows > 1 or draft is not None):
             raise Unsupported("a part of the model (a pipeline stage's layers, or its head): one token row, no draft")
-        if rows > 1 and (not kernels.direct or experts is not None):
-            raise Unsupported("several token rows per forward: CPU OpenCL devices over the mapping only")
+        if rows > 1 and not kernels.direct:
+            raise Unsupported("several token rows per forward: CPU OpenCL devices only")
         if draft is not None and (rows < 2 or any(n.bias for n in (draft[1].enorm, draft[1].hnorm,
                                                                      draft[1].head_norm))):
             raise Unsupported("MTP's draft: in a verification step (rows > 1) of an MTP head with RMSNorms")
@@ -382,6 +390,8 @@ class DeviceDecodeStep:
         if experts is not None:  # the arena in chunks no larger than one buffer may be, slot-aligned
             if not kernels.direct:
                 raise Unsupported("an expert cache's slots are read in place: CPU OpenCL devices only")
+            if experts.n_slots < rows * cfg.num_experts_per_tok:  # every row's routed experts at once
+                raise Unsupported(f"{rows} token rows over an expert cache of {experts.n_slots} slots")
             self.chunk_slots = max(1, kernels.buffers.max_alloc // experts.slot_bytes)
             n, size, per = experts.slot_count, experts.slot_bytes, self.chunk_slots
             self.chunks = [kernels.buffers.read_only_in_place(experts.arena[s * size:min(n, s + per) * size])
@@ -902,36 +912,40 @@ class DeviceDecodeStep:
             if shared_ref is None or shared_ref.key[1:] != routed.key[1:]:
                 separate, shared_slot = self._ref(ffn.shared), None
         members = r.top_k + (shared_slot is not None)
+        n_slots, rows = self.rows * members, self.rows  # row t's members in slots t * members..
         shared_place = None
         if shared_slot is not None:
-            rows, chunk = self._place_offsets(shared_rel, [shared_slot * arena.slot_bytes])
-            shared_place = rows[0], int(chunk[0])
+            offs, chunk = self._place_offsets(shared_rel, [shared_slot * arena.slot_bytes])
+            shared_place = offs[0], int(chunk[0])
         # one chunk, the shared expert in it: the resident experts' launches run while the misses are read, the
         # others' after, over the same slots (each slot's rows are its own: the logits do not change)
         split = len(self.chunks) == 1 and separate is None
         masks = None
         if split:
-            regions, stride = self._slot_regions(1, members)
-            masks = self.buffers.array(members, np.uint32), self.buffers.array(members, np.uint32)
-            masks[0].host[r.top_k:], masks[1].host[r.top_k:] = 0, UNUSED_SLOT  # the shared expert runs first
-            scratch = self._expert_scratch(members, routed.shape)
+            regions, stride = self._slot_regions(1, n_slots)
+            masks = self.buffers.array(n_slots, np.uint32), self.buffers.array(n_slots, np.uint32)
+            if shared_slot is not None:  # each row's shared expert runs first
+                masks[0].host.reshape(rows, members)[:, -1] = np.arange(rows)
+                masks[1].host.reshape(rows, members)[:, -1] = UNUSED_SLOT
+            scratch = self._expert_scratch(n_slots, routed.shape)
             (groups, self.ffn_out), (out.after_misses, _) = (self._bind_experts(
                 routed, ExpertSlots(regions["offs"].buffer, mask.buffer, regions["tok_start"].buffer,
-                                    regions["slot_w"].buffer, members), self.ffn, self.chunks[0], False, scratch)
-                for mask in masks)
+                                    regions["slot_w"].buffer, n_slots, rows), self.ffn, self.chunks[0], False,
+                scratch) for mask in masks)
         else:
-            regions, stride, groups = self._slot_groups(routed, self.chunks, members, separate is not None)
+            regions, stride, groups = self._slot_groups(routed, self.chunks, n_slots, separate is not None)
         out.ids = self._route_ids(r.top_k)
-        logits, routed_w = self.buffers.array(r.n_experts), self.buffers.array(r.top_k)
+        logits, routed_w = self.buffers.array(rows * r.n_experts), self.buffers.array(rows * r.top_k)
         out.route = k.bind("route_select", (1,), None, logits=logits.buffer, vec=self._vectors.buffer,
                            bias_off=self.offsets[r.bias], n_experts=r.n_experts, n_group=r.n_group,
                            topk_group=r.topk_group, top_k=r.top_k, norm=int(r.norm_topk_prob), scaling=r.scaling,
-                           ids=out.ids[0].buffer, routed_w=routed_w.buffer)  # ids: set per token slot
-        out.arena = _ArenaLayer(ffn.layer, r.top_k, rel, routed_w, regions, stride, len(self.chunks), shared_place,
-                                masks)
-        self._fill_slots(out.arena, np.zeros((r.top_k, 6), np.uint64), np.zeros(r.top_k, np.uint32), whole=True)
+                           ids=out.ids[0].buffer, routed_w=routed_w.buffer, n_tok=rows)  # ids: set per token slot
+        out.arena = _ArenaLayer(ffn.layer, rows, r.top_k, rel, routed_w, regions, stride, len(self.chunks),
+                                shared_place, masks)
+        self._fill_slots(out.arena, np.zeros((rows * r.top_k, 6), np.uint64), np.zeros(rows * r.top_k, np.uint32),
+                         whole=True)
         out.after_route = [*groups, *(self._bind_apart(separate) if separate is not None else ())]
-        return [bind_matvec(k, self._matrix(r.weight), self.u.buffer, logits.buffer), out.route]
+        return [bind_matvec(k, self._matrix(r.weight), self.u.buffer, logits.buffer, tokens=rows), out.route]
 
     def _bind_split_moe(self, ffn: MoESpec, out: _Layer) -> list[Launch]:
         """`_bind_ffn` for a discrete device that cannot hold every routed expert (`SpillDevice` beside it): the
@@ -1055,55 +1069,69 @@ class DeviceDecodeStep:
 
     def _place(self, layer: _Layer, slot: int) -> tuple[np.ndarray, bool, list[int]]:
         """Fill the fused launches' slots with where the layer's routed ids (token slot `slot`) lie (the device has
-        finished the layer's routing: its ids and weights are final). Returns (the ids, whether the cache heard of
-        them, the experts still being read). Where every one was read already, the cache hears of them after their
-        launches are queued (`_queue_tail`); else first (`on_route`: its misses start reading), and with `masks` the
-        experts still being read are returned (the launches of the others go first), else every read is waited
-        for."""
+        finished the layer's routing: its ids and weights are final). Returns (the ids `[rows, k]`, whether the cache
+        heard of them, the experts still being read). Where every one was read already, the cache hears of them after
+        their launches are queued (`_queue_tail`); else first (`on_route`: its misses start reading), and with `masks`
+        the experts still being read are returned (the launches of the others go first), else every read is waited
+        for. An expert several rows route to is read once and runs in a slot of each."""
         a = layer.arena
-        routed = layer.ids[slot].host[:a.top_k].copy()
+        routed = layer.ids[slot].host[:a.rows * a.top_k].copy()  # [rows * k], row by row
         at = self.experts.resident_places(a.layer, routed)
         heard, ready = at is None, None
         if heard:
-            ids = routed.tolist()
-            self.experts.on_route(a.layer, routed[None, :])
+            ids = list(dict.fromkeys(routed.tolist()))  # each expert once, in routed order
+            self.experts.on_route(a.layer, routed.reshape(a.rows, a.top_k))
             now = None if a.masks is None else self.experts.places_now(a.layer, ids)
             if now is None or any(place is None for place in now):
-                at = np.array(self.experts.wait_places(a.layer, ids))
+                place_of = dict(zip(ids, self.experts.wait_places(a.layer, ids), strict=True))
+                at = np.array([place_of[e] for e in routed.tolist()])
             else:
-                at, ready = np.array([place[0] for place in now]), [place[1] for place in now]
+                place_of = dict(zip(ids, now, strict=True))
+                at = np.array([place_of[e][0] for e in routed.tolist()])
+                ready = np.array([place_of[e][1] for e in routed.tolist()])
         self._fill_slots(a, *self._place_offsets(a.rel, at))
-        if a.masks is not None and ready is None:
-            a.masks[0].host[:a.top_k], a.masks[1].host[:a.top_k] = 0, UNUSED_SLOT
-        elif a.masks is not None:
-            done = np.array(ready)
-            a.masks[0].host[:a.top_k] = np.where(done, 0, UNUSED_SLOT)
-            a.masks[1].host[:a.top_k] = np.where(done, UNUSED_SLOT, 0)
-        return routed, heard, [] if ready is None else [int(e) for e, r in zip(routed, ready, strict=True) if not r]
+        if a.masks is not None:
+            token = np.repeat(np.arange(a.rows, dtype=np.uint32), a.top_k)  # each routed slot's token row
+            done = np.ones(len(routed), bool) if ready is None else ready
+            first, after = (m.host.reshape(a.rows, a.members)[:, :a.top_k] for m in a.masks)
+            first[:] = np.where(done, token, UNUSED_SLOT).reshape(a.rows, a.top_k)
+            after[:] = np.where(done, UNUSED_SLOT, token).reshape(a.rows, a.top_k)
+        missing = [] if ready is None else list(dict.fromkeys(e for e, r in zip(routed.tolist(), ready.tolist(),
+                                                                                 strict=True) if not r))
+        return routed.reshape(a.rows, a.top_k), heard, missing
 
     @staticmethod
-    def _fill_slots(a: _ArenaLayer, rows: np.ndarray, chunk: np.ndarray, whole: bool = False) -> None:
-        """The fused launches' slots of one token (as decode.cl's `route_fill` writes them): the routed experts at
-        `rows [k, 6]` in arena chunks `chunk [k]` with the routing's weights, then the shared expert with weight 1,
-        each in the next slot of its chunk's range (the sum's order is the members' order); the rest unused. In one
-        chunk only the routed experts' offsets and weights change from token to token (`whole`: write all)."""
-        r, k = a.regions, a.top_k
-        if a.n_buffers == 1 and not whole:
-            r["offs"].host[:rows.size], r["slot_w"].host[:k] = rows.reshape(-1), a.routed_w.host[:k]
+    def _fill_slots(a: _ArenaLayer, offs: np.ndarray, chunk: np.ndarray, whole: bool = False) -> None:
+        """The fused launches' slots of one forward (as decode.cl's `route_fill` writes them): each token row's routed
+        experts at `offs [rows * k, 6]` in arena chunks `chunk [rows * k]` (row by row) with the routing's weights,
+        then the row's shared expert with weight 1; in each chunk's range the rows in order, a row's members in order
+        (the sum's order); the rest unused. In one chunk only the routed experts' offsets and weights change from
+        forward to forward (`whole`: write all)."""
+        r, k, rows, m = a.regions, a.top_k, a.rows, a.members
+        weights = a.routed_w.host[:rows * k].reshape(rows, k)
+        if a.n_buffers == 1 and not whole:  # row t's members in slots t * m.., as the whole fill left them
+            r["offs"].host.reshape(-1, 6)[:rows * m].reshape(rows, m, 6)[:, :k] = offs.reshape(rows, k, 6)
+            r["slot_w"].host[:rows * m].reshape(rows, m)[:, :k] = weights
             return
+        offs, chunk = offs.reshape(rows, k, 6), chunk.reshape(rows, k)
         if a.shared is not None:
-            rows, chunk = np.vstack([rows, a.shared[0]]), np.append(chunk, a.shared[1])
-        weights = np.append(a.routed_w.host[:k], np.float32(1.0))[:len(chunk)]
-        order = np.argsort(chunk, kind="stable")  # by chunk, members in order within one
-        counts = np.bincount(chunk, minlength=a.n_buffers)
-        firsts = np.cumsum(counts) - counts  # where each chunk's members begin in `order`
+            offs = np.concatenate([offs, np.broadcast_to(a.shared[0], (rows, 1, 6))], axis=1)
+            chunk = np.concatenate([chunk, np.full((rows, 1), a.shared[1], chunk.dtype)], axis=1)
+            weights = np.concatenate([weights, np.ones((rows, 1), np.float32)], axis=1)
+        offs, chunk, weights = offs.reshape(-1, 6), chunk.reshape(-1).astype(np.int64), weights.reshape(-1)
+        token = np.repeat(np.arange(rows), m)
+        order = np.argsort(chunk, kind="stable")  # by chunk; within one the rows, and a row's members, in order
+        counts = np.bincount(chunk * rows + token, minlength=a.n_buffers * rows).reshape(a.n_buffers, rows)
+        per_chunk = counts.sum(axis=1)
+        firsts = np.cumsum(per_chunk) - per_chunk  # where each chunk's members begin in `order`
         slots = chunk[order] * a.stride + np.arange(len(order)) - firsts[chunk[order]]
-        r["offs"].host.reshape(-1, 6)[slots] = rows[order]
+        r["offs"].host.reshape(-1, 6)[slots] = offs[order]
         r["slot_w"].host[slots] = weights[order]
         slot_tok, tok_start = r["slot_tok"].host.reshape(a.n_buffers, a.stride), r["tok_start"].host
         for b in range(a.n_buffers):
-            slot_tok[b, :counts[b]], slot_tok[b, counts[b]:] = 0, UNUSED_SLOT
-            tok_start[b * a.stride:b * a.stride + 2] = 0, counts[b]
+            slot_tok[b, :per_chunk[b]] = token[order][firsts[b]:firsts[b] + per_chunk[b]]
+            slot_tok[b, per_chunk[b]:] = UNUSED_SLOT
+            tok_start[b * a.stride:b * a.stride + rows + 1] = np.concatenate([[0], np.cumsum(counts[b])])
 
     def _add(self, y: DeviceArray, a: DeviceArray) -> Launch:
         n = self.rows * self.cfg.hidden_size
@@ -1486,8 +1514,8 @@ class DeviceDecodeStep:
                 event = launch.enqueue()
             self.k.flush()  # the resident experts run while the next layer's are named and the rest read
             if not heard:
-                self.experts.on_route(layer.arena.layer, routed[None, :])
-            self.experts.read_ahead(layer.arena.layer, self.u.host[None, :])
+                self.experts.on_route(layer.arena.layer, routed)
+            self.experts.read_ahead(layer.arena.layer, self.u.host.reshape(self.rows, -1))
             if missing:
                 self.experts.wait_places(layer.arena.layer, missing)
                 for launch in layer.after_misses:

@@ -309,12 +309,16 @@ __kernel void route_noaux_tc(__global const float* logits, __global const float*
     route_close(n_tok, n_buffers, slot_tok, stride, tok_start, count);
 }
 
-/* The selection alone (one work-item): ids and weights of the top_k experts, for the host to place them. */
+/* The selection alone (one work-item) of n_tok tokens (token t's logits at logits + t * n_experts): ids and weights
+ * of each token's top_k experts (ids + t * top_k, routed_w + t * top_k), for the host to place them. */
 __kernel void route_select(__global const float* logits, __global const float* vec, uint bias_off, uint n_experts,
                            uint n_group, uint topk_group, uint top_k, uint norm, float scaling, __global uint* ids,
-                           __global float* routed_w) {
+                           __global float* routed_w, uint n_tok) {
     if (get_global_id(0) != 0) return;
-    float w[MAX_TOPK];
-    const uint k = route_choose(logits, vec, bias_off, n_experts, n_group, topk_group, top_k, norm, scaling, ids, w);
-    for (uint i = 0; i < k; i++) routed_w[i] = w[i];
+    for (uint t = 0; t < n_tok; t++) {
+        float w[MAX_TOPK];
+        const uint k = route_choose(logits + (ulong)t * n_experts, vec, bias_off, n_experts, n_group, topk_group,
+                                    top_k, norm, scaling, ids + t * top_k, w);
+        for (uint i = 0; i < k; i++) routed_w[t * top_k + i] = w[i];
+    }
 }
