@@ -193,7 +193,7 @@ def test_two_rows_over_the_expert_cache(snapshots, kernels, monkeypatch, variant
 def test_mtp_over_the_expert_cache_keeps_the_tokens(snapshots, kernels, monkeypatch):
     """Greedy decoding with MTP on over an expert cache (verification and drafts on the two-row step over its slots)
     gives the tokens of MTP off, mostly accepted; a cache too small for two rows' experts has no two-row step (the
-    verification then runs operation by operation, the same tokens)."""
+    verification then runs operation by operation, the same tokens); the MTP layer's expert reads are counted apart."""
     engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
     k = engine.config.num_experts_per_tok
     prompt = [int(t) for t in oracle("tiny-trained")["full_ids"][:40]]
@@ -204,7 +204,9 @@ def test_mtp_over_the_expert_cache_keeps_the_tokens(snapshots, kernels, monkeypa
     for slots, fused in ((3 * k, True), (k, False)):
         model, cache = cached_model(engine, kernels, slots)
         off, _ = generate(model, prompt, False, greedy, 24)
+        assert cache.stats.mtp_bytes_read == 0 < cache.stats.bytes_read
         on, gen = generate(model, prompt, True, greedy, 24)
+        assert 0 < cache.stats.mtp_bytes_read < cache.stats.bytes_read
         assert on == off
         assert model.drafts_on_device() is fused and bool(queues) is fused and all(queues)
         assert gen.stats.mtp_acceptance > 0.5

@@ -212,6 +212,8 @@ def worker(snapshot: str, mode: str, cache: str, mtp: bool, prompt_file: str) ->
     if mode == "cache":
         missed = stats["expert_bytes_read"] - stats_at["expert_bytes_read"]
         out["expert_mb_read_per_token"] = round(missed / TOKENS / 1e6, 3)
+        mtp_missed = stats["expert_bytes_read_mtp"] - stats_at["expert_bytes_read_mtp"]
+        out["mtp_layer_mb_read_per_token"] = round(mtp_missed / TOKENS / 1e6, 3)  # of them the MTP layer's
         out["prefill_expert_mb"] = round(stats_at["expert_bytes_read"] / 1e6, 1)
     if mtp:
         out["mtp_acceptance"] = gen.stats.mtp_acceptance

@@ -105,6 +105,7 @@ class CacheStats:
     hits: int = 0  # routed to while in a slot
     misses: int = 0  # routed to while not in a slot (or still being read)
     bytes_read: int = 0
+    mtp_bytes_read: int = 0  # ... of them the MTP layer's experts
     reads: int = 0
     io_wait_s: float = 0.0  # compute threads' time waiting for expert reads
     evictions: int = 0
@@ -119,7 +120,8 @@ class CacheStats:
         handed = self.hits + self.misses
         return {"expert_hits": self.hits, "expert_misses": self.misses,
                 "expert_hit_rate": round(self.hits / handed, 4) if handed else None,
-                "expert_bytes_read": self.bytes_read, "expert_reads": self.reads,
+                "expert_bytes_read": self.bytes_read, "expert_bytes_read_mtp": self.mtp_bytes_read,
+                "expert_reads": self.reads,
                 "expert_io_wait_s": round(self.io_wait_s, 4), "expert_evictions": self.evictions,
                 "expert_bounced": self.bounced, "experts_preloaded": self.preloaded,
                 "readahead_recall": round(self.predicted_used / self.routed, 4) if self.routed else None,
@@ -543,6 +545,7 @@ class ExpertCache:
             os.posix_fadvise(fd, r.offset, r.nbytes, os.POSIX_FADV_DONTNEED)
         with self._lock:
             self.stats.bytes_read += r.nbytes
+            self.stats.mtp_bytes_read += r.nbytes if key[0] >= self.config.num_hidden_layers else 0
             self.stats.reads += 1
         return self.container.expert_weights(key[0], key[1], data[shift:shift + r.nbytes])
 
