@@ -153,8 +153,8 @@ def test_two_rows_over_the_expert_cache(snapshots, kernels, monkeypatch, variant
     """The two-row step over an expert cache of two rows' routed experts (nearly every expert misses: each layer
     waits for its reads, the resident ones' launches first) gives the two-row step on the mapping's logits, hidden
     states, KV rows and MTP drafts bit for bit, across the indexer's switch to top-k selection; an expert both rows
-    route to is read once; with q2's shared expert apart; with the arena in buffers of 5 slots (each buffer's slots
-    summed apart: float inputs, within float rounding)."""
+    route to is read once; a short prompt two tokens per forward; with q2's shared expert apart; with the arena in
+    buffers of 5 slots (each buffer's slots summed apart: float inputs, within float rounding)."""
     engine = Engine(snapshots(variant, preset), "numpy", load_tokenizer=False)
     cfg = engine.config
     if chunk_slots is not None:  # the arena in buffers of `chunk_slots` slots (a device's largest allocation)
@@ -186,6 +186,10 @@ def test_two_rows_over_the_expert_cache(snapshots, kernels, monkeypatch, variant
                                            atol=0 if int8 else 1e-6)
         moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers_with_mtp))
         assert moe_layers < cache.stats.reads - reads <= 2 * moe_layers * cfg.num_experts_per_tok
+        # a short prompt's tokens two per forward on the same step (`prefill_on_step`)
+        more = ids[start + 2:start + 8]
+        (lw, hw), (lg, hg) = (model.prefill_on_step(more, c) for model, c in zip((mapped, cached), caches, strict=True))
+        assert (np.array_equal(lw, lg) and np.array_equal(hw, hg)) if int8 else np.allclose(lw, lg, atol=1e-5)
     assert (len(cached._verify.chunks) > 1) == (chunk_slots is not None)
     cache.close()
 
