@@ -91,7 +91,8 @@ def worker_glmkit(spec: dict) -> dict:
             Kernels(pick(found, p, d))  # the OpenCL runtime and a built program belong to the baseline
     baseline = proc_status()["VmRSS"]
     t = time.perf_counter()
-    engine = Engine(spec["snapshot"], device.split("@")[0], load_tokenizer=False)
+    engine = Engine(spec["snapshot"], device.split("@")[0], load_tokenizer=False,
+                    expert_cache=spec.get("expert_cache", 0))
     open_s = time.perf_counter() - t
     model, vocab = engine.model, engine.config.vocab_size
     result: dict = {"device": engine.device, "numerics": engine.backend.numerics, "open_s": open_s,
@@ -426,6 +427,9 @@ def main(argv: list[str] | None = None) -> int:
                                                                "tokens prefilled on the decode step (its forwards "
                                                                "queued, and each waiting for its logits) and as one "
                                                                "batched forward, alternately (--mtp-rounds times)")
+    p.add_argument("--expert-cache", type=int, default=0, help="glmkit rows: the routed experts in an expert cache "
+                                                               "of this many bytes (glm-run's --expert-cache; default "
+                                                               "the page cache)")
     args = p.parse_args(argv)
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))
@@ -455,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
             devices.remove("transformers")
     base = {"snapshot": str(snapshot), "source": str(source), "prefill": list(PREFILL), "prompt": args.prompt,
             "decode": args.decode, "context": args.context, "short_prompt": args.short_prompt, "threads": args.threads,
-            "mtp_rounds": args.mtp_rounds,
+            "mtp_rounds": args.mtp_rounds, "expert_cache": args.expert_cache,
             "prompt_ids": prompt_from_file(args.prompt_tokens, args.prompt) if args.prompt_tokens else None,
             "heads": json.loads((source / "config.json").read_text())["num_attention_heads"]}
     results: dict[str, list[dict]] = {d: [] for d in devices}
