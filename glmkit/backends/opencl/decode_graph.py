@@ -1090,12 +1090,14 @@ class DeviceDecodeStep:
                 at = np.array([place_of[e][0] for e in routed.tolist()])
                 ready = np.array([place_of[e][1] for e in routed.tolist()])
         self._fill_slots(a, *self._place_offsets(a.rel, at))
-        if a.masks is not None:
-            token = np.repeat(np.arange(a.rows, dtype=np.uint32), a.top_k)  # each routed slot's token row
-            done = np.ones(len(routed), bool) if ready is None else ready
+        if a.masks is not None:  # each routed slot's token row where its launch set computes it
             first, after = (m.host.reshape(a.rows, a.members)[:, :a.top_k] for m in a.masks)
-            first[:] = np.where(done, token, UNUSED_SLOT).reshape(a.rows, a.top_k)
-            after[:] = np.where(done, UNUSED_SLOT, token).reshape(a.rows, a.top_k)
+            token = np.arange(a.rows, dtype=np.uint32)[:, None]
+            if ready is None:
+                first[:], after[:] = token, UNUSED_SLOT
+            else:
+                done = ready.reshape(a.rows, a.top_k)
+                first[:], after[:] = np.where(done, token, UNUSED_SLOT), np.where(done, UNUSED_SLOT, token)
         missing = [] if ready is None else list(dict.fromkeys(e for e, r in zip(routed.tolist(), ready.tolist(),
                                                                                  strict=True) if not r))
         return routed.reshape(a.rows, a.top_k), heard, missing
