@@ -37,9 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests generating at once, each with its own KV session (default 4)")
     p.add_argument("--max-batch", type=int, metavar="N",
                    help="decoding requests per batched forward (default: --parallel where batching pays: on the "
-                        "NumPy backend, and on an OpenCL decode step over the mapping where a forward of two "
-                        "sequences measured faster per token than single tokens; else 1, e.g. with an expert cache "
-                        "or a discrete GPU; 1: each request decodes on its own in turn)")
+                        "NumPy backend, and on a CPU OpenCL decode step where a forward of two sequences measured "
+                        "faster per token than single tokens; else 1, e.g. on a discrete GPU; 1: each request "
+                        "decodes on its own in turn)")
     p.add_argument("--max-queue", type=int, default=64, metavar="N",
                    help="requests waiting beyond --parallel before 429 (default 64)")
     p.add_argument("--prefill-chunk", type=int, default=512, metavar="N",
