@@ -12,7 +12,7 @@ import pytest
 from glmkit.backends.opencl.backend import OpenCLBackend, Placement
 from glmkit.backends.opencl.decode_graph import DeviceDecodeStep
 from glmkit.backends.opencl.ops import Kernels
-from glmkit.generate.engine import Engine
+from glmkit.generate.engine import Engine, measure_batch_costs, measure_mtp_costs
 from glmkit.generate.generator import Generator
 from glmkit.generate.sampling import Sampler, SamplingParams
 from glmkit.model.expert_cache import ExpertCache, expert_slot_bytes
@@ -267,3 +267,27 @@ def test_generation_drops_mtp_below_the_break_even(snapshots, kernels):
     dev.mtp_break_even = 0.0
     on, gen = generate(dev, prompt, True, greedy)
     assert on == off and gen.stats.mtp_drafts > MTP_PROBE_DRAFTS
+
+
+def test_cost_measurements_fit_their_budget(snapshots, kernels, monkeypatch):
+    """Where decoding is slow for the time given (a model streaming its experts from disk), the MTP and batch cost
+    measurements time one alternation of short runs after their warm-up runs, else `rounds` of full ones; both modes
+    are measured either way (MTP on drafts: each mode keeps a cache of its own)."""
+    engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
+    dev = device_model(engine, kernels)
+    runs, forwards = [], []
+    generate, decode_batch = Generator.generate, dev.decode_batch
+    monkeypatch.setattr(Generator, "generate",
+                        lambda self, ids, n, *rest: runs.append((self.use_mtp, n)) or generate(self, ids, n, *rest))
+    monkeypatch.setattr(dev, "decode_batch", lambda ids, caches: forwards.append(len(ids)) or decode_batch(ids, caches))
+    mtp = measure_mtp_costs(dev, budget_s=0.0)
+    assert runs == [(False, 3), (True, 3), (False, 5), (True, 5)] and mtp["token"] > 0 and mtp["cycle"] > 0
+    assert mtp["cycle"] > mtp["token"]  # a verification with its draft: the tokens drafted, not single tokens
+    runs.clear()
+    measure_mtp_costs(dev, budget_s=1e6)
+    assert runs[2:] == [(False, 25), (True, 25)] * 5
+    batch = measure_batch_costs(dev, budget_s=0.0)
+    assert forwards == [1] * 4 + [2] * 4 + [1] * 4 + [2] * 4 and batch["token"] > 0 and batch["batch"] > 0
+    forwards.clear()
+    measure_batch_costs(dev, budget_s=1e6)
+    assert forwards == ([1] * 4 + [2] * 4) * 4

@@ -168,57 +168,83 @@ class Engine:
         return name if self.model.step_experts is None else f"{name}_expert_cache"
 
 
+MEASURE_BUDGET_S = 20.0  # seconds a device-step cost measurement aims to spend timing (beyond its warm-up runs)
+
+
 def _probe_prompt_length(cfg: ModelConfig) -> int:
     """Tokens of the random prompts the cost measurements decode after: past index_topk where it is small (so that the
     indexer selects), at most 64."""
     return min(cfg.index_topk + 16, 64, cfg.max_position_embeddings // 2)
 
 
-def measure_batch_costs(model: GlmMoeDsaModel, rounds: int = 3, tokens: int = 4) -> dict[str, float]:
+def _timed_runs(rounds: int, runs: int, per_run_s: float, budget_s: float) -> int:
+    """Rounds of `runs` timed runs each that fit `budget_s` at `per_run_s` a run (at least 1, at most `rounds`)."""
+    return max(1, min(rounds, int(budget_s / max(runs * per_run_s, 1e-9))))
+
+
+def measure_batch_costs(model: GlmMoeDsaModel, rounds: int = 3, tokens: int = 4,
+                        budget_s: float = MEASURE_BUDGET_S) -> dict[str, float]:
     """`Engine.batch_costs` measured now: two caches of random prompt tokens (`_probe_prompt_length`), ms per token of
     single-token forwards of one of them ("token": the single-row step, as one request per pass decodes) and of
     `decode_batch` forwards of both ("batch": the step over two sequences), the medians of `rounds` alternations of
-    `tokens` forwards each (after one more, untimed); the caches are cut back to their prompts after each."""
+    `tokens` forwards each (after one more, untimed: its time decides how many rounds fit `budget_s`, at least one);
+    the caches are cut back to their prompts after each."""
     cfg = model.config
     length = _probe_prompt_length(cfg)
     rng = np.random.default_rng(0)
     caches = [model.new_cache() for _ in range(2)]
     for cache in caches:
         model.forward(rng.integers(0, cfg.vocab_size, length), cache)
+
+    def forwards(rows: int) -> float:  # seconds of `tokens` forwards of `rows` sequences
+        start = time.perf_counter()
+        for _ in range(tokens):
+            model.decode_batch(np.full(rows, 5), caches[:rows])
+        spent = time.perf_counter() - start
+        for cache in caches:
+            cache.truncate(length)
+        return spent
+
+    warm = forwards(1) + forwards(2)  # kernel builds, the step over two sequences
     costs: dict[str, list[float]] = {"token": [], "batch": []}
-    for round_ in range(rounds + 1):  # round 0 warms up: kernel builds, the step over two sequences
+    for _ in range(_timed_runs(rounds, 1, warm, budget_s)):
         for name, rows in (("token", 1), ("batch", 2)):
-            start = time.perf_counter()
-            for _ in range(tokens):
-                model.decode_batch(np.full(rows, 5), caches[:rows])
-            spent = time.perf_counter() - start
-            for cache in caches:
-                cache.truncate(length)
-            if round_:
-                costs[name].append(spent * 1e3 / (tokens * rows))
+            costs[name].append(forwards(rows) * 1e3 / (tokens * rows))
     return {name: round(float(np.median(values)), 4) for name, values in costs.items()}
 
 
-def measure_mtp_costs(model: GlmMoeDsaModel, rounds: int = 5, tokens: int = 24) -> dict[str, float]:
+def measure_mtp_costs(model: GlmMoeDsaModel, rounds: int = 5, tokens: int = 24,
+                      budget_s: float = MEASURE_BUDGET_S) -> dict[str, float]:
     """`Engine.mtp_costs` measured now, as `Generator` decodes greedily after random prompt tokens
-    (`_probe_prompt_length`): ms per decoded token with MTP off ("token", the pipelined step) and per main forward
-    with MTP on ("cycle": a verification with its draft, the host's work between them included), the medians of
-    `rounds` alternations of `tokens` tokens each (after one more, untimed)."""
-    from glmkit.generate.generator import Generator
+    (`_probe_prompt_length`, prefilled once per mode: each run continues from it): ms per decoded token with MTP
+    off ("token", the pipelined step) and per main forward with MTP on ("cycle": a verification with its draft, the
+    host's work between them included), the medians of `rounds` alternations of `tokens` tokens each (after one
+    more, untimed). A short run of each first (kernel builds, first launches) gives a token's time: where decoding is
+    slow (a model streaming its experts from disk) the runs are shorter (at least 4 tokens) and fewer (at least one
+    alternation) so that the timed ones fit about `budget_s`."""
+    from glmkit.generate.generator import GenerationStats, Generator
     from glmkit.generate.sampling import Sampler, SamplingParams
 
     cfg = model.config
     length = _probe_prompt_length(cfg)
     prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, length).tolist()
+    caches = {use_mtp: model.new_cache() for use_mtp in (False, True)}  # MTP's own: its layer's rows stay in step
+
+    def decode(use_mtp: bool, n: int) -> GenerationStats:  # n tokens after one more (its forward is not timed)
+        generator = Generator(model, (), use_mtp=use_mtp)
+        for _token in generator.generate(prompt, n + 1, Sampler(SamplingParams()), caches[use_mtp]):
+            pass
+        caches[use_mtp].truncate(length)
+        return generator.stats
+
+    warm = [decode(use_mtp, 2) for use_mtp in (False, True)]
+    per_token = max(stats.decode_s / 2 for stats in warm)
+    tokens = max(4, min(tokens, int(budget_s / (2 * rounds * per_token))))
     costs: dict[str, list[float]] = {"token": [], "cycle": []}
-    for round_ in range(rounds + 1):  # round 0 warms up: kernel builds, first launches
+    for _ in range(_timed_runs(rounds, 2, tokens * per_token, budget_s)):
         for use_mtp in (False, True):
-            generator = Generator(model, (), use_mtp=use_mtp)
-            for _token in generator.generate(prompt, tokens + 1, Sampler(SamplingParams())):
-                pass
-            stats = generator.stats
-            if round_:
-                costs["cycle" if use_mtp else "token"].append(stats.decode_s * 1e3 / stats.main_forwards)
+            stats = decode(use_mtp, tokens)
+            costs["cycle" if use_mtp else "token"].append(stats.decode_s * 1e3 / stats.main_forwards)
     return {name: round(float(np.median(values)), 4) for name, values in costs.items()}
 
 
