@@ -1077,7 +1077,7 @@ class DeviceDecodeStep:
         a = layer.arena
         routed = layer.ids[slot].host[:a.rows * a.top_k].copy()  # [rows * k], row by row
         at = self.experts.resident_places(a.layer, routed)
-        heard, ready = at is None, None
+        heard, ready, missing = at is None, None, []
         if heard:
             ids = list(dict.fromkeys(routed.tolist()))  # each expert once, in routed order
             self.experts.on_route(a.layer, routed.reshape(a.rows, a.top_k))
@@ -1089,6 +1089,7 @@ class DeviceDecodeStep:
                 place_of = dict(zip(ids, now, strict=True))
                 at = np.array([place_of[e][0] for e in routed.tolist()])
                 ready = np.array([place_of[e][1] for e in routed.tolist()])
+                missing = [e for e in ids if not place_of[e][1]]
         self._fill_slots(a, *self._place_offsets(a.rel, at))
         if a.masks is not None:  # each routed slot's token row where its launch set computes it
             first, after = (m.host.reshape(a.rows, a.members)[:, :a.top_k] for m in a.masks)
@@ -1098,8 +1099,6 @@ class DeviceDecodeStep:
             else:
                 done = ready.reshape(a.rows, a.top_k)
                 first[:], after[:] = np.where(done, token, UNUSED_SLOT), np.where(done, UNUSED_SLOT, token)
-        missing = [] if ready is None else list(dict.fromkeys(e for e, r in zip(routed.tolist(), ready.tolist(),
-                                                                                 strict=True) if not r))
         return routed.reshape(a.rows, a.top_k), heard, missing
 
     @staticmethod
