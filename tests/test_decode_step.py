@@ -24,6 +24,7 @@ from glmkit.backends.opencl.program import Launch
 from glmkit.cli import run as cli_run
 from glmkit.cli import serve as serve_cli
 from glmkit.cli import validate as cli_validate
+from glmkit.errors import GlmkitError
 from glmkit.eval.metrics import kl_divergence, log_softmax
 from glmkit.generate.engine import Engine
 from glmkit.generate.generator import STEP_PREFILL_ROWS, Generator
@@ -493,15 +494,92 @@ def spill_kernels():
 
 
 def discrete_model(engine: Engine, gpu: Kernels, spill: Kernels | None, budget: int | None, int8: bool,
-                   usage: ExpertScores | None = None) -> GlmMoeDsaModel:
+                   usage: ExpertScores | None = None, step_experts: ExpertCache | None = None) -> GlmMoeDsaModel:
     """The model on `gpu` driven as a discrete device with a weight budget of `budget` bytes (None: the device's
-    default, which holds the tiny models), routed experts over it on `spill` (uploaded by `usage` scores)."""
+    default, which holds the tiny models), routed experts over it on `spill` (uploaded by `usage` scores; the others
+    read from `step_experts` where given)."""
     placement = Placement(spill_experts=spill is not None)
     backend = OpenCLBackend(gpu, placement, unified=False, model_bytes=engine.container.nbytes, budget=budget,
                             int8_activations=int8,
                             spill=None if spill is None else OpenCLBackend(spill, Placement.all_cl(True)),
                             expert_usage=usage)
-    return GlmMoeDsaModel(engine.config, engine.experts, backend, route_hook=Routes())
+    return GlmMoeDsaModel(engine.config, engine.experts, backend, route_hook=Routes(), step_experts=step_experts)
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_split_step_reads_its_cpu_side_from_an_expert_cache(snapshots, discrete_kernels, spill_kernels, int8):
+    """A discrete device smaller than the model in RAM smaller than it too: the routed experts the device does not hold
+    run on the CPU device from an expert cache of two layers' slots (nearly every one misses), the device's own never
+    read into it: the logits and KV rows bit for bit those of the step holding the whole model, and the cache hears
+    of every CPU-side expert each decoded token routes to, of no other."""
+    engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
+    cfg = engine.config
+    whole = discrete_model(engine, discrete_kernels, None, None, int8)
+    cache = ExpertCache(engine.container, 2 * cfg.num_experts_per_tok * expert_slot_bytes(engine.container),
+                        pin_weights=False)
+    assert not whole.backend.decode_step(cfg, whole.layers[:cfg.num_hidden_layers], whole._w, cache).experts
+    split = discrete_model(engine, discrete_kernels, spill_kernels, int(engine.container.nbytes * 0.3), int8,
+                           step_experts=cache)
+    ids = np.array(oracle("tiny-trained")["full_ids"])
+    topk = cfg.index_topk
+    prompt, tokens = ids[:topk - 3], ids[topk - 3:topk + 5]
+    caches = [whole.new_cache()]
+    whole.forward(prompt, caches[0])
+    caches.append(copy.deepcopy(caches[0]))
+    heard = []
+    on_route = cache.on_route
+    cache.on_route = lambda layer, routed, *rest: heard.append((layer, routed.tolist())) or on_route(layer, routed)
+    want, got, _ = decode_both(whole, split, prompt, tokens, caches)
+    step = split._step
+    assert step.spill is not None and step.experts is cache
+    np.testing.assert_array_equal(got, want)
+    for a, b in zip(caches[0].layers, caches[1].layers, strict=True):
+        for name in ("kv_lat", "k_rot", "index_k") if a.has_index else ("kv_lat", "k_rot"):
+            np.testing.assert_array_equal(b.rows(name), a.rows(name))
+    gpu = {layer.split.layer: set(np.flatnonzero(layer.split.where >= 0).tolist()) for layer in step.layers
+           if layer.split is not None}
+    decoded = whole.route_hook.seen  # (layer, routed ids) of each decoded token, as the whole model routed them
+    want_heard = [(layer, [e for e in routed if e not in gpu[layer]]) for layer, routed in decoded]
+    assert [(layer, sorted(r[0])) for layer, r in heard] == [h for h in want_heard if h[1]]
+    assert cache.stats.misses > 0 and cache.stats.evictions > 0
+    assert not any(cache.resident(layer, e) for layer, own in gpu.items() for e in own)
+    cache.close()
+
+
+def test_engine_gives_the_split_step_an_expert_cache(snapshots, discrete_kernels, spill_kernels, monkeypatch):
+    """The engine on a discrete device smaller than the model, in RAM smaller than the model too: by default (and
+    with --expert-cache SIZE) the split step's CPU side reads an expert cache that copies no other weight; greedy
+    tokens are NumPy's and `expert_stats` (what --stats-json reports) are the cache's. A discrete device holding the
+    whole model refuses --expert-cache."""
+    from glmkit.generate import engine as engine_module
+
+    snap = snapshots("tiny-trained", "q4")
+    ram = Engine(snap, "numpy", load_tokenizer=False)
+    cfg, nbytes = ram.config, ram.container.nbytes
+
+    def discrete(budget: int | None):  # make_backend's stand-in: PoCL driven as a GPU, PoCL's CPU device beside it
+        return lambda device, container, int8, usage: (OpenCLBackend(
+            discrete_kernels, Placement(spill_experts=True), unified=False, model_bytes=nbytes, budget=budget,
+            int8_activations=False, spill=OpenCLBackend(spill_kernels, Placement.all_cl(True)),
+            expert_usage=usage), "opencl")
+
+    monkeypatch.setattr(engine_module, "make_backend", discrete(int(nbytes * 0.3)))
+    monkeypatch.setattr(engine_module, "outgrows_memory", lambda container: True)
+    prompt = oracle("tiny-trained")["prompt_ids"]
+    want, _ = greedy_run(ram.model, prompt, 16)
+    for size in (None, 3 * cfg.num_experts_per_tok * expert_slot_bytes(ram.container)):
+        engine = Engine(snap, "opencl", load_tokenizer=False, expert_cache=size)
+        assert engine.step_cache is not None and engine.model._decode_step().experts is engine.step_cache
+        assert isinstance(engine.experts, expert_stream.ExpertStreamer)  # the model's weights: the mapping's
+        got, _ = greedy_run(engine.model, prompt, 16)
+        assert got == want
+        assert engine.expert_stats is engine.step_cache.stats and engine.expert_stats.hits + engine.expert_stats.misses
+        assert (engine.expert_cache_reason != "") == (size is None)
+        engine.close()
+    monkeypatch.setattr(engine_module, "make_backend", discrete(None))
+    with pytest.raises(GlmkitError, match="holds every weight"):
+        Engine(snap, "opencl", load_tokenizer=False, expert_cache=1 << 20)
+    assert Engine(snap, "opencl", load_tokenizer=False).step_cache is None
 
 
 @pytest.mark.parametrize("int8", [False, True])

@@ -117,6 +117,12 @@ def test_the_auto_size_leaves_what_the_process_holds_and_a_quarter_of_the_limit(
     size, why = auto_cache_bytes(container)
     assert size == min(experts, limit - (container.nbytes - experts) - held - limit // 4) > 0
     assert "holds now" in why
+    # beside a discrete GPU holding the other weights (the split step's CPU side) none are copied into RAM
+    small = held + experts  # a quarter of it for activations: the experts do not all fit
+    monkeypatch.setattr(expert_cache, "memory_limit_bytes", lambda: small)
+    assert auto_cache_bytes(container, pinned=False)[0] == small - held - small // 4
+    assert auto_cache_bytes(container)[0] == max(0, small - held - small // 4 - (container.nbytes - experts))
+    monkeypatch.setattr(expert_cache, "memory_limit_bytes", lambda: limit)
     monkeypatch.setattr(expert_cache, "anonymous_resident_bytes", lambda: limit)  # it holds all of it already
     assert auto_cache_bytes(container)[0] == 0
 
@@ -397,3 +403,31 @@ def test_a_file_truncated_under_the_cache_is_an_error_naming_it(snapshots, tmp_p
     os.truncate(snap / r.file, r.offset + 10)
     with pytest.raises(GlmkitError, match=r.file):
         cache.expert(layer, 15)
+
+
+def test_experts_held_elsewhere_are_never_read_here(snapshots):
+    """Beside a discrete device holding some routed experts (the split step), the cache frees the slots of those it
+    had preloaded, and neither its read-ahead nor a later preload reads them; a cache that pins no weights reads
+    every other tensor from the container, copying nothing."""
+    engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
+    container, cfg = engine.container, engine.config
+    scores = ExpertScores()
+    scores.scores.update({(1, e): 10.0 - e for e in range(8)})  # the saved hot set: layer 1's experts 0..7
+    cache = ExpertCache(container, 16 * slot_bytes(engine), scores=scores, pin_weights=False)
+    cache.preloader.join()
+    assert all(cache.resident(1, e) for e in range(8))
+    cache.hold_elsewhere([(1, e) for e in range(4)] + [(2, e) for e in range(cfg.n_routed_experts)])
+    assert [cache.resident(1, e) for e in range(8)] == [False] * 4 + [True] * 4
+    normed = np.random.default_rng(0).standard_normal((2, cfg.hidden_size)).astype(np.float32)
+    cache.read_ahead(1, normed)  # layer 2's likely experts: all of them held elsewhere
+    assert cache.stats.read_ahead == 0 and not any(cache.resident(2, e) for e in range(cfg.n_routed_experts))
+    cache.read_ahead(2, normed)  # layer 3's: read as usual
+    assert cache.stats.read_ahead > 0
+    again = ExpertCache(container, 16 * slot_bytes(engine), scores=scores, pin_weights=False)
+    again.hold_elsewhere([(1, e) for e in range(8)])
+    again.preloader.join()
+    assert not any(again.resident(1, e) for e in range(8))  # whatever the preload had reached is given back
+    name = next(n for n in container.manifest.tensors if n.endswith("input_layernorm.weight"))
+    assert np.shares_memory(cache.weight(name), container.weight(name))  # the mapping's, not a copy
+    cache.close()
+    again.close()

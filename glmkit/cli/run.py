@@ -301,7 +301,7 @@ def write_stats(path: Path, turns: list[TurnStats], engine: Engine, per_turn: bo
         **_turn_record(turns[-1] if turns else TurnStats()),
         "peak_rss_mb": round(peak_rss_mb(), 1),
         "device": engine.device,
-        **engine.experts.stats.to_json(),
+        **engine.expert_stats.to_json(),
     }
     if per_turn:
         record["turns"] = [_turn_record(stats) for stats in turns]

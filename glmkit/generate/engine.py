@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import time
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from glmkit.format.reader import Container
 from glmkit.generate.tokenizer import ChatTokenizer, read_side_json
 from glmkit.model.compute import Backend
 from glmkit.model.expert_cache import (
+    CacheStats,
     ExpertCache,
     ExpertScores,
     activation_allowance,
@@ -23,7 +25,7 @@ from glmkit.model.expert_cache import (
     saved_scores,
     usage_path,
 )
-from glmkit.model.expert_stream import ExpertStreamer, memory_limit_bytes, outgrows_memory
+from glmkit.model.expert_stream import ExpertStats, ExpertStreamer, memory_limit_bytes, outgrows_memory
 from glmkit.model.glm5 import GlmMoeDsaModel, prefill_rows_within
 from glmkit.units import format_size
 
@@ -47,11 +49,13 @@ class Engine:
     expert_cache: routed experts in a cache of this many bytes (`ExpertCache`), or "auto" (sized from the RAM the
     process may use: `auto_cache_bytes`), instead of the page cache (the device decode step reads them from its
     slots); 0: the page cache; None (default): "auto" where the container outgrows that RAM (`outgrows_memory`),
-    unless ram_budget_bytes pins experts or the device is a discrete GPU, else 0. expert_usage_dir: where the
-    routed experts' usage scores are kept from process to process (per model hash; None: neither read nor saved):
-    the expert cache loads its hot set by them, a discrete GPU smaller than the model uploads the most used routed
-    experts (the split step), and both add their tokens' routes. kv_dtype: the KV rows' precision
-    (`glmkit.model.kv_cache.KV_DTYPES`)."""
+    unless ram_budget_bytes pins experts or the device is a discrete GPU holding the whole model, else 0. Beside a
+    discrete GPU smaller than the model with a CPU OpenCL device (the split step) the cache holds only the routed
+    experts the GPU leaves to the CPU device (`step_cache`; the model reads every other weight from the mapping).
+    expert_usage_dir: where the routed experts' usage scores are kept from process to process (per model hash; None:
+    neither read nor saved): the expert cache loads its hot set by them, a discrete GPU smaller than the model uploads
+    the most used routed experts (the split step), and both add their tokens' routes. kv_dtype: the KV rows'
+    precision (`glmkit.model.kv_cache.KV_DTYPES`)."""
 
     def __init__(self, snapshot: str | Path, device: str = "numpy", ram_budget_bytes: int = 0,
                  prefetch: bool = True, load_tokenizer: bool = True, float_activations: bool = False,
@@ -65,29 +69,39 @@ class Engine:
         self.expert_usage = saved_scores(self.usage_file, self.container)
         self.backend, self.device = make_backend(device, self.container, not float_activations, self.expert_usage)
         discrete = getattr(getattr(self.backend, "k", None), "direct", True) is False
+        # a discrete GPU smaller than the model with a CPU device beside it (the split step): the experts it leaves
+        # to the CPU side may come from an expert cache, which then holds no other weight (the GPU has them)
+        split = discrete and self.backend.spill is not None and self.backend.over_budget
         self.experts: ExpertStreamer | ExpertCache  # the model's weight source
+        self.step_cache: ExpertCache | None = None  # the split step's CPU side's expert cache
         self.expert_cache_reason = ""  # how an "auto" cache was sized
         if expert_cache is None:
-            expert_cache, why = (0, "") if ram_budget_bytes or discrete else default_expert_cache(self.container)
+            expert_cache, why = ((0, "") if ram_budget_bytes or (discrete and not split) else
+                                 default_expert_cache(self.container, pinned=not split))
             self.expert_cache_reason = why if expert_cache else ""
         elif expert_cache == "auto":
-            expert_cache, why = auto_cache_bytes(self.container)
+            expert_cache, why = auto_cache_bytes(self.container, pinned=not split)
             if expert_cache == 0:
                 raise GlmkitError(f"--expert-cache auto: no RAM left for experts ({why})")
             self.expert_cache_reason = f"expert cache {why}"
-        if expert_cache:
-            if discrete:
-                raise GlmkitError("--expert-cache: a discrete GPU holds its own copies of the weights; use it with "
-                                  "--device numpy or a CPU OpenCL device")
-            if ram_budget_bytes:
-                raise GlmkitError("--expert-cache and --ram-budget both keep experts in RAM: give one of them")
+        if expert_cache and discrete and not split:
+            raise GlmkitError("--expert-cache: this discrete GPU holds every weight it runs (the cache serves the "
+                              "routed experts a GPU smaller than the model leaves to a CPU OpenCL device beside it)")
+        if expert_cache and ram_budget_bytes:
+            raise GlmkitError("--expert-cache and --ram-budget both keep experts in RAM: give one of them")
+        if expert_cache and split:  # the model reads the mapping (uploads, prefill); the split step's CPU side reads
+            # the cache, whose scores start from the saved ones (the split step's own are saved on close)
+            self.experts = ExpertStreamer(self.container, 0, prefetch)
+            self.step_cache = ExpertCache(self.container, int(expert_cache), readahead=prefetch,
+                                          scores=copy.deepcopy(self.expert_usage), pin_weights=False)
+            self.model = GlmMoeDsaModel(self.config, self.experts, self.backend, route_hook=self.experts.on_route,
+                                        step_experts=self.step_cache, kv_dtype=kv_dtype)
+        elif expert_cache:
             cache = self.experts = ExpertCache(self.container, int(expert_cache), readahead=prefetch,
                                                usage_file=self.usage_file, scores=self.expert_usage)
             self.model = GlmMoeDsaModel(self.config, cache, self.backend, route_hook=cache.on_route,
                                         step_experts=cache, kv_dtype=kv_dtype, ahead_hook=cache.read_ahead,
                                         ran_hook=cache.ran)
-            if self.expert_cache_reason:  # sized from the RAM: a long prompt's chunks fit what it left for them
-                self.model.prefill_rows = prefill_rows_within(self.config, activation_allowance(memory_limit_bytes()))
         else:
             self.experts = ExpertStreamer(self.container, ram_budget_bytes, prefetch)
             # a device decode step's routing is watched only when experts will come from disk: its callbacks cost
@@ -98,14 +112,24 @@ class Engine:
                                         kv_dtype=kv_dtype)
             if prefetch and not watch:  # it fits: all of it in the page cache, read in the background
                 self.experts.warm_in_background()
+        if expert_cache and self.expert_cache_reason:  # sized from the RAM: a long prompt's chunks fit what it left
+            self.model.prefill_rows = prefill_rows_within(self.config, activation_allowance(memory_limit_bytes()))
         self.tokenizer = ChatTokenizer(snapshot) if load_tokenizer else None
         self.eos_token_ids = _eos_ids(Path(snapshot), self.config.eos_token_ids)
         # the device decode step (if any) is built now, with the model, not inside the first prompt's time to token
         self.model.decodes_on_device()
 
+    @property
+    def expert_stats(self) -> CacheStats | ExpertStats:
+        """The routed experts' counters `--stats-json` reports: the expert cache's (the split step's CPU side's where
+        it has one), else the page cache's."""
+        return self.step_cache.stats if self.step_cache is not None else self.experts.stats
+
     def close(self) -> None:
         """Let the expert cache finish its reads and save its usage scores, or save the split step's (nothing to do
         otherwise)."""
+        if self.step_cache is not None:
+            self.step_cache.close()
         if isinstance(self.experts, ExpertCache):
             self.experts.close()
         elif self.usage_file is not None and self.expert_usage.tokens:  # a split step counted decoded tokens
@@ -248,14 +272,14 @@ def measure_mtp_costs(model: GlmMoeDsaModel, rounds: int = 5, tokens: int = 24,
     return {name: round(float(np.median(values)), 4) for name, values in costs.items()}
 
 
-def default_expert_cache(container: Container) -> tuple[int, str]:
+def default_expert_cache(container: Container, pinned: bool = True) -> tuple[int, str]:
     """Where the container's routed experts live by default: (the bytes of an expert cache, or 0 for the page
     cache; why, in one line). A cache where the container outgrows the RAM the process may use and that RAM still
-    holds one layer's routed experts."""
+    holds one layer's routed experts (`pinned`: as `auto_cache_bytes`)."""
     if not container.manifest.experts or not outgrows_memory(container):
         return 0, (f"routed experts in the page cache: the container ({format_size(container.nbytes)}) fits the "
                    f"{format_size(memory_limit_bytes())} the process may use")
-    size, why = auto_cache_bytes(container)
+    size, why = auto_cache_bytes(container, pinned=pinned)
     if size < container.config.num_experts_per_tok * expert_slot_bytes(container):
         return 0, f"routed experts in the page cache: an expert cache would get {why}, less than one layer's"
     return size, f"expert cache {why}"

@@ -7,7 +7,7 @@ either a float32 `[O, I]` array or a `QuantWeight` viewed in place from the cont
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -145,6 +145,8 @@ class ExpertArena(Protocol):
     def resident_places(self, layer: int, experts: np.ndarray) -> np.ndarray | None: ...
 
     def wait_places(self, layer: int, experts: list[int]) -> list[int]: ...
+
+    def hold_elsewhere(self, keys: Iterable[tuple[int, int]]) -> None: ...
 
 
 Routes = list[tuple[int, np.ndarray]]

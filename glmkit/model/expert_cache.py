@@ -29,6 +29,7 @@ import os
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -206,11 +207,12 @@ def activation_allowance(limit: int) -> int:
     return min(1 << 30, limit // 4)
 
 
-def auto_cache_bytes(container: Container, reserve_bytes: int | None = None) -> tuple[int, str]:
+def auto_cache_bytes(container: Container, reserve_bytes: int | None = None, pinned: bool = True
+                     ) -> tuple[int, str]:
     """A cache size from the RAM this process may use (`memory_limit_bytes`: the cgroup's limit or the machine's),
-    less the non-expert weights it copies into RAM and `reserve_bytes` for the process, KV cache and activations
-    (default: what the process holds now, `anonymous_resident_bytes`, and `activation_allowance`); with the reason,
-    for the log."""
+    less the non-expert weights it copies into RAM (unless not `pinned`: a discrete GPU holds them) and
+    `reserve_bytes` for the process, KV cache and activations (default: what the process holds now,
+    `anonymous_resident_bytes`, and `activation_allowance`); with the reason, for the log."""
     limit = memory_limit_bytes()
     held = ""
     if reserve_bytes is None:
@@ -218,9 +220,9 @@ def auto_cache_bytes(container: Container, reserve_bytes: int | None = None) -> 
         reserve_bytes = now + activation_allowance(limit)
         held = f" ({format_size(now)} it holds now)"
     experts = sum(r.nbytes for r in container.manifest.experts)
-    pinned = container.nbytes - experts
-    size = max(0, min(limit - pinned - reserve_bytes, experts))
-    why = (f"{format_size(size)}: {format_size(limit)} may be used, less {format_size(pinned)} of non-expert weights "
+    copied = container.nbytes - experts if pinned else 0
+    size = max(0, min(limit - copied - reserve_bytes, experts))
+    why = (f"{format_size(size)}: {format_size(limit)} may be used, less {format_size(copied)} of non-expert weights "
            f"and {format_size(reserve_bytes)} kept for the process{held}; the experts are {format_size(experts)}")
     return size, why
 
@@ -244,12 +246,14 @@ class ExpertCache:
 
     io_threads: reads in flight at most; usage_file: where scores persist (None: they do not); scores: the usage to
     start from (default: what `saved_scores` reads at usage_file, aged by half_life); direct: read with `O_DIRECT`
-    where the file system takes it (False: buffered reads everywhere). Raises GlmkitError when the budget holds
-    fewer slots than one layer routes to (`num_experts_per_tok`)."""
+    where the file system takes it (False: buffered reads everywhere); pin_weights: copy every other weight into RAM
+    (False: the routed experts only, the rest read from the mapping, for a discrete GPU that holds them: the split
+    step's CPU side). Raises GlmkitError when the budget holds fewer slots than one layer routes to
+    (`num_experts_per_tok`)."""
 
     def __init__(self, container: Container, budget_bytes: int, io_threads: int = 8, readahead: bool = True,
                  usage_file: Path | None = None, half_life: float = 256.0, direct: bool = True,
-                 scores: ExpertScores | None = None) -> None:
+                 scores: ExpertScores | None = None, pin_weights: bool = True) -> None:
         cfg = self.config = container.config
         self.container, self.readahead, self.usage_file = container, readahead, usage_file
         ranges = container.manifest.experts
@@ -266,7 +270,7 @@ class ExpertCache:
         self._post_attention_norms = [s.post_attention_norm.weight for s in specs]  # read-ahead's estimate
         # a shared expert that fits a slot is pinned in one past the routed ones: one device buffer holds a
         # layer's routed and shared experts, as the mapping's file does
-        shared = {layer: ffn.shared for layer, ffn in self.moe.items() if ffn.shared is not None and
+        shared = {layer: ffn.shared for layer, ffn in self.moe.items() if pin_weights and ffn.shared is not None and
                   weights_nbytes([container.weight(n) for n in ffn.shared.names]) <= self.slot_bytes}
         self._shared_slot = {layer: self.n_slots + j for j, layer in enumerate(shared)}
         self.arena = anonymous_bytes((self.n_slots + len(shared)) * self.slot_bytes)
@@ -276,15 +280,16 @@ class ExpertCache:
             expert_weight_name(r.layer, r.expert, p): ((r.layer, r.expert), i)
             for r in ranges for i, p in enumerate(EXPERT_PROJECTIONS)}
         self._pinned: dict[str, Weight] = {}  # every other tensor, copied into RAM once
-        for layer, mlp in shared.items():
-            self._pin_together(mlp.names, self._slot_data(self._shared_slot[layer]))
-        for ffn in [s.ffn for s in specs if isinstance(s.ffn, MLPSpec)] + [
-                ffn.shared for layer, ffn in self.moe.items() if ffn.shared is not None and layer not in shared]:
-            self._pin_together(ffn.names)  # a dense MLP's (or shared expert's) weights in one block
-        for name, entry in container.manifest.tensors.items():
-            if name not in self._names and name not in self._pinned and entry.role != "scales":
-                self._pinned[name] = copy_weight(container.weight(name))
-        container.release_pages()  # the copies are what is read from now on: the mapping's pages would count twice
+        if pin_weights:
+            for layer, mlp in shared.items():
+                self._pin_together(mlp.names, self._slot_data(self._shared_slot[layer]))
+            for ffn in [s.ffn for s in specs if isinstance(s.ffn, MLPSpec)] + [
+                    ffn.shared for layer, ffn in self.moe.items() if ffn.shared is not None and layer not in shared]:
+                self._pin_together(ffn.names)  # a dense MLP's (or shared expert's) weights in one block
+            for name, entry in container.manifest.tensors.items():
+                if name not in self._names and name not in self._pinned and entry.role != "scales":
+                    self._pinned[name] = copy_weight(container.weight(name))
+            container.release_pages()  # the copies are read from now on: the mapping's pages would count twice
         self._free = list(range(self.n_slots - 1, -1, -1))
         self._slot: dict[Key, int] = {}  # resident experts
         # where each read expert starts in the arena (-1: not resident or still being read), as an array the device
@@ -296,6 +301,7 @@ class ExpertCache:
         self._wanted: set[Key] = set()  # the next layer's experts read-ahead named: kept until it routes
         self._pending: list[Key] = []  # of those, the ones still to read once slots come free (`ran`)
         self._handed: dict[Key, list[Weight]] = {}  # its experts handed out so far
+        self._elsewhere: set[Key] = set()  # routed experts another device holds: `hold_elsewhere`
         self._heap: list[tuple[float, int, Key]] = []  # (score when pushed, tiebreak, key): lazily updated
         self._parked: dict[Key, tuple[float, int, Key]] = {}  # entries taken off the heap while held: `_unpark`
         self._tiebreak = 0
@@ -413,7 +419,8 @@ class ExpertCache:
                 return  # not trusted: naming costs a router product; one layer in READ_AHEAD_PROBE keeps measuring
         r, norms = nxt.router, self._post_attention_norms
         estimate = renormalized(normed, self.weight(norms[layer]), self.weight(norms[layer + 1]))  # [S, H]
-        likely = set(likely_experts(estimate, np.asarray(self.weight(r.weight)), self.weight(r.bias), r.top_k))
+        likely = {e for e in likely_experts(estimate, np.asarray(self.weight(r.weight)), self.weight(r.bias), r.top_k)
+                  if (layer + 1, e) not in self._elsewhere}
         self._predicted[layer + 1] = likely
         with self._lock:
             self.stats.predicted += len(likely)
@@ -512,8 +519,12 @@ class ExpertCache:
                 self._free.append(slot)
             raise
         with self._lock:
-            self._views[key] = views
             self._loading.pop(key, None)
+            if key in self._elsewhere and key not in self._in_use:  # another device took it while it was read
+                self._slot.pop(key, None)
+                self._free.append(slot)
+                return views
+            self._views[key] = views
             self._place_of[key] = self.place(*key, slot)
             self._parked.pop(key, None)
             self._push(key)
@@ -554,7 +565,7 @@ class ExpertCache:
             with self._lock:
                 if self._closed or not self._free:
                     return
-                if key in self._slot:
+                if key in self._slot or key in self._elsewhere:
                     continue
                 future = self._start_load(key)
                 self.stats.preloaded += 1
@@ -627,6 +638,17 @@ class ExpertCache:
         with self._lock:
             self.stats.io_wait_s += time.perf_counter() - started
         return out
+
+    def hold_elsewhere(self, keys: Iterable[Key]) -> None:
+        """These routed experts are held by another device (a discrete GPU's, beside the split step's CPU side, which
+        reads the rest from here): never read ahead or preloaded, and their slots freed where they hold one."""
+        with self._lock:
+            self._elsewhere.update(keys)
+            for key in self._elsewhere & self._slot.keys():
+                if not self._held(key):
+                    self._free.append(self._slot.pop(key))
+                    self._place_of[key] = -1
+                    self._views.pop(key, None)
 
     def resident(self, layer: int, expert: int) -> bool:
         with self._lock:

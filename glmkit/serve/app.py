@@ -204,7 +204,7 @@ async def stats(request: Request) -> Response:
     engine = loaded.engine
     return JSONResponse({"model": state.config.model_name, "model_hash": engine.model_hash,
                          "uptime_s": round(time.time() - state.started, 3), **loaded.scheduler.stats(),
-                         "experts": engine.experts.stats.to_json()})
+                         "experts": engine.expert_stats.to_json()})
 
 
 def _fingerprint(loaded: Loaded) -> str:

@@ -230,6 +230,12 @@ class OpenCLBackend:
             self._experts_by_id[ids] = ((gate, up, down), ref)
         return ref
 
+    @property
+    def over_budget(self) -> bool:
+        """Whether this discrete device's budget is smaller than the model (routed experts then run on `spill`, where
+        there is one: the split step)."""
+        return not self.memory.unified and self.model_bytes > self.memory.budget
+
     def decode_step(self, config: ModelConfig, layers: Sequence[LayerSpec], weight: Callable[[str], Weight],
                     experts: ExpertArena | None = None, kv_dtype: str = "f32", rows: int = 1,
                     draft: tuple[LayerSpec, MTPSpec] | None = None, span: range | None = None,
@@ -240,11 +246,13 @@ class OpenCLBackend:
         `DeviceDecodeStep`; rows: token rows per forward (2: MTP's verification of a draft); draft: the MTP layer and
         head, whose draft then follows a verification in the same queue (the step is built without it where they
         cannot be bound); sequences: the rows are as many sequences, each with its own cache (`decode_rows`)."""
-        over = not self.memory.unified and self.model_bytes > self.memory.budget
+        over = self.over_budget
         if self.placement.decode_step != "cl" or (over and self.spill is None):
             return None
-        # a discrete device smaller than the model: the routed experts it cannot hold run on the spill device
+        # a discrete device smaller than the model: the routed experts it cannot hold run on the spill device (from
+        # an expert cache's slots where one is given); a discrete device holding them all reads no cache
         spill = SpillDevice(self.spill.k, self.spill._expert_ref, self.expert_usage) if over else None
+        experts = experts if spill is not None or self.k.direct else None
         for mtp in (draft, None) if draft is not None else (None,):
             try:
                 return DeviceDecodeStep(config, layers, weight, self._cw, self._expert_ref, self.k,

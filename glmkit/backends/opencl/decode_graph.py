@@ -237,9 +237,12 @@ class _SplitLayer:
 
     def __init__(self, layer: int, views: list[tuple[Weight, Weight, Weight]], cpu_refs: list, shape: Any, top_k: int,
                  members: int, table: DeviceArray, regions: dict[str, DeviceArray], scratch: tuple[DeviceArray, Any],
-                 shared: Any) -> None:
+                 shared: Any, cpu_rel: np.ndarray | None) -> None:
         self.layer = layer  # the decoder layer's index
         self.views, self.cpu_refs, self.shape, self.top_k, self.members = views, cpu_refs, shape, top_k, members
+        # with an expert cache: the CPU side's experts lie in its slots, laid out as `cpu_rel` (uint64 [6]) from a
+        # slot's start; `cpu_refs` then holds the fused view of slot 0 for every expert (its scheme and shape)
+        self.cpu_rel = cpu_rel
         self.table, self.regions, self.hid, self.part = table, regions, *scratch
         self.shared = shared  # the shared expert's device view (resident), or None
         self.resident: list[Any] = [None] * len(views)  # per routed expert: its device view, or None (CPU side)
@@ -367,7 +370,7 @@ class DeviceDecodeStep:
         if draft is not None and (rows < 2 or any(n.bias for n in (draft[1].enorm, draft[1].hnorm,
                                                                      draft[1].head_norm))):
             raise Unsupported("MTP's draft: in a verification step (rows > 1) of an MTP head with RMSNorms")
-        if spill is not None and (kernels.direct or experts is not None or not whole or rows > 1):
+        if spill is not None and (kernels.direct or not whole or rows > 1):
             raise Unsupported("routed experts on a CPU device beside: a discrete device's whole-model step, one row")
         if sequences and (rows < 2 or draft is not None or kernels.lanes > 1):
             raise Unsupported("a step of several sequences: several rows, no draft, single-item top-k kernels")
@@ -388,13 +391,15 @@ class DeviceDecodeStep:
         self.spill = spill
         self.split_input: tuple[tuple[Any, DeviceArray], ...] = ()  # spill: (device buffer, CPU array) to copy
         if experts is not None:  # the arena in chunks no larger than one buffer may be, slot-aligned
-            if not kernels.direct:
+            # read in place by a CPU device: this one, or the split step's CPU side (`spill`)
+            arena_buffers = kernels.buffers if spill is None else spill.kernels.buffers
+            if spill is None and not kernels.direct:
                 raise Unsupported("an expert cache's slots are read in place: CPU OpenCL devices only")
             if experts.n_slots < rows * cfg.num_experts_per_tok:  # every row's routed experts at once
                 raise Unsupported(f"{rows} token rows over an expert cache of {experts.n_slots} slots")
-            self.chunk_slots = max(1, kernels.buffers.max_alloc // experts.slot_bytes)
+            self.chunk_slots = max(1, arena_buffers.max_alloc // experts.slot_bytes)
             n, size, per = experts.slot_count, experts.slot_bytes, self.chunk_slots
-            self.chunks = [kernels.buffers.read_only_in_place(experts.arena[s * size:min(n, s + per) * size])
+            self.chunks = [arena_buffers.read_only_in_place(experts.arena[s * size:min(n, s + per) * size])
                            for s in range(0, n, per)]
             if len(self.chunks) > MAX_EXPERT_BUFFERS:
                 raise Unsupported(f"the expert cache's arena spans {len(self.chunks)} device buffers")
@@ -819,10 +824,10 @@ class DeviceDecodeStep:
         if isinstance(ffn, MLPSpec):
             launches, self.ffn_out = self._bind_single(self._ref(ffn), self.ffn, summed=False)
             return list(launches)
-        if self.experts is not None:
-            return self._bind_arena_moe(ffn, out)
         if self.spill is not None:
             return self._bind_split_moe(ffn, out)
+        if self.experts is not None:
+            return self._bind_arena_moe(ffn, out)
         r = ffn.router
         experts = [self._ref(ffn.expert(e)) for e in range(r.n_experts)]
         if len({scheme(ref) for ref in experts}) != 1:
@@ -956,7 +961,14 @@ class DeviceDecodeStep:
         if r.top_k > MAX_TOPK or r.topk_group * (r.n_experts // r.n_group) < r.top_k:
             raise Unsupported(f"{r.weight}: a routing that may choose fewer than top_k experts")
         views = [tuple(self._weight(name) for name in ffn.expert(e).names) for e in range(r.n_experts)]
-        cpu_refs = [self.spill.expert_ref(*triple) for triple in views]
+        cpu_rel = None
+        if self.experts is not None:  # the CPU side reads the experts it runs from the expert cache's slots
+            if not self.experts.uniform_layout(ffn.layer):
+                raise Unsupported(f"{r.weight}: the layer's experts are laid out unalike")
+            ref, cpu_rel = self._slot_ref(self.experts.slot_weights(ffn.layer, 0), 0, self.spill.expert_ref)
+            cpu_refs = [ref] * r.n_experts
+        else:
+            cpu_refs = [self.spill.expert_ref(*triple) for triple in views]
         if any(ref is None for ref in cpu_refs) or len({ref.key[1:] for ref in cpu_refs}) != 1:
             raise Unsupported(f"{r.weight}: the routed experts cannot run as fused experts of one scheme on the CPU")
         shape = cpu_refs[0].shape
@@ -978,7 +990,8 @@ class DeviceDecodeStep:
                            norm=int(r.norm_topk_prob), scaling=r.scaling, shared=int(shared is not None),
                            stride=stride, ids=out.ids[0].buffer, n_tok=1,  # ids: set per token slot
                            **{name: a.buffer for name, a in regions.items()})
-        out.split = _SplitLayer(ffn.layer, views, cpu_refs, shape, r.top_k, members, table, regions, scratch, shared)
+        out.split = _SplitLayer(ffn.layer, views, cpu_refs, shape, r.top_k, members, table, regions, scratch, shared,
+                                cpu_rel)
         self.ffn_out = Addend(scratch[1], regions["tok_start"].buffer, regions["slot_w"].buffer)
         return [bind_matvec(k, self._matrix(r.weight), self.u.buffer, logits.buffer), out.route]
 
@@ -1000,6 +1013,9 @@ class DeviceDecodeStep:
             s.resident[e] = self._expert_ref(*s.views[e])
             if s.resident[e] is None:
                 break  # the budget is spent
+        if self.experts is not None:  # the CPU side's cache never reads what the device holds
+            self.experts.hold_elsewhere((s.layer, e) for s in split for e, ref in enumerate(s.resident)
+                                        if ref is not None)
         shape, spill = split[0].shape, self.spill.kernels.buffers
         x8 = self._x8(shape.bits, shape.group, shape.n_in, shape.inter)
         n = self.cfg.hidden_size  # the CPU side's input: the post-attention norm's output u, or its int8 codes
@@ -1038,23 +1054,26 @@ class DeviceDecodeStep:
         s.cpu_offs, s.cpu_part = new(s.members * 6, np.uint64), new(s.members * shape.n_in)
         tok_start = spill.buffers.filled(np.array([0, s.members]), np.uint32)
         hid = new(s.members * shape.inter)
-        for e, ref in enumerate(s.cpu_refs):
-            if s.resident[e] is not None or id(ref.buf) in s.cpu_sets:
-                continue
+        # a launch set per buffer the CPU side's experts lie in: the expert cache's arena chunks, else the mapping's
+        cpu_buffers = (dict(enumerate(self.chunks)) if s.cpu_rel is not None else
+                       {id(ref.buf): ref.buf for e, ref in enumerate(s.cpu_refs) if s.resident[e] is None})
+        for key, buf in cpu_buffers.items():
             slot_tok = spill.buffers.filled(np.full(s.members, UNUSED_SLOT), np.uint32)
             slots = ExpertSlots(s.cpu_offs.buffer, slot_tok.buffer, tok_start.buffer, tok_start.buffer, s.members)
             part = s.cpu_part.buffer  # y: unused (the rows are not summed here)
             if x8:
                 codes = self._x8_scratch(s.members * shape.inter, spill.buffers)
-                launches = bind_experts_x8(spill, ref.buf, shape, x_cpu, slots, hid.buffer, codes, part, part, False)
+                launches = bind_experts_x8(spill, buf, shape, x_cpu, slots, hid.buffer, codes, part, part, False)
             else:
-                launches = bind_experts(spill, ref.buf, shape, x_cpu, slots, hid.buffer, part, part, False)
-            s.cpu_sets[id(ref.buf)] = (slot_tok, list(launches))
+                launches = bind_experts(spill, buf, shape, x_cpu, slots, hid.buffer, part, part, False)
+            s.cpu_sets[key] = (slot_tok, list(launches))
 
-    def _slot_ref(self, views: Sequence[Weight], slot: int) -> tuple[Any, np.ndarray]:
-        """The fused-expert view of (gate, up, down) lying in arena slot `slot` (for its scheme and shape), and
-        the byte offsets of its 6 arrays from the slot's start (uint64 [6])."""
-        ref, arrays = self._expert_ref(*views), fused_expert_arrays(*views)
+    def _slot_ref(self, views: Sequence[Weight], slot: int, expert_ref: Callable | None = None
+                  ) -> tuple[Any, np.ndarray]:
+        """The fused-expert view of (gate, up, down) lying in arena slot `slot` (for its scheme and shape; by
+        `expert_ref`, default this device's), and the byte offsets of its 6 arrays from the slot's start (uint64
+        [6])."""
+        ref, arrays = (expert_ref or self._expert_ref)(*views), fused_expert_arrays(*views)
         if ref is None or arrays is None:
             raise Unsupported(f"slot {slot} of the expert cache: cannot run as a fused expert in place")
         start = address(self.experts.arena) + slot * self.experts.slot_bytes
@@ -1552,10 +1571,15 @@ class DeviceDecodeStep:
             return event
         spill, n = self.spill.kernels, s.shape.n_in
         offs = s.cpu_offs.host.reshape(-1, 6)
-        for i in cpu:
-            offs[i] = s.cpu_refs[ids[i]].offs
+        if s.cpu_rel is not None:  # from the expert cache: its misses are read (several in flight) and waited for
+            self.experts.on_route(s.layer, ids[cpu][None, :])
+            offs[cpu], chunk = self._place_offsets(s.cpu_rel, self.experts.wait_places(s.layer, ids[cpu].tolist()))
+            where_cpu = chunk.tolist()
+        else:
+            offs[cpu] = [s.cpu_refs[ids[i]].offs for i in cpu]
+            where_cpu = [id(s.cpu_refs[ids[i]].buf) for i in cpu]
         for key, (slot_tok, launches) in s.cpu_sets.items():
-            mine = [i for i in cpu if id(s.cpu_refs[ids[i]].buf) == key]
+            mine = [i for i, at in zip(cpu, where_cpu, strict=True) if at == key]
             if mine:
                 slot_tok.host[:] = UNUSED_SLOT
                 slot_tok.host[mine] = 0
