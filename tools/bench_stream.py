@@ -9,8 +9,12 @@ container's bytes (its own memory and the page cache it reads are both charged t
 container file dropped from the page cache first): a 256-token prompt, then 64 greedy tokens (MTP off).
 Modes: `page` (`--device auto --expert-cache off`: the page cache as the expert cache, the device decode step on
 the mapping), `cache` (`--device auto --expert-cache auto`, glm-run's default where the model outgrows the limit:
-the device decode step on the cache's slots), `numpy` (`--device numpy --expert-cache off`) and `base` (the
-`page` run of the glmkit in `--baseline-tree`, e.g. a git worktree of an older commit: a baseline in the same run).
+the device decode step on the cache's slots), `numpy` (`--device numpy --expert-cache off`), `base` (the
+`page` run of the glmkit in `--baseline-tree`, e.g. a git worktree of an older commit: a baseline in the same run),
+and a GPU smaller than the model: `split` and `split-cache` (PoCL's CPU device driven as a discrete GPU holding
+GPU_SHARE of the container, the split step's CPU side beside it on PoCL reading the other routed experts from the
+mapping, or from an expert cache sized as glm-run sizes it beside a GPU, less the stand-in's buffers, which lie in
+this machine's RAM).
 Printed per run: decode tok/s, TTFT, bytes read from disk per decoded token (the child's /proc/self/io), the
 expert hit rate, read-ahead recall, the cgroup's peak memory, and the I/O bounds: the expert bytes missed per
 decoded token (and the prompt's expert bytes, for the TTFT) over the disk bandwidth measured in the same run for
@@ -41,6 +45,7 @@ STREAM_CONFIG = {**BENCH_CONFIG, "n_routed_experts": 256, "n_group": 8, "topk_gr
 ROUTER_BIAS_STD = 0.05
 PROMPT, TOKENS, QUEUE_DEPTH = 256, 64, 8  # QUEUE_DEPTH: the expert cache's I/O threads
 MTP_CHOICES = {"off": (False,), "on": (True,), "both": (False, True)}
+GPU_SHARE = 0.25  # split modes: the stand-in GPU's weight budget, a share of the container
 
 
 def ensure_stream_snapshot(work: Path, residual_write_scale: float = 1.0, grid: str = "nl") -> Path:
@@ -185,10 +190,12 @@ def worker(snapshot: str, mode: str, cache: str, mtp: bool, prompt_file: str) ->
     start = time.perf_counter()
     if mode == "base":  # an older glmkit: only the arguments every version takes
         engine = Engine(snapshot, "auto", load_tokenizer=False)
+    elif mode.startswith("split"):
+        engine = split_engine(snapshot, mode == "split-cache")
     else:
         engine = Engine(snapshot, "numpy" if mode == "numpy" else "auto", load_tokenizer=False,
                         expert_cache=(cache if cache == "auto" else int(cache)) if mode == "cache" else 0)
-    stats_of = getattr(engine.experts, "stats", None)
+    stats_of = engine.expert_stats if hasattr(engine, "expert_stats") else getattr(engine.experts, "stats", None)
     if prompt_file:  # a JSON list of token ids, or of windows of them (glm-perplexity's): the first PROMPT ids
         ids = json.loads(Path(prompt_file).read_text())
         flat = [t for window in ids for t in window] if ids and isinstance(ids[0], list) else ids
@@ -209,7 +216,7 @@ def worker(snapshot: str, mode: str, cache: str, mtp: bool, prompt_file: str) ->
            "decode_tok_s": round(TOKENS / (end - first), 2), "read_gb_total": round((read_bytes() - before) / 1e9, 3),
            "read_mb_per_token": round((read_bytes() - after_prefill) / TOKENS / 1e6, 3),
            "cache_reason": getattr(engine, "expert_cache_reason", ""), **stats}
-    if mode == "cache":
+    if mode in ("cache", "split-cache"):
         missed = stats["expert_bytes_read"] - stats_at["expert_bytes_read"]
         out["expert_mb_read_per_token"] = round(missed / TOKENS / 1e6, 3)
         mtp_missed = stats["expert_bytes_read_mtp"] - stats_at["expert_bytes_read_mtp"]
@@ -220,6 +227,35 @@ def worker(snapshot: str, mode: str, cache: str, mtp: bool, prompt_file: str) ->
     if hasattr(engine, "close"):  # an older glmkit's Engine has no close
         engine.close()
     return out
+
+
+def split_engine(snapshot: str, with_cache: bool):
+    """The engine of the split modes: PoCL's CPU device as a discrete GPU with a weight budget of GPU_SHARE of the
+    container, PoCL beside it for the routed experts over it (the split step), read from the mapping or (with_cache)
+    from an expert cache of the routed experts only (`step_cache`, as glm-run has beside a GPU smaller than the
+    model), sized from the RAM left once the stand-in's buffers are counted."""
+    from glmkit.backends.opencl.backend import OpenCLBackend, Placement
+    from glmkit.backends.opencl.device import list_devices
+    from glmkit.backends.opencl.ops import Kernels
+    from glmkit.generate.engine import Engine
+    from glmkit.model.expert_cache import ExpertCache, auto_cache_bytes
+    from glmkit.model.glm5 import GlmMoeDsaModel
+
+    engine = Engine(snapshot, "numpy", load_tokenizer=False, expert_cache=0)
+    cpu = next(d for d in list_devices() if d.kind == "cpu")
+    container, budget = engine.container, int(engine.container.nbytes * GPU_SHARE)
+    if with_cache:
+        size = auto_cache_bytes(container, pinned=False)[0] - budget
+        engine.step_cache = ExpertCache(container, size, pin_weights=False)
+    backend = OpenCLBackend(Kernels(cpu, direct=False), Placement(spill_experts=True), budget=budget, unified=False,
+                            model_bytes=container.nbytes, spill=OpenCLBackend(Kernels(cpu), Placement.all_cl(True)))
+    engine.backend = backend
+    engine.model = GlmMoeDsaModel(engine.config, engine.experts, backend, route_hook=engine.experts.on_route,
+                                  step_experts=engine.step_cache)
+    step = engine.model._decode_step()
+    if step is None or step.spill is None:
+        raise SystemExit("bench_stream: the split step does not bind")
+    return engine
 
 
 def summary(rows: list[dict]) -> list[str]:
