@@ -316,8 +316,9 @@ class DeviceDecodeStep:
     routes: `(layer, expert ids [1, k])` of each MoE layer, read back after the token ran (for the route hook).
     Built once per model and backend; raises `Unsupported` when some weight cannot be used in place.
 
-    experts: the routed experts lie in an expert cache's slots (`ExpertArena`, a CPU device only). Each MoE layer's
-    routing then ends the queue: the host hands the routed ids to the cache (`on_route`: its misses are read),
+    experts: the routed experts lie in an expert cache's slots (`ExpertArena`, read by a CPU device: this one, or
+    with `spill` the split step's CPU side, for the experts it runs). Each MoE layer's routing then ends the queue:
+    the host hands the routed ids to the cache (`on_route`: its misses are read),
     writes where they lie, queues the launches of those already read, names the next layer's likely experts to the
     cache (`read_ahead`), waits for the rest and queues theirs. Where every routed expert is read already
     (`resident_places`), their launches are queued first and the cache hears of them after.
@@ -342,7 +343,8 @@ class DeviceDecodeStep:
     spill: a CPU OpenCL device beside a discrete one that cannot hold every routed expert (the split step: see
     `_bind_split_moe`, `_place_split`, `_run_split`): the experts the budget leaves out run there, each MoE layer's
     host wait bringing their input back and their per-slot rows over. The logits are the whole-model step's, bit for
-    bit where both devices run the same build of the expert kernels. One token row, the whole model, no expert cache.
+    bit where both devices run the same build of the expert kernels. One token row, the whole model; with `experts`
+    the CPU side's experts come from the cache (`_run_split`), the device's never read into it (`hold_elsewhere`).
 
     span: the main layers bound (default all; `layers` always describes them all: the numerics and the indexers' key
     count are the model's). A pipeline stage's step (`logits` False) takes the hidden state entering its first layer
