@@ -542,7 +542,38 @@ def test_split_step_reads_its_cpu_side_from_an_expert_cache(snapshots, discrete_
     want_heard = [(layer, [e for e in routed if e not in gpu[layer]]) for layer, routed in decoded]
     assert [(layer, sorted(r[0])) for layer, r in heard] == [h for h in want_heard if h[1]]
     assert cache.stats.misses > 0 and cache.stats.evictions > 0
+    assert cache.stats.predicted > 0  # read-ahead names the next layer's likely CPU-side experts, from the input
     assert not any(cache.resident(layer, e) for layer, own in gpu.items() for e in own)
+    cache.close()
+
+
+def test_split_step_reads_ahead_from_its_int8_input(tmp_path, discrete_kernels, spill_kernels, monkeypatch):
+    """Where the CPU side's experts take int8 inputs only their codes come to the host: read-ahead's estimate of the
+    experts' input (from which it guesses the next layer's routing) is those codes times their block scales, the
+    input within int8 rounding (the trained fixture padded to 128 rows, as test_int8_input_experts_step)."""
+    padded = pad_experts(FIXTURES / "tiny-trained", tmp_path / "padded")
+    engine = Engine(convert(padded, tmp_path / "q4", "q4"), "numpy", load_tokenizer=False)
+    cache = ExpertCache(engine.container, 2 * engine.config.num_experts_per_tok * expert_slot_bytes(engine.container),
+                        pin_weights=False)
+    split = discrete_model(engine, discrete_kernels, spill_kernels, int(engine.container.nbytes * 0.3), True,
+                           step_experts=cache)
+    seen = []
+    estimate = DeviceDecodeStep._split_input_rows
+
+    def compared(step: DeviceDecodeStep) -> np.ndarray:
+        rows, u = estimate(step), np.empty(step.u.host.size, np.float32)
+        step.buffers.download(u, step.u.buffer).wait()
+        seen.append((len(step.split_input), np.abs(rows - u).max() / np.abs(u).max()))
+        return rows
+
+    monkeypatch.setattr(DeviceDecodeStep, "_split_input_rows", compared)
+    ids = np.array(oracle("tiny-trained")["full_ids"])
+    kv = split.new_cache()
+    split.forward(ids[:20], kv)
+    for token in ids[20:24]:
+        split.forward(np.array([token]), kv)
+    assert seen and all(n == 3 and 0 < err <= 1 / 127 for n, err in seen)  # codes, scales and sums came over
+    assert cache.stats.predicted > 0
     cache.close()
 
 

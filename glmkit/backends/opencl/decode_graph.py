@@ -1569,12 +1569,14 @@ class DeviceDecodeStep:
                     event = launch.enqueue()
         self.k.flush()  # the device's experts run while the CPU device computes the others
         cpu = np.flatnonzero(where < 0).tolist()
+        if s.cpu_rel is not None:  # the expert cache: the CPU side's misses start reading, then the next layer's
+            self.experts.on_route(s.layer, ids[cpu][None, :])
+            self.experts.read_ahead(s.layer, self._split_input_rows())
         if not cpu:
             return event
         spill, n = self.spill.kernels, s.shape.n_in
         offs = s.cpu_offs.host.reshape(-1, 6)
-        if s.cpu_rel is not None:  # from the expert cache: its misses are read (several in flight) and waited for
-            self.experts.on_route(s.layer, ids[cpu][None, :])
+        if s.cpu_rel is not None:  # their places once read
             offs[cpu], chunk = self._place_offsets(s.cpu_rel, self.experts.wait_places(s.layer, ids[cpu].tolist()))
             where_cpu = chunk.tolist()
         else:
@@ -1592,6 +1594,15 @@ class DeviceDecodeStep:
         for i in cpu:
             event = self.buffers.upload(s.part, rows[i], 4 * n * i)
         return event
+
+    def _split_input_rows(self) -> np.ndarray:
+        """The experts' input `[1, H]` as the split step brought it to the host (read-ahead's estimate of the next
+        layer's routing): u, or from u's int8 codes (each block's column-order half) times their block scales."""
+        host = [array.host for _, array in self.split_input]
+        if len(host) == 1:
+            return host[0].reshape(1, -1)
+        codes = host[0].reshape(-1, 2, X8_BLOCK)[:, 1]  # a block's codes in the int4 products' order, then in columns
+        return (codes.astype(np.float32) * host[1][:, None]).reshape(1, -1)
 
     def _place_rows(self, positions: Sequence[int], turn: int) -> None:
         """Make ready for token rows at `positions` (consecutive ones of one cache, or a sequences step's rows' own):
