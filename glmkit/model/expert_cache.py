@@ -222,8 +222,10 @@ def auto_cache_bytes(container: Container, reserve_bytes: int | None = None, pin
     experts = sum(r.nbytes for r in container.manifest.experts)
     copied = container.nbytes - experts if pinned else 0
     size = max(0, min(limit - copied - reserve_bytes, experts))
-    why = (f"{format_size(size)}: {format_size(limit)} may be used, less {format_size(copied)} of non-expert weights "
-           f"and {format_size(reserve_bytes)} kept for the process{held}; the experts are {format_size(experts)}")
+    weights = (f"less {format_size(copied)} of non-expert weights and" if pinned else
+               "the non-expert weights on the GPU, less")
+    why = (f"{format_size(size)}: {format_size(limit)} may be used, {weights} {format_size(reserve_bytes)} kept for "
+           f"the process{held}; the experts are {format_size(experts)}")
     return size, why
 
 
