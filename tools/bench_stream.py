@@ -296,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--work", type=Path, default=DEFAULT_WORK.with_name("glmkit-stream-model"))
     p.add_argument("--fractions", default="none,0.7,0.5,0.3", help="memory limits as fractions of the container")
-    p.add_argument("--modes", default="page,cache", help="page, cache, numpy, base (comma-separated)")
+    p.add_argument("--modes", default="page,cache",
+                   help="page, cache, numpy, base, split, split-cache (comma-separated)")
     p.add_argument("--baseline-tree", type=Path, help="base mode: the source tree whose glmkit it runs")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--snapshot", type=Path, help="a converted snapshot to run instead of the 256-expert model "
