@@ -152,6 +152,18 @@ SAMPLED = [SamplingParams(temperature=0.8, top_p=0.9, seed=3), SamplingParams(te
            SamplingParams(temperature=0.7, top_k=30, top_p=0.95, seed=5), SamplingParams(temperature=1.2, seed=6)]
 
 
+def in_turns(streams: list, tokens: int) -> list[list[int]]:
+    """`tokens` tokens of each generator stream, taken in turns (as glm-serve's scheduler decodes requests), then
+    every stream closed early."""
+    got: list[list[int]] = [[] for _ in streams]
+    for _ in range(tokens):
+        for s, stream in enumerate(streams):
+            got[s].append(next(stream))
+    for stream in streams:
+        stream.close()
+    return got
+
+
 def test_sampled_generation_is_the_host_paths(snapshots, kernels, monkeypatch):
     """Pipelined sampled decoding gives the tokens of the host path for the same seed (temperature, top-k, top-p,
     both, neither), the same cache length, and leaves the sampler's stream where the host path leaves it; a
@@ -239,13 +251,7 @@ def test_interleaved_sampled_pipelines(snapshots, kernels, monkeypatch):
         samplers = [Sampler(params) for _, params in runs]
         streams = [Generator(dev, (), use_mtp=False).generate(list(p), 30, sampler)
                    for (p, _), sampler in zip(runs, samplers, strict=True)]
-        got: list[list[int]] = [[] for _ in runs]
-        for _ in range(20):
-            for s, stream in enumerate(streams):
-                got[s].append(next(stream))
-        for stream in streams:
-            stream.close()
-        return got, [sampler.rng.random() for sampler in samplers]
+        return in_turns(streams, 20), [sampler.rng.random() for sampler in samplers]
 
     got = turns()
     host_only(monkeypatch)
@@ -297,14 +303,7 @@ def test_constrained_generation_is_the_host_paths(snapshots, kernels, monkeypatc
         """Two constrained sequences and a free one in turns on one step, as glm-serve's scheduler runs them."""
         samplers = [Sampler(settings[0], grammar_tokenizer.constraint(grammars[1])),
                     Sampler(settings[1], grammar_tokenizer.constraint(grammars[0])), Sampler(SamplingParams(seed=9))]
-        streams = [Generator(dev, eos, use_mtp=False).generate(prompt, 40, s) for s in samplers]
-        got: list[list[int]] = [[] for _ in streams]
-        for _ in range(12):
-            for s, stream in enumerate(streams):
-                got[s].append(next(stream))
-        for stream in streams:
-            stream.close()
-        return got
+        return in_turns([Generator(dev, eos, use_mtp=False).generate(prompt, 40, s) for s in samplers], 12)
 
     monkeypatch.undo()
     turns = interleaved()
