@@ -43,9 +43,12 @@ def main(argv: list[str] | None = None) -> int:
                                                              "%(default)s)")
     ap.add_argument("--work", type=Path, default=DEFAULT_WORK, help="where the bench model lives")
     ap.add_argument("--kv-dtype", default="f32", help="precision of the KV rows (f32, bf16, fp8)")
+    ap.add_argument("--snapshot", type=Path, help="a converted snapshot to profile instead of the bench model")
+    ap.add_argument("--expert-cache", type=int, default=0, help="the routed experts in an expert cache of this many "
+                                                                "bytes (glm-run's --expert-cache; default the mapping)")
     args = ap.parse_args(argv)
-    engine = Engine(ensure_bench_snapshot(args.preset, args.work), "auto", load_tokenizer=False,
-                    kv_dtype=args.kv_dtype)
+    snapshot = args.snapshot or ensure_bench_snapshot(args.preset, args.work)
+    engine = Engine(snapshot, "auto", load_tokenizer=False, kv_dtype=args.kv_dtype, expert_cache=args.expert_cache)
     model = engine.model
     longest = engine.config.max_position_embeddings - 2 * args.tokens - 8  # the warm-up and profiled tokens fit
     if not 0 < args.prompt <= longest:
@@ -62,10 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     returned: list[float] = []  # when the host got each profiled token's logits back (the first: before token 0)
     enqueue = Launch.enqueue
 
-    def recorded(self: Launch):
+    def recorded(self: Launch, wait_for: list | None = None):
         if len(first_launch) < len(returned):
             first_launch.append(time.perf_counter())
-        event = enqueue(self)
+        event = enqueue(self, wait_for)
         events.append((self.kernel.function_name, event))
         return event
 
@@ -135,8 +138,8 @@ def listed_keys(model: GlmMoeDsaModel, cache: KVCache, token: int, enqueue: Call
     counts: list[int] = []
     step = model._decode_step()
 
-    def counted(self: Launch):
-        event = enqueue(self)
+    def counted(self: Launch, wait_for: list | None = None):
+        event = enqueue(self, wait_for)
         if self.kernel.function_name == "index_candidates":
             event.wait()
             counts.append(int(step.scratch["listed_count"].host[0]))

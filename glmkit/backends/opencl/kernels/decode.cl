@@ -322,3 +322,25 @@ __kernel void route_select(__global const float* logits, __global const float* v
         for (uint i = 0; i < k; i++) routed_w[t * top_k + i] = w[i];
     }
 }
+
+/* After route_select over an expert cache's slots (one work-item): token t's routed expert i goes to slot
+ * t * members + i with its weight. places[first_place + id] is where the cache holds expert id (a byte offset in
+ * the arena, -1 while it is not read): a held one gets its 6 byte offsets (rel from that place) and runs in the
+ * launches before the misses' reads (first = t, after unused); the others the other way round, their offsets
+ * written by the host once read. */
+__kernel void route_place(__global const uint* ids, __global const float* routed_w, __global const long* places,
+                          uint first_place, __global const ulong* rel, __global ulong* offs, __global float* slot_w,
+                          __global uint* first, __global uint* after, uint top_k, uint members, uint n_tok) {
+    if (get_global_id(0) != 0) return;
+    for (uint t = 0; t < n_tok; t++) {
+        for (uint i = 0; i < top_k; i++) {
+            const uint slot = t * members + i;
+            const long at = places[first_place + ids[t * top_k + i]];
+            slot_w[slot] = routed_w[t * top_k + i];
+            first[slot] = at >= 0 ? t : 0xffffffffu;
+            after[slot] = at >= 0 ? 0xffffffffu : t;
+            if (at >= 0)
+                for (uint j = 0; j < 6; j++) offs[slot * 6 + j] = (ulong)at + rel[j];
+        }
+    }
+}
