@@ -32,6 +32,7 @@ from glmkit.generate.sampling import Sampler, SamplingParams
 from glmkit.model import expert_cache, expert_stream
 from glmkit.model.expert_cache import ExpertCache, ExpertScores, expert_slot_bytes
 from glmkit.model.glm5 import VERIFY_ROWS, GlmMoeDsaModel
+from glmkit.model.ops import route_noaux_tc
 from tests.runtime_support import FIXTURES, Snapshots, convert, copy_with_config, opencl_test_device, oracle
 from tools.quality_int8_activations import pad_experts
 
@@ -340,8 +341,21 @@ def test_step_over_resident_experts_fills_their_slots_itself(snapshots, direct_k
         waited.append(len(experts))
         return wait_places(layer, experts)
 
+    routes, named, on_route, read_ahead = {}, [], cache.on_route, cache.read_ahead
+
+    def heard(layer: int, expert_ids: np.ndarray, normed: np.ndarray | None = None) -> None:
+        routes[layer] = expert_ids.copy()
+        on_route(layer, expert_ids, normed)
+
+    def ahead(layer: int, normed: np.ndarray, placing: bool = False) -> None:
+        if placing:  # the device step's, after the layer routed
+            named.append((layer, routes[layer], normed.copy()))
+        read_ahead(layer, normed, placing)
+
     monkeypatch.setattr(cache, "resident_places", counted)
     monkeypatch.setattr(cache, "wait_places", waits)
+    monkeypatch.setattr(cache, "on_route", heard)
+    monkeypatch.setattr(cache, "read_ahead", ahead)
     ids = np.array(oracle("tiny-trained")["full_ids"])
     want, got, _ = decode_both(mapped, cached, ids[:40], ids[40:52])
     assert isinstance(cached._step, DeviceDecodeStep) and cached._step.experts is cache
@@ -353,6 +367,16 @@ def test_step_over_resident_experts_fills_their_slots_itself(snapshots, direct_k
     if chunk_slots is None:  # the device placed every resident expert: the host waited in few layers
         assert not found and len(waited) <= 12 * moe_layers // 2
         assert cache.stats.hits >= (12 * moe_layers - len(waited)) * cfg.num_experts_per_tok
+        # read-ahead got each layer's own experts' input (a copy the device made: it may be past the layer): the
+        # layer's router applied to it picks the layer's routes
+        same = []
+        for layer, ids, normed in named:
+            r = cache.moe[layer].router
+            logits = normed @ np.asarray(cache.weight(r.weight)).T
+            picked, _ = route_noaux_tc(logits, cache.weight(r.bias), r.top_k, r.n_group, r.topk_group,
+                                       r.norm_topk_prob, r.scaling)
+            same.append(set(picked.ravel().tolist()) == set(ids.ravel().tolist()))
+        assert len(same) == 12 * moe_layers and sum(same) >= 0.9 * len(same)
     else:
         assert len(found) == 12 * moe_layers and sum(found) >= len(found) // 2  # most found every expert read
         assert cache.stats.hits >= sum(found) * cfg.num_experts_per_tok

@@ -286,6 +286,8 @@ class _Layer:
         self.after_route: list[Launch] = []  # with `arena`: the launches queued once the host placed the experts
         self.after_misses: list[Launch] = []  # with `arena.masks`: those queued once the misses are read
         self.place: Launch | None = None  # with `arena.masks`: places the resident routed experts on the device
+        self.await_placed: Launch | None = None  # and waits (spinning) for the host to place the others
+        self.seen: DeviceArray | None = None  # the experts' input as `place` saw it, for the host's read-ahead
         self.cache_buffers: dict[str, DeviceArray] = {}  # direct devices: field -> its storage array and buffer
         self.mirrors: dict[str, _CacheMirror] = {}  # discrete devices: field -> its rows in device memory
         # a sequences step (`DeviceDecodeStep.decode_rows`): per token row, this layer with that row's own launches of
@@ -411,9 +413,12 @@ class DeviceDecodeStep:
                 raise Unsupported(f"the expert cache's arena spans {len(self.chunks)} device buffers")
             # where the cache holds each expert, read by `route_place` on this device (one table per cache)
             self.place_table = arena_buffers.read_only_in_place(experts.place_table)
-        # the MoE layer queued last whose misses the host has still to place (`_serve_gate`): (layer, token slot,
-        # the event of its `route_place`, the user event its launches after the misses wait for)
-        self._gate: tuple[_Layer, int, Any, Any] | None = None
+        # the MoE layer queued last whose routes the host has still to take (`_serve_gate`): (layer, token slot, the
+        # event of its `route_place`, the ticket its `await_placed` waits for in `placed`)
+        self._gate: tuple[_Layer, int, Any, int] | None = None
+        self.placed = self.buffers.array(1, np.uint32)
+        self.placed.host[0] = 0
+        self.tickets = 0  # `await_placed` tickets handed out
         self.x8_bits = self._int8_input_bits(int8_activations)
         h, nh = cfg.hidden_size, cfg.num_attention_heads
         nope, rope, v_dim, kvl = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
@@ -959,11 +964,14 @@ class DeviceDecodeStep:
         out.arena = _ArenaLayer(ffn.layer, rows, r.top_k, rel, routed_w, regions, stride, len(self.chunks),
                                 shared_place, masks)
         if masks is not None:  # the device places the experts the cache holds: their launches need no host wait
+            out.seen = self.buffers.array(self.u.host.size)
             out.place = k.bind("route_place", (1,), None, ids=out.ids[0].buffer, routed_w=routed_w.buffer,
                                places=self.place_table, first_place=ffn.layer * r.n_experts,
                                rel=self.buffers.filled(rel, np.uint64).buffer, offs=regions["offs"].buffer,
                                slot_w=regions["slot_w"].buffer, first=masks[0].buffer, after=masks[1].buffer,
-                               top_k=r.top_k, members=members, n_tok=rows)  # ids: set per token slot
+                               top_k=r.top_k, members=members, n_tok=rows, placed=self.placed.buffer, ticket=0,
+                               u=self.u.buffer, seen=out.seen.buffer, n_in=self.u.host.size)  # ids, ticket: per use
+            out.await_placed = k.bind("await_placed", (1,), None, placed=self.placed.buffer, ticket=0)
         self._fill_slots(out.arena, np.zeros((rows * r.top_k, 6), np.uint64), np.zeros(rows * r.top_k, np.uint32),
                          whole=True)
         out.after_route = [*groups, *(self._bind_apart(separate) if separate is not None else ())]
@@ -1539,17 +1547,15 @@ class DeviceDecodeStep:
         if layer.split is not None:
             event = self._run_split(layer, slot)
         if layer.place is not None:  # the held experts run at once; the misses' launches wait for the host
-            layer.place.set(ids=layer.ids[slot].buffer)
+            self.tickets = ticket = (self.tickets + 1) % (1 << 32)
+            layer.place.set(ids=layer.ids[slot].buffer, ticket=ticket)
+            layer.await_placed.set(ticket=ticket)
             placed = layer.place.enqueue()
-            for launch in layer.after_route:
-                launch.enqueue()
-            gate = self.k.user_event()
-            event = layer.after_misses[0].enqueue(wait_for=[gate])
-            for launch in layer.after_misses[1:]:
+            for launch in [*layer.after_route, layer.await_placed, *layer.after_misses]:
                 event = launch.enqueue()
             self.k.flush()
             self._serve_gate()  # the MoE layer before, while the device runs up to this one
-            self._gate = (layer, slot, placed, gate)
+            self._gate = (layer, slot, placed, ticket)
         elif layer.arena is not None:
             self._serve_gate()
             event.wait()
@@ -1565,38 +1571,36 @@ class DeviceDecodeStep:
     def _serve_gate(self) -> None:
         """The MoE layer over the expert cache queued last (`_gate`), once the device has placed the experts the
         cache held (`route_place`): where it left some to the host, hand the routed ids to the cache (its misses start
-        reading), wait for them and write where they lie; open the gate; then (else) hand the ids over and name the
-        next layer's likely experts (`read_ahead`, from a copy of the experts' input: the device goes on past the
-        gate; the cache evicts none of that layer's experts for them, which the device may be placing meanwhile)."""
+        reading), wait for them, write where they lie and let the device go on (`placed`); where it left none, the
+        device went on by itself and the cache hears of the ids now. Then name the next layer's likely experts
+        (`read_ahead`, from the layer's copy of the experts' input; the cache evicts none of the next layer's experts
+        for them: the device may be placing them meanwhile)."""
         pending, self._gate = self._gate, None
         if pending is None:
             return
-        layer, slot, placed, gate = pending
+        layer, slot, placed, ticket = pending
         a = layer.arena
         try:
             placed.wait()
             routed = layer.ids[slot].host[:a.rows * a.top_k].reshape(a.rows, a.top_k).astype(np.int64)
             late = a.masks[1].host.reshape(a.rows, a.members)[:, :a.top_k] != UNUSED_SLOT  # [rows, k]
-            heard = bool(late.any())
-            if heard:
-                self.experts.on_route(a.layer, routed)
+            self.experts.on_route(a.layer, routed)  # its misses start reading
+            if late.any():
                 ids = list(dict.fromkeys(routed[late].tolist()))  # each expert once
                 place_of = dict(zip(ids, self.experts.wait_places(a.layer, ids), strict=True))
                 at = np.array([place_of[e] for e in routed[late].tolist()], np.uint64)
                 offs = a.regions["offs"].host.reshape(-1, 6)[:a.rows * a.members].reshape(a.rows, a.members, 6)
                 offs[:, :a.top_k][late] = at[:, None] + a.rel[None, :]
-            normed = self.u.host.reshape(self.rows, -1).copy()
         finally:
-            self.k.complete(gate)
-        if not heard:
-            self.experts.on_route(a.layer, routed)
-        self.experts.read_ahead(a.layer, normed, placing=True)
+            self.placed.host[0] = ticket  # (where route_place left none, it wrote the same)
+        self.experts.read_ahead(a.layer, layer.seen.host.reshape(self.rows, -1), placing=True)
 
     def _open_gate(self) -> None:
-        """Open a gate still closed (`_gate`) without placing its misses: what was queued is being abandoned."""
+        """Let the device go on past a layer still waiting for the host (`_gate`) without placing its misses: what
+        was queued is being abandoned."""
         pending, self._gate = self._gate, None
         if pending is not None:
-            self.k.complete(pending[3])
+            self.placed.host[0] = pending[3]
 
     def _run_split(self, layer: _Layer, slot: int) -> Any:
         """The routed experts of a split layer (`_SplitLayer`; its routing is queued): wait for the ids and the

@@ -327,11 +327,17 @@ __kernel void route_select(__global const float* logits, __global const float* v
  * t * members + i with its weight. places[first_place + id] is where the cache holds expert id (a byte offset in
  * the arena, -1 while it is not read): a held one gets its 6 byte offsets (rel from that place) and runs in the
  * launches before the misses' reads (first = t, after unused); the others the other way round, their offsets
- * written by the host once read. */
+ * written by the host once read. Where every one is held, *placed = ticket (await_placed goes on at once; else the
+ * host writes it once it placed the others). seen: a copy of the experts' input u [n_in], for the host's read-ahead
+ * (the device may have gone on to the next layer's u by the time the host reads it). */
 __kernel void route_place(__global const uint* ids, __global const float* routed_w, __global const long* places,
                           uint first_place, __global const ulong* rel, __global ulong* offs, __global float* slot_w,
-                          __global uint* first, __global uint* after, uint top_k, uint members, uint n_tok) {
+                          __global uint* first, __global uint* after, uint top_k, uint members, uint n_tok,
+                          __global uint* placed, uint ticket, __global const float* u, __global float* seen,
+                          uint n_in) {
     if (get_global_id(0) != 0) return;
+    for (uint j = 0; j < n_in; j++) seen[j] = u[j];
+    uint late = 0;
     for (uint t = 0; t < n_tok; t++) {
         for (uint i = 0; i < top_k; i++) {
             const uint slot = t * members + i;
@@ -339,8 +345,18 @@ __kernel void route_place(__global const uint* ids, __global const float* routed
             slot_w[slot] = routed_w[t * top_k + i];
             first[slot] = at >= 0 ? t : 0xffffffffu;
             after[slot] = at >= 0 ? 0xffffffffu : t;
+            late += at < 0;
             if (at >= 0)
                 for (uint j = 0; j < 6; j++) offs[slot * 6 + j] = (ulong)at + rel[j];
         }
+    }
+    if (!late) *placed = ticket;
+}
+
+/* Wait until *placed == ticket: route_place found every routed expert held, or the host has written where the
+ * others lie (one work-item spinning on memory the host writes in place: CPU devices, the expert cache's step). */
+__kernel void await_placed(__global volatile const uint* placed, uint ticket) {
+    if (get_global_id(0) != 0) return;
+    while (*placed != ticket) {
     }
 }
