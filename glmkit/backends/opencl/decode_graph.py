@@ -322,12 +322,13 @@ class DeviceDecodeStep:
     experts: the routed experts lie in an expert cache's slots (`ExpertArena`, read by a CPU device: this one, or
     with `spill` the split step's CPU side, for the experts it runs). Where the arena is one device buffer and the
     shared expert lies in it, each MoE layer's routing is followed on the device by `route_place`, which places the
-    experts the cache holds (its `place_table`) and runs them at once; the launches of the others wait behind a
-    user event (the layer's gate) while the next layer is queued. The host then hands the routed ids to the cache
-    (`on_route`: its misses are read), writes where the misses lie once read and opens the gate, and names the next
-    layer's likely experts (`read_ahead`): `_serve_gate`. Otherwise each MoE layer's routing ends the queue: the
-    host waits for every routed expert (`on_route`, where one is not read yet: `resident_places`), writes where they
-    lie and queues their launches.
+    experts the cache holds (its `place_table`) and runs them at once; the launches of the others wait (spinning:
+    `await_placed`) only where some were not held. There the host hands the routed ids to the cache (`on_route`:
+    its misses are read), names the next layer's likely experts (`read_ahead`), writes where the misses lie once
+    read and lets the device go on (`_take_routes`); where every one was held, the cache hears of them once the
+    next layer is queued (`_hand_routes`). Otherwise each MoE layer's routing ends the queue: the host waits for
+    every routed expert (`on_route`, where one is not read yet: `resident_places`), writes where they lie and queues
+    their launches.
     The slots' bytes are the container's: the logits are those of the step on the mapping (bit for bit where a
     layer's experts lie in one buffer in both). routes are then [] (the cache saw them as they happened). Greedy
     decoding is pipelined as on the mapping: the next token's forward is queued up to its first MoE layers while
@@ -413,9 +414,9 @@ class DeviceDecodeStep:
                 raise Unsupported(f"the expert cache's arena spans {len(self.chunks)} device buffers")
             # where the cache holds each expert, read by `route_place` on this device (one table per cache)
             self.place_table = arena_buffers.read_only_in_place(experts.place_table)
-        # the MoE layer queued last whose routes the host has still to take (`_serve_gate`): (layer, token slot, the
-        # event of its `route_place`, the ticket its `await_placed` waits for in `placed`)
-        self._gate: tuple[_Layer, int, Any, int] | None = None
+        # (the MoE layer, its routed ids [rows, k]) whose experts the cache held every one of, the cache not told yet
+        # (`_hand_routes`)
+        self._unheard: tuple[_Layer, np.ndarray] | None = None
         self.placed = self.buffers.array(1, np.uint32)
         self.placed.host[0] = 0
         self.tickets = 0  # `await_placed` tickets handed out
@@ -1365,10 +1366,10 @@ class DeviceDecodeStep:
                 self._queue_sequences_layer(i, layer, [cache.layer(i) for cache in caches], positions, slot, 0)
             self.final_norm.enqueue()
             event = self.lm_head.enqueue()
-            self._serve_gate()
+            self._hand_routes()
             event.wait()
         except BaseException:
-            self._open_gate()
+            self._abandon_routes()
             self.k.finish()
             for cache, pos in zip(caches, positions, strict=True):
                 cache.truncate(pos)
@@ -1425,9 +1426,9 @@ class DeviceDecodeStep:
         self.verified.host[:] = tokens
         try:
             event = self._queue_draft(cache, pos, self._next_slot(0), 0, choose=False)
-            self._serve_gate()
+            self._hand_routes()
         except BaseException:
-            self._open_gate()
+            self._abandon_routes()
             raise
         self.complete(event, 0)
         return self.drafted.host.astype(np.int64)
@@ -1554,10 +1555,10 @@ class DeviceDecodeStep:
             for launch in [*layer.after_route, layer.await_placed, *layer.after_misses]:
                 event = launch.enqueue()
             self.k.flush()
-            self._serve_gate()  # the MoE layer before, while the device runs up to this one
-            self._gate = (layer, slot, placed, ticket)
+            self._hand_routes()  # the MoE layer before's, if the cache has not heard of them
+            self._take_routes(layer, slot, placed, ticket)
         elif layer.arena is not None:
-            self._serve_gate()
+            self._hand_routes()
             event.wait()
             routed, heard = self._place(layer, slot)
             for launch in layer.after_route:
@@ -1568,39 +1569,46 @@ class DeviceDecodeStep:
             self.experts.read_ahead(layer.arena.layer, self.u.host.reshape(self.rows, -1))
         return event
 
-    def _serve_gate(self) -> None:
-        """The MoE layer over the expert cache queued last (`_gate`), once the device has placed the experts the
-        cache held (`route_place`): where it left some to the host, hand the routed ids to the cache (its misses start
-        reading), wait for them, write where they lie and let the device go on (`placed`); where it left none, the
-        device went on by itself and the cache hears of the ids now. Then name the next layer's likely experts
-        (`read_ahead`, from the layer's copy of the experts' input; the cache evicts none of the next layer's experts
-        for them: the device may be placing them meanwhile)."""
-        pending, self._gate = self._gate, None
-        if pending is None:
-            return
-        layer, slot, placed, ticket = pending
+    def _take_routes(self, layer: _Layer, slot: int, placed: Any, ticket: int) -> None:
+        """Once the device has placed the experts the cache holds of this MoE layer (`route_place`, its event
+        `placed`): where it left some to the host, hand the routed ids to the cache (its misses start reading), name
+        the next layer's likely experts (`read_ahead`), wait for the misses, write where they lie and let the device go
+        on (`placed` = `ticket`); where it left none, the device goes on by itself and the cache hears of the ids
+        after the next layer is queued (`_unheard`, `_hand_routes`)."""
         a = layer.arena
         try:
             placed.wait()
             routed = layer.ids[slot].host[:a.rows * a.top_k].reshape(a.rows, a.top_k).astype(np.int64)
             late = a.masks[1].host.reshape(a.rows, a.members)[:, :a.top_k] != UNUSED_SLOT  # [rows, k]
+            if not late.any():
+                self._unheard = (layer, routed)
+                return
             self.experts.on_route(a.layer, routed)  # its misses start reading
-            if late.any():
-                ids = list(dict.fromkeys(routed[late].tolist()))  # each expert once
-                place_of = dict(zip(ids, self.experts.wait_places(a.layer, ids), strict=True))
-                at = np.array([place_of[e] for e in routed[late].tolist()], np.uint64)
-                offs = a.regions["offs"].host.reshape(-1, 6)[:a.rows * a.members].reshape(a.rows, a.members, 6)
-                offs[:, :a.top_k][late] = at[:, None] + a.rel[None, :]
+            self.experts.read_ahead(a.layer, layer.seen.host.reshape(self.rows, -1))  # the device waits here
+            ids = list(dict.fromkeys(routed[late].tolist()))  # each expert once
+            place_of = dict(zip(ids, self.experts.wait_places(a.layer, ids), strict=True))
+            at = np.array([place_of[e] for e in routed[late].tolist()], np.uint64)
+            offs = a.regions["offs"].host.reshape(-1, 6)[:a.rows * a.members].reshape(a.rows, a.members, 6)
+            offs[:, :a.top_k][late] = at[:, None] + a.rel[None, :]
         finally:
             self.placed.host[0] = ticket  # (where route_place left none, it wrote the same)
-        self.experts.read_ahead(a.layer, layer.seen.host.reshape(self.rows, -1), placing=True)
 
-    def _open_gate(self) -> None:
-        """Let the device go on past a layer still waiting for the host (`_gate`) without placing its misses: what
-        was queued is being abandoned."""
-        pending, self._gate = self._gate, None
+    def _abandon_routes(self) -> None:
+        """What was queued is being given up (an error): let a layer still waiting for the host go on (the ticket
+        handed out last; every earlier one was written) and forget the routes the cache has not heard of."""
+        self.placed.host[0] = self.tickets
+        self._unheard = None
+
+    def _hand_routes(self) -> None:
+        """The routes of the MoE layer whose experts the cache held every one of (`_unheard`), once the next layer is
+        queued: the cache hears of them, and names the next layer's likely experts (`read_ahead`, from the layer's
+        copy of the experts' input; it evicts none of the next layer's experts for them: the device may be placing
+        them meanwhile)."""
+        pending, self._unheard = self._unheard, None
         if pending is not None:
-            self.placed.host[0] = pending[3]
+            layer, routed = pending
+            self.experts.on_route(layer.arena.layer, routed)
+            self.experts.read_ahead(layer.arena.layer, layer.seen.host.reshape(self.rows, -1), placing=True)
 
     def _run_split(self, layer: _Layer, slot: int) -> Any:
         """The routed experts of a split layer (`_SplitLayer`; its routing is queued): wait for the ids and the
@@ -1765,9 +1773,9 @@ class DeviceDecodeStep:
                 for a in (self.row_stage[turn], self.route_ids[slot], *reads):
                     event = self.buffers.to_host(a)
                 self.staged[turn] = (cache, pos)
-            self._serve_gate()
+            self._hand_routes()
         except BaseException:
-            self._open_gate()
+            self._abandon_routes()
             self.k.finish()
             cache.truncate(pos)
             raise
