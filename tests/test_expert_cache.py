@@ -431,28 +431,3 @@ def test_experts_held_elsewhere_are_never_read_here(snapshots):
     assert np.shares_memory(cache.weight(name), container.weight(name))  # the mapping's, not a copy
     cache.close()
     again.close()
-
-
-def test_read_ahead_for_a_placing_device_evicts_none_of_the_next_layers_experts(snapshots):
-    """While a device decode step may be placing the next layer's experts from `place_table` (`placing`), read-ahead
-    reads its named experts into slots of other layers only: an expert the device found there stays until that
-    layer routes. Without it, the same reads evict the next layer's unnamed experts."""
-    engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
-    c, k = engine.config, engine.config.num_experts_per_tok
-    first = c.first_k_dense_replace
-    r = ExpertCache(engine.container, k * slot_bytes(engine)).moe[first + 1].router
-    normed = np.random.default_rng(0).standard_normal((1, c.hidden_size)).astype(np.float32)
-    for placing in (True, False):
-        cache = ExpertCache(engine.container, 2 * k * slot_bytes(engine))  # the routed ones' slots, no spare
-        named = set(likely_experts(normed, np.asarray(cache.weight(r.weight)), cache.weight(r.bias), r.top_k))
-        others = [e for e in range(c.n_routed_experts) if e not in named][:k]
-        cache.on_route(first + 1, np.array([others]))
-        cache.wait_places(first + 1, others)
-        cache.on_route(first, np.array([list(range(k))]))
-        cache.wait_places(first, list(range(k)))
-        cache.read_ahead(first, normed, placing=placing)
-        for future in list(cache._loading.values()):
-            future.result()
-        kept = (cache.place_table[first + 1, others] >= 0).sum()
-        assert (kept, cache.stats.read_ahead) == ((k, 0) if placing else (k - len(named), len(named)))
-        cache.close()

@@ -15,8 +15,6 @@ matter. `ExpertCache` is a weight source (what `GlmMoeDsaModel` reads its tensor
   names its likely experts,
   read while the recent share of named experts that were then routed to stays at least READ_AHEAD_PRECISION (a
   wrong guess costs a read and a slot); below it, only one layer in READ_AHEAD_PROBE is named, to keep measuring;
-  the named experts are kept until layer L+1 routes (for a device decode step that may be placing L+1's experts
-  meanwhile, `placing`: every one of L+1's);
 - persists the scores beside the prefill cache, keyed by the model hash, and loads the hot set from them in the
   background at start (into free slots only: the first token is not delayed).
 A slot's bytes are the container's bytes, so every path gives the logits it gives on the mapping.
@@ -297,18 +295,12 @@ class ExpertCache:
         self._free = list(range(self.n_slots - 1, -1, -1))
         self._slot: dict[Key, int] = {}  # resident experts
         # where each read expert starts in the arena (-1: not resident or still being read), as an array the device
-        # decode step indexes with a layer's routed ids (`resident_places`), on the device too (`place_table`): page-
-        # aligned memory a CPU device reads in place
-        places = cfg.num_layers_with_mtp * cfg.n_routed_experts
-        self._place_of = anonymous_bytes(8 * places).view(np.int64).reshape(cfg.num_layers_with_mtp, -1)
-        self._place_of[:] = -1
+        # decode step indexes with a layer's routed ids: `resident_places`
+        self._place_of = np.full((cfg.num_layers_with_mtp, cfg.n_routed_experts), -1, np.int64)
         self._views: dict[Key, list[Weight]] = {}
         self._loading: dict[Key, Future] = {}
         self._in_use: set[Key] = set()  # routed to by the layer being computed and not yet run: not evicted
         self._wanted: set[Key] = set()  # the next layer's experts read-ahead named: kept until it routes
-        # the layer read-ahead reads for while a device may be placing its experts (`read_ahead`'s placing): none of
-        # them is evicted until it routes
-        self._placing: int | None = None
         self._pending: list[Key] = []  # of those, the ones still to read once slots come free (`ran`)
         self._handed: dict[Key, list[Weight]] = {}  # its experts handed out so far
         self._elsewhere: set[Key] = set()  # routed experts another device holds: `hold_elsewhere`
@@ -390,7 +382,6 @@ class ExpertCache:
             self._in_use = {(layer, e) for e in used}  # the previous layer's experts have run; these are next
             self._handed = {}
             self._wanted, self._pending = set(), []  # the layer's own misses replace what was guessed for it
-            self._placing = None
             self._unpark(list(self._parked))
             for e in used:
                 key = (layer, e)
@@ -415,11 +406,10 @@ class ExpertCache:
         if normed is not None:
             self.read_ahead(layer, normed)
 
-    def read_ahead(self, layer: int, normed: np.ndarray, placing: bool = False) -> None:
+    def read_ahead(self, layer: int, normed: np.ndarray) -> None:
         """Start reading the experts layer `layer + 1`'s router picks for the hidden state of `normed [S, H]` (layer
         `layer`'s MoE or dense MLP input), normed as layer `layer + 1` norms it, that are not cached (when read-ahead is
-        on). placing: a device may be placing layer `layer + 1`'s experts from `place_table` meanwhile: none of them
-        is evicted for these reads (nor after, until that layer routes)."""
+        on)."""
         if not self.readahead:
             return
         nxt = self.moe.get(layer + 1) if layer + 1 < self.config.num_hidden_layers else None
@@ -439,7 +429,6 @@ class ExpertCache:
             if self.ahead_precision < READ_AHEAD_PRECISION:
                 return  # named (its precision still measured), not read: a wrong guess costs a read and a slot
             self._wanted = {(layer + 1, e) for e in likely}
-            self._placing = layer + 1 if placing else None
             self._pending = [(layer + 1, e) for e in sorted(likely) if (layer + 1, e) not in self._slot]
             self._continue_read_ahead()
 
@@ -501,9 +490,9 @@ class ExpertCache:
         return None
 
     def _held(self, key: Key) -> bool:
-        """Not to be evicted now: being read, routed to by the layer being computed and not yet run, named by the
-        next layer's read-ahead, or of the next layer while a device may be placing its experts."""
-        return key in self._loading or key in self._in_use or key in self._wanted or key[0] == self._placing
+        """Not to be evicted now: being read, routed to by the layer being computed and not yet run, or named by
+        the next layer's read-ahead."""
+        return key in self._loading or key in self._in_use or key in self._wanted
 
     def _unpark(self, keys: list[Key]) -> None:
         """Back on the heap, the parked entries of those `keys` that are no longer held (lock held)."""
@@ -615,13 +604,12 @@ class ExpertCache:
         """The slot `layer`'s shared expert is pinned in, or None (no shared expert, or one larger than a slot)."""
         return self._shared_slot.get(layer)
 
-    @property
-    def place_table(self) -> np.ndarray:
-        """Where each expert starts in the arena (int64 `[layers with MTP, n_routed_experts]`, -1: not resident or still
-        being read), updated in place: an expert's entry is set once its read is done and reset before its slot is
-        reused. Only the thread that routes evicts, so an expert found here stays until that thread's next `on_route`
-        and the claims after it (the device decode step's `route_place` reads it on the device)."""
-        return self._place_of
+    def places_now(self, layer: int, experts: list[int]) -> list[tuple[int, bool] | None]:
+        """Per expert of `layer` (routed by the last `on_route`): (where it starts in the arena, whether its read
+        is done), or None where it has no slot yet (every slot was held when it missed)."""
+        with self._lock:
+            return [None if (layer, e) not in self._slot else
+                    (self.place(layer, e, self._slot[(layer, e)]), (layer, e) not in self._loading) for e in experts]
 
     def resident_places(self, layer: int, experts: np.ndarray) -> np.ndarray | None:
         """Where these experts of `layer` start in the arena (`place`, int64 `[n]`), or None unless every one is

@@ -285,9 +285,6 @@ class _Layer:
         self.split: _SplitLayer | None = None  # routed experts partly on a CPU device beside a discrete one
         self.after_route: list[Launch] = []  # with `arena`: the launches queued once the host placed the experts
         self.after_misses: list[Launch] = []  # with `arena.masks`: those queued once the misses are read
-        self.place: Launch | None = None  # with `arena.masks`: places the resident routed experts on the device
-        self.await_placed: Launch | None = None  # and waits (spinning) for the host to place the others
-        self.seen: DeviceArray | None = None  # the experts' input as `place` saw it, for the host's read-ahead
         self.cache_buffers: dict[str, DeviceArray] = {}  # direct devices: field -> its storage array and buffer
         self.mirrors: dict[str, _CacheMirror] = {}  # discrete devices: field -> its rows in device memory
         # a sequences step (`DeviceDecodeStep.decode_rows`): per token row, this layer with that row's own launches of
@@ -320,19 +317,15 @@ class DeviceDecodeStep:
     Built once per model and backend; raises `Unsupported` when some weight cannot be used in place.
 
     experts: the routed experts lie in an expert cache's slots (`ExpertArena`, read by a CPU device: this one, or
-    with `spill` the split step's CPU side, for the experts it runs). Where the arena is one device buffer and the
-    shared expert lies in it, each MoE layer's routing is followed on the device by `route_place`, which places the
-    experts the cache holds (its `place_table`) and runs them at once; the launches of the others wait (spinning:
-    `await_placed`) only where some were not held. There the host hands the routed ids to the cache (`on_route`:
-    its misses are read), names the next layer's likely experts (`read_ahead`), writes where the misses lie once
-    read and lets the device go on (`_take_routes`); where every one was held, the cache hears of them once the
-    next layer is queued (`_hand_routes`). Otherwise each MoE layer's routing ends the queue: the host waits for
-    every routed expert (`on_route`, where one is not read yet: `resident_places`), writes where they lie and queues
-    their launches.
+    with `spill` the split step's CPU side, for the experts it runs). Each MoE layer's routing then ends the queue:
+    the host hands the routed ids to the cache (`on_route`: its misses are read),
+    writes where they lie, queues the launches of those already read, names the next layer's likely experts to the
+    cache (`read_ahead`), waits for the rest and queues theirs. Where every routed expert is read already
+    (`resident_places`), their launches are queued first and the cache hears of them after.
     The slots' bytes are the container's: the logits are those of the step on the mapping (bit for bit where a
     layer's experts lie in one buffer in both). routes are then [] (the cache saw them as they happened). Greedy
-    decoding is pipelined as on the mapping: the next token's forward is queued up to its first MoE layers while
-    this one finishes, so the device does not wait for the host between tokens.
+    decoding is pipelined as on the mapping: the next token's forward is queued up to its first MoE layer's
+    routing while this one finishes, so the device does not wait for the host between tokens.
 
     rows: token rows per forward (consecutive positions; 2: MTP's verification of [token, draft], `verify`), CPU
     devices only (over an expert cache, one whose slots hold every row's routed experts at once: each MoE layer's
@@ -412,14 +405,6 @@ class DeviceDecodeStep:
                            for s in range(0, n, per)]
             if len(self.chunks) > MAX_EXPERT_BUFFERS:
                 raise Unsupported(f"the expert cache's arena spans {len(self.chunks)} device buffers")
-            # where the cache holds each expert, read by `route_place` on this device (one table per cache)
-            self.place_table = arena_buffers.read_only_in_place(experts.place_table)
-        # (the MoE layer, its routed ids [rows, k]) whose experts the cache held every one of, the cache not told yet
-        # (`_hand_routes`)
-        self._unheard: tuple[_Layer, np.ndarray] | None = None
-        self.placed = self.buffers.array(1, np.uint32)
-        self.placed.host[0] = 0
-        self.tickets = 0  # `await_placed` tickets handed out
         self.x8_bits = self._int8_input_bits(int8_activations)
         h, nh = cfg.hidden_size, cfg.num_attention_heads
         nope, rope, v_dim, kvl = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
@@ -964,15 +949,6 @@ class DeviceDecodeStep:
                            ids=out.ids[0].buffer, routed_w=routed_w.buffer, n_tok=rows)  # ids: set per token slot
         out.arena = _ArenaLayer(ffn.layer, rows, r.top_k, rel, routed_w, regions, stride, len(self.chunks),
                                 shared_place, masks)
-        if masks is not None:  # the device places the experts the cache holds: their launches need no host wait
-            out.seen = self.buffers.array(self.u.host.size)
-            out.place = k.bind("route_place", (1,), None, ids=out.ids[0].buffer, routed_w=routed_w.buffer,
-                               places=self.place_table, first_place=ffn.layer * r.n_experts,
-                               rel=self.buffers.filled(rel, np.uint64).buffer, offs=regions["offs"].buffer,
-                               slot_w=regions["slot_w"].buffer, first=masks[0].buffer, after=masks[1].buffer,
-                               top_k=r.top_k, members=members, n_tok=rows, placed=self.placed.buffer, ticket=0,
-                               u=self.u.buffer, seen=out.seen.buffer, n_in=self.u.host.size)  # ids, ticket: per use
-            out.await_placed = k.bind("await_placed", (1,), None, placed=self.placed.buffer, ticket=0)
         self._fill_slots(out.arena, np.zeros((rows * r.top_k, 6), np.uint64), np.zeros(rows * r.top_k, np.uint32),
                          whole=True)
         out.after_route = [*groups, *(self._bind_apart(separate) if separate is not None else ())]
@@ -1112,24 +1088,39 @@ class DeviceDecodeStep:
         chunk = np.uint64(self.chunk_slots * self.experts.slot_bytes)
         return (at % chunk)[:, None] + rel[None, :], (at // chunk).astype(np.uint32)
 
-    def _place(self, layer: _Layer, slot: int) -> tuple[np.ndarray, bool]:
-        """Fill the fused launches' slots of an arena layer without `route_place` (its experts in several arena
-        chunks, or its shared expert apart) with where the layer's routed ids (token slot `slot`) lie, once every one
-        is read (the device has finished the layer's routing: its ids and weights are final). Returns (the ids
-        `[rows, k]`, whether the cache heard of them: where every one was read already it hears of them after their
-        launches are queued, `_queue_tail`; else first, `on_route`, and its misses start reading). An expert several
-        rows route to is read once and runs in a slot of each."""
+    def _place(self, layer: _Layer, slot: int) -> tuple[np.ndarray, bool, list[int]]:
+        """Fill the fused launches' slots with where the layer's routed ids (token slot `slot`) lie (the device has
+        finished the layer's routing: its ids and weights are final). Returns (the ids `[rows, k]`, whether the cache
+        heard of them, the experts still being read). Where every one was read already, the cache hears of them after
+        their launches are queued (`_queue_tail`); else first (`on_route`: its misses start reading), and with `masks`
+        the experts still being read are returned (the launches of the others go first), else every read is waited
+        for. An expert several rows route to is read once and runs in a slot of each."""
         a = layer.arena
         routed = layer.ids[slot].host[:a.rows * a.top_k].copy()  # [rows * k], row by row
         at = self.experts.resident_places(a.layer, routed)
-        heard = at is None
+        heard, ready, missing = at is None, None, []
         if heard:
             ids = list(dict.fromkeys(routed.tolist()))  # each expert once, in routed order
             self.experts.on_route(a.layer, routed.reshape(a.rows, a.top_k))
-            place_of = dict(zip(ids, self.experts.wait_places(a.layer, ids), strict=True))
-            at = np.array([place_of[e] for e in routed.tolist()])
+            now = None if a.masks is None else self.experts.places_now(a.layer, ids)
+            if now is None or any(place is None for place in now):
+                place_of = dict(zip(ids, self.experts.wait_places(a.layer, ids), strict=True))
+                at = np.array([place_of[e] for e in routed.tolist()])
+            else:
+                place_of = dict(zip(ids, now, strict=True))
+                at = np.array([place_of[e][0] for e in routed.tolist()])
+                ready = np.array([place_of[e][1] for e in routed.tolist()])
+                missing = [e for e in ids if not place_of[e][1]]
         self._fill_slots(a, *self._place_offsets(a.rel, at))
-        return routed.reshape(a.rows, a.top_k), heard
+        if a.masks is not None:  # each routed slot's token row where its launch set computes it
+            first, after = (m.host.reshape(a.rows, a.members)[:, :a.top_k] for m in a.masks)
+            token = np.arange(a.rows, dtype=np.uint32)[:, None]
+            if ready is None:
+                first[:], after[:] = token, UNUSED_SLOT
+            else:
+                done = ready.reshape(a.rows, a.top_k)
+                first[:], after[:] = np.where(done, token, UNUSED_SLOT), np.where(done, UNUSED_SLOT, token)
+        return routed.reshape(a.rows, a.top_k), heard, missing
 
     @staticmethod
     def _fill_slots(a: _ArenaLayer, offs: np.ndarray, chunk: np.ndarray, whole: bool = False) -> None:
@@ -1365,11 +1356,8 @@ class DeviceDecodeStep:
             for i, layer in zip(self.span, self.layers, strict=True):
                 self._queue_sequences_layer(i, layer, [cache.layer(i) for cache in caches], positions, slot, 0)
             self.final_norm.enqueue()
-            event = self.lm_head.enqueue()
-            self._hand_routes()
-            event.wait()
+            self.lm_head.enqueue().wait()
         except BaseException:
-            self._abandon_routes()
             self.k.finish()
             for cache, pos in zip(caches, positions, strict=True):
                 cache.truncate(pos)
@@ -1424,13 +1412,7 @@ class DeviceDecodeStep:
         self._place_rows(range(pos, pos + self.rows), 0)
         self.hidden.host[:] = hidden.reshape(-1)
         self.verified.host[:] = tokens
-        try:
-            event = self._queue_draft(cache, pos, self._next_slot(0), 0, choose=False)
-            self._hand_routes()
-        except BaseException:
-            self._abandon_routes()
-            raise
-        self.complete(event, 0)
+        self.complete(self._queue_draft(cache, pos, self._next_slot(0), 0, choose=False), 0)
         return self.drafted.host.astype(np.int64)
 
     def watch_routes(self, hook: Callable[[int, np.ndarray], None]) -> None:
@@ -1547,68 +1529,20 @@ class DeviceDecodeStep:
                 self.watcher.watch(event, i, layer.ids[slot].host)
         if layer.split is not None:
             event = self._run_split(layer, slot)
-        if layer.place is not None:  # the held experts run at once; the misses' launches wait for the host
-            self.tickets = ticket = (self.tickets + 1) % (1 << 32)
-            layer.place.set(ids=layer.ids[slot].buffer, ticket=ticket)
-            layer.await_placed.set(ticket=ticket)
-            placed = layer.place.enqueue()
-            for launch in [*layer.after_route, layer.await_placed, *layer.after_misses]:
-                event = launch.enqueue()
-            self.k.flush()
-            self._hand_routes()  # the MoE layer before's, if the cache has not heard of them
-            self._take_routes(layer, slot, placed, ticket)
-        elif layer.arena is not None:
-            self._hand_routes()
+        if layer.arena is not None:
             event.wait()
-            routed, heard = self._place(layer, slot)
+            routed, heard, missing = self._place(layer, slot)
             for launch in layer.after_route:
                 event = launch.enqueue()
-            self.k.flush()  # the experts run while the next layer's are named
+            self.k.flush()  # the resident experts run while the next layer's are named and the rest read
             if not heard:
                 self.experts.on_route(layer.arena.layer, routed)
             self.experts.read_ahead(layer.arena.layer, self.u.host.reshape(self.rows, -1))
+            if missing:
+                self.experts.wait_places(layer.arena.layer, missing)
+                for launch in layer.after_misses:
+                    event = launch.enqueue()
         return event
-
-    def _take_routes(self, layer: _Layer, slot: int, placed: Any, ticket: int) -> None:
-        """Once the device has placed the experts the cache holds of this MoE layer (`route_place`, its event
-        `placed`): where it left some to the host, hand the routed ids to the cache (its misses start reading), name
-        the next layer's likely experts (`read_ahead`), wait for the misses, write where they lie and let the device go
-        on (`placed` = `ticket`); where it left none, the device goes on by itself and the cache hears of the ids
-        after the next layer is queued (`_unheard`, `_hand_routes`)."""
-        a = layer.arena
-        try:
-            placed.wait()
-            routed = layer.ids[slot].host[:a.rows * a.top_k].reshape(a.rows, a.top_k).astype(np.int64)
-            late = a.masks[1].host.reshape(a.rows, a.members)[:, :a.top_k] != UNUSED_SLOT  # [rows, k]
-            if not late.any():
-                self._unheard = (layer, routed)
-                return
-            self.experts.on_route(a.layer, routed)  # its misses start reading
-            self.experts.read_ahead(a.layer, layer.seen.host.reshape(self.rows, -1))  # the device waits here
-            ids = list(dict.fromkeys(routed[late].tolist()))  # each expert once
-            place_of = dict(zip(ids, self.experts.wait_places(a.layer, ids), strict=True))
-            at = np.array([place_of[e] for e in routed[late].tolist()], np.uint64)
-            offs = a.regions["offs"].host.reshape(-1, 6)[:a.rows * a.members].reshape(a.rows, a.members, 6)
-            offs[:, :a.top_k][late] = at[:, None] + a.rel[None, :]
-        finally:
-            self.placed.host[0] = ticket  # (where route_place left none, it wrote the same)
-
-    def _abandon_routes(self) -> None:
-        """What was queued is being given up (an error): let a layer still waiting for the host go on (the ticket
-        handed out last; every earlier one was written) and forget the routes the cache has not heard of."""
-        self.placed.host[0] = self.tickets
-        self._unheard = None
-
-    def _hand_routes(self) -> None:
-        """The routes of the MoE layer whose experts the cache held every one of (`_unheard`), once the next layer is
-        queued: the cache hears of them, and names the next layer's likely experts (`read_ahead`, from the layer's
-        copy of the experts' input; it evicts none of the next layer's experts for them: the device may be placing
-        them meanwhile)."""
-        pending, self._unheard = self._unheard, None
-        if pending is not None:
-            layer, routed = pending
-            self.experts.on_route(layer.arena.layer, routed)
-            self.experts.read_ahead(layer.arena.layer, layer.seen.host.reshape(self.rows, -1), placing=True)
 
     def _run_split(self, layer: _Layer, slot: int) -> Any:
         """The routed experts of a split layer (`_SplitLayer`; its routing is queued): wait for the ids and the
@@ -1773,9 +1707,7 @@ class DeviceDecodeStep:
                 for a in (self.row_stage[turn], self.route_ids[slot], *reads):
                     event = self.buffers.to_host(a)
                 self.staged[turn] = (cache, pos)
-            self._hand_routes()
         except BaseException:
-            self._abandon_routes()
             self.k.finish()
             cache.truncate(pos)
             raise
