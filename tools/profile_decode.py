@@ -3,7 +3,8 @@
 
     PYTHONPATH=. python tools/profile_decode.py            # bench model, q4, --device auto placement
 
-Prefills a random prompt (`--prompt` tokens, default 256) on the benchmark model, decodes warm-up tokens, then
+Prefills a random prompt (`--prompt` tokens, default 256) on the benchmark model (or `--snapshot`; `--expert-cache`:
+its routed experts in an expert cache of that many bytes, as glm-run keeps them), decodes warm-up tokens, then
 `--tokens` greedy tokens with every launch on an OpenCL profiling queue. Prints the wall time per token, each
 kernel's device time per token, the device's idle time between launches inside a token and between tokens, and
 the host's time between tokens (the wait's return to the next token's first launch). Then, for comparison, the
