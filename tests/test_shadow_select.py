@@ -82,7 +82,7 @@ def select_both(k: Kernels, q: np.ndarray, layer: LayerKV, w: np.ndarray, allowe
     chosen, listed_scores = b.array(n_s * topk, np.uint32), b.array(n_s * n)
     chosen.host[:] = 0
     common = {"q": qa.buffer, "w": wa.buffer, "nh": nh, "d": d, "n_keys": n, "w_scale": w_scale}
-    run(k, "index_shadow_scores", (-(-blocks // 2), n_s), None, **common, shadow=dev_codes.buffer,
+    run(k, "index_shadow_scores", (blocks, n_s), None, **common, shadow=dev_codes.buffer,
         shadow_scale=dev_scale.buffer, allowed=al.buffer, **bounds, scale=scale, bound=shadow_bound(d, nh) * scale)
     run(k, "index_candidates", (n_s,), None, **bounds, allowed=al.buffer, listed=listed.buffer, count=count.buffer,
         n_keys=n, k=topk, max_listed=n if max_listed is None else max_listed, n_rows=n_s)

@@ -107,7 +107,7 @@ TURNS = 4  # forwards queued at once, each with buffers of its own (a pipeline a
 INITIAL_KEYS = 1024  # keys the per-key scratch buffers hold at first (they double as the context grows)
 KEY_GROUP = 16  # work-group size of the kernels with one work-item per key
 MAX_INDEX_HEADS = 64  # indexer heads index_shadow_scores holds the query norms of (MAX_INDEX_HEADS in indexer.cl)
-SHADOW_GROUP = 4  # work-group size of index_shadow_scores (a work-item per two blocks of SHADOW_BLOCK keys)
+SHADOW_GROUP = 8  # work-group size of index_shadow_scores (a work-item per block of SHADOW_BLOCK keys)
 SHADOW_MIN_KEYS = 16384  # the shadow selection runs from this many keys on (below it the one-stage one is as fast)
 SHADOW_MIN_PER_KEPT = 16  # and from this many keys per key it keeps (index_topk), blocks enough for its threshold
 LISTED_SHARE = 4  # more listed keys than one in this many: the shadow selection rescores every key
@@ -1501,7 +1501,7 @@ class DeviceDecodeStep:
         if scored and self.shadow_selects and layer.shadow is not None and shadowed:
             blocks = -(-keys // SHADOW_BLOCK)
             layer.shadow_scores.set(shadow=shadow, shadow_scale=shadow_scale, allowed=allowed, n_keys=keys)
-            layer.shadow_scores.size = (-(-blocks // (2 * SHADOW_GROUP)) * SHADOW_GROUP, n_rows)  # 2 blocks an item
+            layer.shadow_scores.size = (-(-blocks // SHADOW_GROUP) * SHADOW_GROUP, n_rows)  # a block an item
             layer.candidates.set(allowed=allowed, n_keys=keys, max_listed=keys // LISTED_SHARE)
             layer.rescore.set(k=index_k, k_scale=index_k_scale, n_keys=keys)
             layer.rescore.size = (min(per_key, LISTED_ITEMS), n_rows)

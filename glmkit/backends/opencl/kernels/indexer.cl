@@ -182,74 +182,58 @@ INLINE float abs_sum(const __global float* x, uint d) {
  * |exact dot - a| (bound: shadow_bound's F times |scale|); upper[s, t] and the lower bound are sum_h W_h times the
  * ends of [relu(a - e), relu(a + e)] (W_h = w[s, h] w_scale). Per block the largest lower and upper bound of the keys
  * row s may choose (block_lower, block_upper; -inf where none may). The heads' |q_h|_1 are taken once per work-group
- * (nh <= MAX_INDEX_HEADS). A work-item takes two blocks, a lane per key: each code is converted once for 4 heads, each
- * head's query value loaded once for 16 keys. Rows of n_keys keys, of ceil(n_keys / 8) blocks. Global
- * (ceil(blocks / 2), S). */
+ * (nh <= MAX_INDEX_HEADS). A work-item takes one block, a lane per key: each code is converted once for 8 heads
+ * (docs/BENCHMARKS.md: faster than two blocks of 4 heads). Rows of n_keys keys, of ceil(n_keys / 8) blocks.
+ * Global (blocks, S). */
 __kernel void index_shadow_scores(__global const float* q, __global const char* shadow,
                                   __global const float* shadow_scale, __global const float* w,
                                   __global const uchar* allowed, __global float* upper, __global float* block_lower,
                                   __global float* block_upper, uint nh, uint d, uint n_keys, float scale, float bound,
                                   float w_scale) {
-    const uint b = 2 * get_global_id(0), s = get_global_id(1), n_blocks = (n_keys + 7) / 8;
+    const uint b = get_global_id(0), s = get_global_id(1), n_blocks = (n_keys + 7) / 8;
     __local float norms[MAX_INDEX_HEADS];  /* |q_h|_1 of row s's heads, once per work-group */
     for (uint head = get_local_id(0); head < nh; head += get_local_size(0))
         norms[head] = abs_sum(q + ((ulong)s * nh + head) * d, d);
     barrier(CLK_LOCAL_MEM_FENCE);
     if (b >= n_blocks) return;
-    const int pair = b + 1 < n_blocks;  /* the second block exists (else it reads the first one twice) */
     const __global uchar* kb = (const __global uchar*)shadow + (ulong)b * d * 8;
-    const __global uchar* kc = pair ? kb + d * 8 : kb;
     const __global float* qs = q + (ulong)s * nh * d;
     const __global float* ws = w + (ulong)s * nh;
-    const float8 scales = LOAD_F8(b, shadow_scale), scales2 = pair ? LOAD_F8(b + 1, shadow_scale) : scales;
-    const float8 key_scale = scales * scale, key_scale2 = scales2 * scale;
-    const float8 err_scale = scales * bound, err_scale2 = scales2 * bound;
-    float8 hi = (float8)(0.0f), lo = hi, hi2 = hi, lo2 = hi;
+    const float8 scales = LOAD_F8(b, shadow_scale);
+    const float8 key_scale = scales * scale, err_scale = scales * bound;
+    float8 hi = (float8)(0.0f), lo = hi;
     uint h = 0;
-    for (; h + 4 <= nh; h += 4) {
+    for (; h + 8 <= nh; h += 8) {
         const __global float* q0 = qs + (ulong)h * d;
-        const __global float *q1 = q0 + d, *q2 = q1 + d, *q3 = q2 + d;
-        float8 a0 = (float8)(0.0f), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+        float8 a0 = (float8)(0.0f), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
         for (uint j = 0; j < d; j++) {
-            const float8 kv = convert_float8(as_char8(LOAD_U8(j, kb))), kw = convert_float8(as_char8(LOAD_U8(j, kc)));
-            const float x0 = q0[j], x1 = q1[j], x2 = q2[j], x3 = q3[j];
-            a0 += x0 * kv;
-            a1 += x1 * kv;
-            a2 += x2 * kv;
-            a3 += x3 * kv;
-            b0 += x0 * kw;
-            b1 += x1 * kw;
-            b2 += x2 * kw;
-            b3 += x3 * kw;
+            const float8 kv = convert_float8(as_char8(LOAD_U8(j, kb)));
+            a0 += q0[j] * kv;
+            a1 += q0[d + j] * kv;
+            a2 += q0[2 * d + j] * kv;
+            a3 += q0[3 * d + j] * kv;
+            a4 += q0[4 * d + j] * kv;
+            a5 += q0[5 * d + j] * kv;
+            a6 += q0[6 * d + j] * kv;
+            a7 += q0[7 * d + j] * kv;
         }
-        const float n0 = norms[h], n1 = norms[h + 1], n2 = norms[h + 2], n3 = norms[h + 3];
-        const float w0 = ws[h] * w_scale, w1 = ws[h + 1] * w_scale, w2 = ws[h + 2] * w_scale, w3 = ws[h + 3] * w_scale;
-        SHADOW_HEAD(w0, a0 * key_scale, n0 * err_scale, hi, lo);
-        SHADOW_HEAD(w1, a1 * key_scale, n1 * err_scale, hi, lo);
-        SHADOW_HEAD(w2, a2 * key_scale, n2 * err_scale, hi, lo);
-        SHADOW_HEAD(w3, a3 * key_scale, n3 * err_scale, hi, lo);
-        SHADOW_HEAD(w0, b0 * key_scale2, n0 * err_scale2, hi2, lo2);
-        SHADOW_HEAD(w1, b1 * key_scale2, n1 * err_scale2, hi2, lo2);
-        SHADOW_HEAD(w2, b2 * key_scale2, n2 * err_scale2, hi2, lo2);
-        SHADOW_HEAD(w3, b3 * key_scale2, n3 * err_scale2, hi2, lo2);
+        SHADOW_HEAD(ws[h] * w_scale, a0 * key_scale, norms[h] * err_scale, hi, lo);
+        SHADOW_HEAD(ws[h + 1] * w_scale, a1 * key_scale, norms[h + 1] * err_scale, hi, lo);
+        SHADOW_HEAD(ws[h + 2] * w_scale, a2 * key_scale, norms[h + 2] * err_scale, hi, lo);
+        SHADOW_HEAD(ws[h + 3] * w_scale, a3 * key_scale, norms[h + 3] * err_scale, hi, lo);
+        SHADOW_HEAD(ws[h + 4] * w_scale, a4 * key_scale, norms[h + 4] * err_scale, hi, lo);
+        SHADOW_HEAD(ws[h + 5] * w_scale, a5 * key_scale, norms[h + 5] * err_scale, hi, lo);
+        SHADOW_HEAD(ws[h + 6] * w_scale, a6 * key_scale, norms[h + 6] * err_scale, hi, lo);
+        SHADOW_HEAD(ws[h + 7] * w_scale, a7 * key_scale, norms[h + 7] * err_scale, hi, lo);
     }
     for (; h < nh; h++) {
         const __global float* qh = qs + (ulong)h * d;
-        float8 acc = (float8)(0.0f), acc2 = acc;
-        for (uint j = 0; j < d; j++) {
-            acc += qh[j] * convert_float8(as_char8(LOAD_U8(j, kb)));
-            acc2 += qh[j] * convert_float8(as_char8(LOAD_U8(j, kc)));
-        }
-        const float wh = ws[h] * w_scale, l1 = norms[h];
-        SHADOW_HEAD(wh, acc * key_scale, l1 * err_scale, hi, lo);
-        SHADOW_HEAD(wh, acc2 * key_scale2, l1 * err_scale2, hi2, lo2);
+        float8 acc = (float8)(0.0f);
+        for (uint j = 0; j < d; j++) acc += qh[j] * convert_float8(as_char8(LOAD_U8(j, kb)));
+        SHADOW_HEAD(ws[h] * w_scale, acc * key_scale, norms[h] * err_scale, hi, lo);
     }
-    const __global uchar* al = allowed + (ulong)s * n_keys;
-    __global float* out = upper + (ulong)s * n_keys;
-    __global float* low = block_lower + (ulong)s * n_blocks;
-    __global float* high = block_upper + (ulong)s * n_blocks;
-    shadow_block_out(hi, lo, b, n_keys, al, out, low, high);
-    if (pair) shadow_block_out(hi2, lo2, b + 1, n_keys, al, out, low, high);
+    shadow_block_out(hi, lo, b, n_keys, allowed + (ulong)s * n_keys, upper + (ulong)s * n_keys,
+                     block_lower + (ulong)s * n_blocks, block_upper + (ulong)s * n_blocks);
 }
 
 /* The smallest float whose float_key has the top 16 bits of `key` (NaN's keys never occur: -inf below them). */
@@ -322,3 +306,4 @@ __kernel void topk_listed(__global const float* scores, __global const uint* lis
         }
     }
 }
+
