@@ -306,4 +306,3 @@ __kernel void topk_listed(__global const float* scores, __global const uint* lis
         }
     }
 }
-
