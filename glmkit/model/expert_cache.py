@@ -482,12 +482,15 @@ class ExpertCache:
             if score != self.scores.score(key):  # used since it was pushed: back with its score now
                 heapq.heappush(self._heap, (self.scores.score(key), entry[1], key))
                 continue
-            slot = self._slot.pop(key)
-            self._place_of[key] = -1
-            self._views.pop(key, None)
             self.stats.evictions += 1
-            return slot
+            return self._unslot(key)
         return None
+
+    def _unslot(self, key: Key) -> int:
+        """Take a resident expert out of its slot, found nowhere any more (lock held); returns the slot."""
+        self._place_of[key] = -1
+        self._views.pop(key, None)
+        return self._slot.pop(key)
 
     def _held(self, key: Key) -> bool:
         """Not to be evicted now: being read, routed to by the layer being computed and not yet run, or named by
@@ -648,9 +651,7 @@ class ExpertCache:
             self._elsewhere.update(keys)
             for key in self._elsewhere & self._slot.keys():
                 if not self._held(key):
-                    self._free.append(self._slot.pop(key))
-                    self._place_of[key] = -1
-                    self._views.pop(key, None)
+                    self._free.append(self._unslot(key))
 
     def resident(self, layer: int, expert: int) -> bool:
         with self._lock:
