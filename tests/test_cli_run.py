@@ -6,16 +6,20 @@ import io
 import json
 import shutil
 import sys
+import threading
 from pathlib import Path
 
 import jsonschema
 import pytest
 
 from glmkit.cli.run import main as run_main
+from glmkit.errors import GlmkitError
 from glmkit.generate.engine import Engine
 from glmkit.generate.generator import Generator
 from glmkit.generate.sampling import Sampler, SamplingParams
 from glmkit.model import expert_cache, expert_stream
+from glmkit.model.expert_cache import ExpertCache
+from glmkit.model.glm5 import GlmMoeDsaModel
 from tests.runtime_support import FIXTURES, convert, copy_with_config
 from tests.test_validate import flip_data_byte
 
@@ -327,3 +331,29 @@ def test_verify_refuses_a_flipped_data_byte(snapshot, capsys, tmp_path):
     assert "model.embed_tokens.weight" in err
     rc, out, _ = run(capsys, copy, "-p", "Hello", "--max-tokens", "2", "--no-cache")
     assert rc == 0 and out.strip()
+
+
+@pytest.mark.parametrize("failure", ["no tokenizer", "device step"])
+def test_a_failed_start_leaves_no_expert_cache_thread(snapshot, capsys, tmp_path, monkeypatch, failure):
+    """Opening a snapshot that fails once its expert cache could have started reading (its saved hot set, from a
+    run before) gives one error line and leaves no read or preloading thread running: a missing tokenizer is found
+    before the cache opens, a later failure closes it."""
+    monkeypatch.setenv("GLMKIT_CACHE_DIR", str(tmp_path / "cache" / "prefix"))
+    rc, _, err = run(capsys, snapshot, "-p", "Hello", "--max-tokens", 2, "--no-mtp", "--device", "numpy",
+                     "--expert-cache", "4M")
+    assert rc == 0, err  # leaves usage scores: the next cache preloads
+    target = snapshot
+    if failure == "no tokenizer":
+        target = tmp_path / "no-tokenizer"
+        shutil.copytree(snapshot, target)
+        (target / "tokenizer.json").unlink()
+    else:
+        def fail(model: GlmMoeDsaModel) -> None:
+            raise GlmkitError("no device step")
+        monkeypatch.setattr(GlmMoeDsaModel, "decodes_on_device", fail)
+    preloads, preload = [], ExpertCache._preload
+    monkeypatch.setattr(ExpertCache, "_preload", lambda self, hot: (preloads.append(len(hot)), preload(self, hot)))
+    rc, _, err = run(capsys, target, "-p", "Hello", "--device", "numpy", "--expert-cache", "4M")
+    assert rc == 1 and len(err.splitlines()) == 1 and err.startswith("glm-run: error: "), err
+    assert bool(preloads) == (failure == "device step")
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("glmkit-")]

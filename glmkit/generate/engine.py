@@ -63,17 +63,29 @@ class Engine:
                  kv_dtype: str = "f32"):
         self.container = Container(snapshot)
         self.config = self.container.config
+        # what may still fail cheaply comes before anything that starts threads (the expert cache's reads)
+        self.tokenizer = ChatTokenizer(snapshot) if load_tokenizer else None
+        self.eos_token_ids = _eos_ids(Path(snapshot), self.config.eos_token_ids)
         self.usage_file = None if expert_usage_dir is None else usage_path(expert_usage_dir, self.container.model_hash)
         # the routed experts' usage as saved by earlier processes (read once): a discrete device smaller than the
         # model uploads the most used (the split step), an expert cache loads them first; both add their routes
         self.expert_usage = saved_scores(self.usage_file, self.container)
+        self.step_cache: ExpertCache | None = None  # the split step's CPU side's expert cache
+        try:
+            self._open(device, ram_budget_bytes, prefetch, float_activations, expert_cache, kv_dtype)
+        except BaseException:
+            Engine.close(self)  # an expert cache opened so far (its reads, its preloading); not a subclass's
+            raise
+
+    def _open(self, device: str, ram_budget_bytes: int, prefetch: bool, float_activations: bool,
+              expert_cache: int | str | None, kv_dtype: str) -> None:
+        """The backend, the weight source (expert cache or page cache) and the model (see the class)."""
         self.backend, self.device = make_backend(device, self.container, not float_activations, self.expert_usage)
         discrete = getattr(getattr(self.backend, "k", None), "direct", True) is False
         # a discrete GPU smaller than the model with a CPU device beside it (the split step): the experts it leaves
         # to the CPU side may come from an expert cache, which then holds no other weight (the GPU has them)
         split = discrete and self.backend.spill is not None and self.backend.over_budget
         self.experts: ExpertStreamer | ExpertCache  # the model's weight source
-        self.step_cache: ExpertCache | None = None  # the split step's CPU side's expert cache
         self.expert_cache_reason = ""  # how an "auto" cache was sized
         if expert_cache is None:
             expert_cache, why = ((0, "") if ram_budget_bytes or (discrete and not split) else
@@ -114,8 +126,6 @@ class Engine:
                 self.experts.warm_in_background()
         if expert_cache and self.expert_cache_reason:  # sized from the RAM: a long prompt's chunks fit what it left
             self.model.prefill_rows = prefill_rows_within(self.config, activation_allowance(memory_limit_bytes()))
-        self.tokenizer = ChatTokenizer(snapshot) if load_tokenizer else None
-        self.eos_token_ids = _eos_ids(Path(snapshot), self.config.eos_token_ids)
         # the device decode step (if any) is built now, with the model, not inside the first prompt's time to token
         self.model.decodes_on_device()
 
@@ -130,7 +140,7 @@ class Engine:
         otherwise)."""
         if self.step_cache is not None:
             self.step_cache.close()
-        if isinstance(self.experts, ExpertCache):
+        if isinstance(getattr(self, "experts", None), ExpertCache):  # set unless opening failed before it
             self.experts.close()
         elif self.usage_file is not None and self.expert_usage.tokens:  # a split step counted decoded tokens
             save_scores(self.usage_file, self.container.model_hash, self.expert_usage)

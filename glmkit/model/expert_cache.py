@@ -662,6 +662,8 @@ class ExpertCache:
         with self._lock:
             self._closed = True
         self._pool.shutdown(wait=True)
+        if self.preloader is not None:
+            self.preloader.join()  # it stops at its next expert (closed), its last read done
         for fd, _ in self._fds.values():
             os.close(fd)
         self._fds.clear()
