@@ -176,6 +176,29 @@ def test_a_budget_below_one_layer_is_refused(snapshots):
         ExpertCache(engine.container, 3 * slot_bytes(engine))
 
 
+
+def test_a_budget_past_every_expert_holds_every_expert_and_one_past_the_ram_is_refused(snapshots, monkeypatch):
+    """Slots past the container's routed experts would sit empty: the arena holds every expert at most. A cache that
+    with the weights it pins outgrows the RAM the process may use, or whose pages cannot be had, is a one-line
+    error naming --expert-cache (not an allocation failure, nor a process killed for memory later)."""
+    engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
+    experts = len(engine.container.manifest.experts)
+    cache = ExpertCache(engine.container, 1 << 40)
+    assert cache.n_slots == experts and len(cache.arena) == cache.slot_count * cache.slot_bytes
+    assert cache.slot_count < experts + engine.config.num_hidden_layers + 1  # the shared experts' slots beside
+    cache.close()
+    monkeypatch.setattr(expert_cache, "memory_limit_bytes", lambda: len(cache.arena))  # no room for the rest
+    with pytest.raises(GlmkitError, match=r"^--expert-cache 1\.1 TB: its slots take .* more than the"):
+        ExpertCache(engine.container, 1 << 40)
+    assert ExpertCache(engine.container, 1 << 40, pin_weights=False).n_slots == experts  # the GPU holds the rest
+
+    def no_pages(nbytes: int) -> np.ndarray:
+        raise OSError(12, "Cannot allocate memory")
+    monkeypatch.setattr(expert_cache, "anonymous_bytes", no_pages)
+    monkeypatch.setattr(expert_cache, "memory_limit_bytes", lambda: 1 << 50)
+    with pytest.raises(GlmkitError, match=r"^--expert-cache .* could not be had \(Cannot allocate memory\)$"):
+        ExpertCache(engine.container, 8 * cache.slot_bytes)
+
 def test_eviction_keeps_the_frequent_and_never_the_layer_in_use(snapshots):
     engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
     cache = ExpertCache(engine.container, 5 * slot_bytes(engine), readahead=False)

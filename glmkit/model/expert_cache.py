@@ -229,6 +229,22 @@ def auto_cache_bytes(container: Container, reserve_bytes: int | None = None, pin
     return size, why
 
 
+def slot_arena(nbytes: int, budget_bytes: int, pinned_bytes: int) -> np.ndarray:
+    """The cache's `nbytes` of slots (for `--expert-cache budget_bytes`), its pages taken at once; a GlmkitError
+    where they and the `pinned_bytes` of other weights copied into RAM beside them are more than the RAM this
+    process may use (`memory_limit_bytes`), or where the pages cannot be had."""
+    limit = memory_limit_bytes()
+    if nbytes + pinned_bytes > limit:
+        raise GlmkitError(f"--expert-cache {format_size(budget_bytes)}: its slots take {format_size(nbytes)} and the "
+                          f"other weights {format_size(pinned_bytes)}, more than the {format_size(limit)} of RAM this "
+                          f"process may use")
+    try:
+        return anonymous_bytes(nbytes)
+    except OSError as e:
+        raise GlmkitError(f"--expert-cache {format_size(budget_bytes)}: {format_size(nbytes)} of RAM for its slots "
+                          f"could not be had ({e.strerror})") from None
+
+
 def open_for_experts(path: Path, direct: bool) -> tuple[int, bool]:
     """A read-only descriptor on `path` for expert reads: (descriptor, whether it reads with O_DIRECT), O_DIRECT
     when `direct` and the file system takes it, else buffered with the kernel's read-ahead off."""
@@ -262,7 +278,7 @@ class ExpertCache:
         if not ranges:
             raise GlmkitError(f"{container.directory}: no routed experts to cache")
         self.slot_bytes = expert_slot_bytes(container)
-        self.n_slots = budget_bytes // self.slot_bytes
+        self.n_slots = min(budget_bytes // self.slot_bytes, len(ranges))  # more than every expert would sit empty
         if self.n_slots < cfg.num_experts_per_tok:
             raise GlmkitError(f"--expert-cache {budget_bytes} bytes holds {self.n_slots} experts of "
                               f"{self.slot_bytes} bytes; a layer routes to {cfg.num_experts_per_tok}: give at "
@@ -275,7 +291,8 @@ class ExpertCache:
         shared = {layer: ffn.shared for layer, ffn in self.moe.items() if pin_weights and ffn.shared is not None and
                   weights_nbytes([container.weight(n) for n in ffn.shared.names]) <= self.slot_bytes}
         self._shared_slot = {layer: self.n_slots + j for j, layer in enumerate(shared)}
-        self.arena = anonymous_bytes((self.n_slots + len(shared)) * self.slot_bytes)
+        pinned = container.nbytes - sum(r.nbytes for r in ranges) if pin_weights else 0  # copied into RAM below
+        self.arena = slot_arena((self.n_slots + len(shared)) * self.slot_bytes, budget_bytes, pinned)
         self.stats = CacheStats()
         self.scores = scores if scores is not None else saved_scores(usage_file, container, half_life)
         self._names: dict[str, tuple[Key, int]] = {
