@@ -32,6 +32,7 @@ from glmkit.generate.pipeline import (
     PipelineEngine,
     StagedDecodeStep,
     check_reachable,
+    connect_ray,
     import_ray,
     layer_nbytes,
     plan_stages,
@@ -408,3 +409,26 @@ def test_pipeline_flags_are_checked(snapshot, capsys, monkeypatch):
     assert run_main([str(snapshot), "-p", "x", "--pipeline", "2"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and 'needs Ray, which is not installed (pip install "glmkit[distributed]")' in err
+
+
+def test_a_refused_connection_is_one_line_and_a_made_one_passes_ray_s_log_on(capfd, monkeypatch):
+    """Ray's C++ client writes a warning a second to file descriptor 2 while a cluster refuses its token: none of it
+    reaches the terminal, the error is one line saying what the cluster wanted; once connected, what Ray wrote is
+    passed on."""
+    def refused() -> None:
+        for _ in range(3):
+            os.write(2, b"[W gcs_client.cc:210] Unauthenticated: RPC error: InvalidAuthToken: token is missing\n")
+        raise ConnectionError("Failed to connect to Ray cluster at 10.0.0.1:6379\nmore")
+
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    with pytest.raises(GlmkitError) as info:
+        connect_ray(refused, "10.0.0.1:6379")
+    assert str(info.value) == ("--ray-address 10.0.0.1:6379: cannot connect to a Ray cluster (Failed to connect to "
+                               "Ray cluster at 10.0.0.1:6379; it wants token authentication: set RAY_AUTH_MODE=token "
+                               "and its token (RAY_AUTH_TOKEN or ~/.ray/auth_token: the head's `ray get-auth-token`))")
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    with pytest.raises(GlmkitError, match="it refused this process's token"):
+        connect_ray(refused, "10.0.0.1:6379")
+    assert capfd.readouterr().err == ""
+    connect_ray(lambda: os.write(2, b"ray says hello\n"), None)
+    assert capfd.readouterr().err == "ray says hello\n"

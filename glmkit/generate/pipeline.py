@@ -35,6 +35,7 @@ import os
 import re
 import socket
 import sys
+import tempfile
 import threading
 import time
 import weakref
@@ -504,6 +505,39 @@ def check_reachable(address: str | None, timeout_s: float = 10.0) -> None:
         raise GlmkitError(f"--ray-address {address}: cannot reach a Ray cluster there ({e})") from None
 
 
+def connect_ray(init: Callable[[], Any], address: str | None) -> None:
+    """Run `init` (Ray's connection to the cluster at `address`) with file descriptor 2 sent to a temporary file: Ray's
+    C++ client logs there, a line a second, while it retries a cluster that refuses it. Once connected, what it
+    wrote goes on to stderr; a failure is one GlmkitError, saying when the cluster refused this process's
+    authentication token."""
+    with tempfile.TemporaryFile() as log:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(log.fileno(), 2)
+        try:
+            init()
+            error = None
+        except (ConnectionError, RuntimeError, ValueError) as e:
+            error = e
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        log.seek(0)
+        written = log.read().decode(errors="replace")
+    if error is None:
+        sys.stderr.write(written)
+        return
+    token = os.environ.get("RAY_AUTH_MODE") == "token"
+    if "InvalidAuthToken" in written or "Unauthenticated" in written:
+        hint = ("; it refused this process's token (RAY_AUTH_TOKEN or ~/.ray/auth_token: the head's `ray "
+                "get-auth-token`)" if token else "; it wants token authentication: set RAY_AUTH_MODE=token and its "
+                "token (RAY_AUTH_TOKEN or ~/.ray/auth_token: the head's `ray get-auth-token`)")
+    else:
+        hint = "" if token else ("; a cluster with token authentication (`ray start`'s default) needs "
+                                 "RAY_AUTH_MODE=token and its token")
+    raise GlmkitError(f"--ray-address {address}: cannot connect to a Ray cluster ({_first_line(error)}{hint})")
+
+
 def open_pipeline(snapshot: str | Path, container: Container, stages: int | str, address: str | None = None,
                   device: str = "numpy", float_activations: bool = False, prefetch: bool = True,
                   chunk: int = DEFAULT_PIPELINE_CHUNK, verbose: bool = True, blas_threads: int | None = None,
@@ -520,13 +554,7 @@ def open_pipeline(snapshot: str | Path, container: Container, stages: int | str,
         raise GlmkitError(f"--pipeline-hops: one of {', '.join(PIPELINE_HOPS)}, got {hops!r}")
     if not ray.is_initialized():
         check_reachable(address)
-        try:
-            ray.init(address=address, logging_level="warning", log_to_driver=False)
-        except (ConnectionError, RuntimeError, ValueError) as e:
-            hint = "" if os.environ.get("RAY_AUTH_MODE") == "token" else \
-                "; a cluster with token authentication (`ray start`'s default) needs RAY_AUTH_MODE=token and its token"
-            raise GlmkitError(f"--ray-address {address}: cannot connect to a Ray cluster ({_first_line(e)}{hint})"
-                              ) from None
+        connect_ray(lambda: ray.init(address=address, logging_level="warning", log_to_driver=False), address)
     plan = plan_stages(container, stages, ray.nodes() if stages == "auto" else None)
     # the stages import the same glmkit as the head (a source checkout or an installed package on every machine)
     package_root = str(Path(__file__).resolve().parents[2])
