@@ -8,12 +8,14 @@ _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
 def parse_size(text: str) -> int:
-    """'4G' / '500M' / '64K' / '1000' -> bytes (binary units). For argparse `type=`."""
+    """'4G' / '1.5G' / '500M' / '64K' / '1000' -> bytes (binary units; a fraction rounds down to whole bytes). For
+    argparse `type=`."""
     scale = _UNITS.get(text[-1:].upper(), 1)
-    digits = text[:-1] if scale > 1 else text
-    if not digits.isdigit():
-        raise argparse.ArgumentTypeError(f"invalid size {text!r} (e.g. 4G, 500M, 64K)")
-    return int(digits) * scale
+    number = text[:-1] if scale > 1 else text
+    whole, point, fraction = number.partition(".")
+    if not (whole.isdigit() and (not point or fraction.isdigit())) or not number.isascii():
+        raise argparse.ArgumentTypeError(f"invalid size {text!r} (e.g. 4G, 1.5G, 500M, 64K)")
+    return int(whole) * scale + int(fraction or "0") * scale // 10 ** len(fraction)
 
 
 def format_size(nbytes: float) -> str:

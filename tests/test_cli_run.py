@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import shutil
@@ -20,6 +21,7 @@ from glmkit.generate.sampling import Sampler, SamplingParams
 from glmkit.model import expert_cache, expert_stream
 from glmkit.model.expert_cache import ExpertCache
 from glmkit.model.glm5 import GlmMoeDsaModel
+from glmkit.units import parse_size
 from tests.runtime_support import FIXTURES, convert, copy_with_config
 from tests.test_validate import flip_data_byte
 
@@ -298,6 +300,13 @@ def test_bad_input_is_one_error_line(snapshot, capsys, tmp_path, case):
     assert rc == 1, (case, out, err)
     assert len(err.splitlines()) == 1 and err.startswith("glm-run: error: "), err
 
+
+def test_sizes_take_binary_units_and_fractions():
+    assert [parse_size(t) for t in ("1000", "64K", "500M", "4G", "1.5G", "0.25T", "1.25k")] == [
+        1000, 64 << 10, 500 << 20, 4 << 30, 3 << 29, 1 << 38, 1280]
+    for text in ("", "G", "-1", "1e3", ".5G", "12.", "1.5.2G", "4GB", "\uff11G"):
+        with pytest.raises(argparse.ArgumentTypeError, match="invalid size"):
+            parse_size(text)
 
 def test_prompt_longer_than_a_small_context(small_context, capsys, monkeypatch):
     rc, _, err = run(capsys, small_context, "-p", "Hello there, how are you doing today my friend?")
