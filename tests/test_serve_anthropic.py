@@ -11,7 +11,7 @@ import anthropic
 import jsonschema
 import pytest
 
-from glmkit.cli.serve import build_app
+from glmkit.cli.serve import build_app, build_parser
 from glmkit.serve.app import Loaded, ServeConfig, create_app
 from tests.test_serve import API_KEY, SCRIPTED, WEATHER_TOOL, ScriptedScheduler, ServerThread, raw, serve_args
 
@@ -203,3 +203,27 @@ def test_output_config_format_constrains_the_reply(client, model):
         client.messages.create(model=model, max_tokens=4, messages=[user("Hi")], output_config={
             "format": {"type": "json_schema", "schema": {"type": "string", "pattern": "(?<=a)b"}}})
     assert "output_config.format" in error_of(info.value)["message"]
+
+
+@pytest.mark.parametrize("aliases", [("claude-sonnet-4-5", "claude-haiku-4-5"), ("*",)], ids=["named", "any"])
+def test_model_aliases_answer_to_the_ids_an_agent_sends(engine, aliases):
+    """`--model-alias`: an agent that sends its own model ids (a main and a small model) is served under them on
+    both APIs, replies naming the served model; ids outside the aliases stay a 404, unless "*" is one of them."""
+    args = build_parser().parse_args(["unused", "--model-name", "m", *[f"--model-alias={a}" for a in aliases]])
+    config = ServeConfig("m", model_aliases=tuple(args.model_alias))
+    srv = ServerThread(create_app(config, lambda: Loaded(engine, ScriptedScheduler("Hello there")))).start()
+    try:
+        client = messages_client(srv)
+        for name in ("m", "claude-sonnet-4-5", "claude-haiku-4-5"):
+            reply = client.messages.create(model=name, max_tokens=8, messages=[user("Hi")])
+            assert reply.content[0].text == "Hello there" and reply.model == "m"
+        chat = srv.client().chat.completions.create(model="claude-haiku-4-5", messages=[user("Hi")], max_tokens=8)
+        assert chat.choices[0].message.content == "Hello there" and chat.model == "m"
+        assert srv.client().models.retrieve("claude-sonnet-4-5").id == "m"
+        if "*" in aliases:
+            assert client.messages.create(model="gpt-4o", max_tokens=8, messages=[user("Hi")]).model == "m"
+        else:
+            with pytest.raises(anthropic.NotFoundError):
+                client.messages.create(model="gpt-4o", max_tokens=8, messages=[user("Hi")])
+    finally:
+        srv.stop()

@@ -29,6 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s: this machine only)")
     p.add_argument("--port", type=int, default=8080, help="TCP port (default %(default)s)")
     p.add_argument("--model-name", help="the model id clients use (default: the snapshot directory's name)")
+    p.add_argument("--model-alias", action="append", default=[], metavar="NAME",
+                   help="another model id requests may name, e.g. the one an agent sends (repeatable; '*': any id); "
+                        "replies give --model-name")
     p.add_argument("--api-key", default=os.environ.get("GLM_SERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (default $GLM_SERVE_API_KEY; unset = no auth)")
     p.add_argument("--max-request-size", type=parse_size, default=16 << 20, metavar="SIZE",
@@ -99,7 +102,8 @@ def make_loader(args: argparse.Namespace):
 
 
 def build_app(args: argparse.Namespace, on_load_error=None):
-    config = ServeConfig(model_name=args.model_name or args.snapshot.resolve().name, api_key=args.api_key or None,
+    config = ServeConfig(model_name=args.model_name or args.snapshot.resolve().name,
+                         model_aliases=tuple(args.model_alias), api_key=args.api_key or None,
                          max_request_bytes=args.max_request_size, default_max_tokens=args.default_max_tokens,
                          split_reasoning=args.split_reasoning)
     return create_app(config, make_loader(args), on_load_error)

@@ -56,6 +56,7 @@ from glmkit.serve.protocol import (
     ApiError,
     Common,
     SamplingDefaults,
+    check_model,
     check_prompt_chars,
     check_prompt_tokens,
     completion_logprobs,
@@ -68,7 +69,6 @@ from glmkit.serve.protocol import (
     sse,
     sse_error,
     timings,
-    unknown_model,
     usage,
     value_error,
 )
@@ -193,8 +193,7 @@ async def model_info(request: Request) -> Response:
     state = serve_state(request)
     state.ready()
     model_id = request.path_params["model_id"]
-    if model_id != state.config.model_name:
-        raise unknown_model(model_id)
+    check_model({"model": model_id}, state.config.model_names)
     return JSONResponse(_model_card(state))
 
 
@@ -308,7 +307,7 @@ async def chat_completions(request: Request) -> Response:
     state = serve_state(request)
     loaded = state.ready()
     body = await read_json(request, state.config.max_request_bytes)
-    common = parse_common(body, state.config.model_name, state.defaults, loaded.engine.config.vocab_size, chat=True)
+    common = parse_common(body, state.config.model_names, state.defaults, loaded.engine.config.vocab_size, chat=True)
     messages = parse_messages(body)
     tools = parse_tools(body)
     choice = parse_tool_choice(body, tools)
@@ -386,7 +385,7 @@ async def completions(request: Request) -> Response:
     state = serve_state(request)
     loaded = state.ready()
     body = await read_json(request, state.config.max_request_bytes)
-    common = parse_common(body, state.config.model_name, state.defaults, loaded.engine.config.vocab_size)
+    common = parse_common(body, state.config.model_names, state.defaults, loaded.engine.config.vocab_size)
     prompt = parse_prompt(body, loaded.engine)
     ids = await run_in_threadpool(loaded.engine.tokenizer.encode, prompt) if isinstance(prompt, str) else prompt
     if not ids:
@@ -434,7 +433,7 @@ async def anthropic_messages(request: Request) -> Response:
     state = serve_state(request)
     loaded = state.ready()
     body = await read_json(request, state.config.max_request_bytes)
-    parsed = parse_messages_request(body, state.config.model_name, state.defaults)
+    parsed = parse_messages_request(body, state.config.model_names, state.defaults)
     constraint = None if parsed.output_schema is None else await _json_constraint(
         loaded, parsed.common, parsed.output_schema, "output_config.format")
     thinking = parsed.thinking and constraint is None  # the JSON starts at the first generated token
@@ -475,6 +474,6 @@ async def anthropic_count_tokens(request: Request) -> Response:
     state = serve_state(request)
     loaded = state.ready()
     body = await read_json(request, state.config.max_request_bytes)
-    parsed = parse_messages_request(body, state.config.model_name, state.defaults, count_only=True)
+    parsed = parse_messages_request(body, state.config.model_names, state.defaults, count_only=True)
     _, ids = await _render_chat(loaded, parsed.messages, parsed.tools, parsed.thinking, {})
     return JSONResponse({"input_tokens": len(ids)})

@@ -23,12 +23,18 @@ log = logging.getLogger("glmkit.serve")
 
 @dataclass
 class ServeConfig:
-    model_name: str
+    model_name: str  # the id replies and /v1/models give
+    model_aliases: tuple[str, ...] = ()  # other ids requests may name (ANY_MODEL: every id)
     api_key: str | None = None
     max_request_bytes: int = 16 << 20
     default_max_tokens: int = 4096  # when a request sets no max_tokens (also capped by the context)
     split_reasoning: bool = False  # chat: text before </think> goes to `reasoning_content`
     defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+
+    @property
+    def model_names(self) -> frozenset[str]:
+        """The model ids requests may name."""
+        return frozenset((self.model_name, *self.model_aliases))
 
 
 @dataclass

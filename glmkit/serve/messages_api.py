@@ -78,10 +78,10 @@ class MessagesRequest:
     tool_choice: ToolChoice = ToolChoice()
 
 
-def parse_messages_request(body: dict, model_name: str, defaults: SamplingDefaults, count_only: bool = False
+def parse_messages_request(body: dict, model_names: frozenset[str], defaults: SamplingDefaults, count_only: bool = False
                            ) -> MessagesRequest:
     """Check and convert a Messages API body (`count_only`: a count_tokens body, which has no `max_tokens`)."""
-    check_model(body, model_name)
+    check_model(body, model_names)
     max_tokens = opt_int(body, "max_tokens")
     if max_tokens is None and not count_only:
         raise ApiError(400, "max_tokens: Field required", param="max_tokens", code="missing_required_parameter")

@@ -26,6 +26,7 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's bound (chat)
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound (/v1/completions)
 MAX_STOP_CHARS = 1024  # each generated token is checked against every prefix of every stop sequence
 MAX_LOGIT_BIAS = 1024  # tokens one request may bias
+ANY_MODEL = "*"  # a model alias that answers to every model id (`glm-serve --model-alias`)
 GREEDY_BELOW = 1e-5  # a lower temperature is greedy decoding (and logits / T would overflow near 1e-300)
 # No natural text averages more characters a token: a prompt longer than the context times this cannot fit,
 # and is refused without being tokenized (tokenizing takes about 2 s a megabyte).
@@ -209,12 +210,12 @@ class Common:
     logprobs: int | None = None  # chat: report each token's logprob and this many likeliest (None: not asked)
 
 
-def check_model(body: dict, model_name: str) -> None:
-    """404 for a request naming another model than `model_name` (naming none is fine)."""
+def check_model(body: dict, model_names: frozenset[str]) -> None:
+    """404 for a request naming a model not in `model_names` (naming none is fine; "*" among them: any name)."""
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise type_error("model", "a string", model)
-    if model and model != model_name:
+    if model and model not in model_names and ANY_MODEL not in model_names:
         raise unknown_model(model)
 
 
@@ -237,12 +238,12 @@ def parse_logit_bias(body: dict, vocab_size: int) -> tuple[tuple[int, float], ..
     return tuple(out)
 
 
-def parse_common(body: dict, model_name: str, defaults: SamplingDefaults, vocab_size: int,
+def parse_common(body: dict, model_names: frozenset[str], defaults: SamplingDefaults, vocab_size: int,
                  chat: bool = False) -> Common:
-    """The shared fields of a request to the model `model_name` (`vocab_size` token ids); `defaults` fill in the
+    """The shared fields of a request to a model of `model_names` (`vocab_size` token ids); `defaults` fill in the
     sampling fields it omits. chat: `logprobs` is a boolean with `top_logprobs` beside it; else /v1/completions'
     `logprobs` count."""
-    check_model(body, model_name)
+    check_model(body, model_names)
     stream = opt_bool(body, "stream")
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
