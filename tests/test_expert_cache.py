@@ -334,7 +334,7 @@ def test_scores_age_by_half_per_half_life():
     assert scores.normalized()[(1, 2)] == pytest.approx(1.0)
 
 
-def test_usage_persists_and_a_corrupt_file_is_ignored(snapshots, tmp_path):
+def test_usage_persists_and_a_corrupt_file_is_ignored(snapshots, tmp_path, monkeypatch):
     engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
     c, h = engine.config, engine.container.model_hash
     path = usage_path(tmp_path, h)
@@ -357,6 +357,14 @@ def test_usage_persists_and_a_corrupt_file_is_ignored(snapshots, tmp_path):
         path.write_text(bad)
         assert read_usage(path, h, c.num_layers_with_mtp, c.n_routed_experts) == {}
     write_usage(path, h, {(layer, 1): 2.0})
+    assert read_usage(path, h, c.num_layers_with_mtp, c.n_routed_experts) == {(layer, 1): 2.0}
+
+    def disk_full(*args: object, **kwargs: object) -> None:
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(expert_cache.json, "dump", disk_full)
+    with pytest.raises(OSError):
+        write_usage(path, h, {(layer, 2): 1.0})
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == [path.name]  # no partial file left
     assert read_usage(path, h, c.num_layers_with_mtp, c.n_routed_experts) == {(layer, 1): 2.0}
 
 

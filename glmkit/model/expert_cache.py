@@ -185,9 +185,13 @@ def write_usage(path: Path, model_hash: str, scores: dict[Key, float]) -> None:
             "scores": [[layer, expert, round(score, 6)] for (layer, expert), score in sorted(scores.items())]}
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(body, f)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(body, f)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk leaves no partial file behind
+        raise
 
 
 def page_span(offset: int, nbytes: int) -> tuple[int, int]:
