@@ -359,9 +359,9 @@ def test_usage_persists_and_a_corrupt_file_is_ignored(snapshots, tmp_path, monke
     write_usage(path, h, {(layer, 1): 2.0})
     assert read_usage(path, h, c.num_layers_with_mtp, c.n_routed_experts) == {(layer, 1): 2.0}
 
-    def disk_full(*args: object, **kwargs: object) -> None:
+    def disk_full(fd: int) -> None:
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr(expert_cache.json, "dump", disk_full)
+    monkeypatch.setattr(os, "fsync", disk_full)
     with pytest.raises(OSError):
         write_usage(path, h, {(layer, 2): 1.0})
     assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == [path.name]  # no partial file left

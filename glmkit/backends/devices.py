@@ -44,7 +44,7 @@ from glmkit.backends.opencl.device import DeviceInfo, list_devices
 from glmkit.backends.opencl.kernels import kernel_version
 from glmkit.backends.opencl.ops import Kernels
 from glmkit.errors import GlmkitError
-from glmkit.format.files import read_json_file
+from glmkit.format.files import read_json_file, write_private_file
 from glmkit.format.tensors import QuantWeight
 from glmkit.model.compute import Backend
 from glmkit.model.layer_spec import LM_HEAD, MLPSpec, MoESpec, layer_spec
@@ -206,9 +206,7 @@ def write_profile(info: DeviceInfo, data: dict[str, Any]) -> None:
     data = {**data, "version": PROFILE_VERSION, "key": info.key}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
-        os.replace(tmp, path)
+        write_private_file(path, (json.dumps(data, indent=1, sort_keys=True) + "\n").encode())
     except OSError as e:  # a read-only cache only costs a new measurement next time
         notice(f"cannot store the device profile in {path.parent} ({e.strerror or e})")
 

@@ -58,7 +58,7 @@ import numpy as np
 import zstandard
 
 from glmkit.format.config import ModelConfig
-from glmkit.format.files import open_regular
+from glmkit.format.files import make_private_dirs, open_regular, write_private_file
 from glmkit.model.glm5 import GlmMoeDsaModel
 from glmkit.model.kv_cache import SCALED_KV_DTYPES, KVCache, decode_kv_rows, kv_storage_dtype
 from glmkit.model.ops import rope_cos_sin
@@ -1002,31 +1002,6 @@ def write_blob(path: Path, chunk: Chunk, model_hash: str, numerics: str, root: s
     make_private_dirs(path.parent)
     write_private_file(path, data)
     return len(data)
-
-
-def write_private_file(path: Path, data: bytes) -> None:
-    """Replace `path` atomically by `data` (unique temp name, mode 0600, fsync, rename): cache entries and saved
-    sessions hold prompts and transcripts."""
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{time.monotonic_ns()}")
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        tmp.replace(path)
-    except OSError:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def make_private_dirs(path: Path) -> None:
-    """`mkdir -p` whose every new directory is 0700 (the cache and its sessions are one user's)."""
-    path = Path(path)
-    for directory in [*reversed(path.parents), path]:
-        if not directory.is_dir():
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(directory, 0o700)
 
 
 class _LaterVersionError(ValueError):

@@ -36,12 +36,10 @@ from glmkit.cache.prefix_cache import (
     Piece,
     PrefixCache,
     common_prefix,
-    make_private_dirs,
     rerotate,
-    write_private_file,
 )
 from glmkit.errors import GlmkitError
-from glmkit.format.files import open_regular
+from glmkit.format.files import make_private_dirs, open_regular, write_private_file
 from glmkit.model.glm5 import GlmMoeDsaModel
 from glmkit.model.kv_cache import KVCache
 

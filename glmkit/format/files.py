@@ -1,13 +1,15 @@
 """Untrusted files: regular-file opens (a FIFO or device is refused, never read forever), size caps checked
 before reading, and JSON decoding with bounded nesting and no duplicate keys (config.json, shard indexes, side
-files, resume state, safetensors headers)."""
+files, resume state, safetensors headers); and files written whole or not at all (`write_private_file`)."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import stat
+import time
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -120,3 +122,28 @@ def parse_large_json(path: Path, raw: bytes) -> Any:
         raise GlmkitError(f"{path}: not UTF-8 text (byte {e.start})") from None
     except json.JSONDecodeError as e:
         raise GlmkitError(f"{path}: malformed JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+
+
+def write_private_file(path: Path, data: bytes) -> None:
+    """Replace `path` atomically by `data` (unique temp name, mode 0600, fsync, rename; a failed write leaves no
+    temporary file): cache entries and saved sessions hold prompts and transcripts."""
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{time.monotonic_ns()}")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.replace(path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def make_private_dirs(path: Path) -> None:
+    """`mkdir -p` whose every new directory is 0700 (the cache and its sessions are one user's)."""
+    path = Path(path)
+    for directory in [*reversed(path.parents), path]:
+        if not directory.is_dir():
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(directory, 0o700)

@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from glmkit.errors import GlmkitError
-from glmkit.format.files import read_json_file
+from glmkit.format.files import make_private_dirs, read_json_file, write_private_file
 from glmkit.format.reader import Container
 from glmkit.format.schema import EXPERT_PROJECTIONS, expert_weight_name
 from glmkit.format.tensors import Weight
@@ -180,18 +180,10 @@ def save_scores(path: Path, model_hash: str, scores: ExpertScores) -> None:
 
 def write_usage(path: Path, model_hash: str, scores: dict[Key, float]) -> None:
     """Save scores (atomically: a temporary file renamed; a reader sees the old file or the new one)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_private_dirs(path.parent)
     body = {"version": USAGE_VERSION, "model_hash": model_hash,
             "scores": [[layer, expert, round(score, 6)] for (layer, expert), score in sorted(scores.items())]}
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(body, f)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # a full disk leaves no partial file behind
-        raise
+    write_private_file(path, json.dumps(body).encode())
 
 
 def page_span(offset: int, nbytes: int) -> tuple[int, int]:
