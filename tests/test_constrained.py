@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from glmkit.errors import GlmkitError
-from glmkit.generate.constraint import GrammarError, GrammarTokenizer, json_grammar
+from glmkit.generate.constraint import GrammarError, GrammarTokenizer, ThinkingBudget, json_grammar
 from glmkit.generate.generator import Generator
 from glmkit.generate.sampling import Sampler, SamplingParams
 from tests.test_serve import ServerThread, build_app, serve_args
@@ -126,3 +126,31 @@ def test_response_format_through_the_server(client, snapshot):
         client.chat.completions.create(model=snapshot.name, messages=messages, max_tokens=4,
                                        response_format={"type": "json_object"}, extra_body={"ignore_eos": True})
     assert info.value.response.json()["error"]["param"] == "ignore_eos"
+
+
+def test_a_thinking_budget_forces_the_closing_token_and_takes_tokens_back():
+    budget = ThinkingBudget(close_id=40, budget=3, vocab_size=70)
+
+    def allowed() -> list[int]:
+        return list(np.flatnonzero(np.unpackbits(budget.allowed_bits().view(np.uint8), bitorder="little")))
+
+    assert allowed() == list(range(70))
+    for token in (5, 6, 7):
+        budget.accept(token)
+    logits = np.arange(70, dtype=np.float32)
+    assert allowed() == [40] and np.flatnonzero(np.isfinite(budget.mask(logits))).tolist() == [40]
+    with pytest.raises(GlmkitError, match="after 3 thinking tokens"):
+        budget.accept(8)
+    budget.rollback(1)  # an MTP draft taken back: one more thinking token allowed
+    assert allowed() == list(range(70))
+    budget.accept(9)
+    budget.accept(40)  # closed: free from here on, and again after a rollback into the thinking
+    assert allowed() == list(range(70)) and budget.mask(logits) is logits
+    budget.accept(12)
+    budget.rollback(2)
+    assert allowed() == [40]
+    early = ThinkingBudget(close_id=40, budget=3, vocab_size=70)
+    early.accept(40)  # the model closed it itself
+    for token in (1, 2, 3, 4):
+        early.accept(token)
+    assert not early.forcing

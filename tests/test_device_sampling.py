@@ -26,7 +26,7 @@ from glmkit.backends.opencl.decode_graph import (
     SampleScratch,
 )
 from glmkit.backends.opencl.ops import Kernels
-from glmkit.generate.constraint import GrammarTokenizer, json_grammar
+from glmkit.generate.constraint import GrammarTokenizer, ThinkingBudget, json_grammar
 from glmkit.generate.engine import Engine
 from glmkit.generate.generator import Generator
 from glmkit.generate.sampling import Sampler, SamplingParams, token_probabilities
@@ -341,3 +341,33 @@ def test_constrained_pipeline_over_the_expert_cache(snapshots, monkeypatch):
         assert got == runs()
     finally:
         cache.close()
+
+
+def test_a_thinking_budget_closes_the_block_on_the_device_as_on_the_host(snapshots, kernels, monkeypatch):
+    """A reply that starts inside a thinking block with a budget of 6 tokens: its 7th token is `</think>` (the model
+    would not write it there), then it goes on freely; the device's pipelined choice among the allowed tokens gives
+    the host path's tokens, greedy and sampled."""
+    engine = Engine(snapshots("tiny-trained", "q4"), "numpy")
+    dev = models(engine, kernels)
+    eos, vocab = tuple(engine.eos_token_ids), engine.config.vocab_size
+    close = engine.tokenizer.tokenizer.token_to_id("</think>")
+    prompt = engine.tokenizer.encode("def main():")
+    settings = [SamplingParams(seed=4), SamplingParams(temperature=1.0, seed=5)]
+
+    def runs(budget: int | None) -> list:
+        return [sampled_run(dev, prompt, 16, Sampler(params, None if budget is None else
+                                                     ThinkingBudget(close, budget, vocab)), eos)
+                for params in settings]
+
+    free = runs(None)
+    assert all(close not in tokens for tokens, _, _ in free)
+    pipes = []
+    pipeline = DeviceDecodeStep.pipeline
+    monkeypatch.setattr(DeviceDecodeStep, "pipeline", lambda self, *a: pipes.append(pipeline(self, *a)) or pipes[-1])
+    got = runs(6)
+    assert pipes and all(isinstance(p.choice, MaskedChoice) if kernels.direct else p is None for p in pipes)
+    host_only(monkeypatch)
+    want = runs(6)
+    assert got == want
+    for (tokens, _, _), (free_tokens, _, _) in zip(want, free, strict=True):
+        assert tokens[:6] == free_tokens[:6] and tokens[6] == close and len(tokens) == 16

@@ -71,6 +71,26 @@ def test_a_message_is_the_chat_completion_of_the_same_conversation(server, clien
     assert counted.input_tokens == len(prompt)
 
 
+def test_a_thinking_budget_closes_the_thinking_block(client, model):
+    """`thinking.budget_tokens`: the reply thinks at most that many tokens, then its text starts; within the budget
+    it is the reply without one (greedy). A budget that is no positive integer is a 400 naming it."""
+    kwargs = dict(model=model, max_tokens=24, extra_body=GREEDY, messages=[user("Tell me a story")])
+    free = client.messages.create(thinking={"type": "enabled", "budget_tokens": 1024}, **kwargs)
+    budgeted = client.messages.create(thinking={"type": "enabled", "budget_tokens": 5}, **kwargs)
+    assert [b.type for b in free.content] == ["thinking"] and free.stop_reason == "max_tokens"  # never closed
+    assert [b.type for b in budgeted.content] == ["thinking", "text"] and budgeted.usage.output_tokens == 24
+    longer = client.messages.create(thinking={"type": "enabled", "budget_tokens": 10}, **kwargs)
+    thoughts = [budgeted.content[0].thinking, longer.content[0].thinking, free.content[0].thinking]
+    assert thoughts[1].startswith(thoughts[0]) and thoughts[2].startswith(thoughts[1])
+    assert 0 < len(thoughts[0]) < len(thoughts[1]) < len(thoughts[2])
+    with client.messages.stream(thinking={"type": "enabled", "budget_tokens": 5}, **kwargs) as stream:
+        assert [b.model_dump() for b in stream.get_final_message().content] == [b.model_dump()
+                                                                                 for b in budgeted.content]
+    for bad in (0, 2.5, "5", True):
+        with pytest.raises(anthropic.BadRequestError) as info:
+            client.messages.create(thinking={"type": "enabled", "budget_tokens": bad}, **kwargs)
+        assert "thinking.budget_tokens" in error_of(info.value)["message"]
+
 def test_streaming_gives_the_same_message_as_anthropics_events(server, client, model):
     kwargs = dict(model=model, max_tokens=16, extra_body=GREEDY, messages=[user("Tell me a story")])
     whole = client.messages.create(**kwargs)

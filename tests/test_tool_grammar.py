@@ -12,6 +12,8 @@ from typing import Any
 import anthropic
 import jsonschema
 import llguidance
+import llguidance.numpy
+import numpy as np
 import openai
 import pytest
 from tokenizers import AddedToken, Tokenizer
@@ -123,6 +125,22 @@ def test_strict_tools_leave_text_free_and_hold_every_call(vocab):
     single = grammar(vocab, ToolChoice(parallel=False))
     assert accepts(vocab, single, "ok " + good) and not accepts(vocab, single, good + good)
 
+
+def test_strict_tools_with_a_thinking_budget_close_the_block_past_it(vocab):
+    """With a budget the thinking block takes at most that many tokens, then only `</think>` may come; the model
+    may close it sooner. (`</think>` is one added token of both vocabularies here.)"""
+    tok, grammar_tokenizer = vocab
+    budgeted = tool_call_grammar([*TOOLS, FREE_TOOL], ToolChoice(), True, grammar_tokenizer.added_token_ids(MARKERS), 4)
+    close = tok.token_to_id("</think>")
+    words = tok.encode("one two three four five six", add_special_tokens=False).ids
+    matcher = llguidance.LLMatcher(grammar_tokenizer.ll, budgeted)
+    assert all(matcher.consume_token(i) for i in words[:4])
+    bits = np.zeros((1, -(-grammar_tokenizer.ll.vocab_size // 32)), np.int32)
+    llguidance.numpy.fill_next_token_bitmask(matcher, bits, 0)
+    assert list(np.flatnonzero(np.unpackbits(bits.view(np.uint8), bitorder="little"))) == [close]
+    assert matcher.consume_token(close) and not matcher.is_error()
+    assert accepts(vocab, budgeted, "one two</think>Done.")
+    assert not accepts(vocab, budgeted, "one two three four five six seven eight nine</think>Done.")
 
 def test_names_and_keys_are_literal_text(vocab):
     name, key = 'wé"ird', 'k"ü\\'

@@ -5,7 +5,8 @@ applied to each token's logits before sampling.
 a second for a large one); `json_grammar` turns a schema into a grammar; `TokenConstraint` is one generation's
 matcher, built by `GrammarTokenizer.constraint` (a grammar the library cannot compile is a `GrammarError` then, before
 generation): `mask(logits)` leaves the tokens the grammar allows next (end of sequence only once it is complete),
-`accept(token)` advances it. A constraint starts from the first generated token.
+`accept(token)` advances it. A constraint starts from the first generated token. `ThinkingBudget` holds a reply
+that starts inside a thinking block to a number of tokens before the block's closing token, without a grammar.
 """
 
 from __future__ import annotations
@@ -90,3 +91,52 @@ class TokenConstraint:
     def rollback(self, tokens: int) -> None:
         """Take back the last `tokens` accepted."""
         self.matcher.rollback(tokens)
+
+
+class ThinkingBudget:
+    """A reply that starts inside a thinking block: at most `budget` tokens before the block's closing token
+    `close_id`, then that token (the only one allowed); every token of the `vocab_size` before and after. A constraint
+    as `TokenConstraint` is (`mask`, `allowed_bits`, `accept`, `rollback`)."""
+
+    def __init__(self, close_id: int, budget: int, vocab_size: int) -> None:
+        if budget < 1 or not 0 <= close_id < vocab_size:
+            raise ValueError(f"thinking budget {budget} before token {close_id} of {vocab_size}")
+        self.close_id, self.budget = close_id, budget
+        words = -(-vocab_size // 32)
+        every = np.ones(words * 32, np.uint8)
+        every[vocab_size:] = 0
+        self._every = np.packbits(every, bitorder="little").view(np.int32)  # [ceil(V / 32)]
+        self._close = np.zeros(words, np.int32)
+        self._close[close_id // 32] = np.int32(np.uint32(1 << (close_id % 32)).view(np.int32))
+        self._tokens: list[int] = []  # accepted, in order
+        self._closed_at: int | None = None  # where in them the block closed
+
+    @property
+    def forcing(self) -> bool:
+        """Whether the budget is spent and the block still open: the closing token comes next."""
+        return self._closed_at is None and len(self._tokens) >= self.budget
+
+    def allowed_bits(self) -> np.ndarray:
+        return self._close if self.forcing else self._every
+
+    def mask(self, logits: np.ndarray) -> np.ndarray:
+        """`logits [V]` (the same array where every token is allowed), or only the closing token's kept."""
+        if not self.forcing:
+            return logits
+        out = np.full_like(logits, -np.inf)  # [V]
+        out[self.close_id] = logits[self.close_id]
+        return out
+
+    def accept(self, token: int) -> None:
+        if self.forcing and token != self.close_id:
+            raise GlmkitError(f"thinking budget: token {token} after {self.budget} thinking tokens, not the closing "
+                              f"token {self.close_id}")
+        if self._closed_at is None and token == self.close_id:
+            self._closed_at = len(self._tokens)
+        self._tokens.append(token)
+
+    def rollback(self, tokens: int) -> None:
+        """Take back the last `tokens` accepted."""
+        del self._tokens[len(self._tokens) - tokens:]
+        if self._closed_at is not None and self._closed_at >= len(self._tokens):
+            self._closed_at = None

@@ -28,7 +28,7 @@ from starlette.routing import Route
 
 from glmkit.errors import GlmkitError
 from glmkit.generate.constraint import TokenConstraint
-from glmkit.generate.sampling import TokenLogprob
+from glmkit.generate.sampling import LogitsConstraint, TokenLogprob
 from glmkit.serve.auth import AuthMiddleware
 from glmkit.serve.bridge import Channel, ClientGone, collect, events, submit_job
 from glmkit.serve.chat import (
@@ -211,7 +211,7 @@ def _fingerprint(loaded: Loaded) -> str:
 
 
 def _start_generation(state: State, loaded: Loaded, ids: list[int], common: Common, request_id: str,
-                      constraint: TokenConstraint | None = None) -> tuple[GenerationJob, Channel]:
+                      constraint: LogitsConstraint | None = None) -> tuple[GenerationJob, Channel]:
     """Submit the prompt `ids` with the request's settings (and the constraint on its tokens); the job and the
     channel its events come back on."""
     request = GenRequest(ids, state.max_tokens(common.max_tokens, len(ids)), common.params, common.stop,
@@ -275,9 +275,11 @@ async def _json_constraint(loaded: Loaded, common: Common, schema: dict[str, Any
 
 
 async def _tool_constraint(loaded: Loaded, common: Common, tools: list[dict[str, Any]] | None, choice: ToolChoice,
-                           prompt_text: str, json_field: str | None) -> TokenConstraint | None:
-    """The constraint that a forced call or strict tools ask for (None: neither); 400 with `ignore_eos`, or beside a
-    JSON reply format (`json_field`, where the request asked for one)."""
+                           prompt_text: str, json_field: str | None, thinking_budget: int | None = None
+                           ) -> TokenConstraint | None:
+    """The constraint that a forced call or strict tools ask for (None: neither), its thinking held to
+    `thinking_budget` tokens; 400 with `ignore_eos`, or beside a JSON reply format (`json_field`, where the request
+    asked for one)."""
     if not needs_grammar(tools, choice):
         return None
     assert tools is not None
@@ -285,7 +287,8 @@ async def _tool_constraint(loaded: Loaded, common: Common, tools: list[dict[str,
         raise value_error(json_field, "cannot be combined with a forced tool call or strict tools")
     if common.ignore_eos:
         raise value_error("ignore_eos", "cannot be used with a forced tool call or strict tools")
-    return await run_in_threadpool(loaded.tool_constraint, tools, choice, replies_in_thinking(prompt_text))
+    return await run_in_threadpool(loaded.tool_constraint, tools, choice, replies_in_thinking(prompt_text), "tools",
+                                   thinking_budget)
 
 
 async def _whole_reply(request: Request, state: State, loaded: Loaded, job: GenerationJob, channel: Channel,
@@ -434,12 +437,16 @@ async def anthropic_messages(request: Request) -> Response:
     loaded = state.ready()
     body = await read_json(request, state.config.max_request_bytes)
     parsed = parse_messages_request(body, state.config.model_names, state.defaults)
-    constraint = None if parsed.output_schema is None else await _json_constraint(
+    constraint: LogitsConstraint | None = None if parsed.output_schema is None else await _json_constraint(
         loaded, parsed.common, parsed.output_schema, "output_config.format")
     thinking = parsed.thinking and constraint is None  # the JSON starts at the first generated token
     prompt_text, ids = await _render_chat(loaded, parsed.messages, parsed.tools, thinking, {})
+    budget = parsed.thinking_budget if thinking and replies_in_thinking(prompt_text) else None
     constraint = await _tool_constraint(loaded, parsed.common, parsed.tools, parsed.tool_choice, prompt_text,
-                                        "output_config.format" if constraint is not None else None) or constraint
+                                        "output_config.format" if constraint is not None else None, budget
+                                        ) or constraint
+    if constraint is None and budget is not None:
+        constraint = loaded.thinking_budget(budget)
     message_id = new_message_id()
     job, channel = _start_generation(state, loaded, ids, parsed.common, message_id, constraint)
     router = ChatText(replies_in_thinking(prompt_text), parsed.tools is not None)

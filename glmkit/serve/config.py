@@ -10,12 +10,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from glmkit.errors import GlmkitError
-from glmkit.generate.constraint import GrammarError, GrammarTokenizer, TokenConstraint, json_grammar
+from glmkit.generate.constraint import (
+    GrammarError,
+    GrammarTokenizer,
+    ThinkingBudget,
+    TokenConstraint,
+    json_grammar,
+)
 from glmkit.generate.engine import Engine
 from glmkit.serve.bridge import Channels
 from glmkit.serve.protocol import ApiError, SamplingDefaults, shutting_down
 from glmkit.serve.scheduler import Scheduler
-from glmkit.serve.tool_grammar import MARKERS, ToolChoice, tool_call_grammar
+from glmkit.serve.tool_grammar import MARKERS, THINK_CLOSE, ToolChoice, tool_call_grammar
 from glmkit.serve.toolcalls import TemplateSupport
 
 log = logging.getLogger("glmkit.serve")
@@ -48,6 +54,17 @@ class Loaded:
         self._grammar_tokenizer: GrammarTokenizer | None = None
         self._grammar_lock = threading.Lock()
 
+    def thinking_budget(self, budget: int) -> ThinkingBudget | None:
+        """The constraint that closes a reply's thinking block past `budget` tokens; None where `</think>` is not
+        one added token of the vocabulary (a text marker cannot be cut in)."""
+        tok = self.engine.tokenizer
+        assert tok is not None
+        added = {t.content: i for i, t in tok.tokenizer.get_added_tokens_decoder().items()}
+        close = added.get(THINK_CLOSE)
+        if close is None or close >= self.engine.config.vocab_size:
+            return None
+        return ThinkingBudget(close, budget, self.engine.config.vocab_size)
+
     def json_constraint(self, schema: dict[str, Any] | None, field: str = "response_format") -> TokenConstraint:
         """A token constraint to JSON matching `schema` (None: any JSON object); a 400 on `field` naming what the
         grammar library refuses."""
@@ -59,12 +76,13 @@ class Loaded:
         return self._constraint(grammar, field, "the JSON schema")
 
     def tool_constraint(self, tools: list[dict[str, Any]], choice: ToolChoice, reasoning: bool,
-                        field: str = "tools") -> TokenConstraint:
+                        field: str = "tools", thinking_budget: int | None = None) -> TokenConstraint:
         """A token constraint to replies that call these tools as `choice` asks (tool_grammar.py; `reasoning`: the
-        reply starts inside the thinking block); a 400 on `field` naming what cannot be enforced."""
+        reply starts inside the thinking block, of at most `thinking_budget` tokens); a 400 on `field` naming what
+        cannot be enforced."""
         markers = self._grammar(field).added_token_ids(MARKERS)
         try:
-            grammar = tool_call_grammar(tools, choice, reasoning, markers)
+            grammar = tool_call_grammar(tools, choice, reasoning, markers, thinking_budget)
         except ValueError as e:
             raise ApiError(400, f"{field}: {e}", param=field, code="invalid_schema") from None
         return self._constraint(grammar, field, "a tool's parameters")

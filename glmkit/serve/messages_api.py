@@ -68,7 +68,7 @@ def anthropic_error(status: int, message: str) -> JSONResponse:
 @dataclass
 class MessagesRequest:
     """A `/v1/messages` body as the chat route's pieces: shared settings, template messages, OpenAI-style tools
-    (None: no tools), and whether the reply starts with thinking."""
+    (None: no tools), and whether the reply starts with thinking (and the most tokens it may think)."""
 
     common: Common
     messages: list[dict[str, Any]]
@@ -76,6 +76,7 @@ class MessagesRequest:
     thinking: bool
     output_schema: dict[str, Any] | None  # `output_config.format`'s JSON schema: the reply is constrained to it
     tool_choice: ToolChoice = ToolChoice()
+    thinking_budget: int | None = None  # `thinking.budget_tokens`: the thinking block is closed past it
 
 
 def parse_messages_request(body: dict, model_names: frozenset[str], defaults: SamplingDefaults, count_only: bool = False
@@ -109,11 +110,11 @@ def parse_messages_request(body: dict, model_names: frozenset[str], defaults: Sa
     common = Common(opt_bool(body, "stream"), False, max_tokens, params, tuple(s for s in stops if s),
                     opt_bool(body, "ignore_eos"))  # ignore_eos: glm-serve's extension, as on the OpenAI routes
     messages = _system(body.get("system")) + _turns(body)
-    tools, thinking = _tools(body), _thinking(body.get("thinking"))
+    tools, (thinking, budget) = _tools(body), _thinking(body.get("thinking"))
     choice = _tool_choice(body, tools)
     if choice.required and thinking:
         raise value_error("tool_choice", "thinking may not be enabled when tool_choice forces tool use")
-    return MessagesRequest(common, messages, tools, thinking, _output_schema(body), choice)
+    return MessagesRequest(common, messages, tools, thinking, _output_schema(body), choice, budget)
 
 
 def _output_schema(body: dict) -> dict[str, Any] | None:
@@ -278,14 +279,21 @@ def _tool_choice(body: dict, tools: list[dict[str, Any]] | None) -> ToolChoice:
 THINKING_ON = ("enabled", "adaptive", "between_tools")  # `thinking` types that turn GLM's thinking on
 
 
-def _thinking(thinking: Any) -> bool:
-    """`thinking`: {"type": "enabled" | "adaptive" | "between_tools"} turns GLM's thinking on (a budget is not
-    enforced: GLM thinks as it was trained to); absent or {"type": "disabled"}: off."""
+def _thinking(thinking: Any) -> tuple[bool, int | None]:
+    """`thinking`: {"type": "enabled" | "adaptive" | "between_tools"} turns GLM's thinking on, `budget_tokens` (an
+    integer of at least 1, optional) the most tokens it may think before the block is closed; absent or
+    {"type": "disabled"}: off. (on, budget)."""
     if thinking is None:
-        return False
+        return False, None
     if not isinstance(thinking, dict) or thinking.get("type") not in (*THINKING_ON, "disabled"):
         raise value_error("thinking", f"expected {{'type': {' | '.join(repr(t) for t in THINKING_ON)} | 'disabled'}}")
-    return thinking["type"] in THINKING_ON
+    budget = thinking.get("budget_tokens")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)):
+        raise type_error("thinking.budget_tokens", "an integer", budget)
+    if budget is not None and budget < 1:
+        raise value_error("thinking.budget_tokens", f"must be at least 1, got {budget}")
+    on = thinking["type"] in THINKING_ON
+    return on, budget if on else None
 
 
 # ---- reply -> content blocks -------------------------------------------------------------------------

@@ -6,7 +6,8 @@ is one call from its first token, or several where parallel calls are allowed. A
 tool. The arguments of a strict tool follow its `parameters` schema in toolcalls.py's format: its declared keys in
 their order, the required ones always, a string parameter's bare text (`raw_string`) and any other value as JSON
 that matches its schema; a tool that is not strict takes any keys and values. With `reasoning` the reply starts
-inside the thinking block: any text up to `</think>` comes first.
+inside the thinking block: any text up to `</think>` comes first (with a thinking budget: at most that many tokens
+of it, where `</think>` is one added token).
 
 The grammar is llguidance's Lark dialect, each JSON value's schema inlined (`%json`). A marker that is one added
 token of the vocabulary (as GLM-5's `</think>` is) is written as that token: llguidance matches an added token only
@@ -52,10 +53,12 @@ def needs_grammar(tools: list[dict[str, Any]] | None, choice: ToolChoice) -> boo
 
 
 def tool_call_grammar(tools: list[dict[str, Any]], choice: ToolChoice, reasoning: bool,
-                      token_ids: dict[str, int]) -> str:
+                      token_ids: dict[str, int], thinking_budget: int | None = None) -> str:
     """The Lark grammar of a reply to a request with these `tools` (OpenAI function entries) and `choice`.
-    token_ids: the markers (MARKERS) that are one added token each, and its id. Raises ValueError naming the tool
-    and parameter when a strict tool's schema holds what the format cannot enforce (a raw string's `pattern`)."""
+    token_ids: the markers (MARKERS) that are one added token each, and its id; thinking_budget: with `reasoning`,
+    the most tokens of thinking (where `</think>` is one of those tokens; else not held). Raises ValueError naming
+    the tool and parameter when a strict tool's schema holds what the format cannot enforce (a raw string's
+    `pattern`)."""
     lark = _Lark(token_ids)
     functions = [_function(t) for t in tools]
     if choice.name is not None:
@@ -73,7 +76,7 @@ def tool_call_grammar(tools: list[dict[str, Any]], choice: ToolChoice, reasoning
         else:  # text that does not open a call (else a call could hide in it, unchecked)
             tail = lark.terminal(f"/{ANY_TEXT}/ & ~/{ANY_TEXT}{_regex(TOOL_CALL_OPEN)}{ANY_TEXT}/")
         answer = f"({head} {body}){'*' if choice.parallel else '?'} {tail}"
-    start = f"{lark.until(THINK_CLOSE)} {answer}" if reasoning else answer
+    start = f"{lark.until(THINK_CLOSE, max_tokens=thinking_budget)} {answer}" if reasoning else answer
     return "\n".join([f"start: {start}", *lark.rules])
 
 
@@ -107,10 +110,12 @@ class _Lark:
     def marker(self, text: str) -> str:
         return f"<[{self.token_ids[text]}]>" if text in self.token_ids else json.dumps(text)
 
-    def until(self, marker: str, text: str = ANY_TEXT) -> str:
-        """Text matching the regex `text`, then `marker`, the first time it comes."""
+    def until(self, marker: str, text: str = ANY_TEXT, max_tokens: int | None = None) -> str:
+        """Text matching the regex `text`, then `marker`, the first time it comes; with `max_tokens` and a marker
+        that is one token, at most that many tokens of text (then the marker)."""
         if marker in self.token_ids:  # the token ends the text: it has no bytes to match
-            return f"{self.rule(f'/{text}/')} {self.marker(marker)}"
+            options = f"[max_tokens={max_tokens}]" if max_tokens else ""
+            return f"{self.rule(f'/{text}/', options)} {self.marker(marker)}"
         return self.rule(f"/{text}{_regex(marker)}/", "[lazy]")
 
     def call_body(self, function: dict[str, Any]) -> str:
