@@ -15,6 +15,7 @@ import pytest
 
 from glmkit.cli.run import main as run_main
 from glmkit.errors import GlmkitError
+from glmkit.generate.constraint import ThinkingBudget
 from glmkit.generate.engine import Engine
 from glmkit.generate.generator import Generator
 from glmkit.generate.sampling import Sampler, SamplingParams
@@ -37,10 +38,11 @@ def small_context(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return convert(source, root / "snapshot")
 
 
-def reply(engine: Engine, ids: list[int], max_tokens: int) -> tuple[list[int], str]:
+def reply(engine: Engine, ids: list[int], max_tokens: int, constraint: ThinkingBudget | None = None
+          ) -> tuple[list[int], str]:
     """Greedy reply without MTP, as glm-run prints it: (tokens, text without the eos token)."""
     tokens = list(Generator(engine.model, engine.eos_token_ids, use_mtp=False).generate(
-        ids, max_tokens, Sampler(SamplingParams())))
+        ids, max_tokens, Sampler(SamplingParams(), constraint)))
     shown = tokens[:-1] if tokens and tokens[-1] in engine.eos_token_ids else tokens
     return tokens, engine.tokenizer.decode(shown)
 
@@ -76,6 +78,18 @@ def test_prompt_prints_the_greedy_reply_and_writes_stats(snapshot, engine, capsy
     assert stats["mtp_acceptance"] is None or 0 <= stats["mtp_acceptance"] <= 1
     assert stats["stop_reason"] in ("length", "eos")
     assert "turns" not in stats
+
+
+def test_a_thinking_budget_closes_the_thinking_block(snapshot, engine, capsys):
+    """`--thinking-budget 3`: the reply's 4th token is `</think>` (greedy, the template opens a thinking block), as
+    the same constraint gives in-process; without it the reply has no `</think>` there."""
+    ids = engine.tokenizer.encode_chat([user("Hello")], enable_thinking=True)
+    close = engine.tokenizer.tokenizer.token_to_id("</think>")
+    tokens, text = reply(engine, ids, 12, ThinkingBudget(close, 3, engine.config.vocab_size))
+    free, _ = reply(engine, ids, 12)
+    assert tokens[3] == close and close not in free and tokens[:3] == free[:3]
+    rc, out, err = run(capsys, snapshot, "-p", "Hello", "--max-tokens", 12, "--thinking-budget", 3, "--no-cache")
+    assert rc == 0 and out == text + "\n", err
 
 
 def test_no_mtp_gives_the_same_text(snapshot, capsys, tmp_path):
@@ -227,6 +241,17 @@ def test_chat_two_turns_reuse_the_cache(snapshot, engine, capsys, monkeypatch, t
     assert stats["cached_tokens"] == second["cached_tokens"]  # top level: the last turn
 
 
+def test_chat_holds_every_reply_to_the_thinking_budget(snapshot, engine, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hello\nHow are you?\n"))
+    rc, out, err = run(capsys, snapshot, "--chat", "--max-tokens", 8, "--thinking-budget", 2, "--no-cache")
+    assert rc == 0, err
+    tok, close = engine.tokenizer, engine.tokenizer.tokenizer.token_to_id("</think>")
+    ids1 = tok.encode_chat([user("Hello")])
+    tokens1, text1 = reply(engine, ids1, 8, ThinkingBudget(close, 2, engine.config.vocab_size))
+    ids2 = tok.encode_chat([user("Hello"), {"role": "assistant", "content": text1}, user("How are you?")])
+    tokens2, text2 = reply(engine, ids2, 8, ThinkingBudget(close, 2, engine.config.vocab_size))
+    assert tokens1[2] == tokens2[2] == close and out == text1 + "\n" + text2 + "\n"
+
 def test_chat_exit_command_and_empty_input(snapshot, capsys, monkeypatch, tmp_path):
     stats_path = tmp_path / "stats.json"
     monkeypatch.setattr(sys, "stdin", io.StringIO("Hello\n/exit\nNever read\n"))
@@ -286,6 +311,11 @@ ERROR_CASES = {
     "grammar that does not parse": lambda snap, tmp: [snap, "-p", "Hello", "--grammar-file",
                                                       write(tmp / "bad.lark", "start: (")],
     "json schema with chat": lambda snap, tmp: [snap, "--chat", "--json-schema", "{}"],
+    "thinking budget zero": lambda snap, tmp: [snap, "-p", "Hello", "--thinking-budget", "0"],
+    "thinking budget without thinking": lambda snap, tmp: [snap, "-p", "Hello", "--thinking-budget", "8",
+                                                           "--no-think"],
+    "thinking budget with a schema": lambda snap, tmp: [snap, "-p", "Hello", "--thinking-budget", "8",
+                                                        "--json-schema", "{}"],
 }
 
 

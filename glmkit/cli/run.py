@@ -34,11 +34,18 @@ from glmkit.cli.common import (
 from glmkit.errors import GlmkitError
 from glmkit.format.files import parse_json, read_json_file, read_text_file
 from glmkit.format.reader import Container
-from glmkit.generate.constraint import GrammarError, GrammarTokenizer, TokenConstraint, json_grammar
+from glmkit.generate.constraint import (
+    GrammarError,
+    GrammarTokenizer,
+    ThinkingBudget,
+    TokenConstraint,
+    json_grammar,
+    thinking_budget,
+)
 from glmkit.generate.engine import Engine, default_expert_cache
 from glmkit.generate.generator import GenerationStats, Generator
 from glmkit.generate.sampling import Sampler, SamplingParams
-from glmkit.generate.tokenizer import StreamDecoder
+from glmkit.generate.tokenizer import StreamDecoder, replies_in_thinking
 from glmkit.model.kv_cache import KV_DTYPES, KVCache, kv_bytes_per_token
 from glmkit.units import format_size
 
@@ -53,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--raw-prompt", action="store_true", help="feed -p as plain text, without the chat template")
     p.add_argument("--no-think", action="store_true", help="render the chat template with enable_thinking=False")
     p.add_argument("--max-tokens", type=int, default=256, help="new tokens per reply (default %(default)s)")
+    p.add_argument("--thinking-budget", type=int, metavar="N",
+                   help="think at most N tokens per reply: then </think> comes next and the answer follows")
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1 = off)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
@@ -118,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
                                 args.frequency_penalty).check()
         if args.max_tokens < 1:
             raise GlmkitError(f"--max-tokens: must be >= 1, got {args.max_tokens}")
+        if args.thinking_budget is not None and (args.thinking_budget < 1 or args.raw_prompt or args.no_think):
+            raise GlmkitError("--thinking-budget: an integer >= 1, and not with --raw-prompt or --no-think (no "
+                              "thinking block)")
         check_cache_arguments(args)
         if args.session and not args.chat:
             raise GlmkitError("--session: only with --chat")
@@ -212,7 +224,12 @@ def one_shot(engine: Engine, generator: Generator, session: Session, sampler: Sa
     else:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         constrained = sampler.constraint is not None  # the grammar starts at the first generated token
-        ids = tok.encode_chat(messages + [{"role": "user", "content": args.prompt}], not (args.no_think or constrained))
+        if constrained and args.thinking_budget is not None:
+            raise GlmkitError("--thinking-budget: not with --json-schema or --grammar-file (no thinking block)")
+        messages.append({"role": "user", "content": args.prompt})
+        text = tok.render_chat(messages, not (args.no_think or constrained))
+        ids = tok.encode(text)
+        sampler.constraint = sampler.constraint or budget_for(engine, text, args.thinking_budget)
     check_context(engine, len(ids))
     kv, restore_s = prepare(session, ids)
     reply = stream(engine, generator, ids, args.max_tokens, sampler, kv)
@@ -248,7 +265,9 @@ def chat(engine: Engine, generator: Generator, session: Session, params: Samplin
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line.rstrip("\n")})
-        ids = tok.encode_chat(messages, not args.no_think)
+        text = tok.render_chat(messages, not args.no_think)
+        ids = tok.encode(text)
+        sampler.constraint = budget_for(engine, text, args.thinking_budget)  # each reply's own count
         check_context(engine, len(ids))
         kv, restore_s = prepare(session, ids)
         reply = stream(engine, generator, ids, args.max_tokens, sampler, kv)
@@ -258,6 +277,19 @@ def chat(engine: Engine, generator: Generator, session: Session, params: Samplin
         if saved:
             save_messages(saved, messages)
         print(flush=True)
+
+
+def budget_for(engine: Engine, prompt_text: str, budget: int | None) -> ThinkingBudget | None:
+    """The constraint of `--thinking-budget` for a reply to `prompt_text` (None without one); an error where the
+    prompt opens no thinking block or `</think>` is not one token of the vocabulary."""
+    if budget is None:
+        return None
+    if not replies_in_thinking(prompt_text):
+        raise GlmkitError("--thinking-budget: the chat template opens no thinking block for the reply")
+    constraint = thinking_budget(engine.tokenizer.tokenizer, engine.config.vocab_size, budget)
+    if constraint is None:
+        raise GlmkitError("--thinking-budget: </think> is not one token of this model's vocabulary")
+    return constraint
 
 
 def stream(engine: Engine, generator: Generator, ids: list[int], max_tokens: int, sampler: Sampler,

@@ -20,6 +20,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from glmkit.errors import GlmkitError
+from glmkit.generate.tokenizer import THINK_CLOSE
 
 
 def json_grammar(schema: dict[str, Any] | None) -> str:
@@ -91,6 +92,14 @@ class TokenConstraint:
     def rollback(self, tokens: int) -> None:
         """Take back the last `tokens` accepted."""
         self.matcher.rollback(tokens)
+
+
+def thinking_budget(tokenizer: Tokenizer, vocab_size: int, budget: int) -> ThinkingBudget | None:
+    """The `ThinkingBudget` of `budget` tokens for a model of `vocab_size` token ids with this tokenizer; None where
+    `</think>` is not one added token of it (a text marker cannot be cut in)."""
+    added = {token.content: i for i, token in tokenizer.get_added_tokens_decoder().items()}
+    close = added.get(THINK_CLOSE)
+    return None if close is None or close >= vocab_size else ThinkingBudget(close, budget, vocab_size)
 
 
 class ThinkingBudget:

@@ -22,6 +22,7 @@ from tokenizers import Tokenizer
 from glmkit.errors import GlmkitError
 from glmkit.format.files import read_json_file, read_text_file
 
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"  # GLM's thinking block (added tokens in GLM-5's vocabulary)
 SIDE_FILE_MAX_BYTES = 16 << 20  # a snapshot's JSON side files (tokenizer_config.json, generation_config.json)
 TEMPLATE_SOURCE_MAX_CHARS = 1 << 20  # the chat template's own text
 
@@ -631,3 +632,8 @@ class StreamDecoder:
         text = self.tokenizer.decode(self.ids[self.prefix_start:])
         self.prefix_start = self.emitted_upto = len(self.ids)
         return text[len(prefix):]
+
+
+def replies_in_thinking(prompt_text: str) -> bool:
+    """Whether the reply starts inside the thinking block: the rendered prompt ends with `<think>` (thinking on)."""
+    return prompt_text.rstrip().endswith(THINK_OPEN)

@@ -29,6 +29,7 @@ from starlette.routing import Route
 from glmkit.errors import GlmkitError
 from glmkit.generate.constraint import TokenConstraint
 from glmkit.generate.sampling import LogitsConstraint, TokenLogprob
+from glmkit.generate.tokenizer import replies_in_thinking
 from glmkit.serve.auth import AuthMiddleware
 from glmkit.serve.bridge import Channel, ClientGone, collect, events, submit_job
 from glmkit.serve.chat import (
@@ -39,7 +40,6 @@ from glmkit.serve.chat import (
     parse_response_format,
     parse_tool_choice,
     parse_tools,
-    replies_in_thinking,
     template_variables,
 )
 from glmkit.serve.config import Loaded, ServeConfig, State

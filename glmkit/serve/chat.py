@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from glmkit.generate.tokenizer import THINK_CLOSE
 from glmkit.serve.protocol import ApiError, opt_bool, type_error, value_error
 from glmkit.serve.tool_grammar import ToolChoice
 from glmkit.serve.toolcalls import TOOL_CALL_OPEN, ToolCall, parse_tool_calls
@@ -158,11 +159,6 @@ def template_variables(body: dict) -> tuple[bool, dict[str, Any]]:
 
 # ---- reply text -> message parts ----------------------------------------------------------------
 
-def replies_in_thinking(prompt_text: str) -> bool:
-    """Whether the reply starts inside the thinking block: the prompt ends with `<think>` (thinking on)."""
-    return prompt_text.rstrip().endswith("<think>")
-
-
 class ChatText:
     """Sorts a chat reply's text into reasoning, content and tool-call text as it streams.
 
@@ -186,7 +182,7 @@ class ChatText:
                 self.tool_text += self.pending
                 self.pending = ""
                 break
-            marker = "</think>" if self.mode == "reasoning" else TOOL_CALL_OPEN if self.tools else None
+            marker = THINK_CLOSE if self.mode == "reasoning" else TOOL_CALL_OPEN if self.tools else None
             if marker is None:
                 out.append(self._piece(self.pending))
                 self.pending = ""

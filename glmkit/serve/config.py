@@ -16,12 +16,13 @@ from glmkit.generate.constraint import (
     ThinkingBudget,
     TokenConstraint,
     json_grammar,
+    thinking_budget,
 )
 from glmkit.generate.engine import Engine
 from glmkit.serve.bridge import Channels
 from glmkit.serve.protocol import ApiError, SamplingDefaults, shutting_down
 from glmkit.serve.scheduler import Scheduler
-from glmkit.serve.tool_grammar import MARKERS, THINK_CLOSE, ToolChoice, tool_call_grammar
+from glmkit.serve.tool_grammar import MARKERS, ToolChoice, tool_call_grammar
 from glmkit.serve.toolcalls import TemplateSupport
 
 log = logging.getLogger("glmkit.serve")
@@ -57,13 +58,8 @@ class Loaded:
     def thinking_budget(self, budget: int) -> ThinkingBudget | None:
         """The constraint that closes a reply's thinking block past `budget` tokens; None where `</think>` is not
         one added token of the vocabulary (a text marker cannot be cut in)."""
-        tok = self.engine.tokenizer
-        assert tok is not None
-        added = {t.content: i for i, t in tok.tokenizer.get_added_tokens_decoder().items()}
-        close = added.get(THINK_CLOSE)
-        if close is None or close >= self.engine.config.vocab_size:
-            return None
-        return ThinkingBudget(close, budget, self.engine.config.vocab_size)
+        assert self.engine.tokenizer is not None
+        return thinking_budget(self.engine.tokenizer.tokenizer, self.engine.config.vocab_size, budget)
 
     def json_constraint(self, schema: dict[str, Any] | None, field: str = "response_format") -> TokenConstraint:
         """A token constraint to JSON matching `schema` (None: any JSON object); a 400 on `field` naming what the

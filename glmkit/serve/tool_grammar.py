@@ -21,6 +21,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from glmkit.generate.tokenizer import THINK_CLOSE
 from glmkit.serve.toolcalls import (
     ARG_KEY_CLOSE,
     ARG_KEY_OPEN,
@@ -31,7 +32,6 @@ from glmkit.serve.toolcalls import (
     raw_string,
 )
 
-THINK_CLOSE = "</think>"
 MARKERS = (TOOL_CALL_OPEN, TOOL_CALL_CLOSE, ARG_KEY_OPEN, ARG_KEY_CLOSE, ARG_VALUE_OPEN, ARG_VALUE_CLOSE, THINK_CLOSE)
 ANY_TEXT = "(?s:.*)"
 SEP = '"\\n"?'  # GLM-4.5 writes a newline between a call's parts, later templates none
