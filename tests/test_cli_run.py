@@ -392,7 +392,10 @@ def test_a_failed_start_leaves_no_expert_cache_thread(snapshot, capsys, tmp_path
         monkeypatch.setattr(GlmMoeDsaModel, "decodes_on_device", fail)
     preloads, preload = [], ExpertCache._preload
     monkeypatch.setattr(ExpertCache, "_preload", lambda self, hot: (preloads.append(len(hot)), preload(self, hot)))
+    before = set(threading.enumerate())
     rc, _, err = run(capsys, target, "-p", "Hello", "--device", "numpy", "--expert-cache", "4M")
     assert rc == 1 and len(err.splitlines()) == 1 and err.startswith("glm-run: error: "), err
     assert bool(preloads) == (failure == "device step")
-    assert not [t.name for t in threading.enumerate() if t.name.startswith("glmkit-")]
+    left = [t.name for t in set(threading.enumerate()) - before if t.name.startswith(("glmkit-preload",
+                                                                                     "glmkit-experts"))]
+    assert not left, left
