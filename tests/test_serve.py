@@ -188,6 +188,26 @@ def test_chat_and_streaming_agree(client, model, engine):
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0  # the same prompt again
 
 
+def test_thinking_is_switched_as_glm_s_api_and_the_templates_kwargs_switch_it(client, model, engine):
+    """Thinking is off by `chat_template_kwargs.enable_thinking` (vLLM's way), a top-level `enable_thinking`, or GLM's
+    own API's `thinking: {"type": "disabled"}`, in that order of precedence; on by default."""
+    messages = [user("Hello there")]
+    off, on = (len(engine.tokenizer.encode_chat(messages, enable_thinking=t)) for t in (False, True))
+    assert off != on
+
+    def prompt_tokens(**extra) -> int:
+        reply = client.chat.completions.create(model=model, messages=messages, max_tokens=1, temperature=0,
+                                               extra_body=extra)
+        return reply.usage.prompt_tokens
+
+    assert prompt_tokens() == prompt_tokens(thinking={"type": "enabled"}) == on
+    assert prompt_tokens(thinking={"type": "disabled"}) == prompt_tokens(enable_thinking=False) == off
+    assert prompt_tokens(thinking={"type": "disabled"}, enable_thinking=True) == on
+    assert prompt_tokens(enable_thinking=False, chat_template_kwargs={"enable_thinking": True}) == on
+    for bad in ({"thinking": {"type": "auto"}}, {"thinking": True}, {"enable_thinking": "no"}):
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model=model, messages=messages, max_tokens=1, extra_body=bad)
+
 def test_completions_equal_glm_run_raw_prompt(snapshot, client, model, capsys):
     expected = glm_run(capsys, snapshot, "def main():", 10, "--raw-prompt")
     reply = client.completions.create(model=model, prompt="def main():", max_tokens=10, temperature=0)

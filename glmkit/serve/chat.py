@@ -146,15 +146,23 @@ def parse_response_format(body: dict) -> tuple[bool, dict[str, Any] | None]:
 
 
 def template_variables(body: dict) -> tuple[bool, dict[str, Any]]:
-    """`chat_template_kwargs`: (enable_thinking, the other variables for the template)."""
+    """(enable_thinking, the other variables for the template) from `chat_template_kwargs` (vLLM's and SGLang's way),
+    else a top-level `enable_thinking`, else GLM's own API's `thinking: {"type": "enabled" | "disabled"}`; on by
+    default."""
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise type_error("chat_template_kwargs", "an object", kwargs)
     kwargs = {k: v for k, v in kwargs.items() if k not in ("messages", "tools", "add_generation_prompt")}
-    thinking = kwargs.pop("enable_thinking", True)
-    if not isinstance(thinking, bool):
-        raise type_error("chat_template_kwargs.enable_thinking", "a boolean", thinking)
-    return thinking, kwargs
+    glm = body.get("thinking")
+    if glm is not None and not (isinstance(glm, dict) and glm.get("type") in ("enabled", "disabled")):
+        raise value_error("thinking", "expected {'type': 'enabled' | 'disabled'}")
+    for name, thinking in (("chat_template_kwargs.enable_thinking", kwargs.pop("enable_thinking", None)),
+                           ("enable_thinking", body.get("enable_thinking"))):
+        if thinking is not None and not isinstance(thinking, bool):
+            raise type_error(name, "a boolean", thinking)
+        if thinking is not None:
+            return thinking, kwargs
+    return glm is None or glm["type"] == "enabled", kwargs
 
 
 # ---- reply text -> message parts ----------------------------------------------------------------
