@@ -190,7 +190,8 @@ def test_chat_and_streaming_agree(client, model, engine):
 
 def test_thinking_is_switched_as_glm_s_api_and_the_templates_kwargs_switch_it(client, model, engine):
     """Thinking is off by `chat_template_kwargs.enable_thinking` (vLLM's way), a top-level `enable_thinking`, or GLM's
-    own API's `thinking: {"type": "disabled"}`, in that order of precedence; on by default."""
+    own API's `thinking: {"type": "disabled"}`, in that order of precedence; on by default. `thinking.budget_tokens`
+    closes the thinking block past that many tokens, as on the Anthropic route."""
     messages = [user("Hello there")]
     off, on = (len(engine.tokenizer.encode_chat(messages, enable_thinking=t)) for t in (False, True))
     assert off != on
@@ -204,7 +205,14 @@ def test_thinking_is_switched_as_glm_s_api_and_the_templates_kwargs_switch_it(cl
     assert prompt_tokens(thinking={"type": "disabled"}) == prompt_tokens(enable_thinking=False) == off
     assert prompt_tokens(thinking={"type": "disabled"}, enable_thinking=True) == on
     assert prompt_tokens(enable_thinking=False, chat_template_kwargs={"enable_thinking": True}) == on
-    for bad in ({"thinking": {"type": "auto"}}, {"thinking": True}, {"enable_thinking": "no"}):
+    free = client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0)
+    held = client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0,
+                                          extra_body={"thinking": {"type": "enabled", "budget_tokens": 5}})
+    thought, closed, _ = held.choices[0].message.content.partition("</think>")
+    assert "</think>" not in free.choices[0].message.content and closed  # the budget closed the block
+    assert free.choices[0].message.content.startswith(thought) and held.usage.completion_tokens == 24
+    for bad in ({"thinking": {"type": "auto"}}, {"thinking": True}, {"enable_thinking": "no"},
+                {"thinking": {"type": "enabled", "budget_tokens": 0}}):
         with pytest.raises(openai.BadRequestError):
             client.chat.completions.create(model=model, messages=messages, max_tokens=1, extra_body=bad)
 

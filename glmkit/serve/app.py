@@ -274,21 +274,25 @@ async def _json_constraint(loaded: Loaded, common: Common, schema: dict[str, Any
     return await run_in_threadpool(loaded.json_constraint, schema, field)
 
 
-async def _tool_constraint(loaded: Loaded, common: Common, tools: list[dict[str, Any]] | None, choice: ToolChoice,
-                           prompt_text: str, json_field: str | None, thinking_budget: int | None = None
-                           ) -> TokenConstraint | None:
-    """The constraint that a forced call or strict tools ask for (None: neither), its thinking held to
-    `thinking_budget` tokens; 400 with `ignore_eos`, or beside a JSON reply format (`json_field`, where the request
-    asked for one)."""
-    if not needs_grammar(tools, choice):
-        return None
-    assert tools is not None
-    if json_field is not None:
-        raise value_error(json_field, "cannot be combined with a forced tool call or strict tools")
-    if common.ignore_eos:
-        raise value_error("ignore_eos", "cannot be used with a forced tool call or strict tools")
-    return await run_in_threadpool(loaded.tool_constraint, tools, choice, replies_in_thinking(prompt_text), "tools",
-                                   thinking_budget)
+async def _reply_constraint(loaded: Loaded, common: Common, tools: list[dict[str, Any]] | None, choice: ToolChoice,
+                            prompt_text: str, json_field: str | None, json_constraint: TokenConstraint | None,
+                            thinking_budget: int | None) -> LogitsConstraint | None:
+    """The constraint on a reply to `prompt_text`: the one a forced call or strict tools ask for, else the JSON reply
+    format's (`json_constraint`, asked for in `json_field`), else a thinking budget's; its thinking held to
+    `thinking_budget` tokens where the reply starts inside a thinking block. 400 for a forced call or strict tools
+    with `ignore_eos`, or beside a JSON reply format."""
+    budget = thinking_budget if replies_in_thinking(prompt_text) else None
+    if needs_grammar(tools, choice):
+        assert tools is not None
+        if json_field is not None:
+            raise value_error(json_field, "cannot be combined with a forced tool call or strict tools")
+        if common.ignore_eos:
+            raise value_error("ignore_eos", "cannot be used with a forced tool call or strict tools")
+        return await run_in_threadpool(loaded.tool_constraint, tools, choice, replies_in_thinking(prompt_text),
+                                       "tools", budget)
+    if json_constraint is not None or budget is None:
+        return json_constraint
+    return loaded.thinking_budget(budget)
 
 
 async def _whole_reply(request: Request, state: State, loaded: Loaded, job: GenerationJob, channel: Channel,
@@ -314,14 +318,14 @@ async def chat_completions(request: Request) -> Response:
     messages = parse_messages(body)
     tools = parse_tools(body)
     choice = parse_tool_choice(body, tools)
-    thinking, kwargs = template_variables(body)
+    thinking, kwargs, budget = template_variables(body)
     constrained, schema = parse_response_format(body)
-    constraint = await _json_constraint(loaded, common, schema, "response_format") if constrained else None
+    json_constraint = await _json_constraint(loaded, common, schema, "response_format") if constrained else None
     # the JSON, or a forced call, starts at the first generated token: no thinking before
-    thinking = thinking and constraint is None and not choice.required
+    thinking = thinking and json_constraint is None and not choice.required
     prompt_text, ids = await _render_chat(loaded, messages, tools, thinking, kwargs)
-    constraint = await _tool_constraint(loaded, common, tools, choice, prompt_text,
-                                        "response_format" if constrained else None) or constraint
+    constraint = await _reply_constraint(loaded, common, tools, choice, prompt_text,
+                                         "response_format" if constrained else None, json_constraint, budget)
     request_id = "chatcmpl-" + uuid.uuid4().hex[:24]
     job, channel = _start_generation(state, loaded, ids, common, request_id, constraint)
     decode = loaded.engine.tokenizer.decode
@@ -437,16 +441,13 @@ async def anthropic_messages(request: Request) -> Response:
     loaded = state.ready()
     body = await read_json(request, state.config.max_request_bytes)
     parsed = parse_messages_request(body, state.config.model_names, state.defaults)
-    constraint: LogitsConstraint | None = None if parsed.output_schema is None else await _json_constraint(
+    json_constraint = None if parsed.output_schema is None else await _json_constraint(
         loaded, parsed.common, parsed.output_schema, "output_config.format")
-    thinking = parsed.thinking and constraint is None  # the JSON starts at the first generated token
+    thinking = parsed.thinking and json_constraint is None  # the JSON starts at the first generated token
     prompt_text, ids = await _render_chat(loaded, parsed.messages, parsed.tools, thinking, {})
-    budget = parsed.thinking_budget if thinking and replies_in_thinking(prompt_text) else None
-    constraint = await _tool_constraint(loaded, parsed.common, parsed.tools, parsed.tool_choice, prompt_text,
-                                        "output_config.format" if constraint is not None else None, budget
-                                        ) or constraint
-    if constraint is None and budget is not None:
-        constraint = loaded.thinking_budget(budget)
+    constraint = await _reply_constraint(loaded, parsed.common, parsed.tools, parsed.tool_choice, prompt_text,
+                                         None if json_constraint is None else "output_config.format", json_constraint,
+                                         parsed.thinking_budget)
     message_id = new_message_id()
     job, channel = _start_generation(state, loaded, ids, parsed.common, message_id, constraint)
     router = ChatText(replies_in_thinking(prompt_text), parsed.tools is not None)

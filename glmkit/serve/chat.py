@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from glmkit.generate.tokenizer import THINK_CLOSE
-from glmkit.serve.protocol import ApiError, opt_bool, type_error, value_error
+from glmkit.serve.protocol import ApiError, opt_bool, parse_thinking_budget, type_error, value_error
 from glmkit.serve.tool_grammar import ToolChoice
 from glmkit.serve.toolcalls import TOOL_CALL_OPEN, ToolCall, parse_tool_calls
 
@@ -145,10 +145,11 @@ def parse_response_format(body: dict) -> tuple[bool, dict[str, Any] | None]:
     return True, schema
 
 
-def template_variables(body: dict) -> tuple[bool, dict[str, Any]]:
-    """(enable_thinking, the other variables for the template) from `chat_template_kwargs` (vLLM's and SGLang's way),
-    else a top-level `enable_thinking`, else GLM's own API's `thinking: {"type": "enabled" | "disabled"}`; on by
-    default."""
+def template_variables(body: dict) -> tuple[bool, dict[str, Any], int | None]:
+    """(enable_thinking, the other variables for the template, the thinking budget): thinking from
+    `chat_template_kwargs` (vLLM's and SGLang's way), else a top-level `enable_thinking`, else GLM's own API's
+    `thinking: {"type": "enabled" | "disabled"}`, on by default; the budget from `thinking.budget_tokens` (glm-serve's
+    extension, as Anthropic's API has it)."""
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise type_error("chat_template_kwargs", "an object", kwargs)
@@ -156,13 +157,14 @@ def template_variables(body: dict) -> tuple[bool, dict[str, Any]]:
     glm = body.get("thinking")
     if glm is not None and not (isinstance(glm, dict) and glm.get("type") in ("enabled", "disabled")):
         raise value_error("thinking", "expected {'type': 'enabled' | 'disabled'}")
+    budget = None if glm is None else parse_thinking_budget(glm)
     for name, thinking in (("chat_template_kwargs.enable_thinking", kwargs.pop("enable_thinking", None)),
                            ("enable_thinking", body.get("enable_thinking"))):
         if thinking is not None and not isinstance(thinking, bool):
             raise type_error(name, "a boolean", thinking)
         if thinking is not None:
-            return thinking, kwargs
-    return glm is None or glm["type"] == "enabled", kwargs
+            return thinking, kwargs, budget
+    return glm is None or glm["type"] == "enabled", kwargs, budget
 
 
 # ---- reply text -> message parts ----------------------------------------------------------------

@@ -36,6 +36,7 @@ from glmkit.serve.protocol import (
     opt_bool,
     opt_int,
     opt_number,
+    parse_thinking_budget,
     type_error,
     value_error,
 )
@@ -287,13 +288,8 @@ def _thinking(thinking: Any) -> tuple[bool, int | None]:
         return False, None
     if not isinstance(thinking, dict) or thinking.get("type") not in (*THINKING_ON, "disabled"):
         raise value_error("thinking", f"expected {{'type': {' | '.join(repr(t) for t in THINKING_ON)} | 'disabled'}}")
-    budget = thinking.get("budget_tokens")
-    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)):
-        raise type_error("thinking.budget_tokens", "an integer", budget)
-    if budget is not None and budget < 1:
-        raise value_error("thinking.budget_tokens", f"must be at least 1, got {budget}")
     on = thinking["type"] in THINKING_ON
-    return on, budget if on else None
+    return on, parse_thinking_budget(thinking) if on else None
 
 
 # ---- reply -> content blocks -------------------------------------------------------------------------

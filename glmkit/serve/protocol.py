@@ -219,6 +219,16 @@ def check_model(body: dict, model_names: frozenset[str]) -> None:
         raise unknown_model(model)
 
 
+def parse_thinking_budget(thinking: dict) -> int | None:
+    """`thinking.budget_tokens`: the most tokens a reply may think (an integer of at least 1), or None."""
+    budget = thinking.get("budget_tokens")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)):
+        raise type_error("thinking.budget_tokens", "an integer", budget)
+    if budget is not None and budget < 1:
+        raise value_error("thinking.budget_tokens", f"must be at least 1, got {budget}")
+    return budget
+
+
 def parse_logit_bias(body: dict, vocab_size: int) -> tuple[tuple[int, float], ...]:
     """`logit_bias`: an object of token ids (as strings) to biases in [-100, 100], at most MAX_LOGIT_BIAS of them."""
     value = body.get("logit_bias")
