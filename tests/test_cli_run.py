@@ -158,6 +158,20 @@ def test_generation_stops_at_the_context(small_context, capsys, tmp_path):
     assert stats["prompt_tokens"] + stats["decode_tokens"] == 24
 
 
+def test_max_context_bounds_the_prompt_and_the_reply(snapshot, capsys, tmp_path):
+    """`--max-context N`: a reply stops at N positions, a longer prompt is a one-line error naming the flag, and N
+    past the model's own context is refused."""
+    stats_path = tmp_path / "stats.json"
+    rc, _, err = run(capsys, snapshot, "-p", "Hi", "--no-think", "--max-tokens", 100, "--max-context", 24,
+                     "--stats-json", stats_path, "--no-cache")
+    stats = json.loads(stats_path.read_text())
+    assert rc == 0 and stats["stop_reason"] == "context", err  # this greedy reply meets no eos token
+    assert stats["prompt_tokens"] + stats["decode_tokens"] == 24
+    rc, _, err = run(capsys, snapshot, "-p", "Hello " * 30, "--max-context", 24, "--no-cache")
+    assert rc == 1 and err.startswith("glm-run: error: prompt is ") and err.strip().endswith("--max-context is 24")
+    rc, _, err = run(capsys, snapshot, "-p", "Hi", "--max-context", 10 ** 9)
+    assert rc == 1 and "--max-context 1000000000: must be in 1.." in err
+
 def test_pinning_and_no_prefetch_options(snapshot, capsys, tmp_path):
     outputs = []
     for flags in ([], ["--ram-budget", "1G", "--no-prefetch"]):

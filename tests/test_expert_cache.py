@@ -22,12 +22,14 @@ from glmkit.model.expert_cache import (
     ExpertCache,
     ExpertScores,
     auto_cache_bytes,
+    expert_slot_bytes,
     read_usage,
     usage_path,
     write_usage,
 )
 from glmkit.model.expert_stream import memory_limit_bytes
 from glmkit.model.glm5 import prefill_rows_within
+from glmkit.model.kv_cache import kv_bytes_per_token
 from glmkit.model.ops import likely_experts
 from tests.runtime_support import Snapshots
 
@@ -126,6 +128,35 @@ def test_the_auto_size_leaves_what_the_process_holds_and_a_quarter_of_the_limit(
     monkeypatch.setattr(expert_cache, "anonymous_resident_bytes", lambda: limit)  # it holds all of it already
     assert auto_cache_bytes(container)[0] == 0
 
+
+def test_the_auto_size_keeps_room_for_the_kv_rows_of_the_context(snapshots, monkeypatch):
+    """An auto-sized cache leaves the KV rows of `max_context` positions per session (the model's whole context by
+    default; glm-serve's sessions each), so a long prompt's rows do not take the process past its limit; the context
+    is then the engine's (its config), refused past the model's own."""
+    snapshot = snapshots("tiny-trained", "q4")
+    plain = Engine(snapshot, "numpy", load_tokenizer=False)
+    cfg, experts = plain.config, sum(r.nbytes for r in plain.container.manifest.experts)
+    limit, held = 64 << 20, 1 << 20
+    monkeypatch.setattr(expert_cache, "memory_limit_bytes", lambda: limit)
+    monkeypatch.setattr(expert_cache, "anonymous_resident_bytes", lambda: held)
+    free = limit - (plain.container.nbytes - experts) - held - limit // 4  # the cache without KV rows
+
+    def cache_bytes(**kwargs) -> tuple[int, int]:
+        engine = Engine(snapshot, "numpy", load_tokenizer=False, expert_cache="auto", **kwargs)
+        engine.close()
+        return engine.experts.n_slots, engine.config.max_position_embeddings
+
+    per_token = kv_bytes_per_token(cfg, "f32")
+    slot = expert_slot_bytes(plain.container)
+    assert cache_bytes() == (min(free - per_token * cfg.max_position_embeddings, experts) // slot,
+                             cfg.max_position_embeddings)
+    assert cache_bytes(max_context=64) == (min(free - per_token * 64, experts) // slot, 64)
+    assert cache_bytes(max_context=64, sessions=4)[0] == min(free - 4 * per_token * 64, experts) // slot
+    assert cache_bytes(max_context=64, kv_dtype="fp8")[0] == min(free - kv_bytes_per_token(cfg, "fp8") * 64,
+                                                                  experts) // slot
+    for bad in (0, cfg.max_position_embeddings + 1):
+        with pytest.raises(GlmkitError, match=f"--max-context {bad}: must be in 1..{cfg.max_position_embeddings}"):
+            Engine(snapshot, "numpy", load_tokenizer=False, max_context=bad)
 
 def test_the_memory_limit_is_the_lowest_of_the_cgroup_and_those_above_it(tmp_path):
     """cgroup v1 and v2: a limit set on a cgroup above the process's counts; v2's "max" and v1's huge root value

@@ -573,6 +573,19 @@ def test_a_slow_disk_never_stalls_health(snapshot, tmp_path, model, monkeypatch)
         srv.stop()
 
 
+def test_max_context_bounds_the_server_s_requests(snapshot, tmp_path, model):
+    srv = ServerThread(build_app(serve_args(snapshot, tmp_path, "--max-context", "16"))).start()
+    try:
+        client = srv.client()
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=model, prompt=list(range(1, 21)), max_tokens=2)
+        assert error_of(info.value)["code"] == "context_length_exceeded" and "is 16 tokens" in str(info.value)
+        reply = client.completions.create(model=model, prompt=list(range(1, 11)), max_tokens=50, temperature=0,
+                                          extra_body=IGNORE_EOS)
+        assert reply.usage.prompt_tokens + reply.usage.completion_tokens <= 16
+    finally:
+        srv.stop()
+
 def test_full_queue_is_429(snapshot, tmp_path, model):
     srv = ServerThread(build_app(serve_args(snapshot, tmp_path, "--parallel", "1", "--max-queue", "0"))).start()
     try:

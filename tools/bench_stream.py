@@ -193,8 +193,10 @@ def worker(snapshot: str, mode: str, cache: str, mtp: bool, prompt_file: str) ->
     elif mode.startswith("split"):
         engine = split_engine(snapshot, mode == "split-cache")
     else:
+        # the KV rows kept room for: this run's context (glm-run --max-context), not the model's whole one
         engine = Engine(snapshot, "numpy" if mode == "numpy" else "auto", load_tokenizer=False,
-                        expert_cache=(cache if cache == "auto" else int(cache)) if mode == "cache" else 0)
+                        expert_cache=(cache if cache == "auto" else int(cache)) if mode == "cache" else 0,
+                        max_context=PROMPT + TOKENS + 2)
     stats_of = engine.expert_stats if hasattr(engine, "expert_stats") else getattr(engine.experts, "stats", None)
     if prompt_file:  # a JSON list of token ids, or of windows of them (glm-perplexity's): the first PROMPT ids
         ids = json.loads(Path(prompt_file).read_text())

@@ -49,6 +49,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, expert_memory: bool
                                 "core while tokens flow), tasks (a Ray actor task per stage) or auto (the default: "
                                 "graph where the stages decode on the device step, else tasks)")
     if expert_memory:
+        parser.add_argument("--max-context", type=int, metavar="N",
+                            help="the most tokens a sequence may hold, prompt and reply (default: the model's "
+                                 "max_position_embeddings); an expert cache sized from the RAM keeps room for the "
+                                 "KV rows of that many tokens (per --parallel session in glm-serve)")
         parser.add_argument("--ram-budget", type=parse_size, default=0, metavar="SIZE",
                             help="pin the hottest routed experts in RAM up to SIZE (e.g. 8G); default 0 = page "
                                  "cache only")
@@ -89,7 +93,8 @@ def engine_from_arguments(args: argparse.Namespace, load_tokenizer: bool = True)
     engine = Engine(args.snapshot, args.device, getattr(args, "ram_budget", 0),
                     prefetch=not getattr(args, "no_prefetch", False), load_tokenizer=load_tokenizer,
                     float_activations=args.float_activations, expert_cache=getattr(args, "expert_cache", None),
-                    expert_usage_dir=default_cache_dir().parent, kv_dtype=args.kv_dtype)
+                    expert_usage_dir=default_cache_dir().parent, kv_dtype=args.kv_dtype,
+                    max_context=getattr(args, "max_context", None), sessions=getattr(args, "parallel", 1))
     if engine.expert_cache_reason:
         print(engine.expert_cache_reason, file=sys.stderr)
     return engine
@@ -108,7 +113,8 @@ def pipeline_engine_from_arguments(args: argparse.Namespace, load_tokenizer: boo
 
     return PipelineEngine(args.snapshot, args.pipeline, args.ray_address, args.device, args.float_activations,
                           prefetch=not getattr(args, "no_prefetch", False), chunk=args.pipeline_chunk,
-                          load_tokenizer=load_tokenizer, kv_dtype=args.kv_dtype, hops=args.pipeline_hops)
+                          load_tokenizer=load_tokenizer, kv_dtype=args.kv_dtype, hops=args.pipeline_hops,
+                          max_context=getattr(args, "max_context", None))
 
 
 def use_mtp_from_arguments(engine: Engine, args: argparse.Namespace) -> bool:

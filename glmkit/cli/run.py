@@ -111,8 +111,9 @@ def main(argv: list[str] | None = None) -> int:
         if snapshot is not None:
             try:
                 container = Container(snapshot)
-                print(f"{snapshot}: {default_expert_cache(container)[1]}")
                 cfg = container.config
+                context_kv = kv_bytes_per_token(cfg) * cfg.max_position_embeddings  # glm-run's default reservation
+                print(f"{snapshot}: {default_expert_cache(container, kv_bytes=context_kv)[1]}")
                 per_token = {dtype: kv_bytes_per_token(cfg, dtype) for dtype in KV_DTYPES}
                 print(f"{snapshot}: context {cfg.max_position_embeddings:,} tokens; KV cache per token "
                       + ", ".join(f"{format_size(n)} ({dtype})" for dtype, n in per_token.items())
@@ -310,7 +311,8 @@ def stream(engine: Engine, generator: Generator, ids: list[int], max_tokens: int
 def check_context(engine: Engine, n_tokens: int) -> None:
     limit = engine.config.max_position_embeddings
     if n_tokens >= limit:
-        raise GlmkitError(f"prompt is {n_tokens} tokens, the model's context is {limit}")
+        whose = "--max-context" if limit < engine.container.config.max_position_embeddings else "the model's context"
+        raise GlmkitError(f"prompt is {n_tokens} tokens, {whose} is {limit}")
 
 
 @dataclass

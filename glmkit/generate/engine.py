@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from glmkit.model.expert_cache import (
 )
 from glmkit.model.expert_stream import ExpertStats, ExpertStreamer, memory_limit_bytes, outgrows_memory
 from glmkit.model.glm5 import GlmMoeDsaModel, prefill_rows_within
+from glmkit.model.kv_cache import kv_bytes_per_token
 from glmkit.units import format_size
 
 
@@ -55,14 +57,16 @@ class Engine:
     expert_usage_dir: where the routed experts' usage scores are kept from process to process (per model hash; None:
     neither read nor saved): the expert cache loads its hot set by them, a discrete GPU smaller than the model uploads
     the most used routed experts (the split step), and both add their tokens' routes. kv_dtype: the KV rows'
-    precision (`glmkit.model.kv_cache.KV_DTYPES`)."""
+    precision (`glmkit.model.kv_cache.KV_DTYPES`). max_context: the most positions a sequence may hold (default: the
+    model's `max_position_embeddings`; `config` says it from then on); a cache sized from the RAM keeps room for the
+    KV rows of `sessions` sequences of that length."""
 
     def __init__(self, snapshot: str | Path, device: str = "numpy", ram_budget_bytes: int = 0,
                  prefetch: bool = True, load_tokenizer: bool = True, float_activations: bool = False,
                  expert_cache: int | str | None = None, expert_usage_dir: Path | None = None,
-                 kv_dtype: str = "f32"):
+                 kv_dtype: str = "f32", max_context: int | None = None, sessions: int = 1):
         self.container = Container(snapshot)
-        self.config = self.container.config
+        self.config = context_config(self.container.config, max_context)
         # what may still fail cheaply comes before anything that starts threads (the expert cache's reads)
         self.tokenizer = ChatTokenizer(snapshot) if load_tokenizer else None
         self.eos_token_ids = _eos_ids(Path(snapshot), self.config.eos_token_ids)
@@ -72,14 +76,16 @@ class Engine:
         self.expert_usage = saved_scores(self.usage_file, self.container)
         self.step_cache: ExpertCache | None = None  # the split step's CPU side's expert cache
         try:
-            self._open(device, ram_budget_bytes, prefetch, float_activations, expert_cache, kv_dtype)
+            self._open(device, ram_budget_bytes, prefetch, float_activations, expert_cache, kv_dtype,
+                       kv_bytes_per_token(self.config, kv_dtype) * self.config.max_position_embeddings * sessions)
         except BaseException:
             Engine.close(self)  # an expert cache opened so far (its reads, its preloading); not a subclass's
             raise
 
     def _open(self, device: str, ram_budget_bytes: int, prefetch: bool, float_activations: bool,
-              expert_cache: int | str | None, kv_dtype: str) -> None:
-        """The backend, the weight source (expert cache or page cache) and the model (see the class)."""
+              expert_cache: int | str | None, kv_dtype: str, kv_bytes: int) -> None:
+        """The backend, the weight source (expert cache or page cache) and the model (see the class); a cache sized
+        from the RAM leaves `kv_bytes` for KV rows."""
         self.backend, self.device = make_backend(device, self.container, not float_activations, self.expert_usage)
         discrete = getattr(getattr(self.backend, "k", None), "direct", True) is False
         # a discrete GPU smaller than the model with a CPU device beside it (the split step): the experts it leaves
@@ -89,10 +95,11 @@ class Engine:
         self.expert_cache_reason = ""  # how an "auto" cache was sized
         if expert_cache is None:
             expert_cache, why = ((0, "") if ram_budget_bytes or (discrete and not split) else
-                                 default_expert_cache(self.container, pinned=not split))
-            self.expert_cache_reason = why if expert_cache else ""
+                                 default_expert_cache(self.container, pinned=not split, kv_bytes=kv_bytes))
+            # said where the container outgrows the RAM: the cache's size, or why it fell back to the page cache
+            self.expert_cache_reason = why if expert_cache or (why and outgrows_memory(self.container)) else ""
         elif expert_cache == "auto":
-            expert_cache, why = auto_cache_bytes(self.container, pinned=not split)
+            expert_cache, why = auto_cache_bytes(self.container, pinned=not split, kv_bytes=kv_bytes)
             if expert_cache == 0:
                 raise GlmkitError(f"--expert-cache auto: no RAM left for experts ({why})")
             self.expert_cache_reason = f"expert cache {why}"
@@ -282,14 +289,24 @@ def measure_mtp_costs(model: GlmMoeDsaModel, rounds: int = 5, tokens: int = 24,
     return {name: round(float(np.median(values)), 4) for name, values in costs.items()}
 
 
-def default_expert_cache(container: Container, pinned: bool = True) -> tuple[int, str]:
+def context_config(config: ModelConfig, max_context: int | None) -> ModelConfig:
+    """`config` with at most `max_context` positions (None: as it is); a GlmkitError past the model's own."""
+    if max_context is None:
+        return config
+    if not 1 <= max_context <= config.max_position_embeddings:
+        raise GlmkitError(f"--max-context {max_context}: must be in 1..{config.max_position_embeddings} (the model's "
+                          f"max_position_embeddings)")
+    return dataclasses.replace(config, max_position_embeddings=max_context)
+
+
+def default_expert_cache(container: Container, pinned: bool = True, kv_bytes: int = 0) -> tuple[int, str]:
     """Where the container's routed experts live by default: (the bytes of an expert cache, or 0 for the page
     cache; why, in one line). A cache where the container outgrows the RAM the process may use and that RAM still
-    holds one layer's routed experts (`pinned`: as `auto_cache_bytes`)."""
+    holds one layer's routed experts (`pinned`, `kv_bytes`: as `auto_cache_bytes`)."""
     if not container.manifest.experts or not outgrows_memory(container):
         return 0, (f"routed experts in the page cache: the container ({format_size(container.nbytes)}) fits the "
                    f"{format_size(memory_limit_bytes())} the process may use")
-    size, why = auto_cache_bytes(container, pinned=pinned)
+    size, why = auto_cache_bytes(container, pinned=pinned, kv_bytes=kv_bytes)
     if size < container.config.num_experts_per_tok * expert_slot_bytes(container):
         return 0, f"routed experts in the page cache: an expert cache would get {why}, less than one layer's"
     return size, f"expert cache {why}"

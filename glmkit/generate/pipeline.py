@@ -789,9 +789,11 @@ class PipelineEngine(Engine):
     def __init__(self, snapshot: str | Path, stages: int | str, address: str | None = None, device: str = "numpy",
                  float_activations: bool = False, prefetch: bool = True, chunk: int = DEFAULT_PIPELINE_CHUNK,
                  load_tokenizer: bool = True, verbose: bool = True, blas_threads: int | None = None,
-                 kv_dtype: str = "f32", decode_step: bool = True, hops: str = "auto") -> None:
+                 kv_dtype: str = "f32", decode_step: bool = True, hops: str = "auto",
+                 max_context: int | None = None) -> None:
         super().__init__(snapshot, device, prefetch=False, load_tokenizer=load_tokenizer,
-                         float_activations=float_activations, expert_cache=0, kv_dtype=kv_dtype)
+                         float_activations=float_activations, expert_cache=0, kv_dtype=kv_dtype,
+                         max_context=max_context)
         self.pipeline = open_pipeline(snapshot, self.container, stages, address, device, float_activations, prefetch,
                                       chunk, verbose, blas_threads, kv_dtype, decode_step, hops)
         self.model = PipelineModel(self.config, self.experts, self.backend, self.pipeline, kv_dtype)

@@ -203,12 +203,13 @@ def activation_allowance(limit: int) -> int:
     return min(1 << 30, limit // 4)
 
 
-def auto_cache_bytes(container: Container, reserve_bytes: int | None = None, pinned: bool = True
+def auto_cache_bytes(container: Container, reserve_bytes: int | None = None, pinned: bool = True, kv_bytes: int = 0
                      ) -> tuple[int, str]:
     """A cache size from the RAM this process may use (`memory_limit_bytes`: the cgroup's limit or the machine's),
-    less the non-expert weights it copies into RAM (unless not `pinned`: a discrete GPU holds them) and
-    `reserve_bytes` for the process, KV cache and activations (default: what the process holds now,
-    `anonymous_resident_bytes`, and `activation_allowance`); with the reason, for the log."""
+    less the non-expert weights it copies into RAM (unless not `pinned`: a discrete GPU holds them),
+    `reserve_bytes` for the process and activations (default: what the process holds now,
+    `anonymous_resident_bytes`, and `activation_allowance`) and `kv_bytes` for the KV rows of the context it keeps;
+    with the reason, for the log."""
     limit = memory_limit_bytes()
     held = ""
     if reserve_bytes is None:
@@ -217,11 +218,12 @@ def auto_cache_bytes(container: Container, reserve_bytes: int | None = None, pin
         held = f" ({format_size(now)} it holds now)"
     experts = sum(r.nbytes for r in container.manifest.experts)
     copied = container.nbytes - experts if pinned else 0
-    size = max(0, min(limit - copied - reserve_bytes, experts))
+    size = max(0, min(limit - copied - reserve_bytes - kv_bytes, experts))
     weights = (f"less {format_size(copied)} of non-expert weights and" if pinned else
                "the non-expert weights on the GPU, less")
+    kv = f" and {format_size(kv_bytes)} for KV rows (--max-context)" if kv_bytes else ""
     why = (f"{format_size(size)}: {format_size(limit)} may be used, {weights} {format_size(reserve_bytes)} kept for "
-           f"the process{held}; the experts are {format_size(experts)}")
+           f"the process{held}{kv}; the experts are {format_size(experts)}")
     return size, why
 
 
