@@ -130,9 +130,10 @@ def test_the_auto_size_leaves_what_the_process_holds_and_a_quarter_of_the_limit(
 
 
 def test_the_auto_size_keeps_room_for_the_kv_rows_of_the_context(snapshots, monkeypatch):
-    """An auto-sized cache leaves the KV rows of `max_context` positions per session (the model's whole context by
-    default; glm-serve's sessions each), so a long prompt's rows do not take the process past its limit; the context
-    is then the engine's (its config), refused past the model's own."""
+    """An auto-sized cache leaves the KV rows of `max_context` positions (the model's whole context by default), so a
+    long prompt's rows do not take the process past its limit; the context is then the engine's (its config) and the
+    budget of KV rows all its sequences share (`kv_budget_tokens`: glm-serve's sessions), refused past the model's
+    own. Without a cache sized from the RAM there is no budget."""
     snapshot = snapshots("tiny-trained", "q4")
     plain = Engine(snapshot, "numpy", load_tokenizer=False)
     cfg, experts = plain.config, sum(r.nbytes for r in plain.container.manifest.experts)
@@ -144,6 +145,7 @@ def test_the_auto_size_keeps_room_for_the_kv_rows_of_the_context(snapshots, monk
     def cache_bytes(**kwargs) -> tuple[int, int]:
         engine = Engine(snapshot, "numpy", load_tokenizer=False, expert_cache="auto", **kwargs)
         engine.close()
+        assert engine.kv_budget_tokens == engine.config.max_position_embeddings
         return engine.experts.n_slots, engine.config.max_position_embeddings
 
     per_token = kv_bytes_per_token(cfg, "f32")
@@ -151,9 +153,10 @@ def test_the_auto_size_keeps_room_for_the_kv_rows_of_the_context(snapshots, monk
     assert cache_bytes() == (min(free - per_token * cfg.max_position_embeddings, experts) // slot,
                              cfg.max_position_embeddings)
     assert cache_bytes(max_context=64) == (min(free - per_token * 64, experts) // slot, 64)
-    assert cache_bytes(max_context=64, sessions=4)[0] == min(free - 4 * per_token * 64, experts) // slot
     assert cache_bytes(max_context=64, kv_dtype="fp8")[0] == min(free - kv_bytes_per_token(cfg, "fp8") * 64,
                                                                   experts) // slot
+    assert plain.kv_budget_tokens is None and Engine(snapshot, "numpy", load_tokenizer=False,
+                                                     expert_cache=1 << 20).kv_budget_tokens is None
     for bad in (0, cfg.max_position_embeddings + 1):
         with pytest.raises(GlmkitError, match=f"--max-context {bad}: must be in 1..{cfg.max_position_embeddings}"):
             Engine(snapshot, "numpy", load_tokenizer=False, max_context=bad)

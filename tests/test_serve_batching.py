@@ -436,6 +436,33 @@ def test_batched_requests_commit_their_sessions(engine):
         assert done.cached_tokens == len(r.prompt_ids) + 8 - 1  # all but its last token, which was never forwarded
 
 
+def test_requests_wait_for_room_in_the_engine_s_kv_budget(engine, monkeypatch):
+    """Where the engine budgets its KV rows (an expert cache sized from the RAM), the Sessions never hold more rows
+    than the budget at any step: a request whose prompt and max_tokens would not fit waits, idle Sessions give up
+    their rows first (the next turn of their conversation then comes from the prefix cache, here from nothing); each
+    request still gets its tokens alone. Without the budget the same requests run at once, past it."""
+    requests = [GenRequest(p, 16, ignore_eos=True, request_id=name) for p, name in zip(prompts(4, False), "abcd",
+                                                                                      strict=True)]
+    most = [min(len(r.prompt_ids) + r.max_tokens, 64) for r in requests]  # 19, 45, 30, 25 rows
+    peak: dict[str, int] = {}
+    step = Scheduler._step
+
+    def counted(self: Scheduler, job: GenerationJob) -> None:
+        step(self, job)
+        held = sum(session.kv.length for session in self._sessions)
+        peak["rows"] = max(peak.get("rows", 0), held)
+
+    monkeypatch.setattr(Scheduler, "_step", counted)
+    alone = serve(engine, requests, 1, reuse=True)
+    assert peak["rows"] > 64  # no budget: all four at once
+    peak.clear()
+    monkeypatch.setattr(engine, "kv_budget_tokens", 64, raising=False)
+    budgeted = serve(engine, requests, 1, reuse=True)
+    assert max(most) <= peak["rows"] <= 64
+    assert_same_requests(budgeted, alone)
+    waited = [budgeted[r.request_id][2].queue_s for r in requests]
+    assert max(waited) > min(waited) + 0.01  # some request waited for another to end
+
 def test_the_batch_size_is_decided_by_the_model(engine, monkeypatch):
     """Default: --parallel where batching pays (NumPy; OpenCL's step over several sequences: the test above), one
     request per forward on a device decode step without that form (there a step per request is faster) or on a model

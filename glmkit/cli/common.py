@@ -52,7 +52,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, expert_memory: bool
         parser.add_argument("--max-context", type=int, metavar="N",
                             help="the most tokens a sequence may hold, prompt and reply (default: the model's "
                                  "max_position_embeddings); an expert cache sized from the RAM keeps room for the "
-                                 "KV rows of that many tokens (per --parallel session in glm-serve)")
+                                 "KV rows of that many tokens (glm-serve's sessions share them)")
         parser.add_argument("--ram-budget", type=parse_size, default=0, metavar="SIZE",
                             help="pin the hottest routed experts in RAM up to SIZE (e.g. 8G); default 0 = page "
                                  "cache only")
@@ -94,7 +94,7 @@ def engine_from_arguments(args: argparse.Namespace, load_tokenizer: bool = True)
                     prefetch=not getattr(args, "no_prefetch", False), load_tokenizer=load_tokenizer,
                     float_activations=args.float_activations, expert_cache=getattr(args, "expert_cache", None),
                     expert_usage_dir=default_cache_dir().parent, kv_dtype=args.kv_dtype,
-                    max_context=getattr(args, "max_context", None), sessions=getattr(args, "parallel", 1))
+                    max_context=getattr(args, "max_context", None))
     if engine.expert_cache_reason:
         print(engine.expert_cache_reason, file=sys.stderr)
     return engine

@@ -59,12 +59,12 @@ class Engine:
     the most used routed experts (the split step), and both add their tokens' routes. kv_dtype: the KV rows'
     precision (`glmkit.model.kv_cache.KV_DTYPES`). max_context: the most positions a sequence may hold (default: the
     model's `max_position_embeddings`; `config` says it from then on); a cache sized from the RAM keeps room for the
-    KV rows of `sessions` sequences of that length."""
+    KV rows of that many positions, which `kv_budget_tokens` then bounds (several sequences share it)."""
 
     def __init__(self, snapshot: str | Path, device: str = "numpy", ram_budget_bytes: int = 0,
                  prefetch: bool = True, load_tokenizer: bool = True, float_activations: bool = False,
                  expert_cache: int | str | None = None, expert_usage_dir: Path | None = None,
-                 kv_dtype: str = "f32", max_context: int | None = None, sessions: int = 1):
+                 kv_dtype: str = "f32", max_context: int | None = None):
         self.container = Container(snapshot)
         self.config = context_config(self.container.config, max_context)
         # what may still fail cheaply comes before anything that starts threads (the expert cache's reads)
@@ -75,9 +75,11 @@ class Engine:
         # model uploads the most used (the split step), an expert cache loads them first; both add their routes
         self.expert_usage = saved_scores(self.usage_file, self.container)
         self.step_cache: ExpertCache | None = None  # the split step's CPU side's expert cache
+        # where the memory is budgeted (an expert cache sized from it): the KV rows all sequences may hold together
+        self.kv_budget_tokens: int | None = None
         try:
             self._open(device, ram_budget_bytes, prefetch, float_activations, expert_cache, kv_dtype,
-                       kv_bytes_per_token(self.config, kv_dtype) * self.config.max_position_embeddings * sessions)
+                       kv_bytes_per_token(self.config, kv_dtype) * self.config.max_position_embeddings)
         except BaseException:
             Engine.close(self)  # an expert cache opened so far (its reads, its preloading); not a subclass's
             raise
@@ -133,6 +135,7 @@ class Engine:
                 self.experts.warm_in_background()
         if expert_cache and self.expert_cache_reason:  # sized from the RAM: a long prompt's chunks fit what it left
             self.model.prefill_rows = prefill_rows_within(self.config, activation_allowance(memory_limit_bytes()))
+            self.kv_budget_tokens = self.config.max_position_embeddings
         # the device decode step (if any) is built now, with the model, not inside the first prompt's time to token
         self.model.decodes_on_device()
 

@@ -14,6 +14,11 @@ rows of the tokens given out so far, the last one's row not yet written); decodi
 generator on the prompt plus the tokens so far, whose "prefill" is the last token's single-row forward. Batched rows
 run no MTP drafts, and such a request drafts nothing after it (its MTP rows fell behind).
 
+Where the engine budgets its memory (`Engine.kv_budget_tokens`: an expert cache sized from the RAM left room for
+that many KV rows), a queued request starts only once every Session's rows and the active requests' most (prompt and
+`max_tokens`) leave room for its own most; idle Sessions give up their rows first (the prefix cache keeps what was
+stored), else it waits for active requests to end.
+
 Every request goes through `Session.prepare` / `Session.commit` exactly like `glm-run --chat`: a
 request takes the idle Session whose KV rows share the longest prefix with its prompt (so a
 conversation's follow-up turn finds its own history in process memory), and the on-disk prefix cache
@@ -214,7 +219,7 @@ class Scheduler:
                     self._cv.wait()
                 if self._stopping:
                     break
-                while self._queue and len(self._active) < self.max_active:
+                while self._queue and len(self._active) < self.max_active and self._kv_room(self._queue[0]):
                     job = self._queue.popleft()
                     job.session = self._acquire(job.request.prompt_ids)
                     job.started = time.perf_counter()
@@ -233,29 +238,61 @@ class Scheduler:
             job.cancelled = True
             self._finish(job, "cancelled")
 
-    def _acquire(self, prompt_ids: list[int]) -> Session:
-        """A Session for a new request (called under the lock).
+    def _kv_room(self, job: GenerationJob) -> bool:
+        """Whether the KV rows `job` may come to hold fit the engine's budget beside every Session's and the active
+        requests' most, after idle Sessions give up theirs (least recently used first); called under the lock."""
+        budget = getattr(self.engine, "kv_budget_tokens", None)
+        if budget is None:
+            return True
 
-        1. The idle Session whose last prompt is a prefix of this one: the same conversation, one turn
-           on (its reply may have been re-rendered differently, so only its prompt has to match).
-        2. Else a new Session while the pool has room, so other conversations keep their KV rows.
-        3. Else the idle Session sharing the longest prefix (the least recently used one on ties).
-        The prefix cache restores what the chosen Session lacks.
-        """
+        def most(j: GenerationJob) -> int:
+            return min(len(j.request.prompt_ids) + j.request.max_tokens, budget)
+
+        own = self._reusable(job.request.prompt_ids)  # the Session that will serve it: its rows become the job's
+        held = sum(most(j) for j in self._active) + sum(s.kv.length for s in self._idle if s is not own)
+        for session in list(self._idle):
+            if held + most(job) <= budget:
+                break
+            if session is not own and session.kv.length:  # its rows given up: a fresh Session in its place
+                held -= session.kv.length
+                self._idle.remove(session)
+                self._prompt_len.pop(session, None)
+                fresh = Session(self.engine.model, self.prefix_cache)
+                self._sessions[self._sessions.index(session)] = fresh
+                self._idle.insert(0, fresh)
+        # alone, a request holds at most the context, which the budget is: nothing to wait for
+        return held + most(job) <= budget or not self._active
+
+    def _acquire(self, prompt_ids: list[int]) -> Session:
+        """A Session for a new request (called under the lock): `_reusable`'s, else a new one in the pool. The prefix
+        cache restores what the chosen Session lacks."""
         if not self.reuse:
             return Session(self.engine.model, None)
-        shared = [(common_prefix(session.ids, prompt_ids), session) for session in self._idle]
-        same = [(n, s) for n, s in shared if 0 < self._prompt_len.get(s, -1) <= n]
-        if same:
-            best = max(same, key=lambda item: item[0])[1]
-        elif len(self._sessions) < self.max_active:
+        best = self._reusable(prompt_ids)
+        if best is None:
             best = Session(self.engine.model, self.prefix_cache)
             self._sessions.append(best)
             return best
-        else:
-            best = max(shared, key=lambda item: item[0])[1]  # max() keeps the first (least recent) on ties
         self._idle.remove(best)
         return best
+
+    def _reusable(self, prompt_ids: list[int]) -> Session | None:
+        """The idle Session a new request with this prompt gets (called under the lock), None for a new one:
+
+        1. The idle Session whose last prompt is a prefix of this one: the same conversation, one turn
+           on (its reply may have been re-rendered differently, so only its prompt has to match).
+        2. Else None (a new Session) while the pool has room, so other conversations keep their KV rows.
+        3. Else the idle Session sharing the longest prefix (the least recently used one on ties).
+        """
+        if not self.reuse:
+            return None
+        shared = [(common_prefix(session.ids, prompt_ids), session) for session in self._idle]
+        same = [(n, s) for n, s in shared if 0 < self._prompt_len.get(s, -1) <= n]
+        if same:
+            return max(same, key=lambda item: item[0])[1]
+        if len(self._sessions) < self.max_active or not shared:
+            return None
+        return max(shared, key=lambda item: item[0])[1]  # max() keeps the first (least recent) on ties
 
     def _release(self, job: GenerationJob, broken: bool) -> None:
         session, job.session = job.session, None
