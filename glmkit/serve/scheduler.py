@@ -248,8 +248,11 @@ class Scheduler:
         def most(j: GenerationJob) -> int:
             return min(len(j.request.prompt_ids) + j.request.max_tokens, budget)
 
+        active = sum(most(j) for j in self._active)
+        if self._active and active + most(job) > budget:
+            return False  # it waits for active requests to end, whatever idle Sessions would give up
         own = self._reusable(job.request.prompt_ids)  # the Session that will serve it: its rows become the job's
-        held = sum(most(j) for j in self._active) + sum(s.kv.length for s in self._idle if s is not own)
+        held = active + sum(s.kv.length for s in self._idle if s is not own)
         for session in list(self._idle):
             if held + most(job) <= budget:
                 break
@@ -260,8 +263,7 @@ class Scheduler:
                 fresh = Session(self.engine.model, self.prefix_cache)
                 self._sessions[self._sessions.index(session)] = fresh
                 self._idle.insert(0, fresh)
-        # alone, a request holds at most the context, which the budget is: nothing to wait for
-        return held + most(job) <= budget or not self._active
+        return True  # the idle Sessions gave up enough (alone, a request holds at most the budget: the context)
 
     def _acquire(self, prompt_ids: list[int]) -> Session:
         """A Session for a new request (called under the lock): `_reusable`'s, else a new one in the pool. The prefix
