@@ -203,6 +203,11 @@ def activation_allowance(limit: int) -> int:
     return min(1 << 30, limit // 4)
 
 
+def non_expert_bytes(container: Container) -> int:
+    """The container's bytes outside its routed experts: what an expert cache copies into RAM beside its slots."""
+    return container.nbytes - sum(r.nbytes for r in container.manifest.experts)
+
+
 def auto_cache_bytes(container: Container, reserve_bytes: int | None = None, pinned: bool = True, kv_bytes: int = 0
                      ) -> tuple[int, str]:
     """A cache size from the RAM this process may use (`memory_limit_bytes`: the cgroup's limit or the machine's),
@@ -216,8 +221,8 @@ def auto_cache_bytes(container: Container, reserve_bytes: int | None = None, pin
         now = anonymous_resident_bytes()
         reserve_bytes = now + activation_allowance(limit)
         held = f" ({format_size(now)} it holds now)"
-    experts = sum(r.nbytes for r in container.manifest.experts)
-    copied = container.nbytes - experts if pinned else 0
+    experts = container.nbytes - non_expert_bytes(container)
+    copied = non_expert_bytes(container) if pinned else 0
     size = max(0, min(limit - copied - reserve_bytes - kv_bytes, experts))
     weights = (f"less {format_size(copied)} of non-expert weights and" if pinned else
                "the non-expert weights on the GPU, less")
@@ -289,7 +294,7 @@ class ExpertCache:
         shared = {layer: ffn.shared for layer, ffn in self.moe.items() if pin_weights and ffn.shared is not None and
                   weights_nbytes([container.weight(n) for n in ffn.shared.names]) <= self.slot_bytes}
         self._shared_slot = {layer: self.n_slots + j for j, layer in enumerate(shared)}
-        pinned = container.nbytes - sum(r.nbytes for r in ranges) if pin_weights else 0  # copied into RAM below
+        pinned = non_expert_bytes(container) if pin_weights else 0  # copied into RAM below
         self.arena = slot_arena((self.n_slots + len(shared)) * self.slot_bytes, budget_bytes, pinned)
         self.stats = CacheStats()
         self.scores = scores if scores is not None else saved_scores(usage_file, container, half_life)

@@ -219,9 +219,11 @@ class Scheduler:
                     self._cv.wait()
                 if self._stopping:
                     break
-                while self._queue and len(self._active) < self.max_active and self._kv_room(self._queue[0]):
+                while self._queue and len(self._active) < self.max_active and not self._waits(self._queue[0]):
                     job = self._queue.popleft()
-                    job.session = self._acquire(job.request.prompt_ids)
+                    own = self._reusable(job.request.prompt_ids)
+                    self._make_room(job, own)
+                    job.session = self._acquire(own)
                     job.started = time.perf_counter()
                     self._active.append(job)
                 self.counters["max_active_seen"] = max(self.counters["max_active_seen"], len(self._active))
@@ -238,23 +240,29 @@ class Scheduler:
             job.cancelled = True
             self._finish(job, "cancelled")
 
-    def _kv_room(self, job: GenerationJob) -> bool:
-        """Whether the KV rows `job` may come to hold fit the engine's budget beside every Session's and the active
-        requests' most, after idle Sessions give up theirs (least recently used first); called under the lock."""
-        budget = getattr(self.engine, "kv_budget_tokens", None)
+    @staticmethod
+    def _most_rows(job: GenerationJob, budget: int) -> int:
+        """The KV rows `job` may come to hold: its prompt and `max_tokens`, at most `budget`."""
+        return min(len(job.request.prompt_ids) + job.request.max_tokens, budget)
+
+    def _waits(self, job: GenerationJob) -> bool:
+        """Whether `job` must wait for active requests to end: with the engine's budget of KV rows, their most and
+        its own do not fit it (called under the lock). A request alone holds at most the budget (the context)."""
+        budget = self.engine.kv_budget_tokens
+        return budget is not None and bool(self._active) and \
+            sum(self._most_rows(j, budget) for j in [*self._active, job]) > budget
+
+    def _make_room(self, job: GenerationJob, own: Session | None) -> None:
+        """Idle Sessions other than `own` (the one that will serve `job`: its rows become the job's) give up their
+        rows, least recently used first, until the active requests' most, the rest of the idle rows and `job`'s most
+        fit the engine's budget of KV rows (none: nothing to do); called under the lock, once `_waits` said no."""
+        budget = self.engine.kv_budget_tokens
         if budget is None:
-            return True
-
-        def most(j: GenerationJob) -> int:
-            return min(len(j.request.prompt_ids) + j.request.max_tokens, budget)
-
-        active = sum(most(j) for j in self._active)
-        if self._active and active + most(job) > budget:
-            return False  # it waits for active requests to end, whatever idle Sessions would give up
-        own = self._reusable(job.request.prompt_ids)  # the Session that will serve it: its rows become the job's
-        held = active + sum(s.kv.length for s in self._idle if s is not own)
+            return
+        held = sum(self._most_rows(j, budget) for j in [*self._active, job])
+        held += sum(s.kv.length for s in self._idle if s is not own)
         for session in list(self._idle):
-            if held + most(job) <= budget:
+            if held <= budget:
                 break
             if session is not own and session.kv.length:  # its rows given up: a fresh Session in its place
                 held -= session.kv.length
@@ -263,20 +271,18 @@ class Scheduler:
                 fresh = Session(self.engine.model, self.prefix_cache)
                 self._sessions[self._sessions.index(session)] = fresh
                 self._idle.insert(0, fresh)
-        return True  # the idle Sessions gave up enough (alone, a request holds at most the budget: the context)
 
-    def _acquire(self, prompt_ids: list[int]) -> Session:
-        """A Session for a new request (called under the lock): `_reusable`'s, else a new one in the pool. The prefix
-        cache restores what the chosen Session lacks."""
+    def _acquire(self, own: Session | None) -> Session:
+        """The Session for a new request (called under the lock): `own` (`_reusable`'s) taken from the idle ones, else
+        a new one in the pool. The prefix cache restores what the chosen Session lacks."""
         if not self.reuse:
             return Session(self.engine.model, None)
-        best = self._reusable(prompt_ids)
-        if best is None:
-            best = Session(self.engine.model, self.prefix_cache)
-            self._sessions.append(best)
-            return best
-        self._idle.remove(best)
-        return best
+        if own is None:
+            own = Session(self.engine.model, self.prefix_cache)
+            self._sessions.append(own)
+            return own
+        self._idle.remove(own)
+        return own
 
     def _reusable(self, prompt_ids: list[int]) -> Session | None:
         """The idle Session a new request with this prompt gets (called under the lock), None for a new one:
