@@ -228,7 +228,8 @@ def test_output_config_format_constrains_the_reply(client, model):
 @pytest.mark.parametrize("aliases", [("claude-sonnet-4-5", "claude-haiku-4-5"), ("*",)], ids=["named", "any"])
 def test_model_aliases_answer_to_the_ids_an_agent_sends(engine, aliases):
     """`--model-alias`: an agent that sends its own model ids (a main and a small model) is served under them on
-    both APIs, replies naming the served model; ids outside the aliases stay a 404, unless "*" is one of them."""
+    both APIs, replies naming the served model; both APIs' model listings name them; ids outside the aliases stay a
+    404, unless "*" is one of them."""
     args = build_parser().parse_args(["unused", "--model-name", "m", *[f"--model-alias={a}" for a in aliases]])
     config = ServeConfig("m", model_aliases=tuple(args.model_alias))
     srv = ServerThread(create_app(config, lambda: Loaded(engine, ScriptedScheduler("Hello there")))).start()
@@ -239,11 +240,19 @@ def test_model_aliases_answer_to_the_ids_an_agent_sends(engine, aliases):
             assert reply.content[0].text == "Hello there" and reply.model == "m"
         chat = srv.client().chat.completions.create(model="claude-haiku-4-5", messages=[user("Hi")], max_tokens=8)
         assert chat.choices[0].message.content == "Hello there" and chat.model == "m"
-        assert srv.client().models.retrieve("claude-sonnet-4-5").id == "m"
+        named = ["m", *(a for a in aliases if a != "*")]  # the listings: the model, then each alias but "*"
+        assert [m.id for m in srv.client().models.list().data] == named
+        assert [(m.id, m.type, m.display_name) for m in client.models.list().data] == [(n, "model", n) for n in named]
+        assert srv.client().models.retrieve("claude-sonnet-4-5").id == "claude-sonnet-4-5"
+        card = client.models.retrieve("claude-haiku-4-5")
+        assert (card.id, card.max_input_tokens) == ("claude-haiku-4-5", engine.config.max_position_embeddings)
         if "*" in aliases:
             assert client.messages.create(model="gpt-4o", max_tokens=8, messages=[user("Hi")]).model == "m"
         else:
             with pytest.raises(anthropic.NotFoundError):
                 client.messages.create(model="gpt-4o", max_tokens=8, messages=[user("Hi")])
+            with pytest.raises(anthropic.NotFoundError) as info:  # in Anthropic's error shape off /v1/messages too
+                client.models.retrieve("gpt-4o")
+            assert error_of(info.value)["type"] == "not_found_error"
     finally:
         srv.stop()

@@ -33,7 +33,8 @@ glm-run's default expert cache; it must stream). Per round, alternating, each co
 from the page cache first): a 256-token random prompt, then 64 greedy tokens (MTP off); decode tok/s and each
 cgroup's peak memory. The stages start without reading their experts ahead (what they read before the move would be
 charged to this process's cgroup); the head (this process: embedding, final norm, lm_head) is not limited; the
-hops glm-run's default picks (`--pipeline-hops auto`).
+hops glm-run's default picks (`--pipeline-hops auto`). `--disk-mbps N` also throttles every cgroup's reads of the
+snapshot's disk to N MB/s (tools/bench_stream.py's `--disk-mbps`: a disk like the ones the product is for).
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ from tools.bench_stream import (
     new_cgroups,
     peak_mb,
     run_child,
+    whole_disk,
 )
 
 GREEDY = SamplingParams()
@@ -134,15 +136,19 @@ def cgroup_rounds(args: argparse.Namespace) -> None:
              log_to_driver=False, logging_level="warning")
     engine = PipelineEngine(snapshot, 2, device=args.device, prefetch=False, load_tokenizer=False,
                             blas_threads=args.blas)
-    groups = [new_cgroups(limit, name=f"glmkit-stage-{os.getpid()}-{i}")[0] for i in range(2)]
-    for group, where in zip(groups, engine.pipeline.where, strict=True):
-        (group / "cgroup.procs").write_text(str(where["pid"]))
+    read_bps = None if args.disk_mbps is None else int(args.disk_mbps * 1e6)
+    disk = whole_disk(snapshot) if read_bps else ""
+    stage_groups = [new_cgroups(limit, read_bps, disk, name=f"glmkit-stage-{os.getpid()}-{i}") for i in range(2)]
+    groups = [g for both in stage_groups for g in both if "blkio" not in g.parts]  # each stage's memory group
+    for both, where in zip(stage_groups, engine.pipeline.where, strict=True):
+        for group in both:
+            (group / "cgroup.procs").write_text(str(where["pid"]))
     prompt = np.random.default_rng(0).integers(0, engine.config.vocab_size, PROMPT).tolist()  # bench_stream's
     rounds: dict[str, list[float]] = {"single": [], "2 stages": []}
     peaks: dict[str, list[int | None]] = {"single": [], "2 stages": []}
     try:
         for _ in range(args.rounds):
-            single = run_child(snapshot, "cache", limit, 900)
+            single = run_child(snapshot, "cache", limit, 900, read_bps=read_bps)
             if "error" in single:
                 raise SystemExit(f"the single process failed: {single['error']}")
             rounds["single"].append(single["decode_tok_s"])
@@ -154,11 +160,12 @@ def cgroup_rounds(args: argparse.Namespace) -> None:
     finally:
         engine.close()
         time.sleep(1)  # the stage processes leave their groups as they exit
-        for group in groups:
+        for group in (g for both in stage_groups for g in both):
             group.rmdir()
     single_rate, staged = statistics.median(rounds["single"]), statistics.median(rounds["2 stages"])
     print(f"{snapshot}: {size / 1e9:.2f} GB, cgroups of {limit >> 20} MiB ({args.cgroup:g} of it), --device "
-          f"{args.device}; {args.rounds} rounds, medians")
+          f"{args.device}; {args.rounds} rounds, medians"
+          + ("" if read_bps is None else f"; reads throttled to {args.disk_mbps:g} MB/s"))
     print("| configuration | decode tok/s | per round | cgroup peak MiB |")
     print("|---|---:|---|---:|")
     for name, rate in (("single", single_rate), ("2 stages", staged)):
@@ -167,7 +174,8 @@ def cgroup_rounds(args: argparse.Namespace) -> None:
     print(f"2 stages / single: {staged / single_rate:.2f}x")
     if args.json:
         args.json.write_text(json.dumps({"limit_bytes": limit, "container_bytes": size, "device": args.device,
-                                         "decode_tok_s": rounds, "peak_mb": peaks}, indent=1) + "\n")
+                                         "decode_tok_s": rounds, "peak_mb": peaks,
+                                         "disk_mbps": args.disk_mbps}, indent=1) + "\n")
 
 
 def main() -> None:
@@ -189,6 +197,8 @@ def main() -> None:
     p.add_argument("--cgroup", type=float, metavar="FRACTION",
                    help="instead: 2 stages and one process, each in a memory cgroup of this fraction of the 256-expert "
                         "model (module docstring)")
+    p.add_argument("--disk-mbps", type=float, help="with --cgroup: each cgroup's reads of the snapshot's disk "
+                   "throttled to this many MB/s")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     if args.cgroup is not None:

@@ -47,12 +47,13 @@ from glmkit.serve.messages_api import (
     MessageEvents,
     anthropic_error,
     error_event,
-    is_messages_path,
     message_body,
     new_message_id,
     parse_messages_request,
+    speaks_anthropic,
 )
 from glmkit.serve.protocol import (
+    ANY_MODEL,
     ApiError,
     Common,
     SamplingDefaults,
@@ -144,7 +145,7 @@ def _on_shutdown_signal(state: State, handler: Callable[[int, FrameType | None],
 
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
-    if is_messages_path(request.url.path):
+    if speaks_anthropic(request.scope):
         return anthropic_error(exc.status, exc.message)
     return exc.response()
 
@@ -158,7 +159,7 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     message = f"{request.method} {request.url.path}: {exc.detail}"
-    if is_messages_path(request.url.path):
+    if speaks_anthropic(request.scope):
         return anthropic_error(exc.status_code, message)
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
     return error_response(exc.status_code, message, param=None, code=code)
@@ -179,14 +180,24 @@ async def health(request: Request) -> Response:
     return JSONResponse({"status": "loading"}, status_code=503)
 
 
-def _model_card(state: State) -> dict[str, Any]:
-    return {"id": state.config.model_name, "object": "model", "created": int(state.started), "owned_by": "glmkit"}
+def _model_card(request: Request, state: State, model_id: str) -> dict[str, Any]:
+    """The model `model_id` as OpenAI's model object, or Anthropic's where the request speaks that API."""
+    if not speaks_anthropic(request.scope):
+        return {"id": model_id, "object": "model", "created": int(state.started), "owned_by": "glmkit"}
+    created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(state.started))
+    return {"type": "model", "id": model_id, "display_name": model_id, "created_at": created, "lifecycle": "active",
+            "max_input_tokens": state.ready().engine.config.max_position_embeddings}
 
 
 async def models(request: Request) -> Response:
+    """The served model's name, then each alias (but ANY_MODEL) as its own model."""
     state = serve_state(request)
     state.ready()
-    return JSONResponse({"object": "list", "data": [_model_card(state)]})
+    ids = [state.config.model_name, *(a for a in state.config.model_aliases if a != ANY_MODEL)]
+    cards = [_model_card(request, state, model_id) for model_id in dict.fromkeys(ids)]
+    if speaks_anthropic(request.scope):
+        return JSONResponse({"data": cards, "has_more": False, "first_id": cards[0]["id"], "last_id": cards[-1]["id"]})
+    return JSONResponse({"object": "list", "data": cards})
 
 
 async def model_info(request: Request) -> Response:
@@ -194,7 +205,7 @@ async def model_info(request: Request) -> Response:
     state.ready()
     model_id = request.path_params["model_id"]
     check_model({"model": model_id}, state.config.model_names)
-    return JSONResponse(_model_card(state))
+    return JSONResponse(_model_card(request, state, model_id))
 
 
 async def stats(request: Request) -> Response:

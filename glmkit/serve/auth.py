@@ -7,13 +7,13 @@ from collections.abc import Callable
 
 from starlette.applications import Starlette
 
-from glmkit.serve.messages_api import anthropic_error, is_messages_path
+from glmkit.serve.messages_api import anthropic_error, speaks_anthropic
 from glmkit.serve.protocol import error_response
 
 
 class AuthMiddleware:
     """The API key on every route but /health, when one is set: as a bearer token or in `x-api-key`. A refusal
-    takes the shape of the route's API (Anthropic's under /v1/messages, else OpenAI's)."""
+    takes the shape of the request's API (`speaks_anthropic`, else OpenAI's)."""
 
     def __init__(self, app: Starlette, api_key: str | None):
         self.app = app
@@ -30,7 +30,7 @@ class AuthMiddleware:
                 sent = header or b"x-api-key" in headers
                 message = ("Incorrect API key provided." if sent else
                            "Missing API key (Authorization: Bearer KEY, or x-api-key: KEY).")
-                response = (anthropic_error(401, message) if is_messages_path(scope["path"])
+                response = (anthropic_error(401, message) if speaks_anthropic(scope)
                             else error_response(401, message, code="invalid_api_key"))
                 await response(scope, receive, send)
                 return

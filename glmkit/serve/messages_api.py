@@ -49,9 +49,10 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
                429: "rate_limit_error", 499: "invalid_request_error", 503: "overloaded_error"}
 
 
-def is_messages_path(path: str) -> bool:
-    """Whether a request path is one of this API's routes (its errors take Anthropic's shape)."""
-    return path.startswith("/v1/messages")
+def speaks_anthropic(scope: dict) -> bool:
+    """Whether an ASGI request speaks this API (its errors and listings take Anthropic's shape): one of its routes,
+    or on the routes both APIs share (`/v1/models`) the `anthropic-version` header Anthropic's clients send."""
+    return scope["path"].startswith("/v1/messages") or any(name == b"anthropic-version" for name, _ in scope["headers"])
 
 
 def error_body(status: int, message: str) -> dict[str, Any]:
