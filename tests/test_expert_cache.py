@@ -28,7 +28,7 @@ from glmkit.model.expert_cache import (
     write_usage,
 )
 from glmkit.model.expert_stream import memory_limit_bytes
-from glmkit.model.glm5 import prefill_rows_within
+from glmkit.model.glm5 import span_rows_within
 from glmkit.model.kv_cache import kv_bytes_per_token
 from glmkit.model.ops import likely_experts
 from tests.runtime_support import Snapshots
@@ -182,9 +182,10 @@ def test_the_memory_limit_is_the_lowest_of_the_cgroup_and_those_above_it(tmp_pat
     assert memory_limit_bytes(proc, sysfs) == machine
 
 
-def test_an_auto_sized_cache_cuts_a_long_prompt_into_chunks_that_fit_its_allowance(snapshots, monkeypatch):
-    """Under a memory limit the auto-sized cache leaves `activation_allowance` for activations: a prompt is then
-    prefilled in chunks of `prefill_rows_within` rows (the same tokens as one whole forward)."""
+def test_an_expert_cache_runs_a_long_prompt_layer_by_layer_in_spans_that_fit_its_allowance(snapshots, monkeypatch):
+    """Under an expert cache the Engine leaves `activation_allowance` for activations: a prompt then goes in spans of
+    `span_rows_within` rows, each run layer by layer with its attention in blocks (the same tokens as one whole
+    forward without a cache)."""
     snap = snapshots("tiny-trained", "q4")
     whole = Engine(snap, "numpy", load_tokenizer=False)
     limit = 8 << 20
@@ -192,16 +193,62 @@ def test_an_auto_sized_cache_cuts_a_long_prompt_into_chunks_that_fit_its_allowan
     monkeypatch.setattr(expert_cache, "anonymous_resident_bytes", lambda: 0)
     monkeypatch.setattr(engine_module, "memory_limit_bytes", lambda: limit)
     cut = Engine(snap, "numpy", load_tokenizer=False, expert_cache="auto")
-    rows = cut.model.prefill_rows
-    assert rows == prefill_rows_within(cut.config, expert_cache.activation_allowance(limit)) < 300
+    span, block = cut.model.span_rows, cut.model.prefill_rows
+    assert (span, block) == span_rows_within(cut.config, expert_cache.activation_allowance(limit))
+    assert block < span < 500
     sizes: list[int] = []
-    forward = cut.model.forward
+    blocks: list[int] = []
+    forward, by_layer = cut.model.forward, cut.model.layers_by_layer
     monkeypatch.setattr(cut.model, "forward", lambda ids, *a, **k: (sizes.append(len(ids)), forward(ids, *a, **k))[1])
-    prompt = np.random.default_rng(1).integers(0, cut.config.vocab_size, 300).tolist()
+    monkeypatch.setattr(cut.model, "layers_by_layer", lambda *a: (blocks.append(a[-1]), by_layer(*a))[1])
+    prompt = np.random.default_rng(1).integers(0, cut.config.vocab_size, 2 * span + 40).tolist()
     runs = [list(Generator(e.model, eos_token_ids=(), use_mtp=False).generate(prompt, 8, Sampler(SamplingParams())))
             for e in (whole, cut)]
-    assert runs[0] == runs[1] and max(sizes) == rows and sum(s for s in sizes if s > 1) == 300
+    assert runs[0] == runs[1]
+    assert [s for s in sizes if s > 1] == [span, span, 40] and blocks == [block, block]
     cut.close()
+
+
+@pytest.mark.parametrize("device", ["numpy", "opencl"])
+def test_a_prompt_run_layer_by_layer_reads_each_routed_expert_once_a_layer(snapshots, device):
+    """A prompt past the indexer's top-k run layer by layer (attention in blocks of 16, DSA selection on, 'shared'
+    layers reusing each block's) gives one whole forward's logits within f32 rounding, and with two slots per MoE
+    layer reads each (layer, expert) its rows route to once, where chunks of 16 rows read them again per chunk."""
+    snap = snapshots("tiny-trained", "q4")
+    ram = Engine(snap, device, load_tokenizer=False, expert_cache=0)
+    cfg = ram.config
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    budget = max(2 * moe_layers, cfg.num_experts_per_tok) * slot_bytes(ram)
+    prompt = np.array(np.random.default_rng(2).integers(0, cfg.vocab_size, 3 * cfg.index_topk + 5))
+    reference, _ = ram.model.forward(prompt, ram.model.new_cache())
+    reads = {}
+    for mode in ("by layer", "chunks"):
+        streamed = Engine(snap, device, load_tokenizer=False, expert_cache=budget, prefetch=False)  # no read-ahead
+        routed: set[tuple[int, int]] = set()
+        hook = streamed.model.route_hook
+        streamed.model.route_hook = lambda layer, ids, u: (routed.update((layer, e) for e in ids.ravel().tolist()),
+                                                           hook(layer, ids, u))
+        model, cache = streamed.model, streamed.model.new_cache()
+        model.prefill_rows = 16
+        if mode == "by layer":
+            model.span_rows = len(prompt)
+            attended: list[int] = []  # the rows of each attention call: blocks of 16
+            attention = model.attention
+            model.attention = lambda layer, u, *a: (attended.append(len(u)), attention(layer, u, *a))[1]
+            logits, _ = model.forward(prompt, cache)
+            assert max(attended) == 16 and sum(attended) == cfg.num_hidden_layers * len(prompt)
+            scale = np.abs(reference).max()
+            assert np.abs(logits - reference).max() <= 1e-5 * scale
+            assert np.array_equal(logits.argmax(-1), reference.argmax(-1))
+        else:
+            for start in range(0, len(prompt), 16):
+                model.forward(prompt[start:start + 16], cache)
+        reads[mode] = streamed.experts.stats.reads
+        assert cache.length == len(prompt)
+        if mode == "by layer":
+            assert reads[mode] <= len(routed)  # each routed (layer, expert) at most once; the cached ones not at all
+        streamed.close()
+    assert reads["chunks"] > 2 * reads["by layer"]
 
 
 def test_a_budget_below_one_layer_is_refused(snapshots):

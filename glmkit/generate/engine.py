@@ -27,7 +27,7 @@ from glmkit.model.expert_cache import (
     usage_path,
 )
 from glmkit.model.expert_stream import ExpertStats, ExpertStreamer, memory_limit_bytes, outgrows_memory
-from glmkit.model.glm5 import GlmMoeDsaModel, prefill_rows_within
+from glmkit.model.glm5 import GlmMoeDsaModel, span_rows_within
 from glmkit.model.kv_cache import kv_bytes_per_token
 from glmkit.units import format_size
 
@@ -133,8 +133,11 @@ class Engine:
                                         kv_dtype=kv_dtype)
             if prefetch and not watch:  # it fits: all of it in the page cache, read in the background
                 self.experts.warm_in_background()
-        if expert_cache and self.expert_cache_reason:  # sized from the RAM: a long prompt's chunks fit what it left
-            self.model.prefill_rows = prefill_rows_within(self.config, activation_allowance(memory_limit_bytes()))
+        if expert_cache and not split:  # each forward reads its routed experts once a layer: long prompts go layer
+            # by layer in spans as long as the activations' room allows (sized from the RAM: what the cache left)
+            self.model.span_rows, self.model.prefill_rows = span_rows_within(
+                self.config, activation_allowance(memory_limit_bytes()))
+        if expert_cache and self.expert_cache_reason:
             self.kv_budget_tokens = self.config.max_position_embeddings
         # the device decode step (if any) is built now, with the model, not inside the first prompt's time to token
         self.model.decodes_on_device()

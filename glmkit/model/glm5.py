@@ -64,12 +64,22 @@ DENSE_MLP_ROWS = 512
 # 256-expert benchmark model: ~15; docs/BENCHMARKS.md, out of core)
 PREFILL_ROW_FLOATS = 20
 MIN_PREFILL_ROWS = 128
+# float32 values per hidden unit that a prompt run layer by layer (`layers_by_layer`) holds per token of its span
+# beside one attention block's temporaries: the residual rows, their norm, the MoE's output and its experts' rows
+SPAN_ROW_FLOATS = 8
 
 
 def prefill_rows_within(config: ModelConfig, nbytes: int) -> int:
     """The prompt rows one forward may take so that its temporaries stay within `nbytes` (at least
     MIN_PREFILL_ROWS)."""
     return max(MIN_PREFILL_ROWS, nbytes // (config.hidden_size * 4 * PREFILL_ROW_FLOATS))
+
+
+def span_rows_within(config: ModelConfig, nbytes: int) -> tuple[int, int]:
+    """(span, block): the prompt rows one forward run layer by layer may take, and its attention's rows per block,
+    so that its temporaries stay within `nbytes`: a quarter for a block's, the rest for the span's."""
+    block = prefill_rows_within(config, nbytes // 4)
+    return max(block, (nbytes - nbytes // 4) // (config.hidden_size * 4 * SPAN_ROW_FLOATS)), block
 
 # ---- pure functions ----------------------------------------------------------------------------
 
@@ -163,6 +173,9 @@ class GlmMoeDsaModel:
         self.step_route_hook = step_route_hook  # a decode step's routing as it happens: `DecodeStep.watch_routes`
         self.step_experts = step_experts
         self.prefill_rows: int | None = None  # where memory is tight: the most prompt rows a forward should take
+        # where routed experts are read per pass over the layers (an expert cache): prompts run layer by layer over
+        # spans of this many rows, each layer's attention `prefill_rows` at a time (`layers_by_layer`)
+        self.span_rows: int | None = None
         self._step: DecodeStep | None | bool = False  # the backend's decode step, asked for on the first forward
         self._verify: DecodeStep | None | bool = False  # its two-row form (MTP's verification), on first use
         self._parts: dict[tuple[int, int, bool], DecodeStep | None] = {}  # steps over parts: `part_step`
@@ -302,14 +315,39 @@ class GlmMoeDsaModel:
 
     def prompt_chunk(self, chunk: int) -> int:
         """Prompt rows per forward for a caller that would take `chunk`: fewer where memory is tight
-        (`prefill_rows`)."""
+        (`prefill_rows`); where prompts run layer by layer, a whole span (`span_rows`), since each forward then
+        reads every routed expert its rows route to once."""
+        if self.span_rows is not None:
+            return self.span_rows
         return chunk if self.prefill_rows is None else min(chunk, self.prefill_rows)
 
     def main_layers(self, x: np.ndarray, cache: KVCache) -> np.ndarray:
         """Every decoder layer of the main model on the embedded rows `x [S, H]` of the tokens appended at
         `cache.length..`; returns the last layer's output `[S, H]` (before the final norm)."""
         positions = np.arange(cache.length, cache.length + len(x))
-        return self.run_layers(range(self.config.num_hidden_layers), x, positions, cache, None)[0]
+        layers = range(self.config.num_hidden_layers)
+        if self.span_rows is not None and self.prefill_rows is not None and len(x) > self.prefill_rows:
+            return self.layers_by_layer(layers, x, positions, cache, self.prefill_rows)
+        return self.run_layers(layers, x, positions, cache, None)[0]
+
+    def layers_by_layer(self, layers: range, x: np.ndarray, positions: np.ndarray, cache: KVCache, block: int
+                        ) -> np.ndarray:
+        """`run_layers` of a prompt's rows `x [S, H]` at `positions [S]` (from layer 0), one layer at a time: the
+        layer's attention `block` rows at a time in order (a block's queries see the rows of the blocks before it,
+        as chunked prefill's do), then its feed-forward on all S rows at once, so that its MoE runs each routed
+        expert once for the whole span where chunks would read it once per chunk. Returns `[S, H]`; the logits
+        are a single forward's within f32 rounding (blocks of attention instead of one)."""
+        x = np.array(x, dtype=np.float32)  # [S, H], the residual stream, updated in place
+        blocks = [slice(b, b + block) for b in range(0, len(x), block)]
+        chosen: list[np.ndarray | None] = [None] * len(blocks)  # each block's DSA selection, for 'shared' layers
+        for layer in layers:
+            spec, kv = self.layers[layer], cache.layer(layer)
+            for i, rows in enumerate(blocks):
+                attn, chosen[i] = self.attention(layer, self._norm(x[rows], spec.input_norm), positions[rows], kv,
+                                                 chosen[i])  # [s, H]
+                x[rows] += attn  # h = x + Attn(RMSNorm(x))
+            x += self.feed_forward(layer, self._norm(x, spec.post_attention_norm))  # x' = h + FFN(RMSNorm(h))
+        return x
 
     def run_layers(self, layers: range, x: np.ndarray, positions: np.ndarray, cache: KVCache,
                    chosen: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
