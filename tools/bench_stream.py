@@ -145,11 +145,12 @@ def peak_mb(group: Path) -> int | None:
 
 def run_child(snapshot: Path, mode: str, limit: int | None, timeout: float, cache: str = "auto",
               mtp: bool = False, prompt_file: Path | None = None, baseline_tree: Path | None = None,
-              read_bps: int | None = None) -> dict:
+              read_bps: int | None = None, prompt: int = PROMPT) -> dict:
     groups = new_cgroups(limit, read_bps, whole_disk(snapshot) if read_bps else "")
     memory = next((g for g in groups if "blkio" not in g.parts), None)  # the group whose peak is the memory's
     drop_from_page_cache(snapshot)
-    argv = [sys.executable, __file__, "--worker", str(snapshot), mode, cache, str(int(mtp)), str(prompt_file or "")]
+    argv = [sys.executable, __file__, "--worker", str(snapshot), mode, cache, str(int(mtp)), str(prompt_file or ""),
+            str(prompt)]
 
     def enter() -> None:
         for group in groups:
@@ -176,7 +177,7 @@ def run_child(snapshot: Path, mode: str, limit: int | None, timeout: float, cach
     return {**json.loads(done.stdout.strip().splitlines()[-1]), "peak_mb": peak}
 
 
-def worker(snapshot: str, mode: str, cache: str, mtp: bool, prompt_file: str) -> dict:
+def worker(snapshot: str, mode: str, cache: str, mtp: bool, prompt_file: str, prompt_len: int) -> dict:
     import numpy as np
 
     from glmkit.generate.engine import Engine
@@ -196,14 +197,14 @@ def worker(snapshot: str, mode: str, cache: str, mtp: bool, prompt_file: str) ->
         # the KV rows kept room for: this run's context (glm-run --max-context), not the model's whole one
         engine = Engine(snapshot, "numpy" if mode == "numpy" else "auto", load_tokenizer=False,
                         expert_cache=(cache if cache == "auto" else int(cache)) if mode == "cache" else 0,
-                        max_context=PROMPT + TOKENS + 2)
+                        max_context=prompt_len + TOKENS + 2)
     stats_of = engine.expert_stats if hasattr(engine, "expert_stats") else getattr(engine.experts, "stats", None)
-    if prompt_file:  # a JSON list of token ids, or of windows of them (glm-perplexity's): the first PROMPT ids
+    if prompt_file:  # a JSON list of token ids, or of windows of them (glm-perplexity's): the first prompt_len ids
         ids = json.loads(Path(prompt_file).read_text())
         flat = [t for window in ids for t in window] if ids and isinstance(ids[0], list) else ids
-        prompt = [int(t) for t in flat[:PROMPT]]
+        prompt = [int(t) for t in flat[:prompt_len]]
     else:
-        prompt = np.random.default_rng(0).integers(0, engine.config.vocab_size, PROMPT).tolist()
+        prompt = np.random.default_rng(0).integers(0, engine.config.vocab_size, prompt_len).tolist()
     gen = Generator(engine.model, eos_token_ids=(), use_mtp=mtp)
     tokens, first = 0, 0.0
     before, began = read_bytes(), time.perf_counter()
@@ -293,7 +294,7 @@ def summary(rows: list[dict]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
-        print(json.dumps(worker(argv[1], argv[2], argv[3], argv[4] == "1", argv[5])))
+        print(json.dumps(worker(argv[1], argv[2], argv[3], argv[4] == "1", argv[5], int(argv[6]))))
         return 0
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--work", type=Path, default=DEFAULT_WORK.with_name("glmkit-stream-model"))
@@ -316,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mtp", default="off", help="off, on, or both (MTP speculative decoding)")
     p.add_argument("--prompt-tokens", type=Path,
                    help="a JSON list of token ids or of windows of them, the prompt's (default: random ids)")
+    p.add_argument("--prompt", type=int, default=PROMPT, help="prompt tokens (default %(default)s)")
     p.add_argument("--rounds", type=int, default=1,
                    help="run every fraction and mode this many times, in turn (a summary of medians follows)")
     p.add_argument("--json", type=Path)
@@ -345,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
             for mode, mtp in [(m, t) for m in args.modes.split(",") for t in MTP_CHOICES[args.mtp]]:
                 row = {"round": turn, "fraction": fraction, "limit_mb": None if limit is None else limit >> 20,
                        "mtp": mtp, **run_child(snapshot, mode, limit, args.timeout, args.cache, mtp,
-                                               args.prompt_tokens, args.baseline_tree, read_bps)}
+                                               args.prompt_tokens, args.baseline_tree, read_bps, args.prompt)}
                 if "expert_mb_read_per_token" in row and row["expert_mb_read_per_token"] > 0:
                     row["io_bound_tok_s"] = round(bandwidth * 1e3 / row["expert_mb_read_per_token"], 1)
                 if "prefill_expert_mb" in row:  # the prompt's expert reads alone, at the measured bandwidth

@@ -46,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=64, metavar="N",
                    help="requests waiting beyond --parallel before 429 (default 64)")
     p.add_argument("--prefill-chunk", type=int, default=512, metavar="N",
-                   help="prefill long prompts N tokens per scheduling step (default 512)")
+                   help="prefill long prompts N tokens per scheduling step (default 512; under an expert cache "
+                        "a span as long as memory allows: each step reads the experts it routes to once)")
     p.add_argument("--default-max-tokens", type=int, default=4096, metavar="N",
                    help="reply limit when a request sets no max_tokens (default 4096; the context caps it too)")
     p.add_argument("--split-reasoning", action="store_true",

@@ -671,13 +671,22 @@ class GlmMoeDsaModel:
         return gate, up, down
 
     def _moe(self, spec: MoESpec, u: np.ndarray) -> np.ndarray:
-        """Routed experts (batch-union) plus the shared expert, on `u [S, H]`."""
+        """Routed experts (batch-union) plus the shared expert, on `u [S, H]`. A long prompt's router and shared
+        expert run in row blocks (their `[rows, E]` and `[rows, I]` temporaries bounded), the routed experts on all
+        rows at once (each read once); the shared expert's rows are added last, as the backends add them."""
         r = spec.router
-        logits = self.backend.linear(u, self._w(r.weight))  # [S, E]
-        ids, weights = route_noaux_tc(logits, self._w(r.bias), r.top_k, r.n_group, r.topk_group, r.norm_topk_prob,
-                                      r.scaling)  # [S, k] each
+        blocks = [slice(b, b + DENSE_MLP_ROWS) for b in range(0, u.shape[0], DENSE_MLP_ROWS)]
+        routes = [route_noaux_tc(self.backend.linear(u[rows], self._w(r.weight)), self._w(r.bias), r.top_k, r.n_group,
+                                 r.topk_group, r.norm_topk_prob, r.scaling) for rows in blocks]  # ([s, k], [s, k])
+        ids, weights = (routes[0] if len(routes) == 1 else
+                        (np.concatenate([i for i, _ in routes]), np.concatenate([w for _, w in routes])))  # [S, k]
         if self.route_hook is not None:
             self.route_hook(spec.layer, ids, u)
         done = None if self.ran_hook is None else functools.partial(self.ran_hook, spec.layer)
-        return self.backend.moe(u, ids, weights, lambda e: self._mlp(spec.expert(e)),
-                                None if spec.shared is None else self._mlp(spec.shared), done)
+        shared = None if spec.shared is None else self._mlp(spec.shared)
+        if len(blocks) == 1 or shared is None:
+            return self.backend.moe(u, ids, weights, lambda e: self._mlp(spec.expert(e)), shared, done)
+        out = self.backend.moe(u, ids, weights, lambda e: self._mlp(spec.expert(e)), None, done)  # [S, H]
+        for rows in blocks:
+            out[rows] += self.backend.expert_mlp(u[rows], *shared)
+        return out
