@@ -37,6 +37,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from glmkit.generate.generator import PREFILL_CHUNK
 from tools.bench_model import BENCH_CONFIG, DEFAULT_WORK, ensure_bench_snapshot
 
 STREAM_CONFIG = {**BENCH_CONFIG, "n_routed_experts": 256, "n_group": 8, "topk_group": 4}
@@ -145,12 +146,12 @@ def peak_mb(group: Path) -> int | None:
 
 def run_child(snapshot: Path, mode: str, limit: int | None, timeout: float, cache: str = "auto",
               mtp: bool = False, prompt_file: Path | None = None, baseline_tree: Path | None = None,
-              read_bps: int | None = None, prompt: int = PROMPT) -> dict:
+              read_bps: int | None = None, prompt: int = PROMPT, prefill_chunk: int = PREFILL_CHUNK) -> dict:
     groups = new_cgroups(limit, read_bps, whole_disk(snapshot) if read_bps else "")
     memory = next((g for g in groups if "blkio" not in g.parts), None)  # the group whose peak is the memory's
     drop_from_page_cache(snapshot)
     argv = [sys.executable, __file__, "--worker", str(snapshot), mode, cache, str(int(mtp)), str(prompt_file or ""),
-            str(prompt)]
+            str(prompt), str(prefill_chunk)]
 
     def enter() -> None:
         for group in groups:
@@ -177,7 +178,8 @@ def run_child(snapshot: Path, mode: str, limit: int | None, timeout: float, cach
     return {**json.loads(done.stdout.strip().splitlines()[-1]), "peak_mb": peak}
 
 
-def worker(snapshot: str, mode: str, cache: str, mtp: bool, prompt_file: str, prompt_len: int) -> dict:
+def worker(snapshot: str, mode: str, cache: str, mtp: bool, prompt_file: str, prompt_len: int, prefill_chunk: int
+           ) -> dict:
     import numpy as np
 
     from glmkit.generate.engine import Engine
@@ -205,7 +207,7 @@ def worker(snapshot: str, mode: str, cache: str, mtp: bool, prompt_file: str, pr
         prompt = [int(t) for t in flat[:prompt_len]]
     else:
         prompt = np.random.default_rng(0).integers(0, engine.config.vocab_size, prompt_len).tolist()
-    gen = Generator(engine.model, eos_token_ids=(), use_mtp=mtp)
+    gen = Generator(engine.model, eos_token_ids=(), use_mtp=mtp, prefill_chunk=prefill_chunk)
     tokens, first = 0, 0.0
     before, began = read_bytes(), time.perf_counter()
     for _ in gen.generate(prompt, TOKENS + 1, Sampler(SamplingParams())):
@@ -294,7 +296,7 @@ def summary(rows: list[dict]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
-        print(json.dumps(worker(argv[1], argv[2], argv[3], argv[4] == "1", argv[5], int(argv[6]))))
+        print(json.dumps(worker(argv[1], argv[2], argv[3], argv[4] == "1", argv[5], int(argv[6]), int(argv[7]))))
         return 0
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--work", type=Path, default=DEFAULT_WORK.with_name("glmkit-stream-model"))
@@ -318,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=Path,
                    help="a JSON list of token ids or of windows of them, the prompt's (default: random ids)")
     p.add_argument("--prompt", type=int, default=PROMPT, help="prompt tokens (default %(default)s)")
+    p.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK,
+                   help="prompt tokens per forward asked for (default %(default)s, glm-run's; glm-serve's steps: 512)")
     p.add_argument("--rounds", type=int, default=1,
                    help="run every fraction and mode this many times, in turn (a summary of medians follows)")
     p.add_argument("--json", type=Path)
@@ -347,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
             for mode, mtp in [(m, t) for m in args.modes.split(",") for t in MTP_CHOICES[args.mtp]]:
                 row = {"round": turn, "fraction": fraction, "limit_mb": None if limit is None else limit >> 20,
                        "mtp": mtp, **run_child(snapshot, mode, limit, args.timeout, args.cache, mtp,
-                                               args.prompt_tokens, args.baseline_tree, read_bps, args.prompt)}
+                                               args.prompt_tokens, args.baseline_tree, read_bps, args.prompt,
+                                               args.prefill_chunk)}
                 if "expert_mb_read_per_token" in row and row["expert_mb_read_per_token"] > 0:
                     row["io_bound_tok_s"] = round(bandwidth * 1e3 / row["expert_mb_read_per_token"], 1)
                 if "prefill_expert_mb" in row:  # the prompt's expert reads alone, at the measured bandwidth

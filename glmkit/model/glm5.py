@@ -66,7 +66,8 @@ PREFILL_ROW_FLOATS = 20
 MIN_PREFILL_ROWS = 128
 # float32 values per hidden unit that a prompt run layer by layer (`layers_by_layer`) holds per token of its span
 # beside one attention block's temporaries: the residual rows, their norm, the MoE's output and its experts' rows
-SPAN_ROW_FLOATS = 8
+# (~6.3 measured on the 256-expert benchmark model: docs/BENCHMARKS.md, out of core)
+SPAN_ROW_FLOATS = 10
 
 
 def prefill_rows_within(config: ModelConfig, nbytes: int) -> int:
