@@ -129,6 +129,23 @@ def test_the_auto_size_leaves_what_the_process_holds_and_a_quarter_of_the_limit(
     assert auto_cache_bytes(container)[0] == 0
 
 
+def test_where_the_experts_will_live_is_announced_before_the_cache_takes_its_memory(snapshots, monkeypatch):
+    """`Engine(announce=...)` hears the auto size's reason before the cache allocates its slots and copies the other
+    weights (a long wait at GLM-5's size): here the cache's construction fails, and the line was said already."""
+    snap = snapshots("tiny-trained", "q4")
+    monkeypatch.setattr(expert_cache, "memory_limit_bytes", lambda: 8 << 20)
+    monkeypatch.setattr(expert_cache, "anonymous_resident_bytes", lambda: 0)
+
+    def refuse(*args, **kwargs):
+        raise GlmkitError("no slots")
+
+    monkeypatch.setattr(ExpertCache, "__init__", refuse)
+    said: list[str] = []
+    with pytest.raises(GlmkitError, match="no slots"):
+        Engine(snap, "numpy", load_tokenizer=False, expert_cache="auto", announce=said.append)
+    assert len(said) == 1 and said[0].startswith("expert cache ") and "holds now" in said[0]
+
+
 def test_the_auto_size_keeps_room_for_the_kv_rows_of_the_context(snapshots, monkeypatch):
     """An auto-sized cache leaves the KV rows of `max_context` positions (the model's whole context by default), so a
     long prompt's rows do not take the process past its limit; the context is then the engine's (its config) and the

@@ -94,9 +94,8 @@ def engine_from_arguments(args: argparse.Namespace, load_tokenizer: bool = True)
                     prefetch=not getattr(args, "no_prefetch", False), load_tokenizer=load_tokenizer,
                     float_activations=args.float_activations, expert_cache=getattr(args, "expert_cache", None),
                     expert_usage_dir=default_cache_dir().parent, kv_dtype=args.kv_dtype,
-                    max_context=getattr(args, "max_context", None))
-    if engine.expert_cache_reason:
-        print(engine.expert_cache_reason, file=sys.stderr)
+                    max_context=getattr(args, "max_context", None),
+                    announce=lambda line: print(line, file=sys.stderr, flush=True))
     return engine
 
 

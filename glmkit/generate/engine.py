@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -59,12 +60,15 @@ class Engine:
     the most used routed experts (the split step), and both add their tokens' routes. kv_dtype: the KV rows'
     precision (`glmkit.model.kv_cache.KV_DTYPES`). max_context: the most positions a sequence may hold (default: the
     model's `max_position_embeddings`; `config` says it from then on); a cache sized from the RAM keeps room for the
-    KV rows of that many positions, which `kv_budget_tokens` then bounds (several sequences share it)."""
+    KV rows of that many positions, which `kv_budget_tokens` then bounds (several sequences share it).
+    announce: called with `expert_cache_reason` (where the routed experts will live, and why) once it is known,
+    before the expert cache takes its memory: the CLIs print it, so a long start is not a silent one."""
 
     def __init__(self, snapshot: str | Path, device: str = "numpy", ram_budget_bytes: int = 0,
                  prefetch: bool = True, load_tokenizer: bool = True, float_activations: bool = False,
                  expert_cache: int | str | None = None, expert_usage_dir: Path | None = None,
-                 kv_dtype: str = "f32", max_context: int | None = None):
+                 kv_dtype: str = "f32", max_context: int | None = None,
+                 announce: Callable[[str], None] | None = None):
         self.container = Container(snapshot)
         self.config = context_config(self.container.config, max_context)
         # what may still fail cheaply comes before anything that starts threads (the expert cache's reads)
@@ -79,15 +83,17 @@ class Engine:
         self.kv_budget_tokens: int | None = None
         try:
             self._open(device, ram_budget_bytes, prefetch, float_activations, expert_cache, kv_dtype,
-                       kv_bytes_per_token(self.config, kv_dtype) * self.config.max_position_embeddings)
+                       kv_bytes_per_token(self.config, kv_dtype) * self.config.max_position_embeddings, announce)
         except BaseException:
             Engine.close(self)  # an expert cache opened so far (its reads, its preloading); not a subclass's
             raise
 
     def _open(self, device: str, ram_budget_bytes: int, prefetch: bool, float_activations: bool,
-              expert_cache: int | str | None, kv_dtype: str, kv_bytes: int) -> None:
+              expert_cache: int | str | None, kv_dtype: str, kv_bytes: int,
+              announce: Callable[[str], None] | None) -> None:
         """The backend, the weight source (expert cache or page cache) and the model (see the class); a cache sized
-        from the RAM leaves `kv_bytes` for KV rows."""
+        from the RAM leaves `kv_bytes` for KV rows. `announce(expert_cache_reason)` as soon as it is known: before
+        the cache takes its slots' pages and copies the other weights (a minute or more at GLM-5's size)."""
         self.backend, self.device = make_backend(device, self.container, not float_activations, self.expert_usage)
         discrete = getattr(getattr(self.backend, "k", None), "direct", True) is False
         # a discrete GPU smaller than the model with a CPU device beside it (the split step): the experts it leaves
@@ -105,6 +111,8 @@ class Engine:
             if expert_cache == 0:
                 raise GlmkitError(f"--expert-cache auto: no RAM left for experts ({why})")
             self.expert_cache_reason = f"expert cache {why}"
+        if announce is not None and self.expert_cache_reason:
+            announce(self.expert_cache_reason)
         if expert_cache and discrete and not split:
             raise GlmkitError("--expert-cache: this discrete GPU holds every weight it runs (the cache serves the "
                               "routed experts a GPU smaller than the model leaves to a CPU OpenCL device beside it)")
