@@ -28,7 +28,7 @@ from glmkit.model.expert_cache import (
     write_usage,
 )
 from glmkit.model.expert_stream import memory_limit_bytes
-from glmkit.model.glm5 import span_rows_within
+from glmkit.model.glm5 import SPAN_ROW_FLOATS, span_rows_within
 from glmkit.model.kv_cache import kv_bytes_per_token
 from glmkit.model.ops import likely_experts
 from tests.runtime_support import Snapshots
@@ -201,8 +201,8 @@ def test_the_memory_limit_is_the_lowest_of_the_cgroup_and_those_above_it(tmp_pat
 
 def test_an_expert_cache_runs_a_long_prompt_layer_by_layer_in_spans_that_fit_its_allowance(snapshots, monkeypatch):
     """Under an expert cache the Engine leaves `activation_allowance` for activations: a prompt then goes in spans of
-    `span_rows_within` rows, each run layer by layer with its attention in blocks (the same tokens as one whole
-    forward without a cache)."""
+    `span_rows_within` rows, lengthened by the room kept for the context's KV rows that the sequence will not fill,
+    each run layer by layer with its attention in blocks (the same tokens as one whole forward without a cache)."""
     snap = snapshots("tiny-trained", "q4")
     whole = Engine(snap, "numpy", load_tokenizer=False)
     limit = 8 << 20
@@ -210,19 +210,24 @@ def test_an_expert_cache_runs_a_long_prompt_layer_by_layer_in_spans_that_fit_its
     monkeypatch.setattr(expert_cache, "anonymous_resident_bytes", lambda: 0)
     monkeypatch.setattr(engine_module, "memory_limit_bytes", lambda: limit)
     cut = Engine(snap, "numpy", load_tokenizer=False, expert_cache="auto")
-    span, block = cut.model.span_rows, cut.model.prefill_rows
+    model, context = cut.model, cut.config.max_position_embeddings
+    span, block = model.span_rows, model.prefill_rows
     assert (span, block) == span_rows_within(cut.config, expert_cache.activation_allowance(limit))
-    assert block < span < 500
+    assert block < span < 500 and model.kv_room_tokens == context
+    assert model.prompt_chunk(2048) == model.prompt_chunk(2048, context) == span  # no room left over: the span
+    room = (context - 1000) * kv_bytes_per_token(cut.config) // (cut.config.hidden_size * 4 * SPAN_ROW_FLOATS)
+    assert model.prompt_chunk(2048, 1000) == span + room > span
+    prompt = np.random.default_rng(1).integers(0, cut.config.vocab_size, 1500).tolist()
+    chunk = model.prompt_chunk(2048, len(prompt) + 8)
     sizes: list[int] = []
     blocks: list[int] = []
-    forward, by_layer = cut.model.forward, cut.model.layers_by_layer
-    monkeypatch.setattr(cut.model, "forward", lambda ids, *a, **k: (sizes.append(len(ids)), forward(ids, *a, **k))[1])
-    monkeypatch.setattr(cut.model, "layers_by_layer", lambda *a: (blocks.append(a[-1]), by_layer(*a))[1])
-    prompt = np.random.default_rng(1).integers(0, cut.config.vocab_size, 2 * span + 40).tolist()
+    forward, by_layer = model.forward, model.layers_by_layer
+    monkeypatch.setattr(model, "forward", lambda ids, *a, **k: (sizes.append(len(ids)), forward(ids, *a, **k))[1])
+    monkeypatch.setattr(model, "layers_by_layer", lambda *a: (blocks.append(a[-1]), by_layer(*a))[1])
     runs = [list(Generator(e.model, eos_token_ids=(), use_mtp=False).generate(prompt, 8, Sampler(SamplingParams())))
             for e in (whole, cut)]
     assert runs[0] == runs[1]
-    assert [s for s in sizes if s > 1] == [span, span, 40] and blocks == [block, block]
+    assert [s for s in sizes if s > 1] == [chunk, chunk, 1500 - 2 * chunk] and blocks == [block] * 3
     cut.close()
 
 

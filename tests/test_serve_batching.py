@@ -463,6 +463,30 @@ def test_requests_wait_for_room_in_the_engine_s_kv_budget(engine, monkeypatch):
     waited = [budgeted[r.request_id][2].queue_s for r in requests]
     assert max(waited) > min(waited) + 0.01  # some request waited for another to end
 
+def test_a_prompt_s_span_is_lengthened_only_by_kv_room_no_session_may_take(engine, monkeypatch):
+    """Under a budget of KV rows each prefill step asks the model for its span with the rows the Sessions may come to
+    hold (`GlmMoeDsaModel.prompt_chunk`'s held_rows): the active requests' most and the idle Sessions' rows."""
+    requests = [GenRequest(p, 16, ignore_eos=True, request_id=name) for p, name in zip(prompts(4, False), "abcd",
+                                                                                      strict=True)]
+    monkeypatch.setattr(engine, "kv_budget_tokens", 64, raising=False)
+    asked: list[tuple[int | None, int]] = []  # per prefill step: (held_rows the model was given, what was held)
+    step, chunk = Scheduler._prefill_step, engine.model.prompt_chunk
+
+    def prefill_step(self: Scheduler, job: GenerationJob) -> None:
+        held = sum(min(len(j.request.prompt_ids) + j.request.max_tokens, 64) for j in self._active)
+        held += sum(session.kv.length for session in self._idle)
+        calls: list[int | None] = []  # the step's own call, then its Generator's (its one sequence's rows)
+        monkeypatch.setattr(engine.model, "prompt_chunk", lambda c, rows=None: (calls.append(rows), chunk(c, rows))[1])
+        step(self, job)
+        asked.append((calls[0], held))
+
+    monkeypatch.setattr(Scheduler, "_prefill_step", prefill_step)
+    late = GenRequest(BASE[:5], 4, ignore_eos=True, request_id="late")  # comes once the others' Sessions are idle
+    serve(engine, requests, 1, then=[late], reuse=True)
+    assert asked and all(given == held for given, held in asked)
+    assert asked[-1][1] > len(late.prompt_ids) + late.max_tokens  # idle Sessions' rows count too
+
+
 def test_the_batch_size_is_decided_by_the_model(engine, monkeypatch):
     """Default: --parallel where batching pays (NumPy; OpenCL's step over several sequences: the test above), one
     request per forward on a device decode step without that form (there a step per request is faster) or on a model

@@ -146,7 +146,7 @@ class Engine:
             self.model.span_rows, self.model.prefill_rows = span_rows_within(
                 self.config, activation_allowance(memory_limit_bytes()))
         if expert_cache and self.expert_cache_reason:
-            self.kv_budget_tokens = self.config.max_position_embeddings
+            self.kv_budget_tokens = self.model.kv_room_tokens = self.config.max_position_embeddings
         # the device decode step (if any) is built now, with the model, not inside the first prompt's time to token
         self.model.decodes_on_device()
 

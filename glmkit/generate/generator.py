@@ -125,7 +125,7 @@ class Generator:
         cache.reserve(min(rows, self.model.config.max_position_embeddings))
         if cache.length == len(prompt_ids):  # the whole prompt is cached: recompute its last token to get logits
             cache.truncate(cache.length - 1)
-        chunk = self.model.prompt_chunk(self.prefill_chunk)
+        chunk = self.model.prompt_chunk(self.prefill_chunk, len(prompt_ids) + max_tokens)  # the rows it may hold
         while len(prompt_ids) - cache.length > chunk:  # chunks end at multiples of `chunk`: the same rounding however
             prefill_part(self.model, prompt_ids, (cache.length // chunk + 1) * chunk, cache, self.use_mtp,  # it began
                          self.step_prefill, self.queue_prompt)

@@ -22,7 +22,7 @@ from glmkit.errors import GlmkitError
 from glmkit.format.config import ModelConfig
 from glmkit.format.tensors import Weight
 from glmkit.model.compute import Backend, DecodeStep, ExpertArena, PipelinedDecode, Routes, TokenDraws, TokenMask
-from glmkit.model.kv_cache import KV_DTYPES, KVCache, LayerKV
+from glmkit.model.kv_cache import KV_DTYPES, KVCache, LayerKV, kv_bytes_per_token
 from glmkit.model.layer_spec import (
     EMBED,
     LM_HEAD,
@@ -177,6 +177,9 @@ class GlmMoeDsaModel:
         # where routed experts are read per pass over the layers (an expert cache): prompts run layer by layer over
         # spans of this many rows, each layer's attention `prefill_rows` at a time (`layers_by_layer`)
         self.span_rows: int | None = None
+        # where the memory keeps room for the KV rows of this many positions (an auto-sized expert cache): the room
+        # the sequences do not fill lengthens a span while a prompt is prefilled (`prompt_chunk`)
+        self.kv_room_tokens: int | None = None
         self._step: DecodeStep | None | bool = False  # the backend's decode step, asked for on the first forward
         self._verify: DecodeStep | None | bool = False  # its two-row form (MTP's verification), on first use
         self._parts: dict[tuple[int, int, bool], DecodeStep | None] = {}  # steps over parts: `part_step`
@@ -314,13 +317,17 @@ class GlmMoeDsaModel:
             hidden.append(h)
         return logits, np.concatenate(hidden)
 
-    def prompt_chunk(self, chunk: int) -> int:
+    def prompt_chunk(self, chunk: int, held_rows: int | None = None) -> int:
         """Prompt rows per forward for a caller that would take `chunk`: fewer where memory is tight
         (`prefill_rows`); where prompts run layer by layer, a whole span (`span_rows`), since each forward then
-        reads every routed expert its rows route to once."""
-        if self.span_rows is not None:
+        reads every routed expert its rows route to once, lengthened by the room kept for KV rows
+        (`kv_room_tokens`) that the `held_rows` the caller's sequences may come to hold leave unused."""
+        if self.span_rows is None:
+            return chunk if self.prefill_rows is None else min(chunk, self.prefill_rows)
+        if self.kv_room_tokens is None or held_rows is None:
             return self.span_rows
-        return chunk if self.prefill_rows is None else min(chunk, self.prefill_rows)
+        spare = max(0, self.kv_room_tokens - held_rows) * kv_bytes_per_token(self.config, self.kv_dtype)
+        return self.span_rows + spare // (self.config.hidden_size * 4 * SPAN_ROW_FLOATS)
 
     def main_layers(self, x: np.ndarray, cache: KVCache) -> np.ndarray:
         """Every decoder layer of the main model on the embedded rows `x [S, H]` of the tokens appended at

@@ -252,6 +252,15 @@ class Scheduler:
         return budget is not None and bool(self._active) and \
             sum(self._most_rows(j, budget) for j in [*self._active, job]) > budget
 
+    def _held_rows(self) -> int | None:
+        """The KV rows the Sessions may come to hold: the active requests' most and the idle Sessions' rows (a prompt's
+        span is lengthened by the room they leave: `GlmMoeDsaModel.prompt_chunk`); None without a budget."""
+        budget = self.engine.kv_budget_tokens
+        if budget is None:
+            return None
+        with self._cv:
+            return sum(self._most_rows(j, budget) for j in self._active) + sum(s.kv.length for s in self._idle)
+
     def _make_room(self, job: GenerationJob, own: Session | None) -> None:
         """Idle Sessions other than `own` (the one that will serve `job`: its rows become the job's) give up their
         rows, least recently used first, until the active requests' most, the rest of the idle rows and `job`'s most
@@ -344,7 +353,7 @@ class Scheduler:
             job.cached, job.reuse = min(kv.length, len(ids) - 1), session.last_reuse
             job.decoder = StreamDecoder(self.engine.tokenizer)
         kv = session.kv
-        start, chunk = kv.length, model.prompt_chunk(self.prefill_chunk)
+        start, chunk = kv.length, model.prompt_chunk(self.prefill_chunk, self._held_rows())
         if len(ids) - start > chunk:
             prefill_part(model, ids, start + chunk, kv, self.use_mtp)
             session.store_progress(ids)  # a server stopped during a long prefill resumes it from here
