@@ -64,10 +64,10 @@ DENSE_MLP_ROWS = 512
 # 256-expert benchmark model: ~15; docs/BENCHMARKS.md, out of core)
 PREFILL_ROW_FLOATS = 20
 MIN_PREFILL_ROWS = 128
-# float32 values per hidden unit that a prompt run layer by layer (`layers_by_layer`) holds per token of its span
-# beside one attention block's temporaries: the residual rows, their norm, the MoE's output and its experts' rows
-# (~6.3 measured on the 256-expert benchmark model: docs/BENCHMARKS.md, out of core)
-SPAN_ROW_FLOATS = 10
+# float32 values per hidden unit that a prompt run layer by layer (`layers_by_layer`) holds per token of its span at
+# its peak, its feed-forward: the residual rows, their norm, the MoE's output and its experts' rows (10.6-12.5 measured
+# on the 256-expert benchmark model over spans of 2,150-1,400 rows: docs/BENCHMARKS.md, out of core)
+SPAN_ROW_FLOATS = 12
 
 
 def prefill_rows_within(config: ModelConfig, nbytes: int) -> int:
