@@ -65,8 +65,8 @@ DENSE_MLP_ROWS = 512
 PREFILL_ROW_FLOATS = 20
 MIN_PREFILL_ROWS = 128
 # float32 values per hidden unit that a prompt run layer by layer (`layers_by_layer`) holds per token of its span at
-# its peak, its feed-forward: the residual rows, their norm, the MoE's output and its experts' rows (10.6-12.5 measured
-# on the 256-expert benchmark model over spans of 2,150-1,400 rows: docs/BENCHMARKS.md, out of core)
+# its peak, its feed-forward: the residual rows, their norm, the MoE's output and its experts' rows (~7.4 a token and
+# ~30 MB besides on the 256-expert benchmark model: 9.3-14.7 over spans of 4,096-1,400 rows; docs/BENCHMARKS.md)
 SPAN_ROW_FLOATS = 12
 
 
