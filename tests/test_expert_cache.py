@@ -258,7 +258,7 @@ def test_a_prompt_run_layer_by_layer_reads_each_routed_expert_once_a_layer(snaps
             model.span_rows = len(prompt)
             attended: list[int] = []  # the rows of each attention call: blocks of 16
             attention = model.attention
-            model.attention = lambda layer, u, *a: (attended.append(len(u)), attention(layer, u, *a))[1]
+            model.attention = lambda layer, u, *a, **k: (attended.append(len(u)), attention(layer, u, *a, **k))[1]
             logits, _ = model.forward(prompt, cache)
             assert max(attended) == 16 and sum(attended) == cfg.num_hidden_layers * len(prompt)
             assert np.abs(logits - reference).max() <= 1e-5 * np.abs(reference).max()

@@ -76,6 +76,11 @@ def prefill_rows_within(config: ModelConfig, nbytes: int) -> int:
     return max(MIN_PREFILL_ROWS, nbytes // (config.hidden_size * 4 * PREFILL_ROW_FLOATS))
 
 
+def row_blocks(n: int, rows: int) -> list[slice]:
+    """Slices of at most `rows` rows covering `n` rows in order."""
+    return [slice(b, b + rows) for b in range(0, n, rows)]
+
+
 def span_rows_within(config: ModelConfig, nbytes: int) -> tuple[int, int]:
     """(span, block): the prompt rows one forward run layer by layer may take, and its attention's rows per block,
     so that its temporaries stay within `nbytes`: a quarter for a block's, the rest for the span's."""
@@ -345,16 +350,16 @@ class GlmMoeDsaModel:
         as chunked prefill's do), then its feed-forward on all S rows at once, so that its MoE runs each routed
         expert once for the whole span where chunks would read it once per chunk. Returns `[S, H]`; the logits
         are a single forward's within f32 rounding (blocks of attention instead of one)."""
-        x = np.array(x, dtype=np.float32)  # [S, H], the residual stream, updated in place
-        blocks = [slice(b, b + block) for b in range(0, len(x), block)]
+        x = np.array(x, dtype=np.float32)  # [S, H], the residual stream, updated block by block
+        blocks = row_blocks(len(x), block)
         chosen: list[np.ndarray | None] = [None] * len(blocks)  # each block's DSA selection, for 'shared' layers
         for layer in layers:
-            spec, kv = self.layers[layer], cache.layer(layer)
+            kv = cache.layer(layer)
             for i, rows in enumerate(blocks):
-                attn, chosen[i] = self.attention(layer, self._norm(x[rows], spec.input_norm), positions[rows], kv,
-                                                 chosen[i])  # [s, H]
-                x[rows] += attn  # h = x + Attn(RMSNorm(x))
-            x += self.feed_forward(layer, self._norm(x, spec.post_attention_norm))  # x' = h + FFN(RMSNorm(h))
+                x[rows], chosen[i] = self._attention_residual(
+                    layer, x[rows], functools.partial(self.attention, layer, positions=positions[rows], kv=kv,
+                                                      prev_chosen=chosen[i]))
+            x = self._feed_forward_residual(layer, x)
         return x
 
     def run_layers(self, layers: range, x: np.ndarray, positions: np.ndarray, cache: KVCache,
@@ -532,10 +537,20 @@ class GlmMoeDsaModel:
                         ) -> tuple[np.ndarray, Selection]:
         """`h = x + attend(RMSNorm(x))`; `x' = h + FFN(RMSNorm(h))` on `x [S, H]`, the attention `attend(u)` -> (output
         `[S, H]`, the selection it used): one sequence's (`decoder_layer`) or one row per sequence (`decode_batch`)."""
-        spec = self.layers[layer]
-        attn, chosen = attend(self._norm(x, spec.input_norm))
-        h = x + attn  # [S, H]
-        return h + self.feed_forward(layer, self._norm(h, spec.post_attention_norm)), chosen
+        h, chosen = self._attention_residual(layer, x, attend)
+        return self._feed_forward_residual(layer, h), chosen
+
+    def _attention_residual(self, layer: int, x: np.ndarray,
+                            attend: Callable[[np.ndarray], tuple[np.ndarray, Selection]]
+                            ) -> tuple[np.ndarray, Selection]:
+        """The layer's first half: (`h = x + attend(RMSNorm(x))` `[S, H]`, the selection the attention used)."""
+        attn, chosen = attend(self._norm(x, self.layers[layer].input_norm))
+        return x + attn, chosen  # [S, H]
+
+    def _feed_forward_residual(self, layer: int, h: np.ndarray) -> np.ndarray:
+        """The layer's second half: `h += FFN(RMSNorm(h))` `[S, H]`, in place (no second `[S, H]` beside it)."""
+        h += self.feed_forward(layer, self._norm(h, self.layers[layer].post_attention_norm))
+        return h
 
     def attention(self, layer: int, u: np.ndarray, positions: np.ndarray, kv: LayerKV,
                   prev_chosen: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
@@ -669,8 +684,8 @@ class GlmMoeDsaModel:
         if u.shape[0] <= DENSE_MLP_ROWS:
             return self.backend.expert_mlp(u, *mlp)
         out = np.empty_like(u)  # [S, H]; row blocks bound the [rows, I] intermediates of a long prompt
-        for r0 in range(0, u.shape[0], DENSE_MLP_ROWS):
-            out[r0:r0 + DENSE_MLP_ROWS] = self.backend.expert_mlp(u[r0:r0 + DENSE_MLP_ROWS], *mlp)
+        for rows in row_blocks(u.shape[0], DENSE_MLP_ROWS):
+            out[rows] = self.backend.expert_mlp(u[rows], *mlp)
         return out
 
     def _mlp(self, spec: MLPSpec) -> tuple[Weight, Weight, Weight]:
@@ -683,11 +698,10 @@ class GlmMoeDsaModel:
         expert run in row blocks (their `[rows, E]` and `[rows, I]` temporaries bounded), the routed experts on all
         rows at once (each read once); the shared expert's rows are added last, as the backends add them."""
         r = spec.router
-        blocks = [slice(b, b + DENSE_MLP_ROWS) for b in range(0, u.shape[0], DENSE_MLP_ROWS)]
+        blocks = row_blocks(u.shape[0], DENSE_MLP_ROWS)
         routes = [route_noaux_tc(self.backend.linear(u[rows], self._w(r.weight)), self._w(r.bias), r.top_k, r.n_group,
                                  r.topk_group, r.norm_topk_prob, r.scaling) for rows in blocks]  # ([s, k], [s, k])
-        ids, weights = (routes[0] if len(routes) == 1 else
-                        (np.concatenate([i for i, _ in routes]), np.concatenate([w for _, w in routes])))  # [S, k]
+        ids, weights = (np.concatenate(parts) for parts in zip(*routes, strict=True))  # [S, k] each
         if self.route_hook is not None:
             self.route_hook(spec.layer, ids, u)
         done = None if self.ran_hook is None else functools.partial(self.ran_hook, spec.layer)

@@ -180,9 +180,9 @@ async def health(request: Request) -> Response:
     return JSONResponse({"status": "loading"}, status_code=503)
 
 
-def _model_card(request: Request, state: State, model_id: str) -> dict[str, Any]:
-    """The model `model_id` as OpenAI's model object, or Anthropic's where the request speaks that API."""
-    if not speaks_anthropic(request.scope):
+def _model_card(state: State, model_id: str, anthropic: bool) -> dict[str, Any]:
+    """The model `model_id` as OpenAI's model object, or Anthropic's (`anthropic`: the request speaks that API)."""
+    if not anthropic:
         return {"id": model_id, "object": "model", "created": int(state.started), "owned_by": "glmkit"}
     created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(state.started))
     return {"type": "model", "id": model_id, "display_name": model_id, "created_at": created, "lifecycle": "active",
@@ -193,9 +193,10 @@ async def models(request: Request) -> Response:
     """The served model's name, then each alias (but ANY_MODEL) as its own model."""
     state = serve_state(request)
     state.ready()
+    anthropic = speaks_anthropic(request.scope)
     ids = [state.config.model_name, *(a for a in state.config.model_aliases if a != ANY_MODEL)]
-    cards = [_model_card(request, state, model_id) for model_id in dict.fromkeys(ids)]
-    if speaks_anthropic(request.scope):
+    cards = [_model_card(state, model_id, anthropic) for model_id in dict.fromkeys(ids)]
+    if anthropic:
         return JSONResponse({"data": cards, "has_more": False, "first_id": cards[0]["id"], "last_id": cards[-1]["id"]})
     return JSONResponse({"object": "list", "data": cards})
 
@@ -205,7 +206,7 @@ async def model_info(request: Request) -> Response:
     state.ready()
     model_id = request.path_params["model_id"]
     check_model({"model": model_id}, state.config.model_names)
-    return JSONResponse(_model_card(request, state, model_id))
+    return JSONResponse(_model_card(state, model_id, speaks_anthropic(request.scope)))
 
 
 async def stats(request: Request) -> Response:

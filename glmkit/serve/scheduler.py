@@ -265,11 +265,10 @@ class Scheduler:
         """Idle Sessions other than `own` (the one that will serve `job`: its rows become the job's) give up their
         rows, least recently used first, until the active requests' most, the rest of the idle rows and `job`'s most
         fit the engine's budget of KV rows (none: nothing to do); called under the lock, once `_waits` said no."""
-        budget = self.engine.kv_budget_tokens
-        if budget is None:
+        budget, held = self.engine.kv_budget_tokens, self._held_rows()
+        if budget is None or held is None:
             return
-        held = sum(self._most_rows(j, budget) for j in [*self._active, job])
-        held += sum(s.kv.length for s in self._idle if s is not own)
+        held += self._most_rows(job, budget) - (own.kv.length if own in self._idle else 0)
         for session in list(self._idle):
             if held <= budget:
                 break
