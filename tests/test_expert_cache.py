@@ -27,7 +27,7 @@ from glmkit.model.expert_cache import (
     usage_path,
     write_usage,
 )
-from glmkit.model.expert_stream import memory_limit_bytes
+from glmkit.model.expert_stream import anonymous_bytes, anonymous_resident_bytes, memory_limit_bytes, release_pages
 from glmkit.model.glm5 import SPAN_ROW_FLOATS, span_rows_within
 from glmkit.model.kv_cache import kv_bytes_per_token
 from glmkit.model.ops import likely_experts
@@ -147,26 +147,31 @@ def test_where_the_experts_will_live_is_announced_before_the_cache_takes_its_mem
 
 
 def test_the_auto_size_keeps_room_for_the_kv_rows_of_the_context(snapshots, monkeypatch):
-    """An auto-sized cache leaves the KV rows of `max_context` positions (the model's whole context by default), so a
-    long prompt's rows do not take the process past its limit; the context is then the engine's (its config) and the
-    budget of KV rows all its sequences share (`kv_budget_tokens`: glm-serve's sessions), refused past the model's
-    own. Without a cache sized from the RAM there is no budget."""
+    """An auto-sized cache keeps room for the KV rows of `max_context` positions (the model's whole context by
+    default), so a long prompt's rows do not take the process past its limit: slots it may only borrow while the rows
+    leave them empty (`lendable_slots`); the context is then the engine's (its config) and the budget of KV rows all
+    its sequences share (`kv_budget_tokens`: glm-serve's sessions), refused past the model's own. Without a cache
+    sized from the RAM there is no budget and nothing to lend."""
     snapshot = snapshots("tiny-trained", "q4")
     plain = Engine(snapshot, "numpy", load_tokenizer=False)
     cfg, experts = plain.config, sum(r.nbytes for r in plain.container.manifest.experts)
-    limit, held = 64 << 20, 1 << 20
+    per_token = kv_bytes_per_token(cfg, "f32")
+    held = 1 << 20  # a limit that leaves half the experts beside the whole context's rows:
+    limit = (per_token * cfg.max_position_embeddings + experts // 2 + plain.container.nbytes - experts + held) * 4 // 3
     monkeypatch.setattr(expert_cache, "memory_limit_bytes", lambda: limit)
     monkeypatch.setattr(expert_cache, "anonymous_resident_bytes", lambda: held)
     free = limit - (plain.container.nbytes - experts) - held - limit // 4  # the cache without KV rows
 
     def cache_bytes(**kwargs) -> tuple[int, int]:
+        """(the slots never lent, the context)"""
         engine = Engine(snapshot, "numpy", load_tokenizer=False, expert_cache="auto", **kwargs)
         engine.close()
         assert engine.kv_budget_tokens == engine.config.max_position_embeddings
-        return engine.experts.n_slots, engine.config.max_position_embeddings
+        assert engine.experts.n_slots == min(free, experts) // slot  # with the room lent: every byte left
+        return engine.experts.n_slots - engine.experts.lendable_slots, engine.config.max_position_embeddings
 
-    per_token = kv_bytes_per_token(cfg, "f32")
     slot = expert_slot_bytes(plain.container)
+    assert 0 < free - per_token * cfg.max_position_embeddings < experts < free  # slots of its own and lent ones
     assert cache_bytes() == (min(free - per_token * cfg.max_position_embeddings, experts) // slot,
                              cfg.max_position_embeddings)
     assert cache_bytes(max_context=64) == (min(free - per_token * 64, experts) // slot, 64)
@@ -174,6 +179,7 @@ def test_the_auto_size_keeps_room_for_the_kv_rows_of_the_context(snapshots, monk
                                                                   experts) // slot
     assert plain.kv_budget_tokens is None and Engine(snapshot, "numpy", load_tokenizer=False,
                                                      expert_cache=1 << 20).kv_budget_tokens is None
+    assert Engine(snapshot, "numpy", load_tokenizer=False, expert_cache=1 << 20).experts.lendable_slots == 0
     for bad in (0, cfg.max_position_embeddings + 1):
         with pytest.raises(GlmkitError, match=f"--max-context {bad}: must be in 1..{cfg.max_position_embeddings}"):
             Engine(snapshot, "numpy", load_tokenizer=False, max_context=bad)
@@ -230,6 +236,86 @@ def test_an_expert_cache_runs_a_long_prompt_layer_by_layer_in_spans_that_fit_its
     spans = [chunk] * ((len(prompt) - 1) // chunk)  # the last, at most a span, comes with the first token
     spans.append(len(prompt) - sum(spans))
     assert len(spans) > 2 and [s for s in sizes if s > 1] == spans and blocks == [block] * len(spans)
+    cut.close()
+
+
+def test_pages_given_back_leave_the_process_s_memory_and_read_as_zeros():
+    block = anonymous_bytes(64 << 20)
+    block[:] = 1
+    before = anonymous_resident_bytes()
+    release_pages(block[:32 << 20])
+    assert before - anonymous_resident_bytes() >= 30 << 20
+    assert not block[:32 << 20].any() and (block[32 << 20:] == 1).all()
+
+
+def test_slots_lent_to_kv_rows_are_emptied_and_taken_back(snapshots):
+    """`lend(n)` takes n bytes of slots (at most the lendable ones) out of use, free slots first, then the least used
+    experts' but never one the layer being computed routed to and has not run (those once the next layer routes),
+    their pages given back; `lend(0)` puts them back in use, read into again."""
+    engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
+    cfg, container, k = engine.config, engine.container, engine.config.num_experts_per_tok
+    slot = slot_bytes(engine)
+    cache = ExpertCache(container, (k + 2) * slot, readahead=False, lendable_bytes=3 * slot)
+    assert cache.lendable_slots == 2  # a layer's k slots are never lent
+    cache = ExpertCache(container, (k + 2) * slot, readahead=False, lendable_bytes=2 * slot)
+    layer = cfg.first_k_dense_replace
+    cache.on_route(layer, np.array([list(range(k))]))
+    for e in range(k):
+        cache.expert(layer, e)
+    cache.lend(slot + 1)  # two slots: both free ones
+    assert len(cache._lent) == 2 and all(cache.resident(layer, e) for e in range(k))
+    cache.lend(0)
+    for e in (k, k + 1):  # every slot now holds an expert the layer uses
+        cache.expert(layer, e)
+    cache.lend(2 * slot)
+    assert cache._lent == [] and all(cache.resident(layer, e) for e in range(k + 2))
+    cache.on_route(layer, np.array([list(range(1, k + 1))]))  # experts 0 and k + 1 let go: lent now
+    assert len(cache._lent) == 2 and not cache.resident(layer, 0) and not cache.resident(layer, k + 1)
+    assert all(cache.resident(layer, e) for e in range(1, k + 1)) and cache.stats.lent_most == 2
+    assert not any(cache._slot_data(s).any() for s in cache._lent)  # their pages given back
+    cache.lend(3 * slot)  # at most the lendable slots
+    assert len(cache._lent) == 2
+    cache.lend(0)
+    cache.on_route(layer + 1, np.array([list(range(k))]))  # the next layer's k experts, read into the lent slots
+    for e in range(k):
+        views = cache.expert(layer + 1, e)
+        for view, projection in zip(views, EXPERT_PROJECTIONS, strict=True):
+            mapped = container.weight(expert_weight_name(layer + 1, e, projection))
+            assert np.array_equal(view.packed, mapped.packed) and np.array_equal(view.scales, mapped.scales)
+    assert cache.stats.bounced == 0
+    cache.close()
+
+
+def test_an_auto_sized_cache_lends_the_kv_rows_room_to_a_generation_and_its_spans(snapshots, monkeypatch):
+    """An auto-sized cache holds experts in the room kept for the KV rows until they need it: a generation first has
+    its prompt's and max_tokens' rows lent out of the cache (`hold_kv_rows`); a span lengthened by the room left
+    (`prompt_chunk`) borrows that for its forward and gives it back. The tokens are a run's without a cache."""
+    snap = snapshots("tiny-trained", "q4")
+    whole = Engine(snap, "numpy", load_tokenizer=False)
+    cfg, container = whole.config, whole.container
+    experts = sum(r.nbytes for r in container.manifest.experts)
+    per_token = kv_bytes_per_token(cfg)
+    limit = (per_token * cfg.max_position_embeddings + experts // 2 + container.nbytes - experts) * 4 // 3
+    monkeypatch.setattr(expert_cache, "memory_limit_bytes", lambda: limit)
+    monkeypatch.setattr(expert_cache, "anonymous_resident_bytes", lambda: 0)
+    monkeypatch.setattr(engine_module, "memory_limit_bytes", lambda: limit)
+    cut = Engine(snap, "numpy", load_tokenizer=False, expert_cache="auto")
+    cache, model = cut.experts, cut.model
+    assert cache.lendable_slots > 0 and "lent to the cache" in cut.expert_cache_reason
+    asked: list[int] = []
+    lend = cache.lend
+    monkeypatch.setattr(model, "lend_hook", lambda nbytes: (asked.append(nbytes), lend(nbytes))[1])
+    prompt = np.random.default_rng(2).integers(0, cfg.vocab_size, 1200).tolist()
+    held, chunk = (len(prompt) + 8) * per_token, model.prompt_chunk(2048, len(prompt) + 8)
+    runs = [list(Generator(e.model, eos_token_ids=(), use_mtp=False).generate(prompt, 8, Sampler(SamplingParams())))
+            for e in (whole, cut)]
+    assert runs[0] == runs[1]
+    spans = [chunk] * ((len(prompt) - 1) // chunk) + [len(prompt) - (len(prompt) - 1) // chunk * chunk]
+    longer = [(s - model.span_rows) * cfg.hidden_size * 4 * SPAN_ROW_FLOATS for s in spans if s > model.span_rows]
+    assert len(longer) >= 2 and asked == [held] + [n for extra in longer for n in (held + extra, held)]
+    slot = cache.slot_bytes
+    assert cache.stats.lent_most == min(cache.lendable_slots, -(-(held + max(longer)) // slot))
+    assert len(cache._lent) == min(cache.lendable_slots, -(-held // slot))
     cut.close()
 
 

@@ -464,8 +464,10 @@ def test_requests_wait_for_room_in_the_engine_s_kv_budget(engine, monkeypatch):
     assert max(waited) > min(waited) + 0.01  # some request waited for another to end
 
 def test_a_prompt_s_span_is_lengthened_only_by_kv_room_no_session_may_take(engine, monkeypatch):
-    """Under a budget of KV rows each prefill step asks the model for its span with the rows the Sessions may come to
-    hold (`GlmMoeDsaModel.prompt_chunk`'s held_rows): the active requests' most and the idle Sessions' rows."""
+    """Under a budget of KV rows each prefill step tells the model the rows the Sessions may come to hold (the active
+    requests' most and the idle Sessions' rows: `hold_kv_rows`, so that an expert cache lending their room gives it
+    back, before a restore or a prefill grows them) and asks for its span with them (`prompt_chunk`'s held_rows);
+    the request's Generator tells the model nothing of its own (one sequence's rows are not all that is held)."""
     requests = [GenRequest(p, 16, ignore_eos=True, request_id=name) for p, name in zip(prompts(4, False), "abcd",
                                                                                       strict=True)]
     monkeypatch.setattr(engine, "kv_budget_tokens", 64, raising=False)
@@ -476,8 +478,11 @@ def test_a_prompt_s_span_is_lengthened_only_by_kv_room_no_session_may_take(engin
         held = sum(min(len(j.request.prompt_ids) + j.request.max_tokens, 64) for j in self._active)
         held += sum(session.kv.length for session in self._idle)
         calls: list[int | None] = []  # the step's own call, then its Generator's (its one sequence's rows)
+        holds: list[int] = []
         monkeypatch.setattr(engine.model, "prompt_chunk", lambda c, rows=None: (calls.append(rows), chunk(c, rows))[1])
+        monkeypatch.setattr(engine.model, "hold_kv_rows", holds.append)
         step(self, job)
+        assert holds == [held]
         asked.append((calls[0], held))
 
     monkeypatch.setattr(Scheduler, "_prefill_step", prefill_step)

@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                 container = Container(snapshot)
                 cfg = container.config
                 context_kv = kv_bytes_per_token(cfg) * cfg.max_position_embeddings  # glm-run's default reservation
-                print(f"{snapshot}: {default_expert_cache(container, kv_bytes=context_kv)[1]}")
+                print(f"{snapshot}: {default_expert_cache(container, kv_bytes=context_kv, lend_kv=True)[1]}")
                 per_token = {dtype: kv_bytes_per_token(cfg, dtype) for dtype in KV_DTYPES}
                 print(f"{snapshot}: context {cfg.max_position_embeddings:,} tokens; KV cache per token "
                       + ", ".join(f"{format_size(n)} ({dtype})" for dtype, n in per_token.items())

@@ -23,6 +23,7 @@ from glmkit.model.expert_cache import (
     activation_allowance,
     auto_cache_bytes,
     expert_slot_bytes,
+    lendable_bytes,
     save_scores,
     saved_scores,
     usage_path,
@@ -103,11 +104,13 @@ class Engine:
         self.expert_cache_reason = ""  # how an "auto" cache was sized
         if expert_cache is None:
             expert_cache, why = ((0, "") if ram_budget_bytes or (discrete and not split) else
-                                 default_expert_cache(self.container, pinned=not split, kv_bytes=kv_bytes))
+                                 default_expert_cache(self.container, pinned=not split, kv_bytes=kv_bytes,
+                                                      lend_kv=not split))
             # said where the container outgrows the RAM: the cache's size, or why it fell back to the page cache
             self.expert_cache_reason = why if expert_cache or (why and outgrows_memory(self.container)) else ""
         elif expert_cache == "auto":
-            expert_cache, why = auto_cache_bytes(self.container, pinned=not split, kv_bytes=kv_bytes)
+            expert_cache, why = auto_cache_bytes(self.container, pinned=not split, kv_bytes=kv_bytes,
+                                                 lend_kv=not split)
             if expert_cache == 0:
                 raise GlmkitError(f"--expert-cache auto: no RAM left for experts ({why})")
             self.expert_cache_reason = f"expert cache {why}"
@@ -126,11 +129,14 @@ class Engine:
             self.model = GlmMoeDsaModel(self.config, self.experts, self.backend, route_hook=self.experts.on_route,
                                         step_experts=self.step_cache, kv_dtype=kv_dtype)
         elif expert_cache:
-            cache = self.experts = ExpertCache(self.container, int(expert_cache), readahead=prefetch,
-                                               usage_file=self.usage_file, scores=self.expert_usage)
+            # sized from the RAM: the room kept for the KV rows is the cache's too while the rows leave it empty
+            lent = lendable_bytes(self.container, int(expert_cache), kv_bytes) if self.expert_cache_reason else 0
+            cache = self.experts = ExpertCache(self.container, int(expert_cache) + lent, readahead=prefetch,
+                                               usage_file=self.usage_file, scores=self.expert_usage,
+                                               lendable_bytes=lent)
             self.model = GlmMoeDsaModel(self.config, cache, self.backend, route_hook=cache.on_route,
                                         step_experts=cache, kv_dtype=kv_dtype, ahead_hook=cache.read_ahead,
-                                        ran_hook=cache.ran)
+                                        ran_hook=cache.ran, lend_hook=cache.lend if lent else None)
         else:
             self.experts = ExpertStreamer(self.container, ram_budget_bytes, prefetch)
             # a device decode step's routing is watched only when experts will come from disk: its callbacks cost
@@ -313,14 +319,15 @@ def context_config(config: ModelConfig, max_context: int | None) -> ModelConfig:
     return dataclasses.replace(config, max_position_embeddings=max_context)
 
 
-def default_expert_cache(container: Container, pinned: bool = True, kv_bytes: int = 0) -> tuple[int, str]:
+def default_expert_cache(container: Container, pinned: bool = True, kv_bytes: int = 0, lend_kv: bool = False
+                         ) -> tuple[int, str]:
     """Where the container's routed experts live by default: (the bytes of an expert cache, or 0 for the page
     cache; why, in one line). A cache where the container outgrows the RAM the process may use and that RAM still
-    holds one layer's routed experts (`pinned`, `kv_bytes`: as `auto_cache_bytes`)."""
+    holds one layer's routed experts (`pinned`, `kv_bytes`, `lend_kv`: as `auto_cache_bytes`)."""
     if not container.manifest.experts or not outgrows_memory(container):
         return 0, (f"routed experts in the page cache: the container ({format_size(container.nbytes)}) fits the "
                    f"{format_size(memory_limit_bytes())} the process may use")
-    size, why = auto_cache_bytes(container, pinned=pinned, kv_bytes=kv_bytes)
+    size, why = auto_cache_bytes(container, pinned=pinned, kv_bytes=kv_bytes, lend_kv=lend_kv)
     if size < container.config.num_experts_per_tok * expert_slot_bytes(container):
         return 0, f"routed experts in the page cache: an expert cache would get {why}, less than one layer's"
     return size, f"expert cache {why}"

@@ -90,15 +90,19 @@ class Generator:
 
     def __init__(self, model: GlmMoeDsaModel, eos_token_ids: tuple[int, ...] = (), use_mtp: bool = True,
                  prefill_chunk: int = PREFILL_CHUNK, checkpoint: Callable[[list[int]], None] | None = None,
-                 pipelined: bool = True, step_prefill: int = STEP_PREFILL_ROWS, queue_prompt: bool = True):
+                 pipelined: bool = True, step_prefill: int = STEP_PREFILL_ROWS, queue_prompt: bool = True,
+                 holds_kv: bool = True):
         """prefill_chunk: prompt tokens per forward; checkpoint(prompt_ids): called after each prompt chunk but the
         last, the cache then holding `prompt_ids[:cache.length]` (glm-run stores them in the prefix cache, so that a
         long prefill killed half way resumes there); pipelined: False decodes one token at a time even where the
         device could choose the tokens (the same tokens; tools/bench_sampling.py compares the two); step_prefill:
         prompt pieces up to this many tokens run through the decode step (`forward_prompt`; 0: never); queue_prompt:
         False runs them one token per forward, each waiting for its logits before the next is queued (the same rows;
-        tools/bench.py compares the two)."""
+        tools/bench.py compares the two); holds_kv: the sequence is the model's only one, so each generation tells
+        the model the rows it may come to hold (`GlmMoeDsaModel.hold_kv_rows`; False where a scheduler does it for all
+        of its sequences)."""
         self.model = model
+        self.holds_kv = holds_kv
         self.pipelined = pipelined
         self.prefill_chunk = prefill_chunk
         self.step_prefill = step_prefill
@@ -121,11 +125,14 @@ class Generator:
             stats.stop_reason = "length"
             return
         # room for the prompt and the first tokens: a long prompt's rows are not copied as the arrays grow
+        most = len(prompt_ids) + max_tokens  # the rows it may hold
+        if self.holds_kv:
+            self.model.hold_kv_rows(min(most, self.model.config.max_position_embeddings))
         rows = len(prompt_ids) + min(max_tokens, DECODE_RESERVE) + 1
         cache.reserve(min(rows, self.model.config.max_position_embeddings))
         if cache.length == len(prompt_ids):  # the whole prompt is cached: recompute its last token to get logits
             cache.truncate(cache.length - 1)
-        chunk = self.model.prompt_chunk(self.prefill_chunk, len(prompt_ids) + max_tokens)  # the rows it may hold
+        chunk = self.model.prompt_chunk(self.prefill_chunk, most)
         while len(prompt_ids) - cache.length > chunk:  # chunks end at multiples of `chunk`: the same rounding however
             prefill_part(self.model, prompt_ids, (cache.length // chunk + 1) * chunk, cache, self.use_mtp,  # it began
                          self.step_prefill, self.queue_prompt)

@@ -16,7 +16,11 @@ matter. `ExpertCache` is a weight source (what `GlmMoeDsaModel` reads its tensor
   read while the recent share of named experts that were then routed to stays at least READ_AHEAD_PRECISION (a
   wrong guess costs a read and a slot); below it, only one layer in READ_AHEAD_PROBE is named, to keep measuring;
 - persists the scores beside the prefill cache, keyed by the model hash, and loads the hot set from them in the
-  background at start (into free slots only: the first token is not delayed).
+  background at start (into free slots only: the first token is not delayed);
+- lends slots to the KV rows (`lend`): an auto-sized cache's arena also covers the room kept for the KV rows of the
+  whole context, which short sequences leave empty; as the sequences' rows grow, the cache evicts that many bytes of
+  its least used experts and gives their pages back to the kernel before the rows take them, and takes the slots
+  back as the rows go.
 A slot's bytes are the container's bytes, so every path gives the logits it gives on the mapping.
 """
 
@@ -47,6 +51,7 @@ from glmkit.model.expert_stream import (
     copy_weight,
     copy_weights_into,
     memory_limit_bytes,
+    release_pages,
     weights_nbytes,
 )
 from glmkit.model.layer_spec import MLPSpec, MoESpec, layer_spec
@@ -116,6 +121,7 @@ class CacheStats:
     read_ahead: int = 0  # reads the read-ahead started
     routed: int = 0  # experts routed to on layers that had a prediction
     preloaded: int = 0  # experts loaded from the usage file's hot set
+    lent_most: int = 0  # the most slots lent to KV rows at once (`ExpertCache.lend`)
 
     def to_json(self) -> dict[str, float | int | None]:
         handed = self.hits + self.misses
@@ -127,7 +133,7 @@ class CacheStats:
                 "expert_bounced": self.bounced, "experts_preloaded": self.preloaded,
                 "readahead_recall": round(self.predicted_used / self.routed, 4) if self.routed else None,
                 "readahead_precision": round(self.predicted_used / self.predicted, 4) if self.predicted else None,
-                "readahead_reads": self.read_ahead}
+                "readahead_reads": self.read_ahead, "expert_slots_lent_most": self.lent_most}
 
 
 def usage_path(cache_dir: Path, model_hash: str) -> Path:
@@ -208,13 +214,13 @@ def non_expert_bytes(container: Container) -> int:
     return container.nbytes - sum(r.nbytes for r in container.manifest.experts)
 
 
-def auto_cache_bytes(container: Container, reserve_bytes: int | None = None, pinned: bool = True, kv_bytes: int = 0
-                     ) -> tuple[int, str]:
+def auto_cache_bytes(container: Container, reserve_bytes: int | None = None, pinned: bool = True, kv_bytes: int = 0,
+                     lend_kv: bool = False) -> tuple[int, str]:
     """A cache size from the RAM this process may use (`memory_limit_bytes`: the cgroup's limit or the machine's),
     less the non-expert weights it copies into RAM (unless not `pinned`: a discrete GPU holds them),
     `reserve_bytes` for the process and activations (default: what the process holds now,
-    `anonymous_resident_bytes`, and `activation_allowance`) and `kv_bytes` for the KV rows of the context it keeps;
-    with the reason, for the log."""
+    `anonymous_resident_bytes`, and `activation_allowance`) and `kv_bytes` for the KV rows of the context it keeps
+    (`lend_kv`: lent to the cache while the rows leave them empty, `lendable_bytes`); with the reason, for the log."""
     limit = memory_limit_bytes()
     held = ""
     if reserve_bytes is None:
@@ -227,9 +233,17 @@ def auto_cache_bytes(container: Container, reserve_bytes: int | None = None, pin
     weights = (f"less {format_size(copied)} of non-expert weights and" if pinned else
                "the non-expert weights on the GPU, less")
     kv = f" and {format_size(kv_bytes)} for KV rows (--max-context)" if kv_bytes else ""
+    lent = lendable_bytes(container, size, kv_bytes) if lend_kv and size else 0
+    kv += f", {format_size(lent)} of it lent to the cache while the rows leave it empty" if lent else ""
     why = (f"{format_size(size)}: {format_size(limit)} may be used, {weights} {format_size(reserve_bytes)} kept for "
            f"the process{held}{kv}; the experts are {format_size(experts)}")
     return size, why
+
+
+def lendable_bytes(container: Container, size: int, kv_bytes: int) -> int:
+    """The bytes of the `kv_bytes` kept for KV rows that an auto-sized cache of `size` bytes also takes, lent to the
+    rows as they grow (`ExpertCache.lend`): all of them, at most the routed experts the cache would not hold."""
+    return max(0, min(kv_bytes, container.nbytes - non_expert_bytes(container) - size))
 
 
 def slot_arena(nbytes: int, budget_bytes: int, pinned_bytes: int) -> np.ndarray:
@@ -269,12 +283,12 @@ class ExpertCache:
     start from (default: what `saved_scores` reads at usage_file, aged by half_life); direct: read with `O_DIRECT`
     where the file system takes it (False: buffered reads everywhere); pin_weights: copy every other weight into RAM
     (False: the routed experts only, the rest read from the mapping, for a discrete GPU that holds them: the split
-    step's CPU side). Raises GlmkitError when the budget holds fewer slots than one layer routes to
-    (`num_experts_per_tok`)."""
+    step's CPU side). lendable_bytes: of the budget, the bytes `lend` may give to KV rows (the slots left are never
+    lent). Raises GlmkitError when the budget holds fewer slots than one layer routes to (`num_experts_per_tok`)."""
 
     def __init__(self, container: Container, budget_bytes: int, io_threads: int = 8, readahead: bool = True,
                  usage_file: Path | None = None, half_life: float = 256.0, direct: bool = True,
-                 scores: ExpertScores | None = None, pin_weights: bool = True) -> None:
+                 scores: ExpertScores | None = None, pin_weights: bool = True, lendable_bytes: int = 0) -> None:
         cfg = self.config = container.config
         self.container, self.readahead, self.usage_file = container, readahead, usage_file
         ranges = container.manifest.experts
@@ -313,6 +327,11 @@ class ExpertCache:
                     self._pinned[name] = copy_weight(container.weight(name))
             container.release_pages()  # the copies are read from now on: the mapping's pages would count twice
         self._free = list(range(self.n_slots - 1, -1, -1))
+        # slots that may be lent to KV rows: the budget less the lendable bytes keeps its own
+        kept = max(cfg.num_experts_per_tok, (budget_bytes - lendable_bytes) // self.slot_bytes)
+        self.lendable_slots = max(0, self.n_slots - kept)
+        self._lent: list[int] = []  # slots lent, their pages given back
+        self._lend_wanted = 0  # slots `lend` asked for: the rest are taken as the experts holding them are let go
         self._slot: dict[Key, int] = {}  # resident experts
         # where each read expert starts in the arena (-1: not resident or still being read), as an array the device
         # decode step indexes with a layer's routed ids: `resident_places`
@@ -403,6 +422,8 @@ class ExpertCache:
             self._handed = {}
             self._wanted, self._pending = set(), []  # the layer's own misses replace what was guessed for it
             self._unpark(list(self._parked))
+            if len(self._lent) < self._lend_wanted:
+                self._settle_lent()
             for e in used:
                 key = (layer, e)
                 if key in self._slot and key not in self._loading:
@@ -474,6 +495,27 @@ class ExpertCache:
                     return
                 self.stats.read_ahead += 1
             self._pending.pop(0)
+
+    def lend(self, nbytes: int) -> None:
+        """Keep `nbytes` (at most the lendable slots') out of the arena for KV rows: slots evicted (free ones first,
+        then the least used experts') and their pages given back to the kernel, or slots lent before taken back
+        into use. Slots whose experts are held now (`_held`) are taken after the next layer routes. Call it from
+        the thread that routes, before the rows grow."""
+        with self._lock:
+            self._lend_wanted = min(self.lendable_slots, -(-max(nbytes, 0) // self.slot_bytes))
+            self._settle_lent()
+
+    def _settle_lent(self) -> None:
+        """Lend slots or take them back until `_lend_wanted` are lent, as far as slots can be had (lock held)."""
+        while len(self._lent) > self._lend_wanted:
+            self._free.append(self._lent.pop())  # its pages come back as a read writes them
+        while len(self._lent) < self._lend_wanted:
+            slot = self._claim_slot()
+            if slot is None:
+                break  # every slot is held: the rest once the next layer has routed
+            release_pages(self._slot_data(slot))
+            self._lent.append(slot)
+        self.stats.lent_most = max(self.stats.lent_most, len(self._lent))
 
     # ---- slots ----
 

@@ -233,6 +233,13 @@ def anonymous_bytes(nbytes: int) -> np.ndarray:
     return np.frombuffer(mmap.mmap(-1, max(nbytes, 1), flags=flags), np.uint8)[:nbytes]
 
 
+def release_pages(data: np.ndarray) -> None:
+    """Give the pages under `data` (whole pages of an `anonymous_bytes` block) back to the kernel
+    (`MADV_DONTNEED`): they stop counting in the process's memory and read as zeros until written again."""
+    if _libc.madvise(ctypes.c_void_p(data.ctypes.data), ctypes.c_size_t(data.nbytes), mmap.MADV_DONTNEED) != 0:
+        raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) of an expert cache's slots")
+
+
 def weights_nbytes(ws: list[Weight]) -> int:
     """The bytes `copy_weights_into` needs for these weights."""
     return sum(-(-a.nbytes // COPY_ALIGN) * COPY_ALIGN for w in ws for a in _arrays(w))

@@ -165,7 +165,8 @@ class GlmMoeDsaModel:
                  step_route_hook: Callable[[int, np.ndarray], None] | None = None,
                  step_experts: ExpertArena | None = None, kv_dtype: str = "f32",
                  ahead_hook: Callable[[int, np.ndarray], None] | None = None,
-                 ran_hook: Callable[[int, int], None] | None = None) -> None:
+                 ran_hook: Callable[[int, int], None] | None = None,
+                 lend_hook: Callable[[int], None] | None = None) -> None:
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv dtype {kv_dtype!r}: not one of {', '.join(KV_DTYPES)}")
         self.config = config
@@ -176,6 +177,10 @@ class GlmMoeDsaModel:
         self.route_hook = route_hook
         self.ahead_hook = ahead_hook
         self.ran_hook = ran_hook
+        # an expert cache that lends the KV rows' room (`ExpertCache.lend`): told the bytes the rows and a span's
+        # lengthening need before they take them
+        self.lend_hook = lend_hook
+        self._held_kv_rows = 0  # what the sequences may come to hold, as `hold_kv_rows` was last told
         self.step_route_hook = step_route_hook  # a decode step's routing as it happens: `DecodeStep.watch_routes`
         self.step_experts = step_experts
         self.prefill_rows: int | None = None  # where memory is tight: the most prompt rows a forward should take
@@ -332,7 +337,23 @@ class GlmMoeDsaModel:
         if self.kv_room_tokens is None or held_rows is None:
             return self.span_rows
         spare = max(0, self.kv_room_tokens - held_rows) * kv_bytes_per_token(self.config, self.kv_dtype)
-        return self.span_rows + spare // (self.config.hidden_size * 4 * SPAN_ROW_FLOATS)
+        return self.span_rows + spare // self._span_row_bytes
+
+    @property
+    def _span_row_bytes(self) -> int:
+        """The bytes a span run layer by layer holds per row at its peak (SPAN_ROW_FLOATS)."""
+        return self.config.hidden_size * 4 * SPAN_ROW_FLOATS
+
+    def hold_kv_rows(self, rows: int) -> None:
+        """The KV rows the caller's sequences may come to hold from now on (as `prompt_chunk`'s `held_rows`): an
+        expert cache that lends their room (`lend_hook`) gives back their bytes first. Call it before they grow."""
+        self._held_kv_rows = rows
+        self._lend()
+
+    def _lend(self, span_bytes: int = 0) -> None:
+        """Tell `lend_hook` the bytes of the rows held (`hold_kv_rows`) and `span_bytes` more for a span."""
+        if self.lend_hook is not None:
+            self.lend_hook(self._held_kv_rows * kv_bytes_per_token(self.config, self.kv_dtype) + span_bytes)
 
     def main_layers(self, x: np.ndarray, cache: KVCache) -> np.ndarray:
         """Every decoder layer of the main model on the embedded rows `x [S, H]` of the tokens appended at
@@ -340,7 +361,15 @@ class GlmMoeDsaModel:
         positions = np.arange(cache.length, cache.length + len(x))
         layers = range(self.config.num_hidden_layers)
         if self.span_rows is not None and self.prefill_rows is not None and len(x) > self.prefill_rows:
-            return self.layers_by_layer(layers, x, positions, cache, self.prefill_rows)
+            # a span lengthened by the KV rows' room (`prompt_chunk`) takes that room from a cache it was lent to
+            longer = max(0, len(x) - self.span_rows) * self._span_row_bytes
+            if longer:
+                self._lend(longer)
+            try:
+                return self.layers_by_layer(layers, x, positions, cache, self.prefill_rows)
+            finally:
+                if longer:
+                    self._lend()
         return self.run_layers(layers, x, positions, cache, None)[0]
 
     def layers_by_layer(self, layers: range, x: np.ndarray, positions: np.ndarray, cache: KVCache, block: int

@@ -344,6 +344,9 @@ class Scheduler:
         ids, session = job.request.prompt_ids, job.session
         assert session is not None
         model = self.engine.model
+        held = self._held_rows()  # the job's most among them: its restored and prefilled rows
+        if held is not None:
+            model.hold_kv_rows(held)
         if job.decoder is None:
             start = time.perf_counter()
             kv = session.prepare(ids)
@@ -352,14 +355,14 @@ class Scheduler:
             job.cached, job.reuse = min(kv.length, len(ids) - 1), session.last_reuse
             job.decoder = StreamDecoder(self.engine.tokenizer)
         kv = session.kv
-        start, chunk = kv.length, model.prompt_chunk(self.prefill_chunk, self._held_rows())
+        start, chunk = kv.length, model.prompt_chunk(self.prefill_chunk, held)
         if len(ids) - start > chunk:
             prefill_part(model, ids, start + chunk, kv, self.use_mtp)
             session.store_progress(ids)  # a server stopped during a long prefill resumes it from here
             return
         request = job.request
         eos = () if request.ignore_eos else self.engine.eos_token_ids
-        job.generator = Generator(model, eos, use_mtp=self.use_mtp)
+        job.generator = Generator(model, eos, use_mtp=self.use_mtp, holds_kv=False)  # held for all above
         job.sampler = Sampler(request.params, request.constraint, request.logprobs)
         job.iterator = job.generator.generate(ids, request.max_tokens, job.sampler, kv)
         self._decode_step(job)
