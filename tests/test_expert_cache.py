@@ -287,9 +287,10 @@ def test_slots_lent_to_kv_rows_are_emptied_and_taken_back(snapshots):
 
 
 def test_an_auto_sized_cache_lends_the_kv_rows_room_to_a_generation_and_its_spans(snapshots, monkeypatch):
-    """An auto-sized cache holds experts in the room kept for the KV rows until they need it: a generation first has
-    its prompt's and max_tokens' rows lent out of the cache (`hold_kv_rows`); a span lengthened by the room left
-    (`prompt_chunk`) borrows that for its forward and gives it back. The tokens are a run's without a cache."""
+    """An auto-sized cache holds experts in the room kept for the KV rows until they need it: a forward whose caller
+    said nothing has its own sequence's rows lent; a generation first has its prompt's and max_tokens' rows lent out
+    of the cache (`hold_kv_rows`); a span lengthened by the room left (`prompt_chunk`) borrows that for its forward
+    and gives it back. The tokens are a run's without a cache."""
     snap = snapshots("tiny-trained", "q4")
     whole = Engine(snap, "numpy", load_tokenizer=False)
     cfg, container = whole.config, whole.container
@@ -306,13 +307,15 @@ def test_an_auto_sized_cache_lends_the_kv_rows_room_to_a_generation_and_its_span
     lend = cache.lend
     monkeypatch.setattr(model, "lend_hook", lambda nbytes: (asked.append(nbytes), lend(nbytes))[1])
     prompt = np.random.default_rng(2).integers(0, cfg.vocab_size, 1200).tolist()
+    model.forward(np.array(prompt[:100]), model.new_cache())
+    assert asked == [100 * per_token]
     held, chunk = (len(prompt) + 8) * per_token, model.prompt_chunk(2048, len(prompt) + 8)
     runs = [list(Generator(e.model, eos_token_ids=(), use_mtp=False).generate(prompt, 8, Sampler(SamplingParams())))
             for e in (whole, cut)]
     assert runs[0] == runs[1]
     spans = [chunk] * ((len(prompt) - 1) // chunk) + [len(prompt) - (len(prompt) - 1) // chunk * chunk]
     longer = [(s - model.span_rows) * cfg.hidden_size * 4 * SPAN_ROW_FLOATS for s in spans if s > model.span_rows]
-    assert len(longer) >= 2 and asked == [held] + [n for extra in longer for n in (held + extra, held)]
+    assert len(longer) >= 2 and asked == [100 * per_token, held] + [n for e in longer for n in (held + e, held)]
     slot = cache.slot_bytes
     assert cache.stats.lent_most == min(cache.lendable_slots, -(-(held + max(longer)) // slot))
     assert len(cache._lent) == min(cache.lendable_slots, -(-held // slot))

@@ -10,7 +10,8 @@ container file dropped from the page cache first): a 256-token prompt, then 64 g
 Modes: `page` (`--device auto --expert-cache off`: the page cache as the expert cache, the device decode step on
 the mapping), `cache` (`--device auto --expert-cache auto`, glm-run's default where the model outgrows the limit:
 the device decode step on the cache's slots), `numpy` (`--device numpy --expert-cache off`), `base` (the
-`page` run of the glmkit in `--baseline-tree`, e.g. a git worktree of an older commit: a baseline in the same run),
+`page` run of the glmkit in `--baseline-tree`, e.g. a git worktree of an older commit: a baseline in the same run;
+any mode suffixed `@base`, e.g. `cache@base`, runs that mode with that glmkit),
 and a GPU smaller than the model: `split` and `split-cache` (PoCL's CPU device driven as a discrete GPU holding
 GPU_SHARE of the container, the split step's CPU side beside it on PoCL reading the other routed experts from the
 mapping, or from an expert cache sized as glm-run sizes it beside a GPU, less the stand-in's buffers, which lie in
@@ -21,7 +22,9 @@ decoded token (and the prompt's expert bytes, for the TTFT) over the disk bandwi
 expert-sized reads, read as the cache reads them (O_DIRECT), the faster of 1 and 8 (its I/O threads) in flight.
 `--disk-mbps N` also puts each child in a cgroup whose reads of the snapshot's disk are throttled to N MB/s (v1 blkio,
 v2 io.max): the bounds then take at most N MB/s. `--rounds N` runs every fraction and mode N times in turn and ends
-with the medians and ranges, each mode's speed taken against the `base` run of its own round.
+with the medians and ranges, each mode's speed taken against the `@base` run of the same mode in its round, else the
+`base` run. `--max-context model` keeps room for the model's whole context's KV rows, as glm-run does by default
+(default `run`: the run's own prompt and tokens).
 """
 
 from __future__ import annotations
@@ -146,19 +149,21 @@ def peak_mb(group: Path) -> int | None:
 
 def run_child(snapshot: Path, mode: str, limit: int | None, timeout: float, cache: str = "auto",
               mtp: bool = False, prompt_file: Path | None = None, baseline_tree: Path | None = None,
-              read_bps: int | None = None, prompt: int = PROMPT, prefill_chunk: int = PREFILL_CHUNK) -> dict:
+              read_bps: int | None = None, prompt: int = PROMPT, prefill_chunk: int = PREFILL_CHUNK,
+              context: str = "run") -> dict:
     groups = new_cgroups(limit, read_bps, whole_disk(snapshot) if read_bps else "")
     memory = next((g for g in groups if "blkio" not in g.parts), None)  # the group whose peak is the memory's
     drop_from_page_cache(snapshot)
-    argv = [sys.executable, __file__, "--worker", str(snapshot), mode, cache, str(int(mtp)), str(prompt_file or ""),
-            str(prompt), str(prefill_chunk)]
+    name, _, where = mode.partition("@")  # mode@base: that mode with the baseline tree's glmkit
+    argv = [sys.executable, __file__, "--worker", str(snapshot), name, cache, str(int(mtp)), str(prompt_file or ""),
+            str(prompt), str(prefill_chunk), context]
 
     def enter() -> None:
         for group in groups:
             (group / "cgroup.procs").write_text(str(os.getpid()))
 
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "2"}
-    if mode == "base":
+    if mode == "base" or where == "base":
         if baseline_tree is None:
             raise SystemExit("mode base needs --baseline-tree")
         env["PYTHONPATH"] = str(baseline_tree.resolve())
@@ -175,11 +180,11 @@ def run_child(snapshot: Path, mode: str, limit: int | None, timeout: float, cach
         killed = f"killed by signal {-done.returncode} (over the memory limit?)" if done.returncode < 0 else "?"
         return {"error": (done.stderr.strip().splitlines() or [killed])[-1]}
     # the group's peak: the process's memory and the page cache it read, against the limit
-    return {**json.loads(done.stdout.strip().splitlines()[-1]), "peak_mb": peak}
+    return {**json.loads(done.stdout.strip().splitlines()[-1]), "mode": mode, "peak_mb": peak}
 
 
-def worker(snapshot: str, mode: str, cache: str, mtp: bool, prompt_file: str, prompt_len: int, prefill_chunk: int
-           ) -> dict:
+def worker(snapshot: str, mode: str, cache: str, mtp: bool, prompt_file: str, prompt_len: int, prefill_chunk: int,
+           context: str) -> dict:
     import numpy as np
 
     from glmkit.generate.engine import Engine
@@ -196,10 +201,10 @@ def worker(snapshot: str, mode: str, cache: str, mtp: bool, prompt_file: str, pr
     elif mode.startswith("split"):
         engine = split_engine(snapshot, mode == "split-cache")
     else:
-        # the KV rows kept room for: this run's context (glm-run --max-context), not the model's whole one
+        # the KV rows kept room for: this run's context (glm-run --max-context), or the model's whole one
         engine = Engine(snapshot, "numpy" if mode == "numpy" else "auto", load_tokenizer=False,
                         expert_cache=(cache if cache == "auto" else int(cache)) if mode == "cache" else 0,
-                        max_context=prompt_len + TOKENS + 2)
+                        max_context=prompt_len + TOKENS + 2 if context == "run" else None)
     stats_of = engine.expert_stats if hasattr(engine, "expert_stats") else getattr(engine.experts, "stats", None)
     if prompt_file:  # a JSON list of token ids, or of windows of them (glm-perplexity's): the first prompt_len ids
         ids = json.loads(Path(prompt_file).read_text())
@@ -279,10 +284,11 @@ def summary(rows: list[dict]) -> list[str]:
         runs = [r for r in ok if (r["fraction"], r["mode"], r["mtp"]) == (fraction, mode, mtp)]
         line = (f"{fraction} {mode}{' mtp' if mtp else ''}: decode {spread([r['decode_tok_s'] for r in runs])} "
                 f"tok/s, TTFT {spread([r['ttft_s'] for r in runs], 3)} s")
-        base = {r["round"]: r["decode_tok_s"] for r in ok if (r["fraction"], r["mode"]) == (fraction, "base")}
-        ratios = [r["decode_tok_s"] / base[r["round"]] for r in runs if r["round"] in base and mode != "base"]
+        against = f"{mode}@base" if any(r["mode"] == f"{mode}@base" for r in ok) else "base"
+        base = {r["round"]: r["decode_tok_s"] for r in ok if (r["fraction"], r["mode"]) == (fraction, against)}
+        ratios = [r["decode_tok_s"] / base[r["round"]] for r in runs if r["round"] in base and "base" not in mode]
         if ratios:
-            line += f", {spread(ratios)}x base in its round"
+            line += f", {spread(ratios)}x {against} in its round"
         shares = [r["decode_tok_s"] / r["io_bound_tok_s"] for r in runs if r.get("io_bound_tok_s")]
         if shares and fraction != "none":
             line += f", {spread(shares)} of the decode I/O bound"
@@ -296,13 +302,14 @@ def summary(rows: list[dict]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
-        print(json.dumps(worker(argv[1], argv[2], argv[3], argv[4] == "1", argv[5], int(argv[6]), int(argv[7]))))
+        print(json.dumps(worker(argv[1], argv[2], argv[3], argv[4] == "1", argv[5], int(argv[6]), int(argv[7]),
+                                argv[8])))
         return 0
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--work", type=Path, default=DEFAULT_WORK.with_name("glmkit-stream-model"))
     p.add_argument("--fractions", default="none,0.7,0.5,0.3", help="memory limits as fractions of the container")
     p.add_argument("--modes", default="page,cache",
-                   help="page, cache, numpy, base, split, split-cache (comma-separated)")
+                   help="page, cache, numpy, base, split, split-cache, any of them @base (comma-separated)")
     p.add_argument("--baseline-tree", type=Path, help="base mode: the source tree whose glmkit it runs")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--snapshot", type=Path, help="a converted snapshot to run instead of the 256-expert model "
@@ -322,6 +329,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", type=int, default=PROMPT, help="prompt tokens (default %(default)s)")
     p.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK,
                    help="prompt tokens per forward asked for (default %(default)s, glm-run's; glm-serve's steps: 512)")
+    p.add_argument("--max-context", choices=("run", "model"), default="run",
+                   help="the context the cache mode keeps KV room for: the run's (default) or the model's whole one "
+                        "(glm-run's default)")
     p.add_argument("--rounds", type=int, default=1,
                    help="run every fraction and mode this many times, in turn (a summary of medians follows)")
     p.add_argument("--json", type=Path)
@@ -352,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
                 row = {"round": turn, "fraction": fraction, "limit_mb": None if limit is None else limit >> 20,
                        "mtp": mtp, **run_child(snapshot, mode, limit, args.timeout, args.cache, mtp,
                                                args.prompt_tokens, args.baseline_tree, read_bps, args.prompt,
-                                               args.prefill_chunk)}
+                                               args.prefill_chunk, args.max_context)}
                 if "expert_mb_read_per_token" in row and row["expert_mb_read_per_token"] > 0:
                     row["io_bound_tok_s"] = round(bandwidth * 1e3 / row["expert_mb_read_per_token"], 1)
                 if "prefill_expert_mb" in row:  # the prompt's expert reads alone, at the measured bandwidth

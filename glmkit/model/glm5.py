@@ -227,6 +227,8 @@ class GlmMoeDsaModel:
         Returns (logits `[S, V]`, or `[1, V]` for the last position with `last_logits_only`;
         hidden `[S, H]` after the final norm, the input the MTP layer needs).
         """
+        if cache.length + len(token_ids) > self._held_kv_rows:  # a caller that did not say (`hold_kv_rows`): at
+            self.hold_kv_rows(cache.length + len(token_ids))  # least this sequence's rows
         x = self.embed(token_ids)
         # asked for before any prefill: a discrete device's step places its weights (and what is left of the budget
         # for routed experts) before per-operation calls upload weights as they come
@@ -346,7 +348,8 @@ class GlmMoeDsaModel:
 
     def hold_kv_rows(self, rows: int) -> None:
         """The KV rows the caller's sequences may come to hold from now on (as `prompt_chunk`'s `held_rows`): an
-        expert cache that lends their room (`lend_hook`) gives back their bytes first. Call it before they grow."""
+        expert cache that lends their room (`lend_hook`) gives back their bytes first. Call it before they grow
+        (`forward` raises it to its own sequence's rows where a caller did not)."""
         self._held_kv_rows = rows
         self._lend()
 
