@@ -13,6 +13,7 @@ import pytest
 from glmkit.errors import GlmkitError
 from glmkit.format.schema import EXPERT_PROJECTIONS, expert_weight_name
 from glmkit.generate import engine as engine_module
+from glmkit.generate import generator as generator_module
 from glmkit.generate.engine import Engine
 from glmkit.generate.generator import Generator
 from glmkit.generate.sampling import Sampler, SamplingParams
@@ -320,6 +321,20 @@ def test_an_auto_sized_cache_lends_the_kv_rows_room_to_a_generation_and_its_span
     assert cache.stats.lent_most == min(cache.lendable_slots, -(-(held + max(longer)) // slot))
     assert len(cache._lent) == min(cache.lendable_slots, -(-held // slot))
     cut.close()
+
+
+def test_a_reply_s_rows_are_held_as_it_grows(snapshots, monkeypatch):
+    """A generation holds its prompt's rows and KV_HOLD_AHEAD more (`hold_kv_rows`), and KV_HOLD_AHEAD past its rows
+    again whenever the next forward's would pass those held, at most its prompt and max_tokens: a cache lending the
+    rows' room gives a long reply's back as it is written, and no forward has to ask for its own rows."""
+    engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
+    monkeypatch.setattr(generator_module, "KV_HOLD_AHEAD", 4)
+    holds: list[int] = []
+    hold = engine.model.hold_kv_rows
+    monkeypatch.setattr(engine.model, "hold_kv_rows", lambda rows: (holds.append(rows), hold(rows)))
+    prompt = list(range(10, 30))
+    out = list(Generator(engine.model, eos_token_ids=(), use_mtp=False).generate(prompt, 12, Sampler(SamplingParams())))
+    assert len(out) == 12 and holds == [24, 26, 28, 30, 32]
 
 
 @pytest.mark.parametrize("device", ["numpy", "opencl"])

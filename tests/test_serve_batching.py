@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from glmkit.generate.generator import Generator
 from glmkit.generate.sampling import SamplingParams
 from glmkit.model.expert_cache import ExpertCache
 from glmkit.model.glm5 import GlmMoeDsaModel
+from glmkit.serve import scheduler as scheduler_module
 from glmkit.serve.scheduler import Done, GenerationJob, GenRequest, Scheduler, Text
 from tests.test_serve import ServerThread, concurrent_chats, serve_args, stats, user
 
@@ -464,15 +466,14 @@ def test_requests_wait_for_room_in_the_engine_s_kv_budget(engine, monkeypatch):
     assert max(waited) > min(waited) + 0.01  # some request waited for another to end
 
 def test_a_prompt_s_span_is_lengthened_only_by_kv_room_no_session_may_take(engine, monkeypatch):
-    """Under a budget of KV rows each prefill step tells the model the rows the Sessions may come to hold (the active
-    requests' most and the idle Sessions' rows: `hold_kv_rows`, so that an expert cache lending their room gives it
-    back, before a restore or a prefill grows them) and asks for its span with them (`prompt_chunk`'s held_rows);
-    the request's Generator tells the model nothing of its own (one sequence's rows are not all that is held)."""
+    """Under a budget of KV rows each prefill step asks the model for its span with the rows the Sessions may come to
+    hold (`GlmMoeDsaModel.prompt_chunk`'s held_rows): the active requests' most and the idle Sessions' rows; the
+    request's Generator tells the model nothing of its own (`hold_kv_rows`: one sequence's rows are not all)."""
     requests = [GenRequest(p, 16, ignore_eos=True, request_id=name) for p, name in zip(prompts(4, False), "abcd",
                                                                                       strict=True)]
     monkeypatch.setattr(engine, "kv_budget_tokens", 64, raising=False)
     asked: list[tuple[int | None, int]] = []  # per prefill step: (held_rows the model was given, what was held)
-    step, chunk = Scheduler._prefill_step, engine.model.prompt_chunk
+    step, chunk, hold = Scheduler._prefill_step, engine.model.prompt_chunk, engine.model.hold_kv_rows
 
     def prefill_step(self: Scheduler, job: GenerationJob) -> None:
         held = sum(min(len(j.request.prompt_ids) + j.request.max_tokens, 64) for j in self._active)
@@ -480,9 +481,9 @@ def test_a_prompt_s_span_is_lengthened_only_by_kv_room_no_session_may_take(engin
         calls: list[int | None] = []  # the step's own call, then its Generator's (its one sequence's rows)
         holds: list[int] = []
         monkeypatch.setattr(engine.model, "prompt_chunk", lambda c, rows=None: (calls.append(rows), chunk(c, rows))[1])
-        monkeypatch.setattr(engine.model, "hold_kv_rows", holds.append)
+        monkeypatch.setattr(engine.model, "hold_kv_rows", lambda rows: (holds.append(rows), hold(rows)))
         step(self, job)
-        assert holds == [held]
+        assert holds == []
         asked.append((calls[0], held))
 
     monkeypatch.setattr(Scheduler, "_prefill_step", prefill_step)
@@ -490,6 +491,37 @@ def test_a_prompt_s_span_is_lengthened_only_by_kv_room_no_session_may_take(engin
     serve(engine, requests, 1, then=[late], reuse=True)
     assert asked and all(given == held for given, held in asked)
     assert asked[-1][1] > len(late.prompt_ids) + late.max_tokens  # idle Sessions' rows count too
+
+
+def test_the_rows_held_out_of_a_lending_cache_cover_every_step_and_grow_with_the_replies(engine, monkeypatch):
+    """Under a budget of KV rows the worker tells the model, every pass before its steps, the rows the Sessions may
+    hold by its end (`hold_kv_rows`, so that an expert cache lending their room gives it back first): a request in
+    its prefill its most, a decoding one its rows and KV_HOLD_AHEAD more, the idle Sessions their rows. The Sessions'
+    rows never pass the last hold, and a reply's rows are held as it grows, not its whole max_tokens at once."""
+    requests = [GenRequest(p, 24, ignore_eos=True, request_id=name) for p, name in zip(prompts(4, False), "abcd",
+                                                                                      strict=True)]
+    monkeypatch.setattr(engine, "kv_budget_tokens", 256, raising=False)
+    monkeypatch.setattr(scheduler_module, "KV_HOLD_AHEAD", 4)
+    holds: list[int] = []
+    hold = engine.model.hold_kv_rows
+    monkeypatch.setattr(engine.model, "hold_kv_rows", lambda rows: (holds.append(rows), hold(rows)))
+    over: list[tuple[int, int]] = []  # (rows, the hold) after a step whose rows passed the hold
+    below: list[bool] = []  # after each step with every active request decoding: was the hold below their most?
+
+    def checked(step: Callable) -> Callable:
+        def run(self: Scheduler, jobs: Any) -> None:
+            step(self, jobs)
+            rows = sum(session.kv.length for session in self._sessions)
+            if rows > holds[-1]:
+                over.append((rows, holds[-1]))
+            if self._active and all(j.iterator is not None or j.batched for j in self._active):
+                below.append(holds[-1] < sum(len(j.request.prompt_ids) + 24 for j in self._active))
+        return run
+
+    monkeypatch.setattr(Scheduler, "_step", checked(Scheduler._step))
+    monkeypatch.setattr(Scheduler, "_batch_step", checked(Scheduler._batch_step))
+    serve(engine, requests, 1, reuse=True)
+    assert holds and not over and any(below)
 
 
 def test_the_batch_size_is_decided_by_the_model(engine, monkeypatch):

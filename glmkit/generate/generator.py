@@ -35,6 +35,9 @@ from glmkit.model.kv_cache import KVCache
 MTP_PROBE_DRAFTS = 16  # drafts after which a generation compares its acceptance with the model's break-even
 PREFILL_CHUNK = 2048  # prompt tokens per forward: a long prompt's temporaries stay those of one chunk
 DECODE_RESERVE = 4096  # KV rows made room for after the prompt, at most
+# KV rows a decoding sequence holds past those it has (`GlmMoeDsaModel.hold_kv_rows`): an expert cache lending the
+# rows' room gives it back in steps of this many as the reply grows, not a whole max_tokens' worth before it starts
+KV_HOLD_AHEAD = 256
 STEP_PREFILL_ROWS = 48  # prompt pieces up to this many tokens go through the decode step (one or two tokens a forward)
 
 
@@ -125,9 +128,10 @@ class Generator:
             stats.stop_reason = "length"
             return
         # room for the prompt and the first tokens: a long prompt's rows are not copied as the arrays grow
-        most = len(prompt_ids) + max_tokens  # the rows it may hold
+        most = min(len(prompt_ids) + max_tokens, self.model.config.max_position_embeddings)  # the rows it may hold
+        held = min(len(prompt_ids) + KV_HOLD_AHEAD, most)
         if self.holds_kv:
-            self.model.hold_kv_rows(min(most, self.model.config.max_position_embeddings))
+            self.model.hold_kv_rows(held)
         rows = len(prompt_ids) + min(max_tokens, DECODE_RESERVE) + 1
         cache.reserve(min(rows, self.model.config.max_position_embeddings))
         if cache.length == len(prompt_ids):  # the whole prompt is cached: recompute its last token to get logits
@@ -168,6 +172,9 @@ class Generator:
                 if cache.length - (pipe.ahead if pipe else 0) + 1 >= self.model.config.max_position_embeddings:
                     stats.stop_reason = "context"
                     return
+                if self.holds_kv and held < most and cache.length + VERIFY_ROWS >= held:  # the next rows would
+                    held = min(cache.length + KV_HOLD_AHEAD, most)  # pass those held
+                    self.model.hold_kv_rows(held)
                 if draft is None:
                     if pipe is None and pipelined:
                         pipelined = False

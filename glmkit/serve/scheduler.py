@@ -41,7 +41,7 @@ import numpy as np
 from glmkit.cache.prefix_cache import PrefixCache, common_prefix
 from glmkit.cache.session import ReuseStats, Session
 from glmkit.generate.engine import Engine
-from glmkit.generate.generator import Generator, prefill_part
+from glmkit.generate.generator import KV_HOLD_AHEAD, Generator, prefill_part
 from glmkit.generate.sampling import LogitsConstraint, Sampler, SamplingParams, TokenLogprob
 from glmkit.generate.tokenizer import StreamDecoder
 
@@ -228,6 +228,7 @@ class Scheduler:
                     self._active.append(job)
                 self.counters["max_active_seen"] = max(self.counters["max_active_seen"], len(self._active))
                 jobs = list(self._active)
+            self._hold_rows()  # before any step grows the rows
             decoding = [job for job in jobs if job.decoding] if self.max_batch > 1 else []
             if len(decoding) < 2:
                 decoding = []  # decoding alone: its generator's own steps
@@ -260,6 +261,21 @@ class Scheduler:
             return None
         with self._cv:
             return sum(self._most_rows(j, budget) for j in self._active) + sum(s.kv.length for s in self._idle)
+
+    def _hold_rows(self) -> None:
+        """Tell the model the KV rows to hold now (`GlmMoeDsaModel.hold_kv_rows`: a cache lending their room gives it
+        back first): each request in its prefill its most, each decoding one its rows and KV_HOLD_AHEAD more (at
+        most its most), the idle Sessions their rows. Nothing without a budget. Every pass, before its steps."""
+        budget = self.engine.kv_budget_tokens
+        if budget is None:
+            return
+        with self._cv:
+            held = sum(s.kv.length for s in self._idle)
+            for job in self._active:
+                most = self._most_rows(job, budget)
+                held += most if job.iterator is None or job.session is None else min(
+                    most, job.session.kv.length + KV_HOLD_AHEAD)
+        self.engine.model.hold_kv_rows(held)
 
     def _make_room(self, job: GenerationJob, own: Session | None) -> None:
         """Idle Sessions other than `own` (the one that will serve `job`: its rows become the job's) give up their
@@ -344,9 +360,6 @@ class Scheduler:
         ids, session = job.request.prompt_ids, job.session
         assert session is not None
         model = self.engine.model
-        held = self._held_rows()  # the job's most among them: its restored and prefilled rows
-        if held is not None:
-            model.hold_kv_rows(held)
         if job.decoder is None:
             start = time.perf_counter()
             kv = session.prepare(ids)
@@ -355,7 +368,7 @@ class Scheduler:
             job.cached, job.reuse = min(kv.length, len(ids) - 1), session.last_reuse
             job.decoder = StreamDecoder(self.engine.tokenizer)
         kv = session.kv
-        start, chunk = kv.length, model.prompt_chunk(self.prefill_chunk, held)
+        start, chunk = kv.length, model.prompt_chunk(self.prefill_chunk, self._held_rows())
         if len(ids) - start > chunk:
             prefill_part(model, ids, start + chunk, kv, self.use_mtp)
             session.store_progress(ids)  # a server stopped during a long prefill resumes it from here
