@@ -151,8 +151,9 @@ def test_the_auto_size_keeps_room_for_the_kv_rows_of_the_context(snapshots, monk
     """An auto-sized cache keeps room for the KV rows of `max_context` positions (the model's whole context by
     default), so a long prompt's rows do not take the process past its limit: slots it may only borrow while the rows
     leave them empty (`lendable_slots`); the context is then the engine's (its config) and the budget of KV rows all
-    its sequences share (`kv_budget_tokens`: glm-serve's sessions), refused past the model's own. Without a cache
-    sized from the RAM there is no budget and nothing to lend."""
+    its sequences share (`kv_budget_tokens`: glm-serve's sessions), refused past the model's own. A cache sized by
+    hand lends nothing and leaves the KV rows what the limit leaves beside the process (its slots among it) and the
+    activations' quarter; without a cache there is no budget."""
     snapshot = snapshots("tiny-trained", "q4")
     plain = Engine(snapshot, "numpy", load_tokenizer=False)
     cfg, experts = plain.config, sum(r.nbytes for r in plain.container.manifest.experts)
@@ -178,9 +179,18 @@ def test_the_auto_size_keeps_room_for_the_kv_rows_of_the_context(snapshots, monk
     assert cache_bytes(max_context=64) == (min(free - per_token * 64, experts) // slot, 64)
     assert cache_bytes(max_context=64, kv_dtype="fp8")[0] == min(free - kv_bytes_per_token(cfg, "fp8") * 64,
                                                                   experts) // slot
-    assert plain.kv_budget_tokens is None and Engine(snapshot, "numpy", load_tokenizer=False,
-                                                     expert_cache=1 << 20).kv_budget_tokens is None
-    assert Engine(snapshot, "numpy", load_tokenizer=False, expert_cache=1 << 20).experts.lendable_slots == 0
+    assert plain.kv_budget_tokens is None
+    # sized by hand: the KV rows get what the limit leaves beside it, the process and the activations' quarter
+    monkeypatch.setattr(engine_module, "anonymous_resident_bytes", lambda: held)
+    monkeypatch.setattr(engine_module, "memory_limit_bytes", lambda: limit)
+    for rest in (3 * per_token * cfg.max_position_embeddings // 2, per_token * cfg.max_position_embeddings // 2):
+        limit = (rest + held) * 4 // 3  # `rest` left beside what the process holds (the cache's slots among it)
+        sized = Engine(snapshot, "numpy", load_tokenizer=False, expert_cache=1 << 20)
+        left = limit - held - limit // 4
+        assert sized.kv_budget_tokens == sized.model.kv_room_tokens == min(left // per_token,
+                                                                           cfg.max_position_embeddings)
+        assert sized.experts.lendable_slots == 0
+    assert sized.kv_budget_tokens < cfg.max_position_embeddings
     for bad in (0, cfg.max_position_embeddings + 1):
         with pytest.raises(GlmkitError, match=f"--max-context {bad}: must be in 1..{cfg.max_position_embeddings}"):
             Engine(snapshot, "numpy", load_tokenizer=False, max_context=bad)

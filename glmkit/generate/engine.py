@@ -28,7 +28,13 @@ from glmkit.model.expert_cache import (
     saved_scores,
     usage_path,
 )
-from glmkit.model.expert_stream import ExpertStats, ExpertStreamer, memory_limit_bytes, outgrows_memory
+from glmkit.model.expert_stream import (
+    ExpertStats,
+    ExpertStreamer,
+    anonymous_resident_bytes,
+    memory_limit_bytes,
+    outgrows_memory,
+)
 from glmkit.model.glm5 import GlmMoeDsaModel, span_rows_within
 from glmkit.model.kv_cache import kv_bytes_per_token
 from glmkit.units import format_size
@@ -80,7 +86,7 @@ class Engine:
         # model uploads the most used (the split step), an expert cache loads them first; both add their routes
         self.expert_usage = saved_scores(self.usage_file, self.container)
         self.step_cache: ExpertCache | None = None  # the split step's CPU side's expert cache
-        # where the memory is budgeted (an expert cache sized from it): the KV rows all sequences may hold together
+        # where the memory is budgeted (an expert cache beside the RAM's rest): the KV rows all sequences may hold
         self.kv_budget_tokens: int | None = None
         try:
             self._open(device, ram_budget_bytes, prefetch, float_activations, expert_cache, kv_dtype,
@@ -153,6 +159,11 @@ class Engine:
                 self.config, activation_allowance(memory_limit_bytes()))
         if expert_cache and self.expert_cache_reason:
             self.kv_budget_tokens = self.model.kv_room_tokens = self.config.max_position_embeddings
+        elif expert_cache and not split:  # sized by hand: the KV rows get what the RAM leaves beside it
+            limit = memory_limit_bytes()
+            room = max(0, limit - anonymous_resident_bytes() - activation_allowance(limit))
+            self.kv_budget_tokens = self.model.kv_room_tokens = min(
+                self.config.max_position_embeddings, room // kv_bytes_per_token(self.config, kv_dtype))
         # the device decode step (if any) is built now, with the model, not inside the first prompt's time to token
         self.model.decodes_on_device()
 
