@@ -157,15 +157,15 @@ class Engine:
             # by layer in spans as long as the activations' room allows (sized from the RAM: what the cache left)
             self.model.span_rows, self.model.prefill_rows = span_rows_within(
                 self.config, activation_allowance(memory_limit_bytes()))
+        # the device decode step (if any) is built now, with the model, not inside the first prompt's time to token
+        self.model.decodes_on_device()
         if expert_cache and self.expert_cache_reason:
             self.kv_budget_tokens = self.model.kv_room_tokens = self.config.max_position_embeddings
-        elif expert_cache and not split:  # sized by hand: the KV rows get what the RAM leaves beside it
+        elif expert_cache and not split:  # sized by hand: the KV rows get what the RAM leaves beside all of it
             limit = memory_limit_bytes()
             room = max(0, limit - anonymous_resident_bytes() - activation_allowance(limit))
             self.kv_budget_tokens = self.model.kv_room_tokens = min(
                 self.config.max_position_embeddings, room // kv_bytes_per_token(self.config, kv_dtype))
-        # the device decode step (if any) is built now, with the model, not inside the first prompt's time to token
-        self.model.decodes_on_device()
 
     @property
     def expert_stats(self) -> CacheStats | ExpertStats:
