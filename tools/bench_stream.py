@@ -180,7 +180,7 @@ def run_child(snapshot: Path, mode: str, limit: int | None, timeout: float, cach
         killed = f"killed by signal {-done.returncode} (over the memory limit?)" if done.returncode < 0 else "?"
         return {"error": (done.stderr.strip().splitlines() or [killed])[-1]}
     # the group's peak: the process's memory and the page cache it read, against the limit
-    return {**json.loads(done.stdout.strip().splitlines()[-1]), "mode": mode, "peak_mb": peak}
+    return {**json.loads(done.stdout.strip().splitlines()[-1]), "peak_mb": peak}
 
 
 def worker(snapshot: str, mode: str, cache: str, mtp: bool, prompt_file: str, prompt_len: int, prefill_chunk: int,
@@ -362,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
                 row = {"round": turn, "fraction": fraction, "limit_mb": None if limit is None else limit >> 20,
                        "mtp": mtp, **run_child(snapshot, mode, limit, args.timeout, args.cache, mtp,
                                                args.prompt_tokens, args.baseline_tree, read_bps, args.prompt,
-                                               args.prefill_chunk, args.max_context)}
+                                               args.prefill_chunk, args.max_context), "mode": mode}
                 if "expert_mb_read_per_token" in row and row["expert_mb_read_per_token"] > 0:
                     row["io_bound_tok_s"] = round(bandwidth * 1e3 / row["expert_mb_read_per_token"], 1)
                 if "prefill_expert_mb" in row:  # the prompt's expert reads alone, at the measured bandwidth

@@ -127,11 +127,11 @@ class Generator:
         if max_tokens <= 0:
             stats.stop_reason = "length"
             return
-        # room for the prompt and the first tokens: a long prompt's rows are not copied as the arrays grow
         most = min(len(prompt_ids) + max_tokens, self.model.config.max_position_embeddings)  # the rows it may hold
         held = min(len(prompt_ids) + KV_HOLD_AHEAD, most)
         if self.holds_kv:
             self.model.hold_kv_rows(held)
+        # room for the prompt and the first tokens: a long prompt's rows are not copied as the arrays grow
         rows = len(prompt_ids) + min(max_tokens, DECODE_RESERVE) + 1
         cache.reserve(min(rows, self.model.config.max_position_embeddings))
         if cache.length == len(prompt_ids):  # the whole prompt is cached: recompute its last token to get logits
