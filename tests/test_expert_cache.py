@@ -195,6 +195,35 @@ def test_the_auto_size_keeps_room_for_the_kv_rows_of_the_context(snapshots, monk
         with pytest.raises(GlmkitError, match=f"--max-context {bad}: must be in 1..{cfg.max_position_embeddings}"):
             Engine(snapshot, "numpy", load_tokenizer=False, max_context=bad)
 
+def test_where_the_whole_context_s_rows_leave_no_room_the_context_is_what_fits(snapshots, monkeypatch):
+    """An auto-sized cache whose RAM cannot keep room for the KV rows of the model's whole context beside two
+    layers' routed experts shortens the context to the positions it can (said in the log; glm-run's and glm-serve's
+    context checks follow `config`) and lends their room to the cache. A context asked for is kept: there, as where
+    the RAM holds not even the experts, no cache is sized."""
+    snapshot = snapshots("tiny-trained", "q4")
+    plain = Engine(snapshot, "numpy", load_tokenizer=False)
+    cfg, container = plain.config, plain.container
+    whole, per_token = cfg.max_position_embeddings, kv_bytes_per_token(cfg)
+    two_layers = 2 * cfg.num_experts_per_tok * expert_slot_bytes(container)
+    pinned = container.nbytes - sum(r.nbytes for r in container.manifest.experts)
+    held = 1 << 20
+    limit = (per_token * whole // 2 + two_layers + pinned + held) * 4 // 3
+    monkeypatch.setattr(expert_cache, "memory_limit_bytes", lambda: limit)
+    monkeypatch.setattr(expert_cache, "anonymous_resident_bytes", lambda: held)
+    fits = (limit - pinned - held - limit // 4 - two_layers) // per_token
+    assert 0 < fits < whole
+    short = Engine(snapshot, "numpy", load_tokenizer=False, expert_cache="auto")
+    assert short.config.max_position_embeddings == short.kv_budget_tokens == fits
+    assert f"; context {fits:,} positions of the model's {whole:,}" in short.expert_cache_reason
+    assert short.experts.lendable_slots > 0
+    assert short.experts.n_slots - short.experts.lendable_slots >= 2 * cfg.num_experts_per_tok
+    with pytest.raises(GlmkitError, match="--expert-cache auto: no RAM left for experts"):
+        Engine(snapshot, "numpy", load_tokenizer=False, expert_cache="auto", max_context=whole)
+    limit = (two_layers // 2 + pinned + held) * 4 // 3
+    with pytest.raises(GlmkitError, match="--expert-cache auto: no RAM left for experts"):
+        Engine(snapshot, "numpy", load_tokenizer=False, expert_cache="auto")
+
+
 def test_the_memory_limit_is_the_lowest_of_the_cgroup_and_those_above_it(tmp_path):
     """cgroup v1 and v2: a limit set on a cgroup above the process's counts; v2's "max" and v1's huge root value
     mean no limit (the machine's RAM)."""

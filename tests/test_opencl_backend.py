@@ -395,4 +395,14 @@ def test_list_devices(device, capsys, tmp_path, monkeypatch):
     monkeypatch.setattr(expert_cache, "anonymous_resident_bytes", lambda: 0)  # a process of no size
     assert cli_run.main([snap, "--list-devices"]) == 0
     assert f"{snap}: expert cache " in capsys.readouterr().out
+    # a limit whose rest holds half the context's KV rows beside two layers' experts: the context glm-run would run
+    snapshot = Container(snap)
+    pinned = snapshot.nbytes - sum(r.nbytes for r in snapshot.manifest.experts)
+    rest = per_token["f32"] * 1024 + 2 * config.num_experts_per_tok * expert_cache.expert_slot_bytes(snapshot)
+    limit = (rest + pinned) * 4 // 3 + 3
+    monkeypatch.setattr(expert_stream, "memory_limit_bytes", lambda: limit)
+    monkeypatch.setattr(expert_cache, "memory_limit_bytes", lambda: limit)
+    assert cli_run.main([snap, "--list-devices"]) == 0
+    out = capsys.readouterr().out
+    assert "; context 1,024 positions of the model's 2,048" in out and f"{snap}: context 1,024 tokens;" in out
     assert cli_run.main([str(tmp_path / "missing"), "--list-devices"]) == 2

@@ -42,7 +42,7 @@ from glmkit.generate.constraint import (
     json_grammar,
     thinking_budget,
 )
-from glmkit.generate.engine import Engine, default_expert_cache
+from glmkit.generate.engine import Engine, default_expert_cache, fitted_context
 from glmkit.generate.generator import GenerationStats, Generator
 from glmkit.generate.sampling import Sampler, SamplingParams
 from glmkit.generate.tokenizer import StreamDecoder, replies_in_thinking
@@ -111,9 +111,10 @@ def main(argv: list[str] | None = None) -> int:
         if snapshot is not None:
             try:
                 container = Container(snapshot)
-                cfg = container.config
-                context_kv = kv_bytes_per_token(cfg) * cfg.max_position_embeddings  # glm-run's default reservation
-                print(f"{snapshot}: {default_expert_cache(container, kv_bytes=context_kv, lend_kv=True)[1]}")
+                cfg, fitted = fitted_context(container, container.config, "f32")  # glm-run's defaults
+                context_kv = kv_bytes_per_token(cfg) * cfg.max_position_embeddings
+                size, why = default_expert_cache(container, kv_bytes=context_kv, lend_kv=True)
+                print(f"{snapshot}: {why}{fitted if size else ''}")
                 per_token = {dtype: kv_bytes_per_token(cfg, dtype) for dtype in KV_DTYPES}
                 print(f"{snapshot}: context {cfg.max_position_embeddings:,} tokens; KV cache per token "
                       + ", ".join(f"{format_size(n)} ({dtype})" for dtype, n in per_token.items())

@@ -22,6 +22,7 @@ from glmkit.model.expert_cache import (
     ExpertScores,
     activation_allowance,
     auto_cache_bytes,
+    context_beside_cache,
     expert_slot_bytes,
     lendable_bytes,
     save_scores,
@@ -66,8 +67,10 @@ class Engine:
     neither read nor saved): the expert cache loads its hot set by them, a discrete GPU smaller than the model uploads
     the most used routed experts (the split step), and both add their tokens' routes. kv_dtype: the KV rows'
     precision (`glmkit.model.kv_cache.KV_DTYPES`). max_context: the most positions a sequence may hold (default: the
-    model's `max_position_embeddings`; `config` says it from then on); a cache sized from the RAM keeps room for the
-    KV rows of that many positions, which `kv_budget_tokens` then bounds (several sequences share it).
+    model's `max_position_embeddings`, or fewer where a cache sized from the RAM could not keep room for that many
+    beside two layers' experts: the positions it can; `config` says it from then on); a cache sized from the RAM
+    keeps room for the KV rows of that many positions, which `kv_budget_tokens` then bounds (several sequences share
+    it).
     announce: called with `expert_cache_reason` (where the routed experts will live, and why) once it is known,
     before the expert cache takes its memory: the CLIs print it, so a long start is not a silent one."""
 
@@ -90,17 +93,18 @@ class Engine:
         self.kv_budget_tokens: int | None = None
         try:
             self._open(device, ram_budget_bytes, prefetch, float_activations, expert_cache, kv_dtype,
-                       kv_bytes_per_token(self.config, kv_dtype) * self.config.max_position_embeddings, announce)
+                       max_context is None, announce)
         except BaseException:
             Engine.close(self)  # an expert cache opened so far (its reads, its preloading); not a subclass's
             raise
 
     def _open(self, device: str, ram_budget_bytes: int, prefetch: bool, float_activations: bool,
-              expert_cache: int | str | None, kv_dtype: str, kv_bytes: int,
+              expert_cache: int | str | None, kv_dtype: str, fit_context: bool,
               announce: Callable[[str], None] | None) -> None:
         """The backend, the weight source (expert cache or page cache) and the model (see the class); a cache sized
-        from the RAM leaves `kv_bytes` for KV rows. `announce(expert_cache_reason)` as soon as it is known: before
-        the cache takes its slots' pages and copies the other weights (a minute or more at GLM-5's size)."""
+        from the RAM leaves room for the KV rows of the context (`fit_context`: the model's, shortened to what fits).
+        `announce(expert_cache_reason)` as soon as it is known: before the cache takes its slots' pages and copies
+        the other weights (a minute or more at GLM-5's size)."""
         self.backend, self.device = make_backend(device, self.container, not float_activations, self.expert_usage)
         discrete = getattr(getattr(self.backend, "k", None), "direct", True) is False
         # a discrete GPU smaller than the model with a CPU device beside it (the split step): the experts it leaves
@@ -108,6 +112,10 @@ class Engine:
         split = discrete and self.backend.spill is not None and self.backend.over_budget
         self.experts: ExpertStreamer | ExpertCache  # the model's weight source
         self.expert_cache_reason = ""  # how an "auto" cache was sized
+        fitted = ""
+        if fit_context and not discrete and not ram_budget_bytes and expert_cache in (None, "auto"):
+            self.config, fitted = fitted_context(self.container, self.config, kv_dtype, expert_cache == "auto")
+        kv_bytes = kv_bytes_per_token(self.config, kv_dtype) * self.config.max_position_embeddings
         if expert_cache is None:
             expert_cache, why = ((0, "") if ram_budget_bytes or (discrete and not split) else
                                  default_expert_cache(self.container, pinned=not split, kv_bytes=kv_bytes,
@@ -120,6 +128,7 @@ class Engine:
             if expert_cache == 0:
                 raise GlmkitError(f"--expert-cache auto: no RAM left for experts ({why})")
             self.expert_cache_reason = f"expert cache {why}"
+        self.expert_cache_reason += fitted if self.expert_cache_reason else ""
         if announce is not None and self.expert_cache_reason:
             announce(self.expert_cache_reason)
         if expert_cache and discrete and not split:
@@ -328,6 +337,22 @@ def context_config(config: ModelConfig, max_context: int | None) -> ModelConfig:
         raise GlmkitError(f"--max-context {max_context}: must be in 1..{config.max_position_embeddings} (the model's "
                           f"max_position_embeddings)")
     return dataclasses.replace(config, max_position_embeddings=max_context)
+
+
+def fitted_context(container: Container, config: ModelConfig, kv_dtype: str, asked: bool = False
+                   ) -> tuple[ModelConfig, str]:
+    """`config` as an expert cache sized from the RAM runs it (`asked`: --expert-cache auto; else where the container
+    outgrows the RAM): where the KV rows of its whole context would leave no room beside them for two layers' routed
+    experts, with the context the positions whose rows leave it (`context_beside_cache`; where the RAM holds not even
+    the experts, unchanged: the page cache). With what the log adds ('' where unchanged)."""
+    if not (asked or outgrows_memory(container)):
+        return config, ""
+    whole = config.max_position_embeddings
+    fits = context_beside_cache(container, kv_bytes_per_token(config, kv_dtype))
+    if not 0 < fits < whole:
+        return config, ""
+    return context_config(config, fits), (f"; context {fits:,} positions of the model's {whole:,}: the KV rows that "
+                                          f"fit beside two layers' experts (--max-context, --kv-dtype)")
 
 
 def default_expert_cache(container: Container, pinned: bool = True, kv_bytes: int = 0, lend_kv: bool = False

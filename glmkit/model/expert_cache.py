@@ -221,15 +221,10 @@ def auto_cache_bytes(container: Container, reserve_bytes: int | None = None, pin
     `reserve_bytes` for the process and activations (default: what the process holds now,
     `anonymous_resident_bytes`, and `activation_allowance`) and `kv_bytes` for the KV rows of the context it keeps
     (`lend_kv`: lent to the cache while the rows leave them empty, `lendable_bytes`); with the reason, for the log."""
-    limit = memory_limit_bytes()
-    held = ""
-    if reserve_bytes is None:
-        now = anonymous_resident_bytes()
-        reserve_bytes = now + activation_allowance(limit)
-        held = f" ({format_size(now)} it holds now)"
+    limit, room, reserve_bytes, held = _room_for_cache(container, reserve_bytes, pinned)
     experts = container.nbytes - non_expert_bytes(container)
     copied = non_expert_bytes(container) if pinned else 0
-    size = max(0, min(limit - copied - reserve_bytes - kv_bytes, experts))
+    size = max(0, min(room - kv_bytes, experts))
     weights = (f"less {format_size(copied)} of non-expert weights and" if pinned else
                "the non-expert weights on the GPU, less")
     kv = f" and {format_size(kv_bytes)} for KV rows (--max-context)" if kv_bytes else ""
@@ -238,6 +233,27 @@ def auto_cache_bytes(container: Container, reserve_bytes: int | None = None, pin
     why = (f"{format_size(size)}: {format_size(limit)} may be used, {weights} {format_size(reserve_bytes)} kept for "
            f"the process{held}{kv}; the experts are {format_size(experts)}")
     return size, why
+
+
+def _room_for_cache(container: Container, reserve_bytes: int | None, pinned: bool) -> tuple[int, int, int, str]:
+    """(the RAM this process may use, what it leaves for slots and KV rows, the `reserve_bytes` kept for the process
+    and activations, what the process holds now as said in the log): see `auto_cache_bytes`."""
+    limit = memory_limit_bytes()
+    held = ""
+    if reserve_bytes is None:
+        now = anonymous_resident_bytes()
+        reserve_bytes = now + activation_allowance(limit)
+        held = f" ({format_size(now)} it holds now)"
+    return limit, limit - (non_expert_bytes(container) if pinned else 0) - reserve_bytes, reserve_bytes, held
+
+
+def context_beside_cache(container: Container, kv_bytes_per_token: int) -> int:
+    """The most positions whose KV rows (`kv_bytes_per_token` each) an auto-sized cache over `container`, its
+    non-expert weights copied into RAM, can keep room for beside two layers' routed experts (the layer computed and
+    the next one read ahead: 2 x `num_experts_per_tok` slots); 0 where the RAM holds not even those."""
+    room = _room_for_cache(container, None, True)[1]
+    room -= 2 * container.config.num_experts_per_tok * expert_slot_bytes(container)
+    return max(0, room) // kv_bytes_per_token
 
 
 def lendable_bytes(container: Container, size: int, kv_bytes: int) -> int:
