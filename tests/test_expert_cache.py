@@ -111,20 +111,22 @@ def test_generation_with_mtp_matches(snapshots):
 
 def test_the_auto_size_leaves_what_the_process_holds_and_a_quarter_of_the_limit(snapshots, monkeypatch):
     """The cache gets the memory the process may use less the pinned non-expert weights, what the process already
-    holds (its heap, a device runtime) and a quarter of the limit for activations: never what the process needs."""
+    holds (its heap, a device runtime), a quarter of the limit for activations and a sixteenth for what the process
+    comes to hold later: never what the process needs."""
     container = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False).container
     experts = sum(r.nbytes for r in container.manifest.experts)
     limit, held = 8 << 20, 1 << 20
     monkeypatch.setattr(expert_cache, "memory_limit_bytes", lambda: limit)
     monkeypatch.setattr(expert_cache, "anonymous_resident_bytes", lambda: held)
     size, why = auto_cache_bytes(container)
-    assert size == min(experts, limit - (container.nbytes - experts) - held - limit // 4) > 0
+    assert size == min(experts, limit - (container.nbytes - experts) - held - limit // 4 - limit // 16) > 0
     assert "holds now" in why
     # beside a discrete GPU holding the other weights (the split step's CPU side) none are copied into RAM
-    small = held + experts  # a quarter of it for activations: the experts do not all fit
+    small = held + experts  # a quarter and a sixteenth of it kept: the experts do not all fit
     monkeypatch.setattr(expert_cache, "memory_limit_bytes", lambda: small)
-    assert auto_cache_bytes(container, pinned=False)[0] == small - held - small // 4
-    assert auto_cache_bytes(container)[0] == max(0, small - held - small // 4 - (container.nbytes - experts))
+    assert auto_cache_bytes(container, pinned=False)[0] == small - held - small // 4 - small // 16
+    assert auto_cache_bytes(container)[0] == max(0, small - held - small // 4 - small // 16
+                                                 - (container.nbytes - experts))
     monkeypatch.setattr(expert_cache, "memory_limit_bytes", lambda: limit)
     monkeypatch.setattr(expert_cache, "anonymous_resident_bytes", lambda: limit)  # it holds all of it already
     assert auto_cache_bytes(container)[0] == 0
@@ -159,10 +161,11 @@ def test_the_auto_size_keeps_room_for_the_kv_rows_of_the_context(snapshots, monk
     cfg, experts = plain.config, sum(r.nbytes for r in plain.container.manifest.experts)
     per_token = kv_bytes_per_token(cfg, "f32")
     held = 1 << 20  # a limit that leaves half the experts beside the whole context's rows:
-    limit = (per_token * cfg.max_position_embeddings + experts // 2 + plain.container.nbytes - experts + held) * 4 // 3
+    limit = (per_token * cfg.max_position_embeddings + experts // 2 + plain.container.nbytes - experts + held)
+    limit = limit * 16 // 11
     monkeypatch.setattr(expert_cache, "memory_limit_bytes", lambda: limit)
     monkeypatch.setattr(expert_cache, "anonymous_resident_bytes", lambda: held)
-    free = limit - (plain.container.nbytes - experts) - held - limit // 4  # the cache without KV rows
+    free = limit - (plain.container.nbytes - experts) - held - limit // 4 - limit // 16  # the cache without KV rows
 
     def cache_bytes(**kwargs) -> tuple[int, int]:
         """(the slots never lent, the context)"""
@@ -184,9 +187,9 @@ def test_the_auto_size_keeps_room_for_the_kv_rows_of_the_context(snapshots, monk
     monkeypatch.setattr(engine_module, "anonymous_resident_bytes", lambda: held)
     monkeypatch.setattr(engine_module, "memory_limit_bytes", lambda: limit)
     for rest in (3 * per_token * cfg.max_position_embeddings // 2, per_token * cfg.max_position_embeddings // 2):
-        limit = (rest + held) * 4 // 3  # `rest` left beside what the process holds (the cache's slots among it)
+        limit = (rest + held) * 16 // 11  # `rest` left beside what the process holds (the cache's slots among it)
         sized = Engine(snapshot, "numpy", load_tokenizer=False, expert_cache=1 << 20)
-        left = limit - held - limit // 4
+        left = limit - held - limit // 4 - limit // 16
         assert sized.kv_budget_tokens == sized.model.kv_room_tokens == min(left // per_token,
                                                                            cfg.max_position_embeddings)
         assert sized.experts.lendable_slots == 0
@@ -207,10 +210,10 @@ def test_where_the_whole_context_s_rows_leave_no_room_the_context_is_what_fits(s
     two_layers = 2 * cfg.num_experts_per_tok * expert_slot_bytes(container)
     pinned = container.nbytes - sum(r.nbytes for r in container.manifest.experts)
     held = 1 << 20
-    limit = (per_token * whole // 2 + two_layers + pinned + held) * 4 // 3
+    limit = (per_token * whole // 2 + two_layers + pinned + held) * 16 // 11
     monkeypatch.setattr(expert_cache, "memory_limit_bytes", lambda: limit)
     monkeypatch.setattr(expert_cache, "anonymous_resident_bytes", lambda: held)
-    fits = (limit - pinned - held - limit // 4 - two_layers) // per_token
+    fits = (limit - pinned - held - limit // 4 - limit // 16 - two_layers) // per_token
     assert 0 < fits < whole
     short = Engine(snapshot, "numpy", load_tokenizer=False, expert_cache="auto")
     assert short.config.max_position_embeddings == short.kv_budget_tokens == fits
@@ -219,7 +222,7 @@ def test_where_the_whole_context_s_rows_leave_no_room_the_context_is_what_fits(s
     assert short.experts.n_slots - short.experts.lendable_slots >= 2 * cfg.num_experts_per_tok
     with pytest.raises(GlmkitError, match="--expert-cache auto: no RAM left for experts"):
         Engine(snapshot, "numpy", load_tokenizer=False, expert_cache="auto", max_context=whole)
-    limit = (two_layers // 2 + pinned + held) * 4 // 3
+    limit = (two_layers // 2 + pinned + held) * 16 // 11
     with pytest.raises(GlmkitError, match="--expert-cache auto: no RAM left for experts"):
         Engine(snapshot, "numpy", load_tokenizer=False, expert_cache="auto")
 
@@ -336,7 +339,7 @@ def test_an_auto_sized_cache_lends_the_kv_rows_room_to_a_generation_and_its_span
     cfg, container = whole.config, whole.container
     experts = sum(r.nbytes for r in container.manifest.experts)
     per_token = kv_bytes_per_token(cfg)
-    limit = (per_token * cfg.max_position_embeddings + experts // 2 + container.nbytes - experts) * 4 // 3
+    limit = (per_token * cfg.max_position_embeddings + experts // 2 + container.nbytes - experts) * 16 // 11
     monkeypatch.setattr(expert_cache, "memory_limit_bytes", lambda: limit)
     monkeypatch.setattr(expert_cache, "anonymous_resident_bytes", lambda: 0)
     monkeypatch.setattr(engine_module, "memory_limit_bytes", lambda: limit)

@@ -399,7 +399,7 @@ def test_list_devices(device, capsys, tmp_path, monkeypatch):
     snapshot = Container(snap)
     pinned = snapshot.nbytes - sum(r.nbytes for r in snapshot.manifest.experts)
     rest = per_token["f32"] * 1024 + 2 * config.num_experts_per_tok * expert_cache.expert_slot_bytes(snapshot)
-    limit = (rest + pinned) * 4 // 3 + 3
+    limit = (rest + pinned) * 16 // 11 + 16
     monkeypatch.setattr(expert_stream, "memory_limit_bytes", lambda: limit)
     monkeypatch.setattr(expert_cache, "memory_limit_bytes", lambda: limit)
     assert cli_run.main([snap, "--list-devices"]) == 0

@@ -24,6 +24,7 @@ from glmkit.model.expert_cache import (
     auto_cache_bytes,
     context_beside_cache,
     expert_slot_bytes,
+    growth_allowance,
     lendable_bytes,
     save_scores,
     saved_scores,
@@ -172,7 +173,7 @@ class Engine:
             self.kv_budget_tokens = self.model.kv_room_tokens = self.config.max_position_embeddings
         elif expert_cache and not split:  # sized by hand: the KV rows get what the RAM leaves beside all of it
             limit = memory_limit_bytes()
-            room = max(0, limit - anonymous_resident_bytes() - activation_allowance(limit))
+            room = max(0, limit - anonymous_resident_bytes() - activation_allowance(limit) - growth_allowance(limit))
             self.kv_budget_tokens = self.model.kv_room_tokens = min(
                 self.config.max_position_embeddings, room // kv_bytes_per_token(self.config, kv_dtype))
 

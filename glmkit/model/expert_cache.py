@@ -209,6 +209,13 @@ def activation_allowance(limit: int) -> int:
     return min(1 << 30, limit // 4)
 
 
+def growth_allowance(limit: int) -> int:
+    """The bytes an auto-sized cache also leaves under a memory limit for what the process comes to hold after it
+    is sized, beyond activations and KV rows (kernels built for new shapes, sessions, the allocator's freed
+    fragments): a sixteenth, at most 256 MB."""
+    return min(256 << 20, limit // 16)
+
+
 def non_expert_bytes(container: Container) -> int:
     """The container's bytes outside its routed experts: what an expert cache copies into RAM beside its slots."""
     return container.nbytes - sum(r.nbytes for r in container.manifest.experts)
@@ -219,8 +226,9 @@ def auto_cache_bytes(container: Container, reserve_bytes: int | None = None, pin
     """A cache size from the RAM this process may use (`memory_limit_bytes`: the cgroup's limit or the machine's),
     less the non-expert weights it copies into RAM (unless not `pinned`: a discrete GPU holds them),
     `reserve_bytes` for the process and activations (default: what the process holds now,
-    `anonymous_resident_bytes`, and `activation_allowance`) and `kv_bytes` for the KV rows of the context it keeps
-    (`lend_kv`: lent to the cache while the rows leave them empty, `lendable_bytes`); with the reason, for the log."""
+    `anonymous_resident_bytes`, `activation_allowance` and `growth_allowance`) and `kv_bytes` for the KV rows of the
+    context it keeps (`lend_kv`: lent to the cache while the rows leave them empty, `lendable_bytes`); with the
+    reason, for the log."""
     limit, room, reserve_bytes, held = _room_for_cache(container, reserve_bytes, pinned)
     experts = container.nbytes - non_expert_bytes(container)
     copied = non_expert_bytes(container) if pinned else 0
@@ -242,7 +250,7 @@ def _room_for_cache(container: Container, reserve_bytes: int | None, pinned: boo
     held = ""
     if reserve_bytes is None:
         now = anonymous_resident_bytes()
-        reserve_bytes = now + activation_allowance(limit)
+        reserve_bytes = now + activation_allowance(limit) + growth_allowance(limit)
         held = f" ({format_size(now)} it holds now)"
     return limit, limit - (non_expert_bytes(container) if pinned else 0) - reserve_bytes, reserve_bytes, held
 
