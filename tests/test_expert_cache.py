@@ -154,8 +154,8 @@ def test_the_auto_size_keeps_room_for_the_kv_rows_of_the_context(snapshots, monk
     default), so a long prompt's rows do not take the process past its limit: slots it may only borrow while the rows
     leave them empty (`lendable_slots`); the context is then the engine's (its config) and the budget of KV rows all
     its sequences share (`kv_budget_tokens`: glm-serve's sessions), refused past the model's own. A cache sized by
-    hand lends nothing and leaves the KV rows what the limit leaves beside the process (its slots among it) and the
-    activations' quarter; without a cache there is no budget."""
+    hand lends nothing and leaves the KV rows what the limit leaves beside the process (its slots among it), the
+    activations' quarter and the sixteenth for later growth; without a cache there is no budget."""
     snapshot = snapshots("tiny-trained", "q4")
     plain = Engine(snapshot, "numpy", load_tokenizer=False)
     cfg, experts = plain.config, sum(r.nbytes for r in plain.container.manifest.experts)
@@ -183,7 +183,7 @@ def test_the_auto_size_keeps_room_for_the_kv_rows_of_the_context(snapshots, monk
     assert cache_bytes(max_context=64, kv_dtype="fp8")[0] == min(free - kv_bytes_per_token(cfg, "fp8") * 64,
                                                                   experts) // slot
     assert plain.kv_budget_tokens is None
-    # sized by hand: the KV rows get what the limit leaves beside it, the process and the activations' quarter
+    # sized by hand: the KV rows get what the limit leaves beside it, the process, a quarter and a sixteenth
     monkeypatch.setattr(engine_module, "anonymous_resident_bytes", lambda: held)
     monkeypatch.setattr(engine_module, "memory_limit_bytes", lambda: limit)
     for rest in (3 * per_token * cfg.max_position_embeddings // 2, per_token * cfg.max_position_embeddings // 2):
