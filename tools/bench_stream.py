@@ -40,7 +40,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from glmkit.generate.generator import PREFILL_CHUNK
 from tools.bench_model import BENCH_CONFIG, DEFAULT_WORK, ensure_bench_snapshot
 
 STREAM_CONFIG = {**BENCH_CONFIG, "n_routed_experts": 256, "n_group": 8, "topk_group": 4}
@@ -149,7 +148,7 @@ def peak_mb(group: Path) -> int | None:
 
 def run_child(snapshot: Path, mode: str, limit: int | None, timeout: float, cache: str = "auto",
               mtp: bool = False, prompt_file: Path | None = None, baseline_tree: Path | None = None,
-              read_bps: int | None = None, prompt: int = PROMPT, prefill_chunk: int = PREFILL_CHUNK,
+              read_bps: int | None = None, prompt: int = PROMPT, prefill_chunk: int = 0,
               context: str = "run") -> dict:
     groups = new_cgroups(limit, read_bps, whole_disk(snapshot) if read_bps else "")
     memory = next((g for g in groups if "blkio" not in g.parts), None)  # the group whose peak is the memory's
@@ -185,6 +184,8 @@ def run_child(snapshot: Path, mode: str, limit: int | None, timeout: float, cach
 
 def worker(snapshot: str, mode: str, cache: str, mtp: bool, prompt_file: str, prompt_len: int, prefill_chunk: int,
            context: str) -> dict:
+    """One run in this process (the child `run_child` starts); prefill_chunk 0: the Generator's own (an older glmkit's
+    `base` run imports nothing newer)."""
     import numpy as np
 
     from glmkit.generate.engine import Engine
@@ -212,7 +213,8 @@ def worker(snapshot: str, mode: str, cache: str, mtp: bool, prompt_file: str, pr
         prompt = [int(t) for t in flat[:prompt_len]]
     else:
         prompt = np.random.default_rng(0).integers(0, engine.config.vocab_size, prompt_len).tolist()
-    gen = Generator(engine.model, eos_token_ids=(), use_mtp=mtp, prefill_chunk=prefill_chunk)
+    chunk = {"prefill_chunk": prefill_chunk} if prefill_chunk else {}
+    gen = Generator(engine.model, eos_token_ids=(), use_mtp=mtp, **chunk)
     tokens, first = 0, 0.0
     before, began = read_bytes(), time.perf_counter()
     for _ in gen.generate(prompt, TOKENS + 1, Sampler(SamplingParams())):
@@ -327,8 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=Path,
                    help="a JSON list of token ids or of windows of them, the prompt's (default: random ids)")
     p.add_argument("--prompt", type=int, default=PROMPT, help="prompt tokens (default %(default)s)")
-    p.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK,
-                   help="prompt tokens per forward asked for (default %(default)s, glm-run's; glm-serve's steps: 512)")
+    p.add_argument("--prefill-chunk", type=int, default=0,
+                   help="prompt tokens per forward asked for (default: glm-run's, 2,048; glm-serve's steps: 512)")
     p.add_argument("--max-context", choices=("run", "model"), default="run",
                    help="the context the cache mode keeps KV room for: the run's (default) or the model's whole one "
                         "(glm-run's default)")
