@@ -107,6 +107,7 @@ class Engine:
         `announce(expert_cache_reason)` as soon as it is known: before the cache takes its slots' pages and copies
         the other weights (a minute or more at GLM-5's size)."""
         self.backend, self.device = make_backend(device, self.container, not float_activations, self.expert_usage)
+        self.backend.release_memory()  # a device profile measured just now leaves freed memory the cache is sized after
         discrete = getattr(getattr(self.backend, "k", None), "direct", True) is False
         # a discrete GPU smaller than the model with a CPU device beside it (the split step): the experts it leaves
         # to the CPU side may come from an expert cache, which then holds no other weight (the GPU has them)
