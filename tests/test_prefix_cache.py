@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from glmkit.cache.prefix_cache import BLOB_VERSION, MAGIC, PrefixCache, open_index
+from glmkit.cache.session import Session
 from glmkit.cli.convert import main as convert_main
 from glmkit.generate.engine import Engine
 from glmkit.generate.generator import Generator
@@ -256,7 +257,6 @@ def test_concurrent_writers_and_a_new_process_hit(engine, oracle, tmp_path):
 def test_a_prefill_killed_half_way_resumes_from_its_last_chunk(engine, oracle, tmp_path, mtp):
     """A prompt prefilled in chunks stores each chunk's rows as it goes (`Session.store_progress`): stopped after
     its second chunk, a new process restores those rows from disk, and the rest gives the tokens of a fresh run."""
-    from glmkit.cache.session import Session
 
     ids = oracle["full_ids"]
     session = Session(engine.model, make_cache(engine, tmp_path, mtp))
@@ -276,3 +276,24 @@ def test_a_prefill_killed_half_way_resumes_from_its_last_chunk(engine, oracle, t
     kv = engine.model.new_cache()
     assert make_cache(engine, tmp_path, mtp).restore(kv, ids).from_disk == 16
     assert greedy(engine, ids, 6, kv, mtp) == greedy(engine, ids, 6, None, mtp)
+
+
+def test_a_session_that_holds_its_rows_says_so_before_a_restore_grows_them(engine, oracle, tmp_path, monkeypatch):
+    """A Session that is the model's only sequence (glm-run's: `holds_kv`) tells the model, before each restore from
+    the prefix cache, the rows it keeps and the prompt's (a restored candidate is built beside them), so that an
+    expert cache lending their room gives it back first; a server's Sessions leave that to its scheduler."""
+    ids = oracle["full_ids"]
+    run_and_store(engine, make_cache(engine, tmp_path), ids[:30])
+    events: list[tuple] = []
+    monkeypatch.setattr(engine.model, "hold_kv_rows", lambda rows: events.append(("hold", rows)))
+    for holds in (True, False):
+        session = Session(engine.model, make_cache(engine, tmp_path), holds_kv=holds)
+        restore = session.prefix_cache.restore
+        monkeypatch.setattr(session.prefix_cache, "restore",
+                            lambda kv, prompt, restore=restore: (events.append(("restore",)), restore(kv, prompt))[1])
+        events.clear()
+        kept = session.prepare(ids[:36]).length
+        session.prepare(ids[:40])
+        assert kept >= 28
+        assert events == ([("hold", 36), ("restore",), ("hold", kept + 40), ("restore",)] if holds else
+                          [("restore",), ("restore",)])

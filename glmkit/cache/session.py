@@ -87,8 +87,11 @@ class ReuseStats:
 
 class Session:
     def __init__(self, model: GlmMoeDsaModel, prefix_cache: PrefixCache | None = None,
-                 approximate: ApproxPolicy | None = None):
+                 approximate: ApproxPolicy | None = None, holds_kv: bool = False):
+        """holds_kv: the Session's is the model's only sequence (glm-run), so `prepare` first tells the model the rows
+        a restore may add to those it holds (`GlmMoeDsaModel.hold_kv_rows`; a server's scheduler does it for all)."""
         self.model = model
+        self.holds_kv = holds_kv
         self.prefix_cache = prefix_cache
         self.approximate = approximate
         self.kv: KVCache = model.new_cache()
@@ -104,6 +107,8 @@ class Session:
         the last prompt token (the caller computes the rest)."""
         if self.kv.lost:  # e.g. a restarted pipeline stage: start over, from the prefix cache where it has the prompt
             self.kv, self.ids, self.exact_len = self.model.new_cache(), [], 0
+        if self.holds_kv:  # a restored candidate may hold the whole prompt beside the rows kept until it wins
+            self.model.hold_kv_rows(self.kv.length + len(prompt_ids))
         keep = common_prefix(self.ids, prompt_ids)
         if self.approximate is None:
             keep = min(keep, self.exact_len)

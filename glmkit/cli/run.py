@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                 verify_snapshot_data(engine.container)
             use_mtp = use_mtp_from_arguments(engine, args)
             prefix_cache = None if args.no_cache else open_prefix_cache(engine, args, use_mtp)
-            session = Session(engine.model, prefix_cache, policy)
+            session = Session(engine.model, prefix_cache, policy, holds_kv=True)
             generator = Generator(engine.model, engine.eos_token_ids, use_mtp=use_mtp,
                                   checkpoint=session.store_progress)
             if args.chat:

@@ -264,8 +264,9 @@ class Scheduler:
 
     def _hold_rows(self) -> None:
         """Tell the model the KV rows to hold now (`GlmMoeDsaModel.hold_kv_rows`: a cache lending their room gives it
-        back first): each request in its prefill its most, each decoding one its rows and KV_HOLD_AHEAD more (at
-        most its most), the idle Sessions their rows. Nothing without a budget. Every pass, before its steps."""
+        back first): each request in its prefill its most (before its Session is prepared, also the rows the Session
+        has, beside which a restore builds its own), each decoding one its rows and KV_HOLD_AHEAD more (at most its
+        most), the idle Sessions their rows. Nothing without a budget. Every pass, before its steps."""
         budget = self.engine.kv_budget_tokens
         if budget is None:
             return
@@ -273,8 +274,10 @@ class Scheduler:
             held = sum(s.kv.length for s in self._idle)
             for job in self._active:
                 most = self._most_rows(job, budget)
-                held += most if job.iterator is None or job.session is None else min(
-                    most, job.session.kv.length + KV_HOLD_AHEAD)
+                if job.session is None or job.iterator is None:
+                    held += most + (job.session.kv.length if job.session and job.decoder is None else 0)
+                else:
+                    held += min(most, job.session.kv.length + KV_HOLD_AHEAD)
         self.engine.model.hold_kv_rows(held)
 
     def _make_room(self, job: GenerationJob, own: Session | None) -> None:
