@@ -11,12 +11,14 @@ import numpy as np
 import pytest
 
 from glmkit.backends.opencl import decode_graph
+from glmkit.cache.session import Session
 from glmkit.cli.serve import build_app
 from glmkit.cli.serve import main as serve_main
 from glmkit.errors import GlmkitError
 from glmkit.generate.engine import Engine
 from glmkit.generate.generator import Generator
 from glmkit.generate.sampling import SamplingParams
+from glmkit.generate.tokenizer import StreamDecoder
 from glmkit.model.expert_cache import ExpertCache
 from glmkit.model.glm5 import GlmMoeDsaModel
 from glmkit.serve import scheduler as scheduler_module
@@ -522,6 +524,24 @@ def test_the_rows_held_out_of_a_lending_cache_cover_every_step_and_grow_with_the
     monkeypatch.setattr(Scheduler, "_batch_step", checked(Scheduler._batch_step))
     serve(engine, requests, 1, reuse=True)
     assert holds and not over and any(below)
+
+
+def test_a_request_not_yet_prepared_holds_its_session_s_rows_beside_its_most(engine, monkeypatch):
+    """Before its Session is prepared, a request holds its most and the rows its Session has: a restore from the
+    prefix cache builds its own beside them. Once prepared, its most alone."""
+    monkeypatch.setattr(engine, "kv_budget_tokens", 256, raising=False)
+    holds: list[int] = []
+    monkeypatch.setattr(engine.model, "hold_kv_rows", holds.append)
+    prompt = prompts(2, False)[1]
+    job = GenerationJob(GenRequest(prompt, 8, ignore_eos=True), lambda event: None)
+    job.session = Session(engine.model, None)
+    engine.model.forward(np.array(prompt[:5]), job.session.kv)  # the rows an earlier turn left
+    scheduler = Scheduler(engine, max_active=2)
+    scheduler._active.append(job)
+    scheduler._hold_rows()
+    job.decoder = StreamDecoder(engine.tokenizer)
+    scheduler._hold_rows()
+    assert holds[-2:] == [len(prompt) + 8 + 5, len(prompt) + 8]
 
 
 def test_the_batch_size_is_decided_by_the_model(engine, monkeypatch):
