@@ -51,8 +51,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, expert_memory: bool
     if expert_memory:
         parser.add_argument("--max-context", type=int, metavar="N",
                             help="the most tokens a sequence may hold, prompt and reply (default: the model's "
-                                 "max_position_embeddings); an expert cache sized from the RAM keeps room for the "
-                                 "KV rows of that many tokens (glm-serve's sessions share them)")
+                                 "max_position_embeddings, or what the RAM holds the KV rows of beside an expert "
+                                 "cache sized from it); such a cache keeps room for the KV rows of that many tokens "
+                                 "(glm-serve's sessions share it) and holds experts in it while the rows leave it "
+                                 "empty")
         parser.add_argument("--ram-budget", type=parse_size, default=0, metavar="SIZE",
                             help="pin the hottest routed experts in RAM up to SIZE (e.g. 8G); default 0 = page "
                                  "cache only")
