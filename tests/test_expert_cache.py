@@ -184,7 +184,6 @@ def test_the_auto_size_keeps_room_for_the_kv_rows_of_the_context(snapshots, monk
                                                                   experts) // slot
     assert plain.kv_budget_tokens is None
     # sized by hand: the KV rows get what the limit leaves beside it, the process, a quarter and a sixteenth
-    monkeypatch.setattr(engine_module, "anonymous_resident_bytes", lambda: held)
     monkeypatch.setattr(engine_module, "memory_limit_bytes", lambda: limit)
     for rest in (3 * per_token * cfg.max_position_embeddings // 2, per_token * cfg.max_position_embeddings // 2):
         limit = (rest + held) * 16 // 11  # `rest` left beside what the process holds (the cache's slots among it)

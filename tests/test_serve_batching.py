@@ -538,9 +538,9 @@ def test_a_request_not_yet_prepared_holds_its_session_s_rows_beside_its_most(eng
     engine.model.forward(np.array(prompt[:5]), job.session.kv)  # the rows an earlier turn left
     scheduler = Scheduler(engine, max_active=2)
     scheduler._active.append(job)
-    scheduler._hold_rows()
+    scheduler._hold_pass_rows()
     job.decoder = StreamDecoder(engine.tokenizer)
-    scheduler._hold_rows()
+    scheduler._hold_pass_rows()
     assert holds[-2:] == [len(prompt) + 8 + 5, len(prompt) + 8]
 
 

@@ -24,19 +24,13 @@ from glmkit.model.expert_cache import (
     auto_cache_bytes,
     context_beside_cache,
     expert_slot_bytes,
-    growth_allowance,
     lendable_bytes,
+    room_for_cache,
     save_scores,
     saved_scores,
     usage_path,
 )
-from glmkit.model.expert_stream import (
-    ExpertStats,
-    ExpertStreamer,
-    anonymous_resident_bytes,
-    memory_limit_bytes,
-    outgrows_memory,
-)
+from glmkit.model.expert_stream import ExpertStats, ExpertStreamer, memory_limit_bytes, outgrows_memory
 from glmkit.model.glm5 import GlmMoeDsaModel, span_rows_within
 from glmkit.model.kv_cache import kv_bytes_per_token
 from glmkit.units import format_size
@@ -173,8 +167,7 @@ class Engine:
         if expert_cache and self.expert_cache_reason:
             self.kv_budget_tokens = self.model.kv_room_tokens = self.config.max_position_embeddings
         elif expert_cache and not split:  # sized by hand: the KV rows get what the RAM leaves beside all of it
-            limit = memory_limit_bytes()
-            room = max(0, limit - anonymous_resident_bytes() - activation_allowance(limit) - growth_allowance(limit))
+            room = max(0, room_for_cache(self.container, None, pinned=False)[1])  # the cache is in what it holds
             self.kv_budget_tokens = self.model.kv_room_tokens = min(
                 self.config.max_position_embeddings, room // kv_bytes_per_token(self.config, kv_dtype))
 

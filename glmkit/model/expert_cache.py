@@ -229,9 +229,9 @@ def auto_cache_bytes(container: Container, reserve_bytes: int | None = None, pin
     `anonymous_resident_bytes`, `activation_allowance` and `growth_allowance`) and `kv_bytes` for the KV rows of the
     context it keeps (`lend_kv`: lent to the cache while the rows leave them empty, `lendable_bytes`); with the
     reason, for the log."""
-    limit, room, reserve_bytes, held = _room_for_cache(container, reserve_bytes, pinned)
-    experts = container.nbytes - non_expert_bytes(container)
+    limit, room, reserve_bytes, held = room_for_cache(container, reserve_bytes, pinned)
     copied = non_expert_bytes(container) if pinned else 0
+    experts = container.nbytes - non_expert_bytes(container)
     size = max(0, min(room - kv_bytes, experts))
     weights = (f"less {format_size(copied)} of non-expert weights and" if pinned else
                "the non-expert weights on the GPU, less")
@@ -243,9 +243,10 @@ def auto_cache_bytes(container: Container, reserve_bytes: int | None = None, pin
     return size, why
 
 
-def _room_for_cache(container: Container, reserve_bytes: int | None, pinned: bool) -> tuple[int, int, int, str]:
-    """(the RAM this process may use, what it leaves for slots and KV rows, the `reserve_bytes` kept for the process
-    and activations, what the process holds now as said in the log): see `auto_cache_bytes`."""
+def room_for_cache(container: Container, reserve_bytes: int | None, pinned: bool) -> tuple[int, int, int, str]:
+    """(the RAM this process may use, what it leaves for slots and KV rows, the `reserve_bytes` kept for the process,
+    activations and later growth, what the process holds now as said in the log): see `auto_cache_bytes`. With
+    `pinned` False and the cache already built, what is left for KV rows beside it."""
     limit = memory_limit_bytes()
     held = ""
     if reserve_bytes is None:
@@ -259,7 +260,7 @@ def context_beside_cache(container: Container, kv_bytes_per_token: int) -> int:
     """The most positions whose KV rows (`kv_bytes_per_token` each) an auto-sized cache over `container`, its
     non-expert weights copied into RAM, can keep room for beside two layers' routed experts (the layer computed and
     the next one read ahead: 2 x `num_experts_per_tok` slots); 0 where the RAM holds not even those."""
-    room = _room_for_cache(container, None, True)[1]
+    room = room_for_cache(container, None, True)[1]
     room -= 2 * container.config.num_experts_per_tok * expert_slot_bytes(container)
     return max(0, room) // kv_bytes_per_token
 

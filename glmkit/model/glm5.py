@@ -181,6 +181,7 @@ class GlmMoeDsaModel:
         # lengthening need before they take them
         self.lend_hook = lend_hook
         self._held_kv_rows = 0  # what the sequences may come to hold, as `hold_kv_rows` was last told
+        self._kv_row_bytes = kv_bytes_per_token(config, kv_dtype)  # what one position's KV rows take
         self.step_route_hook = step_route_hook  # a decode step's routing as it happens: `DecodeStep.watch_routes`
         self.step_experts = step_experts
         self.prefill_rows: int | None = None  # where memory is tight: the most prompt rows a forward should take
@@ -338,7 +339,7 @@ class GlmMoeDsaModel:
             return chunk if self.prefill_rows is None else min(chunk, self.prefill_rows)
         if self.kv_room_tokens is None or held_rows is None:
             return self.span_rows
-        spare = max(0, self.kv_room_tokens - held_rows) * kv_bytes_per_token(self.config, self.kv_dtype)
+        spare = max(0, self.kv_room_tokens - held_rows) * self._kv_row_bytes
         return self.span_rows + spare // self._span_row_bytes
 
     @property
@@ -356,7 +357,7 @@ class GlmMoeDsaModel:
     def _lend(self, span_bytes: int = 0) -> None:
         """Tell `lend_hook` the bytes of the rows held (`hold_kv_rows`) and `span_bytes` more for a span."""
         if self.lend_hook is not None:
-            self.lend_hook(self._held_kv_rows * kv_bytes_per_token(self.config, self.kv_dtype) + span_bytes)
+            self.lend_hook(self._held_kv_rows * self._kv_row_bytes + span_bytes)
 
     def main_layers(self, x: np.ndarray, cache: KVCache) -> np.ndarray:
         """Every decoder layer of the main model on the embedded rows `x [S, H]` of the tokens appended at

@@ -228,7 +228,7 @@ class Scheduler:
                     self._active.append(job)
                 self.counters["max_active_seen"] = max(self.counters["max_active_seen"], len(self._active))
                 jobs = list(self._active)
-            self._hold_rows()  # before any step grows the rows
+            self._hold_pass_rows()  # before any step grows the rows
             decoding = [job for job in jobs if job.decoding] if self.max_batch > 1 else []
             if len(decoding) < 2:
                 decoding = []  # decoding alone: its generator's own steps
@@ -262,7 +262,7 @@ class Scheduler:
         with self._cv:
             return sum(self._most_rows(j, budget) for j in self._active) + sum(s.kv.length for s in self._idle)
 
-    def _hold_rows(self) -> None:
+    def _hold_pass_rows(self) -> None:
         """Tell the model the KV rows to hold now (`GlmMoeDsaModel.hold_kv_rows`: a cache lending their room gives it
         back first): each request in its prefill its most (before its Session is prepared, also the rows the Session
         has, beside which a restore builds its own), each decoding one its rows and KV_HOLD_AHEAD more (at most its
