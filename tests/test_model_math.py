@@ -14,16 +14,21 @@ from glmkit.model.glm5 import GlmMoeDsaModel, mla_attend_absorbed, mla_attend_fu
 from glmkit.model.kv_cache import F16_ROW_MAX, KVCache, decode_kv_rows, encode_kv_rows, kv_bytes_per_token
 from glmkit.model.ops import (
     apply_rope,
-    causal_mask,
     chosen_keys,
     embed_rows,
     moe_batch_union,
+    position_mask,
     renormalized,
     rope_cos_sin,
     route_noaux_tc,
     silu,
     topk_mask,
 )
+
+
+def causal_mask(start: int, seq: int, total: int) -> np.ndarray:
+    """`[S, T]` bool: query at position start+s may see keys 0..start+s."""
+    return position_mask(start + np.arange(seq), total)
 
 
 def quant(w: np.ndarray, bits: int, group: int | None) -> QuantWeight:
@@ -100,7 +105,7 @@ def test_topk_mask_ties_go_to_the_lowest_keys() -> None:
     np.testing.assert_array_equal(selected, np.array(expected, bool))
 
 
-def test_causal_mask_with_offset() -> None:
+def test_position_mask_with_offset() -> None:
     np.testing.assert_array_equal(causal_mask(2, 2, 4), [[1, 1, 1, 0], [1, 1, 1, 1]])
 
 

@@ -38,14 +38,6 @@ class PlannedTensor:
         return math.prod(self.shape) * DTYPES[self.dtype].itemsize
 
 
-@dataclass(frozen=True)
-class TensorSlot:
-    """Where a planned tensor lands: file name and absolute byte offset in it."""
-
-    file: str
-    offset: int
-
-
 @dataclass
 class FileLayout:
     name: str

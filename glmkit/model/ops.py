@@ -52,12 +52,6 @@ def position_mask(positions: np.ndarray, total: int) -> np.ndarray:
     return np.arange(total)[None, :] <= positions[:, None]
 
 
-def causal_mask(start: int, seq: int, total: int) -> np.ndarray:
-    """`[S, T]` bool: query at position start+s may see keys 0..start+s."""
-    return position_mask(start + np.arange(seq), total)
-
-
-
 def topk_mask(scores: np.ndarray, causal: np.ndarray, k: int) -> np.ndarray:
     """DSA selection `[S, T]` bool: per query the `min(k, t+1)` largest scores among its causal keys.
 
