@@ -28,7 +28,13 @@ from glmkit.model.expert_cache import (
     usage_path,
     write_usage,
 )
-from glmkit.model.expert_stream import anonymous_bytes, anonymous_resident_bytes, memory_limit_bytes, release_pages
+from glmkit.model.expert_stream import (
+    anonymous_bytes,
+    anonymous_resident_bytes,
+    memory_limit_bytes,
+    release_pages,
+    resident_fraction,
+)
 from glmkit.model.glm5 import SPAN_ROW_FLOATS, span_rows_within
 from glmkit.model.kv_cache import kv_bytes_per_token
 from glmkit.model.ops import likely_experts
@@ -183,12 +189,16 @@ def test_the_auto_size_keeps_room_for_the_kv_rows_of_the_context(snapshots, monk
     assert cache_bytes(max_context=64, kv_dtype="fp8")[0] == min(free - kv_bytes_per_token(cfg, "fp8") * 64,
                                                                   experts) // slot
     assert plain.kv_budget_tokens is None
-    # sized by hand: the KV rows get what the limit leaves beside it, the process, a quarter and a sixteenth
+    # sized by hand: the KV rows get what the limit leaves beside it (the process, the slots no read has filled
+    # yet), a quarter and a sixteenth
     monkeypatch.setattr(engine_module, "memory_limit_bytes", lambda: limit)
     for rest in (3 * per_token * cfg.max_position_embeddings // 2, per_token * cfg.max_position_embeddings // 2):
-        limit = (rest + held) * 16 // 11  # `rest` left beside what the process holds (the cache's slots among it)
+        limit = (rest + held) * 16 // 11  # `rest` left beside what the process holds
         sized = Engine(snapshot, "numpy", load_tokenizer=False, expert_cache=1 << 20)
-        left = limit - held - limit // 4 - limit // 16
+        arena = sized.experts.arena
+        unread = round(arena.nbytes * (1 - resident_fraction(arena)))
+        assert unread >= sized.experts.n_slots * slot  # no slot read yet
+        left = limit - held - unread - limit // 4 - limit // 16
         assert sized.kv_budget_tokens == sized.model.kv_room_tokens == min(left // per_token,
                                                                            cfg.max_position_embeddings)
         assert sized.experts.lendable_slots == 0
@@ -288,6 +298,30 @@ def test_pages_given_back_leave_the_process_s_memory_and_read_as_zeros():
     release_pages(block[:32 << 20])
     assert before - anonymous_resident_bytes() >= 30 << 20
     assert not block[:32 << 20].any() and (block[32 << 20:] == 1).all()
+
+
+def test_a_cache_s_slots_take_memory_only_as_reads_fill_them(snapshots):
+    """Opening a cache takes no page of its routed experts' slots: each slot's pages are taken as a read fills it, so
+    slots lent to KV rows before any read never take memory; `untaken_bytes` counts the pages still to be taken."""
+    engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
+    cfg, container, k = engine.config, engine.container, engine.config.num_experts_per_tok
+    slot = slot_bytes(engine)
+    cache = ExpertCache(container, (k + 3) * slot, readahead=False, lendable_bytes=3 * slot)
+    routed = cache.arena[:cache.n_slots * slot]
+    assert cache.n_slots == k + 3 and resident_fraction(routed) == 0
+    untaken = cache.untaken_bytes()
+    assert untaken >= routed.nbytes
+    cache.lend(3 * slot)
+    layer = cfg.first_k_dense_replace
+    cache.on_route(layer, np.array([list(range(k))]))
+    for e in range(k):
+        cache.expert(layer, e)
+    expert = max(r.nbytes for r in container.manifest.experts)
+    read = round(routed.nbytes * resident_fraction(routed))
+    assert k * expert <= read <= k * slot and len(cache._lent) == 3
+    assert all(resident_fraction(cache._slot_data(s)) == 0 for s in cache._lent)
+    assert cache.untaken_bytes() == untaken - read
+    cache.close()
 
 
 def test_slots_lent_to_kv_rows_are_emptied_and_taken_back(snapshots):
@@ -443,7 +477,7 @@ def test_a_budget_past_every_expert_holds_every_expert_and_one_past_the_ram_is_r
         ExpertCache(engine.container, 1 << 40)
     assert ExpertCache(engine.container, 1 << 40, pin_weights=False).n_slots == experts  # the GPU holds the rest
 
-    def no_pages(nbytes: int) -> np.ndarray:
+    def no_pages(nbytes: int, populate: bool = True) -> np.ndarray:
         raise OSError(12, "Cannot allocate memory")
     monkeypatch.setattr(expert_cache, "anonymous_bytes", no_pages)
     monkeypatch.setattr(expert_cache, "memory_limit_bytes", lambda: 1 << 50)

@@ -167,7 +167,8 @@ class Engine:
         if expert_cache and self.expert_cache_reason:
             self.kv_budget_tokens = self.model.kv_room_tokens = self.config.max_position_embeddings
         elif expert_cache and not split:  # sized by hand: the KV rows get what the RAM leaves beside all of it
-            room = max(0, room_for_cache(self.container, None, pinned=False)[1])  # the cache is in what it holds
+            # the cache is in what the process holds, but for the slots no read has filled yet
+            room = max(0, room_for_cache(self.container, None, pinned=False)[1] - self.experts.untaken_bytes())
             self.kv_budget_tokens = self.model.kv_room_tokens = min(
                 self.config.max_position_embeddings, room // kv_bytes_per_token(self.config, kv_dtype))
 

@@ -52,6 +52,7 @@ from glmkit.model.expert_stream import (
     copy_weights_into,
     memory_limit_bytes,
     release_pages,
+    resident_fraction,
     weights_nbytes,
 )
 from glmkit.model.layer_spec import MLPSpec, MoESpec, layer_spec
@@ -272,16 +273,17 @@ def lendable_bytes(container: Container, size: int, kv_bytes: int) -> int:
 
 
 def slot_arena(nbytes: int, budget_bytes: int, pinned_bytes: int) -> np.ndarray:
-    """The cache's `nbytes` of slots (for `--expert-cache budget_bytes`), its pages taken at once; a GlmkitError
-    where they and the `pinned_bytes` of other weights copied into RAM beside them are more than the RAM this
-    process may use (`memory_limit_bytes`), or where the pages cannot be had."""
+    """The cache's `nbytes` of slots (for `--expert-cache budget_bytes`), each page taken as a read first fills it
+    (opening does not wait for the kernel to populate them all, and slots lent to KV rows before any read never take
+    memory); a GlmkitError where they and the `pinned_bytes` of other weights copied into RAM beside them are more
+    than the RAM this process may use (`memory_limit_bytes`), or where the mapping cannot be had."""
     limit = memory_limit_bytes()
     if nbytes + pinned_bytes > limit:
         raise GlmkitError(f"--expert-cache {format_size(budget_bytes)}: its slots take {format_size(nbytes)} and the "
                           f"other weights {format_size(pinned_bytes)}, more than the {format_size(limit)} of RAM this "
                           f"process may use")
     try:
-        return anonymous_bytes(nbytes)
+        return anonymous_bytes(nbytes, populate=False)
     except OSError as e:
         raise GlmkitError(f"--expert-cache {format_size(budget_bytes)}: {format_size(nbytes)} of RAM for its slots "
                           f"could not be had ({e.strerror})") from None
@@ -665,6 +667,11 @@ class ExpertCache:
                 future.result()
 
     # ---- slots read in place (the device decode step) ----
+
+    def untaken_bytes(self) -> int:
+        """The arena's bytes whose pages no read has taken yet (`slot_arena`): what the process will come to hold
+        as its slots fill, beside what it holds now."""
+        return round(self.arena.nbytes * (1 - resident_fraction(self.arena)))
 
     @property
     def slot_count(self) -> int:

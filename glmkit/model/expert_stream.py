@@ -224,12 +224,12 @@ def _arrays(w: Weight) -> list[np.ndarray]:
     return [w.packed, w.scales] if isinstance(w, QuantWeight) else [w]
 
 
-def anonymous_bytes(nbytes: int) -> np.ndarray:
-    """`nbytes` of anonymous memory (uint8, zeros) over a private mapping whose pages are all taken at once: weights
-    copied there are used in place by the OpenCL backend, as the container's mapped ones are. Every caller fills
-    its block soon (an expert cache's slots with the first prompt), and populating a mapping costs the kernel far
-    less than faulting its pages in one by one while tokens wait."""
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+def anonymous_bytes(nbytes: int, populate: bool = True) -> np.ndarray:
+    """`nbytes` of anonymous memory (uint8, zeros) over a private mapping: weights copied there are used in place by
+    the OpenCL backend, as the container's mapped ones are. `populate`: its pages are all taken at once (a block
+    filled right away: populating a mapping costs the kernel less than faulting its pages in one by one), else each
+    as it is first written (an expert cache's slots: as reads fill them; slots never read take no memory)."""
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
     return np.frombuffer(mmap.mmap(-1, max(nbytes, 1), flags=flags), np.uint8)[:nbytes]
 
 
