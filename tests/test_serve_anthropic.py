@@ -91,6 +91,17 @@ def test_a_thinking_budget_closes_the_thinking_block(client, model):
             client.messages.create(thinking={"type": "enabled", "budget_tokens": bad}, **kwargs)
         assert "thinking.budget_tokens" in error_of(info.value)["message"]
 
+def test_a_thinking_budget_past_the_context_is_capped_to_it(client, model):
+    """A budget larger than the context is the context's: with a strict tool (whose grammar holds the thinking
+    block) the reply is the one a budget the reply never reaches gives, not a 400 blamed on `tools`."""
+    kwargs = dict(model=model, max_tokens=6, extra_body=GREEDY, messages=[user("Tell me a story")],
+                  tools=[{"name": "f", "strict": True, "input_schema": {"type": "object"}}])
+    huge = client.messages.create(thinking={"type": "enabled", "budget_tokens": 2**70}, **kwargs)
+    within = client.messages.create(thinking={"type": "enabled", "budget_tokens": 1024}, **kwargs)
+    assert [b.model_dump() for b in huge.content] == [b.model_dump() for b in within.content]
+    assert huge.content[0].type == "thinking"
+
+
 def test_streaming_gives_the_same_message_as_anthropics_events(server, client, model):
     kwargs = dict(model=model, max_tokens=16, extra_body=GREEDY, messages=[user("Tell me a story")])
     whole = client.messages.create(**kwargs)
@@ -167,8 +178,12 @@ def test_tool_use_thinking_and_the_tool_result_round_trip(engine):
 
 
 def error_of(exc: anthropic.APIStatusError) -> dict[str, Any]:
-    body = exc.response.json()
-    assert body["type"] == "error" and set(body["error"]) == {"type", "message"}
+    return body_error(exc.response.json())
+
+
+def body_error(body: Any) -> dict[str, Any]:
+    """The error of an Anthropic-shaped error body (asserts the shape)."""
+    assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, body
     return body["error"]
 
 
@@ -207,6 +222,25 @@ def test_errors_take_anthropics_shape(server, client, model):
     assert status == 400 and body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
     status, body = raw(server, "GET", "/v1/messages")
     assert status == 405 and body["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("fields, said", [
+    ({"tools": [{"name": "f", "input_schema": {"type": "object", "properties": "abc"}}],
+      "tool_choice": {"type": "any", "disable_parallel_tool_use": True}}, "'tools.0.input_schema.properties'"),
+    ({"tools": [{"name": "f", "input_schema": {"type": "object", "properties": {"a": {"type": [{}]}}}}]},
+     "'tools.0.input_schema.properties.a.type'"),
+    ({"tools": [{"name": "f"}], "tool_choice": {"type": "tool", "name": ["f"]}}, "'tool_choice.name'"),
+    ({"tools": [{"name": "f"}], "tool_choice": {"type": "tool", "name": {}}}, "'tool_choice.name'"),
+    ({"tools": [{"name": "f", "strict": True, "input_schema": {
+        "type": "object", "properties": {"a": {"type": "string"}}, "required": [{}]}}]}, "required an array"),
+], ids=["properties string", "property type", "tool name list", "tool name object", "strict required object"])
+def test_malformed_tools_and_tool_choice_are_400s_naming_the_field(server, fields, said):
+    """Checked when the request arrives, in Anthropic's shape."""
+    body = {"max_tokens": 40, "temperature": 0, "messages": [user("Hi")], **fields}
+    status, error = raw(server, "POST", "/v1/messages", json.dumps(body).encode())
+    assert status == 400, error
+    error = body_error(error)
+    assert error["type"] == "invalid_request_error" and said in error["message"], error
 
 
 def test_output_config_format_constrains_the_reply(client, model):

@@ -25,6 +25,7 @@ from glmkit.generate.engine import Engine
 from glmkit.generate.tokenizer import ChatTokenizer
 from glmkit.serve.app import Loaded, ServeConfig, create_app
 from glmkit.serve.scheduler import Done, GenRequest, Scheduler, Text
+from glmkit.serve.toolcalls import parse_tool_calls
 from tests.runtime_support import FIXTURES
 from tests.test_serve import ServerThread, raw, serve_args
 
@@ -82,6 +83,63 @@ def test_unpaired_surrogates_are_a_json_400(server, path, body):
 def test_a_paired_surrogate_escape_is_fine(server):
     status, reply = raw(server, "POST", COMPLETIONS, b'{"prompt": "ok \\ud83d\\ude00", "max_tokens": 2}')
     assert status == 200 and reply["usage"]["prompt_tokens"] > 1
+
+
+def assistant_call(arguments: str) -> list[dict[str, Any]]:
+    """A conversation whose assistant turn called a tool with these `arguments` (JSON text)."""
+    return [*HI, {"role": "assistant", "content": "",
+                  "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": arguments}}]}]
+
+
+def tool_with(parameters: Any) -> list[dict[str, Any]]:
+    return [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+
+
+FORCED = {"tool_choice": "required", "parallel_tool_calls": False, "temperature": 0, "max_tokens": 40}
+ARGUMENTS = "messages[1].tool_calls[0].function.arguments"
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": [{"role": ["user"], "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": {}, "content": "x"}]}, "messages[0].role"),
+    ({"messages": assistant_call("[" * 5000 + "]" * 5000)}, ARGUMENTS),  # past the parser's recursion limit
+    ({"messages": assistant_call('{"a": ' + "[" * 64 + "]" * 64 + "}")}, ARGUMENTS),  # past the body's 64 levels
+    ({"messages": assistant_call('{"a": "\\ud800"}')}, ARGUMENTS),
+    ({"messages": HI, "tools": tool_with({"type": "object", "properties": [1]}), **FORCED},
+     "tools[0].function.parameters.properties"),
+    ({"messages": HI, "tools": tool_with({"type": "object", "properties": [1]}), **FORCED, "stream": True},
+     "tools[0].function.parameters.properties"),
+    ({"messages": HI, "tools": tool_with({"type": "object", "properties": {"a": {"type": ["string", {}]}}}),
+      **FORCED}, "tools[0].function.parameters.properties.a.type"),
+    ({"messages": HI, "tools": tool_with("abc")}, "tools[0].function.parameters"),
+], ids=["role list", "role object", "arguments 5000 deep", "arguments 65 deep", "arguments surrogate",
+        "properties list", "properties list streamed", "property type list", "parameters string"])
+def test_malformed_messages_and_tools_are_400s_naming_the_field(server, body, param):
+    """Checked when the request arrives: a malformed tool schema is not found only when the reply's call is parsed,
+    after the whole generation."""
+    status, error = raw(server, "POST", CHAT, json.dumps({"max_tokens": 2, **body}).encode())
+    assert status == 400 and openai_error(status, error)["param"] == param, error
+
+
+@pytest.mark.parametrize("path, body, headers, param, said", [
+    (CHAT, b"null", {}, None, "the request body must be a JSON object"),
+    (CHAT, b'{"messages": [], "max_tokens": ' + b"9" * 5000 + b"}", {}, None,
+     f"an integer has more than {sys.get_int_max_str_digits()} digits"),
+    (CHAT, json.dumps({"messages": HI, "stream": True, "stream_options": {"include_usage": "yes"}}).encode(), {},
+     "stream_options.include_usage", "'stream_options.include_usage'"),
+    (CHAT, json.dumps({"messages": HI, "max_tokens": 0}).encode(), {"anthropic-version": "2023-06-01"},
+     "max_tokens", "max_tokens"),
+    (COMPLETIONS, json.dumps({"prompt": "Hi", "max_tokens": 0}).encode(), {"anthropic-version": "2023-06-01"},
+     "max_tokens", "max_tokens"),
+    (CHAT, b"{}", {"anthropic-version": "2023-06-01", "Authorization": "Bearer wrong"}, None, "Incorrect API key"),
+], ids=["null body", "huge integer", "include_usage", "anthropic-version chat", "anthropic-version completions",
+        "anthropic-version 401"])
+def test_errors_name_the_field_in_openais_shape(server, path, body, headers, param, said):
+    """An OpenAI route answers in OpenAI's shape whatever the headers, naming the field the error is about."""
+    status, error = raw(server, "POST", path, body, headers)
+    error = openai_error(status, error)
+    assert 400 <= status < 500 and error["param"] == param and said in error["message"], error
+    assert "sys.set_int_max_str_digits" not in error["message"]
 
 
 class FailingScheduler:
@@ -146,6 +204,28 @@ def test_a_vanishing_temperature_samples_greedily(server):
     status, reply = raw(server, "POST", COMPLETIONS, json.dumps({**greedy, "temperature": 5e-324}).encode())
     assert status == 200, reply
     assert reply["choices"][0]["text"] == expected["choices"][0]["text"]
+
+
+def test_a_non_ascii_api_key_is_matched_as_utf8(engine):
+    """The key from the command line is matched with the header's bytes as sent (UTF-8, as curl sends it typed)."""
+    key = "kéy"
+    srv = ServerThread(create_app(ServeConfig("m", api_key=key), lambda: Loaded(engine, FailingScheduler(False))))
+    srv.start()
+    try:
+        for headers, status in [({"Authorization": b"Bearer " + key.encode()}, 200),
+                                ({"Authorization": "", "x-api-key": key.encode()}, 200),
+                                ({"Authorization": b"Bearer " + key.encode("latin-1")}, 401),
+                                ({"Authorization": "", "x-api-key": key.encode("latin-1")}, 401)]:
+            assert raw(srv, "GET", "/v1/models", headers=headers)[0] == status, headers
+    finally:
+        srv.stop()
+
+
+def test_a_reply_argument_nested_past_the_parser_stays_text():
+    """A model can be prompted to write any value: one nested past json's recursion limit is kept as its text."""
+    value = "[" * 5000
+    text = f"<tool_call>f<arg_key>a</arg_key><arg_value>{value}</arg_value></tool_call>"
+    assert [(call.name, call.arguments) for call in parse_tool_calls(text)[1]] == [("f", {"a": value})]
 
 
 # ---- b. a shutdown ends the requests in flight with OpenAI-shaped errors -------------------------

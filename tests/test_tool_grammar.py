@@ -24,7 +24,7 @@ from glmkit.generate.sampling import Sampler, SamplingParams
 from glmkit.serve.tool_grammar import MARKERS, ToolChoice, needs_grammar, tool_call_grammar
 from glmkit.serve.toolcalls import parse_tool_calls
 from tests.runtime_support import FIXTURES
-from tests.test_serve import API_KEY, ServerThread, build_app, serve_args
+from tests.test_serve import API_KEY, ServerThread, build_app, raw, serve_args
 
 # every value bounded: a random model inside an open string or array may not close it within any budget of tokens
 WEATHER = {"type": "object", "properties": {
@@ -169,6 +169,44 @@ def test_what_needs_a_grammar_and_what_cannot_be_enforced(vocab):
         tool_call_grammar(TOOLS, ToolChoice(required=True, name="nope"), False, ids)
 
 
+def strict_tool(schema: dict[str, Any], required: Any = None) -> dict[str, Any]:
+    """A strict tool 't' whose one parameter 'a' is a string with these keywords, and `required` where given."""
+    parameters: dict[str, Any] = {"type": "object", "properties": {"a": {"type": "string", **schema}}}
+    if required is not None:
+        parameters["required"] = required
+    return {"type": "function", "function": {"name": "t", "strict": True, "parameters": parameters}}
+
+
+TOOL_T, PARAMETER_A = "tool 't': ", "tool 't', parameter 'a': "
+MALFORMED_STRICT = {  # a strict tool's schema, and how the error about it starts
+    "required holds an array": (strict_tool({}, required=[[1]]), TOOL_T + "parameters.properties must be an object "
+                                                                          "and required an array of strings"),
+    "required holds an object": (strict_tool({}, required=[{}]), TOOL_T + "parameters.properties must be an object "
+                                                                          "and required an array of strings"),
+    "enum a number": (strict_tool({"enum": 5}), PARAMETER_A + "enum must be an array"),
+    "enum a string": (strict_tool({"enum": "ab"}), PARAMETER_A + "enum must be an array"),
+    "minLength infinite": (strict_tool({"minLength": float("inf")}), PARAMETER_A + "minLength must be an integer"),
+    "minLength -infinite": (strict_tool({"minLength": float("-inf")}), PARAMETER_A + "minLength must be an integer"),
+    "minLength fractional": (strict_tool({"minLength": 2.7}), PARAMETER_A + "minLength must be an integer"),
+    "minLength a boolean": (strict_tool({"minLength": True}), PARAMETER_A + "minLength must be an integer"),
+    "minLength a string": (strict_tool({"minLength": "x"}), PARAMETER_A + "minLength must be an integer"),
+    "maxLength an array": (strict_tool({"maxLength": [1]}), PARAMETER_A + "maxLength must be an integer"),
+    "maxLength negative": (strict_tool({"maxLength": -5}), PARAMETER_A + "maxLength must be an integer"),
+    "maxLength 1e30": (strict_tool({"maxLength": 1e30}), PARAMETER_A + "maxLength must be an integer"),
+    "maxLength past u32": (strict_tool({"maxLength": 2**32}), PARAMETER_A + "maxLength must be an integer"),
+    "minLength over maxLength": (strict_tool({"minLength": 5, "maxLength": 2}),
+                                 PARAMETER_A + "minLength 5 is more than maxLength 2"),
+}
+
+
+@pytest.mark.parametrize("tool, said", MALFORMED_STRICT.values(), ids=MALFORMED_STRICT.keys())
+def test_a_malformed_strict_schema_is_a_value_error_naming_it(tool, said):
+    """What the grammar reads of a strict tool's schema is checked before the grammar library sees it."""
+    with pytest.raises(ValueError) as info:
+        tool_call_grammar([tool], ToolChoice(), False, {})
+    assert str(info.value).startswith(said)
+
+
 # ---- generation on the random fixture ----------------------------------------------------------------------
 
 def generate(engine, grammar_text: str, params: SamplingParams, max_tokens: int = 200) -> tuple[str, bool]:
@@ -258,6 +296,20 @@ def test_tool_choice_through_the_openai_route(server, snapshot):
         client.chat.completions.create(model=snapshot.name, messages=[{"role": "user", "content": "x"}],
                                        max_tokens=4, tool_choice="required")
     assert "no tools" in info.value.response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("name", ["required holds an array", "enum a number", "minLength infinite",
+                                  "maxLength an array", "maxLength negative"])
+def test_a_malformed_strict_schema_is_a_400_on_both_routes(server, name):
+    """A 400 naming the tool, parameter and keyword, not a 500 or the grammar library's internals."""
+    tool, said = MALFORMED_STRICT[name]
+    function = tool["function"]
+    anthropic_tool = {"name": function["name"], "strict": True, "input_schema": function["parameters"]}
+    for path, tools in (("/v1/chat/completions", [tool]), ("/v1/messages", [anthropic_tool])):
+        body = {"max_tokens": 2, "messages": [{"role": "user", "content": "x"}], "tools": tools}
+        status, error = raw(server, "POST", path, json.dumps(body).encode())
+        assert status == 400 and error["error"]["message"].startswith("tools: " + said), (path, error)
+        assert path == "/v1/messages" or error["error"]["param"] == "tools"
 
 
 def test_tool_choice_through_the_anthropic_route(server, snapshot):

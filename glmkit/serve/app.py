@@ -291,9 +291,12 @@ async def _reply_constraint(loaded: Loaded, common: Common, tools: list[dict[str
                             thinking_budget: int | None) -> LogitsConstraint | None:
     """The constraint on a reply to `prompt_text`: the one a forced call or strict tools ask for, else the JSON reply
     format's (`json_constraint`, asked for in `json_field`), else a thinking budget's; its thinking held to
-    `thinking_budget` tokens where the reply starts inside a thinking block. 400 for a forced call or strict tools
-    with `ignore_eos`, or beside a JSON reply format."""
-    budget = thinking_budget if replies_in_thinking(prompt_text) else None
+    `thinking_budget` tokens (at most the context's) where the reply starts inside a thinking block. 400 for a forced
+    call or strict tools with `ignore_eos`, or beside a JSON reply format."""
+    budget = None
+    if thinking_budget is not None and replies_in_thinking(prompt_text):
+        # a budget past the context is never reached: capped, as max_tokens is
+        budget = min(thinking_budget, loaded.engine.config.max_position_embeddings)
     if needs_grammar(tools, choice):
         assert tools is not None
         if json_field is not None:

@@ -17,16 +17,17 @@ class AuthMiddleware:
 
     def __init__(self, app: Starlette, api_key: str | None):
         self.app = app
-        self.api_key = api_key
+        # matched byte for byte with the header as sent: UTF-8, the command line's undecodable bytes as given
+        self.key_bytes = api_key.encode("utf-8", "surrogateescape") if api_key else None
         self.state = app.state  # for tests and the CLI
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] == "http" and self.api_key and scope["path"] != "/health":
+        if scope["type"] == "http" and self.key_bytes and scope["path"] != "/health":
             headers = dict(scope["headers"])
-            header = headers.get(b"authorization", b"").decode("latin-1")
-            scheme, _, token = header.partition(" ")
-            given = token.strip() if scheme.lower() == "bearer" else headers.get(b"x-api-key", b"").decode("latin-1")
-            if not hmac.compare_digest(given.encode(), self.api_key.encode()):
+            header = headers.get(b"authorization", b"")
+            scheme, _, token = header.partition(b" ")
+            given = token.strip() if scheme.lower() == b"bearer" else headers.get(b"x-api-key", b"")
+            if not hmac.compare_digest(given, self.key_bytes):
                 sent = header or b"x-api-key" in headers
                 message = ("Incorrect API key provided." if sent else
                            "Missing API key (Authorization: Bearer KEY, or x-api-key: KEY).")

@@ -3,11 +3,17 @@ back into reasoning, content and tool calls."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from glmkit.generate.tokenizer import THINK_CLOSE
-from glmkit.serve.protocol import ApiError, opt_bool, parse_thinking_budget, type_error, value_error
+from glmkit.serve.protocol import (
+    ApiError,
+    opt_bool,
+    parse_json_object,
+    parse_thinking_budget,
+    type_error,
+    value_error,
+)
 from glmkit.serve.tool_grammar import ToolChoice
 from glmkit.serve.toolcalls import TOOL_CALL_OPEN, ToolCall, parse_tool_calls
 
@@ -48,7 +54,7 @@ def parse_messages(body: dict) -> list[dict[str, Any]]:
         if not isinstance(m, dict):
             raise type_error(where, "an object", m)
         role = m.get("role")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:
             raise value_error(f"{where}.role", f"unknown role {role!r}")
         message: dict[str, Any] = {"role": ROLES[role], "content": text_content(m.get("content"), f"{where}.content")}
         if role == "assistant":
@@ -75,11 +81,8 @@ def _parse_tool_calls_in(calls: Any, name: str) -> list[dict[str, Any]]:
             raise value_error(f"{name}[{i}]", "expected {'type': 'function', 'function': {'name', 'arguments'}}")
         arguments = function.get("arguments") or {}
         if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except ValueError:
-                raise value_error(f"{name}[{i}].function.arguments", "not valid JSON") from None
-        if not isinstance(arguments, dict):
+            arguments = parse_json_object(arguments, f"{name}[{i}].function.arguments")
+        elif not isinstance(arguments, dict):
             raise value_error(f"{name}[{i}].function.arguments", "must be a JSON object")
         out.append({"id": call.get("id") or f"call_{i}", "type": "function",
                     "function": {"name": function["name"], "arguments": arguments}})
@@ -97,10 +100,30 @@ def parse_tools(body: dict) -> list[dict[str, Any]] | None:
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
             raise value_error(f"tools[{i}]", "expected {'type': 'function', 'function': {'name': ...}}")
+        if function.get("parameters") is not None:
+            check_tool_parameters(function["parameters"], f"tools[{i}].function.parameters")
     choice = body.get("tool_choice")
     if choice == "none":
         return None
     return tools or None
+
+
+def check_tool_parameters(parameters: Any, where: str) -> None:
+    """400 naming the field for a tool's parameter schema (the field `where`) that its calls' arguments cannot be
+    read against: not an object, `properties` not an object, or a property's `type` neither a string nor an array
+    of strings."""
+    if not isinstance(parameters, dict):
+        raise type_error(where, "an object", parameters)
+    properties = parameters.get("properties")
+    if properties is None:
+        return
+    if not isinstance(properties, dict):
+        raise type_error(f"{where}.properties", "an object", properties)
+    for key, schema in properties.items():
+        kind = schema.get("type") if isinstance(schema, dict) else None
+        if not (kind is None or isinstance(kind, str) or
+                (isinstance(kind, list) and all(isinstance(k, str) for k in kind))):
+            raise value_error(f"{where}.properties.{key}.type", "must be a string or an array of strings")
 
 
 def parse_tool_choice(body: dict, tools: list[dict[str, Any]] | None) -> ToolChoice:

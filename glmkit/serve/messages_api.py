@@ -24,7 +24,7 @@ from typing import Any
 from starlette.responses import JSONResponse
 
 from glmkit.generate.sampling import SamplingParams
-from glmkit.serve.chat import text_content
+from glmkit.serve.chat import check_tool_parameters, text_content
 from glmkit.serve.protocol import (
     GREEDY_BELOW,
     MAX_STOP_CHARS,
@@ -49,10 +49,16 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
                429: "rate_limit_error", 499: "invalid_request_error", 503: "overloaded_error"}
 
 
+OPENAI_ROUTES = ("/v1/chat/completions", "/v1/completions")  # OpenAI's own: its shape whatever the headers
+
+
 def speaks_anthropic(scope: dict) -> bool:
     """Whether an ASGI request speaks this API (its errors and listings take Anthropic's shape): one of its routes,
-    or on the routes both APIs share (`/v1/models`) the `anthropic-version` header Anthropic's clients send."""
-    return scope["path"].startswith("/v1/messages") or any(name == b"anthropic-version" for name, _ in scope["headers"])
+    or off OpenAI's own routes (on those both APIs share, as `/v1/models`) the `anthropic-version` header
+    Anthropic's clients send."""
+    path = scope["path"]
+    return path.startswith("/v1/messages") or (
+        path not in OPENAI_ROUTES and any(name == b"anthropic-version" for name, _ in scope["headers"]))
 
 
 def error_body(status: int, message: str) -> dict[str, Any]:
@@ -236,8 +242,7 @@ def _tools(body: dict) -> list[dict[str, Any]] | None:
         if tool.get("type") not in (None, "custom"):
             raise value_error(f"tools.{i}.type", f"server tools ({tool['type']!r}) are not supported")
         schema = tool.get("input_schema", {"type": "object"})
-        if not isinstance(schema, dict):
-            raise type_error(f"tools.{i}.input_schema", "an object", schema)
+        check_tool_parameters(schema, f"tools.{i}.input_schema")
         function = {"name": tool["name"], "parameters": schema}
         if isinstance(tool.get("description"), str):
             function["description"] = tool["description"]
@@ -273,6 +278,8 @@ def _tool_choice(body: dict, tools: list[dict[str, Any]] | None) -> ToolChoice:
     if not tools:
         raise value_error("tool_choice", "asks for a tool call, but the request has no tools")
     name = choice.get("name") if kind == "tool" else None
+    if kind == "tool" and not isinstance(name, str):
+        raise type_error("tool_choice.name", "a string", name)
     if kind == "tool" and name not in {t["function"]["name"] for t in tools}:
         raise value_error("tool_choice.name", f"{name!r} is not among the tools")
     return ToolChoice(required=True, name=name, parallel=parallel)

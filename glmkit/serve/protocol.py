@@ -8,6 +8,7 @@ checked by hand (no schema library): a wrong type is a 400 naming the field.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import accumulate
@@ -105,25 +106,31 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
         raise ApiError(400, "the client went away while sending the body", code="client_disconnected") from None
     if received > limit:
         raise too_large
+    return parse_json_object(body)
+
+
+def parse_json_object(text: str | bytes, name: str | None = None) -> dict[str, Any]:
+    """JSON text from the client as an object: the request body, or the string field `name` that holds JSON. A 400
+    naming it for text that is not JSON, holds no object, or fails `check_json_values` (MAX_JSON_DEPTH)."""
     try:
-        data = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"the request body is not valid JSON ({e})", code="invalid_json") from None
-    except RecursionError:
-        data = None  # nested past the parser's recursion limit: reported as too deep below
-    if data is not None and not isinstance(data, dict):
-        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
-    check_json_values(data, MAX_JSON_DEPTH)
+        data = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise _json_error(name, f"is not valid JSON ({e})") from None
+    except ValueError:  # the only other error json.loads raises: Python's cap on an integer's digits
+        raise _json_error(name, f"is not valid JSON (an integer has more than {sys.get_int_max_str_digits()} "
+                                "digits)") from None
+    except RecursionError:  # nested past the parser's own recursion limit
+        raise _too_deep(name, MAX_JSON_DEPTH) from None
+    if not isinstance(data, dict):
+        raise _json_error(name, "must be a JSON object")
+    check_json_values(data, MAX_JSON_DEPTH, name)
     return data
 
 
-def check_json_values(data: dict[str, Any] | None, max_depth: int) -> None:
-    """400 for a body nested deeper than `max_depth` objects and arrays (None: past the parser's own limit) or
-    holding a string with an unpaired UTF-16 surrogate escape (valid JSON, but no Unicode text: nothing
-    downstream can encode it)."""
-    too_deep = ApiError(400, f"the request body is nested more than {max_depth} levels deep", code="invalid_json")
-    if data is None:
-        raise too_deep
+def check_json_values(data: dict[str, Any], max_depth: int, name: str | None = None) -> None:
+    """400 for a JSON object (the request body, or the string field `name` decoded) nested deeper than `max_depth`
+    objects and arrays or holding a string with an unpaired UTF-16 surrogate escape (valid JSON, but no Unicode
+    text: nothing downstream can encode it)."""
     level: list[Any] = [data]
     for _ in range(max_depth):
         nested: list[Any] = []
@@ -133,23 +140,33 @@ def check_json_values(data: dict[str, Any] | None, max_depth: int) -> None:
                 if isinstance(item, dict | list):
                     nested.append(item)
                 elif isinstance(item, str) and not item.isascii():
-                    _check_text(item)
+                    _check_text(item, name)
             if isinstance(value, dict):
                 for key in value:
                     if not key.isascii():
-                        _check_text(key)
+                        _check_text(key, name)
         if not nested:
             return
         level = nested
-    raise too_deep
+    raise _too_deep(name, max_depth)
 
 
-def _check_text(text: str) -> None:
+def _json_error(name: str | None, problem: str) -> ApiError:
+    """A 400 for JSON from the client: the request body's, or that of the string field `name`."""
+    subject = "the request body" if name is None else f"'{name}'"
+    return ApiError(400, f"{subject} {problem}", param=name, code="invalid_json")
+
+
+def _too_deep(name: str | None, max_depth: int) -> ApiError:
+    return _json_error(name, f"is nested more than {max_depth} levels deep")
+
+
+def _check_text(text: str, name: str | None) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
-        raise ApiError(400, "the request body holds a string with an unpaired UTF-16 surrogate escape "
-                       "(\\ud800-\\udfff)", code="invalid_json") from None
+        raise _json_error(name, "holds a string with an unpaired UTF-16 surrogate escape (\\ud800-\\udfff)"
+                          ) from None
 
 
 _TYPE_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
@@ -186,12 +203,13 @@ def opt_number(body: dict, name: str) -> float | None:
     return float(value)
 
 
-def opt_bool(body: dict, name: str, default: bool = False) -> bool:
+def opt_bool(body: dict, name: str, default: bool = False, where: str | None = None) -> bool:
+    """`body[name]` as a boolean (`default` when absent); `where`: the field's full name in errors (default `name`)."""
     value = body.get(name)
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise type_error(name, "a boolean", value)
+        raise type_error(where or name, "a boolean", value)
     return value
 
 
@@ -258,7 +276,7 @@ def parse_common(body: dict, model_names: frozenset[str], defaults: SamplingDefa
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise type_error("stream_options", "an object", options)
-    include_usage = opt_bool(options or {}, "include_usage")
+    include_usage = opt_bool(options or {}, "include_usage", where="stream_options.include_usage")
     n = opt_int(body, "n")
     if n is not None and n != 1:
         raise value_error("n", "only n=1 is supported")

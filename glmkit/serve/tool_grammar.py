@@ -35,6 +35,8 @@ from glmkit.serve.toolcalls import (
 MARKERS = (TOOL_CALL_OPEN, TOOL_CALL_CLOSE, ARG_KEY_OPEN, ARG_KEY_CLOSE, ARG_VALUE_OPEN, ARG_VALUE_CLOSE, THINK_CLOSE)
 ANY_TEXT = "(?s:.*)"
 SEP = '"\\n"?'  # GLM-4.5 writes a newline between a call's parts, later templates none
+# a raw string's largest minLength / maxLength: past any context's reach, within the grammar library's u32 counts
+MAX_STRING_LENGTH = 10**9
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,8 @@ def tool_call_grammar(tools: list[dict[str, Any]], choice: ToolChoice, reasoning
     token_ids: the markers (MARKERS) that are one added token each, and its id; thinking_budget: with `reasoning`,
     the most tokens of thinking (where `</think>` is one of those tokens; else not held). Raises ValueError naming
     the tool and parameter when a strict tool's schema holds what the format cannot enforce (a raw string's
-    `pattern`)."""
+    `pattern`) or is malformed (`required` not an array of its properties' names; a raw string's `enum` not an
+    array, its `minLength` / `maxLength` not integers from 0 to MAX_STRING_LENGTH)."""
     lark = _Lark(token_ids)
     functions = [_function(t) for t in tools]
     if choice.name is not None:
@@ -139,8 +142,9 @@ class _Lark:
                 {"anyOf", "oneOf", "allOf", "$ref", "not"} & set(parameters):
             raise ValueError(f"{where}: a strict tool's parameters must be an object schema with properties")
         properties, required = parameters.get("properties") or {}, parameters.get("required") or []
-        if not isinstance(properties, dict) or not isinstance(required, list):
-            raise ValueError(f"{where}: parameters.properties must be an object and required an array")
+        if not isinstance(properties, dict) or not isinstance(required, list) or \
+                not all(isinstance(key, str) for key in required):
+            raise ValueError(f"{where}: parameters.properties must be an object and required an array of strings")
         missing = [key for key in required if key not in properties]
         if missing:
             raise ValueError(f"{where}: required {missing[0]!r} is not among its properties")
@@ -165,10 +169,25 @@ class _Lark:
             raise ValueError(f"{where}: a string argument's pattern cannot be enforced (it is written as bare text)")
         choices = [schema["const"]] if "const" in schema else schema.get("enum")
         if choices is not None:
+            if not isinstance(choices, list):
+                raise ValueError(f"{where}: enum must be an array")
             texts = [c for c in choices if isinstance(c, str)]
             if not texts:
                 raise ValueError(f"{where}: no string among its enum")
             return f"({' | '.join(json.dumps(t) for t in texts)}) {close}"
-        least, most = schema.get("minLength", 0), schema.get("maxLength")
-        length = "" if least == 0 and most is None else f"{{{int(least)},{'' if most is None else int(most)}}}"
+        least, most = _string_length(schema, "minLength", where) or 0, _string_length(schema, "maxLength", where)
+        if most is not None and least > most:
+            raise ValueError(f"{where}: minLength {least} is more than maxLength {most}")
+        length = "" if least == 0 and most is None else f"{{{least},{'' if most is None else most}}}"
         return self.until(ARG_VALUE_CLOSE, f"(?s:.){length}" if length else ANY_TEXT)
+
+
+def _string_length(schema: dict[str, Any], keyword: str, where: str) -> int | None:
+    """A raw string's `minLength` or `maxLength` (None: not given); a ValueError naming it unless it is an integer
+    from 0 to MAX_STRING_LENGTH."""
+    value = schema.get(keyword)
+    length = int(value) if isinstance(value, float) and value.is_integer() else value
+    if length is not None and (isinstance(length, bool) or not isinstance(length, int)
+                               or not 0 <= length <= MAX_STRING_LENGTH):
+        raise ValueError(f"{where}: {keyword} must be an integer from 0 to {MAX_STRING_LENGTH}, got {value!r}")
+    return length

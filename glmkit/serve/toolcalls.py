@@ -105,7 +105,7 @@ def _value(raw: str, schema: dict[str, Any] | None) -> Any:
         return raw
     try:
         return json.loads(raw.strip())
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser's recursion limit: kept as text
         return raw
 
 
