@@ -43,6 +43,15 @@ def copy_with_config(variant: str, dest: Path, **config_changes: Any) -> Path:
     return dest
 
 
+# one more digit than the interpreter converts to an int (sys.get_int_max_str_digits: 4,300)
+HUGE_INTEGER = "9" * 5000
+
+
+def with_huge_integer(text: bytes) -> bytes:
+    """JSON `text` (an object) with one more key first, holding HUGE_INTEGER."""
+    return text.replace(b"{", b'{"x": ' + HUGE_INTEGER.encode() + b", ", 1)
+
+
 class Snapshots:
     """Converted fixtures, made on first use and kept for the module: `snapshots(variant, preset, *flags)` (flags:
     more glm-convert options)."""

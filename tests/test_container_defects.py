@@ -17,10 +17,11 @@ from typing import Any
 
 import pytest
 
+from glmkit.cli.run import main as run_main
 from glmkit.errors import GlmkitError
 from glmkit.format.manifest import content_hash
 from glmkit.format.reader import Container
-from tests.runtime_support import FIXTURES, convert
+from tests.runtime_support import FIXTURES, convert, with_huge_integer
 
 NORM = "model.norm.weight"
 ROUTER = "model.layers.1.mlp.gate.weight"
@@ -266,6 +267,24 @@ def test_files_that_are_not_regular_files_of_the_container(box, tmp_path, which,
     shutil.copyfile(box / name, outside)  # the very same bytes, but not in the container
     _replace(box / name, how, outside)
     refused(box, name, says)
+
+
+@pytest.mark.parametrize("name", ["manifest.json", "generation_config.json", "tokenizer_config.json"])
+def test_an_integer_past_the_digit_limit_is_one_line_error(box, capsys, name):
+    (box / name).write_bytes(with_huge_integer((box / name).read_bytes()))
+    assert run_main([str(box), "-p", "def f(x):", "--raw-prompt", "--max-tokens", "1", "--no-cache"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"glm-run: error: {box / name}: ") and "JSON" in err, err
+
+
+def test_a_tokenizer_with_ids_past_the_vocabulary_is_one_line_error(box, capsys):
+    """tokenizer.json is not in the manifest's digests: its ids are checked against config.json's vocab_size."""
+    tokenizer = json.loads((box / "tokenizer.json").read_text())
+    tokenizer["added_tokens"].append({**tokenizer["added_tokens"][0], "id": 5000, "content": "ZZZ"})
+    (box / "tokenizer.json").write_text(json.dumps(tokenizer))
+    assert run_main([str(box), "-p", "def ZZZ(x):", "--raw-prompt", "--max-tokens", "1", "--no-cache"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"glm-run: error: {box / 'tokenizer.json'}: token id 384 "), err
 
 
 def test_config_is_read_with_a_bound(box):

@@ -18,7 +18,7 @@ from glmkit.cli.convert import main as convert_main
 from glmkit.convert.sources.snapshot import HFSnapshot
 from glmkit.format.reader import Container
 from glmkit.format.safetensors_file import read_header
-from tests.runtime_support import FIXTURES, fail_reading
+from tests.runtime_support import FIXTURES, HUGE_INTEGER, fail_reading, with_huge_integer
 from tests.test_convert_errors import run_bad
 from tools.synth import TINY_CONFIG, make_snapshot, make_weights
 
@@ -300,13 +300,14 @@ CONFIG_TEXT_CASES = {
     "over 16 MB": lambda cfg: json.dumps(cfg) + " " * (17 << 20),
     "duplicate key": lambda cfg: json.dumps(cfg)[:-1] + ', "num_hidden_layers": 4}',
     "not UTF-8": lambda cfg: json.dumps(cfg).replace("glm_moe_dsa", "glm_moe_dsa\udcff"),
+    "an integer past the digit limit": lambda cfg: json.dumps(cfg)[:-1] + ', "extra": ' + HUGE_INTEGER + "}",
 }
 
 
 @pytest.mark.parametrize("case,expected", [
     ("nested 10^4 deep", "nested more than 64 levels"), ("nested 100 deep", "nested more than 64 levels"),
     ("over 16 MB", "more than the 16777216"), ("duplicate key", "'num_hidden_layers' appears twice"),
-    ("not UTF-8", "not UTF-8"),
+    ("not UTF-8", "not UTF-8"), ("an integer past the digit limit", "not valid JSON (Exceeds the limit"),
 ])
 def test_config_text_is_untrusted(tmp_path, capsys, case, expected):
     src = _synth(tmp_path, TINY_CONFIG)
@@ -315,6 +316,22 @@ def test_config_text_is_untrusted(tmp_path, capsys, case, expected):
     with bounded():
         err = run_bad(capsys, src, tmp_path / "out")
     assert "config.json" in err and expected in err
+
+
+@pytest.mark.parametrize("name", ["generation_config.json", "tokenizer_config.json", "model.safetensors.index.json",
+                                  "model-00002-of-00003.safetensors"])
+def test_an_integer_past_the_digit_limit_in_a_source_file_is_one_line(tmp_path, capsys, name):
+    src = Path(shutil.copytree(FIXTURES / "tiny-bf16", tmp_path / "src"))
+    data = (src / name).read_bytes()
+    if name.endswith(".safetensors"):  # the header grows: the tensors' offsets count from its end
+        n = int.from_bytes(data[:8], "little")
+        header = with_huge_integer(data[8:8 + n])
+        data = len(header).to_bytes(8, "little") + header + data[8 + n:]
+    else:
+        data = with_huge_integer(data)
+    (src / name).write_bytes(data)
+    err = run_bad(capsys, src, tmp_path / "out")
+    assert name in err and "JSON (Exceeds the limit" in err
 
 
 @pytest.mark.parametrize("changes,field", [
@@ -387,7 +404,8 @@ def test_resume_converts_again_a_completed_file_edited_since(tmp_path, monkeypat
     assert Container(out).model_hash == Container(tmp_path / "fresh").model_hash
 
 
-@pytest.mark.parametrize("damage", ["[" * 10**5, '{"identity": []}', "fifo"])
+@pytest.mark.parametrize("damage", ["[" * 10**5, '{"identity": []}', '{"identity": {}, "x": ' + HUGE_INTEGER + "}",
+                                    "fifo"])
 def test_damaged_resume_state_is_an_error_that_force_gets_past(tmp_path, monkeypatch, capsys, damage):
     src, out, args = _interrupted(tmp_path, monkeypatch, capsys)
     state = out / ".glm-convert" / "state.json"

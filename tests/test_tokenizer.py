@@ -8,6 +8,7 @@ import shutil
 import numpy as np
 import pytest
 
+from glmkit.convert.sources.snapshot import MAX_SIDE_FILE_BYTES
 from glmkit.errors import GlmkitError
 from glmkit.generate.tokenizer import ChatTokenizer, StreamDecoder
 from tests.runtime_support import FIXTURES, VARIANTS, oracle
@@ -92,6 +93,57 @@ def test_bad_tokenizer_files(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text("[1, 2]")
     with pytest.raises(GlmkitError, match="tokenizer_config.json"):
         ChatTokenizer(tmp_path)
+
+
+def tokenizer_dir(tmp_path, edit=None, config: bool = True):
+    """A directory holding tiny-bf16's tokenizer.json (after `edit` of its JSON) and, with `config`, config.json."""
+    shutil.copy(FIXTURES / "tiny-bf16" / "tokenizer_config.json", tmp_path)
+    if config:
+        shutil.copy(FIXTURES / "tiny-bf16" / "config.json", tmp_path)
+    data = json.loads((FIXTURES / "tiny-bf16" / "tokenizer.json").read_text())
+    if edit is not None:
+        edit(data)
+    (tmp_path / "tokenizer.json").write_text(json.dumps(data))
+    return tmp_path
+
+
+PAST_THE_VOCABULARY = {  # tiny-bf16 has 384 ids; the tokenizers library numbers added tokens after the vocabulary
+    "an added token": lambda d: d["added_tokens"].append({**d["added_tokens"][0], "id": 5000, "content": "ZZZ",
+                                                          "special": False}),
+    "a vocabulary entry": lambda d: d["model"]["vocab"].__setitem__("ZZZ", 384),
+}
+
+
+@pytest.mark.parametrize("config", [True, False], ids=["config.json's vocab_size", "vocab_size given"])
+@pytest.mark.parametrize("case", list(PAST_THE_VOCABULARY))
+def test_a_token_id_past_the_models_vocabulary_is_refused_at_load(tmp_path, case, config):
+    """Its embedding row does not exist: one line naming tokenizer.json, before any text is encoded."""
+    directory = tokenizer_dir(tmp_path, PAST_THE_VOCABULARY[case], config)
+    with pytest.raises(GlmkitError) as info:
+        ChatTokenizer(directory) if config else ChatTokenizer(directory, 384)
+    message = str(info.value)
+    assert message.startswith(f"{directory / 'tokenizer.json'}: token id 384 (") and "\n" not in message
+    assert "is outside the model's vocabulary (vocab_size 384" in message
+    assert ChatTokenizer(directory, 385).encode("ZZZ")  # a model with that many ids takes it
+
+
+def test_the_files_padding_never_adds_ids(tmp_path):
+    """A padding pad_id (or truncation) in tokenizer.json is not glmkit's: a prompt is encoded whole, as it is."""
+    def pad_and_truncate(d):
+        d["padding"] = {"strategy": {"Fixed": 64}, "direction": "Right", "pad_to_multiple_of": None, "pad_id": 5000,
+                        "pad_type_id": 0, "pad_token": "ZZZ"}
+        d["truncation"] = {"direction": "Right", "max_length": 2, "strategy": "LongestFirst", "stride": 0}
+
+    tok = ChatTokenizer(tokenizer_dir(tmp_path, pad_and_truncate))
+    assert tok.encode(TEXTS[0]) == ChatTokenizer(FIXTURES / "tiny-bf16").encode(TEXTS[0])
+
+
+def test_tokenizer_json_is_read_with_a_bound(tmp_path):
+    directory = tokenizer_dir(tmp_path)
+    with open(directory / "tokenizer.json", "r+b") as f:  # sparse: refused by its size, not read
+        f.truncate(MAX_SIDE_FILE_BYTES + 1)
+    with pytest.raises(GlmkitError, match=f"tokenizer.json: {MAX_SIDE_FILE_BYTES + 1} bytes, more than the"):
+        ChatTokenizer(directory)
 
 
 # ---- encode / decode -----------------------------------------------------------------------------

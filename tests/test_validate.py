@@ -12,7 +12,7 @@ import pytest
 
 from glmkit.cli.validate import main as validate_main
 from glmkit.format.reader import Container
-from tests.runtime_support import FIXTURES, VARIANTS, Snapshots, oracle
+from tests.runtime_support import FIXTURES, HUGE_INTEGER, VARIANTS, Snapshots, oracle
 
 
 @pytest.fixture(scope="module")
@@ -221,13 +221,33 @@ def test_bad_oracle_is_one_clear_error(snapshots, capsys, tmp_path, case):
     assert str(path) in err
 
 
-@pytest.mark.parametrize("content", ["", "{not json", "[1, 2, 3]", "\"text\"", "\udcff", "[" * 10_000 + "]" * 10_000])
+@pytest.mark.parametrize("content", ["", "{not json", "[1, 2, 3]", "\"text\"", "\udcff", "[" * 10_000 + "]" * 10_000,
+                                     '{"prompt_ids": [1], "x": ' + HUGE_INTEGER + "}"])
 def test_unreadable_oracle_is_one_clear_error(snapshots, capsys, tmp_path, content):
     path = tmp_path / "oracle.json"
     path.write_bytes(content.encode("utf-8", "surrogateescape"))
     rc, result, err = run_validate(capsys, snapshots("tiny-bf16"), path)
     assert rc == 1 and result is None
     assert len(err.splitlines()) == 1 and err.startswith(f"glm-validate: error: {path}"), err
+
+
+@pytest.mark.parametrize("extra", [1, 10_000])
+def test_an_oracle_longer_than_the_context_is_refused_before_any_work(snapshots, capsys, tmp_path, monkeypatch, extra):
+    """full_ids past the model's positions (as glm-run and glm-perplexity refuse them): one line, nothing run."""
+    snapshot = snapshots("tiny-bf16")
+    context = Container(snapshot).config.max_position_embeddings
+
+    def longer(d):
+        d["full_ids"] += [d["full_ids"][-1]] * (context + extra - len(d["full_ids"]))
+        d["tf_pred"] = list(d["full_ids"])
+        del d["tf_logits"], d["mtp"]
+
+    path = write_oracle(tmp_path / "oracle.json", _corrupt("tiny-bf16", longer))
+    monkeypatch.setattr("glmkit.cli.validate.validate", lambda *a, **k: pytest.fail("validated past the context"))
+    rc, result, err = run_validate(capsys, snapshot, path)
+    assert rc == 1 and result is None
+    assert err == (f"glm-validate: error: {path}: full_ids has {context + extra} tokens, more than the model's "
+                   f"{context} positions\n")
 
 
 def test_missing_inputs_are_one_clear_error(snapshots, capsys, tmp_path):

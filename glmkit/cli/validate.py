@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
             raise GlmkitError(f"--min-agreement: must be in [0, 1], got {args.min_agreement}")
         engine = engine_from_arguments(args, load_tokenizer=False)
         verify_snapshot_data(engine.container)  # a flipped bit may change no prediction: check the bytes too
-        oracle = load_oracle(args.oracle, engine.config.vocab_size)
+        oracle = load_oracle(args.oracle, engine.config.vocab_size, engine.config.max_position_embeddings)
         result = validate(engine, oracle, use_mtp=not args.no_mtp)
     except GlmkitError as e:
         print(f"glm-validate: error: {e}", file=sys.stderr)

@@ -207,4 +207,5 @@ def calibration_windows(snapshot_dir: Path, config: ModelConfig, path: Path, ctx
     tokenizer in `snapshot_dir` (a source snapshot's side files)."""
     if path.suffix == ".json":
         return token_windows(path, config.vocab_size)
-    return tokenized_windows(ChatTokenizer(snapshot_dir), path, min(ctx, config.max_position_embeddings))
+    return tokenized_windows(ChatTokenizer(snapshot_dir, config.vocab_size), path,
+                             min(ctx, config.max_position_embeddings))

@@ -22,8 +22,9 @@ from glmkit.generate.sampling import Sampler, SamplingParams
 MAX_ORACLE_BYTES = 256 << 20
 
 
-def load_oracle(path: Path, vocab_size: int) -> dict[str, Any]:
-    """Read and check an oracle file (untrusted input)."""
+def load_oracle(path: Path, vocab_size: int, max_positions: int) -> dict[str, Any]:
+    """Read and check an oracle file (untrusted input) for a model of `vocab_size` ids and `max_positions`
+    positions."""
     if not path.exists():
         raise GlmkitError(f"{path}: oracle file not found")
     oracle = read_json_file(path, MAX_ORACLE_BYTES)  # a regular file, size-capped, nesting bounded
@@ -32,6 +33,8 @@ def load_oracle(path: Path, vocab_size: int) -> dict[str, Any]:
     for key in ("prompt_ids", "full_ids", "tf_pred"):
         _check_ids(path, key, oracle.get(key), vocab_size)
     full, prompt = oracle["full_ids"], oracle["prompt_ids"]
+    if len(full) > max_positions:  # positions past the context mean nothing, and the work grows with the file
+        raise GlmkitError(f"{path}: full_ids has {len(full)} tokens, more than the model's {max_positions} positions")
     if full[:len(prompt)] != prompt or len(oracle["tf_pred"]) != len(full):
         raise GlmkitError(f"{path}: full_ids must start with prompt_ids and tf_pred must cover every position")
     if oracle.get("tf_logits") is not None:

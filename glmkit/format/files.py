@@ -94,6 +94,8 @@ def parse_json(raw: bytes, where: str) -> Any:
         raise GlmkitError(f"{where}: JSON nested more than {MAX_JSON_DEPTH} levels deep") from None
     except json.JSONDecodeError as e:
         raise GlmkitError(f"{where}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    except ValueError as e:  # an integer literal longer than the interpreter converts (sys.get_int_max_str_digits)
+        raise GlmkitError(f"{where}: not valid JSON ({_first_clause(e)})") from None
     pending = [(value, 1)]
     while pending:
         item, depth = pending.pop()
@@ -122,6 +124,13 @@ def parse_large_json(path: Path, raw: bytes) -> Any:
         raise GlmkitError(f"{path}: not UTF-8 text (byte {e.start})") from None
     except json.JSONDecodeError as e:
         raise GlmkitError(f"{path}: malformed JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    except ValueError as e:  # an integer literal longer than the interpreter converts
+        raise GlmkitError(f"{path}: malformed JSON ({_first_clause(e)})") from None
+
+
+def _first_clause(e: ValueError) -> str:
+    """The first clause of a decoder's ValueError, without its advice on changing the interpreter's limits."""
+    return str(e).split(":")[0].strip()
 
 
 def write_private_file(path: Path, data: bytes) -> None:

@@ -19,7 +19,9 @@ from jinja2.compiler import CodeGenerator, Frame
 from jinja2.utils import Namespace
 from tokenizers import Tokenizer
 
+from glmkit.convert.sources.snapshot import MAX_SIDE_FILE_BYTES
 from glmkit.errors import GlmkitError
+from glmkit.format.config import ModelConfig
 from glmkit.format.files import read_json_file, read_text_file
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"  # GLM's thinking block (added tokens in GLM-5's vocabulary)
@@ -36,17 +38,28 @@ TEMPLATE_MAX_INT_BITS = 1 << 16
 
 
 class ChatTokenizer:
-    """The snapshot's `tokenizer.json` plus its jinja2 chat template (from tokenizer_config.json)."""
+    """The snapshot's `tokenizer.json` plus its jinja2 chat template (from tokenizer_config.json).
 
-    def __init__(self, directory: str | Path):
+    vocab_size: the model's token ids (default: the snapshot's config.json `vocab_size`, where it has one); a
+    tokenizer that can give an id past them is refused here, before any text is encoded."""
+
+    def __init__(self, directory: str | Path, vocab_size: int | None = None):
         directory = Path(directory)
         path = directory / "tokenizer.json"
         if not path.is_file():
             raise GlmkitError(f"{path}: tokenizer missing from the snapshot")
+        text = read_text_file(path, MAX_SIDE_FILE_BYTES, "a tokenizer.json")
         try:
-            self.tokenizer = Tokenizer.from_file(str(path))
+            self.tokenizer = Tokenizer.from_str(text)
         except Exception as e:  # tokenizers raises plain Exception subclasses
             raise GlmkitError(f"{path}: cannot load tokenizer ({e})") from None
+        # padding would add the file's pad_id, truncation cut a prompt short: glmkit encodes whole texts
+        self.tokenizer.no_padding()
+        self.tokenizer.no_truncation()
+        if vocab_size is None and (directory / "config.json").is_file():
+            vocab_size = ModelConfig.from_file(directory / "config.json").vocab_size
+        if vocab_size is not None:
+            _check_token_ids(self.tokenizer, path, vocab_size)
         self.chat_template = _load_chat_template(directory)
         self._compiled: jinja2.Template | str | None = None  # the compiled template, or why it does not compile
 
@@ -89,6 +102,17 @@ class ChatTokenizer:
         if isinstance(self._compiled, str):
             raise GlmkitError(self._compiled)
         return self._compiled
+
+
+def _check_token_ids(tokenizer: Tokenizer, path: Path, vocab_size: int) -> None:
+    """Refuse a tokenizer any of whose ids (its model's vocabulary and its added tokens: all that encoding without
+    special-token templates or padding gives) is past the model's `vocab_size` ids (the embedding has no row for
+    it)."""
+    top = max([*tokenizer.get_vocab(with_added_tokens=False).values(), *tokenizer.get_added_tokens_decoder()],
+              default=-1)
+    if top >= vocab_size:
+        raise GlmkitError(f"{path}: token id {top} ({str(tokenizer.id_to_token(top))[:40]!r}) is outside the "
+                          f"model's vocabulary (vocab_size {vocab_size} in config.json)")
 
 
 def _raise_template_error(message: str) -> None:
