@@ -400,11 +400,15 @@ def test_cache_and_session_files_are_private(snapshot, tmp_path, capsys, monkeyp
     try:
         cache = tmp_path / "cache" / "nested"
         rc, _, err = glm_run(capsys, monkeypatch, snapshot, cache, "--chat", "--session", "work", stdin="Hello\n")
+        assert rc == 0, err
+        rc, _, err = glm_run(capsys, monkeypatch, snapshot, cache, "-p", "def main():\n    return 42\n" * 4,
+                             "--raw-prompt", "--reuse", "approximate")  # the similar-chunk index and its sidecar
     finally:
         os.umask(old)
     assert rc == 0, err
     paths = [cache.parent, *cache.parent.rglob("*")]
     assert any(p.name == "work.json" for p in paths) and any(p.suffix == ".kvc" for p in paths)
+    assert {p.suffix for p in paths if p.parent.name == "ann"} == {".hnsw", ".json"}
     for path in paths:
         mode = stat.S_IMODE(path.lstat().st_mode)
         assert mode & 0o077 == 0, f"{path} is {oct(mode)}"

@@ -38,7 +38,7 @@ from glmkit.model.expert_stream import (
 from glmkit.model.glm5 import SPAN_ROW_FLOATS, span_rows_within
 from glmkit.model.kv_cache import kv_bytes_per_token
 from glmkit.model.ops import likely_experts
-from tests.runtime_support import Snapshots
+from tests.runtime_support import HUGE_INTEGER, Snapshots
 
 
 @pytest.fixture(scope="module")
@@ -674,6 +674,26 @@ def test_engine_keeps_the_split_steps_usage_from_process_to_process(snapshots, t
     third = Engine(snap, "numpy", load_tokenizer=False, expert_usage_dir=tmp_path)
     assert third.expert_usage.scores == {(layer, 2): 1.0}
     assert Engine(snap, "numpy", load_tokenizer=False).expert_usage.scores == {}  # no directory: none read
+
+
+@pytest.mark.parametrize("score", ["1" + "0" * 400, HUGE_INTEGER, "1e999", "-1.0", '"1.0"', "true"])
+def test_a_damaged_usage_file_is_said_and_removed_and_the_engine_opens(snapshots, tmp_path, capsys, score):
+    """A score no save writes (an integer past a float's range or past the digit limit, infinite, negative,
+    not a number): the engine opens without the scores, says so in one line, and the file goes."""
+    snap = snapshots("tiny-trained", "q4")
+    plain = Engine(snap, "numpy", load_tokenizer=False)
+    path, layer = usage_path(tmp_path, plain.model_hash), plain.config.first_k_dense_replace
+    write_usage(path, plain.model_hash, {(layer, 1): 2.0, (layer, 2): 1.0})
+    path.write_text(path.read_text().replace("1.0", score))
+    capsys.readouterr()
+    engine = Engine(snap, "numpy", load_tokenizer=False, expert_usage_dir=tmp_path)
+    err = capsys.readouterr().err
+    assert engine.expert_usage.scores == {} and not path.exists()
+    assert err.startswith(f"glmkit: warning: expert usage file {path} is damaged (") and err.count("\n") == 1
+    assert err.endswith("); removed\n"), err
+    write_usage(path, plain.model_hash, {(layer, 1): 2.0})
+    assert Engine(snap, "numpy", load_tokenizer=False, expert_usage_dir=tmp_path).expert_usage.scores
+    assert capsys.readouterr().err == ""
 
 
 def takes_direct_io(path) -> bool:

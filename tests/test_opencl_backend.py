@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,7 +25,7 @@ from glmkit.model import expert_cache, expert_stream
 from glmkit.model.glm5 import GlmMoeDsaModel
 from glmkit.model.kv_cache import KV_DTYPES, KVCache, kv_bytes_per_token
 from glmkit.units import format_size
-from tests.runtime_support import FIXTURES, VARIANTS, Snapshots, convert, opencl_test_device
+from tests.runtime_support import FIXTURES, VARIANTS, Snapshots, convert, opencl_test_device, with_huge_integer
 
 
 @pytest.fixture(scope="module")
@@ -352,6 +353,75 @@ def test_auto_measures_once_and_stores_the_profile(snapshots, device, tmp_path, 
     files[0].write_text(json.dumps(profile))
     engine = Engine(snap, "auto", load_tokenizer=False)
     assert engine.device.endswith("+auto") and engine.backend.placement.matvec_host_bits == (8,)
+
+
+@pytest.fixture(scope="module")
+def measured_profile(snapshots, tmp_path_factory) -> tuple[Path, Path]:
+    """(a snapshot, the device profile `--device auto` measured for it, in a directory of its own)."""
+    directory = tmp_path_factory.mktemp("profile")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("GLMKIT_DEVICE_CACHE_DIR", str(directory))
+        mp.setattr(devices, "AUTO_MIN_DECODE_BYTES", 0)  # measure even this tiny model
+        snap = snapshots("tiny-bf16", "q4")
+        Engine(snap, "auto", load_tokenizer=False)
+    (path,) = directory.glob("*.json")
+    return snap, path
+
+
+def _placements(d: dict, **fields) -> None:
+    for entry in d["models"].values():
+        entry["placement"].update(fields)
+
+
+PROFILE_DAMAGE = {
+    "models not an object": lambda d: d.update(models=[]),
+    "a model's entry not an object": lambda d: d.update(models={key: [] for key in d["models"]}),
+    "a placement field of another type": lambda d: _placements(d, matvec="cl", matvec_min_bytes="abc"),
+    "a placement flag a number": lambda d: _placements(d, stream_experts=1),
+    "bandwidth without its fields": lambda d: d.update(bandwidth={"a": 1}),
+    "bandwidth not an object": lambda d: d.update(bandwidth="x"),
+    "bandwidth past a float's range": lambda d: d["bandwidth"].update(host_read_gbs=10**400),
+}
+
+
+@pytest.mark.parametrize("case", [*PROFILE_DAMAGE, "an integer past the digit limit"])
+def test_a_damaged_profile_is_said_removed_and_measured_again(measured_profile, device, tmp_path, monkeypatch,
+                                                              capsys, case):
+    """Whatever reads it (a run's `--device auto`, `--list-devices`): one notice, the file removed, the profile
+    measured again and stored whole."""
+    snap, pristine = measured_profile
+    monkeypatch.setenv("GLMKIT_DEVICE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(devices, "AUTO_MIN_DECODE_BYTES", 0)
+    path = tmp_path / pristine.name
+    for read, stored in ((lambda: Engine(snap, "auto", load_tokenizer=False),
+                          lambda: devices.cached_placement(device, Container(snap))),
+                         (lambda: cli_run.main(["--list-devices"]), lambda: devices.read_profile(device)["bandwidth"])):
+        if case == "an integer past the digit limit":
+            path.write_bytes(with_huge_integer(pristine.read_bytes()))
+        else:
+            profile = json.loads(pristine.read_text())
+            PROFILE_DAMAGE[case](profile)
+            path.write_text(json.dumps(profile))
+        capsys.readouterr()
+        read()
+        err = capsys.readouterr().err
+        assert err.startswith(f"glmkit: notice: device profile {path} is damaged (") and err.count("\n") == 1, err
+        assert stored() and capsys.readouterr().err == ""
+
+
+def test_a_damaged_stored_measurement_is_said_and_measured_again(measured_profile, device, tmp_path, monkeypatch,
+                                                                 capsys):
+    snap, _ = measured_profile
+    monkeypatch.setenv("GLMKIT_DEVICE_CACHE_DIR", str(tmp_path))
+    container = Container(snap)
+    assert devices.stored_measurement(device, container, "batch_ms", lambda: {"token": 1.0}) == {"token": 1.0}
+    path = devices.profile_path(device)
+    path.write_text(path.read_text().replace("1.0", '"slow"'))
+    capsys.readouterr()
+    assert devices.stored_measurement(device, container, "batch_ms", lambda: {"token": 2.0}) == {"token": 2.0}
+    err = capsys.readouterr().err
+    assert err.startswith(f"glmkit: notice: device profile {path} is damaged (") and err.count("\n") == 1, err
+    assert devices.stored_measurement(device, container, "batch_ms", lambda: {"token": 3.0}) == {"token": 2.0}
 
 
 def test_measured_placement_runs_the_step_on_discrete_devices(snapshots, device, monkeypatch):

@@ -3,15 +3,20 @@ opt-in), the re-rotation of roped rows, the hnswlib index over stored chunks, an
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
+import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from glmkit.cache.blend import blend_forward, forward_at, reserve
-from glmkit.cache.chunk_index import ChunkIndex, TokenLatents, chunk_label
+from glmkit.cache.chunk_index import HNSW_HEADER, ChunkIndex, TokenLatents, chunk_label
 from glmkit.cache.prefix_cache import PrefixCache, common_prefix, open_index, prune, read_blob, rerotate
 from glmkit.cache.session import ApproxPolicy, Session
 from glmkit.cli.run import main as run_main
@@ -387,6 +392,162 @@ def test_hnsw_index_persists_rebuilds_follows_eviction_and_stays_bounded(engine,
     small_cache.save_similar_index()
     again = ChunkIndex(open_index(small_dir), small_dir, small_cache.root, latents.center, 3)
     assert len(again) == 3 and again.index.get_max_elements() <= 3
+
+
+@pytest.fixture(scope="module")
+def saved_ann(engine, tmp_path_factory) -> tuple[Path, str, np.ndarray, np.ndarray]:
+    """A prefix cache holding three documents' chunks and their saved hnswlib index: (its directory, the chain's
+    root, the reference vector, two probe embeddings)."""
+    directory = tmp_path_factory.mktemp("ann")
+    cache, _, latents = stored_index(engine, directory)
+    request(engine, Session(engine.model, cache), doc_prompt([0, 1, 2]))
+    cache.save_similar_index()
+    return directory, cache.root, latents.center, latents.embed([DOCS[1][2:2 + CHUNK], DOCS[2][5:5 + CHUNK]])
+
+
+def reopen_index(directory: Path, saved_ann) -> ChunkIndex:
+    _, root, center, _ = saved_ann
+    return ChunkIndex(open_index(directory), directory, root, center)
+
+
+def ann_files(directory: Path) -> tuple[Path, Path]:
+    (index_path,) = (directory / "ann").glob("*.hnsw")
+    return index_path, index_path.with_suffix(".json")
+
+
+def edit_sidecar(text: str, case: str) -> str:
+    """The sidecar with one field of another type or range than `ChunkIndex.save` writes."""
+    if case == "an integer past the digit limit":
+        return text.replace("{", '{"x": ' + "9" * 5000 + ", ", 1)
+    if case == "not an object":
+        return "[]"
+    if case == "dim a float":  # equal to the dimension, of another type
+        return json.dumps({**json.loads(text), "dim": float(json.loads(text)["dim"])})
+    field, value = SIDECAR_EDITS[case]
+    return json.dumps({**json.loads(text), field: value})
+
+
+SIDECAR_EDITS = {"count a string": ("count", "5"), "count null": ("count", None),
+                 "count past the bound": ("count", 1001), "count past the elements": ("count", 999),
+                 "deleted a string": ("deleted", ["x"]), "deleted nested": ("deleted", [[1]]),
+                 "deleted infinite": ("deleted", [float("inf")]), "deleted a bool": ("deleted", [True]),
+                 "deleted past 60 bits": ("deleted", [1 << 60]), "sha256 a number": ("sha256", 5)}
+
+
+@pytest.mark.parametrize("case", [*SIDECAR_EDITS, "dim a float", "an integer past the digit limit", "not an object"])
+def test_a_damaged_sidecar_is_one_warning_and_the_index_is_rebuilt(saved_ann, tmp_path, capsys, case):
+    directory = Path(shutil.copytree(saved_ann[0], tmp_path / "cache"))
+    probe = saved_ann[3]
+    pristine = reopen_index(directory, saved_ann)
+    assert not pristine.rebuilt and capsys.readouterr().err == ""
+    index_path, meta_path = ann_files(directory)
+    meta_path.write_text(edit_sidecar(meta_path.read_text(), case))
+    rebuilt = reopen_index(directory, saved_ann)
+    err = capsys.readouterr().err
+    assert rebuilt.rebuilt and set(rebuilt.labels) == set(pristine.labels)
+    assert rebuilt.query(probe) == pristine.query(probe)
+    assert err.count("\n") == 1 and err.startswith(f"glmkit: warning: similar-chunk index {index_path} is damaged")
+    rebuilt.save()
+    assert not reopen_index(directory, saved_ann).rebuilt and capsys.readouterr().err == ""
+
+
+def craft_hnsw(data: bytearray, case: str) -> None:
+    """Edit a saved index of 14 elements, element 11 the only one with an upper level (the entry point)."""
+    head = list(HNSW_HEADER.unpack_from(data))
+    n, per_element = head[2], head[3]
+    first_upper = HNSW_HEADER.size + n * per_element  # element 0's upper-level link list size
+    if case == "a level-0 link count past its bound":
+        data[96:104] = b"\xff" * 8
+    elif case == "a level-0 neighbour past the elements":
+        struct.pack_into("<II", data, HNSW_HEADER.size, 1, 1 << 30)
+    elif case == "an upper-level neighbour without that level":
+        pos = first_upper + 4 * 11  # elements 0..10 have no upper level: a 4-byte size each
+        assert struct.unpack_from("<I", data, pos)[0] == 68
+        struct.pack_into("<II", data, pos + 4, 1, 0)
+    elif case == "the entry point past the elements":
+        head[7] = 1 << 30
+    elif case == "the top level above the entry point's":
+        head[6] = 5
+    elif case == "a level multiplier of 1e300":
+        head[11] = 1e300
+    elif case == "one element more than the file holds":
+        head[2] = n + 1
+    elif case == "an upper-level list of no whole level":
+        struct.pack_into("<I", data, first_upper, 3)
+    elif case == "a non-finite vector":
+        struct.pack_into("<f", data, HNSW_HEADER.size + 132, float("nan"))
+    if case not in ("a level-0 link count past its bound", "an upper-level neighbour without that level"):
+        HNSW_HEADER.pack_into(data, 0, *head)
+
+
+HNSW_CHILD = """
+import json, sys
+import numpy as np
+from pathlib import Path
+from glmkit.cache.chunk_index import ChunkIndex
+from glmkit.cache.prefix_cache import open_index
+directory, root = Path(sys.argv[1]), sys.argv[2]
+center, probe = np.load(sys.argv[3]), np.load(sys.argv[4])
+index = ChunkIndex(open_index(directory), directory, root, center)
+hits = index.query(probe)
+index.add("f" * 64, probe[0])
+print(json.dumps({"rebuilt": index.rebuilt, "hits": hits, "after_add": index.query(probe)}))
+"""
+
+
+def open_in_child(directory: Path, saved_ann) -> subprocess.CompletedProcess:
+    """Open the index, query it and add to it in a process of its own (hnswlib crashes on a crafted file)."""
+    _, root, center, probe = saved_ann
+    np.save(directory / "center.npy", center)
+    np.save(directory / "probe.npy", probe)
+    return subprocess.run([sys.executable, "-c", HNSW_CHILD, str(directory), root, str(directory / "center.npy"),
+                           str(directory / "probe.npy")], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parent.parent)
+
+
+HNSW_CASES = ["a level-0 link count past its bound", "a level-0 neighbour past the elements",
+              "an upper-level neighbour without that level", "the entry point past the elements",
+              "the top level above the entry point's", "a level multiplier of 1e300",
+              "one element more than the file holds", "an upper-level list of no whole level", "a non-finite vector"]
+
+
+@pytest.mark.parametrize("case", HNSW_CASES)
+def test_a_crafted_index_file_is_never_handed_to_hnswlib(saved_ann, tmp_path, case):
+    """An index file edited and its digest put in the sidecar, as anyone who can write the cache could: the file is
+    checked before hnswlib reads it, rebuilt from the prefix cache, and the process lives."""
+    directory = Path(shutil.copytree(saved_ann[0], tmp_path / "cache"))
+    pristine = open_in_child(directory, saved_ann)
+    assert pristine.returncode == 0 and pristine.stderr == "", pristine.stderr
+    index_path, meta_path = ann_files(directory)
+    data = bytearray(index_path.read_bytes())
+    craft_hnsw(data, case)
+    index_path.write_bytes(bytes(data))
+    meta = json.loads(meta_path.read_text())
+    meta_path.write_text(json.dumps({**meta, "sha256": hashlib.sha256(data).hexdigest()}))
+    crafted = open_in_child(directory, saved_ann)
+    assert crafted.returncode == 0, crafted.stderr[-2000:]
+    result, before = json.loads(crafted.stdout), json.loads(pristine.stdout)
+    assert result["rebuilt"] and not before["rebuilt"]
+    assert result["hits"] == before["hits"] and result["after_add"] == before["after_add"]
+    assert crafted.stderr.count("\n") == 1 and f"similar-chunk index {index_path} is damaged" in crafted.stderr
+
+
+def test_random_damage_to_the_index_file_never_crashes(saved_ann, tmp_path):
+    """Seeded: bytes of the index file overwritten, the digest put in the sidecar; every open, query and insert
+    lives, on the file as loaded or on one rebuilt."""
+    directory = Path(shutil.copytree(saved_ann[0], tmp_path / "cache"))
+    index_path, meta_path = ann_files(directory)
+    pristine, meta = index_path.read_bytes(), json.loads(meta_path.read_text())
+    rng = np.random.default_rng(7)
+    for case in range(12):
+        data = bytearray(pristine)
+        for _ in range(int(rng.integers(1, 4))):
+            at = int(rng.integers(0, len(data) - 4))
+            data[at:at + 4] = rng.integers(0, 256, 4, dtype=np.uint8).tobytes()
+        index_path.write_bytes(bytes(data))
+        meta_path.write_text(json.dumps({**meta, "sha256": hashlib.sha256(data).hexdigest()}))
+        child = open_in_child(directory, saved_ann)
+        assert child.returncode == 0, (case, child.stderr[-2000:])
 
 
 def test_an_index_from_before_approximate_reuse_is_migrated_in_place(engine, tmp_path):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import re
 import statistics
@@ -190,15 +191,57 @@ def profile_path(info: DeviceInfo) -> Path:
 MAX_PROFILE_BYTES = 1 << 20  # a device profile is a few KB
 
 
+def _damaged_profile(path: Path, why: str) -> dict[str, Any]:
+    """The empty profile a damaged one counts as: said, and the file removed (a run reads the profile up to three
+    times before the new measurement replaces it)."""
+    notice(f"device profile {path} is damaged ({why}); removed, measuring again")
+    with contextlib.suppress(OSError):  # a read-only cache: said again next time, measured again anyway
+        path.unlink()
+    return {}
+
+
 def read_profile(info: DeviceInfo) -> dict[str, Any]:
+    """The device's stored profile: {} where there is none or it is another version's or device's, and where it is
+    damaged (with a notice): anything `load_or_measure` and `measure_bandwidth` would not write is measured again."""
     path = profile_path(info)
+    if not os.path.lexists(path):
+        return {}
     try:
         data = read_json_file(path, MAX_PROFILE_BYTES)
-    except GlmkitError:  # missing or damaged: measured again
+    except GlmkitError as e:
+        return _damaged_profile(path, str(e).removeprefix(f"{path}: "))
+    if isinstance(data, dict) and (data.get("version") != PROFILE_VERSION or data.get("key") != info.key):
         return {}
-    if not isinstance(data, dict) or data.get("version") != PROFILE_VERSION or data.get("key") != info.key:
-        return {}
-    return data
+    why = _profile_fault(data)
+    return data if why is None else _damaged_profile(path, why)
+
+
+def _profile_fault(data: Any) -> str | None:
+    """What in a profile has another shape than the measurements write (None: nothing): `bandwidth` holds finite
+    floats (host->device: or null), `models` an object per model, each `placement` a valid `Placement`."""
+    if not isinstance(data, dict):
+        return "not a JSON object"
+    if "bandwidth" in data:
+        bandwidth = data["bandwidth"]
+        if not isinstance(bandwidth, dict):
+            return "bandwidth"
+        for name in ("host_read_gbs", "device_read_gbs", "host_to_device_gbs"):
+            value = bandwidth.get(name)
+            if not (isinstance(value, float) and math.isfinite(value)
+                    or value is None and name == "host_to_device_gbs"):
+                return f"bandwidth.{name}"
+    models = data.get("models", {})
+    if not isinstance(models, dict) or not all(isinstance(entry, dict) for entry in models.values()):
+        return "models"
+    for key, entry in models.items():
+        if "placement" in entry:
+            if not isinstance(entry["placement"], dict):
+                return f"models.{key[:20]}.placement"
+            try:
+                Placement.from_json(entry["placement"])
+            except ValueError as e:
+                return f"models.{key[:20]}: {e}"
+    return None
 
 
 def write_profile(info: DeviceInfo, data: dict[str, Any]) -> None:
@@ -228,13 +271,9 @@ def model_key(container: Any) -> str:
 
 
 def cached_placement(info: DeviceInfo, container: Any) -> Placement | None:
-    entry = read_profile(info).get("models", {}).get(model_key(container))
-    if isinstance(entry, dict) and isinstance(entry.get("placement"), dict):
-        try:
-            return Placement.from_json(entry["placement"])
-        except (TypeError, ValueError):
-            return None
-    return None
+    """The placement stored for this device and model (checked by `read_profile`); None where there is none."""
+    entry = read_profile(info).get("models", {}).get(model_key(container), {})
+    return Placement.from_json(entry["placement"]) if "placement" in entry else None
 
 
 def load_or_measure(kernels: Kernels, container: Any, spill: OpenCLBackend | None = None) -> Placement:
@@ -267,8 +306,10 @@ def stored_measurement(info: DeviceInfo, container: Any, name: str, measure_now:
     profile = read_profile(info)
     entry = profile.setdefault("models", {}).setdefault(model_key(container), {})
     stored = entry.get(name)
-    if isinstance(stored, dict) and all(isinstance(v, float) for v in stored.values()) and stored:
+    if isinstance(stored, dict) and all(isinstance(v, float) and math.isfinite(v) for v in stored.values()) and stored:
         return stored
+    if stored is not None:
+        _damaged_profile(profile_path(info), f"measurement {name!r}")
     entry[name] = measure_now()
     write_profile(info, profile)
     return entry[name]

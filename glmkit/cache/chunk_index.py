@@ -10,28 +10,38 @@ which is why every candidate is aligned token by token before any row is used (`
 
 One index per chain (model hash + numerics + MTP flag: the blob layouts that chain may load), in
 `DIR/ann/<root>.hnsw` next to the sqlite index, with a sidecar JSON (format version, dimension, digest of the
-reference vector, sha256 of the index file, labels marked deleted). The sqlite `entries.emb` column is the
-source of truth: a missing, damaged or mismatched file is rebuilt from it, and on open the index is
-reconciled with it (entries evicted by any process are marked deleted, entries stored by others are
-added). Labels are derived from chunk keys (60 bits), so processes never need to agree on a counter.
-The index holds at most `max_elements` live chunks; beyond that the least recently used drop out of it
-(they stay in the exact cache).
+reference vector, sha256 of the index file, labels marked deleted), both 0600. The sqlite `entries.emb` column is
+the source of truth: a missing, damaged or mismatched file is rebuilt from it (a damaged one with a warning), and
+on open the index is reconciled with it (entries evicted by any process are marked deleted, entries stored by
+others are added). hnswlib trusts the file it loads (a crafted link list makes it read out of bounds), so the
+file's whole structure is checked first (`hnsw_fault`). Labels are derived from chunk keys (60 bits), so
+processes never need to agree on a counter. The index holds at most `max_elements` live chunks; beyond that the
+least recently used drop out of it (they stay in the exact cache).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import sqlite3
-import time
+import struct
+import sys
 from collections import OrderedDict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from glmkit.errors import GlmkitError
-from glmkit.format.files import open_regular_file, read_json_file
+from glmkit.format.files import (
+    create_temp_beside,
+    make_private_dirs,
+    open_regular_file,
+    read_json_file,
+    write_private_file,
+)
 from glmkit.model.glm5 import GlmMoeDsaModel
 
 INDEX_VERSION = 1
@@ -39,11 +49,71 @@ DEFAULT_MAX_ELEMENTS = 100_000
 MAX_META_BYTES = 1 << 20  # the index sidecar: a few fields
 REFERENCE_SAMPLE = 4096  # vocabulary ids averaged into the reference vector
 _HNSW = {"M": 16, "ef_construction": 100, "ef": 64}
+# the head of an index file as hnswlib 0.8 saves it: offsetLevel0, max_elements, cur_element_count,
+# size_data_per_element, label_offset, offsetData, maxlevel, enterpoint_node, maxM, maxM0, M, mult, ef_construction
+HNSW_HEADER = struct.Struct("<6QiI3QdQ")
+_NO_NODE = 0xFFFFFFFF  # the entry point of an empty index
+_LABEL_LIMIT = 1 << 60  # labels are 60 bits of a chunk key (`chunk_label`)
 
 
 def chunk_label(key: str) -> int:
     """The hnswlib label of a chunk: the first 60 bits of its key."""
     return int(key[:15], 16)
+
+
+def hnsw_fault(data: bytes, dim: int, max_elements: int) -> tuple[str | None, int]:
+    """(What makes `data` other than an index hnswlib saved with `_HNSW`'s parameters over `dim`-wide vectors,
+    None if nothing; its elements, deleted ones included). Every field hnswlib reads without a check when it loads,
+    searches or inserts is checked: the header's sizes and parameters, at most `max_elements` elements, every link
+    count within its level's bound, every neighbour an element that has that level, the entry point an element of
+    the top level, the file's length to the byte; and finite vectors, labels of 60 bits."""
+    m, m0 = _HNSW["M"], 2 * _HNSW["M"]
+    links0, links = 4 + 4 * m0, 4 + 4 * m  # a level-0 link list and an upper level's: a count, then ids
+    per_element = links0 + 4 * dim + 8  # level-0 links, the vector, the label
+    if len(data) < HNSW_HEADER.size:
+        return "shorter than its header", 0
+    (offset0, _, n, size_per, label_at, vector_at, top, entry, max_m, max_m0, m_, mult,
+     ef_construction) = HNSW_HEADER.unpack_from(data)
+    if (offset0, size_per, label_at, vector_at, max_m, max_m0, m_, ef_construction) != (
+            0, per_element, links0 + 4 * dim, links0, m, m0, m, max(_HNSW["ef_construction"], m)) \
+            or not math.isclose(mult, 1 / math.log(m)):
+        return "header", 0
+    if n > max_elements:
+        return f"{n} elements, more than {max_elements}", 0
+    pos = HNSW_HEADER.size + n * per_element
+    if len(data) < pos + 4 * n:
+        return "truncated", 0
+    if (n == 0 and (entry, top) != (_NO_NODE, -1)) or (n > 0 and not (entry < n and top >= 0)):
+        return "entry point", 0
+    level0 = np.frombuffer(data, np.uint8, n * per_element, HNSW_HEADER.size).reshape(n, per_element)
+    head = level0[:, :links0].view("<u4")
+    counts, marks = head[:, 0] & 0xFFFF, head[:, 0] >> 16  # the count's upper half holds the deleted mark
+    if (counts > m0).any() or (marks > 1).any() \
+            or (head[:, 1:][np.arange(m0) < counts[:, None]] >= n).any():
+        return "level-0 links", 0
+    if not np.isfinite(level0[:, vector_at:label_at].view("<f4").sum(dtype=np.float64)) \
+            or (level0[:, label_at:].view("<u8") >= _LABEL_LIMIT).any():
+        return "vectors or labels", 0
+    levels = np.zeros(n, np.int64)
+    upper: list[tuple[int, int]] = []  # (element, where its upper levels' links start)
+    for i in range(n):
+        (size,) = struct.unpack_from("<I", data, pos) if pos + 4 <= len(data) else (-1,)
+        if size < 0 or size % links or pos + 4 + size > len(data):
+            return "upper links", 0
+        if size:
+            levels[i] = size // links
+            upper.append((i, pos + 4))
+        pos += 4 + size
+    if pos != len(data) or n and (levels.max() > top or levels[entry] != top):
+        return "levels", 0
+    for i, start in upper:
+        block = np.frombuffer(data, "<u4", int(levels[i]) * (1 + m), start).reshape(-1, 1 + m)
+        used = np.arange(m) < block[:, :1]
+        ids = block[:, 1:][used]
+        if (block[:, 0] > m).any() or (ids >= n).any() \
+                or (levels[ids] < np.broadcast_to(np.arange(1, len(block) + 1)[:, None], used.shape)[used]).any():
+            return "upper links", 0
+    return None, n
 
 
 class TokenLatents:
@@ -105,59 +175,85 @@ class ChunkIndex:
         return index
 
     def _load(self):
-        """The saved index when its sidecar matches this chain and its checksum holds; else None."""
+        """The saved index when its sidecar matches this chain and is well formed, its checksum holds and the
+        index file is well formed (`hnsw_fault`); else None (rebuilt, with a warning where the files were damaged
+        rather than missing, another format version's or another chain's)."""
+        if not (os.path.lexists(self.meta_path) and os.path.lexists(self.path)):
+            return None
         try:  # regular files only (a FIFO here must not hang the run), the sidecar size-capped
             meta = read_json_file(self.meta_path, MAX_META_BYTES)
             with open_regular_file(self.path) as f:
                 data = f.read()
-        except (OSError, GlmkitError):
+        except (OSError, GlmkitError) as e:
+            return self._damaged(str(e))
+        if isinstance(meta, dict) and (meta.get("version") != INDEX_VERSION or meta.get("root") != self.root
+                                       or meta.get("center") != self.center_digest):
             return None
-        expected = {"version": INDEX_VERSION, "root": self.root, "dim": self.dim, "center": self.center_digest}
-        if not isinstance(meta, dict) or any(meta.get(k) != v for k, v in expected.items()) \
-                or meta.get("sha256") != hashlib.sha256(data).hexdigest() \
-                or not isinstance(meta.get("deleted"), list) or not meta.get("count", 0) <= self.max_elements:
-            return None
-        # hnswlib trusts its input (a damaged file can crash it): it only ever reads bytes we just verified,
-        # from a private copy another process cannot replace under it
-        tmp = self.path.with_name(f"{self.path.name}.load-{os.getpid()}-{time.monotonic_ns()}")
+        why = self._sidecar_fault(meta)
+        if why is None and meta["sha256"] != hashlib.sha256(data).hexdigest():
+            why = "the index file does not match its digest"
+        if why is None:
+            why, elements = hnsw_fault(data, self.dim, self.max_elements)
+            if why is None and meta["count"] > elements:  # not equal: hnswlib may keep an element no label names
+                why = f"{elements} elements, fewer than the sidecar's count {meta['count']}"
+        if why is not None:
+            return self._damaged(why)
+        # hnswlib reads the bytes just checked, from a private copy another process cannot replace under it
+        tmp = None
         try:
-            tmp.write_bytes(data)
+            tmp, f = create_temp_beside(self.path, 0o600)
+            with f:
+                f.write(data)
             index = self._hnswlib.Index(space="cosine", dim=self.dim)
             index.load_index(str(tmp), max_elements=self.max_elements, allow_replace_deleted=True)
-        except (OSError, RuntimeError):
-            return None
+        except (OSError, RuntimeError) as e:
+            return self._damaged(str(e))
         finally:
-            tmp.unlink(missing_ok=True)
-        if index.get_max_elements() > self.max_elements:
-            return None
+            if tmp is not None:
+                tmp.unlink(missing_ok=True)
         index.set_ef(_HNSW["ef"])
-        self.deleted = {int(x) for x in meta["deleted"]}
+        self.deleted = set(meta["deleted"])
         self.labels = OrderedDict((int(label), "") for label in index.get_ids_list() if int(label) not in self.deleted)
         self.rebuilt = False
         return index
+
+    def _sidecar_fault(self, meta: Any) -> str | None:
+        """What in the sidecar has another type or range than `save` writes (None: nothing)."""
+        if not isinstance(meta, dict):
+            return "the sidecar is not a JSON object"
+        deleted = meta.get("deleted")
+        faults = {"dim": type(meta.get("dim")) is not int or meta["dim"] != self.dim,
+                  "sha256": not isinstance(meta.get("sha256"), str),
+                  "count": type(meta.get("count")) is not int or not 0 <= meta["count"] <= self.max_elements,
+                  "deleted": not isinstance(deleted, list) or len(deleted) > self.max_elements
+                  or not all(type(x) is int and 0 <= x < _LABEL_LIMIT for x in deleted)}
+        bad = [name for name, fault in faults.items() if fault]
+        return f"the sidecar's {bad[0]!r}" if bad else None
+
+    def _damaged(self, why: str) -> None:
+        """No index loaded: said on stderr (it is rebuilt from the prefix cache)."""
+        print(f"glmkit: warning: similar-chunk index {self.path} is damaged ({why}); rebuilt from the prefix cache",
+              file=sys.stderr)
 
     def save(self) -> None:
         """Write the index and its sidecar (temp + rename each); a no-op when nothing changed."""
         if not self.dirty:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        stamp = f"{os.getpid()}-{time.monotonic_ns()}"
-        tmp = self.path.with_name(f"{self.path.name}.tmp-{stamp}")
-        meta_tmp = self.meta_path.with_name(f"{self.meta_path.name}.tmp-{stamp}")
+        make_private_dirs(self.path.parent)
         present = {int(x) for x in self.index.get_ids_list()}
         self.deleted &= present  # labels whose slot a new one took are gone for good
+        tmp, f = create_temp_beside(self.path, 0o600)  # hnswlib writes it by name, keeping its mode
+        f.close()
         try:
             self.index.save_index(str(tmp))
             digest = hashlib.sha256(tmp.read_bytes()).hexdigest()
-            meta_tmp.write_text(json.dumps({"version": INDEX_VERSION, "root": self.root, "dim": self.dim,
-                                            "center": self.center_digest, "sha256": digest,
-                                            "count": len(self.labels), "deleted": sorted(self.deleted)}))
             tmp.replace(self.path)
-            meta_tmp.replace(self.meta_path)
+            write_private_file(self.meta_path, json.dumps({
+                "version": INDEX_VERSION, "root": self.root, "dim": self.dim, "center": self.center_digest,
+                "sha256": digest, "count": len(self.labels), "deleted": sorted(self.deleted)}).encode())
             self.dirty = False
         finally:
             tmp.unlink(missing_ok=True)
-            meta_tmp.unlink(missing_ok=True)
 
     def reconcile(self) -> None:
         """Make the index hold exactly the chain's embedded entries (up to the size bound)."""

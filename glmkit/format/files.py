@@ -133,13 +133,21 @@ def _first_clause(e: ValueError) -> str:
     return str(e).split(":")[0].strip()
 
 
+def create_temp_beside(path: Path, mode: int = 0o666) -> tuple[Path, BinaryIO]:
+    """A new file for `path`'s next content, to be renamed over `path` once whole: named `<name>.tmp-<pid>-<ns>`
+    beside it, created exclusively with `mode` (never an existing file, nor through a symlink planted there), open
+    for binary writing. Raises OSError."""
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{time.monotonic_ns()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    return tmp, os.fdopen(fd, "wb")
+
+
 def write_private_file(path: Path, data: bytes) -> None:
     """Replace `path` atomically by `data` (unique temp name, mode 0600, fsync, rename; a failed write leaves no
     temporary file): cache entries and saved sessions hold prompts and transcripts."""
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{time.monotonic_ns()}")
+    tmp, f = create_temp_beside(path, 0o600)
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        with os.fdopen(fd, "wb") as f:
+        with f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())

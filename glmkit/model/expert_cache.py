@@ -26,10 +26,12 @@ A slot's bytes are the container's bytes, so every path gives the logits it give
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import json
 import math
 import os
+import sys
 import threading
 import time
 from collections import Counter
@@ -142,25 +144,40 @@ def usage_path(cache_dir: Path, model_hash: str) -> Path:
 
 
 def read_usage(path: Path, model_hash: str, n_layers: int, n_experts: int) -> dict[Key, float]:
-    """Scores saved by `write_usage`; {} for a missing, corrupt, oversized or other model's file (it is only a
-    hint)."""
+    """Scores saved by `write_usage`; {} for a missing file or another version's or model's, and for a damaged or
+    oversized one, which is said in one line and removed (the scores are only a hint; an engine that counts no
+    routes would leave it to be said again on every run)."""
+
+    def ignored(why: str) -> dict[Key, float]:
+        print(f"glmkit: warning: expert usage file {path} is damaged ({why}); removed", file=sys.stderr)
+        with contextlib.suppress(OSError):
+            path.unlink()
+        return {}
+
+    if not os.path.lexists(path):
+        return {}
     try:
         raw = read_json_file(path, USAGE_HEAD_BYTES + USAGE_ENTRY_BYTES * n_layers * n_experts)
-    except (GlmkitError, OSError):
+    except (GlmkitError, OSError) as e:
+        return ignored(str(e).removeprefix(f"{path}: "))
+    if isinstance(raw, dict) and (raw.get("version") != USAGE_VERSION or raw.get("model_hash") != model_hash):
         return {}
-    if not (isinstance(raw, dict) and raw.get("version") == USAGE_VERSION and raw.get("model_hash") == model_hash
-            and isinstance(raw.get("scores"), list)):
-        return {}
+    if not (isinstance(raw, dict) and isinstance(raw.get("scores"), list)):
+        return ignored("no list of scores")
     out: dict[Key, float] = {}
     for item in raw["scores"]:
         if not (isinstance(item, list) and len(item) == 3 and all(isinstance(v, int | float) for v in item)
                 and not any(isinstance(v, bool) for v in item)):
-            return {}
+            return ignored(f"entry {str(item)[:40]}")
         layer, expert, score = item
+        try:
+            value = float(score)
+        except OverflowError:  # an integer past a float's range
+            value = math.inf
         if not (isinstance(layer, int) and isinstance(expert, int) and 0 <= layer < n_layers
-                and 0 <= expert < n_experts and math.isfinite(score) and score >= 0):
-            return {}
-        out[(layer, expert)] = float(score)
+                and 0 <= expert < n_experts and math.isfinite(value) and value >= 0):
+            return ignored(f"entry {str(item)[:40]}")
+        out[(layer, expert)] = value
     return out
 
 

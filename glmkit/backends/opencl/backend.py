@@ -105,7 +105,16 @@ class Placement:
 
     @classmethod
     def from_json(cls, d: dict) -> Placement:
+        """The placement `to_json` gave (unknown keys skipped), also read back from JSON (a list for the tuple);
+        ValueError for a field of another type than its default's, as in a damaged profile."""
+        defaults = cls()
         known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
+        for name, value in known.items():
+            want = type(getattr(defaults, name))
+            ok = (isinstance(value, list | tuple) and all(type(bits) is int for bits in value)) if want is tuple \
+                else type(value) is want  # `type is`: a bool is no int here
+            if not ok:
+                raise ValueError(f"placement field {name!r} is {str(value)[:40]!r}, not of type {want.__name__}")
         if "matvec_host_bits" in known:
             known["matvec_host_bits"] = tuple(known["matvec_host_bits"])
         return cls(**known)
