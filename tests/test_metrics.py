@@ -117,3 +117,24 @@ def test_logits_writer_leaves_nothing_when_aborted(tmp_path):
     with pytest.raises(GlmkitError):
         w.close()  # one of two rows missing
     assert list(tmp_path.iterdir()) == []
+
+
+def test_logits_writer_onto_a_directory_made_since_is_an_error_leaving_nothing(tmp_path):
+    path = tmp_path / "b.safetensors"
+    w = LogitsWriter(path, "00" * 32, [[1, 2]], 4)
+    w.append(np.zeros((1, 4), np.float32))
+    path.mkdir()
+    with pytest.raises(GlmkitError, match=f"{path}: cannot write"):
+        w.close()
+    assert list(tmp_path.iterdir()) == [path]
+
+
+def test_logits_writer_never_writes_through_a_file_planted_at_a_temporary_name(tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep")
+    path = tmp_path / "b.safetensors"
+    path.with_name(path.name + ".tmp").symlink_to(victim)
+    w = LogitsWriter(path, "00" * 32, [[1, 2]], 4)
+    w.append(np.zeros((1, 4), np.float32))
+    w.close()
+    assert victim.read_bytes() == b"keep" and LogitsBase(path).windows == [[1, 2]]

@@ -18,6 +18,7 @@ from glmkit.cli.common import engine_from_arguments
 from glmkit.cli.convert import main as convert_main
 from glmkit.cli.perplexity import main as perplexity_main
 from glmkit.cli.validate import main as validate_main
+from glmkit.errors import GlmkitError
 from glmkit.format.imatrix import read_imatrix
 from glmkit.format.reader import Container
 from tests.runtime_support import FIXTURES, Snapshots
@@ -178,6 +179,32 @@ def test_perplexity_bad_inputs(snapshots, tmp_path):
         assert code == 1 and err.startswith("glm-perplexity: error: ") and err.count("\n") == 1, args
     code, _, err = run(perplexity_main, tmp_path / "nothing", "--tokens", EVAL)
     assert code == 1 and err.startswith("glm-perplexity: error: ")
+
+
+@pytest.mark.parametrize("where", ["a directory", "in a missing directory"])
+@pytest.mark.parametrize("cli", ["glm-perplexity", "glm-calibrate"])
+def test_an_output_no_file_can_take_is_refused_before_the_work(snapshots, tmp_path, monkeypatch, cli, where):
+    """`--save-logits` / `-o` onto a directory or into a missing one: one line before the model is opened (the
+    file is renamed into place only when the work is done), and nothing left behind."""
+    snap = snapshots("tiny-trained", "f32")
+    module, flag, tokens = ((perplexity_cli, "--save-logits", EVAL) if cli == "glm-perplexity"
+                            else (calibrate_cli, "-o", CALIB))
+    target = tmp_path / "out.safetensors" if where == "a directory" else tmp_path / "missing" / "out.safetensors"
+    if where == "a directory":
+        target.mkdir()
+    monkeypatch.setattr(module, "engine_from_arguments", lambda *a, **k: pytest.fail("opened the model"))
+    code, out, err = run(module.main, snap, "--tokens", tokens, "--max-windows", "1", flag, target, "--quiet")
+    why = "Is a directory" if where == "a directory" else f"no directory {target.parent}"
+    assert code == 1 and out == "" and err == f"{cli}: error: {flag}: cannot write {target} ({why})\n"
+    assert list(tmp_path.rglob("*")) == ([target] if where == "a directory" else [])
+
+
+def test_imatrix_onto_a_directory_made_since_is_an_error_leaving_nothing(imatrix, tmp_path):
+    target = tmp_path / "imatrix.safetensors"
+    target.mkdir()
+    with pytest.raises(GlmkitError, match=f"{target}: cannot write"):
+        read_imatrix(imatrix).write(target)
+    assert list(tmp_path.iterdir()) == [target]
 
 
 def test_perplexity_and_calibrate_take_float_activations(snapshots, tmp_path):

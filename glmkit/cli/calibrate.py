@@ -23,6 +23,7 @@ from pathlib import Path
 from glmkit.cli.common import (
     add_engine_arguments,
     add_window_arguments,
+    check_output_path,
     check_window_arguments,
     engine_from_arguments,
     windows_from_arguments,
@@ -53,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         check_window_arguments(args)
+        check_output_path(args.output, "-o")
         engine = engine_from_arguments(args, load_tokenizer=args.text is not None)
         windows = windows_from_arguments(engine, args)
         imatrix = collect_imatrix(engine, windows, progress=not args.quiet, hessians=args.hessians,

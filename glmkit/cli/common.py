@@ -4,6 +4,8 @@ memory, MTP), the prefill cache's and the token windows'; and the data check bef
 from __future__ import annotations
 
 import argparse
+import errno
+import os
 import sqlite3
 import sys
 from pathlib import Path
@@ -169,6 +171,15 @@ def check_window_arguments(args: argparse.Namespace) -> None:
     """What can be refused before a model is opened."""
     if args.max_windows is not None and args.max_windows < 1:
         raise GlmkitError(f"--max-windows: must be at least 1, got {args.max_windows}")
+
+
+def check_output_path(path: Path, flag: str) -> None:
+    """Refuse, before a model is opened, an output path no file can be renamed onto: a directory, or a path in a
+    missing directory (the file is only renamed into place when the work is done)."""
+    if path.is_dir():
+        raise GlmkitError(f"{flag}: cannot write {path} ({os.strerror(errno.EISDIR)})")
+    if not path.parent.is_dir():
+        raise GlmkitError(f"{flag}: cannot write {path} (no directory {path.parent})")
 
 
 def windows_from_arguments(engine: Engine, args: argparse.Namespace) -> list[list[int]]:

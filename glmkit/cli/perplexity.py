@@ -18,6 +18,7 @@ from pathlib import Path
 from glmkit.cli.common import (
     add_engine_arguments,
     add_window_arguments,
+    check_output_path,
     check_window_arguments,
     engine_from_arguments,
     windows_from_arguments,
@@ -47,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     writer = None
     try:
         check_window_arguments(args)
+        if args.save_logits is not None:
+            check_output_path(args.save_logits, "--save-logits")
         engine = engine_from_arguments(args, load_tokenizer=args.text is not None)
         vocab = engine.config.vocab_size
         windows = windows_from_arguments(engine, args)

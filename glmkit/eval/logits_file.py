@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from glmkit.errors import GlmkitError
+from glmkit.format.files import create_temp_beside
 from glmkit.format.safetensors_file import read_header, read_metadata
 
 FORMAT_NAME = "glmkit-logits"
@@ -66,9 +67,8 @@ class LogitsWriter:
             "window_lengths": {"dtype": "I32", "shape": [len(windows)],
                                "data_offsets": [n_lp + tokens.nbytes, n_lp + len(self._tail)]},
         }
-        self._tmp = self.path.with_name(self.path.name + ".tmp")
         try:
-            self._file = open(self._tmp, "wb")
+            self._tmp, self._file = create_temp_beside(self.path)
         except OSError as e:
             raise GlmkitError(f"{self.path}: cannot write ({e.strerror})") from None
         # the header is rewritten with the logprobs digest at the end; reserve room for it now
@@ -94,15 +94,19 @@ class LogitsWriter:
         if self.written != self.rows:
             self.abort()
             raise GlmkitError(f"{self.path}: internal error: {self.written} of {self.rows} rows written")
-        self._file.write(self._tail)
         header = self._header_bytes(self._hash.hexdigest())
         assert len(header) == self._header_len
-        self._file.seek(0)
-        self._file.write(struct.pack("<Q", len(header)) + header)
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
-        self._tmp.replace(self.path)
+        try:
+            self._file.write(self._tail)
+            self._file.seek(0)
+            self._file.write(struct.pack("<Q", len(header)) + header)
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            self._tmp.replace(self.path)
+        except OSError as e:  # a full disk, or a directory made at the path since it was checked
+            self.abort()
+            raise GlmkitError(f"{self.path}: cannot write ({e.strerror})") from None
 
     def abort(self) -> None:
         self._file.close()

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from glmkit.errors import GlmkitError
+from glmkit.format.files import create_temp_beside
 from glmkit.format.safetensors_file import TensorInfo, read_header, read_metadata, read_tensor
 
 FORMAT_NAME = "glmkit-imatrix"
@@ -58,6 +59,7 @@ class Imatrix:
         return h
 
     def write(self, path: str | Path) -> None:
+        from safetensors import SafetensorError
         from safetensors.numpy import save_file
 
         path = Path(path)
@@ -69,12 +71,16 @@ class Imatrix:
         for weight, name in sorted(self.hessians.items()):  # read ones stay in their file until now
             if name not in tensors:
                 tensors[name] = np.ascontiguousarray(self.hessian(weight), np.float32)
-        tmp = path.with_name(path.name + ".tmp")
+        tmp = None
         try:
+            tmp, f = create_temp_beside(path)
+            f.close()  # safetensors writes it by name: made here, so that nothing planted at that name is written to
             save_file(tensors, str(tmp), metadata=meta)
-        except OSError as e:
-            raise GlmkitError(f"{path}: cannot write ({e.strerror})") from None
-        tmp.replace(path)
+            tmp.replace(path)
+        except (OSError, SafetensorError) as e:
+            if tmp is not None:
+                tmp.unlink(missing_ok=True)
+            raise GlmkitError(f"{path}: cannot write ({getattr(e, 'strerror', None) or e})") from None
 
 
 def read_imatrix(path: str | Path) -> Imatrix:
