@@ -221,3 +221,25 @@ def test_warming_reads_the_whole_container_into_the_page_cache(snapshots):
         while least_resident() < 1.0:
             assert time.monotonic() < deadline, "the advice did not bring every expert in"
             time.sleep(0.05)
+
+
+def test_advised_tensors_and_their_scales_come_into_the_page_cache(snapshots):
+    """`advise_tensors` (WILLNEED before the expert cache copies the non-expert weights) reads the named tensors'
+    ranges, their scales' too, into the page cache from a cold start."""
+    snapshot = snapshots(VARIANT, "q4")
+    container = Container(snapshot)
+    names = [n for n, e in container.manifest.tensors.items() if e.quant is not None and ".experts." not in n]
+    arrays = [a for n in names for a in (container.weight(n).packed, container.weight(n).scales)]
+    for path in snapshot.glob("*.safetensors"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    assert names and min(resident_fraction(a) for a in arrays) < 1.0  # really dropped
+    container.advise_tensors(names)
+    deadline = time.monotonic() + 20
+    while min(resident_fraction(a) for a in arrays) < 1.0:
+        assert time.monotonic() < deadline, "the advice did not bring every tensor in"
+        time.sleep(0.05)

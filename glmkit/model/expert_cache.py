@@ -361,13 +361,16 @@ class ExpertCache:
             for r in ranges for i, p in enumerate(EXPERT_PROJECTIONS)}
         self._pinned: dict[str, Weight] = {}  # every other tensor, copied into RAM once
         if pin_weights:
+            pinned_names = [name for name, entry in container.manifest.tensors.items()
+                            if name not in self._names and entry.role != "scales"]
+            container.advise_tensors(pinned_names)  # the disk reads ahead of the copies below, not a fault at a time
             for layer, mlp in shared.items():
                 self._pin_together(mlp.names, self._slot_data(self._shared_slot[layer]))
             for ffn in [s.ffn for s in specs if isinstance(s.ffn, MLPSpec)] + [
                     ffn.shared for layer, ffn in self.moe.items() if ffn.shared is not None and layer not in shared]:
                 self._pin_together(ffn.names)  # a dense MLP's (or shared expert's) weights in one block
-            for name, entry in container.manifest.tensors.items():
-                if name not in self._names and name not in self._pinned and entry.role != "scales":
+            for name in pinned_names:
+                if name not in self._pinned:
                     self._pinned[name] = copy_weight(container.weight(name))
             container.release_pages()  # the copies are read from now on: the mapping's pages would count twice
         self._free = list(range(self.n_slots - 1, -1, -1))
