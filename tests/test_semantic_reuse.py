@@ -616,3 +616,26 @@ def test_glm_validate_never_touches_the_prefill_cache(snapshot, tmp_path, capsys
     assert validate_main([str(snapshot), str(FIXTURES / "tiny-bf16" / "oracle.json"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["passed"]
     assert state() == before and before[0]  # not read (no hit counted), not written
+
+
+@pytest.mark.parametrize("order", [(0, 1), (1, 0)])
+def test_a_chunk_removed_and_added_again_takes_its_own_element_back(tmp_path, order):
+    """A chunk removed from the index and added again gets its own (deleted) element back, never a second one: a later
+    chunk taking the first one's slot would unlink its label from the live element, and the count of reusable slots
+    would drift until adding failed (hnswlib's "exceeds the specified limit")."""
+    rng = np.random.default_rng(0)
+    keys = [hashlib.sha256(str(i).encode()).hexdigest() for i in range(4)]
+    vectors = {key: rng.standard_normal(8).astype(np.float32) for key in keys}
+    index = ChunkIndex(open_index(tmp_path), tmp_path, "ab" * 32, np.zeros(8, np.float32), 2)
+    again, other, new, newer = keys
+    for key in (again, other):
+        index.add(key, vectors[key])
+    index.remove([(again, other)[i] for i in order])
+    index.add(again, vectors[again])
+    index.add(new, vectors[new])  # takes the one deleted slot left
+    index.remove([again])
+    index.add(newer, vectors[newer])
+    index.add(other, vectors[other])  # the bound drops the least recently used
+    assert len(index) == 2
+    found = index.query(np.stack([vectors[newer], vectors[other]]), k=1)
+    assert [hits[0][0] for hits in found] == [newer, other]

@@ -286,10 +286,22 @@ class ChunkIndex:
         while len(self.labels) >= self.max_elements:  # bounded: the least recently used drops out
             self._delete(next(iter(self.labels)))
         index = self.index
+        vec = (np.asarray(raw, dtype=np.float32) - self.center)[None, :]
+        if label in self.deleted:  # back: its own element, unless a new label took that slot since
+            self.deleted.discard(label)
+            try:
+                index.unmark_deleted(label)
+            except RuntimeError:
+                pass  # its slot went to another label: added as a new one below
+            else:  # (taking another deleted slot would leave this one labelled too: a later replacement of it
+                # would unlink the label from its live element)
+                index.add_items(vec, np.array([label], dtype=np.uint64), num_threads=1)  # its vector updated
+                self.labels[label] = key
+                self.dirty = True
+                return
         free_slots = index.element_count - len(self.labels)  # elements marked deleted, reusable
         if free_slots <= 0 and index.element_count >= index.get_max_elements():
             index.resize_index(min(2 * index.get_max_elements(), self.max_elements))
-        vec = (np.asarray(raw, dtype=np.float32) - self.center)[None, :]
         # replace_deleted: a new label takes a deleted element's slot (that label leaves the index)
         index.add_items(vec, np.array([label], dtype=np.uint64), num_threads=1, replace_deleted=True)
         self.deleted.discard(label)
