@@ -414,14 +414,20 @@ def test_a_damaged_stored_measurement_is_said_and_measured_again(measured_profil
     snap, _ = measured_profile
     monkeypatch.setenv("GLMKIT_DEVICE_CACHE_DIR", str(tmp_path))
     container = Container(snap)
-    assert devices.stored_measurement(device, container, "batch_ms", lambda: {"token": 1.0}) == {"token": 1.0}
+    keys = ("token",)
+    assert devices.stored_measurement(device, container, "batch_ms", keys, lambda: {"token": 1.0}) == {"token": 1.0}
     path = devices.profile_path(device)
     path.write_text(path.read_text().replace("1.0", '"slow"'))
     capsys.readouterr()
-    assert devices.stored_measurement(device, container, "batch_ms", lambda: {"token": 2.0}) == {"token": 2.0}
+    assert devices.stored_measurement(device, container, "batch_ms", keys, lambda: {"token": 2.0}) == {"token": 2.0}
     err = capsys.readouterr().err
     assert err.startswith(f"glmkit: notice: device profile {path} is damaged (") and err.count("\n") == 1, err
-    assert devices.stored_measurement(device, container, "batch_ms", lambda: {"token": 3.0}) == {"token": 2.0}
+    assert devices.stored_measurement(device, container, "batch_ms", keys, lambda: {"token": 3.0}) == {"token": 2.0}
+    # floats under other keys than its reader's: damaged too, not a KeyError in the reader
+    both = {"batch": 4.0, "token": 5.0}
+    assert devices.stored_measurement(device, container, "batch_ms", ("batch", "token"), lambda: both) == both
+    err = capsys.readouterr().err
+    assert err.startswith(f"glmkit: notice: device profile {path} is damaged (") and err.count("\n") == 1, err
 
 
 def test_measured_placement_runs_the_step_on_discrete_devices(snapshots, device, monkeypatch):

@@ -299,14 +299,16 @@ def load_or_measure(kernels: Kernels, container: Any, spill: OpenCLBackend | Non
     return placement
 
 
-def stored_measurement(info: DeviceInfo, container: Any, name: str, measure_now: Callable[[], dict[str, float]]
-                       ) -> dict[str, float]:
-    """Measurement `name` of this model on this device: as stored in the device's profile, else `measure_now()`,
-    stored there first (beside the placement, which the same model key holds)."""
+def stored_measurement(info: DeviceInfo, container: Any, name: str, keys: tuple[str, ...],
+                       measure_now: Callable[[], dict[str, float]]) -> dict[str, float]:
+    """Measurement `name` of this model on this device (finite floats under exactly these `keys`): as stored in the
+    device's profile, else `measure_now()`, stored there first (beside the placement, which the same model key
+    holds)."""
     profile = read_profile(info)
     entry = profile.setdefault("models", {}).setdefault(model_key(container), {})
     stored = entry.get(name)
-    if isinstance(stored, dict) and all(isinstance(v, float) and math.isfinite(v) for v in stored.values()) and stored:
+    if isinstance(stored, dict) and sorted(stored) == sorted(keys) and \
+            all(isinstance(v, float) and math.isfinite(v) for v in stored.values()):
         return stored
     if stored is not None:
         _damaged_profile(profile_path(info), f"measurement {name!r}")

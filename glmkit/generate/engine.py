@@ -228,7 +228,7 @@ class Engine:
         from glmkit.backends.devices import stored_measurement
 
         return stored_measurement(self.backend.k.info, self.container, self._measurement_name("batch_ms"),
-                                  lambda: measure_batch_costs(self.model))
+                                  ("batch", "token"), lambda: measure_batch_costs(self.model))
 
     def mtp_costs(self) -> dict[str, float]:
         """ms of one single decoded token (pipelined, "token") and of one MTP verification with its draft
@@ -237,7 +237,7 @@ class Engine:
         from glmkit.backends.devices import stored_measurement
 
         return stored_measurement(self.backend.k.info, self.container, self._measurement_name("mtp_ms"),
-                                  lambda: measure_mtp_costs(self.model))
+                                  ("cycle", "token"), lambda: measure_mtp_costs(self.model))
 
     def _measurement_name(self, name: str) -> str:
         """A device-step timing's name in the device profile: its own over an expert cache, whose forwards wait for
