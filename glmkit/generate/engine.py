@@ -77,7 +77,7 @@ class Engine:
         self.container = Container(snapshot)
         self.config = context_config(self.container.config, max_context)
         # what may still fail cheaply comes before anything that starts threads (the expert cache's reads)
-        self.tokenizer = ChatTokenizer(snapshot) if load_tokenizer else None
+        self.tokenizer = ChatTokenizer(snapshot, self.config.vocab_size) if load_tokenizer else None
         self.eos_token_ids = _eos_ids(Path(snapshot), self.config.eos_token_ids)
         self.usage_file = None if expert_usage_dir is None else usage_path(expert_usage_dir, self.container.model_hash)
         # the routed experts' usage as saved by earlier processes (read once): a discrete device smaller than the
