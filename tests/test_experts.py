@@ -6,6 +6,7 @@ import mmap
 import os
 import time
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -195,6 +196,17 @@ def test_resident_fraction(snapshots):
     assert resident_fraction(np.frombuffer(anonymous, np.uint8)[:0]) == 1.0  # page-aligned and empty
 
 
+def drop_from_page_cache(snapshot: Path) -> None:
+    """The container's data files dropped from the page cache."""
+    for path in snapshot.glob("*.safetensors"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # a file just written has dirty pages, which are not dropped
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def test_warming_reads_the_whole_container_into_the_page_cache(snapshots):
     """Dropped from the page cache, the container is back in it once the background warm-up has run (and once it
     is advised in chunks of a few pages): every expert's pages resident."""
@@ -208,13 +220,7 @@ def test_warming_reads_the_whole_container_into_the_page_cache(snapshots):
         return min(resident_fraction(container.expert_bytes(*key)) for key in experts)
 
     for warm in (lambda: streamer.warm_in_background().join(), lambda: container.advise_all(chunk=4 * mmap.PAGESIZE)):
-        for path in snapshot.glob("*.safetensors"):
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)  # a file just written has dirty pages, which are not dropped
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+        drop_from_page_cache(snapshot)
         assert least_resident() < 1.0  # really dropped
         warm()
         deadline = time.monotonic() + 20
@@ -230,13 +236,7 @@ def test_advised_tensors_and_their_scales_come_into_the_page_cache(snapshots):
     container = Container(snapshot)
     names = [n for n, e in container.manifest.tensors.items() if e.quant is not None and ".experts." not in n]
     arrays = [a for n in names for a in (container.weight(n).packed, container.weight(n).scales)]
-    for path in snapshot.glob("*.safetensors"):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+    drop_from_page_cache(snapshot)
     assert names and min(resident_fraction(a) for a in arrays) < 1.0  # really dropped
     container.advise_tensors(names)
     deadline = time.monotonic() + 20
