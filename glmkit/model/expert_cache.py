@@ -543,6 +543,11 @@ class ExpertCache:
                 self.stats.read_ahead += 1
             self._pending.pop(0)
 
+    def untaken_bytes(self) -> int:
+        """The arena's bytes whose pages no read has taken yet (`slot_arena`): what the process will come to hold
+        as its slots fill, beside what it holds now."""
+        return round(self.arena.nbytes * (1 - resident_fraction(self.arena)))
+
     def lend(self, nbytes: int) -> None:
         """Keep `nbytes` (at most the lendable slots') out of the arena for KV rows: slots evicted (free ones first,
         then the least used experts') and their pages given back to the kernel, or slots lent before taken back
@@ -687,11 +692,6 @@ class ExpertCache:
                 future.result()
 
     # ---- slots read in place (the device decode step) ----
-
-    def untaken_bytes(self) -> int:
-        """The arena's bytes whose pages no read has taken yet (`slot_arena`): what the process will come to hold
-        as its slots fill, beside what it holds now."""
-        return round(self.arena.nbytes * (1 - resident_fraction(self.arena)))
 
     @property
     def slot_count(self) -> int:
