@@ -203,6 +203,22 @@ def test_glm_cache_prune_removes_only_stale_files_the_cache_wrote(engine, tmp_pa
 
 # ---- 3. the index's `tokens` column -----------------------------------------------------------------
 
+
+@pytest.mark.parametrize("size", ["nan", "inf", "-1", "1e400"])
+def test_glm_cache_prune_refuses_a_size_that_is_not_finite_and_positive(engine, tmp_path, capsys, size):
+    """NaN and infinity were tracebacks, and a negative size deleted every entry."""
+    store(engine, tmp_path, tokens(1, 8))
+    with pytest.raises(SystemExit) as exit_info:
+        cache_main(["--cache-dir", str(tmp_path), "prune", "--max-gb", size])
+    assert exit_info.value.code == 2 and "argument --max-gb: invalid size in GiB" in capsys.readouterr().err
+    assert index(tmp_path).execute("SELECT COUNT(*) FROM entries").fetchone()[0] > 0
+
+
+def test_glm_cache_on_a_cache_dir_that_is_a_file_is_an_error(tmp_path, capsys):
+    (tmp_path / "file").write_bytes(b"x")
+    assert cache_main(["--cache-dir", str(tmp_path / "file"), "ls"]) == 1
+    assert capsys.readouterr().err == f"glm-cache: error: --cache-dir {tmp_path / 'file'}: not a directory\n"
+
 @pytest.mark.parametrize("tier", ["disk", "ram"])
 def test_rows_are_never_reused_for_tokens_they_were_not_computed_for(engine, tmp_path, tier):
     """A row whose `tokens` column claims the tokens of another prompt's tail: a miss, and the entry dropped."""

@@ -330,6 +330,8 @@ ERROR_CASES = {
                                                            "--no-think"],
     "thinking budget with a schema": lambda snap, tmp: [snap, "-p", "Hello", "--thinking-budget", "8",
                                                         "--json-schema", "{}"],
+    "more pipeline stages than layers": lambda snap, tmp: [snap, "-p", "Hello", "--pipeline",
+                                                           "99999999999999999999"],
 }
 
 
@@ -344,6 +346,19 @@ def test_bad_input_is_one_error_line(snapshot, capsys, tmp_path, case):
     assert rc == 1, (case, out, err)
     assert len(err.splitlines()) == 1 and err.startswith("glm-run: error: "), err
 
+
+
+def test_a_stats_path_no_file_can_take_is_refused_before_generating(snapshot, capsys, tmp_path):
+    rc, out, err = run(capsys, snapshot, "-p", "Hello", "--stats-json", tmp_path, "--no-cache")
+    assert rc == 1 and out == "" and err == f"glm-run: error: --stats-json: cannot write {tmp_path} (Is a directory)\n"
+
+
+@pytest.mark.parametrize("size", ["inf", "1e400", "-1", "nan"])
+def test_a_cache_size_that_is_not_finite_and_positive_is_a_usage_error(snapshot, capsys, size):
+    with pytest.raises(SystemExit) as exit_info:
+        run(capsys, snapshot, "-p", "Hello", "--cache-max-gb", size)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "argument --cache-max-gb: invalid size in GiB" in err
 
 def test_sizes_take_binary_units_and_fractions():
     assert [parse_size(t) for t in ("1000", "64K", "500M", "4G", "1.5G", "0.25T", "1.25k")] == [

@@ -24,6 +24,7 @@ from glmkit.cache.prefix_cache import (
 )
 from glmkit.errors import GlmkitError
 from glmkit.format.manifest import Manifest
+from glmkit.units import parse_gigabytes
 
 STALE_TEMP_SECONDS = 3600
 
@@ -36,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     stats = sub.add_parser("stats", help="entries, tokens, size and hit counts")
     stats.add_argument("--model", help="only this snapshot (a converted container directory)")
     prune_p = sub.add_parser("prune", help="evict least-recently-used entries down to a size; drop stale temp files")
-    prune_p.add_argument("--max-gb", type=float, default=DEFAULT_MAX_BYTES / (1 << 30), help="size to prune to")
+    prune_p.add_argument("--max-gb", type=parse_gigabytes, default=DEFAULT_MAX_BYTES / (1 << 30),
+                         help="size to prune to")
     prune_p.add_argument("--model", help="only entries of this snapshot")
     clear = sub.add_parser("clear", help="delete every entry (of one model with --model)")
     clear.add_argument("--model", help="only this snapshot")
@@ -48,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     directory = args.cache_dir or default_cache_dir()
     try:
         model_hash = Manifest.read(Path(args.model)).model_hash if getattr(args, "model", None) else None
+        if directory.exists() and not directory.is_dir():
+            raise GlmkitError(f"--cache-dir {directory}: not a directory")
         if not os.path.lexists(directory / "index.sqlite"):
             print(f"{directory}: empty (no cache yet)")
             return 0

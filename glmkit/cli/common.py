@@ -17,7 +17,7 @@ from glmkit.format.reader import Container
 from glmkit.generate.engine import Engine
 from glmkit.generate.pipeline import DEFAULT_PIPELINE_CHUNK, PIPELINE_HOPS, pipeline_stages
 from glmkit.model.kv_cache import KV_DTYPES
-from glmkit.units import parse_size
+from glmkit.units import parse_gigabytes, parse_size
 
 DEVICE_HELP = "auto (a GPU if any, else the fastest CPU path measured) | numpy | opencl[:platform:device]"
 FLOAT_ACTIVATIONS_HELP = ("float inputs to the quantized products (the reference arithmetic, slower) instead of "
@@ -112,6 +112,12 @@ def pipeline_engine_from_arguments(args: argparse.Namespace, load_tokenizer: boo
             raise GlmkitError(f"{flag}: not with --pipeline (each stage reads its experts from its page cache)")
     if args.pipeline_chunk < 1:
         raise GlmkitError(f"--pipeline-chunk: must be >= 1, got {args.pipeline_chunk}")
+    if isinstance(args.pipeline, int):  # before Ray starts, and before a plan sized by the count is made
+        container = Container(args.snapshot)
+        layers = container.config.num_hidden_layers
+        container.close()
+        if args.pipeline > layers:
+            raise GlmkitError(f"--pipeline {args.pipeline}: the model has only {layers} decoder layers")
     from glmkit.generate.pipeline import PipelineEngine
 
     return PipelineEngine(args.snapshot, args.pipeline, args.ray_address, args.device, args.float_activations,
@@ -132,7 +138,7 @@ def add_cache_arguments(parser: argparse.ArgumentParser, title: str, no_cache_he
     group = parser.add_argument_group(title)
     group.add_argument("--cache-dir", type=Path, help=f"where KV blobs live (default {default_cache_dir()})")
     group.add_argument("--no-cache", action="store_true", help=no_cache_help)
-    group.add_argument("--cache-max-gb", type=float, default=DEFAULT_MAX_BYTES / (1 << 30),
+    group.add_argument("--cache-max-gb", type=parse_gigabytes, default=DEFAULT_MAX_BYTES / (1 << 30),
                        help="evict least-recently-used entries beyond this size (default %(default).0f)")
     group.add_argument("--chunk-tokens", type=int, default=DEFAULT_CHUNK_TOKENS,
                        help="cache boundary every N tokens (default %(default)s); request ends are stored too")
@@ -143,8 +149,6 @@ def check_cache_arguments(args: argparse.Namespace) -> None:
     """What can be refused in `add_cache_arguments`' flags before a model is opened."""
     if args.chunk_tokens < 1:
         raise GlmkitError(f"--chunk-tokens: must be >= 1, got {args.chunk_tokens}")
-    if not args.cache_max_gb >= 0:
-        raise GlmkitError(f"--cache-max-gb: must be >= 0, got {args.cache_max_gb}")
 
 
 def open_prefix_cache(engine: Engine, args: argparse.Namespace, use_mtp: bool) -> PrefixCache:

@@ -26,6 +26,7 @@ from glmkit.cli.common import (
     add_cache_arguments,
     add_engine_arguments,
     check_cache_arguments,
+    check_output_path,
     engine_from_arguments,
     open_prefix_cache,
     use_mtp_from_arguments,
@@ -137,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
             raise GlmkitError("--session: only with --chat")
         if args.chat and (args.json_schema is not None or args.grammar_file is not None):
             raise GlmkitError("--json-schema, --grammar-file: only with -p")
+        if args.stats_json is not None:
+            check_output_path(args.stats_json, "--stats-json")
         policy = approx_policy(args)
         engine = engine_from_arguments(args)
         try:
