@@ -199,6 +199,14 @@ def test_an_output_no_file_can_take_is_refused_before_the_work(snapshots, tmp_pa
     assert list(tmp_path.rglob("*")) == ([target] if where == "a directory" else [])
 
 
+
+def test_a_negative_hessian_width_is_refused_before_the_work(snapshots, tmp_path, monkeypatch):
+    monkeypatch.setattr(calibrate_cli, "engine_from_arguments", lambda *a, **k: pytest.fail("opened the model"))
+    code, out, err = run(calibrate_main, snapshots("tiny-trained", "f32"), "--tokens", CALIB, "-o",
+                         tmp_path / "im.safetensors", "--max-hessian-dim", "-1", "--quiet")
+    assert code == 1 and out == "" and err == "glm-calibrate: error: --max-hessian-dim: must be >= 0, got -1\n"
+    assert list(tmp_path.iterdir()) == []
+
 def test_imatrix_onto_a_directory_made_since_is_an_error_leaving_nothing(imatrix, tmp_path):
     target = tmp_path / "imatrix.safetensors"
     target.mkdir()

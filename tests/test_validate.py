@@ -263,6 +263,20 @@ def test_missing_inputs_are_one_clear_error(snapshots, capsys, tmp_path):
         assert len(err.splitlines()) == 1 and err.startswith("glm-validate: error: "), (args, err)
 
 
+
+@pytest.mark.parametrize("tolerance", ["nan", "-1", "inf"])
+def test_a_logit_tolerance_no_difference_can_meet_is_refused_before_the_work(snapshots, capsys, monkeypatch,
+                                                                            tolerance):
+    """`--logit-tol` NaN or negative fails every snapshot, infinite passes any: one line before the model opens."""
+    import glmkit.cli.validate as validate_cli
+
+    monkeypatch.setattr(validate_cli, "engine_from_arguments", lambda *a, **k: pytest.fail("opened the model"))
+    rc = validate_main([str(snapshots("tiny-bf16")), str(FIXTURES / "tiny-bf16" / "oracle.json"), "--logit-tol",
+                        tolerance])
+    out, err = capsys.readouterr()
+    assert rc == 1 and out == "" and err == f"glm-validate: error: --logit-tol: must be a finite number >= 0, got " \
+        f"{float(tolerance)}\n"
+
 def test_oracle_without_logits_or_mtp_checks_predictions_only(snapshots, capsys, tmp_path):
     def strip(d):
         del d["tf_logits"], d["mtp"]

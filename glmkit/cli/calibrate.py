@@ -54,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         check_window_arguments(args)
+        if args.max_hessian_dim < 0:
+            raise GlmkitError(f"--max-hessian-dim: must be >= 0, got {args.max_hessian_dim}")
         check_output_path(args.output, "-o")
         engine = engine_from_arguments(args, load_tokenizer=args.text is not None)
         windows = windows_from_arguments(engine, args)

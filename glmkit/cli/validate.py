@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.min_agreement is not None and not 0 <= args.min_agreement <= 1:
             raise GlmkitError(f"--min-agreement: must be in [0, 1], got {args.min_agreement}")
+        if not 0 <= args.logit_tol < math.inf:
+            raise GlmkitError(f"--logit-tol: must be a finite number >= 0, got {args.logit_tol}")
         engine = engine_from_arguments(args, load_tokenizer=False)
         verify_snapshot_data(engine.container)  # a flipped bit may change no prediction: check the bytes too
         oracle = load_oracle(args.oracle, engine.config.vocab_size, engine.config.max_position_embeddings)
