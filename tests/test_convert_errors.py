@@ -155,9 +155,11 @@ def test_missing_source_and_bad_flags(tmp_path, capsys):
 
 @pytest.mark.parametrize("group", ["4096", "99999999999999999999"])
 def test_a_group_wider_than_every_row_is_refused_before_writing(tmp_path, capsys, group):
-    """Each row is padded to whole groups: such a group would make the work (or an array) as large as the number."""
+    """Each row is padded to whole groups: such a group would make the work (or an array) as large as the number.
+    Refused before OUT is touched, by a dry run too."""
     src = tmp_path / "src"
     make_snapshot(src)
-    err = run_bad(capsys, src, tmp_path / "out", "--group-size", group)
-    assert err.startswith(f"glm-convert: error: --group-size: {group} is wider than every weight's rows")
-    assert not (tmp_path / "out").exists()
+    for dry in ((), ("--dry-run",)):
+        err = run_bad(capsys, src, tmp_path / "out", "--group-size", group, *dry)
+        assert err.startswith(f"glm-convert: error: --group-size: {group} is wider than every weight's rows")
+        assert not (tmp_path / "out").exists()

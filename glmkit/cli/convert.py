@@ -12,7 +12,14 @@ import sys
 import time
 from pathlib import Path
 
-from glmkit.convert.convert import DEFAULT_FILE_BYTES, DEFAULT_INFLIGHT_BYTES, Calibration, convert, dry_run_report
+from glmkit.convert.convert import (
+    DEFAULT_FILE_BYTES,
+    DEFAULT_INFLIGHT_BYTES,
+    Calibration,
+    check_group_sizes,
+    convert,
+    dry_run_report,
+)
 from glmkit.convert.plan import (
     DEFAULT_GRID,
     DEFAULT_GROUP_SIZE,
@@ -117,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         source = open_source(args.source, revision=args.revision, endpoint=args.endpoint,
                              keep_source=args.keep_source)
         try:
-            _check_group_size(args.group_size, source)
+            check_group_sizes(plan, model_tensors(source.snapshot.config))  # before --calibrate's work
             calibration = _calibration(args, source) if args.calibrate is not None else None
         except BaseException:
             source.close()
@@ -143,17 +150,6 @@ def main(argv: list[str] | None = None) -> int:
           f"{result.source_bytes / 1e6:.1f} MB source in {seconds:.1f} s{resumed}{staged}; "
           f"model hash {result.model_hash[:16]}")
     return 0
-
-
-def _check_group_size(group_size: int | None, source: Source) -> None:
-    """Refuse a `--group-size` wider than every weight's rows, before anything is written (each row is padded to
-    whole groups: the work and memory would grow with the number)."""
-    if not group_size:
-        return
-    widest = max(spec.shape[-1] for spec in model_tensors(source.snapshot.config))
-    if group_size > widest:
-        raise GlmkitError(f"--group-size: {group_size} is wider than every weight's rows (the widest has {widest} "
-                          "columns; 0 = one scale per row)")
 
 
 def _calibration(args: argparse.Namespace, source: Source) -> Calibration:

@@ -74,6 +74,7 @@ class ConversionJob:
                imatrix: Imatrix | None = None, calibration: Calibration | None = None) -> ConversionJob:
         """calibration: statistics made while converting (`Importance.bind`), instead of an imatrix's."""
         specs = _check_source(source.snapshot)
+        check_group_sizes(plan, specs)
         importance = (Importance(imatrix, specs, plan) if calibration is None
                       else calibration.bind(source.snapshot, specs, plan))
         layouts = _layouts(specs, plan, max_file_bytes)
@@ -125,6 +126,16 @@ def convert(source: str | Path | Source, out_dir: str | Path, plan: QuantPlan, p
         return _run(job, Path(out_dir), force, progress, max_inflight)
     finally:
         src.close()
+
+
+def check_group_sizes(plan: QuantPlan, specs: list[TensorSpec]) -> None:
+    """Refuse a scale group wider than every weight's rows (each row is padded to whole groups: the work and memory
+    would grow with the group), before anything is read or written."""
+    widest = max(spec.shape[-1] for spec in specs)
+    for group in sorted({plan.group_size or 0, *(g or 0 for g in plan.groups.values())}):
+        if group > widest:
+            raise GlmkitError(f"--group-size: {group} is wider than every weight's rows (the widest has {widest} "
+                              "columns; 0 = one scale per row)")
 
 
 def check_out_apart(source: Source, out: Path) -> None:
