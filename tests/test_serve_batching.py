@@ -594,6 +594,11 @@ def test_concurrent_openai_clients_are_batched_and_get_their_replies_alone(serve
     assert after["batched_forwards"] > before and after["max_batch_seen"] >= 2
 
 
-def test_a_bad_max_batch_is_refused(snapshot, capsys):
-    assert serve_main([str(snapshot), "--max-batch", "0"]) == 1
-    assert capsys.readouterr().err == "glm-serve: error: --max-batch: must be >= 1\n"
+@pytest.mark.parametrize("flag, value, message", [
+    ("--max-batch", "0", "--max-batch: must be >= 1"),
+    ("--max-queue", "-1", "--max-queue: must be >= 0, got -1"),
+    ("--max-request-size", "0", "--max-request-size: must be >= 1 byte, got 0"),
+])
+def test_a_bad_server_number_is_refused_naming_its_flag(snapshot, capsys, flag, value, message):
+    assert serve_main([str(snapshot), flag, value]) == 1
+    assert capsys.readouterr().err == f"glm-serve: error: {message}\n"

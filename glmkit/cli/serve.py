@@ -65,8 +65,10 @@ def check_args(args: argparse.Namespace) -> None:
     for name in ("parallel", "prefill_chunk", "default_max_tokens", "max_batch"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise GlmkitError(f"--{name.replace('_', '-')}: must be >= 1")
-    if args.max_queue < 0 or args.max_request_size < 1:
-        raise GlmkitError("--max-queue must be >= 0, --max-request-size >= 1")
+    if args.max_queue < 0:
+        raise GlmkitError(f"--max-queue: must be >= 0, got {args.max_queue}")
+    if args.max_request_size < 1:
+        raise GlmkitError(f"--max-request-size: must be >= 1 byte, got {args.max_request_size}")
     check_cache_arguments(args)
     if not (args.snapshot / "manifest.json").is_file():
         raise GlmkitError(f"{args.snapshot}: not a converted snapshot (no manifest.json; run glm-convert first)")
