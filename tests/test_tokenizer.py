@@ -8,8 +8,8 @@ import shutil
 import numpy as np
 import pytest
 
-from glmkit.convert.sources.snapshot import MAX_SIDE_FILE_BYTES
 from glmkit.errors import GlmkitError
+from glmkit.format.files import MAX_SIDE_FILE_BYTES
 from glmkit.generate.tokenizer import ChatTokenizer, StreamDecoder
 from tests.runtime_support import FIXTURES, VARIANTS, oracle
 

@@ -16,6 +16,7 @@ from typing import Any, BinaryIO
 from glmkit.errors import GlmkitError
 
 MAX_JSON_DEPTH = 64  # GLM-5's config.json nests 3 deep, tokenizer.json 5
+MAX_SIDE_FILE_BYTES = 64 << 20  # a snapshot's side files; a large vocabulary's tokenizer.json is ~20 MB
 # GLM-5's manifest holds 1.5 M JSON values: the bound keeps a hostile one's parse to about a GB
 MAX_JSON_VALUES = 1 << 24
 

@@ -19,10 +19,9 @@ from jinja2.compiler import CodeGenerator, Frame
 from jinja2.utils import Namespace
 from tokenizers import Tokenizer
 
-from glmkit.convert.sources.snapshot import MAX_SIDE_FILE_BYTES
 from glmkit.errors import GlmkitError
 from glmkit.format.config import ModelConfig
-from glmkit.format.files import read_json_file, read_text_file
+from glmkit.format.files import MAX_SIDE_FILE_BYTES, read_json_file, read_text_file
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"  # GLM's thinking block (added tokens in GLM-5's vocabulary)
 SIDE_FILE_MAX_BYTES = 16 << 20  # a snapshot's JSON side files (tokenizer_config.json, generation_config.json)

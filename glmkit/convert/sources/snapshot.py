@@ -19,7 +19,7 @@ import numpy as np
 
 from glmkit.errors import GlmkitError
 from glmkit.format.config import MAX_CONFIG_BYTES, ModelConfig
-from glmkit.format.files import open_regular_file, read_json_file
+from glmkit.format.files import MAX_SIDE_FILE_BYTES, open_regular_file, read_json_file
 from glmkit.format.safetensors_file import TensorInfo, read_header, read_tensor
 from glmkit.format.schema import TensorSpec
 
@@ -33,7 +33,6 @@ SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokeni
 # Side files the converter also parses, to refuse a broken one before converting (tokenizer.json is parsed by
 # the runtime's tokenizer; config.json by ModelConfig).
 JSON_SIDE_FILES = ("generation_config.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.json")
-MAX_SIDE_FILE_BYTES = 64 << 20  # a large vocabulary's tokenizer.json is ~20 MB
 
 
 @dataclass(frozen=True)
