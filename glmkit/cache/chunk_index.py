@@ -287,26 +287,28 @@ class ChunkIndex:
             self._delete(next(iter(self.labels)))
         index = self.index
         vec = (np.asarray(raw, dtype=np.float32) - self.center)[None, :]
-        if label in self.deleted:  # back: its own element, unless a new label took that slot since
-            self.deleted.discard(label)
-            try:
-                index.unmark_deleted(label)
-            except RuntimeError:
-                pass  # its slot went to another label: added as a new one below
-            else:  # (taking another deleted slot would leave this one labelled too: a later replacement of it
-                # would unlink the label from its live element)
-                index.add_items(vec, np.array([label], dtype=np.uint64), num_threads=1)  # its vector updated
-                self.labels[label] = key
-                self.dirty = True
-                return
-        free_slots = index.element_count - len(self.labels)  # elements marked deleted, reusable
-        if free_slots <= 0 and index.element_count >= index.get_max_elements():
-            index.resize_index(min(2 * index.get_max_elements(), self.max_elements))
-        # replace_deleted: a new label takes a deleted element's slot (that label leaves the index)
-        index.add_items(vec, np.array([label], dtype=np.uint64), num_threads=1, replace_deleted=True)
+        labels = np.array([label], dtype=np.uint64)
+        # back after a removal: its own element, its vector updated (given another deleted slot, the old one would
+        # stay labelled too, and a later label taking it would unlink this label from its live element)
+        if label in self.deleted and self._unmark(label):
+            index.add_items(vec, labels, num_threads=1)
+        else:
+            free_slots = index.element_count - len(self.labels)  # elements marked deleted, reusable
+            if free_slots <= 0 and index.element_count >= index.get_max_elements():
+                index.resize_index(min(2 * index.get_max_elements(), self.max_elements))
+            # replace_deleted: a new label takes a deleted element's slot (that label leaves the index)
+            index.add_items(vec, labels, num_threads=1, replace_deleted=True)
         self.deleted.discard(label)
         self.labels[label] = key
         self.dirty = True
+
+    def _unmark(self, label: int) -> bool:
+        """Unmark a deleted label's element; False where a new label has taken its slot since."""
+        try:
+            self.index.unmark_deleted(label)
+        except RuntimeError:
+            return False
+        return True
 
     def remove(self, keys: list[str]) -> None:
         for key in keys:
