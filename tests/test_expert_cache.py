@@ -38,6 +38,7 @@ from glmkit.model.expert_stream import (
 from glmkit.model.glm5 import SPAN_ROW_FLOATS, span_rows_within
 from glmkit.model.kv_cache import kv_bytes_per_token
 from glmkit.model.ops import likely_experts
+from glmkit.units import format_size
 from tests.runtime_support import HUGE_INTEGER, Snapshots
 
 
@@ -767,3 +768,43 @@ def test_experts_held_elsewhere_are_never_read_here(snapshots):
     assert np.shares_memory(cache.weight(name), container.weight(name))  # the mapping's, not a copy
     cache.close()
     again.close()
+
+
+def test_a_cache_over_some_layers_holds_and_sizes_for_them_only(snapshots, monkeypatch):
+    """A pipeline stage's cache (`layers`): only those layers' routed experts are cached and only their other weights
+    copied into RAM (nothing of the layers before or after, nor the embedding or lm_head); auto-sizing counts their
+    bytes alone, and a stage whose part fits the RAM keeps the page cache (`stage_expert_cache`)."""
+    container = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False).container
+    part = range(2, 4)
+    ours = [r for r in container.manifest.experts if r.layer in part]
+    theirs = [r for r in container.manifest.experts if r.layer not in part]
+    assert ours and theirs
+    weights = sum(e.nbytes for n, e in container.manifest.tensors.items() if n.startswith(("model.layers.2.",
+                                                                                          "model.layers.3.")))
+    assert container.layers_nbytes(part) == weights
+    assert expert_cache.non_expert_bytes(container, part) == weights - sum(r.nbytes for r in ours) > 0
+    cache = ExpertCache(container, 1 << 30, readahead=False, layers=part)
+    assert cache.n_slots == len(ours)  # room for every expert of the part, none of the others
+    assert cache._pinned and all(name.startswith(("model.layers.2.", "model.layers.3.")) for name in cache._pinned)
+    cache.close()
+    limit, held = 8 << 20, 1 << 20
+    monkeypatch.setattr(expert_cache, "memory_limit_bytes", lambda: limit)
+    monkeypatch.setattr(expert_cache, "anonymous_resident_bytes", lambda: held)
+    size = auto_cache_bytes(container, layers=part)[0]
+    assert size == min(sum(r.nbytes for r in ours),
+                       limit - expert_cache.non_expert_bytes(container, part) - held - limit // 4 - limit // 16)
+    assert size < sum(r.nbytes for r in container.manifest.experts)
+    # the stage's default: the page cache where its part (and a GB for the process) fits the RAM, else a cache
+    from glmkit.generate import pipeline
+
+    monkeypatch.setattr(engine_module, "outgrows_memory", lambda container, **k: False)
+    size, why = pipeline.stage_expert_cache(container, part, None, "f32", 64)
+    assert size == 0 and why.startswith(f"routed experts in the page cache: layers 2-3 ({format_size(weights)})")
+    monkeypatch.setattr(engine_module, "outgrows_memory", lambda container, **k: True)
+    size, why = pipeline.stage_expert_cache(container, part, None, "f32", 64)
+    kv = kv_bytes_per_token(container.config, "f32", part) * 64
+    assert size == auto_cache_bytes(container, kv_bytes=kv, layers=part)[0] > 0 and why.startswith("expert cache")
+    assert f"{format_size(kv)} for KV rows" in why  # the part's rows only
+    assert kv < kv_bytes_per_token(container.config, "f32") * 64
+    assert pipeline.stage_expert_cache(container, range(0, 1), "auto", "f32", 64) == (
+        0, "no routed experts in its layers")  # layer 0 is dense

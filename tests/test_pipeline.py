@@ -25,6 +25,7 @@ from glmkit.cli.run import main as run_main
 from glmkit.cli.serve import build_app, build_parser
 from glmkit.errors import GlmkitError
 from glmkit.eval.metrics import kl_divergence, log_softmax
+from glmkit.format.reader import Container
 from glmkit.generate import pipeline as pipeline_module
 from glmkit.generate.engine import Engine
 from glmkit.generate.generator import Generator
@@ -39,7 +40,9 @@ from glmkit.generate.pipeline import (
     split_layers,
 )
 from glmkit.generate.sampling import Sampler, SamplingParams
+from glmkit.model.expert_cache import expert_slot_bytes
 from glmkit.model.glm5 import GlmMoeDsaModel
+from glmkit.units import format_size
 from tests.runtime_support import FIXTURES, Snapshots
 from tests.test_serve import ServerThread, glm_run
 
@@ -377,6 +380,38 @@ def test_glm_run_pipeline_prints_the_single_process_reply(cluster, snapshot, cap
     record = json.loads((tmp_path / "s.json").read_text())
     assert record["cached_tokens"] > 0  # the first run's prompt, restored into the stages
     assert record["expert_hits"] + record["expert_misses"] > 0  # counted by the stages, which run the experts
+    # each stage's layers' experts in an expert cache of its own: 6 slots, fewer than a layer's 16 routed experts
+    slots = 6 * expert_slot_bytes(Container(snapshot))
+    assert run_main(argv + ["--pipeline", "2", "--expert-cache", str(slots), "--stats-json", str(tmp_path / "c.json")]
+                    ) == 0
+    out, err = capsys.readouterr()
+    assert out == alone
+    assert err.count(f"expert cache {format_size(slots)} (--expert-cache)") == 2  # said for each stage
+    record = json.loads((tmp_path / "c.json").read_text())
+    assert record["expert_misses"] > 0 and record["expert_bytes_read"] >= record["expert_misses"] * 20_000
+    assert record["expert_evictions"] > 0  # the two stages' counters, summed as an expert cache's
+
+
+def test_stages_keep_their_layers_experts_in_caches_of_their_own(cluster, snapshot, restores_blas_threads):
+    """`expert_cache` with a pipeline: each stage keeps its own layers' routed experts in an expert cache (one
+    layer's top-k and 2 more slots: nearly every layer misses, read-ahead on) and copies only its layers' other
+    weights; the logits are the single process's on the mapping, bit for bit, on the device step (OpenCL) and through
+    NumPy's operations."""
+    for device in ("opencl", "numpy"):
+        single = Engine(snapshot, device, load_tokenizer=False)
+        topk, k = single.config.index_topk, single.config.num_experts_per_tok
+        want = decoded_logits(single.model, topk - 3, 10)
+        size = (k + 2) * expert_slot_bytes(single.container)
+        engine = PipelineEngine(snapshot, 2, device=device, load_tokenizer=False, verbose=False, expert_cache=size)
+        try:
+            assert [w["experts"] for w in engine.pipeline.where] == [f"expert cache {format_size(size)} "
+                                                                     "(--expert-cache)"] * 2
+            got = decoded_logits(engine.model, topk - 3, 10)
+            stats = engine.expert_stats.to_json()
+        finally:
+            engine.close()
+        assert np.array_equal(got, want), device
+        assert stats["expert_misses"] > stats["expert_hits"] > 0 and stats["readahead_reads"] > 0
 
 
 def test_glm_serve_pipeline_completes_as_glm_run(cluster, snapshot, capsys, tmp_path):
@@ -396,8 +431,8 @@ def test_glm_serve_pipeline_completes_as_glm_run(cluster, snapshot, capsys, tmp_
 def test_pipeline_flags_are_checked(snapshot, capsys, monkeypatch):
     assert run_main([str(snapshot), "-p", "x", "--pipeline", "2", "--reuse", "approximate"]) == 1
     assert "not with --pipeline" in capsys.readouterr().err
-    assert run_main([str(snapshot), "-p", "x", "--pipeline", "2", "--expert-cache", "1G"]) == 1
-    assert "--expert-cache: not with --pipeline" in capsys.readouterr().err
+    assert run_main([str(snapshot), "-p", "x", "--pipeline", "2", "--ram-budget", "1G"]) == 1
+    assert "--ram-budget: not with --pipeline" in capsys.readouterr().err
     with socket.socket() as closed:  # a port nobody listens on
         closed.bind(("127.0.0.1", 0))
         port = closed.getsockname()[1]

@@ -46,6 +46,7 @@ from glmkit.backends.opencl.kernels import kernel_version
 from glmkit.backends.opencl.ops import Kernels
 from glmkit.errors import GlmkitError
 from glmkit.format.files import read_json_file, write_private_file
+from glmkit.format.schema import tensor_layer
 from glmkit.format.tensors import QuantWeight
 from glmkit.model.compute import Backend
 from glmkit.model.layer_spec import LM_HEAD, MLPSpec, MoESpec, layer_spec
@@ -556,7 +557,8 @@ def decode_bytes_per_token(container: Any) -> int:
     for name, e in container.manifest.tensors.items():
         if name in scales or name == "model.embed_tokens.weight":
             continue
-        if name.startswith("model.layers.") and int(name.split(".")[2]) >= cfg.num_hidden_layers:
+        layer = tensor_layer(name)
+        if layer is not None and layer >= cfg.num_hidden_layers:
             continue  # the MTP layer
         nbytes = e.nbytes + (container.entry(e.quant.scales).nbytes if e.quant else 0)
         if ".mlp.experts." in name:

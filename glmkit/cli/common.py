@@ -104,12 +104,11 @@ def engine_from_arguments(args: argparse.Namespace, load_tokenizer: bool = True)
 
 
 def pipeline_engine_from_arguments(args: argparse.Namespace, load_tokenizer: bool = True) -> Engine:
-    """The `PipelineEngine` of `--pipeline`; the flags that place routed experts in this process's RAM are refused
-    (each stage keeps its layers' experts in its machine's page cache)."""
-    for flag, value in (("--expert-cache", getattr(args, "expert_cache", None)),
-                        ("--ram-budget", getattr(args, "ram_budget", 0))):
-        if value:
-            raise GlmkitError(f"{flag}: not with --pipeline (each stage reads its experts from its page cache)")
+    """The `PipelineEngine` of `--pipeline`: `--expert-cache` is each stage's (for its layers, in its machine's RAM);
+    `--ram-budget` is refused."""
+    if getattr(args, "ram_budget", 0):
+        raise GlmkitError("--ram-budget: not with --pipeline (each stage keeps its experts in an expert cache or "
+                          "its page cache: --expert-cache)")
     if args.pipeline_chunk < 1:
         raise GlmkitError(f"--pipeline-chunk: must be >= 1, got {args.pipeline_chunk}")
     if isinstance(args.pipeline, int):  # before Ray starts, and before a plan sized by the count is made
@@ -123,7 +122,8 @@ def pipeline_engine_from_arguments(args: argparse.Namespace, load_tokenizer: boo
     return PipelineEngine(args.snapshot, args.pipeline, args.ray_address, args.device, args.float_activations,
                           prefetch=not getattr(args, "no_prefetch", False), chunk=args.pipeline_chunk,
                           load_tokenizer=load_tokenizer, kv_dtype=args.kv_dtype, hops=args.pipeline_hops,
-                          max_context=getattr(args, "max_context", None))
+                          max_context=getattr(args, "max_context", None),
+                          expert_cache=getattr(args, "expert_cache", None))
 
 
 def use_mtp_from_arguments(engine: Engine, args: argparse.Namespace) -> bool:

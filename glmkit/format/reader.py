@@ -27,7 +27,7 @@ from glmkit.format.manifest import (
     short_repr,
 )
 from glmkit.format.safetensors_file import DTYPES
-from glmkit.format.schema import EXPERT_PROJECTIONS, expert_weight_name
+from glmkit.format.schema import EXPERT_PROJECTIONS, expert_weight_name, tensor_layer
 from glmkit.format.tensors import QuantWeight, Weight
 from glmkit.format.writer import PAD_PREFIX
 
@@ -134,6 +134,10 @@ class Container:
     @property
     def nbytes(self) -> int:
         return sum(int(r["nbytes"]) for r in self.manifest.files.values())
+
+    def layers_nbytes(self, layers: range) -> int:
+        """Bytes of the tensors (scales included) of decoder layers `layers`: a pipeline stage's part."""
+        return sum(e.nbytes for name, e in self.manifest.tensors.items() if tensor_layer(name) in layers)
 
     def has(self, name: str) -> bool:
         return name in self.manifest.tensors

@@ -26,6 +26,14 @@ def layer_prefix(layer: int) -> str:
     return f"model.layers.{layer}."
 
 
+def tensor_layer(name: str) -> int | None:
+    """The decoder layer (MTP included) a tensor name belongs to, or None for a global tensor (embed, norm, lm_head)."""
+    if not name.startswith("model.layers."):
+        return None
+    index = name.split(".", 3)[2]
+    return int(index) if index.isdigit() else None
+
+
 def expert_weight_name(layer: int, expert: int, projection: str) -> str:
     return f"{layer_prefix(layer)}mlp.experts.{expert}.{projection}.weight"
 

@@ -26,6 +26,7 @@ from glmkit.model.expert_cache import (
     expert_slot_bytes,
     lendable_bytes,
     room_for_cache,
+    routed_expert_bytes,
     save_scores,
     saved_scores,
     usage_path,
@@ -351,15 +352,20 @@ def fitted_context(container: Container, config: ModelConfig, kv_dtype: str, ask
                                           f"fit beside two layers' experts (--max-context, --kv-dtype)")
 
 
-def default_expert_cache(container: Container, pinned: bool = True, kv_bytes: int = 0, lend_kv: bool = False
-                         ) -> tuple[int, str]:
+def default_expert_cache(container: Container, pinned: bool = True, kv_bytes: int = 0, lend_kv: bool = False,
+                         layers: range | None = None) -> tuple[int, str]:
     """Where the container's routed experts live by default: (the bytes of an expert cache, or 0 for the page
     cache; why, in one line). A cache where the container outgrows the RAM the process may use and that RAM still
-    holds one layer's routed experts (`pinned`, `kv_bytes`, `lend_kv`: as `auto_cache_bytes`)."""
-    if not container.manifest.experts or not outgrows_memory(container):
-        return 0, (f"routed experts in the page cache: the container ({format_size(container.nbytes)}) fits the "
+    holds one layer's routed experts (`pinned`, `kv_bytes`, `lend_kv`, `layers`: as `auto_cache_bytes`; with
+    `layers`, where their part of the container outgrows it)."""
+    if layers is None:
+        nbytes, what = container.nbytes, "the container"
+    else:
+        nbytes, what = container.layers_nbytes(layers), f"layers {layers.start}-{layers.stop - 1}"
+    if not routed_expert_bytes(container, layers) or not outgrows_memory(container, layers=layers):
+        return 0, (f"routed experts in the page cache: {what} ({format_size(nbytes)}) fits the "
                    f"{format_size(memory_limit_bytes())} the process may use")
-    size, why = auto_cache_bytes(container, pinned=pinned, kv_bytes=kv_bytes, lend_kv=lend_kv)
+    size, why = auto_cache_bytes(container, pinned=pinned, kv_bytes=kv_bytes, lend_kv=lend_kv, layers=layers)
     if size < container.config.num_experts_per_tok * expert_slot_bytes(container):
         return 0, f"routed experts in the page cache: an expert cache would get {why}, less than one layer's"
     return size, f"expert cache {why}"

@@ -31,6 +31,7 @@ started again leaves the pipeline refusing every later call.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 import socket
@@ -50,12 +51,13 @@ from threadpoolctl import threadpool_limits
 from glmkit.errors import GlmkitError
 from glmkit.format.config import ModelConfig
 from glmkit.format.reader import Container
-from glmkit.format.schema import layer_prefix
-from glmkit.generate.engine import Engine, make_backend
+from glmkit.format.schema import tensor_layer
+from glmkit.generate.engine import Engine, default_expert_cache, make_backend
 from glmkit.model.compute import Backend, DecodeStep
-from glmkit.model.expert_stream import ExpertStreamer
+from glmkit.model.expert_cache import CacheStats, ExpertCache, auto_cache_bytes, routed_expert_bytes
+from glmkit.model.expert_stream import ExpertStats, ExpertStreamer, outgrows_memory
 from glmkit.model.glm5 import GlmMoeDsaModel, WeightSource
-from glmkit.model.kv_cache import KVCache, decode_kv_rows, encode_kv_rows
+from glmkit.model.kv_cache import KVCache, decode_kv_rows, encode_kv_rows, kv_bytes_per_token
 from glmkit.units import format_size
 
 DEFAULT_PIPELINE_CHUNK = 256  # prompt tokens per piece streamed through the stages
@@ -84,12 +86,10 @@ def layer_nbytes(container: Container) -> list[int]:
     """Bytes of each main decoder layer's tensors in the container (routed experts and scales included)."""
     cfg = container.config
     sizes = [0] * cfg.num_hidden_layers
-    prefixes = [layer_prefix(i) for i in range(cfg.num_hidden_layers)]
     for name, entry in container.manifest.tensors.items():
-        if name.startswith("model.layers."):
-            layer = int(name.split(".", 3)[2])
-            if layer < cfg.num_hidden_layers and name.startswith(prefixes[layer]):
-                sizes[layer] += entry.nbytes
+        layer = tensor_layer(name)
+        if layer is not None and layer < cfg.num_hidden_layers:
+            sizes[layer] += entry.nbytes
     return sizes
 
 
@@ -167,33 +167,70 @@ def pipeline_stages(text: str) -> int | str:
 
 # ---- one stage (a Ray actor) ------------------------------------------------------------------------------
 
+def stage_expert_cache(container: Container, layers: range, expert_cache: int | str | None, kv_dtype: str,
+                       context: int) -> tuple[int, str]:
+    """Where a stage over `layers` keeps their routed experts, as a single process decides for the whole model
+    (`--expert-cache`: None, the default: an expert cache where their part of the container outgrows the RAM this
+    process may use; "auto": one sized from that RAM; a size; 0: the page cache), with the reason in one line: (the
+    bytes of an expert cache, or 0 for the page cache; why). An auto-sized cache holds only their routed experts and
+    other weights, and keeps room for their KV rows of `context` positions at `kv_dtype` (not lent to the cache)."""
+    if not routed_expert_bytes(container, layers):
+        return 0, "no routed experts in its layers"
+    kv_bytes = kv_bytes_per_token(container.config, kv_dtype, layers) * context
+    if expert_cache is None:
+        return default_expert_cache(container, kv_bytes=kv_bytes, layers=layers)
+    if expert_cache == "auto":
+        size, why = auto_cache_bytes(container, kv_bytes=kv_bytes, layers=layers)
+        if size == 0:
+            raise GlmkitError(f"--expert-cache auto: pipeline stage over layers {layers.start}-{layers.stop - 1}: "
+                              f"no RAM left for experts ({why})")
+        return size, f"expert cache {why}"
+    size = int(expert_cache)
+    return size, (f"expert cache {format_size(size)} (--expert-cache)" if size else
+                  "routed experts in the page cache (--expert-cache off)")
+
+
 class PipelineStage:
     """The decoder layers `layers` of the model in `snapshot`, with the KV rows of every sequence the head runs
     (`cache_id` -> a KVCache whose other layers stay empty). Run as a Ray actor; plain methods, plain arrays."""
 
     def __init__(self, snapshot: str, index: int, layers: range, device: str, float_activations: bool,
                  prefetch: bool, blas_threads: int | None = None, niceness: int = 0, kv_dtype: str = "f32",
-                 decode_step: bool = True) -> None:
+                 decode_step: bool = True, expert_cache: int | str | None = None, context: int | None = None
+                 ) -> None:
         """blas_threads: BLAS threads (None: the CPUs this process may use, as in a process of its own; Ray starts an
         actor of one CPU with OMP_NUM_THREADS=1, and the thread count changes the float sums' order). niceness: the
         scheduling priority to run at, the head's (Ray starts its workers at 15, behind any other work on the
         machine); kept at Ray's where the process may not raise its priority (`RAY_worker_niceness=0 ray start`
         then does it for every worker). kv_dtype: the precision its KV rows are kept at (`KV_DTYPES`). decode_step:
         a decoded token runs as the device's decode step over the stage's layers where the device has one (off: through
-        the operations)."""
+        the operations). expert_cache, context: where its layers' routed experts live (`stage_expert_cache`)."""
         self.index, self.layer_range, self.niceness = index, layers, niceness
         threadpool_limits(blas_threads or len(os.sched_getaffinity(0)), user_api="blas")
         self._take_priority()
         container = Container(snapshot)
         backend, self.device = make_backend(device, container, not float_activations)
-        self.experts = ExpertStreamer(container, 0, prefetch)
-        self.model = GlmMoeDsaModel(container.config, self.experts, backend, route_hook=self.experts.on_route,
-                                    kv_dtype=kv_dtype)
+        backend.release_memory()  # a device profile measured just now leaves freed memory the cache is sized after
+        size, self.experts_where = stage_expert_cache(container, layers, expert_cache, kv_dtype,
+                                                      context or container.config.max_position_embeddings)
+        self.experts: ExpertStreamer | ExpertCache
+        if size:
+            cache = self.experts = ExpertCache(container, size, readahead=prefetch, layers=layers)
+            self.model = GlmMoeDsaModel(container.config, cache, backend, route_hook=cache.on_route,
+                                        step_experts=cache, kv_dtype=kv_dtype, ahead_hook=cache.read_ahead,
+                                        ran_hook=cache.ran)
+        else:  # the page cache, as a single process's: routed experts advised as the step routes them where the
+            # stage's part outgrows the RAM, else all of them read in the background
+            self.experts = ExpertStreamer(container, 0, prefetch)
+            watch = prefetch and outgrows_memory(container, layers=layers)
+            self.model = GlmMoeDsaModel(container.config, self.experts, backend, route_hook=self.experts.on_route,
+                                        step_route_hook=self.experts.advise_routed if watch else None,
+                                        kv_dtype=kv_dtype)
+            if prefetch and not watch:
+                self.experts.warm_in_background(layers)
         self.caches: dict[int, KVCache] = {}
         self.steps = decode_step and self.model.part_step(layers, False) is not None  # built here, not at a token
         self.busy_s = 0.0  # seconds spent in `run`: the compute a pipeline's hops are compared with
-        if prefetch:
-            self.experts.warm_in_background(layers)
 
     def describe(self) -> dict[str, Any]:
         """Where this stage runs: host name, IP address, process id, device, numerics, whether a decoded token runs
@@ -201,7 +238,8 @@ class PipelineStage:
         import ray
 
         return {"host": socket.gethostname(), "ip": ray.util.get_node_ip_address(), "pid": os.getpid(),
-                "device": self.device, "numerics": self.model.numerics, "decode_step": self.steps}
+                "device": self.device, "numerics": self.model.numerics, "decode_step": self.steps,
+                "experts": self.experts_where}
 
     def _take_priority(self) -> None:
         """The calling thread at `niceness` (Linux keeps a priority per thread: the compiled graph's loop runs on a
@@ -264,8 +302,11 @@ class PipelineStage:
                        ) -> None:
         self._cache(cache_id).layer(layer).append_encoded(fields)
 
-    def expert_stats(self) -> dict[str, int]:
-        return self.experts.stats.to_json()
+    def expert_stats(self) -> tuple[str, dict[str, Any]]:
+        """("cache", the expert cache's counters) or ("stream", the page cache's): `StageExpertStats` sums them."""
+        stats = self.experts.stats
+        counters = {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats) if f.name != "usage"}
+        return ("cache" if isinstance(stats, CacheStats) else "stream"), counters
 
     def echo(self, carried: Any) -> Any:
         """The argument back (measures a hop's cost without compute: tools/bench_pipeline.py)."""
@@ -469,13 +510,20 @@ class Pipeline:
         if self.broken is not None:
             raise GlmkitError(self.broken)
 
-    def expert_stats(self) -> dict[str, int]:
-        """The stages' expert counters, summed."""
-        total: dict[str, int] = {}
+    def expert_stats(self) -> CacheStats | ExpertStats:
+        """The stages' expert counters, summed: an expert cache's where any stage has one (a page-cached stage adds
+        its hits and misses), else the page cache's."""
+        cached, streamed, any_cached = CacheStats(), ExpertStats(), False
         for i in range(len(self.actors)):
-            for name, value in self.call(i, "expert_stats").items():
-                total[name] = total.get(name, 0) + value
-        return total
+            kind, counters = self.call(i, "expert_stats")
+            total = cached if kind == "cache" else streamed
+            any_cached |= kind == "cache"
+            for name, value in counters.items():
+                setattr(total, name, getattr(total, name) + value)
+        if not any_cached:
+            return streamed
+        cached.hits, cached.misses = cached.hits + streamed.hits, cached.misses + streamed.misses
+        return cached
 
     def close(self) -> None:
         """Tear down the compiled graph and end the stage actors (their processes and KV rows)."""
@@ -541,12 +589,13 @@ def connect_ray(init: Callable[[], Any], address: str | None) -> None:
 def open_pipeline(snapshot: str | Path, container: Container, stages: int | str, address: str | None = None,
                   device: str = "numpy", float_activations: bool = False, prefetch: bool = True,
                   chunk: int = DEFAULT_PIPELINE_CHUNK, verbose: bool = True, blas_threads: int | None = None,
-                  kv_dtype: str = "f32", decode_step: bool = True, hops: str = "auto") -> Pipeline:
+                  kv_dtype: str = "f32", decode_step: bool = True, hops: str = "auto",
+                  expert_cache: int | str | None = None, context: int | None = None) -> Pipeline:
     """Start one stage actor per range of the plan on the Ray cluster at `address` (None: the cluster `ray start`
     made on this machine, else a new local one; already connected: that one), wait until each has opened the
-    container, and print the plan on stderr when `verbose`. blas_threads, kv_dtype, decode_step: see
-    `PipelineStage`; hops: one of `PIPELINE_HOPS` ("auto": "graph" where every stage decodes on the device step, else
-    "tasks"; see `Pipeline`)."""
+    container, and print the plan on stderr when `verbose`. blas_threads, kv_dtype, decode_step, expert_cache (each
+    stage's, for its own layers and RAM), context: see `PipelineStage`; hops: one of `PIPELINE_HOPS` ("auto":
+    "graph" where every stage decodes on the device step, else "tasks"; see `Pipeline`)."""
     ray = import_ray()
     if chunk < 1:
         raise GlmkitError(f"--pipeline-chunk: must be >= 1, got {chunk}")
@@ -572,10 +621,10 @@ def open_pipeline(snapshot: str | Path, container: Container, stages: int | str,
             options["scheduling_strategy"] = "SPREAD"
         return remote.options(**options).remote(str(snapshot), i, plan.layers[i], device, float_activations, prefetch,
                                                  blas_threads, os.getpriority(os.PRIO_PROCESS, 0), kv_dtype,
-                                                 decode_step)
+                                                 decode_step, expert_cache, context)
 
     actors = [start_stage(i) for i in range(len(plan.layers))]
-    unknown = {"host": "?", "ip": "?", "pid": "?", "decode_step": False}  # until each stage describes itself
+    unknown = {"host": "?", "ip": "?", "pid": "?", "decode_step": False, "experts": "?"}  # until each describes itself
     pipeline = Pipeline(ray, actors, plan, [unknown] * len(actors), chunk, start_stage,
                         "tasks" if hops == "auto" else hops)
     try:
@@ -593,6 +642,8 @@ def open_pipeline(snapshot: str | Path, container: Container, stages: int | str,
     if verbose:
         print(plan.describe([f"{w['host']} ({w['ip']}), {w['device']}{', decode step' if w['decode_step'] else ''}"
                              for w in pipeline.where]), file=sys.stderr)
+        for i, w in enumerate(pipeline.where):
+            print(f"pipeline stage {i}: {w['experts']}", file=sys.stderr)
         print(f"pipeline hops: {'a compiled graph' if pipeline.hops == 'graph' else 'actor tasks'}", file=sys.stderr)
     return pipeline
 
@@ -771,31 +822,32 @@ class PipelineModel(GlmMoeDsaModel):
 
 
 class StageExpertStats:
-    """The routed-expert counters of `--stats-json` and glm-serve's /stats: the stages' (`ExpertStats.to_json`'s
-    keys, summed over the stages; empty once the pipeline is broken)."""
+    """The routed-expert counters of `--stats-json` and glm-serve's /stats: the stages' (`Pipeline.expert_stats`;
+    empty once the pipeline is broken)."""
 
     def __init__(self, pipeline: Pipeline) -> None:
         self.pipeline = pipeline
 
-    def to_json(self) -> dict[str, int]:
-        return {} if self.pipeline.broken else self.pipeline.expert_stats()
+    def to_json(self) -> dict[str, Any]:
+        return {} if self.pipeline.broken else self.pipeline.expert_stats().to_json()
 
 
 class PipelineEngine(Engine):
-    """An Engine whose model is a `PipelineModel` over stage actors (see `open_pipeline` for the arguments). The head
-    maps the container too but reads only the embedding, the final norm, lm_head and the MTP layer: no routed expert
-    is read ahead here."""
+    """An Engine whose model is a `PipelineModel` over stage actors (see `open_pipeline` for the arguments;
+    `expert_cache` is each stage's, `stage_expert_cache`). The head maps the container too but reads only the
+    embedding, the final norm, lm_head and the MTP layer: no routed expert is read ahead here."""
 
     def __init__(self, snapshot: str | Path, stages: int | str, address: str | None = None, device: str = "numpy",
                  float_activations: bool = False, prefetch: bool = True, chunk: int = DEFAULT_PIPELINE_CHUNK,
                  load_tokenizer: bool = True, verbose: bool = True, blas_threads: int | None = None,
                  kv_dtype: str = "f32", decode_step: bool = True, hops: str = "auto",
-                 max_context: int | None = None) -> None:
+                 max_context: int | None = None, expert_cache: int | str | None = None) -> None:
         super().__init__(snapshot, device, prefetch=False, load_tokenizer=load_tokenizer,
                          float_activations=float_activations, expert_cache=0, kv_dtype=kv_dtype,
                          max_context=max_context)
         self.pipeline = open_pipeline(snapshot, self.container, stages, address, device, float_activations, prefetch,
-                                      chunk, verbose, blas_threads, kv_dtype, decode_step, hops)
+                                      chunk, verbose, blas_threads, kv_dtype, decode_step, hops, expert_cache,
+                                      self.config.max_position_embeddings)
         self.model = PipelineModel(self.config, self.experts, self.backend, self.pipeline, kv_dtype)
         self.experts.stats = StageExpertStats(self.pipeline)  # type: ignore[assignment]  # the head routes nothing
 

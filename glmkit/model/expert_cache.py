@@ -45,7 +45,7 @@ import numpy as np
 from glmkit.errors import GlmkitError
 from glmkit.format.files import make_private_dirs, read_json_file, write_private_file
 from glmkit.format.reader import Container
-from glmkit.format.schema import EXPERT_PROJECTIONS, expert_weight_name
+from glmkit.format.schema import EXPERT_PROJECTIONS, expert_weight_name, tensor_layer
 from glmkit.format.tensors import Weight
 from glmkit.model.expert_stream import (
     anonymous_bytes,
@@ -234,22 +234,31 @@ def growth_allowance(limit: int) -> int:
     return min(256 << 20, limit // 16)
 
 
-def non_expert_bytes(container: Container) -> int:
-    """The container's bytes outside its routed experts: what an expert cache copies into RAM beside its slots."""
-    return container.nbytes - sum(r.nbytes for r in container.manifest.experts)
+def routed_expert_bytes(container: Container, layers: range | None = None) -> int:
+    """The bytes of the container's routed experts (with `layers`: those of these decoder layers only)."""
+    return sum(r.nbytes for r in container.manifest.experts if layers is None or r.layer in layers)
+
+
+def non_expert_bytes(container: Container, layers: range | None = None) -> int:
+    """The container's bytes outside its routed experts: what an expert cache copies into RAM beside its slots (with
+    `layers`, a pipeline stage's part: only those decoder layers' tensors)."""
+    if layers is None:
+        return container.nbytes - routed_expert_bytes(container)
+    return container.layers_nbytes(layers) - routed_expert_bytes(container, layers)
 
 
 def auto_cache_bytes(container: Container, reserve_bytes: int | None = None, pinned: bool = True, kv_bytes: int = 0,
-                     lend_kv: bool = False) -> tuple[int, str]:
+                     lend_kv: bool = False, layers: range | None = None) -> tuple[int, str]:
     """A cache size from the RAM this process may use (`memory_limit_bytes`: the cgroup's limit or the machine's),
     less the non-expert weights it copies into RAM (unless not `pinned`: a discrete GPU holds them),
     `reserve_bytes` for the process and activations (default: what the process holds now,
     `anonymous_resident_bytes`, `activation_allowance` and `growth_allowance`) and `kv_bytes` for the KV rows of the
-    context it keeps (`lend_kv`: lent to the cache while the rows leave them empty, `lendable_bytes`); with the
-    reason, for the log."""
-    limit, room, reserve_bytes, held = room_for_cache(container, reserve_bytes, pinned)
-    copied = non_expert_bytes(container) if pinned else 0
-    experts = container.nbytes - non_expert_bytes(container)
+    context it keeps (`lend_kv`: lent to the cache while the rows leave them empty, `lendable_bytes`); with `layers`,
+    for those decoder layers only (a pipeline stage's part: their weights and experts); with the reason, for the
+    log."""
+    limit, room, reserve_bytes, held = room_for_cache(container, reserve_bytes, pinned, layers)
+    copied = non_expert_bytes(container, layers) if pinned else 0
+    experts = routed_expert_bytes(container, layers)
     size = max(0, min(room - kv_bytes, experts))
     weights = (f"less {format_size(copied)} of non-expert weights and" if pinned else
                "the non-expert weights on the GPU, less")
@@ -261,7 +270,8 @@ def auto_cache_bytes(container: Container, reserve_bytes: int | None = None, pin
     return size, why
 
 
-def room_for_cache(container: Container, reserve_bytes: int | None, pinned: bool) -> tuple[int, int, int, str]:
+def room_for_cache(container: Container, reserve_bytes: int | None, pinned: bool, layers: range | None = None
+                   ) -> tuple[int, int, int, str]:
     """(the RAM this process may use, what it leaves for slots and KV rows, the `reserve_bytes` kept for the process,
     activations and later growth, what the process holds now as said in the log): see `auto_cache_bytes`. With
     `pinned` False and the cache already built, what is left for KV rows beside it."""
@@ -271,7 +281,7 @@ def room_for_cache(container: Container, reserve_bytes: int | None, pinned: bool
         now = anonymous_resident_bytes()
         reserve_bytes = now + activation_allowance(limit) + growth_allowance(limit)
         held = f" ({format_size(now)} it holds now)"
-    return limit, limit - (non_expert_bytes(container) if pinned else 0) - reserve_bytes, reserve_bytes, held
+    return limit, limit - (non_expert_bytes(container, layers) if pinned else 0) - reserve_bytes, reserve_bytes, held
 
 
 def context_beside_cache(container: Container, kv_bytes_per_token: int) -> int:
@@ -286,7 +296,7 @@ def context_beside_cache(container: Container, kv_bytes_per_token: int) -> int:
 def lendable_bytes(container: Container, size: int, kv_bytes: int) -> int:
     """The bytes of the `kv_bytes` kept for KV rows that an auto-sized cache of `size` bytes also takes, lent to the
     rows as they grow (`ExpertCache.lend`): all of them, at most the routed experts the cache would not hold."""
-    return max(0, min(kv_bytes, container.nbytes - non_expert_bytes(container) - size))
+    return max(0, min(kv_bytes, routed_expert_bytes(container) - size))
 
 
 def slot_arena(nbytes: int, budget_bytes: int, pinned_bytes: int) -> np.ndarray:
@@ -328,14 +338,21 @@ class ExpertCache:
     where the file system takes it (False: buffered reads everywhere); pin_weights: copy every other weight into RAM
     (False: the routed experts only, the rest read from the mapping, for a discrete GPU that holds them: the split
     step's CPU side). lendable_bytes: of the budget, the bytes `lend` may give to KV rows (the slots left are never
-    lent). Raises GlmkitError when the budget holds fewer slots than one layer routes to (`num_experts_per_tok`)."""
+    lent). layers: only these decoder layers' routed experts are cached and other weights pinned (a pipeline stage's
+    part; None: every layer's). Raises GlmkitError when the budget holds fewer slots than one layer routes to
+    (`num_experts_per_tok`)."""
 
     def __init__(self, container: Container, budget_bytes: int, io_threads: int = 8, readahead: bool = True,
                  usage_file: Path | None = None, half_life: float = 256.0, direct: bool = True,
-                 scores: ExpertScores | None = None, pin_weights: bool = True, lendable_bytes: int = 0) -> None:
+                 scores: ExpertScores | None = None, pin_weights: bool = True, lendable_bytes: int = 0,
+                 layers: range | None = None) -> None:
         cfg = self.config = container.config
         self.container, self.readahead, self.usage_file = container, readahead, usage_file
-        ranges = container.manifest.experts
+
+        def ours(layer: int | None) -> bool:  # a tensor (or expert) of the layers this cache serves
+            return layers is None or layer in layers
+
+        ranges = [r for r in container.manifest.experts if ours(r.layer)]
         if not ranges:
             raise GlmkitError(f"{container.directory}: no routed experts to cache")
         self.slot_bytes = expert_slot_bytes(container)
@@ -345,14 +362,14 @@ class ExpertCache:
                               f"{self.slot_bytes} bytes; a layer routes to {cfg.num_experts_per_tok}: give at "
                               f"least {cfg.num_experts_per_tok * self.slot_bytes} bytes")
         specs = [layer_spec(cfg, i, container.has) for i in range(cfg.num_layers_with_mtp)]
-        self.moe = {s.index: s.ffn for s in specs if isinstance(s.ffn, MoESpec)}
+        self.moe = {s.index: s.ffn for s in specs if isinstance(s.ffn, MoESpec) and ours(s.index)}
         self._post_attention_norms = [s.post_attention_norm.weight for s in specs]  # read-ahead's estimate
         # a shared expert that fits a slot is pinned in one past the routed ones: one device buffer holds a
         # layer's routed and shared experts, as the mapping's file does
         shared = {layer: ffn.shared for layer, ffn in self.moe.items() if pin_weights and ffn.shared is not None and
                   weights_nbytes([container.weight(n) for n in ffn.shared.names]) <= self.slot_bytes}
         self._shared_slot = {layer: self.n_slots + j for j, layer in enumerate(shared)}
-        pinned = non_expert_bytes(container) if pin_weights else 0  # copied into RAM below
+        pinned = non_expert_bytes(container, layers) if pin_weights else 0  # copied into RAM below
         self.arena = slot_arena((self.n_slots + len(shared)) * self.slot_bytes, budget_bytes, pinned)
         self.stats = CacheStats()
         self.scores = scores if scores is not None else saved_scores(usage_file, container, half_life)
@@ -362,11 +379,11 @@ class ExpertCache:
         self._pinned: dict[str, Weight] = {}  # every other tensor, copied into RAM once
         if pin_weights:
             pinned_names = [name for name, entry in container.manifest.tensors.items()
-                            if name not in self._names and entry.role != "scales"]
+                            if name not in self._names and entry.role != "scales" and ours(tensor_layer(name))]
             container.advise_tensors(pinned_names)  # the disk reads ahead of the copies below, not a fault at a time
             for layer, mlp in shared.items():
                 self._pin_together(mlp.names, self._slot_data(self._shared_slot[layer]))
-            for ffn in [s.ffn for s in specs if isinstance(s.ffn, MLPSpec)] + [
+            for ffn in [s.ffn for s in specs if isinstance(s.ffn, MLPSpec) and ours(s.index)] + [
                     ffn.shared for layer, ffn in self.moe.items() if ffn.shared is not None and layer not in shared]:
                 self._pin_together(ffn.names)  # a dense MLP's (or shared expert's) weights in one block
             for name in pinned_names:
@@ -406,7 +423,7 @@ class ExpertCache:
         self._first_moe = min(self.moe)
         self._closed = False
         self.preloader: threading.Thread | None = None  # loads the saved hot set into free slots
-        known = self.scores.scores  # the saved scores' hot set
+        known = {key: score for key, score in self.scores.scores.items() if ours(key[0])}  # the saved hot set
         hot = sorted(known, key=known.get, reverse=True)[:self.n_slots]
         if hot:
             self.preloader = threading.Thread(target=self._preload, args=(hot,), daemon=True, name="glmkit-preload")

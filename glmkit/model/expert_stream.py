@@ -86,10 +86,12 @@ def anonymous_resident_bytes() -> int:
     return int(line.split()[1]) * 1024 if line is not None else 0
 
 
-def outgrows_memory(container: Container, margin: int = 1 << 30) -> bool:
-    """Whether the container, plus `margin` bytes for the process, is larger than the RAM it may use: its experts
-    are then read from disk again and again while decoding."""
-    return container.nbytes + margin > memory_limit_bytes()
+def outgrows_memory(container: Container, margin: int = 1 << 30, layers: range | None = None) -> bool:
+    """Whether the container (with `layers`: those decoder layers' part of it, a pipeline stage's), plus `margin`
+    bytes for the process, is larger than the RAM it may use: its experts are then read from disk again and again
+    while decoding."""
+    nbytes = container.nbytes if layers is None else container.layers_nbytes(layers)
+    return nbytes + margin > memory_limit_bytes()
 
 
 @dataclass

@@ -269,10 +269,11 @@ class LayerKV:
         self.edited_from = min(self.edited_from, self.length)
 
 
-def kv_bytes_per_token(config: ModelConfig, dtype: str = "f32") -> int:
+def kv_bytes_per_token(config: ModelConfig, dtype: str = "f32", layers: range | None = None) -> int:
     """Bytes of KV rows one token adds to a `KVCache` at `dtype`: every layer's latent and roped key, the MTP
-    layer's included, and the indexer key of every 'full' layer (f16, fp8: and a 4-byte scale per field)."""
-    layers = range(config.num_layers_with_mtp)
+    layer's included, and the indexer key of every 'full' layer (f16, fp8: and a 4-byte scale per field); with
+    `layers`, those layers' only (a pipeline stage's)."""
+    layers = range(config.num_layers_with_mtp) if layers is None else layers
     fields = [config.kv_lora_rank, config.qk_rope_head_dim] * len(layers)
     fields += [config.index_head_dim for i in layers if config.indexer_type(i) == "full"]
     return sum(fields) * _STORED[dtype].itemsize + (4 * len(fields) if dtype in SCALED_KV_DTYPES else 0)
