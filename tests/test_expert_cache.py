@@ -35,7 +35,7 @@ from glmkit.model.expert_stream import (
     release_pages,
     resident_fraction,
 )
-from glmkit.model.glm5 import SPAN_ROW_FLOATS, span_rows_within
+from glmkit.model.glm5 import SPAN_ROW_FLOATS, prefill_bytes, span_rows_within
 from glmkit.model.kv_cache import kv_bytes_per_token
 from glmkit.model.ops import likely_experts
 from glmkit.units import format_size
@@ -798,13 +798,18 @@ def test_a_cache_over_some_layers_holds_and_sizes_for_them_only(snapshots, monke
     from glmkit.generate import pipeline
 
     monkeypatch.setattr(engine_module, "outgrows_memory", lambda container, **k: False)
-    size, why = pipeline.stage_expert_cache(container, part, None, "f32", 64)
+    size, why = pipeline.stage_expert_cache(container, part, None, "f32", 64, 16)
     assert size == 0 and why.startswith(f"routed experts in the page cache: layers 2-3 ({format_size(weights)})")
     monkeypatch.setattr(engine_module, "outgrows_memory", lambda container, **k: True)
-    size, why = pipeline.stage_expert_cache(container, part, None, "f32", 64)
+    monkeypatch.setattr(expert_cache, "memory_limit_bytes", lambda: 2 << 20)  # the room binds, not the experts
+    size, why = pipeline.stage_expert_cache(container, part, None, "f32", 64, 16)
     kv = kv_bytes_per_token(container.config, "f32", part) * 64
-    assert size == auto_cache_bytes(container, kv_bytes=kv, layers=part)[0] > 0 and why.startswith("expert cache")
-    assert f"{format_size(kv)} for KV rows" in why  # the part's rows only
-    assert kv < kv_bytes_per_token(container.config, "f32") * 64
-    assert pipeline.stage_expert_cache(container, range(0, 1), "auto", "f32", 64) == (
+    assert f"{format_size(kv)} for KV rows" in why and kv < kv_bytes_per_token(container.config, "f32") * 64
+    # the temporaries of the head's pieces of 16 rows kept, not a quarter of the limit
+    pieces = prefill_bytes(container.config, 16)
+    assert pieces < (2 << 20) // 4
+    assert size == auto_cache_bytes(container, kv_bytes=kv, layers=part, activations=pieces)[0] > 0
+    assert size == (2 << 20) - expert_cache.non_expert_bytes(container, part) - held - pieces - (2 << 20) // 16 - kv
+    assert why.startswith("expert cache")
+    assert pipeline.stage_expert_cache(container, range(0, 1), "auto", "f32", 64, 16) == (
         0, "no routed experts in its layers")  # layer 0 is dense

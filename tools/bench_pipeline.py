@@ -33,8 +33,14 @@ glm-run's default expert cache; it must stream). Per round, alternating, each co
 from the page cache first): a 256-token random prompt, then 64 greedy tokens (MTP off); decode tok/s and each
 cgroup's peak memory. The stages start without reading their experts ahead (what they read before the move would be
 charged to this process's cgroup); the head (this process: embedding, final norm, lm_head) is not limited; the
-hops glm-run's default picks (`--pipeline-hops auto`). `--disk-mbps N` also throttles every cgroup's reads of the
-snapshot's disk to N MB/s (tools/bench_stream.py's `--disk-mbps`: a disk like the ones the product is for).
+hops glm-run's default picks (`--pipeline-hops auto`). `--stage-experts page,cache` measures the stages both over
+the page cache and each with an expert cache for its own layers (`--expert-cache` with `--pipeline`), sized as a
+stage sizes it from the RAM of its group (the stages open before they are moved into their groups, so the size is
+worked out here from what a stage holds once open, and given to them); each pipeline is opened fresh for its run.
+What a stage holds when it is moved stays charged where it was taken, so a stage's group is limited to FRACTION less
+that (measured once, on a pipeline over the page cache): its group and what it brought hold at most FRACTION.
+`--disk-mbps N` also throttles every cgroup's reads of the snapshot's disk to N MB/s (tools/bench_stream.py's
+`--disk-mbps`: a disk like the ones the product is for).
 """
 
 from __future__ import annotations
@@ -50,10 +56,14 @@ import numpy as np
 import ray
 from threadpoolctl import threadpool_limits
 
+from glmkit.format.reader import Container
 from glmkit.generate.engine import Engine
 from glmkit.generate.generator import Generator
-from glmkit.generate.pipeline import PipelineEngine
+from glmkit.generate.pipeline import DEFAULT_PIPELINE_CHUNK, PipelineEngine
 from glmkit.generate.sampling import Sampler, SamplingParams
+from glmkit.model.expert_cache import activation_allowance, growth_allowance, non_expert_bytes, routed_expert_bytes
+from glmkit.model.glm5 import prefill_bytes
+from glmkit.model.kv_cache import kv_bytes_per_token
 from tools.bench_model import DEFAULT_WORK, ensure_bench_snapshot
 from tools.bench_stream import (
     PROMPT,
@@ -125,56 +135,99 @@ def hop_ms(engine: PipelineEngine, hidden: int, trips: int) -> dict[str, float]:
         graph.teardown()
 
 
+def stage_anonymous_bytes(engine: PipelineEngine) -> int:
+    """The most anonymous memory (`RssAnon`) a stage process of `engine` holds now (this machine's stages only)."""
+    held = 0
+    for where in engine.pipeline.where:
+        for line in Path(f"/proc/{where['pid']}/status").read_text().splitlines():
+            if line.startswith("RssAnon:"):
+                held = max(held, int(line.split()[1]) << 10)
+    return held
+
+
+def stage_cache_bytes(container: Container, layers: range, limit: int, held: int, context: int) -> int:
+    """The expert cache a stage over `layers` sizes for itself from the RAM when it opens inside a memory cgroup of
+    `limit` bytes holding `held` bytes (`stage_expert_cache` with "auto"): the stages here open before they are moved
+    into their groups, so it is given to them."""
+    pieces = min(activation_allowance(limit), prefill_bytes(container.config, DEFAULT_PIPELINE_CHUNK))
+    room = limit - non_expert_bytes(container, layers) - held - pieces - growth_allowance(limit)
+    room -= kv_bytes_per_token(container.config, "f32", layers) * context
+    return max(0, min(room, routed_expert_bytes(container, layers)))
+
+
 def cgroup_rounds(args: argparse.Namespace) -> None:
     """`--cgroup`: 2 stages, each in a memory cgroup of its own, against one process in one such cgroup."""
-    from glmkit.format.reader import Container
-
     snapshot = ensure_stream_snapshot(DEFAULT_WORK.with_name("glmkit-stream-model"))
-    size = Container(snapshot).nbytes
+    container = Container(snapshot)
+    size = container.nbytes
     limit = int(args.cgroup * size)
     ray.init(address="local", num_cpus=4, object_store_memory=100 << 20, include_dashboard=False,
              log_to_driver=False, logging_level="warning")
-    engine = PipelineEngine(snapshot, 2, device=args.device, prefetch=False, load_tokenizer=False,
-                            blas_threads=args.blas)
     read_bps = None if args.disk_mbps is None else int(args.disk_mbps * 1e6)
     disk = whole_disk(snapshot) if read_bps else ""
-    stage_groups = [new_cgroups(limit, read_bps, disk, name=f"glmkit-stage-{os.getpid()}-{i}") for i in range(2)]
-    groups = [g for both in stage_groups for g in both if "blkio" not in g.parts]  # each stage's memory group
-    for both, where in zip(stage_groups, engine.pipeline.where, strict=True):
-        for group in both:
-            (group / "cgroup.procs").write_text(str(where["pid"]))
-    prompt = np.random.default_rng(0).integers(0, engine.config.vocab_size, PROMPT).tolist()  # bench_stream's
-    rounds: dict[str, list[float]] = {"single": [], "2 stages": []}
-    peaks: dict[str, list[int | None]] = {"single": [], "2 stages": []}
-    try:
-        for _ in range(args.rounds):
-            single = run_child(snapshot, "cache", limit, 900, read_bps=read_bps)
-            if "error" in single:
-                raise SystemExit(f"the single process failed: {single['error']}")
-            rounds["single"].append(single["decode_tok_s"])
-            peaks["single"].append(single["peak_mb"])
+    context = PROMPT + TOKENS + 2  # bench_stream's single process keeps room for the rows of its own run
+    # what a stage holds once open (charged outside its group), measured on a pipeline over the page cache
+    probe = PipelineEngine(snapshot, 2, device=args.device, prefetch=False, load_tokenizer=False,
+                           blas_threads=args.blas, expert_cache=0, verbose=False)
+    held = stage_anonymous_bytes(probe)
+    caches = {"cache": [stage_cache_bytes(container, layers, limit, held, context) for layers in probe.pipeline.layers]}
+    probe.close()
+    print(f"a stage holds {held >> 20} MiB once open: stage groups of {(limit - held) >> 20} MiB, expert caches of "
+          f"{' / '.join(str(c >> 20) for c in caches['cache'])} MiB", flush=True)
+    prompt = np.random.default_rng(0).integers(0, container.config.vocab_size, PROMPT).tolist()  # bench_stream's
+    names = ["single"] + [f"2 stages, {where}" for where in args.stage_experts]
+    rounds: dict[str, list[float]] = {name: [] for name in names}
+    peaks: dict[str, list[int | None]] = {name: [] for name in names}
+
+    def staged(where: str) -> tuple[float, int | None]:
+        """One cold run of a fresh pipeline whose stages keep their experts `where` ("page" or "cache")."""
+        cached = where == "cache"
+        # over the page cache the stages start without reading their experts ahead (what they read before the move
+        # would be charged to this process's group); a cache's slots fill only once they are in their groups
+        engine = PipelineEngine(snapshot, 2, device=args.device, prefetch=cached, load_tokenizer=False,
+                                blas_threads=args.blas, expert_cache=min(caches["cache"]) if cached else 0,  # the
+                                # smaller of the two stages' sizes
+                                verbose=False, max_context=context)
+        groups = [new_cgroups(limit - held, read_bps, disk, name=f"glmkit-stage-{os.getpid()}-{i}") for i in range(2)]
+        try:
+            for both, stage in zip(groups, engine.pipeline.where, strict=True):
+                for group in both:
+                    (group / "cgroup.procs").write_text(str(stage["pid"]))
             drop_from_page_cache(snapshot)
-            rounds["2 stages"].append(decode_rate(engine, prompt, TOKENS + 1)[0])
-            peaks["2 stages"].append(max(peak_mb(g) or 0 for g in groups))
-            print(f"single {rounds['single'][-1]:.2f} tok/s, 2 stages {rounds['2 stages'][-1]:.2f} tok/s", flush=True)
-    finally:
-        engine.close()
-        time.sleep(1)  # the stage processes leave their groups as they exit
-        for group in (g for both in stage_groups for g in both):
-            group.rmdir()
-    single_rate, staged = statistics.median(rounds["single"]), statistics.median(rounds["2 stages"])
+            rate = decode_rate(engine, prompt, TOKENS + 1)[0]
+            counters = engine.expert_stats.to_json()
+            print(f"2 stages, {where}: {json.dumps(counters)}", flush=True)
+            peak = max(peak_mb(g) or 0 for both in groups for g in both if "blkio" not in g.parts)
+        finally:
+            engine.close()
+            time.sleep(1)  # the stage processes leave their groups as they exit
+            for group in (g for both in groups for g in both):
+                group.rmdir()
+        return rate, peak
+
+    for _ in range(args.rounds):
+        single = run_child(snapshot, "cache", limit, 900, read_bps=read_bps)
+        if "error" in single:
+            raise SystemExit(f"the single process failed: {single['error']}")
+        rounds["single"].append(single["decode_tok_s"])
+        peaks["single"].append(single["peak_mb"])
+        for where in args.stage_experts:
+            rate, peak = staged(where)
+            rounds[f"2 stages, {where}"].append(rate)
+            peaks[f"2 stages, {where}"].append(peak)
+        print(", ".join(f"{name} {rounds[name][-1]:.2f} tok/s" for name in names), flush=True)
+    medians = {name: statistics.median(rounds[name]) for name in names}
     print(f"{snapshot}: {size / 1e9:.2f} GB, cgroups of {limit >> 20} MiB ({args.cgroup:g} of it), --device "
           f"{args.device}; {args.rounds} rounds, medians"
           + ("" if read_bps is None else f"; reads throttled to {args.disk_mbps:g} MB/s"))
-    print("| configuration | decode tok/s | per round | cgroup peak MiB |")
-    print("|---|---:|---|---:|")
-    for name, rate in (("single", single_rate), ("2 stages", staged)):
-        print(f"| {name} | {rate:.2f} | {' / '.join(f'{r:.2f}' for r in rounds[name])} | "
-              f"{max(p or 0 for p in peaks[name])} |")
-    print(f"2 stages / single: {staged / single_rate:.2f}x")
+    print("| configuration | decode tok/s | x single | per round | cgroup peak MiB |")
+    print("|---|---:|---:|---|---:|")
+    for name in names:
+        print(f"| {name} | {medians[name]:.2f} | {medians[name] / medians['single']:.2f} | "
+              f"{' / '.join(f'{r:.2f}' for r in rounds[name])} | {max(p or 0 for p in peaks[name])} |")
     if args.json:
         args.json.write_text(json.dumps({"limit_bytes": limit, "container_bytes": size, "device": args.device,
-                                         "decode_tok_s": rounds, "peak_mb": peaks,
+                                         "decode_tok_s": rounds, "peak_mb": peaks, "stage_cache_bytes": caches,
                                          "disk_mbps": args.disk_mbps}, indent=1) + "\n")
 
 
@@ -197,6 +250,9 @@ def main() -> None:
     p.add_argument("--cgroup", type=float, metavar="FRACTION",
                    help="instead: 2 stages and one process, each in a memory cgroup of this fraction of the 256-expert "
                         "model (module docstring)")
+    p.add_argument("--stage-experts", type=lambda t: t.split(","), default=["page"],
+                   help="with --cgroup: where the stages keep their routed experts, configurations measured: page (the "
+                        "page cache), cache (an expert cache each, sized as in its group); default page")
     p.add_argument("--disk-mbps", type=float, help="with --cgroup: each cgroup's reads of the snapshot's disk "
                    "throttled to this many MB/s")
     p.add_argument("--json", type=Path)

@@ -353,11 +353,11 @@ def fitted_context(container: Container, config: ModelConfig, kv_dtype: str, ask
 
 
 def default_expert_cache(container: Container, pinned: bool = True, kv_bytes: int = 0, lend_kv: bool = False,
-                         layers: range | None = None) -> tuple[int, str]:
+                         layers: range | None = None, activations: int | None = None) -> tuple[int, str]:
     """Where the container's routed experts live by default: (the bytes of an expert cache, or 0 for the page
     cache; why, in one line). A cache where the container outgrows the RAM the process may use and that RAM still
-    holds one layer's routed experts (`pinned`, `kv_bytes`, `lend_kv`, `layers`: as `auto_cache_bytes`; with
-    `layers`, where their part of the container outgrows it)."""
+    holds one layer's routed experts (`pinned`, `kv_bytes`, `lend_kv`, `layers`, `activations`: as
+    `auto_cache_bytes`; with `layers`, where their part of the container outgrows it)."""
     if layers is None:
         nbytes, what = container.nbytes, "the container"
     else:
@@ -365,7 +365,8 @@ def default_expert_cache(container: Container, pinned: bool = True, kv_bytes: in
     if not routed_expert_bytes(container, layers) or not outgrows_memory(container, layers=layers):
         return 0, (f"routed experts in the page cache: {what} ({format_size(nbytes)}) fits the "
                    f"{format_size(memory_limit_bytes())} the process may use")
-    size, why = auto_cache_bytes(container, pinned=pinned, kv_bytes=kv_bytes, lend_kv=lend_kv, layers=layers)
+    size, why = auto_cache_bytes(container, pinned=pinned, kv_bytes=kv_bytes, lend_kv=lend_kv, layers=layers,
+                                 activations=activations)
     if size < container.config.num_experts_per_tok * expert_slot_bytes(container):
         return 0, f"routed experts in the page cache: an expert cache would get {why}, less than one layer's"
     return size, f"expert cache {why}"

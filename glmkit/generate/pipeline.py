@@ -56,7 +56,7 @@ from glmkit.generate.engine import Engine, default_expert_cache, make_backend
 from glmkit.model.compute import Backend, DecodeStep
 from glmkit.model.expert_cache import CacheStats, ExpertCache, auto_cache_bytes, routed_expert_bytes
 from glmkit.model.expert_stream import ExpertStats, ExpertStreamer, outgrows_memory
-from glmkit.model.glm5 import GlmMoeDsaModel, WeightSource
+from glmkit.model.glm5 import GlmMoeDsaModel, WeightSource, prefill_bytes
 from glmkit.model.kv_cache import KVCache, decode_kv_rows, encode_kv_rows, kv_bytes_per_token
 from glmkit.units import format_size
 
@@ -168,19 +168,21 @@ def pipeline_stages(text: str) -> int | str:
 # ---- one stage (a Ray actor) ------------------------------------------------------------------------------
 
 def stage_expert_cache(container: Container, layers: range, expert_cache: int | str | None, kv_dtype: str,
-                       context: int) -> tuple[int, str]:
+                       context: int, rows: int) -> tuple[int, str]:
     """Where a stage over `layers` keeps their routed experts, as a single process decides for the whole model
     (`--expert-cache`: None, the default: an expert cache where their part of the container outgrows the RAM this
     process may use; "auto": one sized from that RAM; a size; 0: the page cache), with the reason in one line: (the
     bytes of an expert cache, or 0 for the page cache; why). An auto-sized cache holds only their routed experts and
-    other weights, and keeps room for their KV rows of `context` positions at `kv_dtype` (not lent to the cache)."""
+    other weights, and keeps room for their KV rows of `context` positions at `kv_dtype` (not lent to the cache) and
+    for the temporaries of a forward of `rows` rows (the most the head sends at once: `prefill_bytes`)."""
     if not routed_expert_bytes(container, layers):
         return 0, "no routed experts in its layers"
     kv_bytes = kv_bytes_per_token(container.config, kv_dtype, layers) * context
+    activations = prefill_bytes(container.config, rows)
     if expert_cache is None:
-        return default_expert_cache(container, kv_bytes=kv_bytes, layers=layers)
+        return default_expert_cache(container, kv_bytes=kv_bytes, layers=layers, activations=activations)
     if expert_cache == "auto":
-        size, why = auto_cache_bytes(container, kv_bytes=kv_bytes, layers=layers)
+        size, why = auto_cache_bytes(container, kv_bytes=kv_bytes, layers=layers, activations=activations)
         if size == 0:
             raise GlmkitError(f"--expert-cache auto: pipeline stage over layers {layers.start}-{layers.stop - 1}: "
                               f"no RAM left for experts ({why})")
@@ -196,15 +198,16 @@ class PipelineStage:
 
     def __init__(self, snapshot: str, index: int, layers: range, device: str, float_activations: bool,
                  prefetch: bool, blas_threads: int | None = None, niceness: int = 0, kv_dtype: str = "f32",
-                 decode_step: bool = True, expert_cache: int | str | None = None, context: int | None = None
-                 ) -> None:
+                 decode_step: bool = True, expert_cache: int | str | None = None, context: int | None = None,
+                 chunk: int = DEFAULT_PIPELINE_CHUNK) -> None:
         """blas_threads: BLAS threads (None: the CPUs this process may use, as in a process of its own; Ray starts an
         actor of one CPU with OMP_NUM_THREADS=1, and the thread count changes the float sums' order). niceness: the
         scheduling priority to run at, the head's (Ray starts its workers at 15, behind any other work on the
         machine); kept at Ray's where the process may not raise its priority (`RAY_worker_niceness=0 ray start`
         then does it for every worker). kv_dtype: the precision its KV rows are kept at (`KV_DTYPES`). decode_step:
         a decoded token runs as the device's decode step over the stage's layers where the device has one (off: through
-        the operations). expert_cache, context: where its layers' routed experts live (`stage_expert_cache`)."""
+        the operations). expert_cache, context: where its layers' routed experts live (`stage_expert_cache`, for
+        forwards of at most `chunk` rows: the head's pieces)."""
         self.index, self.layer_range, self.niceness = index, layers, niceness
         threadpool_limits(blas_threads or len(os.sched_getaffinity(0)), user_api="blas")
         self._take_priority()
@@ -212,7 +215,7 @@ class PipelineStage:
         backend, self.device = make_backend(device, container, not float_activations)
         backend.release_memory()  # a device profile measured just now leaves freed memory the cache is sized after
         size, self.experts_where = stage_expert_cache(container, layers, expert_cache, kv_dtype,
-                                                      context or container.config.max_position_embeddings)
+                                                      context or container.config.max_position_embeddings, chunk)
         self.experts: ExpertStreamer | ExpertCache
         if size:
             cache = self.experts = ExpertCache(container, size, readahead=prefetch, layers=layers)
@@ -621,7 +624,7 @@ def open_pipeline(snapshot: str | Path, container: Container, stages: int | str,
             options["scheduling_strategy"] = "SPREAD"
         return remote.options(**options).remote(str(snapshot), i, plan.layers[i], device, float_activations, prefetch,
                                                  blas_threads, os.getpriority(os.PRIO_PROCESS, 0), kv_dtype,
-                                                 decode_step, expert_cache, context)
+                                                 decode_step, expert_cache, context, chunk)
 
     actors = [start_stage(i) for i in range(len(plan.layers))]
     unknown = {"host": "?", "ip": "?", "pid": "?", "decode_step": False, "experts": "?"}  # until each describes itself

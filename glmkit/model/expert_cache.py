@@ -248,15 +248,17 @@ def non_expert_bytes(container: Container, layers: range | None = None) -> int:
 
 
 def auto_cache_bytes(container: Container, reserve_bytes: int | None = None, pinned: bool = True, kv_bytes: int = 0,
-                     lend_kv: bool = False, layers: range | None = None) -> tuple[int, str]:
+                     lend_kv: bool = False, layers: range | None = None, activations: int | None = None
+                     ) -> tuple[int, str]:
     """A cache size from the RAM this process may use (`memory_limit_bytes`: the cgroup's limit or the machine's),
     less the non-expert weights it copies into RAM (unless not `pinned`: a discrete GPU holds them),
     `reserve_bytes` for the process and activations (default: what the process holds now,
     `anonymous_resident_bytes`, `activation_allowance` and `growth_allowance`) and `kv_bytes` for the KV rows of the
     context it keeps (`lend_kv`: lent to the cache while the rows leave them empty, `lendable_bytes`); with `layers`,
-    for those decoder layers only (a pipeline stage's part: their weights and experts); with the reason, for the
-    log."""
-    limit, room, reserve_bytes, held = room_for_cache(container, reserve_bytes, pinned, layers)
+    for those decoder layers only (a pipeline stage's part: their weights and experts); `activations`: the most
+    bytes its forwards' temporaries take, where known (a pipeline stage's pieces), kept instead of the
+    `activation_allowance` if fewer; with the reason, for the log."""
+    limit, room, reserve_bytes, held = room_for_cache(container, reserve_bytes, pinned, layers, activations)
     copied = non_expert_bytes(container, layers) if pinned else 0
     experts = routed_expert_bytes(container, layers)
     size = max(0, min(room - kv_bytes, experts))
@@ -270,8 +272,8 @@ def auto_cache_bytes(container: Container, reserve_bytes: int | None = None, pin
     return size, why
 
 
-def room_for_cache(container: Container, reserve_bytes: int | None, pinned: bool, layers: range | None = None
-                   ) -> tuple[int, int, int, str]:
+def room_for_cache(container: Container, reserve_bytes: int | None, pinned: bool, layers: range | None = None,
+                   activations: int | None = None) -> tuple[int, int, int, str]:
     """(the RAM this process may use, what it leaves for slots and KV rows, the `reserve_bytes` kept for the process,
     activations and later growth, what the process holds now as said in the log): see `auto_cache_bytes`. With
     `pinned` False and the cache already built, what is left for KV rows beside it."""
@@ -279,7 +281,9 @@ def room_for_cache(container: Container, reserve_bytes: int | None, pinned: bool
     held = ""
     if reserve_bytes is None:
         now = anonymous_resident_bytes()
-        reserve_bytes = now + activation_allowance(limit) + growth_allowance(limit)
+        allowance = activation_allowance(limit)
+        reserve_bytes = now + min(allowance, allowance if activations is None else activations) + \
+            growth_allowance(limit)
         held = f" ({format_size(now)} it holds now)"
     return limit, limit - (non_expert_bytes(container, layers) if pinned else 0) - reserve_bytes, reserve_bytes, held
 

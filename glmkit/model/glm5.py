@@ -76,6 +76,11 @@ def prefill_rows_within(config: ModelConfig, nbytes: int) -> int:
     return max(MIN_PREFILL_ROWS, nbytes // (config.hidden_size * 4 * PREFILL_ROW_FLOATS))
 
 
+def prefill_bytes(config: ModelConfig, rows: int) -> int:
+    """The bytes of temporaries a forward of `rows` prompt rows holds at its peak (as `prefill_rows_within` counts)."""
+    return rows * config.hidden_size * 4 * PREFILL_ROW_FLOATS
+
+
 def row_blocks(n: int, rows: int) -> list[slice]:
     """Slices of at most `rows` rows covering `n` rows in order."""
     return [slice(b, b + rows) for b in range(0, n, rows)]
