@@ -220,7 +220,7 @@ def test_glm_cache_on_a_cache_dir_that_is_a_file_is_an_error(tmp_path, capsys):
     assert capsys.readouterr().err == f"glm-cache: error: --cache-dir {tmp_path / 'file'}: not a directory\n"
 
 @pytest.mark.parametrize("tier", ["disk", "ram"])
-def test_rows_are_never_reused_for_tokens_they_were_not_computed_for(engine, tmp_path, tier):
+def test_rows_are_never_reused_for_tokens_they_were_not_computed_for(engine, tmp_path, tier, capsys):
     """A row whose `tokens` column claims the tokens of another prompt's tail: a miss, and the entry dropped."""
     a = tokens(1, 22)
     b = a[:16] + tokens(2, 6)
@@ -235,6 +235,7 @@ def test_rows_are_never_reused_for_tokens_they_were_not_computed_for(engine, tmp
     result = cache.restore(kv, b)
     assert rows_match(engine, kv, b, result.tokens)
     assert result.tokens == 16 and result.discarded == 1
+    assert "prefix cache entry of positions 16-21 dropped" in capsys.readouterr().err
     assert index(tmp_path).execute("SELECT COUNT(*) FROM entries WHERE key = ?", (tail,)).fetchone()[0] == 0
 
 

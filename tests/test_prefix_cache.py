@@ -163,7 +163,7 @@ def _blob_paths(directory):
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "version", "model"])
-def test_damaged_blobs_are_discarded_and_recomputed(engine, oracle, tmp_path, damage):
+def test_damaged_blobs_are_discarded_and_recomputed(engine, oracle, tmp_path, damage, capsys):
     ids = oracle["full_ids"]
     run_and_store(engine, make_cache(engine, tmp_path), ids[:30])
     first = min(_blob_paths(tmp_path), key=lambda p: open_index(tmp_path).execute(
@@ -187,6 +187,9 @@ def test_damaged_blobs_are_discarded_and_recomputed(engine, oracle, tmp_path, da
     result = cache.restore(kv, ids)
     assert result.tokens == 0 and result.discarded == 1  # the first chunk is bad: nothing after it is used
     assert not first.exists()
+    err = capsys.readouterr().err  # said once, naming the blob
+    assert err.count("\n") == 1 and err.startswith("glmkit: warning: prefix cache entry of positions 0-")
+    assert f"computed again: {first}: " in err
     assert greedy(engine, ids[:30], 6, kv) == greedy(engine, ids[:30], 6)
     run_and_store(engine, cache, ids[:30])  # recomputed and stored again
     assert make_cache(engine, tmp_path).restore(engine.model.new_cache(), ids).tokens >= 28

@@ -313,15 +313,20 @@ class PrefixCache:
         whose own blob disagrees with what the index said of it is dropped (counted in `result.discarded`)."""
         chunk = self._ram.get(key)
         from_disk = chunk is None
+        why = "its rows are not of the tokens its index entry names"
         if from_disk:
             if not 0 < n_tokens <= max(self.chunk_tokens, MAX_CHUNK_TOKENS) or not self._exists(key):
                 return None
             try:  # the path comes from the key, never from the index row
-                chunk = read_blob(blob_path(self.directory, self.model_hash, key), self.model_hash, self.numerics,
-                                  self.expected_shapes(n_tokens, start), self.root, self.kv_dtype)
-            except (OSError, ValueError):
-                chunk = None
+                path = blob_path(self.directory, self.model_hash, key)
+                chunk = read_blob(path, self.model_hash, self.numerics, self.expected_shapes(n_tokens, start),
+                                  self.root, self.kv_dtype)
+            except (OSError, ValueError) as e:
+                chunk, why = None, str(e)
         if chunk is None or not _holds(chunk, key, start, n_tokens, expect, offset, parent):
+            # the output stays right (the rows are computed again), but a cache that keeps losing entries is news
+            print(f"glmkit: warning: prefix cache entry of positions {start}-{start + n_tokens - 1} dropped, its rows "
+                  f"computed again: {why}", file=sys.stderr)
             self._forget(key)
             result.discarded += 1
             return None
