@@ -40,7 +40,7 @@ from glmkit.generate.pipeline import (
     split_layers,
 )
 from glmkit.generate.sampling import Sampler, SamplingParams
-from glmkit.model.expert_cache import expert_slot_bytes
+from glmkit.model.expert_cache import expert_slot_bytes, usage_path
 from glmkit.model.glm5 import GlmMoeDsaModel
 from glmkit.units import format_size
 from tests.runtime_support import FIXTURES, Snapshots
@@ -392,26 +392,36 @@ def test_glm_run_pipeline_prints_the_single_process_reply(cluster, snapshot, cap
     assert record["expert_evictions"] > 0  # the two stages' counters, summed as an expert cache's
 
 
-def test_stages_keep_their_layers_experts_in_caches_of_their_own(cluster, snapshot, restores_blas_threads):
+def test_stages_keep_their_layers_experts_in_caches_of_their_own(cluster, snapshot, restores_blas_threads, tmp_path):
     """`expert_cache` with a pipeline: each stage keeps its own layers' routed experts in an expert cache (one
     layer's top-k and 2 more slots: nearly every layer misses, read-ahead on) and copies only its layers' other
     weights; the logits are the single process's on the mapping, bit for bit, on the device step (OpenCL) and through
-    NumPy's operations."""
+    NumPy's operations. Each stage saves its layers' usage scores when the pipeline closes, and loads its hot set from
+    them when it opens again."""
     for device in ("opencl", "numpy"):
         single = Engine(snapshot, device, load_tokenizer=False)
         topk, k = single.config.index_topk, single.config.num_experts_per_tok
         want = decoded_logits(single.model, topk - 3, 10)
         size = (k + 2) * expert_slot_bytes(single.container)
-        engine = PipelineEngine(snapshot, 2, device=device, load_tokenizer=False, verbose=False, expert_cache=size)
-        try:
-            assert [w["experts"] for w in engine.pipeline.where] == [f"expert cache {format_size(size)} "
-                                                                     "(--expert-cache)"] * 2
-            got = decoded_logits(engine.model, topk - 3, 10)
-            stats = engine.expert_stats.to_json()
-        finally:
-            engine.close()
-        assert np.array_equal(got, want), device
-        assert stats["expert_misses"] > stats["expert_hits"] > 0 and stats["readahead_reads"] > 0
+        usage = tmp_path / device
+        for run in range(2):
+            engine = PipelineEngine(snapshot, 2, device=device, load_tokenizer=False, verbose=False,
+                                    expert_cache=size, expert_usage_dir=usage)
+            try:
+                assert [w["experts"] for w in engine.pipeline.where] == [f"expert cache {format_size(size)} "
+                                                                         "(--expert-cache)"] * 2
+                got = decoded_logits(engine.model, topk - 3, 10)
+                stats = engine.expert_stats.to_json()
+                layers = engine.pipeline.layers
+            finally:
+                engine.close()
+            assert np.array_equal(got, want), device
+            assert stats["expert_misses"] > stats["expert_hits"] > 0 and stats["readahead_reads"] > 0
+            assert (stats["experts_preloaded"] > 0) == (run == 1)  # the first run's scores, read by the second
+        for part in layers:  # one file per stage, holding its layers' scores only
+            saved = json.loads(usage_path(usage, single.model_hash, part).read_text())["scores"]
+            assert saved and {layer for layer, _, _ in saved} <= set(part)
+        assert not usage_path(usage, single.model_hash).exists()
 
 
 def test_glm_serve_pipeline_completes_as_glm_run(cluster, snapshot, capsys, tmp_path):
@@ -467,3 +477,23 @@ def test_a_refused_connection_is_one_line_and_a_made_one_passes_ray_s_log_on(cap
     assert capfd.readouterr().err == ""
     connect_ray(lambda: os.write(2, b"ray says hello\n"), None)
     assert capfd.readouterr().err == "ray says hello\n"
+
+
+def test_a_stage_without_scores_of_its_own_starts_from_the_whole_models(snapshot, tmp_path):
+    """A stage's expert cache (built here in this process, as Ray would in an actor) whose usage file is missing
+    loads its hot set from the whole model's file on its machine: its own layers' experts only."""
+    from glmkit.generate.pipeline import PipelineStage
+    from glmkit.model.expert_cache import write_usage
+
+    container = Container(snapshot)
+    ranges = container.manifest.experts
+    write_usage(usage_path(tmp_path, container.model_hash), container.model_hash,
+                {(r.layer, r.expert): 1.0 + r.expert for r in ranges})
+    stage = PipelineStage(str(snapshot), 0, range(0, 2), "numpy", False, True, expert_cache=4 * expert_slot_bytes(
+        container), usage_dir=str(tmp_path))
+    stage.experts.preloader.join()
+    held = set(stage.experts._slot)
+    assert held and {layer for layer, _ in held} == {1}  # layer 0 is dense; layers 2-3 are the other stage's
+    assert stage.experts.stats.preloaded == len(held) == 4
+    stage.close()
+    assert usage_path(tmp_path, container.model_hash, range(0, 2)).exists()

@@ -123,7 +123,8 @@ def pipeline_engine_from_arguments(args: argparse.Namespace, load_tokenizer: boo
                           prefetch=not getattr(args, "no_prefetch", False), chunk=args.pipeline_chunk,
                           load_tokenizer=load_tokenizer, kv_dtype=args.kv_dtype, hops=args.pipeline_hops,
                           max_context=getattr(args, "max_context", None),
-                          expert_cache=getattr(args, "expert_cache", None))
+                          expert_cache=getattr(args, "expert_cache", None),
+                          expert_usage_dir=default_cache_dir().parent)
 
 
 def use_mtp_from_arguments(engine: Engine, args: argparse.Namespace) -> bool:

@@ -54,7 +54,14 @@ from glmkit.format.reader import Container
 from glmkit.format.schema import tensor_layer
 from glmkit.generate.engine import Engine, default_expert_cache, make_backend
 from glmkit.model.compute import Backend, DecodeStep
-from glmkit.model.expert_cache import CacheStats, ExpertCache, auto_cache_bytes, routed_expert_bytes
+from glmkit.model.expert_cache import (
+    CacheStats,
+    ExpertCache,
+    auto_cache_bytes,
+    routed_expert_bytes,
+    saved_scores,
+    usage_path,
+)
 from glmkit.model.expert_stream import ExpertStats, ExpertStreamer, outgrows_memory
 from glmkit.model.glm5 import GlmMoeDsaModel, WeightSource, prefill_bytes
 from glmkit.model.kv_cache import KVCache, decode_kv_rows, encode_kv_rows, kv_bytes_per_token
@@ -62,6 +69,7 @@ from glmkit.units import format_size
 
 DEFAULT_PIPELINE_CHUNK = 256  # prompt tokens per piece streamed through the stages
 STAGE_START_TIMEOUT_S = 120  # a stage not started by then cannot be placed (or cannot open the container)
+STAGE_CLOSE_TIMEOUT_S = 10  # a stage that has not closed by then (its reads, its usage file) is ended all the same
 INSTALL_HINT = 'pip install "glmkit[distributed]"'
 # a compiled graph of shared-memory channels, an actor task per stage, or the graph where every stage decodes on its
 # device step and tasks elsewhere (docs/BENCHMARKS.md, "Pipeline over Ray")
@@ -199,7 +207,7 @@ class PipelineStage:
     def __init__(self, snapshot: str, index: int, layers: range, device: str, float_activations: bool,
                  prefetch: bool, blas_threads: int | None = None, niceness: int = 0, kv_dtype: str = "f32",
                  decode_step: bool = True, expert_cache: int | str | None = None, context: int | None = None,
-                 chunk: int = DEFAULT_PIPELINE_CHUNK) -> None:
+                 chunk: int = DEFAULT_PIPELINE_CHUNK, usage_dir: str | None = None) -> None:
         """blas_threads: BLAS threads (None: the CPUs this process may use, as in a process of its own; Ray starts an
         actor of one CPU with OMP_NUM_THREADS=1, and the thread count changes the float sums' order). niceness: the
         scheduling priority to run at, the head's (Ray starts its workers at 15, behind any other work on the
@@ -207,7 +215,9 @@ class PipelineStage:
         then does it for every worker). kv_dtype: the precision its KV rows are kept at (`KV_DTYPES`). decode_step:
         a decoded token runs as the device's decode step over the stage's layers where the device has one (off: through
         the operations). expert_cache, context: where its layers' routed experts live (`stage_expert_cache`, for
-        forwards of at most `chunk` rows: the head's pieces)."""
+        forwards of at most `chunk` rows: the head's pieces). usage_dir: where an expert cache keeps its usage scores
+        on this stage's machine (a file for its layers, `usage_path`; it starts from the whole model's file there
+        where it has none of its own; None: neither read nor saved)."""
         self.index, self.layer_range, self.niceness = index, layers, niceness
         threadpool_limits(blas_threads or len(os.sched_getaffinity(0)), user_api="blas")
         self._take_priority()
@@ -218,7 +228,11 @@ class PipelineStage:
                                                       context or container.config.max_position_embeddings, chunk)
         self.experts: ExpertStreamer | ExpertCache
         if size:
-            cache = self.experts = ExpertCache(container, size, readahead=prefetch, layers=layers)
+            usage = None if usage_dir is None else usage_path(Path(usage_dir), container.model_hash, layers)
+            whole = None if usage_dir is None else usage_path(Path(usage_dir), container.model_hash)
+            scores = saved_scores(usage if usage is None or usage.exists() else whole, container)
+            cache = self.experts = ExpertCache(container, size, readahead=prefetch, usage_file=usage, scores=scores,
+                                               layers=layers)
             self.model = GlmMoeDsaModel(container.config, cache, backend, route_hook=cache.on_route,
                                         step_experts=cache, kv_dtype=kv_dtype, ahead_hook=cache.read_ahead,
                                         ran_hook=cache.ran)
@@ -304,6 +318,12 @@ class PipelineStage:
     def append_encoded(self, cache_id: int, layer: int, fields: dict[str, tuple[np.ndarray, np.ndarray | None]]
                        ) -> None:
         self._cache(cache_id).layer(layer).append_encoded(fields)
+
+    def close(self) -> None:
+        """Let an expert cache finish its reads and save its usage scores (the head calls it before ending the
+        actor)."""
+        if isinstance(self.experts, ExpertCache):
+            self.experts.close()
 
     def expert_stats(self) -> tuple[str, dict[str, Any]]:
         """("cache", the expert cache's counters) or ("stream", the page cache's): `StageExpertStats` sums them."""
@@ -529,8 +549,11 @@ class Pipeline:
         return cached
 
     def close(self) -> None:
-        """Tear down the compiled graph and end the stage actors (their processes and KV rows)."""
+        """Tear down the compiled graph and end the stage actors (their processes and KV rows), each told to close
+        first (an expert cache saves its usage scores) where it answers within STAGE_CLOSE_TIMEOUT_S."""
         self.release_graph()
+        with contextlib.suppress(Exception):  # a dead or stuck stage is ended all the same
+            self.ray.get([actor.close.remote() for actor in self.actors], timeout=STAGE_CLOSE_TIMEOUT_S)
         for actor in self.actors:
             try:
                 self.ray.kill(actor, no_restart=True)
@@ -593,12 +616,14 @@ def open_pipeline(snapshot: str | Path, container: Container, stages: int | str,
                   device: str = "numpy", float_activations: bool = False, prefetch: bool = True,
                   chunk: int = DEFAULT_PIPELINE_CHUNK, verbose: bool = True, blas_threads: int | None = None,
                   kv_dtype: str = "f32", decode_step: bool = True, hops: str = "auto",
-                  expert_cache: int | str | None = None, context: int | None = None) -> Pipeline:
+                  expert_cache: int | str | None = None, context: int | None = None,
+                  usage_dir: Path | None = None) -> Pipeline:
     """Start one stage actor per range of the plan on the Ray cluster at `address` (None: the cluster `ray start`
     made on this machine, else a new local one; already connected: that one), wait until each has opened the
     container, and print the plan on stderr when `verbose`. blas_threads, kv_dtype, decode_step, expert_cache (each
-    stage's, for its own layers and RAM), context: see `PipelineStage`; hops: one of `PIPELINE_HOPS` ("auto":
-    "graph" where every stage decodes on the device step, else "tasks"; see `Pipeline`)."""
+    stage's, for its own layers and RAM), context, usage_dir (the same path on every machine): see
+    `PipelineStage`; hops: one of `PIPELINE_HOPS` ("auto": "graph" where every stage decodes on the device step, else
+    "tasks"; see `Pipeline`)."""
     ray = import_ray()
     if chunk < 1:
         raise GlmkitError(f"--pipeline-chunk: must be >= 1, got {chunk}")
@@ -624,7 +649,8 @@ def open_pipeline(snapshot: str | Path, container: Container, stages: int | str,
             options["scheduling_strategy"] = "SPREAD"
         return remote.options(**options).remote(str(snapshot), i, plan.layers[i], device, float_activations, prefetch,
                                                  blas_threads, os.getpriority(os.PRIO_PROCESS, 0), kv_dtype,
-                                                 decode_step, expert_cache, context, chunk)
+                                                 decode_step, expert_cache, context, chunk,
+                                                 None if usage_dir is None else str(usage_dir))
 
     actors = [start_stage(i) for i in range(len(plan.layers))]
     unknown = {"host": "?", "ip": "?", "pid": "?", "decode_step": False, "experts": "?"}  # until each describes itself
@@ -837,20 +863,22 @@ class StageExpertStats:
 
 class PipelineEngine(Engine):
     """An Engine whose model is a `PipelineModel` over stage actors (see `open_pipeline` for the arguments;
-    `expert_cache` is each stage's, `stage_expert_cache`). The head maps the container too but reads only the
+    `expert_cache` is each stage's, `stage_expert_cache`; `expert_usage_dir` where each stage's expert cache keeps
+    its usage scores on its machine). The head maps the container too but reads only the
     embedding, the final norm, lm_head and the MTP layer: no routed expert is read ahead here."""
 
     def __init__(self, snapshot: str | Path, stages: int | str, address: str | None = None, device: str = "numpy",
                  float_activations: bool = False, prefetch: bool = True, chunk: int = DEFAULT_PIPELINE_CHUNK,
                  load_tokenizer: bool = True, verbose: bool = True, blas_threads: int | None = None,
                  kv_dtype: str = "f32", decode_step: bool = True, hops: str = "auto",
-                 max_context: int | None = None, expert_cache: int | str | None = None) -> None:
+                 max_context: int | None = None, expert_cache: int | str | None = None,
+                 expert_usage_dir: Path | None = None) -> None:
         super().__init__(snapshot, device, prefetch=False, load_tokenizer=load_tokenizer,
                          float_activations=float_activations, expert_cache=0, kv_dtype=kv_dtype,
                          max_context=max_context)
         self.pipeline = open_pipeline(snapshot, self.container, stages, address, device, float_activations, prefetch,
                                       chunk, verbose, blas_threads, kv_dtype, decode_step, hops, expert_cache,
-                                      self.config.max_position_embeddings)
+                                      self.config.max_position_embeddings, expert_usage_dir)
         self.model = PipelineModel(self.config, self.experts, self.backend, self.pipeline, kv_dtype)
         self.experts.stats = StageExpertStats(self.pipeline)  # type: ignore[assignment]  # the head routes nothing
 

@@ -139,8 +139,11 @@ class CacheStats:
                 "readahead_reads": self.read_ahead, "expert_slots_lent_most": self.lent_most}
 
 
-def usage_path(cache_dir: Path, model_hash: str) -> Path:
-    return cache_dir / "experts" / f"{model_hash}.json"
+def usage_path(cache_dir: Path, model_hash: str, layers: range | None = None) -> Path:
+    """Where the usage scores of the model `model_hash` are kept under `cache_dir`: one file for the whole model, or,
+    with `layers`, one for those layers only (a pipeline stage's)."""
+    part = "" if layers is None else f".layers-{layers.start}-{layers.stop - 1}"
+    return cache_dir / "experts" / f"{model_hash}{part}.json"
 
 
 def read_usage(path: Path, model_hash: str, n_layers: int, n_experts: int) -> dict[Key, float]:
