@@ -229,8 +229,10 @@ class PipelineStage:
         self.experts: ExpertStreamer | ExpertCache
         if size:
             usage = None if usage_dir is None else usage_path(Path(usage_dir), container.model_hash, layers)
-            whole = None if usage_dir is None else usage_path(Path(usage_dir), container.model_hash)
-            scores = saved_scores(usage if usage is None or usage.exists() else whole, container)
+            if usage is not None and not usage.exists():  # no scores of its own yet: the whole model's, if any
+                scores = saved_scores(usage_path(Path(usage_dir), container.model_hash), container)
+            else:
+                scores = saved_scores(usage, container)
             cache = self.experts = ExpertCache(container, size, readahead=prefetch, usage_file=usage, scores=scores,
                                                layers=layers)
             self.model = GlmMoeDsaModel(container.config, cache, backend, route_hook=cache.on_route,
@@ -251,7 +253,7 @@ class PipelineStage:
 
     def describe(self) -> dict[str, Any]:
         """Where this stage runs: host name, IP address, process id, device, numerics, whether a decoded token runs
-        as one device step."""
+        as one device step, where its routed experts live and why (`stage_expert_cache`)."""
         import ray
 
         return {"host": socket.gethostname(), "ip": ray.util.get_node_ip_address(), "pid": os.getpid(),

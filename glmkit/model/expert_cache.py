@@ -285,8 +285,9 @@ def room_for_cache(container: Container, reserve_bytes: int | None, pinned: bool
     if reserve_bytes is None:
         now = anonymous_resident_bytes()
         allowance = activation_allowance(limit)
-        reserve_bytes = now + min(allowance, allowance if activations is None else activations) + \
-            growth_allowance(limit)
+        if activations is not None:
+            allowance = min(allowance, activations)
+        reserve_bytes = now + allowance + growth_allowance(limit)
         held = f" ({format_size(now)} it holds now)"
     return limit, limit - (non_expert_bytes(container, layers) if pinned else 0) - reserve_bytes, reserve_bytes, held
 
