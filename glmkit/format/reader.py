@@ -135,9 +135,18 @@ class Container:
     def nbytes(self) -> int:
         return sum(int(r["nbytes"]) for r in self.manifest.files.values())
 
+    def layer_nbytes(self) -> list[int]:
+        """Bytes of each decoder layer's tensors (routed experts and scales included), the MTP layer's last."""
+        sizes = [0] * self.config.num_layers_with_mtp
+        for name, entry in self.manifest.tensors.items():
+            layer = tensor_layer(name)
+            if layer is not None and layer < len(sizes):
+                sizes[layer] += entry.nbytes
+        return sizes
+
     def layers_nbytes(self, layers: range) -> int:
-        """Bytes of the tensors (scales included) of decoder layers `layers`: a pipeline stage's part."""
-        return sum(e.nbytes for name, e in self.manifest.tensors.items() if tensor_layer(name) in layers)
+        """Bytes of the tensors of decoder layers `layers` (`layer_nbytes`): a pipeline stage's part."""
+        return sum(self.layer_nbytes()[layers.start:layers.stop])
 
     def has(self, name: str) -> bool:
         return name in self.manifest.tensors

@@ -146,19 +146,10 @@ class Engine:
             cache = self.experts = ExpertCache(self.container, int(expert_cache) + lent, readahead=prefetch,
                                                usage_file=self.usage_file, scores=self.expert_usage,
                                                lendable_bytes=lent)
-            self.model = GlmMoeDsaModel(self.config, cache, self.backend, route_hook=cache.on_route,
-                                        step_experts=cache, kv_dtype=kv_dtype, ahead_hook=cache.read_ahead,
-                                        ran_hook=cache.ran, lend_hook=cache.lend if lent else None)
+            self.model = model_over_expert_cache(self.config, cache, self.backend, kv_dtype, lend=bool(lent))
         else:
-            self.experts = ExpertStreamer(self.container, ram_budget_bytes, prefetch)
-            # a device decode step's routing is watched only when experts will come from disk: its callbacks cost
-            # a large share of decode when everything is in RAM (docs/BENCHMARKS.md)
-            watch = prefetch and outgrows_memory(self.container)
-            self.model = GlmMoeDsaModel(self.config, self.experts, self.backend, route_hook=self.experts.on_route,
-                                        step_route_hook=self.experts.advise_routed if watch else None,
-                                        kv_dtype=kv_dtype)
-            if prefetch and not watch:  # it fits: all of it in the page cache, read in the background
-                self.experts.warm_in_background()
+            self.experts, self.model = model_over_page_cache(self.container, self.config, self.backend, kv_dtype,
+                                                             prefetch, ram_budget_bytes)
         if expert_cache and not split:  # each forward reads its routed experts once a layer: long prompts go layer
             # by layer in spans as long as the activations' room allows (sized from the RAM: what the cache left)
             self.model.span_rows, self.model.prefill_rows = span_rows_within(
@@ -324,6 +315,30 @@ def measure_mtp_costs(model: GlmMoeDsaModel, rounds: int = 5, tokens: int = 24,
             stats = decode(use_mtp, tokens)
             costs["cycle" if use_mtp else "token"].append(stats.decode_s * 1e3 / stats.main_forwards)
     return {name: round(float(np.median(values)), 4) for name, values in costs.items()}
+
+
+def model_over_expert_cache(config: ModelConfig, cache: ExpertCache, backend: Backend, kv_dtype: str,
+                            lend: bool = False) -> GlmMoeDsaModel:
+    """The model reading its routed experts from `cache`'s slots (its hooks: routes, read-ahead, experts run; with
+    `lend`, the KV rows' room it lends)."""
+    return GlmMoeDsaModel(config, cache, backend, route_hook=cache.on_route, step_experts=cache, kv_dtype=kv_dtype,
+                          ahead_hook=cache.read_ahead, ran_hook=cache.ran, lend_hook=cache.lend if lend else None)
+
+
+def model_over_page_cache(container: Container, config: ModelConfig, backend: Backend, kv_dtype: str,
+                          prefetch: bool, ram_budget_bytes: int = 0, layers: range | None = None
+                          ) -> tuple[ExpertStreamer, GlmMoeDsaModel]:
+    """The model reading its routed experts through the page cache (`ram_budget_bytes` of them pinned), with its
+    weight source. With `prefetch`, where the container (with `layers`: their part) outgrows the RAM, a device decode
+    step's routed experts are advised as it routes them (its callbacks cost a large share of decode when everything
+    is in RAM: docs/BENCHMARKS.md); else all of it is read into the page cache in the background."""
+    experts = ExpertStreamer(container, ram_budget_bytes, prefetch)
+    watch = prefetch and outgrows_memory(container, layers=layers)
+    model = GlmMoeDsaModel(config, experts, backend, route_hook=experts.on_route,
+                           step_route_hook=experts.advise_routed if watch else None, kv_dtype=kv_dtype)
+    if prefetch and not watch:
+        experts.warm_in_background(layers)
+    return experts, model
 
 
 def context_config(config: ModelConfig, max_context: int | None) -> ModelConfig:

@@ -51,8 +51,13 @@ from threadpoolctl import threadpool_limits
 from glmkit.errors import GlmkitError
 from glmkit.format.config import ModelConfig
 from glmkit.format.reader import Container
-from glmkit.format.schema import tensor_layer
-from glmkit.generate.engine import Engine, default_expert_cache, make_backend
+from glmkit.generate.engine import (
+    Engine,
+    default_expert_cache,
+    make_backend,
+    model_over_expert_cache,
+    model_over_page_cache,
+)
 from glmkit.model.compute import Backend, DecodeStep
 from glmkit.model.expert_cache import (
     CacheStats,
@@ -62,7 +67,7 @@ from glmkit.model.expert_cache import (
     saved_scores,
     usage_path,
 )
-from glmkit.model.expert_stream import ExpertStats, ExpertStreamer, outgrows_memory
+from glmkit.model.expert_stream import ExpertStats, ExpertStreamer
 from glmkit.model.glm5 import GlmMoeDsaModel, WeightSource, prefill_bytes
 from glmkit.model.kv_cache import KVCache, decode_kv_rows, encode_kv_rows, kv_bytes_per_token
 from glmkit.units import format_size
@@ -91,14 +96,9 @@ def import_ray() -> Any:
 # ---- the plan -------------------------------------------------------------------------------------------
 
 def layer_nbytes(container: Container) -> list[int]:
-    """Bytes of each main decoder layer's tensors in the container (routed experts and scales included)."""
-    cfg = container.config
-    sizes = [0] * cfg.num_hidden_layers
-    for name, entry in container.manifest.tensors.items():
-        layer = tensor_layer(name)
-        if layer is not None and layer < cfg.num_hidden_layers:
-            sizes[layer] += entry.nbytes
-    return sizes
+    """Bytes of each main decoder layer's tensors in the container (routed experts and scales included): what the
+    stages split."""
+    return container.layer_nbytes()[:container.config.num_hidden_layers]
 
 
 def split_layers(sizes: Sequence[int], shares: Sequence[float]) -> list[range]:
@@ -235,18 +235,10 @@ class PipelineStage:
                 scores = saved_scores(usage, container)
             cache = self.experts = ExpertCache(container, size, readahead=prefetch, usage_file=usage, scores=scores,
                                                layers=layers)
-            self.model = GlmMoeDsaModel(container.config, cache, backend, route_hook=cache.on_route,
-                                        step_experts=cache, kv_dtype=kv_dtype, ahead_hook=cache.read_ahead,
-                                        ran_hook=cache.ran)
-        else:  # the page cache, as a single process's: routed experts advised as the step routes them where the
-            # stage's part outgrows the RAM, else all of them read in the background
-            self.experts = ExpertStreamer(container, 0, prefetch)
-            watch = prefetch and outgrows_memory(container, layers=layers)
-            self.model = GlmMoeDsaModel(container.config, self.experts, backend, route_hook=self.experts.on_route,
-                                        step_route_hook=self.experts.advise_routed if watch else None,
-                                        kv_dtype=kv_dtype)
-            if prefetch and not watch:
-                self.experts.warm_in_background(layers)
+            self.model = model_over_expert_cache(container.config, cache, backend, kv_dtype)
+        else:  # the page cache, as a single process's
+            self.experts, self.model = model_over_page_cache(container, container.config, backend, kv_dtype,
+                                                             prefetch, layers=layers)
         self.caches: dict[int, KVCache] = {}
         self.steps = decode_step and self.model.part_step(layers, False) is not None  # built here, not at a token
         self.busy_s = 0.0  # seconds spent in `run`: the compute a pipeline's hops are compared with
