@@ -26,15 +26,30 @@ def snapshots(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def kernels():
+def direct_kernels():
+    """The test device as it is (PoCL's CPU device by default: direct, its buffers are host memory)."""
     return Kernels(opencl_test_device())
 
 
-def device_model(engine: Engine, kernels: Kernels, int8_activations: bool = True) -> GlmMoeDsaModel:
-    """The engine's model on an OpenCL backend over `kernels` (the decode step and its two-row form)."""
+@pytest.fixture(scope="module")
+def discrete_kernels():
+    """The test device driven as a discrete GPU is (device buffers and copies, the GPU build of the kernels)."""
+    return Kernels(opencl_test_device(), lanes=8, red_lanes=8, direct=False, cpu_loads=False)
+
+
+@pytest.fixture(params=["direct", "discrete"])
+def kernels(request):
+    """Each test that takes `kernels` runs on both kinds of device."""
+    return request.getfixturevalue(f"{request.param}_kernels")
+
+
+def device_model(engine: Engine, kernels: Kernels, int8_activations: bool = True, kv_dtype: str = "f32"
+                 ) -> GlmMoeDsaModel:
+    """The engine's model on an OpenCL backend over `kernels` (the decode step and its two-row form), KV rows at
+    kv_dtype."""
     backend = OpenCLBackend(kernels, Placement(), int8_activations=int8_activations,
                             unified=None if kernels.direct else False, model_bytes=engine.container.nbytes)
-    return GlmMoeDsaModel(engine.config, engine.experts, backend)
+    return GlmMoeDsaModel(engine.config, engine.experts, backend, kv_dtype=kv_dtype)
 
 
 def copy_rows(cache, into) -> None:
@@ -45,21 +60,27 @@ def copy_rows(cache, into) -> None:
             b.append(**{name: a.rows(name) for name in ("kv_lat", "k_rot", "index_k")[:3 if a.has_index else 2]})
 
 
-@pytest.mark.parametrize("variant,preset,int8", [("tiny-trained", "q4", True), ("tiny-bf16", "f32", False),
-                                                 ("tiny-fp8", "q2", True)])
-def test_two_rows_equal_two_single_steps(snapshots, kernels, variant, preset, int8):
+@pytest.mark.parametrize("variant,preset,int8,kv_dtype", [("tiny-trained", "q4", True, "f32"),
+                                                          ("tiny-bf16", "f32", False, "f32"),
+                                                          ("tiny-fp8", "q2", True, "f32"),
+                                                          ("tiny-trained", "q4", True, "fp8")])
+def test_two_rows_equal_two_single_steps(snapshots, kernels, variant, preset, int8, kv_dtype):
     """The two-row step's logits, hidden states and KV rows are the single-token step's for the same two tokens,
     bit for bit: while every key is attended, where the first row has index_topk keys and the second one more
     (the causal mask of the selection), and with the indexer selecting for both rows; q2's shared expert runs apart
-    (int4 beside int2 experts)."""
+    (int4 beside int2 experts); KV rows at fp8 (each row's codes and scale). On a discrete device each row's KV rows
+    come back to the host cache with the forward."""
     engine = Engine(snapshots(variant, preset), "numpy", load_tokenizer=False)
-    dev = device_model(engine, kernels, int8)
+    dev = device_model(engine, kernels, int8, kv_dtype)
     ids = np.array(oracle(variant)["full_ids"])
     topk = engine.config.index_topk
     for start in (3, topk - 1, topk, topk + 5):
         single, double = dev.new_cache(), dev.new_cache()
         dev.forward(ids[:start], single)
-        copy_rows(single, double)
+        if kv_dtype == "f32":
+            copy_rows(single, double)
+        else:  # the same prefill again (copy_rows would round the rows twice)
+            dev.forward(ids[:start], double)
         want = [dev.forward(ids[start + r:start + r + 1], single) for r in range(2)]
         logits, hidden = dev.forward(ids[start:start + 2], double)
         assert isinstance(dev._verify, DeviceDecodeStep) and dev._verify.rows == 2
@@ -69,6 +90,7 @@ def test_two_rows_equal_two_single_steps(snapshots, kernels, variant, preset, in
             assert a.length == b.length
             for name in ("kv_lat", "k_rot", "index_k") if a.has_index else ("kv_lat", "k_rot"):
                 assert np.array_equal(a.rows(name), b.rows(name))
+                assert np.array_equal(a.storage(name)[:a.length], b.storage(name)[:b.length])
 
 
 def test_draft_in_the_queue_is_the_mtp_head(snapshots, kernels):
@@ -89,19 +111,28 @@ def test_draft_in_the_queue_is_the_mtp_head(snapshots, kernels):
     assert chosen.tolist() == logits.argmax(-1).tolist()
     dev.forward(ids[start:start + 2], ref)
     want, _ = dev.mtp_forward(hidden, chosen, ref)  # operation by operation (no step runs the MTP layer)
-    got = dev._verify.draft_logits.host.reshape(2, -1)
+    step = dev._verify
+    copied = step.buffers.to_host(step.draft_logits)  # a discrete device's copy: the step reads back the drafts only
+    if copied is not None:
+        copied.wait()
+    got = step.draft_logits.host.reshape(2, -1)
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
     assert drafts.tolist() == want.argmax(-1).tolist()
     mtp_fused, mtp_ref = fused.layer(cfg.num_hidden_layers), ref.layer(cfg.num_hidden_layers)
     assert mtp_fused.length == mtp_ref.length == start + 2
     for name in ("kv_lat", "k_rot", "index_k"):
         np.testing.assert_allclose(mtp_fused.rows(name), mtp_ref.rows(name), rtol=1e-4, atol=1e-5)
+    drafted_rows = {name: mtp_fused.rows(name).copy() for name in ("kv_lat", "k_rot", "index_k")}
     mtp_fused.truncate(start)
+    for name in drafted_rows:  # what the redraft must write again
+        mtp_fused.storage(name)[start:start + 2] = 0
     other = dev.new_cache()  # another sequence's verification in between (glm-serve interleaves requests)
     dev.forward(ids[:9], other)
     dev.verify_draft(ids[9:11], other, greedy=False)
     assert dev.redraft(chosen.tolist(), hidden, fused).tolist() == drafts.tolist()
     assert mtp_fused.length == start + 2
+    for name, rows in drafted_rows.items():  # the MTP layer's rows as the queue's own draft wrote them
+        assert np.array_equal(mtp_fused.rows(name), rows)
 
 
 def generate(model: GlmMoeDsaModel, prompt: list[int], use_mtp: bool, params: SamplingParams, n: int = 40
@@ -149,7 +180,7 @@ def cached_model(engine: Engine, kernels: Kernels, slots: int, int8_activations:
 
 @pytest.mark.parametrize("variant,preset,chunk_slots", [("tiny-trained", "q4", None), ("tiny-trained", "q4", 5),
                                                         ("tiny-fp8", "q2", None)])
-def test_two_rows_over_the_expert_cache(snapshots, kernels, monkeypatch, variant, preset, chunk_slots):
+def test_two_rows_over_the_expert_cache(snapshots, direct_kernels, monkeypatch, variant, preset, chunk_slots):
     """The two-row step over an expert cache of two rows' routed experts (nearly every expert misses: each layer
     waits for its reads, the resident ones' launches first) gives the two-row step on the mapping's logits, hidden
     states, KV rows and MTP drafts bit for bit, across the indexer's switch to top-k selection; an expert both rows
@@ -158,10 +189,10 @@ def test_two_rows_over_the_expert_cache(snapshots, kernels, monkeypatch, variant
     engine = Engine(snapshots(variant, preset), "numpy", load_tokenizer=False)
     cfg = engine.config
     if chunk_slots is not None:  # the arena in buffers of `chunk_slots` slots (a device's largest allocation)
-        monkeypatch.setattr(kernels.buffers, "max_alloc", chunk_slots * expert_slot_bytes(engine.container))
+        monkeypatch.setattr(direct_kernels.buffers, "max_alloc", chunk_slots * expert_slot_bytes(engine.container))
     int8 = chunk_slots is None
-    mapped = device_model(engine, kernels, int8)
-    cached, cache = cached_model(engine, kernels, 2 * cfg.num_experts_per_tok, int8)
+    mapped = device_model(engine, direct_kernels, int8)
+    cached, cache = cached_model(engine, direct_kernels, 2 * cfg.num_experts_per_tok, int8)
     ids = np.array(oracle(variant)["full_ids"])
     topk = cfg.index_topk
     for start in (topk - 1, topk + 5):
@@ -194,7 +225,7 @@ def test_two_rows_over_the_expert_cache(snapshots, kernels, monkeypatch, variant
     cache.close()
 
 
-def test_mtp_over_the_expert_cache_keeps_the_tokens(snapshots, kernels, monkeypatch):
+def test_mtp_over_the_expert_cache_keeps_the_tokens(snapshots, direct_kernels, monkeypatch):
     """Greedy decoding with MTP on over an expert cache (verification and drafts on the two-row step over its slots)
     gives the tokens of MTP off, mostly accepted; a cache too small for two rows' experts has no two-row step (the
     verification then runs operation by operation, the same tokens); the MTP layer's expert reads are counted apart."""
@@ -206,7 +237,7 @@ def test_mtp_over_the_expert_cache_keeps_the_tokens(snapshots, kernels, monkeypa
     monkeypatch.setattr(DeviceDecodeStep, "verify", lambda self, *a: queues.append(a[2]) or real(self, *a))
     greedy = SamplingParams(temperature=0)
     for slots, fused in ((3 * k, True), (k, False)):
-        model, cache = cached_model(engine, kernels, slots)
+        model, cache = cached_model(engine, direct_kernels, slots)
         off, _ = generate(model, prompt, False, greedy, 24)
         assert cache.stats.mtp_bytes_read == 0 < cache.stats.bytes_read
         on, gen = generate(model, prompt, True, greedy, 24)
@@ -218,13 +249,20 @@ def test_mtp_over_the_expert_cache_keeps_the_tokens(snapshots, kernels, monkeypa
         cache.close()
 
 
-def test_mtp_where_no_two_row_step(snapshots, kernels):
-    """A discrete device has no two-row step: the verification runs operation by operation, the tokens stay those
-    of MTP off."""
+def test_mtp_where_no_two_row_step(snapshots, discrete_kernels):
+    """The split step (a discrete device smaller than the model, routed experts over its budget on a CPU device
+    beside it) has no two-row form: the verification runs operation by operation, the tokens stay those of MTP
+    off."""
+    info = opencl_test_device()
+    if info.kind != "cpu":
+        pytest.skip("the split step's CPU side is a CPU OpenCL device")
     engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
-    discrete = Kernels(opencl_test_device(), lanes=8, red_lanes=8, direct=False, cpu_loads=False)
-    dev = device_model(engine, discrete)
-    assert dev.decodes_on_device() and not dev.drafts_on_device()
+    spill = Kernels(info, lanes=8, red_lanes=8, cpu_loads=False)
+    backend = OpenCLBackend(discrete_kernels, Placement(spill_experts=True), unified=False,
+                            model_bytes=engine.container.nbytes, budget=int(engine.container.nbytes * 0.3),
+                            spill=OpenCLBackend(spill, Placement.all_cl(True)))
+    dev = GlmMoeDsaModel(engine.config, engine.experts, backend)
+    assert dev.decodes_on_device() and dev._step.spill is not None and not dev.drafts_on_device()
     prompt = [int(t) for t in oracle("tiny-trained")["full_ids"][:20]]
     greedy = SamplingParams(temperature=0)
     assert generate(dev, prompt, True, greedy, 12)[0] == generate(dev, prompt, False, greedy, 12)[0]

@@ -29,11 +29,11 @@ weight but some routed experts runs those on a CPU OpenCL device beside it (`Spi
 wait per MoE layer). `OpenCLBackend.decode_step` builds the step, or returns None when a weight or an expert cannot
 be used in place or placed on the device (the per-operation path runs then).
 
-MTP's verification of a draft runs as the same step bound for two token rows (`rows=2`, CPU devices, over the
-mapping or an expert cache's slots): the weight products take both rows, the kernels that work per token a row
-each (a work-group or a global dimension per row), attention with each row's causal keys, and with `draft` the MTP
-layer and head after them in the same queue, from each row's greedy token (`verify`), or from the host's tokens
-(`redraft`).
+MTP's verification of a draft runs as the same step bound for two token rows (`rows=2`, over the mapping or an
+expert cache's slots; on a discrete device each row's cache rows are staged for the read back): the weight products
+take both rows, the kernels that work per token a row each (a work-group or a global dimension per row), attention
+with each row's causal keys, and with `draft` the MTP layer and head after them in the same queue, from each row's
+greedy token (`verify`), or from the host's tokens (`redraft`).
 
 Continuous batching runs the same step bound for B token rows of B different sequences (`sequences`, `decode_rows`):
 what works on the rows' values takes the B rows in one launch, as for MTP's rows; what reads or writes a cache runs
@@ -367,8 +367,6 @@ class DeviceDecodeStep:
         whole = span == range(len(layers)) and logits
         if not whole and (rows > 1 or draft is not None):
             raise Unsupported("a part of the model (a pipeline stage's layers, or its head): one token row, no draft")
-        if rows > 1 and not kernels.direct:
-            raise Unsupported("several token rows per forward: CPU OpenCL devices only")
         if draft is not None and (rows < 2 or any(n.bias for n in (draft[1].enorm, draft[1].hnorm,
                                                                      draft[1].head_norm))):
             raise Unsupported("MTP's draft: in a verification step (rows > 1) of an MTP head with RMSNorms")
@@ -419,12 +417,14 @@ class DeviceDecodeStep:
         # host wrote for it to look up) and whether the host must choose instead (1: sample_token could not decide)
         self.cs = [new(rope) for _ in range(TURNS)]
         self.token_ids = [self.buffers.array(max(2, rows), np.uint32) for _ in range(TURNS)]
-        # discrete devices, per turn: every layer's new cache rows ([kv_lat | k_rot | index_k], token_rows writes
-        # them) for one read back, and the (cache, position) they belong to until `_collect` stores them there
+        # discrete devices, per turn: every layer's new cache rows ([kv_lat | k_rot | index_k] per token row, the MTP
+        # layer's last; token_rows writes them) for one read back, and the cache, position and layers (index and bound
+        # launches) they belong to until `_collect` stores them there
         self.stage_fields = {"kv_lat": kvl, "k_rot": rope, "index_k": cfg.index_head_dim}  # name -> width
         self.stage_width = sum(self.stage_fields.values())
-        self.row_stage = [self.buffers.array(cfg.num_hidden_layers * self.stage_width) for _ in range(TURNS)]
-        self.staged: list[tuple[KVCache, int] | None] = [None] * TURNS
+        self.row_stage = [self.buffers.array(cfg.num_layers_with_mtp * rows * self.stage_width)
+                          for _ in range(TURNS)]
+        self.staged: list[tuple[KVCache, int, list[tuple[int, _Layer]]] | None] = [None] * TURNS
         self._cs_users: list[Launch] = []  # every launch that reads the position's cos/sin (its argument `cs`)
         self.q_a, self.q_lat = new(cfg.q_lora_rank), new(cfg.q_lora_rank)
         # int8 codes of the normed inputs, written by the norms themselves for the int8-input products
@@ -751,7 +751,7 @@ class DeviceDecodeStep:
             quantize=int(self.q_lat_x8 is not None), **q_codes.args(), index=int(ix is not None),
             key_raw=self.key_raw.buffer, **key_norm, tmp=self.key.buffer,
             index_k=new_rows.get("index_k", self.key.buffer), ihd=ihd, stage=self.row_stage[0].buffer,
-            stage_off=NO_STAGE if k.direct else spec.index * self.stage_width))
+            stage_off=NO_STAGE if k.direct else spec.index * self.rows * self.stage_width))
         out.head.append(out.rows)
         if new_rows:  # the cache rows and scales (and `row`) are set per token
             out.store = k.bind("kv_store_rows", (self.red, self.rows), (self.red, 1), kv_dtype=self.kv_dtype,
@@ -1217,33 +1217,33 @@ class DeviceDecodeStep:
 
     # ---- one token ---------------------------------------------------------------------------------
 
-    def _cache_buffer(self, layer: _Layer, kv, name: str):
-        """The buffer the kernels find a cache array's rows in (`_Layer.cache_fields`), up to date for a token at row
-        `kv.length - 1`: on direct devices one over the host storage (a new one after the cache grew it), else the
-        array's device mirror, given the rows the host wrote since it last had them (`LayerKV.edited_from`)."""
+    def _cache_buffer(self, layer: _Layer, kv, name: str, pos: int):
+        """The buffer the kernels find a cache array's rows in (`_Layer.cache_fields`), up to date for the token rows
+        at pos.. (`kv.length` rows, those the kernels write included): on direct devices one over the host storage (a
+        new one after the cache grew it), else the array's device mirror, given the rows before pos that the host
+        wrote since it last had them (`LayerKV.edited_from`)."""
         field, _, part = name.partition(".")
         if name in SHADOW_FIELDS:  # direct devices only (`shadow_selects`)
             arr = kv.shadow()[SHADOW_FIELDS.index(name)]
         else:
             arr = kv.scales(field) if part else kv.storage(field)
         if not self.k.direct:
-            return self._mirror(layer, kv, name, arr).buf
+            return self._mirror(layer, kv, name, arr, pos).buf
         have = layer.cache_buffers.get(name)
         if have is None or have.host is not arr:
             have = layer.cache_buffers[name] = DeviceArray(arr, self.buffers.wrap(arr))
         return have.buffer
 
-    def _mirror(self, layer: _Layer, kv, name: str, arr: np.ndarray) -> _CacheMirror:
+    def _mirror(self, layer: _Layer, kv, name: str, arr: np.ndarray, pos: int) -> _CacheMirror:
         m = layer.mirrors.get(name)
         if m is None or m.capacity < len(arr):  # first use, or the host cache grew: every row again
             m = layer.mirrors[name] = _CacheMirror(kv, self.buffers.device_buffer(arr.nbytes), len(arr))
         if m.kv is not kv:  # another sequence's cache
             m.kv, m.rows = kv, 0
-        pos = kv.length - 1
         start = min(m.rows, kv.edited_from, pos)
         if start < pos:
             self.buffers.upload(m.buf, arr[start:pos], start * arr.strides[0])
-        m.rows = pos + 1  # row pos: written by this token's kernels
+        m.rows = kv.length  # rows pos..: written by this forward's kernels
         return m
 
     def _mask_causal(self, keys: int, turn: int) -> None:
@@ -1261,18 +1261,20 @@ class DeviceDecodeStep:
         self._collect(turn)
 
     def _collect(self, turn: int) -> None:
-        """Discrete devices: copy the rows the token of this turn staged (read back with it) into its host cache."""
+        """Discrete devices: copy the rows the forward of this turn staged (read back with it) into its host cache."""
         staged, self.staged[turn] = self.staged[turn], None
         if staged is None:
             return
-        cache, pos = staged
-        rows = self.row_stage[turn].host.reshape(-1, self.stage_width)  # a row per main layer
-        for i, layer in zip(self.span, self.layers, strict=True):
-            kv, start = cache.layer(i), 0
-            for name, width in self.stage_fields.items():
-                if name in layer.mirrors and pos < kv.length:
-                    kv.put_row(pos, name, rows[i, start:start + width])
-                start += width
+        cache, pos, layers = staged
+        rows = self.row_stage[turn].host.reshape(-1, self.rows, self.stage_width)  # [layer, token row, fields]
+        for i, layer in layers:
+            kv = cache.layer(i)
+            for r in range(min(self.rows, kv.length - pos)):
+                start = 0
+                for name, width in self.stage_fields.items():
+                    if name in layer.mirrors:
+                        kv.put_row(pos + r, name, rows[i, r, start:start + width])
+                    start += width
 
     def __call__(self, token: int, cache: KVCache, embed: np.ndarray) -> tuple[np.ndarray, np.ndarray, list]:
         """Append `token` (its embedding row `embed [H]`; a step of several token rows: the embeddings `[rows, H]`
@@ -1412,7 +1414,16 @@ class DeviceDecodeStep:
         self._place_rows(range(pos, pos + self.rows), 0)
         self.hidden.host[:] = hidden.reshape(-1)
         self.verified.host[:] = tokens
-        self.complete(self._queue_draft(cache, pos, self._next_slot(0), 0, choose=False), 0)
+        slot = self._next_slot(0)
+        if not self.k.direct:
+            self.buffers.to_device(self.hidden)
+            self.buffers.to_device(self.verified)
+        event = self._queue_draft(cache, pos, slot, 0, choose=False)
+        if not self.k.direct:  # the MTP layer's rows and the drafts, behind its kernels
+            for a in (self.row_stage[0], self.route_ids[slot], self.drafted):
+                event = self.buffers.to_host(a)
+            self.staged[0] = (cache, pos, self._draft_layer(True))
+        self.complete(event, 0)
         return self.drafted.host.astype(np.int64)
 
     def watch_routes(self, hook: Callable[[int, np.ndarray], None]) -> None:
@@ -1475,7 +1486,7 @@ class DeviceDecodeStep:
         attended = self.topk if scored else keys  # the keys attention reads: the indexer's choice, or all
         per_attended = -(-attended // KEY_GROUP) * KEY_GROUP
         heads = self.cfg.num_attention_heads if self.k.heads_apart else 1
-        rows = {name: self._cache_buffer(layer, kv, name) for name in layer.cache_fields}
+        rows = {name: self._cache_buffer(layer, kv, name, pos) for name in layer.cache_fields}
         lat, rot = rows["kv_lat"], rows["k_rot"]
         scaled = {f"{name}_scale": rows.get(f"{name}.scale", rows[name]) for name in ("kv_lat", "k_rot")}
         row = (pos - base) % (1 << 32)  # the kernels write cache row `row` + their token row (uint arithmetic)
@@ -1489,7 +1500,7 @@ class DeviceDecodeStep:
             if layer.store is None:
                 layer.rows.set(index_k=index_k)
         if layer.shadow is not None:
-            shadow, shadow_scale = (self._cache_buffer(layer, kv, name) for name in SHADOW_FIELDS)
+            shadow, shadow_scale = (self._cache_buffer(layer, kv, name, pos) for name in SHADOW_FIELDS)
             layer.shadow.set(index_k=index_k, index_k_scale=index_k_scale, shadow=shadow, shadow_scale=shadow_scale,
                              row=row)
         if not self.k.direct:
@@ -1630,6 +1641,10 @@ class DeviceDecodeStep:
         self.tokens += 1
         return slot
 
+    def _draft_layer(self, draft: bool) -> list[tuple[int, _Layer]]:
+        """[(the MTP layer's index, its bound launches)] where a forward ran MTP's draft, else []."""
+        return [(self.cfg.num_hidden_layers, self.draft.layer)] if draft else []
+
     def _queue_draft(self, cache: KVCache, pos: int, slot: int, turn: int, choose: bool) -> Any:
         """Queue MTP's draft of the token rows at pos.. (`_Draft`; the MTP layer's rows are appended there): from
         the greedy tokens of the verification's logits (`choose`), else from the tokens the host wrote in
@@ -1704,9 +1719,11 @@ class DeviceDecodeStep:
             if not self.k.direct:  # what the host reads of this token, behind its kernels
                 reads = ((self.token_ids[turn],) if choice is not None else
                          () if kept_row is not None else self.outputs)
-                for a in (self.row_stage[turn], self.route_ids[slot], *reads):
+                drafts = (self.verified, self.drafted) if draft else ()
+                for a in (self.row_stage[turn], self.route_ids[slot], *reads, *drafts):
                     event = self.buffers.to_host(a)
-                self.staged[turn] = (cache, pos)
+                self.staged[turn] = (cache, pos, [*zip(self.span, self.layers, strict=True),
+                                                  *self._draft_layer(draft)])
         except BaseException:
             self.k.finish()
             cache.truncate(pos)

@@ -139,8 +139,8 @@ INLINE void index_key_row(__global const float* x, __global const float* vec, ui
  *   codes when `quantize` (rms_norm_out);
  * - with `index` (a layer with an indexer of its own): the indexer key row from key_raw (index_key_row; weights and
  *   bias at vec + kw_off, vec + kb_off, tmp: ihd floats of scratch) into index_k[row];
- * - unless stage_off is NO_STAGE: a copy of the cache rows at stage + stage_off ([kv_lat | k_rot | index_k]), where a
- *   discrete device collects every layer's rows of the token for one read back (one token row only).
+ * - unless stage_off is NO_STAGE: a copy of the cache rows at stage + stage_off ([kv_lat | k_rot | index_k], token r's
+ *   r such rows on), where a discrete device collects every layer's rows of the forward for one read back.
  * Several consecutive tokens in one launch: token r reads comp, q_a, key_raw, cs and writes q_lat, its codes, tmp
  * from their row r and writes cache row `row + r`. One work-group per token: global (RED_LANES, tokens). */
 __kernel void token_rows(__global const float* comp, __global const float* vec, uint w_off, __global float* kv_lat,
@@ -171,7 +171,7 @@ __kernel void token_rows(__global const float* comp, __global const float* vec, 
     if (index) index_key_row(key_raw, vec, kw_off, kb_off, tmp, index_k, row, ihd, rope, cs, eps, red);
     barrier(CLK_GLOBAL_MEM_FENCE);  /* unconditional: PoCL 3.0 crashes on a barrier under a condition */
     if (stage_off == NO_STAGE) return;
-    __global float* st = stage + stage_off;
+    __global float* st = stage + stage_off + r * (kvl + rope + ihd);
     for (uint i = l; i < kvl; i += RED_LANES) st[i] = kv_lat[(ulong)row * kvl + i];
     for (uint i = l; i < rope; i += RED_LANES) st[kvl + i] = k_rot[(ulong)row * rope + i];
     for (uint i = l; index && i < ihd; i += RED_LANES) st[kvl + rope + i] = index_k[(ulong)row * ihd + i];
