@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 
 from glmkit.backends.opencl import decode_graph
+from glmkit.backends.opencl.backend import OpenCLBackend, Placement
+from glmkit.backends.opencl.ops import Kernels
 from glmkit.cache.session import Session
 from glmkit.cli.serve import build_app
 from glmkit.cli.serve import main as serve_main
@@ -23,6 +25,7 @@ from glmkit.model.expert_cache import ExpertCache
 from glmkit.model.glm5 import GlmMoeDsaModel
 from glmkit.serve import scheduler as scheduler_module
 from glmkit.serve.scheduler import Done, GenerationJob, GenRequest, Scheduler, Text
+from tests.runtime_support import opencl_test_device
 from tests.test_serve import ServerThread, concurrent_chats, serve_args, stats, user
 
 STEPS = 10
@@ -140,47 +143,69 @@ def cl_model(cl_engine: Engine) -> GlmMoeDsaModel:
     return cl_engine.model
 
 
+def discrete_model(engine: Engine, kv_dtype: str = "f32") -> GlmMoeDsaModel:
+    """The engine's model on the test device driven as a discrete GPU is (device buffers and copies, the GPU build of
+    the kernels: work-group top-k), KV rows at kv_dtype."""
+    kernels = Kernels(opencl_test_device(), lanes=8, red_lanes=8, direct=False, cpu_loads=False)
+    backend = OpenCLBackend(kernels, Placement(), int8_activations=True, unified=False,
+                            model_bytes=engine.container.nbytes)
+    return GlmMoeDsaModel(engine.config, engine.experts, backend, kv_dtype=kv_dtype)
+
+
+@pytest.fixture(scope="module")
+def cl_discrete_model(cl_engine: Engine) -> GlmMoeDsaModel:
+    return discrete_model(cl_engine)
+
+
+@pytest.fixture(params=["direct", "discrete"])
+def any_cl_model(request, cl_engine: Engine) -> GlmMoeDsaModel:
+    """Each test that takes it runs on the direct device (PoCL's CPU device) and on it driven as a discrete GPU."""
+    return cl_engine.model if request.param == "direct" else request.getfixturevalue("cl_discrete_model")
+
+
 @pytest.mark.parametrize("count", [2, 3, 4])
-def test_batched_decode_on_opencl_is_each_sequence_on_the_device_step_alone(cl_model, monkeypatch, count):
+def test_batched_decode_on_opencl_is_each_sequence_on_the_device_step_alone(any_cl_model, monkeypatch, count):
     """OpenCL: B sequences of different lengths (below and past the DSA top-k: with and without the indexer's
     selection) decode in one forward of the step over B sequences, each row's logits bit for bit those of its
-    sequence alone on the single-row step; no per-operation product runs."""
+    sequence alone on the single-row step; no per-operation product runs. On a discrete device too (each row's KV
+    rows read back into its own cache)."""
     batch = prompts(count, True)
-    alone = [greedy_alone(cl_model, prompt, 6) for prompt in batch]
-    assert cl_model.sequences_step(count) is not None
-    decode_batch = cl_model.decode_batch
+    alone = [greedy_alone(any_cl_model, prompt, 6) for prompt in batch]
+    assert any_cl_model.sequences_step(count) is not None
+    decode_batch = any_cl_model.decode_batch
 
     def on_the_step(token_ids: np.ndarray, caches: list) -> tuple[np.ndarray, np.ndarray]:
         with monkeypatch.context() as m:
-            m.setattr(cl_model.backend, "linear", lambda *a: pytest.fail("a per-operation product ran"))
+            m.setattr(any_cl_model.backend, "linear", lambda *a: pytest.fail("a per-operation product ran"))
             return decode_batch(token_ids, caches)
 
-    monkeypatch.setattr(cl_model, "decode_batch", on_the_step)
-    tokens, rows = greedy_batched(cl_model, batch, 6)
+    monkeypatch.setattr(any_cl_model, "decode_batch", on_the_step)
+    tokens, rows = greedy_batched(any_cl_model, batch, 6)
     for i, (alone_tokens, alone_rows) in enumerate(alone):
         assert tokens[i] == alone_tokens
         np.testing.assert_array_equal(np.array(rows[i]), np.array(alone_rows))
 
 
-def test_opencl_batch_takes_requests_that_join_and_leave(cl_model):
+def test_opencl_batch_takes_requests_that_join_and_leave(any_cl_model):
     """The batch changes as requests end and others join (steps over 4, 3 and 2 sequences in turn, caches of varied
-    lengths, one of them new): each row stays its sequence alone on the single-row step."""
+    lengths, one of them new): each row stays its sequence alone on the single-row step (a discrete device's copy of
+    a row's cache follows the sequence that row takes)."""
     batch = prompts(4, False) + [BASE[:5]]
-    alone = [greedy_alone(cl_model, prompt, 9)[1] for prompt in batch]
-    caches = [cl_model.new_cache() for _ in batch]
+    alone = [greedy_alone(any_cl_model, prompt, 9)[1] for prompt in batch]
+    caches = [any_cl_model.new_cache() for _ in batch]
     rows: list[list[np.ndarray]] = [[] for _ in batch]
     for i in (0, 1, 2, 3):
-        rows[i].append(cl_model.forward(np.array(batch[i]), caches[i], last_logits_only=True)[0][-1])
+        rows[i].append(any_cl_model.forward(np.array(batch[i]), caches[i], last_logits_only=True)[0][-1])
     for live in ([0, 1, 2, 3], [0, 1, 2, 3], [0, 2, 3], [0, 2, 3], [2, 3, 4], [2, 4], [2, 4], [2, 4]):
         if not caches[4].length and 4 in live:
-            rows[4].append(cl_model.forward(np.array(batch[4]), caches[4], last_logits_only=True)[0][-1])
-        logits = cl_model.decode_batch(np.array([int(np.argmax(rows[i][-1])) for i in live]),
+            rows[4].append(any_cl_model.forward(np.array(batch[4]), caches[4], last_logits_only=True)[0][-1])
+        logits = any_cl_model.decode_batch(np.array([int(np.argmax(rows[i][-1])) for i in live]),
                                        [caches[i] for i in live])[0]
         for i, row in zip(live, logits, strict=True):
             rows[i].append(row)
     for i, got in enumerate(rows):
         np.testing.assert_array_equal(np.array(got), np.array(alone[i][:len(got)]))
-    assert cl_model.batch_pays()
+    assert any_cl_model.batch_pays()
 
 
 @pytest.mark.parametrize("count", [2, 4])
@@ -206,10 +231,12 @@ def test_opencl_batch_over_an_expert_cache_is_each_sequence_alone(cl_engine, sna
         streamed.close()
 
 
-def test_opencl_batch_stores_lower_precision_rows_as_each_sequence_alone(snapshot):
+@pytest.mark.parametrize("discrete", [False, True])
+def test_opencl_batch_stores_lower_precision_rows_as_each_sequence_alone(snapshot, discrete):
     """Cache rows kept at fp8 with their scales (each row's new rows stored by its own kv_store_rows launch): each
-    row of a batch of three still its sequence alone on the single-row step."""
-    model = Engine(snapshot, device="opencl", load_tokenizer=False, kv_dtype="fp8").model
+    row of a batch of three still its sequence alone on the single-row step, on a discrete device too."""
+    engine = Engine(snapshot, device="opencl", load_tokenizer=False, kv_dtype="fp8")
+    model = discrete_model(engine, "fp8") if discrete else engine.model
     batch = prompts(3, False)
     alone = [greedy_alone(model, prompt, 4) for prompt in batch]
     tokens, rows = greedy_batched(model, batch, 4)

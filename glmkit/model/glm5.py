@@ -294,7 +294,8 @@ class GlmMoeDsaModel:
     def sequences_step(self, count: int) -> DecodeStep | None:
         """The decode step's form over `count` sequences (`DecodeStep.decode_rows`), built on first use for that
         count and kept (a batch grows and shrinks as requests come and go); None where single tokens do not decode
-        on the device step or the backend has no such form (e.g. an expert cache's slots, a discrete device)."""
+        on the device step or the backend has no such form (e.g. an expert cache too small for the rows, the split
+        step)."""
         if count not in self._sequences:
             self._sequences[count] = (self._new_step(rows=count, sequences=True)
                                       if self._decode_step() is not None else None)

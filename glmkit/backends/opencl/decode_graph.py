@@ -37,7 +37,9 @@ greedy token (`verify`), or from the host's tokens (`redraft`).
 
 Continuous batching runs the same step bound for B token rows of B different sequences (`sequences`, `decode_rows`):
 what works on the rows' values takes the B rows in one launch, as for MTP's rows; what reads or writes a cache runs
-once per row (the row's launch at a global offset, `Launch.at_row`) on that row's own cache, position and key count.
+once per row (the row's launch at a global offset, `Launch.at_row`) on that row's own cache, position and key count
+(on a discrete device: its own copy of the cache, sent again when another sequence takes the row, and its own rows
+of the staged KV rows read back).
 
 Pipelined decoding (`DecodePipeline`) also chooses the token and looks up the next embedding on the device, so that
 the next token's forward is queued before the host has seen this one: the device does not wait for the host
@@ -116,9 +118,9 @@ SHADOW_FIELDS = ("index_k.shadow", "index_k.shadow_scale")  # the cache's shadow
 NO_STAGE = 0xFFFFFFFF  # token_rows: no staging copy of the cache rows (decode.cl)
 UNUSED_SLOT = 0xFFFFFFFF  # the token of an expert slot a launch skips (quant.cl)
 # a sequences step's launches that read or write a token row's cache, each run per row (`Launch.at_row`): the _Layer
-# attribute and the global dimension that counts the kernel's token rows
-PER_ROW = (("rows", 1), ("store", 1), ("shadow", 0), ("scores", 1), ("topk", 0), ("shadow_scores", 1),
-           ("candidates", 0), ("rescore", 1), ("select", 0), ("attention", 2), ("values", 1))
+# attributes (each kernel counts its token rows along its last global dimension)
+PER_ROW = ("rows", "store", "shadow", "scores", "topk", "shadow_scores", "candidates", "rescore", "select",
+           "attention", "values")
 SLOT_ARRAYS = {"offs": (6, np.uint64), "slot_w": (1, np.float32), "slot_tok": (1, np.uint32),
                "tok_start": (1, np.uint32)}  # what routing writes per expert slot: values per slot, type
 
@@ -372,8 +374,8 @@ class DeviceDecodeStep:
             raise Unsupported("MTP's draft: in a verification step (rows > 1) of an MTP head with RMSNorms")
         if spill is not None and (kernels.direct or not whole or rows > 1):
             raise Unsupported("routed experts on a CPU device beside: a discrete device's whole-model step, one row")
-        if sequences and (rows < 2 or draft is not None or kernels.lanes > 1):
-            raise Unsupported("a step of several sequences: several rows, no draft, single-item top-k kernels")
+        if sequences and (rows < 2 or draft is not None):
+            raise Unsupported("a step of several sequences: several rows, no draft")
         self.sequences = sequences
         self.draft_spec = draft
         # the model's main layers (numerics, RoPE, the indexers' key count), and those this step runs: `span`
@@ -418,13 +420,14 @@ class DeviceDecodeStep:
         self.cs = [new(rope) for _ in range(TURNS)]
         self.token_ids = [self.buffers.array(max(2, rows), np.uint32) for _ in range(TURNS)]
         # discrete devices, per turn: every layer's new cache rows ([kv_lat | k_rot | index_k] per token row, the MTP
-        # layer's last; token_rows writes them) for one read back, and the cache, position and layers (index and bound
-        # launches) they belong to until `_collect` stores them there
+        # layer's last; token_rows writes them) for one read back, and where they belong until `_collect` stores them
+        # there: per cache, (the cache, its first position, its first token row, its rows, the layers: (index, bound
+        # launches))
         self.stage_fields = {"kv_lat": kvl, "k_rot": rope, "index_k": cfg.index_head_dim}  # name -> width
         self.stage_width = sum(self.stage_fields.values())
         self.row_stage = [self.buffers.array(cfg.num_layers_with_mtp * rows * self.stage_width)
                           for _ in range(TURNS)]
-        self.staged: list[tuple[KVCache, int, list[tuple[int, _Layer]]] | None] = [None] * TURNS
+        self.staged: list[list[tuple[KVCache, int, int, int, list[tuple[int, _Layer]]]]] = [[] for _ in range(TURNS)]
         self._cs_users: list[Launch] = []  # every launch that reads the position's cos/sin (its argument `cs`)
         self.q_a, self.q_lat = new(cfg.q_lora_rank), new(cfg.q_lora_rank)
         # int8 codes of the normed inputs, written by the norms themselves for the int8-input products
@@ -657,10 +660,10 @@ class DeviceDecodeStep:
         for r in range(self.rows):
             view = copy.copy(layer)
             view.cache_buffers, view.mirrors, view.seqs = {}, {}, []
-            for name, dim in PER_ROW:
+            for name in PER_ROW:
                 launch = getattr(layer, name)
                 if launch is not None:
-                    mine = launch.at_row(dim, r)
+                    mine = launch.at_row(len(launch.size) - 1, r)
                     setattr(view, name, mine)
                     per_row.setdefault(launch, []).append(mine)
                     if launch in self._cs_users:
@@ -1262,19 +1265,17 @@ class DeviceDecodeStep:
 
     def _collect(self, turn: int) -> None:
         """Discrete devices: copy the rows the forward of this turn staged (read back with it) into its host cache."""
-        staged, self.staged[turn] = self.staged[turn], None
-        if staged is None:
-            return
-        cache, pos, layers = staged
+        staged, self.staged[turn] = self.staged[turn], []
         rows = self.row_stage[turn].host.reshape(-1, self.rows, self.stage_width)  # [layer, token row, fields]
-        for i, layer in layers:
-            kv = cache.layer(i)
-            for r in range(min(self.rows, kv.length - pos)):
-                start = 0
-                for name, width in self.stage_fields.items():
-                    if name in layer.mirrors:
-                        kv.put_row(pos + r, name, rows[i, r, start:start + width])
-                    start += width
+        for cache, pos, first, count, layers in staged:
+            for i, layer in layers:
+                kv = cache.layer(i)
+                for r in range(min(count, kv.length - pos)):
+                    start = 0
+                    for name, width in self.stage_fields.items():
+                        if name in layer.mirrors:
+                            kv.put_row(pos + r, name, rows[i, first + r, start:start + width])
+                        start += width
 
     def __call__(self, token: int, cache: KVCache, embed: np.ndarray) -> tuple[np.ndarray, np.ndarray, list]:
         """Append `token` (its embedding row `embed [H]`; a step of several token rows: the embeddings `[rows, H]`
@@ -1327,7 +1328,7 @@ class DeviceDecodeStep:
                 self.buffers.download(kept, self.kept.buffer).wait()
         except BaseException:
             self.k.finish()
-            self.staged = [None] * TURNS  # the rows staged by the forwards in flight are dropped with them
+            self.staged = [[] for _ in range(TURNS)]  # the rows staged by the forwards in flight are dropped with them
             cache.truncate(start)
             raise
         if kept is not None:
@@ -1358,9 +1359,17 @@ class DeviceDecodeStep:
             for i, layer in zip(self.span, self.layers, strict=True):
                 self._queue_sequences_layer(i, layer, [cache.layer(i) for cache in caches], positions, slot, 0)
             self.final_norm.enqueue()
-            self.lm_head.enqueue().wait()
+            event = self.lm_head.enqueue()
+            if not self.k.direct:  # what the host reads of this forward, behind its kernels
+                for a in (self.row_stage[0], self.route_ids[slot], *self.outputs):
+                    event = self.buffers.to_host(a)
+                self.staged[0] = [(cache, pos, r, 1, [(i, layer.seqs[r]) for i, layer in
+                                                      zip(self.span, self.layers, strict=True)])
+                                  for r, (cache, pos) in enumerate(zip(caches, positions, strict=True))]
+            self.complete(event, 0)
         except BaseException:
             self.k.finish()
+            self.staged[0] = []
             for cache, pos in zip(caches, positions, strict=True):
                 cache.truncate(pos)
             raise
@@ -1422,7 +1431,7 @@ class DeviceDecodeStep:
         if not self.k.direct:  # the MTP layer's rows and the drafts, behind its kernels
             for a in (self.row_stage[0], self.route_ids[slot], self.drafted):
                 event = self.buffers.to_host(a)
-            self.staged[0] = (cache, pos, self._draft_layer(True))
+            self.staged[0] = [(cache, pos, 0, self.rows, self._draft_layer(True))]
         self.complete(event, 0)
         return self.drafted.host.astype(np.int64)
 
@@ -1722,8 +1731,8 @@ class DeviceDecodeStep:
                 drafts = (self.verified, self.drafted) if draft else ()
                 for a in (self.row_stage[turn], self.route_ids[slot], *reads, *drafts):
                     event = self.buffers.to_host(a)
-                self.staged[turn] = (cache, pos, [*zip(self.span, self.layers, strict=True),
-                                                  *self._draft_layer(draft)])
+                self.staged[turn] = [(cache, pos, 0, n_rows, [*zip(self.span, self.layers, strict=True),
+                                                               *self._draft_layer(draft)])]
         except BaseException:
             self.k.finish()
             cache.truncate(pos)

@@ -128,11 +128,12 @@ class Kernels:
             return size, None
         return (-(-size[0] // items) * items, *size[1:]), (items, *(1,) * (len(size) - 1))
 
-    def topk_kernel(self, rows: int) -> tuple[str, tuple[int], tuple[int] | None]:
-        """The top-k selection kernel for `rows` rows, with its global and local size: one work-group per row on GPUs
-        (LANES > 1: one item's serial passes are slow there), one work-item per row on CPUs."""
+    def topk_kernel(self, rows: int) -> tuple[str, tuple[int, ...], tuple[int, ...] | None]:
+        """The top-k selection kernel for `rows` rows, with its global and local size (the rows along the last
+        dimension): one work-group per row on GPUs (LANES > 1: one item's serial passes are slow there), one
+        work-item per row on CPUs."""
         if self.lanes > 1:
-            return "topk_select_group", (rows * self.red_lanes,), (self.red_lanes,)
+            return "topk_select_group", (self.red_lanes, rows), (self.red_lanes, 1)
         return "topk_select", (rows,), None
 
     @property

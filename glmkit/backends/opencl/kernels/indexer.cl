@@ -76,13 +76,13 @@ __kernel void topk_select(__global const float* scores, __global const uchar* al
  * cost ~0.3 ms at 300 keys (H200): the same radix select, each pass's count summed over the group (counts are
  * exact in float below 2^24 keys); then item l marks the keys [l * chunk, (l + 1) * chunk), the threshold's ties
  * going to the lowest indices through the tie counts of the items before it, and lists its keys in chosen after
- * those of the items before it. Global (S * RED_LANES). */
+ * those of the items before it. Global (RED_LANES, S), work-groups (RED_LANES, 1). */
 __kernel void topk_select_group(__global const float* scores, __global const uchar* allowed,
                                 __global uchar* selected, __global uint* chosen, uint n_keys, uint k, uint n_rows) {
     __local float red[RED_LANES];
     __local uint tie_counts[RED_LANES];
     __local uint take_counts[RED_LANES];
-    const uint l = get_local_id(0), s = get_group_id(0);
+    const uint l = get_local_id(0), s = get_global_id(1);
     const __global float* sc = scores + (ulong)s * n_keys;
     const __global uchar* al = allowed + (ulong)s * n_keys;
     __global uchar* sel = selected + (ulong)s * n_keys;
