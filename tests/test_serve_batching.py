@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -206,6 +207,13 @@ def test_opencl_batch_takes_requests_that_join_and_leave(any_cl_model):
     for i, got in enumerate(rows):
         np.testing.assert_array_equal(np.array(got), np.array(alone[i][:len(got)]))
     assert any_cl_model.batch_pays()
+    if not any_cl_model.backend.k.direct:  # one device copy of each sequence's rows, whatever steps ran them
+        mirrors = any_cl_model.backend.kv_mirrors
+        gc.collect()
+        assert {id(kv) for kv in mirrors.keys()} == {id(kv) for cache in caches for kv in cache.layers if kv.length}
+        del caches
+        gc.collect()
+        assert not mirrors  # freed with the rows
 
 
 @pytest.mark.parametrize("count", [2, 4])

@@ -27,7 +27,7 @@ from threadpoolctl import ThreadpoolController
 
 from glmkit.backends.numpy_backend import NumpyBackend
 from glmkit.backends.opencl.buffers import address
-from glmkit.backends.opencl.decode_graph import DeviceDecodeStep, SpillDevice, Unsupported
+from glmkit.backends.opencl.decode_graph import CacheMirrors, DeviceDecodeStep, SpillDevice, Unsupported
 from glmkit.backends.opencl.ops import Kernels
 from glmkit.backends.opencl.weights import (
     ClWeight,
@@ -164,6 +164,7 @@ class OpenCLBackend:
         self.memory = WeightMemory(kernels.buffers, unified, budget)
         self.spill = spill if self.placement.spill_experts else None
         self.expert_usage = expert_usage  # the split step's: which experts it uploads, and its decoded routes
+        self.kv_mirrors = CacheMirrors()  # a discrete device's copies of the KV rows, shared by its decode steps
         self.model_bytes = model_bytes
         self.device = kernels.info.spec
         # int8_activations: the device decode step's quantized products take int8-quantized inputs (DeviceDecodeStep),
@@ -254,7 +255,8 @@ class OpenCLBackend:
         the split step), or None: the model then decodes operation by operation. experts: see
         `DeviceDecodeStep`; rows: token rows per forward (2: MTP's verification of a draft); draft: the MTP layer and
         head, whose draft then follows a verification in the same queue (the step is built without it where they
-        cannot be bound); sequences: the rows are as many sequences, each with its own cache (`decode_rows`)."""
+        cannot be bound); sequences: the rows are as many sequences, each with its own cache (`decode_rows`). The
+        steps of a discrete device share its copies of the KV rows (`kv_mirrors`)."""
         over = self.over_budget
         if self.placement.decode_step != "cl" or (over and self.spill is None):
             return None
@@ -266,7 +268,7 @@ class OpenCLBackend:
             try:
                 return DeviceDecodeStep(config, layers, weight, self._cw, self._expert_ref, self.k,
                                         self.int8_activations, experts, kv_dtype, rows, mtp, span, logits, spill,
-                                        sequences)
+                                        sequences, self.kv_mirrors)
             except Unsupported:
                 pass
         return None

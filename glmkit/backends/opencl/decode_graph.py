@@ -38,8 +38,8 @@ greedy token (`verify`), or from the host's tokens (`redraft`).
 Continuous batching runs the same step bound for B token rows of B different sequences (`sequences`, `decode_rows`):
 what works on the rows' values takes the B rows in one launch, as for MTP's rows; what reads or writes a cache runs
 once per row (the row's launch at a global offset, `Launch.at_row`) on that row's own cache, position and key count
-(on a discrete device: its own copy of the cache, sent again when another sequence takes the row, and its own rows
-of the staged KV rows read back).
+(on a discrete device: the sequence's one device copy of its cache, `CacheMirrors`, and its own rows of the staged
+KV rows read back).
 
 Pipelined decoding (`DecodePipeline`) also chooses the token and looks up the next embedding on the device, so that
 the next token's forward is queued before the host has seen this one: the device does not wait for the host
@@ -59,6 +59,7 @@ last skip the lm_head, their final norm writing their rows of the prompt's hidde
 from __future__ import annotations
 
 import copy
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
@@ -189,11 +190,17 @@ def check_bindable(layers: Sequence[LayerSpec]) -> None:
 
 
 class _CacheMirror:
-    """Discrete devices: one cache field of one layer in device memory. The kernels read and write the rows there;
-    `rows` of them are known equal to the host's (the rows the host edited since are uploaded before a token)."""
+    """Discrete devices: one cache field of one layer's rows (`LayerKV`) in device memory. The kernels read and write
+    the rows there; `rows` of them are known equal to the host's (the rows the host edited since are uploaded before
+    a forward)."""
 
-    def __init__(self, kv, buf, capacity: int) -> None:
-        self.kv, self.buf, self.capacity, self.rows = kv, buf, capacity, 0
+    def __init__(self, buf, capacity: int) -> None:
+        self.buf, self.capacity, self.rows = buf, capacity, 0
+
+
+# a discrete device's copies of the KV rows: per layer's rows (`LayerKV`), per field, one copy whichever step or token
+# row uses them, freed with the rows
+CacheMirrors = weakref.WeakKeyDictionary
 
 
 class _ArenaLayer(NamedTuple):
@@ -288,7 +295,6 @@ class _Layer:
         self.after_route: list[Launch] = []  # with `arena`: the launches queued once the host placed the experts
         self.after_misses: list[Launch] = []  # with `arena.masks`: those queued once the misses are read
         self.cache_buffers: dict[str, DeviceArray] = {}  # direct devices: field -> its storage array and buffer
-        self.mirrors: dict[str, _CacheMirror] = {}  # discrete devices: field -> its rows in device memory
         # a sequences step (`DeviceDecodeStep.decode_rows`): per token row, this layer with that row's own launches of
         # PER_ROW (`seqs`); `head` and `tail` with those launches row by row (`rows_head`, `rows_tail`); the indexer
         # query's launches, run once for every row
@@ -329,9 +335,9 @@ class DeviceDecodeStep:
     decoding is pipelined as on the mapping: the next token's forward is queued up to its first MoE layer's
     routing while this one finishes, so the device does not wait for the host between tokens.
 
-    rows: token rows per forward (consecutive positions; 2: MTP's verification of [token, draft], `verify`), CPU
-    devices only (over an expert cache, one whose slots hold every row's routed experts at once: each MoE layer's
-    host wait places the union of the rows' experts, each read once). Each row's logits, hidden state and KV rows
+    rows: token rows per forward (consecutive positions; 2: MTP's verification of [token, draft], `verify`; over an
+    expert cache, one whose slots hold every row's routed experts at once: each MoE layer's host wait places the
+    union of the rows' experts, each read once). Each row's logits, hidden state and KV rows
     are bit for bit those of the single-row step fed the same tokens. draft: (the MTP layer's description, the MTP
     head's): `verify` then also drafts in the same queue.
 
@@ -340,7 +346,9 @@ class DeviceDecodeStep:
     at once (the routed experts' slots per row, as for `rows`); each launch that reads or writes a cache (its new rows,
     the indexer's scores and top-k, attention: `PER_ROW`) runs once per row, bound to that row's cache, position and
     key count (`Launch.at_row`). Each row's logits are bit for bit the single-row step's for its sequence alone.
-    CPU devices (as `rows`), with single-item top-k kernels.
+
+    mirrors: a discrete device's copies of the KV rows (`CacheMirrors`), shared by the steps of one backend: each
+    sequence's rows have one copy on the device, whichever step and token row use them.
 
     spill: a CPU OpenCL device beside a discrete one that cannot hold every routed expert (the split step: see
     `_bind_split_moe`, `_place_split`, `_run_split`): the experts the budget leaves out run there, each MoE layer's
@@ -360,7 +368,8 @@ class DeviceDecodeStep:
                  cw: Callable[[Weight], ClWeight | None], expert_ref: Callable, kernels: Kernels,
                  int8_activations: bool = True, experts: ExpertArena | None = None, kv_dtype: str = "f32",
                  rows: int = 1, draft: tuple[LayerSpec, MTPSpec] | None = None, span: range | None = None,
-                 logits: bool = True, spill: SpillDevice | None = None, sequences: bool = False) -> None:
+                 logits: bool = True, spill: SpillDevice | None = None, sequences: bool = False,
+                 mirrors: CacheMirrors | None = None) -> None:
 
         if cfg.n_routed_experts > MAX_ROUTED_EXPERTS:
             raise Unsupported(f"{cfg.n_routed_experts} routed experts (the routing kernel holds {MAX_ROUTED_EXPERTS})")
@@ -377,6 +386,7 @@ class DeviceDecodeStep:
         if sequences and (rows < 2 or draft is not None):
             raise Unsupported("a step of several sequences: several rows, no draft")
         self.sequences = sequences
+        self.mirrors = CacheMirrors() if mirrors is None else mirrors  # shared by a backend's steps
         self.draft_spec = draft
         # the model's main layers (numerics, RoPE, the indexers' key count), and those this step runs: `span`
         self.cfg, self.model_specs, self.k, self.buffers = cfg, list(layers), kernels, kernels.buffers
@@ -659,7 +669,7 @@ class DeviceDecodeStep:
         per_row: dict[Launch, list[Launch]] = {}  # a PER_ROW launch -> its copy per row
         for r in range(self.rows):
             view = copy.copy(layer)
-            view.cache_buffers, view.mirrors, view.seqs = {}, {}, []
+            view.cache_buffers, view.seqs = {}, []
             for name in PER_ROW:
                 launch = getattr(layer, name)
                 if launch is not None:
@@ -1231,18 +1241,17 @@ class DeviceDecodeStep:
         else:
             arr = kv.scales(field) if part else kv.storage(field)
         if not self.k.direct:
-            return self._mirror(layer, kv, name, arr, pos).buf
+            return self._mirror(kv, name, arr, pos).buf
         have = layer.cache_buffers.get(name)
         if have is None or have.host is not arr:
             have = layer.cache_buffers[name] = DeviceArray(arr, self.buffers.wrap(arr))
         return have.buffer
 
-    def _mirror(self, layer: _Layer, kv, name: str, arr: np.ndarray, pos: int) -> _CacheMirror:
-        m = layer.mirrors.get(name)
+    def _mirror(self, kv, name: str, arr: np.ndarray, pos: int) -> _CacheMirror:
+        fields = self.mirrors.setdefault(kv, {})
+        m = fields.get(name)
         if m is None or m.capacity < len(arr):  # first use, or the host cache grew: every row again
-            m = layer.mirrors[name] = _CacheMirror(kv, self.buffers.device_buffer(arr.nbytes), len(arr))
-        if m.kv is not kv:  # another sequence's cache
-            m.kv, m.rows = kv, 0
+            m = fields[name] = _CacheMirror(self.buffers.device_buffer(arr.nbytes), len(arr))
         start = min(m.rows, kv.edited_from, pos)
         if start < pos:
             self.buffers.upload(m.buf, arr[start:pos], start * arr.strides[0])
@@ -1273,7 +1282,7 @@ class DeviceDecodeStep:
                 for r in range(min(count, kv.length - pos)):
                     start = 0
                     for name, width in self.stage_fields.items():
-                        if name in layer.mirrors:
+                        if name in layer.cache_fields:
                             kv.put_row(pos + r, name, rows[i, first + r, start:start + width])
                         start += width
 
