@@ -203,6 +203,17 @@ class _CacheMirror:
 CacheMirrors = weakref.WeakKeyDictionary
 
 
+class _Staged(NamedTuple):
+    """Discrete devices: rows of a forward's staged KV rows (`row_stage`) that belong to one cache: its token rows
+    first_row.. (`count` of them) at positions pos.., of `layers` ((index, bound launches) of each)."""
+
+    cache: KVCache
+    pos: int
+    first_row: int
+    count: int
+    layers: list[tuple[int, _Layer]]
+
+
 class _ArenaLayer(NamedTuple):
     """A MoE layer whose routed experts lie in an expert cache's slots: per forward the host fills the fused launches'
     slots (`regions`, buffer b's from `stride * b`) with each token row's routed experts' 6 byte offsets (the layout
@@ -431,13 +442,12 @@ class DeviceDecodeStep:
         self.token_ids = [self.buffers.array(max(2, rows), np.uint32) for _ in range(TURNS)]
         # discrete devices, per turn: every layer's new cache rows ([kv_lat | k_rot | index_k] per token row, the MTP
         # layer's last; token_rows writes them) for one read back, and where they belong until `_collect` stores them
-        # there: per cache, (the cache, its first position, its first token row, its rows, the layers: (index, bound
-        # launches))
+        # there
         self.stage_fields = {"kv_lat": kvl, "k_rot": rope, "index_k": cfg.index_head_dim}  # name -> width
         self.stage_width = sum(self.stage_fields.values())
         self.row_stage = [self.buffers.array(cfg.num_layers_with_mtp * rows * self.stage_width)
                           for _ in range(TURNS)]
-        self.staged: list[list[tuple[KVCache, int, int, int, list[tuple[int, _Layer]]]]] = [[] for _ in range(TURNS)]
+        self.staged: list[list[_Staged]] = [[] for _ in range(TURNS)]
         self._cs_users: list[Launch] = []  # every launch that reads the position's cos/sin (its argument `cs`)
         self.q_a, self.q_lat = new(cfg.q_lora_rank), new(cfg.q_lora_rank)
         # int8 codes of the normed inputs, written by the norms themselves for the int8-input products
@@ -1276,14 +1286,14 @@ class DeviceDecodeStep:
         """Discrete devices: copy the rows the forward of this turn staged (read back with it) into its host cache."""
         staged, self.staged[turn] = self.staged[turn], []
         rows = self.row_stage[turn].host.reshape(-1, self.rows, self.stage_width)  # [layer, token row, fields]
-        for cache, pos, first, count, layers in staged:
-            for i, layer in layers:
-                kv = cache.layer(i)
-                for r in range(min(count, kv.length - pos)):
+        for part in staged:
+            for i, layer in part.layers:
+                kv = part.cache.layer(i)
+                for r in range(min(part.count, kv.length - part.pos)):
                     start = 0
                     for name, width in self.stage_fields.items():
                         if name in layer.cache_fields:
-                            kv.put_row(pos + r, name, rows[i, first + r, start:start + width])
+                            kv.put_row(part.pos + r, name, rows[i, part.first_row + r, start:start + width])
                         start += width
 
     def __call__(self, token: int, cache: KVCache, embed: np.ndarray) -> tuple[np.ndarray, np.ndarray, list]:
@@ -1372,8 +1382,8 @@ class DeviceDecodeStep:
             if not self.k.direct:  # what the host reads of this forward, behind its kernels
                 for a in (self.row_stage[0], self.route_ids[slot], *self.outputs):
                     event = self.buffers.to_host(a)
-                self.staged[0] = [(cache, pos, r, 1, [(i, layer.seqs[r]) for i, layer in
-                                                      zip(self.span, self.layers, strict=True)])
+                self.staged[0] = [_Staged(cache, pos, r, 1, [(i, layer.seqs[r]) for i, layer in
+                                                             zip(self.span, self.layers, strict=True)])
                                   for r, (cache, pos) in enumerate(zip(caches, positions, strict=True))]
             self.complete(event, 0)
         except BaseException:
@@ -1440,7 +1450,7 @@ class DeviceDecodeStep:
         if not self.k.direct:  # the MTP layer's rows and the drafts, behind its kernels
             for a in (self.row_stage[0], self.route_ids[slot], self.drafted):
                 event = self.buffers.to_host(a)
-            self.staged[0] = [(cache, pos, 0, self.rows, self._draft_layer(True))]
+            self.staged[0] = [_Staged(cache, pos, 0, self.rows, self._draft_layer(True))]
         self.complete(event, 0)
         return self.drafted.host.astype(np.int64)
 
@@ -1740,8 +1750,8 @@ class DeviceDecodeStep:
                 drafts = (self.verified, self.drafted) if draft else ()
                 for a in (self.row_stage[turn], self.route_ids[slot], *reads, *drafts):
                     event = self.buffers.to_host(a)
-                self.staged[turn] = [(cache, pos, 0, n_rows, [*zip(self.span, self.layers, strict=True),
-                                                               *self._draft_layer(draft)])]
+                self.staged[turn] = [_Staged(cache, pos, 0, n_rows, [*zip(self.span, self.layers, strict=True),
+                                                                      *self._draft_layer(draft)])]
         except BaseException:
             self.k.finish()
             cache.truncate(pos)
