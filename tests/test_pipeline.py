@@ -35,7 +35,7 @@ from glmkit.generate.pipeline import (
     check_reachable,
     connect_ray,
     import_ray,
-    layer_nbytes,
+    main_layer_nbytes,
     plan_stages,
     split_layers,
 )
@@ -119,7 +119,7 @@ def test_auto_plan_follows_each_node_memory(snapshot):
     from glmkit.format.reader import Container
 
     container = Container(snapshot)
-    sizes = layer_nbytes(container)
+    sizes = main_layer_nbytes(container)
     assert len(sizes) == 4 and all(s > 0 for s in sizes)
     assert sum(sizes) < container.nbytes  # embed, lm_head and the MTP layer stay out of the stages
     nodes = [{"NodeID": "a", "Alive": True, "Resources": {"memory": 3e9}},
@@ -139,7 +139,7 @@ def test_logits_are_those_of_one_process(single, pipelines, stages, hops):
     pipeline = pipelines[stages, hops]
     pipeline.pipeline.release_graph()
     layers = pipeline.pipeline.layers
-    assert layers == split_layers(layer_nbytes(single.container), [1] * stages)
+    assert layers == split_layers(main_layer_nbytes(single.container), [1] * stages)
     assert [r.start for r in layers[1:]] == ([2] if stages == 2 else [2, 3])
     assert single.config.indexer_type(2) == "shared"  # a hop carries the DSA selection layer 2 reuses
     assert pipeline.model.numerics == single.model.numerics  # the same rows: the prefix cache is shared

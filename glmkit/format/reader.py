@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import mmap
 import os
@@ -135,18 +136,20 @@ class Container:
     def nbytes(self) -> int:
         return sum(int(r["nbytes"]) for r in self.manifest.files.values())
 
-    def layer_nbytes(self) -> list[int]:
-        """Bytes of each decoder layer's tensors (routed experts and scales included), the MTP layer's last."""
+    @functools.cached_property
+    def layer_nbytes(self) -> tuple[int, ...]:
+        """Bytes of each decoder layer's tensors (routed experts and scales included), the MTP layer's last: one pass
+        over the manifest, kept (the sizing of a cache and of pipeline stages asks several times)."""
         sizes = [0] * self.config.num_layers_with_mtp
         for name, entry in self.manifest.tensors.items():
             layer = tensor_layer(name)
             if layer is not None and layer < len(sizes):
                 sizes[layer] += entry.nbytes
-        return sizes
+        return tuple(sizes)
 
     def layers_nbytes(self, layers: range) -> int:
         """Bytes of the tensors of decoder layers `layers` (`layer_nbytes`): a pipeline stage's part."""
-        return sum(self.layer_nbytes()[layers.start:layers.stop])
+        return sum(self.layer_nbytes[layers.start:layers.stop])
 
     def has(self, name: str) -> bool:
         return name in self.manifest.tensors

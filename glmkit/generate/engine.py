@@ -7,6 +7,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -120,11 +121,8 @@ class Engine:
             # said where the container outgrows the RAM: the cache's size, or why it fell back to the page cache
             self.expert_cache_reason = why if expert_cache or (why and outgrows_memory(self.container)) else ""
         elif expert_cache == "auto":
-            expert_cache, why = auto_cache_bytes(self.container, pinned=not split, kv_bytes=kv_bytes,
-                                                 lend_kv=not split)
-            if expert_cache == 0:
-                raise GlmkitError(f"--expert-cache auto: no RAM left for experts ({why})")
-            self.expert_cache_reason = f"expert cache {why}"
+            expert_cache, self.expert_cache_reason = asked_auto_cache(self.container, pinned=not split,
+                                                                      kv_bytes=kv_bytes, lend_kv=not split)
         self.expert_cache_reason += fitted if self.expert_cache_reason else ""
         if announce is not None and self.expert_cache_reason:
             announce(self.expert_cache_reason)
@@ -365,6 +363,15 @@ def fitted_context(container: Container, config: ModelConfig, kv_dtype: str, ask
         return config, ""
     return context_config(config, fits), (f"; context {fits:,} positions of the model's {whole:,}: the KV rows that "
                                           f"fit beside two layers' experts (--max-context, --kv-dtype)")
+
+
+def asked_auto_cache(container: Container, where: str = "", **sizing: Any) -> tuple[int, str]:
+    """`--expert-cache auto`: (the bytes `auto_cache_bytes` gives with `sizing`, "expert cache " and why); a
+    GlmkitError (naming `where`, e.g. a pipeline stage, where given) when the RAM leaves nothing for experts."""
+    size, why = auto_cache_bytes(container, **sizing)
+    if size == 0:
+        raise GlmkitError(f"--expert-cache auto: {where}{': ' if where else ''}no RAM left for experts ({why})")
+    return size, f"expert cache {why}"
 
 
 def default_expert_cache(container: Container, pinned: bool = True, kv_bytes: int = 0, lend_kv: bool = False,

@@ -53,6 +53,7 @@ from glmkit.format.config import ModelConfig
 from glmkit.format.reader import Container
 from glmkit.generate.engine import (
     Engine,
+    asked_auto_cache,
     default_expert_cache,
     make_backend,
     model_over_expert_cache,
@@ -62,7 +63,6 @@ from glmkit.model.compute import Backend, DecodeStep
 from glmkit.model.expert_cache import (
     CacheStats,
     ExpertCache,
-    auto_cache_bytes,
     routed_expert_bytes,
     saved_scores,
     usage_path,
@@ -95,10 +95,10 @@ def import_ray() -> Any:
 
 # ---- the plan -------------------------------------------------------------------------------------------
 
-def layer_nbytes(container: Container) -> list[int]:
+def main_layer_nbytes(container: Container) -> list[int]:
     """Bytes of each main decoder layer's tensors in the container (routed experts and scales included): what the
     stages split."""
-    return container.layer_nbytes()[:container.config.num_hidden_layers]
+    return list(container.layer_nbytes[:container.config.num_hidden_layers])
 
 
 def split_layers(sizes: Sequence[int], shares: Sequence[float]) -> list[range]:
@@ -143,7 +143,7 @@ class StagePlan:
 def plan_stages(container: Container, stages: int | str, nodes: list[dict[str, Any]] | None = None) -> StagePlan:
     """The split of `container`'s layers: `stages` equal shares of the bytes, or "auto": one stage per alive node of
     `nodes` (Ray's `ray.nodes()` records), shared by each node's memory resource."""
-    sizes = layer_nbytes(container)
+    sizes = main_layer_nbytes(container)
     if stages == "auto":
         alive = [n for n in nodes or [] if n.get("Alive") and n.get("Resources", {}).get("memory", 0) > 0]
         if not alive:
@@ -190,11 +190,8 @@ def stage_expert_cache(container: Container, layers: range, expert_cache: int | 
     if expert_cache is None:
         return default_expert_cache(container, kv_bytes=kv_bytes, layers=layers, activations=activations)
     if expert_cache == "auto":
-        size, why = auto_cache_bytes(container, kv_bytes=kv_bytes, layers=layers, activations=activations)
-        if size == 0:
-            raise GlmkitError(f"--expert-cache auto: pipeline stage over layers {layers.start}-{layers.stop - 1}: "
-                              f"no RAM left for experts ({why})")
-        return size, f"expert cache {why}"
+        return asked_auto_cache(container, f"pipeline stage over layers {layers.start}-{layers.stop - 1}",
+                                kv_bytes=kv_bytes, layers=layers, activations=activations)
     size = int(expert_cache)
     return size, (f"expert cache {format_size(size)} (--expert-cache)" if size else
                   "routed experts in the page cache (--expert-cache off)")
