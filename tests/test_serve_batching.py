@@ -210,10 +210,47 @@ def test_opencl_batch_takes_requests_that_join_and_leave(any_cl_model):
     if not any_cl_model.backend.k.direct:  # one device copy of each sequence's rows, whatever steps ran them
         mirrors = any_cl_model.backend.kv_mirrors
         gc.collect()
-        assert {id(kv) for kv in mirrors.keys()} == {id(kv) for cache in caches for kv in cache.layers if kv.length}
+        assert {id(kv) for kv in mirrors.layers()} == {id(kv) for cache in caches for kv in cache.layers if kv.length}
         del caches
         gc.collect()
         assert not mirrors  # freed with the rows
+
+
+def test_discrete_device_kv_copies_stay_within_the_room_its_weights_leave(cl_engine):
+    """A discrete device's copies of the KV rows stay within the room (`OpenCLBackend.kv_room`): with room for one
+    sequence's copies and a half, two sequences decoded in turn drop each other's (the least recently used) and send
+    the rows again, each logit bit for bit its sequence's with no bound. A sequence whose own copies outgrow the room is a
+    GlmkitError naming the device, its cache left at its length, and it decodes on once the room allows."""
+    model = discrete_model(cl_engine)
+    mirrors = model.backend.kv_mirrors
+    batch = prompts(2, False)
+    alone = [greedy_alone(model, prompt, 7)[1] for prompt in batch]
+    gc.collect()
+    assert 0 < model.backend.memory.used <= model.backend.memory.device_bytes
+    assert 0 < model.backend.kv_room() < model.backend.k.info.global_mem - model.backend.memory.device_bytes
+    caches = [model.new_cache() for _ in batch]
+    rows = [[model.forward(np.array(p), c, last_logits_only=True)[0][-1]] for p, c in zip(batch, caches, strict=True)]
+    rows[0].append(model.forward(np.array([int(np.argmax(rows[0][-1]))]), caches[0])[0][-1])
+    one = mirrors.held_bytes()  # one sequence's copies (a prompt runs operation by operation: none)
+    assert one > 0 and {id(kv) for kv in mirrors.layers()} <= {id(kv) for kv in caches[0].layers}
+    mirrors.room = lambda: one * 3 // 2
+    for _ in range(4):
+        for i, cache in enumerate(caches):
+            rows[i].append(model.forward(np.array([int(np.argmax(rows[i][-1]))]), cache)[0][-1])
+            assert mirrors.held_bytes() <= one * 3 // 2
+            held = {id(kv) for kv in mirrors.layers()}
+            assert {id(kv) for kv in cache.layers if kv.length} <= held  # this sequence's copies all kept
+            assert len(held) < 2 * len(cache.layers)  # the other's dropped, as many as the room asked for
+    for i, got in enumerate(rows):
+        np.testing.assert_array_equal(np.array(got), np.array(alone[i][:len(got)]))
+    mirrors.room = lambda: one // 2
+    length = caches[0].length
+    with pytest.raises(GlmkitError, match=f"{model.backend.device}: the KV rows .* more than the"):
+        model.forward(np.array([int(np.argmax(rows[0][-1]))]), caches[0])
+    assert caches[0].length == length
+    mirrors.room = None
+    rows[0].append(model.forward(np.array([int(np.argmax(rows[0][-1]))]), caches[0])[0][-1])
+    np.testing.assert_array_equal(rows[0][-1], alone[0][len(rows[0]) - 1])
 
 
 @pytest.mark.parametrize("count", [2, 4])

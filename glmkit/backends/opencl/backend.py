@@ -27,7 +27,7 @@ from threadpoolctl import ThreadpoolController
 
 from glmkit.backends.numpy_backend import NumpyBackend
 from glmkit.backends.opencl.buffers import address
-from glmkit.backends.opencl.decode_graph import CacheMirrors, DeviceDecodeStep, SpillDevice, Unsupported
+from glmkit.backends.opencl.decode_graph import DeviceDecodeStep, KVMirrors, SpillDevice, Unsupported
 from glmkit.backends.opencl.ops import Kernels
 from glmkit.backends.opencl.weights import (
     ClWeight,
@@ -48,6 +48,7 @@ DECODE_ROWS = 4  # calls with at most this many rows are decode calls (MTP verif
 INDEX_BLOCK = 1 << 22  # indexer scores [rows, T] of one prefill launch
 PROMPT_SLOTS = 512  # (row, expert) slots of a prompt's MoE per fused launch pair: bounds its [slots, I] temporaries
 PROMPT_EXPERTS = 16  # routed experts per launch pair: the weights an expert cache holds for it at once
+ACTIVATION_SHARE = 0.05  # of a discrete device's memory kept from the KV rows' copies: activations, the steps' scratch
 PROMPT_HOST_ROWS = 64  # a prompt's expert with this many rows runs on the host: one dequantization, then BLAS, pays
 
 
@@ -164,7 +165,8 @@ class OpenCLBackend:
         self.memory = WeightMemory(kernels.buffers, unified, budget)
         self.spill = spill if self.placement.spill_experts else None
         self.expert_usage = expert_usage  # the split step's: which experts it uploads, and its decoded routes
-        self.kv_mirrors = CacheMirrors()  # a discrete device's copies of the KV rows, shared by its decode steps
+        # a discrete device's copies of the KV rows, shared by its decode steps, within the memory its weights leave
+        self.kv_mirrors = KVMirrors(kernels.buffers, None if unified else self.kv_room, kernels.info.spec)
         self.model_bytes = model_bytes
         self.device = kernels.info.spec
         # int8_activations: the device decode step's quantized products take int8-quantized inputs (DeviceDecodeStep),
@@ -239,6 +241,12 @@ class OpenCLBackend:
             self._experts[cache_key] = ref  # a miss is final once the budget is spent (or memory is unified)
             self._experts_by_id[ids] = ((gate, up, down), ref)
         return ref
+
+    def kv_room(self) -> int:
+        """Bytes of a discrete device's memory its copies of the KV rows may take: what its weight arenas leave, less
+        ACTIVATION_SHARE of it for activations and the steps' scratch."""
+        total = self.k.info.global_mem
+        return total - self.memory.device_bytes - int(total * ACTIVATION_SHARE)
 
     @property
     def over_budget(self) -> bool:
@@ -513,7 +521,8 @@ class OpenCLBackend:
 
 
 def weight_budget(global_mem: int) -> int:
-    """Bytes of weights a discrete device keeps by default: 80% of its memory (the rest: activations, KV)."""
+    """Bytes of weights a discrete device keeps by default: 80% of its memory (the rest: activations, the KV rows'
+    copies: `OpenCLBackend.kv_room`)."""
     return int(global_mem * 0.8)
 
 

@@ -38,7 +38,7 @@ greedy token (`verify`), or from the host's tokens (`redraft`).
 Continuous batching runs the same step bound for B token rows of B different sequences (`sequences`, `decode_rows`):
 what works on the rows' values takes the B rows in one launch, as for MTP's rows; what reads or writes a cache runs
 once per row (the row's launch at a global offset, `Launch.at_row`) on that row's own cache, position and key count
-(on a discrete device: the sequence's one device copy of its cache, `CacheMirrors`, and its own rows of the staged
+(on a discrete device: the sequence's one device copy of its cache, `KVMirrors`, and its own rows of the staged
 KV rows read back).
 
 Pipelined decoding (`DecodePipeline`) also chooses the token and looks up the next embedding on the device, so that
@@ -82,6 +82,7 @@ from glmkit.backends.opencl.decode_launches import (
 from glmkit.backends.opencl.ops import Kernels
 from glmkit.backends.opencl.program import Launch
 from glmkit.backends.opencl.weights import X8_BLOCK, ClWeight, fused_expert_arrays, mvt_chunked, x8_eligible
+from glmkit.errors import GlmkitError
 from glmkit.format.config import ModelConfig
 from glmkit.format.tensors import Weight
 from glmkit.model.compute import ExpertArena, SamplingSettings, TokenDraws, TokenMask
@@ -190,17 +191,77 @@ def check_bindable(layers: Sequence[LayerSpec]) -> None:
 
 
 class _CacheMirror:
-    """Discrete devices: one cache field of one layer's rows (`LayerKV`) in device memory. The kernels read and write
-    the rows there; `rows` of them are known equal to the host's (the rows the host edited since are uploaded before
-    a forward)."""
+    """Discrete devices: one cache field of one layer's rows (`LayerKV`) in device memory (`nbytes`, rows of the
+    host array's `capacity`). The kernels read and write the rows there; `rows` of them are known equal to the host's
+    (the rows the host edited since are uploaded before a forward)."""
 
-    def __init__(self, buf, capacity: int) -> None:
-        self.buf, self.capacity, self.rows = buf, capacity, 0
+    def __init__(self, buf, capacity: int, nbytes: int) -> None:
+        self.buf, self.capacity, self.nbytes, self.rows = buf, capacity, nbytes, 0
 
 
-# a discrete device's copies of the KV rows: per layer's rows (`LayerKV`), per field, one copy whichever step or token
-# row uses them, freed with the rows
-CacheMirrors = weakref.WeakKeyDictionary
+class KVMirrors:
+    """A discrete device's copies of the KV rows: per layer's rows (`LayerKV`) and field one copy, whichever step or
+    token row uses it, freed with the rows. All copies together stay within `room()` bytes (None: no bound): a copy
+    that does not fit first drops the copies of the sequences used least recently (the host keeps every row, so a
+    dropped copy is sent whole again on its next use, once the queue has finished with it). The copies the forward
+    being queued uses are never dropped: where they alone outgrow the room, `copy` raises a `GlmkitError` naming
+    `device`."""
+
+    def __init__(self, buffers, room: Callable[[], int] | None = None, device: str = "the device") -> None:
+        self.buffers, self.room, self.device = buffers, room, device
+        self._copies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # LayerKV -> {field: _CacheMirror}
+        self._used_by: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # LayerKV -> the last forward's number
+        self.forwards = 0  # forwards begun (`begin_forward`)
+
+    def __len__(self) -> int:
+        return len(self._copies)
+
+    def layers(self) -> list:
+        """The layers' rows (`LayerKV`) that have copies."""
+        return list(self._copies.keys())
+
+    def held_bytes(self) -> int:
+        """Bytes of device memory the copies take."""
+        return sum(m.nbytes for fields in self._copies.values() for m in fields.values())
+
+    def begin_forward(self) -> None:
+        """A forward is being queued: the copies it binds (`copy`) are used by it."""
+        self.forwards += 1
+
+    def copy(self, kv, name: str, arr: np.ndarray, pos: int) -> _CacheMirror:
+        """The device copy of field `name` of `kv` (host array `arr`, one row per position) with its rows before `pos`
+        equal to the host's: made where there is none or the host array grew (every row sent), else sent the rows the
+        host edited since."""
+        fields = self._copies.setdefault(kv, {})
+        self._used_by[kv] = self.forwards
+        m = fields.get(name)
+        if m is None or m.capacity < len(arr):  # first use, or the host cache grew: every row again
+            fields.pop(name, None)
+            self._make_room(arr.nbytes)
+            m = fields[name] = _CacheMirror(self.buffers.device_buffer(arr.nbytes), len(arr), arr.nbytes)
+        start = min(m.rows, kv.edited_from, pos)
+        if start < pos:
+            self.buffers.upload(m.buf, arr[start:pos], start * arr.strides[0])
+        m.rows = kv.length  # rows pos..: written by this forward's kernels
+        return m
+
+    def _make_room(self, nbytes: int) -> None:
+        """Drop the copies of the least recently used layers' rows until `nbytes` more fit the room."""
+        if self.room is None:
+            return
+        room, held = self.room(), self.held_bytes()
+        idle = sorted((used, id(kv), kv) for kv, used in self._used_by.items() if used < self.forwards)
+        for _, _, kv in idle:
+            if held + nbytes <= room:
+                break
+            self.buffers.queue.finish()  # a forward still in flight may read the copy
+            held -= sum(m.nbytes for m in self._copies.pop(kv, {}).values())
+            del self._used_by[kv]
+        if held + nbytes > room:
+            raise GlmkitError(f"{self.device}: the KV rows of the sequences being decoded take "
+                              f"{(held + nbytes) / 2**20:.0f} MiB on the device, more than the "
+                              f"{max(room, 0) / 2**20:.0f} MiB its weights leave them (a shorter context, a smaller "
+                              f"--kv-dtype, or fewer concurrent requests)")
 
 
 class _Staged(NamedTuple):
@@ -358,7 +419,7 @@ class DeviceDecodeStep:
     the indexer's scores and top-k, attention: `PER_ROW`) runs once per row, bound to that row's cache, position and
     key count (`Launch.at_row`). Each row's logits are bit for bit the single-row step's for its sequence alone.
 
-    mirrors: a discrete device's copies of the KV rows (`CacheMirrors`), shared by the steps of one backend: each
+    mirrors: a discrete device's copies of the KV rows (`KVMirrors`), shared by the steps of one backend: each
     sequence's rows have one copy on the device, whichever step and token row use them.
 
     spill: a CPU OpenCL device beside a discrete one that cannot hold every routed expert (the split step: see
@@ -380,7 +441,7 @@ class DeviceDecodeStep:
                  int8_activations: bool = True, experts: ExpertArena | None = None, kv_dtype: str = "f32",
                  rows: int = 1, draft: tuple[LayerSpec, MTPSpec] | None = None, span: range | None = None,
                  logits: bool = True, spill: SpillDevice | None = None, sequences: bool = False,
-                 mirrors: CacheMirrors | None = None) -> None:
+                 mirrors: KVMirrors | None = None) -> None:
 
         if cfg.n_routed_experts > MAX_ROUTED_EXPERTS:
             raise Unsupported(f"{cfg.n_routed_experts} routed experts (the routing kernel holds {MAX_ROUTED_EXPERTS})")
@@ -397,7 +458,7 @@ class DeviceDecodeStep:
         if sequences and (rows < 2 or draft is not None):
             raise Unsupported("a step of several sequences: several rows, no draft")
         self.sequences = sequences
-        self.mirrors = CacheMirrors() if mirrors is None else mirrors  # shared by a backend's steps
+        self.mirrors = KVMirrors(kernels.buffers) if mirrors is None else mirrors  # shared by a backend's steps
         self.draft_spec = draft
         # the model's main layers (numerics, RoPE, the indexers' key count), and those this step runs: `span`
         self.cfg, self.model_specs, self.k, self.buffers = cfg, list(layers), kernels, kernels.buffers
@@ -1251,22 +1312,11 @@ class DeviceDecodeStep:
         else:
             arr = kv.scales(field) if part else kv.storage(field)
         if not self.k.direct:
-            return self._mirror(kv, name, arr, pos).buf
+            return self.mirrors.copy(kv, name, arr, pos).buf
         have = layer.cache_buffers.get(name)
         if have is None or have.host is not arr:
             have = layer.cache_buffers[name] = DeviceArray(arr, self.buffers.wrap(arr))
         return have.buffer
-
-    def _mirror(self, kv, name: str, arr: np.ndarray, pos: int) -> _CacheMirror:
-        fields = self.mirrors.setdefault(kv, {})
-        m = fields.get(name)
-        if m is None or m.capacity < len(arr):  # first use, or the host cache grew: every row again
-            m = fields[name] = _CacheMirror(self.buffers.device_buffer(arr.nbytes), len(arr))
-        start = min(m.rows, kv.edited_from, pos)
-        if start < pos:
-            self.buffers.upload(m.buf, arr[start:pos], start * arr.strides[0])
-        m.rows = kv.length  # rows pos..: written by this forward's kernels
-        return m
 
     def _mask_causal(self, keys: int, turn: int) -> None:
         """The keys each token row's selection may choose (`allowed[turn]`, rows of `keys`): row r not the
@@ -1368,6 +1418,7 @@ class DeviceDecodeStep:
         self.settle()
         positions = [cache.length for cache in caches]
         self._place_rows(positions, 0)
+        self.mirrors.begin_forward()
         self.x.host[:] = embed.reshape(-1)
         self.buffers.to_device(self.x)
         slot = self._next_slot(0)
@@ -1440,6 +1491,7 @@ class DeviceDecodeStep:
         self.settle()
         pos = cache.layer(self.cfg.num_hidden_layers).length
         self._place_rows(range(pos, pos + self.rows), 0)
+        self.mirrors.begin_forward()
         self.hidden.host[:] = hidden.reshape(-1)
         self.verified.host[:] = tokens
         slot = self._next_slot(0)
@@ -1718,6 +1770,7 @@ class DeviceDecodeStep:
             for staged in range(TURNS):  # a device mirror that grows takes every row from the host again
                 self._collect(staged)
         self._place_rows(range(pos, keys), turn)
+        self.mirrors.begin_forward()
         if embed is not None:
             self.x.host[:] = embed.reshape(-1)
             self.buffers.to_device(self.x)

@@ -243,6 +243,11 @@ class WeightMemory:
         self.used += nbytes
         return arena.buffer, off
 
+    @property
+    def device_bytes(self) -> int:
+        """Bytes of device memory the weights' arenas take (discrete devices; 0 where memory is unified)."""
+        return sum(arena.size for arena in self._arenas)
+
     def is_kept(self, arr: np.ndarray) -> bool:
         """Whether arr's bytes stay where they are: in a mapping, or referenced by a buffer of ours."""
         return self._mapping(arr) is not None or (address(arr), arr.nbytes) in self._own
