@@ -518,7 +518,7 @@ def test_split_step_reads_its_cpu_side_from_an_expert_cache(snapshots, discrete_
     cache = ExpertCache(engine.container, 2 * cfg.num_experts_per_tok * expert_slot_bytes(engine.container),
                         pin_weights=False)
     assert not whole.backend.decode_step(cfg, whole.layers[:cfg.num_hidden_layers], whole._w, cache).experts
-    split = discrete_model(engine, discrete_kernels, spill_kernels, int(engine.container.nbytes * 0.3), int8,
+    split = discrete_model(engine, discrete_kernels, spill_kernels, int(engine.container.nbytes * 0.4), int8,
                            step_experts=cache)
     ids = np.array(oracle("tiny-trained")["full_ids"])
     topk = cfg.index_topk
@@ -555,7 +555,7 @@ def test_split_step_reads_ahead_from_its_int8_input(tmp_path, discrete_kernels, 
     engine = Engine(convert(padded, tmp_path / "q4", "q4"), "numpy", load_tokenizer=False)
     cache = ExpertCache(engine.container, 2 * engine.config.num_experts_per_tok * expert_slot_bytes(engine.container),
                         pin_weights=False)
-    split = discrete_model(engine, discrete_kernels, spill_kernels, int(engine.container.nbytes * 0.3), True,
+    split = discrete_model(engine, discrete_kernels, spill_kernels, int(engine.container.nbytes * 0.4), True,
                            step_experts=cache)
     seen = []
     estimate = DeviceDecodeStep._split_input_rows
@@ -594,7 +594,7 @@ def test_engine_gives_the_split_step_an_expert_cache(snapshots, discrete_kernels
             int8_activations=False, spill=OpenCLBackend(spill_kernels, Placement.all_cl(True)),
             expert_usage=usage), "opencl")
 
-    monkeypatch.setattr(engine_module, "make_backend", discrete(int(nbytes * 0.3)))
+    monkeypatch.setattr(engine_module, "make_backend", discrete(int(nbytes * 0.4)))
     monkeypatch.setattr(engine_module, "outgrows_memory", lambda container, **_: True)
     prompt = oracle("tiny-trained")["prompt_ids"]
     want, _ = greedy_run(ram.model, prompt, 16)
@@ -615,11 +615,11 @@ def test_engine_gives_the_split_step_an_expert_cache(snapshots, discrete_kernels
 
 @pytest.mark.parametrize("int8", [False, True])
 def test_split_step_matches_the_whole_model_step(snapshots, discrete_kernels, spill_kernels, int8):
-    """At 30% of the model most routed experts run on the CPU device: the logits and KV rows are bit for bit those
+    """At 40% of the model most routed experts run on the CPU device: the logits and KV rows are bit for bit those
     of the step holding the whole model (same kernels), across the indexer's switch to top-k selection."""
     engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
     whole = discrete_model(engine, discrete_kernels, None, None, int8)
-    split = discrete_model(engine, discrete_kernels, spill_kernels, int(engine.container.nbytes * 0.3), int8)
+    split = discrete_model(engine, discrete_kernels, spill_kernels, int(engine.container.nbytes * 0.4), int8)
     ids = np.array(oracle("tiny-trained")["full_ids"])
     topk = engine.config.index_topk
     prompt, tokens = ids[:topk - 3], ids[topk - 3:topk + 5]
@@ -651,7 +651,7 @@ def test_split_step_uploads_the_most_used_experts_and_counts_its_routes(snapshot
     usage.scores.update({(layer, e): 1.0 + e for layer in range(cfg.num_hidden_layers) for e in range(n)})
     saved = dict(usage.scores)
     whole = discrete_model(engine, discrete_kernels, None, None, False)
-    split = discrete_model(engine, discrete_kernels, spill_kernels, int(engine.container.nbytes * 0.3), False, usage)
+    split = discrete_model(engine, discrete_kernels, spill_kernels, int(engine.container.nbytes * 0.4), False, usage)
     ids = np.array(oracle("tiny-trained")["full_ids"])
     prompt, tokens = ids[:20], ids[20:28]
     caches = [whole.new_cache()]
@@ -677,7 +677,7 @@ def test_split_step_greedy_matches_numpy(snapshots, discrete_kernels, spill_kern
     that cannot hold the non-expert weights leaves the per-operation path."""
     engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
     ref = GlmMoeDsaModel(engine.config, engine.experts, engine.backend)
-    split = discrete_model(engine, discrete_kernels, spill_kernels, int(engine.container.nbytes * 0.3), False)
+    split = discrete_model(engine, discrete_kernels, spill_kernels, int(engine.container.nbytes * 0.4), False)
     queued = []
     run_split = DeviceDecodeStep._run_split
     monkeypatch.setattr(DeviceDecodeStep, "_run_split", lambda self, *a: queued.append(1) or run_split(self, *a))

@@ -6,6 +6,8 @@ operation by operation, and through `Generator`: greedy and sampled tokens with 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 
@@ -37,18 +39,43 @@ def discrete_kernels():
     return Kernels(opencl_test_device(), lanes=8, red_lanes=8, direct=False, cpu_loads=False)
 
 
+@pytest.fixture(scope="module")
+def spill_kernels():
+    """Another context on the test device: the CPU OpenCL device beside a discrete one in the split step."""
+    info = opencl_test_device()
+    if info.kind != "cpu":
+        pytest.skip("the split step's CPU side is a CPU OpenCL device")
+    return Kernels(info, lanes=8, red_lanes=8, cpu_loads=False)
+
+
 @pytest.fixture(params=["direct", "discrete"])
 def kernels(request):
     """Each test that takes `kernels` runs on both kinds of device."""
     return request.getfixturevalue(f"{request.param}_kernels")
 
 
-def device_model(engine: Engine, kernels: Kernels, int8_activations: bool = True, kv_dtype: str = "f32"
-                 ) -> GlmMoeDsaModel:
+@pytest.fixture(params=["direct", "discrete", "split"])
+def on_each_step(request) -> Callable[..., GlmMoeDsaModel]:
+    """Each test that takes it builds its model (`device_model`'s arguments but the kernels) on each kind of decode
+    step: the direct device, it driven as a discrete GPU holding the model, and the split step (that GPU holding 40%
+    of the container, the routed experts over it run on the CPU device beside)."""
+    kernels = request.getfixturevalue("direct_kernels" if request.param == "direct" else "discrete_kernels")
+    spill = request.getfixturevalue("spill_kernels") if request.param == "split" else None
+    return lambda engine, *args, **kwargs: device_model(engine, kernels, *args, spill=spill, **kwargs)
+
+
+def device_model(engine: Engine, kernels: Kernels, int8_activations: bool = True, kv_dtype: str = "f32",
+                 spill: Kernels | None = None) -> GlmMoeDsaModel:
     """The engine's model on an OpenCL backend over `kernels` (the decode step and its two-row form), KV rows at
-    kv_dtype."""
-    backend = OpenCLBackend(kernels, Placement(), int8_activations=int8_activations,
-                            unified=None if kernels.direct else False, model_bytes=engine.container.nbytes)
+    kv_dtype; with `spill` (a CPU device) the split step: a discrete device holding 40% of the container."""
+    if spill is None:
+        backend = OpenCLBackend(kernels, Placement(), int8_activations=int8_activations,
+                                unified=None if kernels.direct else False, model_bytes=engine.container.nbytes)
+    else:
+        backend = OpenCLBackend(kernels, Placement(spill_experts=True), int8_activations=int8_activations,
+                                unified=False, model_bytes=engine.container.nbytes,
+                                budget=int(engine.container.nbytes * 0.4),
+                                spill=OpenCLBackend(spill, Placement.all_cl(True), int8_activations=int8_activations))
     return GlmMoeDsaModel(engine.config, engine.experts, backend, kv_dtype=kv_dtype)
 
 
@@ -64,14 +91,15 @@ def copy_rows(cache, into) -> None:
                                                           ("tiny-bf16", "f32", False, "f32"),
                                                           ("tiny-fp8", "q2", True, "f32"),
                                                           ("tiny-trained", "q4", True, "fp8")])
-def test_two_rows_equal_two_single_steps(snapshots, kernels, variant, preset, int8, kv_dtype):
+def test_two_rows_equal_two_single_steps(snapshots, on_each_step, variant, preset, int8, kv_dtype):
     """The two-row step's logits, hidden states and KV rows are the single-token step's for the same two tokens,
     bit for bit: while every key is attended, where the first row has index_topk keys and the second one more
     (the causal mask of the selection), and with the indexer selecting for both rows; q2's shared expert runs apart
     (int4 beside int2 experts); KV rows at fp8 (each row's codes and scale). On a discrete device each row's KV rows
-    come back to the host cache with the forward."""
+    come back to the host cache with the forward; on the split step the CPU side runs each row's experts over the
+    budget."""
     engine = Engine(snapshots(variant, preset), "numpy", load_tokenizer=False)
-    dev = device_model(engine, kernels, int8, kv_dtype)
+    dev = on_each_step(engine, int8, kv_dtype)
     ids = np.array(oracle(variant)["full_ids"])
     topk = engine.config.index_topk
     for start in (3, topk - 1, topk, topk + 5):
@@ -93,12 +121,12 @@ def test_two_rows_equal_two_single_steps(snapshots, kernels, variant, preset, in
                 assert np.array_equal(a.storage(name)[:a.length], b.storage(name)[:b.length])
 
 
-def test_draft_in_the_queue_is_the_mtp_head(snapshots, kernels):
+def test_draft_in_the_queue_is_the_mtp_head(snapshots, on_each_step):
     """The MTP head in the verification's queue (each row's greedy token, then the MTP layer) gives the MTP
     head's logits run operation by operation on the same rows (float inputs: f32 noise), its greedy drafts, and the
     MTP layer's cache rows; `redraft` from host tokens gives the same, after another sequence's verification."""
     engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
-    dev = device_model(engine, kernels, int8_activations=False)
+    dev = on_each_step(engine, int8_activations=False)
     cfg = engine.config
     ids = np.array(oracle("tiny-trained")["full_ids"])
     start = cfg.index_topk + 4  # both the main and the MTP layer select keys
@@ -142,12 +170,12 @@ def generate(model: GlmMoeDsaModel, prompt: list[int], use_mtp: bool, params: Sa
 
 
 @pytest.mark.parametrize("variant,preset", [("tiny-trained", "q4"), ("tiny-bf16", "f32")])
-def test_mtp_on_the_step_keeps_the_tokens(snapshots, kernels, variant, preset, monkeypatch):
+def test_mtp_on_the_step_keeps_the_tokens(snapshots, on_each_step, variant, preset, monkeypatch):
     """Greedy and sampled tokens with MTP on (verification and drafts on the device) equal those with MTP off (the
     pipelined single-token step), across index_topk keys; the trained fixture's MTP head is accepted mostly, the
     random one's hardly ever (the rejected drafts' rows dropped)."""
     engine = Engine(snapshots(variant, preset), "numpy", load_tokenizer=False)
-    dev = device_model(engine, kernels)
+    dev = on_each_step(engine)
     prompt = [int(t) for t in oracle(variant)["full_ids"][:engine.config.index_topk - 6]]
     queues = []
     real = DeviceDecodeStep.verify
@@ -247,25 +275,6 @@ def test_mtp_over_the_expert_cache_keeps_the_tokens(snapshots, direct_kernels, m
         assert gen.stats.mtp_acceptance > 0.5
         queues.clear()
         cache.close()
-
-
-def test_mtp_where_no_two_row_step(snapshots, discrete_kernels):
-    """The split step (a discrete device smaller than the model, routed experts over its budget on a CPU device
-    beside it) has no two-row form: the verification runs operation by operation, the tokens stay those of MTP
-    off."""
-    info = opencl_test_device()
-    if info.kind != "cpu":
-        pytest.skip("the split step's CPU side is a CPU OpenCL device")
-    engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
-    spill = Kernels(info, lanes=8, red_lanes=8, cpu_loads=False)
-    backend = OpenCLBackend(discrete_kernels, Placement(spill_experts=True), unified=False,
-                            model_bytes=engine.container.nbytes, budget=int(engine.container.nbytes * 0.3),
-                            spill=OpenCLBackend(spill, Placement.all_cl(True)))
-    dev = GlmMoeDsaModel(engine.config, engine.experts, backend)
-    assert dev.decodes_on_device() and dev._step.spill is not None and not dev.drafts_on_device()
-    prompt = [int(t) for t in oracle("tiny-trained")["full_ids"][:20]]
-    greedy = SamplingParams(temperature=0)
-    assert generate(dev, prompt, True, greedy, 12)[0] == generate(dev, prompt, False, greedy, 12)[0]
 
 
 @pytest.mark.parametrize("cycle,on", [(1.6, True), (2.4, False)])

@@ -144,12 +144,19 @@ def cl_model(cl_engine: Engine) -> GlmMoeDsaModel:
     return cl_engine.model
 
 
-def discrete_model(engine: Engine, kv_dtype: str = "f32") -> GlmMoeDsaModel:
+def discrete_model(engine: Engine, kv_dtype: str = "f32", split: bool = False) -> GlmMoeDsaModel:
     """The engine's model on the test device driven as a discrete GPU is (device buffers and copies, the GPU build of
-    the kernels: work-group top-k), KV rows at kv_dtype."""
+    the kernels: work-group top-k), KV rows at kv_dtype; `split`: that GPU holding half the container, the routed
+    experts over it run on the CPU device beside (the split step)."""
     kernels = Kernels(opencl_test_device(), lanes=8, red_lanes=8, direct=False, cpu_loads=False)
-    backend = OpenCLBackend(kernels, Placement(), int8_activations=True, unified=False,
-                            model_bytes=engine.container.nbytes)
+    nbytes = engine.container.nbytes
+    if split:
+        spill = OpenCLBackend(Kernels(opencl_test_device(), lanes=8, red_lanes=8, cpu_loads=False),
+                              Placement.all_cl(True))
+        backend = OpenCLBackend(kernels, Placement(spill_experts=True), int8_activations=True, unified=False,
+                                model_bytes=nbytes, budget=nbytes // 2, spill=spill)
+    else:
+        backend = OpenCLBackend(kernels, Placement(), int8_activations=True, unified=False, model_bytes=nbytes)
     return GlmMoeDsaModel(engine.config, engine.experts, backend, kv_dtype=kv_dtype)
 
 
@@ -158,10 +165,18 @@ def cl_discrete_model(cl_engine: Engine) -> GlmMoeDsaModel:
     return discrete_model(cl_engine)
 
 
-@pytest.fixture(params=["direct", "discrete"])
+@pytest.fixture(scope="module")
+def cl_split_model(cl_engine: Engine) -> GlmMoeDsaModel:
+    if opencl_test_device().kind != "cpu":
+        pytest.skip("the split step's CPU side is a CPU OpenCL device")
+    return discrete_model(cl_engine, split=True)
+
+
+@pytest.fixture(params=["direct", "discrete", "split"])
 def any_cl_model(request, cl_engine: Engine) -> GlmMoeDsaModel:
-    """Each test that takes it runs on the direct device (PoCL's CPU device) and on it driven as a discrete GPU."""
-    return cl_engine.model if request.param == "direct" else request.getfixturevalue("cl_discrete_model")
+    """Each test that takes it runs on the direct device (PoCL's CPU device), on it driven as a discrete GPU, and on
+    the split step (that GPU holding half the model)."""
+    return cl_engine.model if request.param == "direct" else request.getfixturevalue(f"cl_{request.param}_model")
 
 
 @pytest.mark.parametrize("count", [2, 3, 4])
@@ -169,10 +184,12 @@ def test_batched_decode_on_opencl_is_each_sequence_on_the_device_step_alone(any_
     """OpenCL: B sequences of different lengths (below and past the DSA top-k: with and without the indexer's
     selection) decode in one forward of the step over B sequences, each row's logits bit for bit those of its
     sequence alone on the single-row step; no per-operation product runs. On a discrete device too (each row's KV
-    rows read back into its own cache)."""
+    rows read back into its own cache), and on the split step (each row's experts over the GPU's budget on the CPU
+    device)."""
     batch = prompts(count, True)
     alone = [greedy_alone(any_cl_model, prompt, 6) for prompt in batch]
-    assert any_cl_model.sequences_step(count) is not None
+    step = any_cl_model.sequences_step(count)
+    assert step is not None and (step.spill is not None) == (any_cl_model.backend.spill is not None)
     decode_batch = any_cl_model.decode_batch
 
     def on_the_step(token_ids: np.ndarray, caches: list) -> tuple[np.ndarray, np.ndarray]:
@@ -219,8 +236,8 @@ def test_opencl_batch_takes_requests_that_join_and_leave(any_cl_model):
 def test_discrete_device_kv_copies_stay_within_the_room_its_weights_leave(cl_engine):
     """A discrete device's copies of the KV rows stay within the room (`OpenCLBackend.kv_room`): with room for one
     sequence's copies and a half, two sequences decoded in turn drop each other's (the least recently used) and send
-    the rows again, each logit bit for bit its sequence's with no bound. A sequence whose own copies outgrow the room is a
-    GlmkitError naming the device, its cache left at its length, and it decodes on once the room allows."""
+    the rows again, each logit bit for bit its sequence's with no bound. A sequence whose own copies outgrow the room
+    is a GlmkitError naming the device, its cache left at its length, and it decodes on once the room allows."""
     model = discrete_model(cl_engine)
     mirrors = model.backend.kv_mirrors
     batch = prompts(2, False)

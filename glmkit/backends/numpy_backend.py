@@ -314,7 +314,8 @@ class NumpyBackend:
     def decode_step(self, config: ModelConfig, layers: Sequence[LayerSpec], weight: Callable[[str], Weight],
                     experts: ExpertArena | None = None, kv_dtype: str = "f32", rows: int = 1,
                     draft: tuple[LayerSpec, MTPSpec] | None = None, span: range | None = None,
-                    logits: bool = True, sequences: bool = False) -> None:
+                    logits: bool = True, sequences: bool = False, mtp: tuple[LayerSpec, MTPSpec] | None = None
+                    ) -> None:
         return None  # the operations above are the decode step
 
 

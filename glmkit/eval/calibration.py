@@ -114,7 +114,7 @@ class RecordingBackend:
 
     def decode_step(self, config: ModelConfig, layers: Sequence[LayerSpec], weight: Callable[[str], Weight],
                     experts: None = None, kv_dtype: str = "f32", rows: int = 1, draft: Any = None, span: Any = None,
-                    logits: bool = True, sequences: bool = False) -> None:
+                    logits: bool = True, sequences: bool = False, mtp: Any = None) -> None:
         return None  # every product's input must pass through `linear`
 
     def __getattr__(self, name: str) -> Any:

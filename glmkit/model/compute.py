@@ -106,7 +106,8 @@ class Backend(Protocol):
     def decode_step(self, config: ModelConfig, layers: Sequence[LayerSpec], weight: Callable[[str], Weight],
                     experts: ExpertArena | None = None, kv_dtype: str = "f32", rows: int = 1,
                     draft: tuple[LayerSpec, MTPSpec] | None = None, span: range | None = None,
-                    logits: bool = True, sequences: bool = False) -> DecodeStep | None:
+                    logits: bool = True, sequences: bool = False, mtp: tuple[LayerSpec, MTPSpec] | None = None
+                    ) -> DecodeStep | None:
         """A whole forward of `rows` consecutive tokens (1: a decoded token; 2: MTP's verification of a draft) of the
         main model, whose decoder layers `layers` describes, in one call (`DecodeStep`), or None: the model then
         runs them through the operations above. experts: where the routed experts are read from instead of `weight`
@@ -115,7 +116,8 @@ class Backend(Protocol):
         span: the layers it runs (default all: a pipeline stage's range, `run_span`; none: only the final norm and
         lm_head, a pipeline head's); logits: whether the final norm's output goes through lm_head (not on a stage).
         A step of a part of the model takes one token row and no draft. sequences: the rows are as many sequences,
-        each appended to its own cache (`DecodeStep.decode_rows`: continuous batching)."""
+        each appended to its own cache (`DecodeStep.decode_rows`: continuous batching). mtp: the model's MTP layer and
+        head, whatever the form (a step that keeps weights within a budget keeps room for them)."""
         ...
 
 

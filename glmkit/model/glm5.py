@@ -448,9 +448,11 @@ class GlmMoeDsaModel:
                   logits: bool = True, sequences: bool = False) -> DecodeStep | None:
         """The backend's decode step over the main layers in one of its forms (`Backend.decode_step`), its routing
         watched by `step_route_hook` where it runs any layer; None where the backend has no such form."""
-        step = self.backend.decode_step(self.config, self.layers[:self.config.num_hidden_layers], self._w,
-                                        self.step_experts, self.kv_dtype, rows=rows, draft=draft, span=span,
-                                        logits=logits, sequences=sequences)
+        cfg = self.config
+        mtp = (self.layers[cfg.num_hidden_layers], mtp_spec(cfg)) if self.has_mtp else None
+        step = self.backend.decode_step(cfg, self.layers[:cfg.num_hidden_layers], self._w, self.step_experts,
+                                        self.kv_dtype, rows=rows, draft=draft, span=span, logits=logits,
+                                        sequences=sequences, mtp=mtp)
         if step is not None and self.step_route_hook is not None and (span is None or span):
             step.watch_routes(self.step_route_hook)
         return step

@@ -140,6 +140,16 @@ class LayerSpec:
             names.append(self.ffn.router.bias)
         return names
 
+    def matrices(self) -> list[str]:
+        """Every 2-D tensor the layer reads but its MLPs' (attention's, the indexer's, the router's)."""
+        a = self.attention
+        names = [a.q_a, a.q_b, a.kv_a, a.kv_b, a.o_proj]
+        if a.indexer is not None:
+            names += [a.indexer.wk, a.indexer.wq_b, a.indexer.weights_proj]
+        if isinstance(self.ffn, MoESpec):
+            names.append(self.ffn.router.weight)
+        return names
+
 
 @dataclass(frozen=True)
 class MTPSpec:

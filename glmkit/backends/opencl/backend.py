@@ -257,14 +257,16 @@ class OpenCLBackend:
     def decode_step(self, config: ModelConfig, layers: Sequence[LayerSpec], weight: Callable[[str], Weight],
                     experts: ExpertArena | None = None, kv_dtype: str = "f32", rows: int = 1,
                     draft: tuple[LayerSpec, MTPSpec] | None = None, span: range | None = None,
-                    logits: bool = True, sequences: bool = False) -> DeviceDecodeStep | None:
+                    logits: bool = True, sequences: bool = False, mtp: tuple[LayerSpec, MTPSpec] | None = None
+                    ) -> DeviceDecodeStep | None:
         """The device decode step for this model (placement.decode_step "cl"; on a discrete device every weight
         must fit the budget, or every one but routed experts, which then run on the spill device where there is one:
         the split step), or None: the model then decodes operation by operation. experts: see
         `DeviceDecodeStep`; rows: token rows per forward (2: MTP's verification of a draft); draft: the MTP layer and
         head, whose draft then follows a verification in the same queue (the step is built without it where they
-        cannot be bound); sequences: the rows are as many sequences, each with its own cache (`decode_rows`). The
-        steps of a discrete device share its copies of the KV rows (`kv_mirrors`)."""
+        cannot be bound); sequences: the rows are as many sequences, each with its own cache (`decode_rows`); mtp:
+        the model's MTP layer and head (see `DeviceDecodeStep`). The steps of a discrete device share its copies of
+        the KV rows (`kv_mirrors`)."""
         over = self.over_budget
         if self.placement.decode_step != "cl" or (over and self.spill is None):
             return None
@@ -272,11 +274,11 @@ class OpenCLBackend:
         # an expert cache's slots where one is given); a discrete device holding them all reads no cache
         spill = SpillDevice(self.spill.k, self.spill._expert_ref, self.expert_usage) if over else None
         experts = experts if spill is not None or self.k.direct else None
-        for mtp in (draft, None) if draft is not None else (None,):
+        for bound_draft in (draft, None) if draft is not None else (None,):
             try:
                 return DeviceDecodeStep(config, layers, weight, self._cw, self._expert_ref, self.k,
-                                        self.int8_activations, experts, kv_dtype, rows, mtp, span, logits, spill,
-                                        sequences, self.kv_mirrors)
+                                        self.int8_activations, experts, kv_dtype, rows, bound_draft, span, logits,
+                                        spill, sequences, self.kv_mirrors, mtp)
             except Unsupported:
                 pass
         return None

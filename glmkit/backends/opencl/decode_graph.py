@@ -70,6 +70,7 @@ from glmkit.backends.opencl.buffers import DeviceArray, Int8Codes, address
 from glmkit.backends.opencl.decode_launches import (
     ExpertSlots,
     bind_embed_row,
+    bind_expert_sum,
     bind_experts,
     bind_experts_x8,
     bind_matvec,
@@ -317,10 +318,11 @@ class _SplitLayer:
     uploaded into the same per-slot rows (`part`): the next norm sums them in slot order."""
 
     def __init__(self, layer: int, views: list[tuple[Weight, Weight, Weight]], cpu_refs: list, shape: Any, top_k: int,
-                 members: int, table: DeviceArray, regions: dict[str, DeviceArray], scratch: tuple[DeviceArray, Any],
-                 shared: Any, cpu_rel: np.ndarray | None) -> None:
+                 members: int, rows: int, table: DeviceArray, regions: dict[str, DeviceArray],
+                 scratch: tuple[DeviceArray, Any], shared: Any, cpu_rel: np.ndarray | None) -> None:
         self.layer = layer  # the decoder layer's index
         self.views, self.cpu_refs, self.shape, self.top_k, self.members = views, cpu_refs, shape, top_k, members
+        self.rows = rows  # token rows: row t's slots are t * members.. (its routed experts, then the shared one)
         # with an expert cache: the CPU side's experts lie in its slots, laid out as `cpu_rel` (uint64 [6]) from a
         # slot's start; `cpu_refs` then holds the fused view of slot 0 for every expert (its scheme and shape)
         self.cpu_rel = cpu_rel
@@ -328,12 +330,14 @@ class _SplitLayer:
         self.shared = shared  # the shared expert's device view (resident), or None
         self.resident: list[Any] = [None] * len(views)  # per routed expert: its device view, or None (CPU side)
         self.where = np.full(len(views), -1, np.int64)  # per routed expert: its launch set (`sets`), -1: CPU side
-        self.masks: list[DeviceArray] = []  # per launch set: the slot tokens it runs (0) or skips (UNUSED_SLOT)
+        self.masks: list[DeviceArray] = []  # per launch set: the slot tokens it runs (the row) or skips (UNUSED_SLOT)
         self.shared_set = -1  # the launch set that computes the shared expert's slot (run every token)
         self.sets: list[list[Launch]] = []  # per device buffer holding resident experts: the fused launches
         self.cpu_sets: dict[int, tuple[DeviceArray, list[Launch]]] = {}  # per CPU-side buffer: slot tokens, launches
-        self.cpu_offs: DeviceArray | None = None  # the CPU side's slot offsets (members x 6)
-        self.cpu_part: DeviceArray | None = None  # the CPU side's per-slot down rows (members x n_in)
+        self.cpu_offs: DeviceArray | None = None  # the CPU side's slot offsets (rows x members x 6)
+        self.cpu_part: DeviceArray | None = None  # the CPU side's per-slot down rows (rows x members x n_in)
+        # a shared expert of another scheme than the routed ones: the routed slots' sum, then its launches and sum
+        self.after: list[Launch] = []
 
 
 class _Layer:
@@ -425,8 +429,12 @@ class DeviceDecodeStep:
     spill: a CPU OpenCL device beside a discrete one that cannot hold every routed expert (the split step: see
     `_bind_split_moe`, `_place_split`, `_run_split`): the experts the budget leaves out run there, each MoE layer's
     host wait bringing their input back and their per-slot rows over. The logits are the whole-model step's, bit for
-    bit where both devices run the same build of the expert kernels. One token row, the whole model; with `experts`
+    bit where both devices run the same build of the expert kernels. The whole model, in every form (token rows of
+    one sequence, MTP's draft, several sequences: each row's experts in slots of its own on both sides); with `experts`
     the CPU side's experts come from the cache (`_run_split`), the device's never read into it (`hold_elsewhere`).
+    mtp: the model's MTP layer and head, whose weights but the routed experts a split step uploads before the routed
+    experts take the rest of the budget (the device's weights are its backend's, shared by its steps), so that the
+    verification's form, built later, binds them.
 
     span: the main layers bound (default all; `layers` always describes them all: the numerics and the indexers' key
     count are the model's). A pipeline stage's step (`logits` False) takes the hidden state entering its first layer
@@ -441,7 +449,7 @@ class DeviceDecodeStep:
                  int8_activations: bool = True, experts: ExpertArena | None = None, kv_dtype: str = "f32",
                  rows: int = 1, draft: tuple[LayerSpec, MTPSpec] | None = None, span: range | None = None,
                  logits: bool = True, spill: SpillDevice | None = None, sequences: bool = False,
-                 mirrors: KVMirrors | None = None) -> None:
+                 mirrors: KVMirrors | None = None, mtp: tuple[LayerSpec, MTPSpec] | None = None) -> None:
 
         if cfg.n_routed_experts > MAX_ROUTED_EXPERTS:
             raise Unsupported(f"{cfg.n_routed_experts} routed experts (the routing kernel holds {MAX_ROUTED_EXPERTS})")
@@ -453,8 +461,8 @@ class DeviceDecodeStep:
         if draft is not None and (rows < 2 or any(n.bias for n in (draft[1].enorm, draft[1].hnorm,
                                                                      draft[1].head_norm))):
             raise Unsupported("MTP's draft: in a verification step (rows > 1) of an MTP head with RMSNorms")
-        if spill is not None and (kernels.direct or not whole or rows > 1):
-            raise Unsupported("routed experts on a CPU device beside: a discrete device's whole-model step, one row")
+        if spill is not None and (kernels.direct or not whole):
+            raise Unsupported("routed experts on a CPU device beside: a discrete device's whole-model step")
         if sequences and (rows < 2 or draft is not None):
             raise Unsupported("a step of several sequences: several rows, no draft")
         self.sequences = sequences
@@ -570,7 +578,7 @@ class DeviceDecodeStep:
         if draft is not None:
             self.draft = self._bind_draft(*draft)
         if spill is not None:  # after every other weight: the routed experts get what is left of the budget
-            self._place_split()
+            self._place_split(mtp)
         # the first split layer: where a decoded token ticks the usage scores' clock
         self.first_split = next((layer.split.layer for layer in self.layers if layer.split is not None), None)
         self.owner: DecodePipeline | None = None  # the pipeline whose token is in flight
@@ -1059,37 +1067,54 @@ class DeviceDecodeStep:
             raise Unsupported(f"{r.weight}: the routed experts cannot run as fused experts of one scheme on the CPU")
         shape = cpu_refs[0].shape
         shared = None if ffn.shared is None else self._ref(ffn.shared)
-        if shared is not None and shared.key[1:] != cpu_refs[0].key[1:]:
-            raise Unsupported(f"{r.weight}: a shared expert of another scheme beside CPU-side routed experts")
+        separate = None
+        if shared is not None and shared.key[1:] != cpu_refs[0].key[1:]:  # e.g. q4's int8 one in the MTP layer
+            separate, shared = shared, None
         members = r.top_k + (shared is not None)
-        regions, stride = self._slot_regions(1, members)
+        regions, stride = self._slot_regions(1, self.rows * members)
         table = self.buffers.array((r.n_experts + 1) * 6, np.uint64)  # the resident experts' rows: `_place_split`
         if shared is not None:
             table.host[r.n_experts * 6:] = shared.offs
-        scratch = self._expert_scratch(members, shape)
+        scratch = self._expert_scratch(self.rows * members, shape)
         out.ids = self._route_ids(r.top_k)
-        logits = self.buffers.array(r.n_experts)
+        logits = self.buffers.array(self.rows * r.n_experts)
         out.route = k.bind("route_noaux_tc", (1,), None, logits=logits.buffer, vec=self._vectors.buffer,
                            bias_off=self.offsets[r.bias], table=table.buffer,
                            buffer_of=self.buffers.filled(np.zeros(r.n_experts + 1), np.uint32).buffer, n_buffers=1,
                            n_experts=r.n_experts, n_group=r.n_group, topk_group=r.topk_group, top_k=r.top_k,
                            norm=int(r.norm_topk_prob), scaling=r.scaling, shared=int(shared is not None),
-                           stride=stride, ids=out.ids[0].buffer, n_tok=1,  # ids: set per token slot
+                           stride=stride, ids=out.ids[0].buffer, n_tok=self.rows,  # ids: set per token slot
                            **{name: a.buffer for name, a in regions.items()})
-        out.split = _SplitLayer(ffn.layer, views, cpu_refs, shape, r.top_k, members, table, regions, scratch, shared,
-                                cpu_rel)
+        out.split = _SplitLayer(ffn.layer, views, cpu_refs, shape, r.top_k, members, self.rows, table, regions,
+                                scratch, shared, cpu_rel)
         self.ffn_out = Addend(scratch[1], regions["tok_start"].buffer, regions["slot_w"].buffer)
-        return [bind_matvec(k, self._matrix(r.weight), self.u.buffer, logits.buffer), out.route]
+        if separate is not None:  # the routed slots' sum, then the shared expert's rows added (the model's order)
+            slots = ExpertSlots(None, None, regions["tok_start"].buffer, regions["slot_w"].buffer, self.rows * members,
+                                self.rows)
+            out.split.after = [bind_expert_sum(k, scratch[1], slots, self.ffn.buffer, shape.n_in),
+                               *self._bind_apart(separate)]
+            self.ffn_out = self._whole(self.ffn)
+        return [bind_matvec(k, self._matrix(r.weight), self.u.buffer, logits.buffer, tokens=self.rows), out.route]
 
-    def _place_split(self) -> None:
-        """Upload as many routed experts as the budget still holds once every other weight is on the device: the
+    def _place_split(self, mtp: tuple[LayerSpec, MTPSpec] | None) -> None:
+        """Upload as many routed experts as the budget still holds once every other weight is on the device (with
+        `mtp`, the MTP layer's and head's but their routed experts too: the verification's step binds them): the
         most used first (the spill device's `usage` scores, which earlier processes saved: a token then finds more
         of its experts on the device), and in ties, or with no scores, expert ranks in turn over the layers (each
         layer's expert 0, then each one's expert 1, ...: every layer keeps the same share); then bind each layer's
         launches on both sides (`_bind_split_sides`)."""
-        split = [layer.split for layer in self.layers if layer.split is not None]
+        split = [layer.split for layer in self._bound_layers() if layer.split is not None]
         if not split:
             return
+        if mtp is not None:
+            spec, head = mtp
+            try:  # where they do not fit, this step runs without them, and the verification on the mapping's path
+                for name in [*spec.matrices(), head.eh_proj]:
+                    self._matrix(name)
+                if isinstance(spec.ffn, MoESpec) and spec.ffn.shared is not None:
+                    self._ref(spec.ffn.shared)
+            except Unsupported:
+                pass
         usage = self.spill.usage
         score = usage.score if usage is not None else lambda key: 0.0
         order = sorted(((e, i) for i, s in enumerate(split) for e in range(len(s.views))),
@@ -1104,7 +1129,7 @@ class DeviceDecodeStep:
                                         if ref is not None)
         shape, spill = split[0].shape, self.spill.kernels.buffers
         x8 = self._x8(shape.bits, shape.group, shape.n_in, shape.inter)
-        n = self.cfg.hidden_size  # the CPU side's input: the post-attention norm's output u, or its int8 codes
+        n = self.rows * self.cfg.hidden_size  # the CPU side's input: the post-attention norm's output u, or its codes
         if x8:
             arrays = (spill.array(2 * n, np.int8), spill.array(n // X8_BLOCK), spill.array(n // X8_BLOCK, np.int32))
             self.split_input = tuple(zip(self.u_x8, arrays, strict=True))
@@ -1125,30 +1150,31 @@ class DeviceDecodeStep:
                 s.table.host[e * 6:(e + 1) * 6] = ref.offs
                 s.where[e] = next(b for b, buf in enumerate(buffers) if buf is ref.buf)
         self.buffers.to_device(s.table)
-        regions = s.regions
+        regions, n_slots = s.regions, s.rows * s.members
         for buf in buffers:
-            mask = self.buffers.filled(np.full(s.members, UNUSED_SLOT), np.uint32)
-            if s.shared is not None and s.shared.buf is buf:
-                mask.host[s.top_k], s.shared_set = 0, len(s.masks)
+            mask = self.buffers.filled(np.full(n_slots, UNUSED_SLOT), np.uint32)
+            if s.shared is not None and s.shared.buf is buf:  # each row's shared expert, in this set every token
+                mask.host.reshape(s.rows, s.members)[:, s.top_k], s.shared_set = np.arange(s.rows), len(s.masks)
                 self.buffers.to_device(mask)
             slots = ExpertSlots(regions["offs"].buffer, mask.buffer, regions["tok_start"].buffer,
-                                regions["slot_w"].buffer, s.members)
+                                regions["slot_w"].buffer, n_slots, s.rows)
             s.masks.append(mask)
             s.sets.append(list(self._bind_experts(s.cpu_refs[0], slots, self.ffn, buf, False, (s.hid, s.part))[0]))
         spill, shape = self.spill.kernels, s.shape
         new = spill.buffers.array
-        s.cpu_offs, s.cpu_part = new(s.members * 6, np.uint64), new(s.members * shape.n_in)
-        tok_start = spill.buffers.filled(np.array([0, s.members]), np.uint32)
-        hid = new(s.members * shape.inter)
+        s.cpu_offs, s.cpu_part = new(n_slots * 6, np.uint64), new(n_slots * shape.n_in)
+        tok_start = spill.buffers.filled(np.arange(s.rows + 1) * s.members, np.uint32)
+        hid = new(n_slots * shape.inter)
         # a launch set per buffer the CPU side's experts lie in: the expert cache's arena chunks, else the mapping's
         cpu_buffers = (dict(enumerate(self.chunks)) if s.cpu_rel is not None else
                        {id(ref.buf): ref.buf for e, ref in enumerate(s.cpu_refs) if s.resident[e] is None})
         for key, buf in cpu_buffers.items():
-            slot_tok = spill.buffers.filled(np.full(s.members, UNUSED_SLOT), np.uint32)
-            slots = ExpertSlots(s.cpu_offs.buffer, slot_tok.buffer, tok_start.buffer, tok_start.buffer, s.members)
+            slot_tok = spill.buffers.filled(np.full(n_slots, UNUSED_SLOT), np.uint32)
+            slots = ExpertSlots(s.cpu_offs.buffer, slot_tok.buffer, tok_start.buffer, tok_start.buffer, n_slots,
+                                s.rows)
             part = s.cpu_part.buffer  # y: unused (the rows are not summed here)
             if x8:
-                codes = self._x8_scratch(s.members * shape.inter, spill.buffers)
+                codes = self._x8_scratch(n_slots * shape.inter, spill.buffers)
                 launches = bind_experts_x8(spill, buf, shape, x_cpu, slots, hid.buffer, codes, part, part, False)
             else:
                 launches = bind_experts(spill, buf, shape, x_cpu, slots, hid.buffer, part, part, False)
@@ -1620,6 +1646,8 @@ class DeviceDecodeStep:
                 self.watcher.watch(event, i, layer.ids[slot].host)
         if layer.split is not None:
             event = self._run_split(layer, slot)
+            for launch in layer.split.after:
+                event = launch.enqueue()
         if layer.arena is not None:
             event.wait()
             routed, heard, missing = self._place(layer, slot)
@@ -1644,40 +1672,42 @@ class DeviceDecodeStep:
         for buf, arr in self.split_input:
             event = self.buffers.download(arr.host, buf)
         event.wait()
-        ids = layer.ids[slot].host[:s.top_k].astype(np.int64)
+        ids = layer.ids[slot].host[:s.rows * s.top_k].astype(np.int64).reshape(s.rows, s.top_k)  # [rows, k]
         usage = self.spill.usage
-        if usage is not None:  # a decoded token's routes
+        if usage is not None:  # the decoded tokens' routes
             if s.layer == self.first_split:
-                usage.tick()
-            for e in ids.tolist():
+                usage.tick(s.rows)
+            for e in ids.ravel().tolist():
                 usage.use((s.layer, e))
-        where = s.where[ids]
+        where = s.where[ids]  # [rows, k]: each routed expert's launch set, -1 on the CPU side
+        token = np.arange(s.rows)[:, None]  # [rows, 1]: a slot's token row
         for b, (mask, launches) in enumerate(zip(s.masks, s.sets, strict=True)):
             if (where == b).any() or b == s.shared_set:
-                mask.host[:s.top_k] = np.where(where == b, 0, UNUSED_SLOT)
+                mask.host.reshape(s.rows, s.members)[:, :s.top_k] = np.where(where == b, token, UNUSED_SLOT)
                 self.buffers.to_device(mask)
                 for launch in launches:
                     event = launch.enqueue()
         self.k.flush()  # the device's experts run while the CPU device computes the others
-        cpu = np.flatnonzero(where < 0).tolist()
+        row, col = np.nonzero(where < 0)  # the CPU side's slots: row * members + col
+        cpu, cpu_ids = (row * s.members + col).tolist(), ids[row, col]
         if s.cpu_rel is not None:  # the expert cache: the CPU side's misses start reading, then the next layer's
-            self.experts.on_route(s.layer, ids[cpu][None, :])
+            self.experts.on_route(s.layer, cpu_ids[None, :])
             self.experts.read_ahead(s.layer, self._split_input_rows())
         if not cpu:
             return event
         spill, n = self.spill.kernels, s.shape.n_in
         offs = s.cpu_offs.host.reshape(-1, 6)
         if s.cpu_rel is not None:  # their places once read
-            offs[cpu], chunk = self._place_offsets(s.cpu_rel, self.experts.wait_places(s.layer, ids[cpu].tolist()))
+            offs[cpu], chunk = self._place_offsets(s.cpu_rel, self.experts.wait_places(s.layer, cpu_ids.tolist()))
             where_cpu = chunk.tolist()
         else:
-            offs[cpu] = [s.cpu_refs[ids[i]].offs for i in cpu]
-            where_cpu = [id(s.cpu_refs[ids[i]].buf) for i in cpu]
+            offs[cpu] = [s.cpu_refs[e].offs for e in cpu_ids]
+            where_cpu = [id(s.cpu_refs[e].buf) for e in cpu_ids]
         for key, (slot_tok, launches) in s.cpu_sets.items():
-            mine = [i for i, at in zip(cpu, where_cpu, strict=True) if at == key]
+            mine = [i for i, at in enumerate(where_cpu) if at == key]
             if mine:
                 slot_tok.host[:] = UNUSED_SLOT
-                slot_tok.host[mine] = 0
+                slot_tok.host[np.asarray(cpu)[mine]] = row[mine]
                 for launch in launches:
                     launch.enqueue()
         spill.finish()
@@ -1687,13 +1717,13 @@ class DeviceDecodeStep:
         return event
 
     def _split_input_rows(self) -> np.ndarray:
-        """The experts' input `[1, H]` as the split step brought it to the host (read-ahead's estimate of the next
+        """The experts' input `[rows, H]` as the split step brought it to the host (read-ahead's estimate of the next
         layer's routing): u, or from u's int8 codes (each block's column-order half) times their block scales."""
         host = [array.host for _, array in self.split_input]
         if len(host) == 1:
-            return host[0].reshape(1, -1)
+            return host[0].reshape(self.rows, -1)
         codes = host[0].reshape(-1, 2, X8_BLOCK)[:, 1]  # a block's codes in the int4 products' order, then in columns
-        return (codes.astype(np.float32) * host[1][:, None]).reshape(1, -1)
+        return (codes.astype(np.float32) * host[1][:, None]).reshape(self.rows, -1)
 
     def _place_rows(self, positions: Sequence[int], turn: int) -> None:
         """Make ready for token rows at `positions` (consecutive ones of one cache, or a sequences step's rows' own):

@@ -137,7 +137,11 @@ def bind_experts_x8(k: Kernels, wbuf: Any, shape: ExpertShape, x_codes: Int8Code
 def _summed(k: Kernels, launches: tuple[Launch, ...], summed: bool, part: Any, slots: ExpertSlots, y: Any,
             n: int) -> tuple[Launch, ...]:
     """The experts' launches, then (when summed) expert_sum of their per-slot down rows into y."""
-    if not summed:
-        return launches
-    return (*launches, k.bind("expert_sum", (n, slots.tokens), None, part=part, tok_start=slots.tok_start,
-                              slot_w=slots.slot_w, y=y, rows=n))
+    return (*launches, bind_expert_sum(k, part, slots, y, n)) if summed else launches
+
+
+def bind_expert_sum(k: Kernels, part: Any, slots: ExpertSlots, y: Any, n: int) -> Launch:
+    """Each token's slots' down rows (`part`, `[slots.count, n]`) weighted by slot_w and summed in slot order into
+    its row of y."""
+    return k.bind("expert_sum", (n, slots.tokens), None, part=part, tok_start=slots.tok_start, slot_w=slots.slot_w,
+                  y=y, rows=n)
