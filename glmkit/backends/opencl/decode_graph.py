@@ -101,6 +101,7 @@ from glmkit.model.layer_spec import (
     final_norm_spec,
 )
 from glmkit.model.ops import rope_cos_sin
+from glmkit.units import format_size
 
 MAX_ROUTED_EXPERTS = 1024  # the routing kernel's private arrays (MAX_EXPERTS in decode.cl)
 MAX_EXPERT_BUFFERS = 8  # weight buffers one layer's experts may span (MAX_BUFFERS in decode.cl)
@@ -260,9 +261,9 @@ class KVMirrors:
             del self._used_by[kv]
         if held + nbytes > room:
             raise GlmkitError(f"{self.device}: the KV rows of the sequences being decoded take "
-                              f"{(held + nbytes) / 2**20:.0f} MiB on the device, more than the "
-                              f"{max(room, 0) / 2**20:.0f} MiB its weights leave them (a shorter context, a smaller "
-                              f"--kv-dtype, or fewer concurrent requests)")
+                              f"{format_size(held + nbytes)} on the device, more than the {format_size(max(room, 0))} "
+                              f"its weights leave them (a shorter context, a smaller --kv-dtype, or fewer concurrent "
+                              f"requests)")
 
 
 class _Staged(NamedTuple):

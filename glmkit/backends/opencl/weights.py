@@ -229,7 +229,7 @@ class WeightMemory:
         nbytes = data.nbytes
         if self.used + nbytes > self.budget:
             return None
-        size = max(nbytes, min(ARENA_BYTES, self.buffers.max_alloc))
+        size = max(nbytes, min(ARENA_BYTES, self.buffers.max_alloc, self.budget - self.used))  # within the budget
         for arena in self._arenas:
             off = -(-arena.used // 256) * 256
             if off + nbytes <= arena.size:
