@@ -4,6 +4,7 @@
     PYTHONPATH=. python tools/bench_hybrid.py                 # bench model, q4, "GPU" budgets of 25% and 50% of it
     PYTHONPATH=. python tools/bench_hybrid.py --budget 0.25
     PYTHONPATH=. python tools/bench_hybrid.py --gpu          # this machine's GPU, PoCL's CPU device beside it
+    PYTHONPATH=. python tools/bench_hybrid.py --forms --snapshot /tmp/tt-q4 --budget 0.4   # the split step's forms
 
 With `--gpu` the discrete device is the machine's first OpenCL GPU. Without it, the GPU is PoCL's CPU device
 driven as a discrete one (device buffers, weights uploaded within `--budget` x the container;
@@ -16,6 +17,12 @@ tokens after a 64-token prompt; median of `--runs`, every row of every budget in
 token in the experts (per operation: the CPU side's expert calls; split step: from the wait for each layer's routed
 ids to the upload of the CPU side's rows) and, for the split step, the share of the routed experts the timed tokens
 found on the GPU. Both "devices" share this machine's cores: on a real GPU its own share of a token is far smaller.
+
+`--forms`: the split step's multi-row forms instead (experts uploaded by usage, int8 inputs), on `--snapshot` (default
+the bench model; a trained fixture has a real MTP head): greedy decode with MTP on (a draft's verification and the
+next draft as one step) against off (the pipelined single-token step), `--tokens` after a 48-token prompt, alternated
+`--runs` times, the ratio taken per alternation; and `--batch` sequences decoded as one step of that many rows against
+one single-token step per sequence (after 20-token random prompts), alternated likewise.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -34,6 +42,8 @@ from glmkit.backends.opencl.backend import OpenCLBackend, Placement  # noqa: E40
 from glmkit.backends.opencl.device import list_devices  # noqa: E402
 from glmkit.backends.opencl.ops import Kernels  # noqa: E402
 from glmkit.generate.engine import Engine  # noqa: E402
+from glmkit.generate.generator import Generator  # noqa: E402
+from glmkit.generate.sampling import Sampler, SamplingParams  # noqa: E402
 from glmkit.model.expert_cache import ExpertScores  # noqa: E402
 from glmkit.model.glm5 import GlmMoeDsaModel  # noqa: E402
 from tools.bench_model import DEFAULT_WORK, ensure_bench_snapshot  # noqa: E402
@@ -101,6 +111,58 @@ def share_on_device(model: GlmMoeDsaModel, usage: ExpertScores, before: dict) ->
     return sum(v for key, v in counted.items() if key in resident) / total if total else 0.0
 
 
+def bench_forms(engine: Engine, gpu: Kernels, cpu: Kernels, budget: int, runs: int, tokens: int, batch: int,
+                learn_tokens: int) -> dict[str, Any]:
+    """The split step's forms at a budget of `budget` bytes (see the module docstring): per alternation tok/s of MTP
+    off and on and their ratio, and of `batch` sequences batched and stepped one by one; medians."""
+    usage = ExpertScores(NO_AGING)
+    usage.scores.update(learn_usage(engine, gpu, cpu, budget, learn_tokens).scores)
+    model, _ = hybrid_model(engine, gpu, cpu, budget, True, True, True, usage)
+    prompt = [int(t) for t in np.random.default_rng(0).integers(0, engine.config.vocab_size, 48)]
+    greedy = SamplingParams(temperature=0)
+
+    def decode(mtp: bool, n: int) -> tuple[list[int], float, float | None]:
+        gen = Generator(model, (), use_mtp=mtp)
+        out = list(gen.generate(prompt, n, Sampler(greedy)))
+        return out, gen.stats.decode_tokens / gen.stats.decode_s, gen.stats.mtp_acceptance
+
+    decode(False, 8), decode(True, 8)  # the steps built
+    mtp: dict[str, list[float]] = {"off": [], "on": [], "ratio": [], "acceptance": []}
+    for _ in range(runs):
+        off, off_tps, _ = decode(False, tokens)
+        on, on_tps, acceptance = decode(True, tokens)
+        if on != off:
+            raise SystemExit("bench_hybrid: MTP on changed the greedy tokens")
+        for key, value in (("off", off_tps), ("on", on_tps), ("ratio", on_tps / off_tps),
+                           ("acceptance", acceptance or 0.0)):
+            mtp[key].append(value)
+    rng = np.random.default_rng(1)
+    rows: dict[str, list[float]] = {"batched": [], "single": [], "ratio": []}
+    for r in range(runs + 1):  # the first pair builds the step of `batch` rows: not counted
+        pair = {}
+        for mode in ("single", "batched") if r % 2 else ("batched", "single"):
+            caches = [model.new_cache() for _ in range(batch)]
+            last = [int(model.forward(rng.integers(0, engine.config.vocab_size, 20), c, last_logits_only=True)[0][-1]
+                        .argmax()) for c in caches]
+            start = time.perf_counter()
+            for _ in range(tokens):
+                if mode == "batched":
+                    last = [int(row.argmax()) for row in model.decode_batch(np.array(last), caches)[0]]
+                else:
+                    last = [int(model.forward(np.array([t]), c)[0][-1].argmax()) for t, c in zip(last, caches,
+                                                                                                  strict=True)]
+            pair[mode] = batch * tokens / (time.perf_counter() - start)
+        if r:
+            for key, value in (*pair.items(), ("ratio", pair["batched"] / pair["single"])):
+                rows[key].append(value)
+    if model.sequences_step(batch) is None or not model.drafts_on_device():
+        raise SystemExit("bench_hybrid: the split step's forms did not bind")
+    return {"mtp": {k: round(float(np.median(v)), 2) for k, v in mtp.items()},
+            "mtp_ratio_range": [round(min(mtp["ratio"]), 2), round(max(mtp["ratio"]), 2)],
+            "batch": {k: round(float(np.median(v)), 2) for k, v in rows.items()},
+            "batch_ratio_range": [round(min(rows["ratio"]), 2), round(max(rows["ratio"]), 2)]}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="q4")
@@ -113,8 +175,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", type=Path, default=DEFAULT_WORK)
     ap.add_argument("--gpu", action="store_true", help="the machine's GPU as the discrete device (default: PoCL's "
                                                        "CPU device driven as one)")
+    ap.add_argument("--forms", action="store_true", help="the split step's forms: MTP on against off, and a batch")
+    ap.add_argument("--snapshot", type=Path, help="with --forms: this container instead of the bench model")
+    ap.add_argument("--batch", type=int, default=4, help="with --forms: sequences in the batch")
     args = ap.parse_args(argv)
-    engine = Engine(ensure_bench_snapshot(args.preset, args.work), "numpy", load_tokenizer=False)
+    snapshot = args.snapshot or ensure_bench_snapshot(args.preset, args.work)
+    engine = Engine(snapshot, "numpy", load_tokenizer=False)
     cpus = [d for d in list_devices() if d.kind == "cpu"]
     gpus = [d for d in list_devices() if d.kind == "gpu"]
     if not cpus or (args.gpu and not gpus):
@@ -122,6 +188,17 @@ def main(argv: list[str] | None = None) -> int:
               "'pyopencl[pocl]')", file=sys.stderr)
         return 1
     gpu, cpu = Kernels(gpus[0]) if args.gpu else Kernels(cpus[0], direct=False), Kernels(cpus[0])
+    if args.forms:
+        for share in args.budget:
+            result = bench_forms(engine, gpu, cpu, int(engine.container.nbytes * share), args.runs, args.tokens,
+                                 args.batch, args.learn_tokens)
+            m, b = result["mtp"], result["batch"]
+            print(f"{snapshot} at {share:.0%}: MTP off {m['off']} tok/s, on {m['on']} (acceptance "
+                  f"{m['acceptance']}): {m['ratio']}x ({result['mtp_ratio_range']}); {args.batch} sequences batched "
+                  f"{b['batched']} tok/s against {b['single']} one by one: {b['ratio']}x "
+                  f"({result['batch_ratio_range']})")
+            print(json.dumps({"budget": share, **result}))
+        return 0
     learned = {share: learn_usage(engine, gpu, cpu, int(engine.container.nbytes * share), args.learn_tokens)
                for share in args.budget}
     models, usages = {}, {}

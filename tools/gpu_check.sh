@@ -12,6 +12,8 @@
 #                   through the host's choice: what pipelining them there would gain)
 #   8. mtp.txt      tools/bench.py on the trained fixture (a real MTP head): MTP on against off on the step
 #   9. batch.txt    tools/bench_batch.py: forwards of B sequences on the step against single-token forwards
+#  10. forms.txt    tools/bench_hybrid.py --gpu --forms: the split step's MTP verification and batch (a GPU budget of
+#                   40% of the trained fixture, PoCL beside it)
 #
 #   tools/gpu_check.sh OUTDIR [KIND] [BENCH_WORK]    KIND: gpu (default) or cpu; BENCH_WORK: the bench model's home
 # Needs pyopencl and a registered OpenCL driver (ICD). Exits 1 when no device of KIND is found.
@@ -68,3 +70,5 @@ step mtp 150 bash -c "python3 -m glmkit.cli.convert tests/fixtures/tiny-trained 
     --devices opencl:$dev --runs 1 --mtp-rounds 3 --decode 128 --prompt 48 \
     --prompt-tokens tests/fixtures/tiny-trained/eval_tokens.json"
 step batch 150 python3 tools/bench_batch.py --device "opencl:$dev" --rounds 3 --snapshot "$work/q4"
+step forms 120 python3 tools/bench_hybrid.py --gpu --forms --snapshot /tmp/gpu-check-tt-q4 --budget 0.4 --runs 3 \
+    --tokens 64
