@@ -468,11 +468,23 @@ def test_list_devices(device, capsys, tmp_path, monkeypatch):
     assert per_token["bf16"] < per_token["f16"] < per_token["bf16"] * 1.1
     assert (f"{snap}: context 2,048 tokens; KV cache per token " + ", ".join(
         f"{format_size(n)} ({dtype})" for dtype, n in per_token.items())) in out
+    assert "copies of the KV rows" not in out  # no discrete GPU here
     monkeypatch.setattr(expert_stream, "memory_limit_bytes", lambda: 64 << 20)
     monkeypatch.setattr(expert_cache, "memory_limit_bytes", lambda: 64 << 20)
     monkeypatch.setattr(expert_cache, "anonymous_resident_bytes", lambda: 0)  # a process of no size
     assert cli_run.main([snap, "--list-devices"]) == 0
     assert f"{snap}: expert cache " in capsys.readouterr().out
+    # a discrete GPU of 1 GB (PoCL's device described as one): the memory its weights leave the decode step's KV
+    # copies, as positions at each precision; a model over its budget fills the budget
+    nbytes = Container(snap).nbytes
+    for global_mem in (1 << 30, nbytes):
+        gpu = dataclasses.replace(device, kind="gpu", unified=False, global_mem=global_mem, name="A GPU")
+        monkeypatch.setattr(devices, "list_devices", lambda gpu=gpu: [gpu, device])
+        assert cli_run.main([snap, "--list-devices"]) == 0
+        room = global_mem - min(nbytes, int(global_mem * 0.8)) - int(global_mem * 0.05)
+        assert (f"{snap}: on {gpu.spec} the decode step's copies of the KV rows have {format_size(room)} beside the "
+                f"weights: {room // per_token['f32']:,} positions at f32, {room // per_token['bf16']:,} positions at "
+                f"bf16") in capsys.readouterr().out
     # a limit whose rest holds half the context's KV rows beside two layers' experts: the context glm-run would run
     snapshot = Container(snap)
     pinned = snapshot.nbytes - sum(r.nbytes for r in snapshot.manifest.experts)

@@ -37,6 +37,7 @@ from glmkit.backends.numpy_backend import NumpyBackend
 from glmkit.backends.opencl.backend import (
     OpenCLBackend,
     Placement,
+    device_kv_room,
     initial_blas_threads,
     set_blas_threads,
     weight_budget,
@@ -546,6 +547,17 @@ def list_devices_report(measure_missing: bool = True) -> str:
         lines.append(f"  a model over {budget:.1f} GiB (80% of {chosen.spec}'s memory): the routed experts that do "
                      f"not fit run on {cpu.spec} where measured faster than numpy")
     return "\n".join(lines)
+
+
+def gpu_kv_room(model_bytes: int) -> tuple[str, int] | None:
+    """(spec, bytes) of the memory `--device auto`'s discrete GPU leaves the decode step's copies of the KV rows beside
+    a model of `model_bytes` (its weights up to the weight budget: a larger model's routed experts fill the budget), or
+    None where auto picks no discrete GPU."""
+    found = list_devices()
+    chosen = pick(found) if found else None
+    if chosen is None or chosen.unified:
+        return None
+    return chosen.spec, device_kv_room(chosen.global_mem, min(model_bytes, weight_budget(chosen.global_mem)))
 
 
 def decode_bytes_per_token(container: Any) -> int:

@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     words = sys.argv[1:] if argv is None else argv
     if "--list-devices" in words:
-        from glmkit.backends.devices import list_devices_report
+        from glmkit.backends.devices import gpu_kv_room, list_devices_report
 
         print(list_devices_report())
         snapshot = next((w for w in words if not w.startswith("-")), None)  # glm-run SNAP --list-devices
@@ -120,6 +120,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{snapshot}: context {cfg.max_position_embeddings:,} tokens; KV cache per token "
                       + ", ".join(f"{format_size(n)} ({dtype})" for dtype, n in per_token.items())
                       + f"; {format_size(per_token['f32'] * cfg.max_position_embeddings)} at the full context (f32)")
+                gpu_room = gpu_kv_room(container.nbytes)
+                if gpu_room is not None:
+                    spec, room = gpu_room
+                    print(f"{snapshot}: on {spec} the decode step's copies of the KV rows have "
+                          f"{format_size(room)} beside the weights: "
+                          + ", ".join(f"{room // n:,} positions at {dtype}" for dtype, n in per_token.items()))
             except GlmkitError as e:
                 print(f"glm-run: error: {e}", file=sys.stderr)
                 return 2

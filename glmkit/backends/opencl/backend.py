@@ -243,10 +243,9 @@ class OpenCLBackend:
         return ref
 
     def kv_room(self) -> int:
-        """Bytes of a discrete device's memory its copies of the KV rows may take: what its weight arenas leave, less
-        ACTIVATION_SHARE of it for activations and the steps' scratch."""
-        total = self.k.info.global_mem
-        return total - self.memory.device_bytes - int(total * ACTIVATION_SHARE)
+        """Bytes of a discrete device's memory its copies of the KV rows may take (`device_kv_room` of its weight
+        arenas)."""
+        return device_kv_room(self.k.info.global_mem, self.memory.device_bytes)
 
     @property
     def over_budget(self) -> bool:
@@ -520,6 +519,12 @@ class OpenCLBackend:
         return np.concatenate([self.k.index_topk(q[s0:s0 + step], k, weights[s0:s0 + step], scale,
                                                  position_mask(positions[s0:s0 + step], k.shape[0]), topk)
                                for s0 in range(0, len(q), step)])
+
+
+def device_kv_room(global_mem: int, weight_bytes: int) -> int:
+    """Bytes of a discrete device's memory (`global_mem`) the copies of the KV rows may take beside `weight_bytes` of
+    weights: the rest, less ACTIVATION_SHARE of it for activations and the steps' scratch."""
+    return global_mem - weight_bytes - int(global_mem * ACTIVATION_SHARE)
 
 
 def weight_budget(global_mem: int) -> int:
