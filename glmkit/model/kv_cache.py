@@ -97,7 +97,7 @@ class LayerKV:
         self.dtype = dtype
         self.length = 0
         # the first row `append` or `truncate` changed since the device decode step last had the rows (a discrete
-        # device's copy of them, decode_step._CacheMirror, re-sends the rows from here on)
+        # device's copy of them, kv_mirrors.CacheCopy, re-sends the rows from here on)
         self.edited_from = 0
         widths = {"kv_lat": kv_lora_rank, "k_rot": rope_dim, "index_k": index_dim}
         self._data = {name: np.empty((capacity, width), _STORED[dtype])

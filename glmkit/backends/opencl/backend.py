@@ -27,7 +27,8 @@ from threadpoolctl import ThreadpoolController
 
 from glmkit.backends.numpy_backend import NumpyBackend
 from glmkit.backends.opencl.buffers import address
-from glmkit.backends.opencl.decode_graph import DeviceDecodeStep, KVMirrors, SpillDevice, Unsupported
+from glmkit.backends.opencl.decode_graph import DeviceDecodeStep, SpillDevice, Unsupported
+from glmkit.backends.opencl.kv_mirrors import KVMirrors
 from glmkit.backends.opencl.ops import Kernels
 from glmkit.backends.opencl.weights import (
     ClWeight,

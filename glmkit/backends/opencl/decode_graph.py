@@ -20,14 +20,14 @@ layer's new KV row straight into the host `KVCache` arrays, so prefill, MTP, tru
 see the same rows. Rows kept at a lower precision (`--kv-dtype` bf16, f16 or fp8) are read as the codes they are
 stored in by kernels built for them (kv.cl), and each new row is computed in f32 and stored by `kv_store_rows`,
 rounded as the host rounds it (`encode_kv_rows`). On discrete devices (a GPU with memory of its own; every weight
-must fit its budget) the step's buffers are device memory: the cache rows live in a device mirror
-(`_CacheMirror`) that takes the rows the host wrote since (`LayerKV.edited_from`), and each token's new rows, its
-logits (or greedy token) and routed ids are copied back with non-blocking reads behind its kernels. A layer's
-experts may lie in several weight buffers (the files of the mapping: a GLM-5 layer outgrows one 4 GB file): the
-routing kernel fills the slots of each buffer, and each gets its own fused launches. A discrete device that holds every
-weight but some routed experts runs those on a CPU OpenCL device beside it (`SpillDevice`, the split step: one host
-wait per MoE layer). `OpenCLBackend.decode_step` builds the step, or returns None when a weight or an expert cannot
-be used in place or placed on the device (the per-operation path runs then).
+must fit its budget) the step's buffers are device memory: the cache rows live in a device copy (`KVMirrors`) that
+takes the rows the host wrote since (`LayerKV.edited_from`), and each token's new rows, its logits (or greedy
+token) and routed ids are copied back with non-blocking reads behind its kernels. A layer's experts may lie in
+several weight buffers (the files of the mapping: a GLM-5 layer outgrows one 4 GB file): the routing kernel fills the
+slots of each buffer, and each gets its own fused launches. A discrete device that holds every weight but some routed
+experts runs those on a CPU OpenCL device beside it (`SpillDevice`, the split step: one host wait per MoE layer).
+`OpenCLBackend.decode_step` builds the step, or returns None when a weight or an expert cannot be used in place or
+placed on the device (the per-operation path runs then).
 
 MTP's verification of a draft runs as the same step bound for two token rows (`rows=2`, over the mapping or an
 expert cache's slots; on a discrete device each row's cache rows are staged for the read back): the weight products
@@ -59,7 +59,6 @@ last skip the lm_head, their final norm writing their rows of the prompt's hidde
 from __future__ import annotations
 
 import copy
-import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
@@ -80,10 +79,10 @@ from glmkit.backends.opencl.decode_launches import (
     bind_mla_query,
     bind_quantize,
 )
+from glmkit.backends.opencl.kv_mirrors import KVMirrors
 from glmkit.backends.opencl.ops import Kernels
 from glmkit.backends.opencl.program import Launch
 from glmkit.backends.opencl.weights import X8_BLOCK, ClWeight, fused_expert_arrays, mvt_chunked, x8_eligible
-from glmkit.errors import GlmkitError
 from glmkit.format.config import ModelConfig
 from glmkit.format.tensors import Weight
 from glmkit.model.compute import ExpertArena, SamplingSettings, TokenDraws, TokenMask
@@ -101,7 +100,6 @@ from glmkit.model.layer_spec import (
     final_norm_spec,
 )
 from glmkit.model.ops import rope_cos_sin
-from glmkit.units import format_size
 
 MAX_ROUTED_EXPERTS = 1024  # the routing kernel's private arrays (MAX_EXPERTS in decode.cl)
 MAX_EXPERT_BUFFERS = 8  # weight buffers one layer's experts may span (MAX_BUFFERS in decode.cl)
@@ -190,80 +188,6 @@ def check_bindable(layers: Sequence[LayerSpec]) -> None:
         if a.selection == "causal" or (a.selection == "previous" and not indexed):
             raise Unsupported(f"{where}: a {a.selection!r} selection (the kernels reuse the last indexer's choice)")
         indexed |= a.indexer is not None
-
-
-class _CacheMirror:
-    """Discrete devices: one cache field of one layer's rows (`LayerKV`) in device memory (`nbytes`, rows of the
-    host array's `capacity`). The kernels read and write the rows there; `rows` of them are known equal to the host's
-    (the rows the host edited since are uploaded before a forward)."""
-
-    def __init__(self, buf, capacity: int, nbytes: int) -> None:
-        self.buf, self.capacity, self.nbytes, self.rows = buf, capacity, nbytes, 0
-
-
-class KVMirrors:
-    """A discrete device's copies of the KV rows: per layer's rows (`LayerKV`) and field one copy, whichever step or
-    token row uses it, freed with the rows. All copies together stay within `room()` bytes (None: no bound): a copy
-    that does not fit first drops the copies of the sequences used least recently (the host keeps every row, so a
-    dropped copy is sent whole again on its next use, once the queue has finished with it). The copies the forward
-    being queued uses are never dropped: where they alone outgrow the room, `copy` raises a `GlmkitError` naming
-    `device`."""
-
-    def __init__(self, buffers, room: Callable[[], int] | None = None, device: str = "the device") -> None:
-        self.buffers, self.room, self.device = buffers, room, device
-        self._copies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # LayerKV -> {field: _CacheMirror}
-        self._used_by: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # LayerKV -> the last forward's number
-        self.forwards = 0  # forwards begun (`begin_forward`)
-
-    def __len__(self) -> int:
-        return len(self._copies)
-
-    def layers(self) -> list:
-        """The layers' rows (`LayerKV`) that have copies."""
-        return list(self._copies.keys())
-
-    def held_bytes(self) -> int:
-        """Bytes of device memory the copies take."""
-        return sum(m.nbytes for fields in self._copies.values() for m in fields.values())
-
-    def begin_forward(self) -> None:
-        """A forward is being queued: the copies it binds (`copy`) are used by it."""
-        self.forwards += 1
-
-    def copy(self, kv, name: str, arr: np.ndarray, pos: int) -> _CacheMirror:
-        """The device copy of field `name` of `kv` (host array `arr`, one row per position) with its rows before `pos`
-        equal to the host's: made where there is none or the host array grew (every row sent), else sent the rows the
-        host edited since."""
-        fields = self._copies.setdefault(kv, {})
-        self._used_by[kv] = self.forwards
-        m = fields.get(name)
-        if m is None or m.capacity < len(arr):  # first use, or the host cache grew: every row again
-            fields.pop(name, None)
-            self._make_room(arr.nbytes)
-            m = fields[name] = _CacheMirror(self.buffers.device_buffer(arr.nbytes), len(arr), arr.nbytes)
-        start = min(m.rows, kv.edited_from, pos)
-        if start < pos:
-            self.buffers.upload(m.buf, arr[start:pos], start * arr.strides[0])
-        m.rows = kv.length  # rows pos..: written by this forward's kernels
-        return m
-
-    def _make_room(self, nbytes: int) -> None:
-        """Drop the copies of the least recently used layers' rows until `nbytes` more fit the room."""
-        if self.room is None:
-            return
-        room, held = self.room(), self.held_bytes()
-        idle = sorted((used, id(kv), kv) for kv, used in self._used_by.items() if used < self.forwards)
-        for _, _, kv in idle:
-            if held + nbytes <= room:
-                break
-            self.buffers.queue.finish()  # a forward still in flight may read the copy
-            held -= sum(m.nbytes for m in self._copies.pop(kv, {}).values())
-            del self._used_by[kv]
-        if held + nbytes > room:
-            raise GlmkitError(f"{self.device}: the KV rows of the sequences being decoded take "
-                              f"{format_size(held + nbytes)} on the device, more than the {format_size(max(room, 0))} "
-                              f"its weights leave them (a shorter context, a smaller --kv-dtype, or fewer concurrent "
-                              f"requests)")
 
 
 class _Staged(NamedTuple):

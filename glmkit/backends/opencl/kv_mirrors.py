@@ -1,0 +1,91 @@
+"""A discrete device's copies of the KV rows that the decode step reads and writes (`KVMirrors`).
+
+A discrete GPU's kernels cannot read the host's cache arrays (`LayerKV`), so each field of each layer's rows has one
+copy in device memory, shared by every form of the step (single token, MTP's rows, a batch of sequences), kept
+equal to the host's rows before each forward (`LayerKV.edited_from`: the rows the host wrote since) and freed with
+the rows. Together they stay within the memory the device's weights leave (`OpenCLBackend.kv_room`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+
+import numpy as np
+
+from glmkit.errors import GlmkitError
+from glmkit.units import format_size
+
+
+class CacheCopy:
+    """Discrete devices: one cache field of one layer's rows (`LayerKV`) in device memory (`nbytes`, rows of the
+    host array's `capacity`). The kernels read and write the rows there; `rows` of them are known equal to the host's
+    (the rows the host edited since are uploaded before a forward)."""
+
+    def __init__(self, buf, capacity: int, nbytes: int) -> None:
+        self.buf, self.capacity, self.nbytes, self.rows = buf, capacity, nbytes, 0
+
+
+class KVMirrors:
+    """A discrete device's copies of the KV rows: per layer's rows (`LayerKV`) and field one copy, whichever step or
+    token row uses it, freed with the rows. All copies together stay within `room()` bytes (None: no bound): a copy
+    that does not fit first drops the copies of the sequences used least recently (the host keeps every row, so a
+    dropped copy is sent whole again on its next use, once the queue has finished with it). The copies the forward
+    being queued uses are never dropped: where they alone outgrow the room, `copy` raises a `GlmkitError` naming
+    `device`."""
+
+    def __init__(self, buffers, room: Callable[[], int] | None = None, device: str = "the device") -> None:
+        self.buffers, self.room, self.device = buffers, room, device
+        self._copies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # LayerKV -> {field: CacheCopy}
+        self._used_by: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # LayerKV -> the last forward's number
+        self.forwards = 0  # forwards begun (`begin_forward`)
+
+    def __len__(self) -> int:
+        return len(self._copies)
+
+    def layers(self) -> list:
+        """The layers' rows (`LayerKV`) that have copies."""
+        return list(self._copies.keys())
+
+    def held_bytes(self) -> int:
+        """Bytes of device memory the copies take."""
+        return sum(m.nbytes for fields in self._copies.values() for m in fields.values())
+
+    def begin_forward(self) -> None:
+        """A forward is being queued: the copies it binds (`copy`) are used by it."""
+        self.forwards += 1
+
+    def copy(self, kv, name: str, arr: np.ndarray, pos: int) -> CacheCopy:
+        """The device copy of field `name` of `kv` (host array `arr`, one row per position) with its rows before `pos`
+        equal to the host's: made where there is none or the host array grew (every row sent), else sent the rows the
+        host edited since."""
+        fields = self._copies.setdefault(kv, {})
+        self._used_by[kv] = self.forwards
+        m = fields.get(name)
+        if m is None or m.capacity < len(arr):  # first use, or the host cache grew: every row again
+            fields.pop(name, None)
+            self._make_room(arr.nbytes)
+            m = fields[name] = CacheCopy(self.buffers.device_buffer(arr.nbytes), len(arr), arr.nbytes)
+        start = min(m.rows, kv.edited_from, pos)
+        if start < pos:
+            self.buffers.upload(m.buf, arr[start:pos], start * arr.strides[0])
+        m.rows = kv.length  # rows pos..: written by this forward's kernels
+        return m
+
+    def _make_room(self, nbytes: int) -> None:
+        """Drop the copies of the least recently used layers' rows until `nbytes` more fit the room."""
+        if self.room is None:
+            return
+        room, held = self.room(), self.held_bytes()
+        idle = sorted((used, id(kv), kv) for kv, used in self._used_by.items() if used < self.forwards)
+        for _, _, kv in idle:
+            if held + nbytes <= room:
+                break
+            self.buffers.queue.finish()  # a forward still in flight may read the copy
+            held -= sum(m.nbytes for m in self._copies.pop(kv, {}).values())
+            del self._used_by[kv]
+        if held + nbytes > room:
+            raise GlmkitError(f"{self.device}: the KV rows of the sequences being decoded take "
+                              f"{format_size(held + nbytes)} on the device, more than the {format_size(max(room, 0))} "
+                              f"its weights leave them (a shorter context, a smaller --kv-dtype, or fewer concurrent "
+                              f"requests)")
