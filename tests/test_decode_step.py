@@ -547,6 +547,30 @@ def test_split_step_reads_its_cpu_side_from_an_expert_cache(snapshots, discrete_
     cache.close()
 
 
+def test_split_step_verifies_drafts_over_an_expert_cache(snapshots, discrete_kernels, spill_kernels):
+    """The split step's two-row form over an expert cache of two rows' slots (both rows' CPU-side experts at once,
+    nearly every one missing): each draft verified with its next draft in one step, the MTP layer's CPU-side
+    experts read into the cache too; MTP on keeps MTP off's greedy tokens."""
+    engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
+    cfg = engine.config
+    cache = ExpertCache(engine.container, 2 * cfg.num_experts_per_tok * expert_slot_bytes(engine.container),
+                        pin_weights=False)
+    split = discrete_model(engine, discrete_kernels, spill_kernels, int(engine.container.nbytes * 0.4), True,
+                           step_experts=cache)
+    prompt = oracle("tiny-trained")["prompt_ids"]
+    off = list(Generator(split, (), use_mtp=False).generate(list(prompt), 24, Sampler(SamplingParams())))
+    heard = []
+    on_route = cache.on_route
+    cache.on_route = lambda layer, routed, *rest: heard.append(layer) or on_route(layer, routed)
+    gen = Generator(split, (), use_mtp=True)
+    assert list(gen.generate(list(prompt), 24, Sampler(SamplingParams()))) == off
+    step = split._verify
+    assert split.drafts_on_device() and step.rows == 2 and step.spill is not None and step.experts is cache
+    assert gen.stats.mtp_acceptance > 0.5
+    assert cfg.num_hidden_layers in heard and cache.stats.misses > 0
+    cache.close()
+
+
 def test_split_step_reads_ahead_from_its_int8_input(tmp_path, discrete_kernels, spill_kernels, monkeypatch):
     """Where the CPU side's experts take int8 inputs only their codes come to the host: read-ahead's estimate of the
     experts' input (from which it guesses the next layer's routing) is those codes times their block scales, the
