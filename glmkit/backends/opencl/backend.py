@@ -244,9 +244,10 @@ class OpenCLBackend:
         return ref
 
     def kv_room(self) -> int:
-        """Bytes of a discrete device's memory its copies of the KV rows may take (`device_kv_room` of its weight
-        arenas)."""
-        return device_kv_room(self.k.info.global_mem, self.memory.device_bytes)
+        """Bytes of a discrete device's memory its copies of the KV rows may take (`device_kv_room`): beside its
+        weight arenas, or the weights still to come (the model's, up to the budget) where those are more."""
+        weights = max(self.memory.device_bytes, min(self.model_bytes, self.memory.budget))
+        return device_kv_room(self.k.info.global_mem, weights)
 
     @property
     def over_budget(self) -> bool:
