@@ -1033,7 +1033,7 @@ class DeviceDecodeStep:
             return
         if mtp is not None:
             spec, head = mtp
-            try:  # where they do not fit, this step runs without them, and the verification on the mapping's path
+            try:  # where they do not fit, the verification's step is built without its draft (the MTP head per op)
                 for name in [*spec.matrices(), head.eh_proj]:
                     self._matrix(name)
                 if isinstance(spec.ffn, MoESpec) and spec.ffn.shared is not None:
