@@ -571,6 +571,42 @@ def test_split_step_verifies_drafts_over_an_expert_cache(snapshots, discrete_ker
     cache.close()
 
 
+def test_split_step_batches_sequences_over_an_expert_cache(snapshots, discrete_kernels, spill_kernels):
+    """The split step over 3 sequences, its CPU side reading an expert cache of three rows' slots (nearly every one
+    missing): each row's logits bit for bit its sequence decoded alone on the single-row split step."""
+    engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
+    cfg, count = engine.config, 3
+    cache = ExpertCache(engine.container, count * cfg.num_experts_per_tok * expert_slot_bytes(engine.container),
+                        pin_weights=False)
+    split = discrete_model(engine, discrete_kernels, spill_kernels, int(engine.container.nbytes * 0.4), True,
+                           step_experts=cache)
+    ids = oracle("tiny-trained")["full_ids"]
+    prompts = [ids[:5], ids[7:20], ids[3:14]]
+
+    def decode(batched: bool) -> list[list[np.ndarray]]:
+        caches = [split.new_cache() for _ in prompts]
+        rows = [[split.forward(np.array(p), c, last_logits_only=True)[0][-1]] for p, c in zip(prompts, caches,
+                                                                                               strict=True)]
+        for _ in range(5):
+            tokens = [int(r[-1].argmax()) for r in rows]
+            if batched:
+                out = split.decode_batch(np.array(tokens), caches)[0]
+            else:
+                out = [split.forward(np.array([t]), c)[0][-1] for t, c in zip(tokens, caches, strict=True)]
+            for r, row in zip(rows, out, strict=True):
+                r.append(row)
+        return rows
+
+    alone = decode(False)
+    batched = decode(True)
+    step = split.sequences_step(count)
+    assert step is not None and step.spill is not None and step.experts is cache
+    for a, b in zip(alone, batched, strict=True):
+        np.testing.assert_array_equal(np.array(b), np.array(a))
+    assert cache.stats.misses > 0
+    cache.close()
+
+
 def test_split_step_reads_ahead_from_its_int8_input(tmp_path, discrete_kernels, spill_kernels, monkeypatch):
     """Where the CPU side's experts take int8 inputs only their codes come to the host: read-ahead's estimate of the
     experts' input (from which it guesses the next layer's routing) is those codes times their block scales, the
