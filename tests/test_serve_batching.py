@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import gc
 import threading
 from collections.abc import Callable
@@ -268,6 +269,30 @@ def test_discrete_device_kv_copies_stay_within_the_room_its_weights_leave(cl_eng
     mirrors.room = None
     rows[0].append(model.forward(np.array([int(np.argmax(rows[0][-1]))]), caches[0])[0][-1])
     np.testing.assert_array_equal(rows[0][-1], alone[0][len(rows[0]) - 1])
+
+
+def test_a_batch_the_device_cannot_hold_goes_on_in_smaller_batches(cl_engine):
+    """A discrete GPU whose room for the KV rows' copies holds two sequences' but not three: the batch of three
+    requests fails to bind its rows (DeviceMemoryError), is rolled back, and the scheduler goes on with batches of
+    one (each request decoding alone): every request gets the tokens it gets served one by one, none fails."""
+    model = discrete_model(cl_engine)
+    mirrors = model.backend.kv_mirrors
+    batch = prompts(3, False)
+    cache = model.new_cache()
+    token = int(model.forward(np.array(batch[1]), cache, last_logits_only=True)[0][-1].argmax())
+    model.forward(np.array([token]), cache)
+    one = mirrors.held_bytes()  # one sequence's copies
+    del cache
+    gc.collect()
+    engine = copy.copy(cl_engine)
+    engine.model = model
+    requests = [GenRequest(p, 8, ignore_eos=True, request_id=f"r{i}") for i, p in enumerate(batch)]
+    alone = serve(engine, requests, 1)
+    mirrors.room = lambda: one * 5 // 2
+    shrunk = serve(engine, requests, 3)
+    assert serve.stats["batch_shrunk"] == 1 and serve.stats["failed"] == 0
+    assert_same_requests(shrunk, alone)
+    assert mirrors.held_bytes() <= one * 5 // 2
 
 
 @pytest.mark.parametrize("count", [2, 4])

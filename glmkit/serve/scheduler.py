@@ -12,7 +12,9 @@ leaves it. A request decoding alone runs its `Generator` (`next()`: one forward,
 device decode step with its next forward in flight). Joining the batch closes that generator (its cache keeps the
 rows of the tokens given out so far, the last one's row not yet written); decoding alone again starts a new
 generator on the prompt plus the tokens so far, whose "prefill" is the last token's single-row forward. Batched rows
-run no MTP drafts, and such a request drafts nothing after it (its MTP rows fell behind).
+run no MTP drafts, and such a request drafts nothing after it (its MTP rows fell behind). A batch whose rows the
+device's memory cannot hold at once (`DeviceMemoryError`: a discrete GPU's copies of their KV rows) is not lost: its
+caches are rolled back and from then on batches hold at most half as many rows (at 1, each request decodes alone).
 
 Where the engine budgets its memory (`Engine.kv_budget_tokens`: an expert cache sized from the RAM left room for
 that many KV rows), a queued request starts only once every Session's rows and the active requests' most (prompt and
@@ -40,6 +42,7 @@ import numpy as np
 
 from glmkit.cache.prefix_cache import PrefixCache, common_prefix
 from glmkit.cache.session import ReuseStats, Session
+from glmkit.errors import DeviceMemoryError
 from glmkit.generate.engine import Engine
 from glmkit.generate.generator import KV_HOLD_AHEAD, Generator, prefill_part
 from glmkit.generate.sampling import LogitsConstraint, Sampler, SamplingParams, TokenLogprob
@@ -158,7 +161,7 @@ class Scheduler:
         self.counters = {"requests": 0, "completed": 0, "cancelled": 0, "failed": 0, "rejected": 0,
                          "prompt_tokens": 0, "cached_tokens": 0, "prefill_tokens": 0, "completion_tokens": 0,
                          "steps": 0, "max_active_seen": 0, "batched_forwards": 0, "batched_rows": 0,
-                         "max_batch_seen": 0}
+                         "max_batch_seen": 0, "batch_shrunk": 0}
         self.recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=RECENT)
         self._thread = threading.Thread(target=self._run, name="glm-serve-worker", daemon=True)
 
@@ -419,6 +422,12 @@ class Scheduler:
         try:
             logits, _ = self.engine.model.decode_batch(np.array([job.tokens[-1] for job in rows]),
                                                        [job.session.kv for job in rows])  # type: ignore[union-attr]
+        except DeviceMemoryError as e:  # the rows rolled back: the next passes decode them in smaller batches
+            self.max_batch = max(1, len(rows) // 2)
+            self.counters["batch_shrunk"] += 1
+            log.warning("a batch of %d requests does not fit the device (%s): batches of at most %d from now on",
+                        len(rows), e, self.max_batch)
+            return
         except Exception as e:  # every row's cache may be half-written
             log.exception("a batched decode step of %d requests failed", len(rows))
             for job in rows:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from glmkit.errors import GlmkitError
+from glmkit.errors import DeviceMemoryError
 from glmkit.units import format_size
 
 
@@ -31,8 +31,8 @@ class KVMirrors:
     token row uses it, freed with the rows. All copies together stay within `room()` bytes (None: no bound): a copy
     that does not fit first drops the copies of the sequences used least recently (the host keeps every row, so a
     dropped copy is sent whole again on its next use, once the queue has finished with it). The copies the forward
-    being queued uses are never dropped: where they alone outgrow the room, `copy` raises a `GlmkitError` naming
-    `device`."""
+    being queued uses are never dropped: where they alone outgrow the room, `copy` raises a `DeviceMemoryError`
+    naming `device`."""
 
     def __init__(self, buffers, room: Callable[[], int] | None = None, device: str = "the device") -> None:
         self.buffers, self.room, self.device = buffers, room, device
@@ -85,7 +85,7 @@ class KVMirrors:
             held -= sum(m.nbytes for m in self._copies.pop(kv, {}).values())
             del self._used_by[kv]
         if held + nbytes > room:
-            raise GlmkitError(f"{self.device}: the KV rows of the sequences being decoded take "
+            raise DeviceMemoryError(f"{self.device}: the KV rows of the sequences being decoded take "
                               f"{format_size(held + nbytes)} on the device, more than the {format_size(max(room, 0))} "
                               f"its weights leave them (a shorter context, a smaller --kv-dtype, or fewer concurrent "
                               f"requests)")
