@@ -1369,7 +1369,6 @@ class DeviceDecodeStep:
         self.settle()
         positions = [cache.length for cache in caches]
         self._place_rows(positions, 0)
-        self.mirrors.begin_forward()
         self.x.host[:] = embed.reshape(-1)
         self.buffers.to_device(self.x)
         slot = self._next_slot(0)
@@ -1442,7 +1441,6 @@ class DeviceDecodeStep:
         self.settle()
         pos = cache.layer(self.cfg.num_hidden_layers).length
         self._place_rows(range(pos, pos + self.rows), 0)
-        self.mirrors.begin_forward()
         self.hidden.host[:] = hidden.reshape(-1)
         self.verified.host[:] = tokens
         slot = self._next_slot(0)
@@ -1614,7 +1612,8 @@ class DeviceDecodeStep:
                     event = launch.enqueue()
         self.k.flush()  # the device's experts run while the CPU device computes the others
         row, col = np.nonzero(where < 0)  # the CPU side's slots: row * members + col
-        cpu, cpu_ids = (row * s.members + col).tolist(), ids[row, col]
+        cpu_slots, cpu_ids = row * s.members + col, ids[row, col]
+        cpu = cpu_slots.tolist()
         if s.cpu_rel is not None:  # the expert cache: the CPU side's misses start reading, then the next layer's
             self.experts.on_route(s.layer, cpu_ids[None, :])
             self.experts.read_ahead(s.layer, self._split_input_rows())
@@ -1632,7 +1631,7 @@ class DeviceDecodeStep:
             mine = [i for i, at in enumerate(where_cpu) if at == key]
             if mine:
                 slot_tok.host[:] = UNUSED_SLOT
-                slot_tok.host[np.asarray(cpu)[mine]] = row[mine]
+                slot_tok.host[cpu_slots[mine]] = row[mine]
                 for launch in launches:
                     launch.enqueue()
         spill.finish()
@@ -1651,9 +1650,11 @@ class DeviceDecodeStep:
         return (codes.astype(np.float32) * host[1][:, None]).reshape(self.rows, -1)
 
     def _place_rows(self, positions: Sequence[int], turn: int) -> None:
-        """Make ready for token rows at `positions` (consecutive ones of one cache, or a sequences step's rows' own):
-        scratch for their keys, their cos/sin (`cs[turn]`, set on every launch that reads them) and, with several rows
-        of one cache where the indexer selects, the causal mask."""
+        """Make ready for the forward of token rows at `positions` (consecutive ones of one cache, or a sequences
+        step's rows' own): scratch for their keys, their cos/sin (`cs[turn]`, set on every launch that reads them),
+        with several rows of one cache where the indexer selects the causal mask, and the KV copies' count of forwards
+        (`KVMirrors.begin_forward`: the copies this one binds are its own)."""
+        self.mirrors.begin_forward()
         keys = max(positions) + 1
         self._grow(keys)
         attention = self.model_specs[0].attention  # every layer's RoPE is the same (`check_bindable`)
@@ -1725,7 +1726,6 @@ class DeviceDecodeStep:
             for staged in range(TURNS):  # a device mirror that grows takes every row from the host again
                 self._collect(staged)
         self._place_rows(range(pos, keys), turn)
-        self.mirrors.begin_forward()
         if embed is not None:
             self.x.host[:] = embed.reshape(-1)
             self.buffers.to_device(self.x)

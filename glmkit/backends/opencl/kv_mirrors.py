@@ -26,6 +26,14 @@ class CacheCopy:
         self.buf, self.capacity, self.nbytes, self.rows = buf, capacity, nbytes, 0
 
 
+class _LayerCopies:
+    """The copies of one layer's rows (`LayerKV`): per field, and the number of the forward that used them last."""
+
+    def __init__(self, used: int) -> None:
+        self.fields: dict[str, CacheCopy] = {}
+        self.used = used
+
+
 class KVMirrors:
     """A discrete device's copies of the KV rows: per layer's rows (`LayerKV`) and field one copy, whichever step or
     token row uses it, freed with the rows. All copies together stay within `room()` bytes (None: no bound): a copy
@@ -36,8 +44,7 @@ class KVMirrors:
 
     def __init__(self, buffers, room: Callable[[], int] | None = None, device: str = "the device") -> None:
         self.buffers, self.room, self.device = buffers, room, device
-        self._copies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # LayerKV -> {field: CacheCopy}
-        self._used_by: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # LayerKV -> the last forward's number
+        self._copies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # LayerKV -> _LayerCopies
         self.forwards = 0  # forwards begun (`begin_forward`)
 
     def __len__(self) -> int:
@@ -49,7 +56,7 @@ class KVMirrors:
 
     def held_bytes(self) -> int:
         """Bytes of device memory the copies take."""
-        return sum(m.nbytes for fields in self._copies.values() for m in fields.values())
+        return sum(m.nbytes for copies in self._copies.values() for m in copies.fields.values())
 
     def begin_forward(self) -> None:
         """A forward is being queued: the copies it binds (`copy`) are used by it."""
@@ -59,13 +66,15 @@ class KVMirrors:
         """The device copy of field `name` of `kv` (host array `arr`, one row per position) with its rows before `pos`
         equal to the host's: made where there is none or the host array grew (every row sent), else sent the rows the
         host edited since."""
-        fields = self._copies.setdefault(kv, {})
-        self._used_by[kv] = self.forwards
-        m = fields.get(name)
+        copies = self._copies.get(kv)
+        if copies is None:
+            copies = self._copies[kv] = _LayerCopies(self.forwards)
+        copies.used = self.forwards
+        m = copies.fields.get(name)
         if m is None or m.capacity < len(arr):  # first use, or the host cache grew: every row again
-            fields.pop(name, None)
+            copies.fields.pop(name, None)
             self._make_room(arr.nbytes)
-            m = fields[name] = CacheCopy(self.buffers.device_buffer(arr.nbytes), len(arr), arr.nbytes)
+            m = copies.fields[name] = CacheCopy(self.buffers.device_buffer(arr.nbytes), len(arr), arr.nbytes)
         start = min(m.rows, kv.edited_from, pos)
         if start < pos:
             self.buffers.upload(m.buf, arr[start:pos], start * arr.strides[0])
@@ -77,15 +86,14 @@ class KVMirrors:
         if self.room is None:
             return
         room, held = self.room(), self.held_bytes()
-        idle = sorted((used, id(kv), kv) for kv, used in self._used_by.items() if used < self.forwards)
+        idle = sorted((copies.used, id(kv), kv) for kv, copies in self._copies.items() if copies.used < self.forwards)
         for _, _, kv in idle:
             if held + nbytes <= room:
                 break
             self.buffers.queue.finish()  # a forward still in flight may read the copy
-            held -= sum(m.nbytes for m in self._copies.pop(kv, {}).values())
-            del self._used_by[kv]
+            held -= sum(m.nbytes for m in self._copies.pop(kv).fields.values())
         if held + nbytes > room:
             raise DeviceMemoryError(f"{self.device}: the KV rows of the sequences being decoded take "
-                              f"{format_size(held + nbytes)} on the device, more than the {format_size(max(room, 0))} "
-                              f"its weights leave them (a shorter context, a smaller --kv-dtype, or fewer concurrent "
-                              f"requests)")
+                                    f"{format_size(held + nbytes)} on the device, more than the "
+                                    f"{format_size(max(room, 0))} its weights leave them (a shorter context, a smaller "
+                                    f"--kv-dtype, or fewer concurrent requests)")
