@@ -2,17 +2,18 @@
 device and driven as a discrete one.
 
 The rule the device keeps: for the same uniform it returns the host's token, or it leaves the choice to the host
-(its flag; the pipeline then asks `Sampler.pick` with that uniform). It leaves it where it cannot decide (a
-nucleus larger than its candidates, a tie at the top-k boundary) and wherever a decision lies within
-SAMPLE_TOLERANCE (1e-9) of one of its float64 sums: the uniform at a cdf boundary, top_p at a running sum. So every
-token a pipeline returns is exactly the host's, and these tests require exact equality; what they bound is how
-often the device defers (never, here, where the nucleus fits its candidates)."""
+(its flag; the pipeline then asks `Sampler.pick` with that uniform). It leaves it where it cannot decide (a tie at
+the top-k boundary) and wherever a decision lies within SAMPLE_TOLERANCE (1e-9) of one of its float64 sums: the
+uniform at a cdf boundary, top_p at a running sum. So every token a pipeline returns is exactly the host's, and
+these tests require exact equality; what they bound is how often the device defers (never, on these logits)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import numpy as np
+import pyopencl as cl
 import pytest
 
 from glmkit.backends.opencl import decode_graph
@@ -90,21 +91,32 @@ SETTINGS = [SamplingParams(temperature=0.7, top_p=0.95), SamplingParams(temperat
 @pytest.mark.parametrize("kind", ["peaked", "normal", "flat"])
 @pytest.mark.parametrize("vocab", [300, 5000])
 def test_device_draw_is_the_host_samplers(kernels, kind, vocab):
-    """Over 40 seeds per setting (temperature; top-k; both; top-p alone; top-k 1): the host's token for the same
-    uniform. The device defers only where top-p's nucleus outgrows its SAMPLE_CANDIDATES candidates (a flat
-    distribution over 5,000 tokens), and then for every draw."""
+    """Over 40 seeds per setting (temperature; top-k; both; top-p alone; top-k 1): the device decides every draw,
+    and each is the host's token for the same uniform; top-p alone too where its nucleus holds most of a flat
+    distribution over 5,000 tokens (sample_nucleus: no candidates to outgrow)."""
     logits = logits_fixture(kind, vocab)
     for params in SETTINGS:
         uniforms = [np.random.default_rng(seed).random() for seed in range(40)]
         want = [Sampler(params).pick(logits, u) for u in uniforms]
-        got = device_draw(kernels, logits, params, uniforms)
-        decided = [token for token, on_device in got if on_device]
-        assert decided == [w for w, (_, on_device) in zip(want, got, strict=True) if on_device], params
-        nucleus = len(kept(logits, params))
-        overflows = params.top_k == 0 and params.top_p < 1 and nucleus > decode_graph.SAMPLE_CANDIDATES
-        assert len(decided) == (0 if overflows else len(uniforms)), (params, nucleus)
-    if kind == "flat" and vocab == 5000:  # the case above did defer
-        assert SETTINGS[0].top_k == 0 and len(kept(logits, SETTINGS[0])) > 1024
+        assert device_draw(kernels, logits, params, uniforms) == [(w, True) for w in want], params
+    if kind == "flat" and vocab == 5000:  # the case a nucleus of candidates could not hold
+        assert SETTINGS[0].top_k == 0 and len(kept(logits, SETTINGS[0])) > 4 * decode_graph.SAMPLE_CANDIDATES
+
+
+def test_nucleus_cut_inside_tied_tokens(kernels):
+    """Top-p whose cut falls among tokens of equal logits: the host keeps the first of them by index (a stable
+    sort), and so does the device, whichever of the tied tokens each uniform lands on."""
+    logits = np.full(2000, -4.0, np.float32)
+    logits[[1500, 7, 900, 42, 1999, 3]] = 1.0  # six tied tokens, scattered, after one more likely
+    logits[600] = 2.0
+    for top_p in (0.2, 0.3, 0.45):  # the cut after the 2nd, 4th and 6th... of the tied tokens, none at a boundary
+        params = SamplingParams(temperature=1.0, top_p=top_p)
+        n_kept = len(kept(logits, params))
+        uniforms = [np.random.default_rng(seed).random() for seed in range(30)]
+        want = [Sampler(params).pick(logits, u) for u in uniforms]
+        assert device_draw(kernels, logits, params, uniforms) == [(w, True) for w in want], top_p
+        assert 1 < n_kept < 2000 and set(want) <= set(kept(logits, params)), n_kept
+    assert len({Sampler(SamplingParams(temperature=1.0, top_p=0.45)).pick(logits, u / 30) for u in range(30)}) > 3
 
 
 def kept(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
@@ -188,28 +200,48 @@ def test_sampled_generation_is_the_host_paths(snapshots, kernels, monkeypatch):
     assert len({tuple(tokens) for tokens, _, _ in want}) == len(SAMPLED)  # the settings differ, and so do the runs
 
 
+def defer_draws(monkeypatch, defer) -> None:
+    """The device draws as before, but hands the draws whose uniform `defer(u)` names to the host, as it does at a
+    float64 rounding boundary or a tie at the top-k boundary: its flag set, the logits kept for the host."""
+    enqueue = SampleLaunches.enqueue
+
+    def deferring(self, u: float, token, held):
+        event = enqueue(self, u, token, held)
+        if not defer(u):
+            return event
+        launch = self.sample
+        logits = launch.args[launch._index["logits"]]
+        cl.enqueue_copy(launch.queue, held, logits)
+        return cl.enqueue_copy(launch.queue, token, np.array([0, 1], np.uint32), is_blocking=False)
+
+    monkeypatch.setattr(SampleLaunches, "enqueue", deferring)
+
+
 def test_fallback_to_the_host(snapshots, kernels, monkeypatch):
-    """Where the nucleus outgrows the candidates on some tokens (16 candidates here, top-p 0.9 at temperature 1.5
-    over 384 tokens) the host chooses those tokens and the pipeline goes on from them; where it does on most, the
-    pipeline stops and the host path takes over: the host path's tokens either way. Samplers that need the logits
-    (logprobs, penalties) and a top-k larger than the sort never start a sampled pipeline. (The seeds and
-    temperatures are set for the q4 model with uniform 4-bit codes: how often a nucleus outgrows 16 tokens depends
-    on the model.)"""
-    engine = Engine(snapshots("tiny-trained", "q4", "--grid", "uniform"), "numpy", load_tokenizer=False)
+    """Where the device leaves some tokens to the host (every twelfth draw here) the host chooses those tokens and
+    the pipeline goes on from them; where it leaves most (all of them), the pipeline stops and the host path takes
+    over: the host path's tokens either way. Samplers that need the logits (logprobs, penalties) and a top-k larger
+    than the sort never start a sampled pipeline."""
+    engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
     dev = models(engine, kernels)
     prompt = oracle("tiny-trained")["prompt_ids"]
-    monkeypatch.setattr(decode_graph, "SAMPLE_CANDIDATES", 16)
+    monkeypatch.setattr(decode_graph, "SAMPLE_CANDIDATES", 16)  # a sort smaller than the vocabulary
     pipes = []
     pipeline = DeviceDecodeStep.pipeline
     monkeypatch.setattr(DeviceDecodeStep, "pipeline", lambda self, *a: pipes.append(pipeline(self, *a)) or pipes[-1])
-    some = SamplingParams(temperature=0.8, top_p=0.9, seed=11)  # the nucleus outgrows 16 tokens now and then
-    most = SamplingParams(temperature=1.5, top_p=0.9, seed=12)  # on nearly every token
+    some = SamplingParams(temperature=0.8, top_p=0.9, seed=11)
+    most = SamplingParams(temperature=1.5, top_k=12, seed=12)
     others = [Sampler(SamplingParams(temperature=0.8, seed=1), logprobs=2),
               Sampler(SamplingParams(temperature=0.8, presence_penalty=0.5, seed=1)),
               Sampler(SamplingParams(temperature=0.8, top_k=decode_graph.SAMPLE_CANDIDATES, seed=1))]
-    got = [sampled_run(dev, prompt, 40, Sampler(params)) for params in (some, most)]
+    with monkeypatch.context() as m:
+        draws = itertools.count()
+        defer_draws(m, lambda u: next(draws) % 12 == 11)
+        got = [sampled_run(dev, prompt, 40, Sampler(some))]
+        defer_draws(m, lambda u: True)
+        got.append(sampled_run(dev, prompt, 40, Sampler(most)))
     got_others = [sampled_run(dev, prompt, 12, sampler)[0] for sampler in others]
-    assert [p is not None for p in pipes] == [True, True, False]  # logprobs and penalties never ask
+    assert [p is not None for p in pipes] == [True, True, False]  # logprobs, penalties, top-k 16 never ask
     assert 0 < pipes[0].fallbacks < pipes[0].decided and not pipes[0].stopped
     assert pipes[1].stopped and pipes[1].fallbacks == 2
     host_only(monkeypatch)

@@ -104,7 +104,7 @@ from glmkit.model.ops import rope_cos_sin
 MAX_ROUTED_EXPERTS = 1024  # the routing kernel's private arrays (MAX_EXPERTS in decode.cl)
 MAX_EXPERT_BUFFERS = 8  # weight buffers one layer's experts may span (MAX_BUFFERS in decode.cl)
 MAX_TOPK = 64  # experts one token routes to, for the slot placement (MAX_TOPK in decode.cl)
-SAMPLE_CANDIDATES = 1024  # the most candidates sample_token sorts (SAMPLE_CANDIDATES in sample.cl)
+SAMPLE_CANDIDATES = 1024  # the most candidates (top_k + 1) sample_token sorts (SAMPLE_CANDIDATES in sample.cl)
 FALLBACK_SHARE = 8  # a sampled pipeline gives way to the host path once over 1 in 8 tokens were the host's choice
 ID_SLOTS = 32  # routed-id buffers per MoE layer, used in turn by successive tokens: the watcher's callbacks may lag
 TURNS = 4  # forwards queued at once, each with buffers of its own (a pipeline alternates two, a prompt uses all)
@@ -1794,40 +1794,42 @@ class DeviceDecodeStep:
 
 class SampleScratch:
     """The buffers of `SampleLaunches` over `vocab` logits: all-ones and the selection (topk_select's), the
-    candidates, and per token parity the logits kept for the host."""
+    candidates, each token's weight (sample_nucleus's, float64), and per token parity the logits kept for the host."""
 
     def __init__(self, buffers, vocab: int) -> None:
         self.vocab = vocab
         self.all, self.selected = buffers.filled(np.ones(vocab), np.uint8), buffers.array(vocab, np.uint8)
         self.chosen = buffers.array(SAMPLE_CANDIDATES, np.uint32)
+        self.weight = buffers.array(vocab, np.float64)
         self.held = [buffers.array(vocab), buffers.array(vocab)]
 
 
 class SampleLaunches:
     """The launches that draw a token from `vocab` logits on the device as a host `Sampler` with `params` would
-    (sample.cl): the candidates are the top_k + 1 largest logits (topk_select; the extra one tells a tie at the
-    top-k boundary), or without top-k the SAMPLE_CANDIDATES largest when top_p < 1, or none (the whole
-    vocabulary, drawn in index order) with neither."""
+    (sample.cl): with top-k, among its top_k + 1 largest logits (topk_select; the extra one tells a tie at the
+    top-k boundary: sample_token); with top-p alone, over the whole vocabulary (sample_nucleus); with neither, the
+    whole vocabulary drawn in index order (sample_whole)."""
 
     def __init__(self, k: Kernels, logits: Any, params: SamplingSettings, scratch: SampleScratch) -> None:
         vocab = scratch.vocab
         top_k = params.top_k if 0 < params.top_k < vocab else 0  # as the host: top_k >= the vocabulary is no top-k
-        count = top_k + 1 if top_k else (min(vocab, SAMPLE_CANDIDATES) if params.top_p < 1 else 0)
-        if count > SAMPLE_CANDIDATES:
+        if top_k + 1 > SAMPLE_CANDIDATES:
             raise ValueError(f"top_k {top_k}: more candidates than sample_token sorts ({SAMPLE_CANDIDATES})")
         self.select = None
-        if count:
-            name, size, local = k.topk_kernel(1)
-            self.select = k.bind(name, size, local, scores=logits, allowed=scratch.all.buffer,
-                                 selected=scratch.selected.buffer, chosen=scratch.chosen.buffer, n_keys=vocab,
-                                 k=count, n_rows=1)
         group = (k.red_lanes,)
         shared = {"logits": logits, "n": vocab, "temperature": params.temperature, "u": 0.0,
                   "token": scratch.chosen.buffer, "held": scratch.held[0].buffer}  # token, held, u: set per draw
-        if count:
-            sorted_count = 1 << (count - 1).bit_length()  # the power of two >= count the bitonic sort runs over
-            self.sample = k.bind("sample_token", group, group, **shared, cand=scratch.chosen.buffer, n_cand=count,
+        if top_k:
+            name, size, local = k.topk_kernel(1)
+            self.select = k.bind(name, size, local, scores=logits, allowed=scratch.all.buffer,
+                                 selected=scratch.selected.buffer, chosen=scratch.chosen.buffer, n_keys=vocab,
+                                 k=top_k + 1, n_rows=1)
+            sorted_count = 1 << top_k.bit_length()  # the power of two >= top_k + 1 the bitonic sort runs over
+            self.sample = k.bind("sample_token", group, group, **shared, cand=scratch.chosen.buffer,
                                  n_sorted=sorted_count, top_k=top_k, top_p=params.top_p)
+        elif params.top_p < 1:
+            self.sample = k.bind("sample_nucleus", group, group, **shared, top_p=params.top_p,
+                                 weight=scratch.weight.buffer)
         else:
             self.sample = k.bind("sample_whole", group, group, **shared)
 
@@ -1889,11 +1891,11 @@ class ArgmaxChoice:
 
 
 class SampledChoice:
-    """A token drawn from the logits with temperature, top-k and top-p on the device (sample_token), from one
-    uniform per forward that the host draws from the sampler's seeded stream as the forward is queued: the order
-    of the draws is the host's (`SampleLaunches`). Where sample_token cannot decide (a nucleus larger than the
-    candidates, a tie at the top-k boundary, a decision within float64 rounding of a sum), the host draws the
-    token from the logits with the same uniform (`TokenDraws.pick`). A uniform drawn for a forward that is dropped
+    """A token drawn from the logits with temperature, top-k and top-p on the device (sample.cl), from one uniform
+    per forward that the host draws from the sampler's seeded stream as the forward is queued: the order of the
+    draws is the host's (`SampleLaunches`). Where the device cannot decide (a tie at the top-k boundary, a decision
+    within float64 rounding of a sum, sums that are not finite), the host draws the token from the logits with the
+    same uniform (`TokenDraws.pick`). A uniform drawn for a forward that is dropped
     goes to the next one queued, and one never used goes back to the stream (`release`)."""
 
     def __init__(self, step: DeviceDecodeStep, draws: TokenDraws) -> None:

@@ -5,13 +5,13 @@
  * running sum reaches top_p, then the first token in index order whose normalized running sum exceeds u. Sums
  * may associate differently from NumPy's (float64 rounding, ~1e-16 relative): wherever a decision lies within
  * SAMPLE_TOLERANCE of such a sum (u at a cdf boundary, top_p at a running sum), and where the device cannot decide
- * (a tie at the top-k boundary, a nucleus larger than the candidates, sums that are not finite), it writes
- * token[1] = 1, copies the logits into `held` and leaves the choice to the host, which then draws the same token
- * as a host-only run. Built only where the device has float64 (cl_khr_fp64). */
+ * (a tie at the top-k boundary, sums that are not finite), it writes token[1] = 1, copies the logits into `held`
+ * and leaves the choice to the host, which then draws the same token as a host-only run. Built only where the
+ * device has float64 (cl_khr_fp64). */
 #ifdef cl_khr_fp64
 #pragma OPENCL EXTENSION cl_khr_fp64 : enable
 
-#define SAMPLE_CANDIDATES 1024  /* the most candidates one draw sorts (decode_graph.SAMPLE_CANDIDATES) */
+#define SAMPLE_CANDIDATES 1024  /* the most candidates one draw sorts: top_k + 1 (decode_graph.SAMPLE_CANDIDATES) */
 #define SAMPLE_TOLERANCE 1e-9   /* how near a float64 sum a decision is left to the host */
 
 GROUP_SUM(group_sum_f64, double)
@@ -71,18 +71,17 @@ __kernel void sample_whole(__global const float* logits, uint n, double temperat
     sample_out(logits, n, out, token, held);
 }
 
-/* token[0] = the token drawn among candidates, token[1] = 1 where the host must choose (see above; `held` then
- * holds the logits). cand: n_cand candidates in ascending token order (topk_select's `chosen`: the top_k + 1
- * largest logits with top_k, else the SAMPLE_CANDIDATES largest for top-p); n_sorted: the power of two >= n_cand
+/* token[0] = the token drawn among the top_k (with top-p, its nucleus), token[1] = 1 where the host must choose
+ * (see above; `held` then holds the logits). cand: the top_k + 1 largest logits in ascending token order
+ * (topk_select's `chosen`; the extra one tells a tie at the top-k boundary); n_sorted: the power of two >= top_k + 1
  * the bitonic sort runs over. u: the host's uniform in [0, 1). One work-group. */
-__kernel void sample_token(__global const float* logits, uint n, __global const uint* cand, uint n_cand,
-                           uint n_sorted, uint top_k, double temperature, double top_p, double u,
-                           __global uint* token, __global float* held) {
+__kernel void sample_token(__global const float* logits, uint n, __global const uint* cand, uint n_sorted,
+                           uint top_k, double temperature, double top_p, double u, __global uint* token,
+                           __global float* held) {
     __local ulong keys[SAMPLE_CANDIDATES];  /* logit's float_key << 32 | (n_cand - 1 - position in cand) */
     __local double p[SAMPLE_CANDIDATES];    /* per position in cand: exp(z - max z), then the running cdf */
-    __local double red[RED_LANES];
     __local uint out[2];
-    const uint l = get_local_id(0);
+    const uint l = get_local_id(0), n_cand = top_k + 1;
     for (uint c = l; c < n_sorted; c += RED_LANES)
         keys[c] = c < n_cand ? ((ulong)float_key(logits[cand[c]]) << 32) | (ulong)(n_cand - 1 - c) : 0ul;
     barrier(CLK_LOCAL_MEM_FENCE);
@@ -101,30 +100,22 @@ __kernel void sample_token(__global const float* logits, uint n, __global const 
     }
     const double zmax = (double)logits[cand[n_cand - 1 - (uint)(keys[0] & 0xffffffffu)]] / temperature;
     for (uint c = l; c < n_cand; c += RED_LANES) p[c] = exp((double)logits[cand[c]] / temperature - zmax);
-    /* without top-k every token shares the normalization, candidate or not (a sum every item joins: its
-     * barriers are not inside a branch) */
-    double s = 0.0;
-    for (uint t = l; t < (top_k == 0 ? n : 0u); t += RED_LANES) s += exp((double)logits[t] / temperature - zmax);
-    const double all = group_sum_f64(s, red);
     barrier(CLK_LOCAL_MEM_FENCE);
     if (l == 0) {
         out[0] = cand[n_cand - 1 - (uint)(keys[0] & 0xffffffffu)];  /* a valid id for the next lookup */
         out[1] = 1;
-        const uint kept = top_k > 0 ? top_k : n_cand;
-        double z = all;
-        if (top_k > 0) {
-            for (uint r = 0; r < top_k; r++) z += p[n_cand - 1 - (uint)(keys[r] & 0xffffffffu)];
-        }
-        uint cut = kept - 1;  /* the last rank kept */
+        double z = 0.0;
+        for (uint r = 0; r < top_k; r++) z += p[n_cand - 1 - (uint)(keys[r] & 0xffffffffu)];
+        uint cut = top_k - 1;  /* the last rank kept */
         /* a tie at the top-k boundary is the host's to break, unless at -inf (logits a constraint masked): those
          * tokens have no probability, kept or not */
-        bool ok = isfinite(z) && z > 0.0 && (top_k == 0 || (keys[top_k - 1] >> 32) != (keys[top_k] >> 32) ||
+        bool ok = isfinite(z) && z > 0.0 && ((keys[top_k - 1] >> 32) != (keys[top_k] >> 32) ||
                                              logits[cand[n_cand - 1 - (uint)(keys[top_k - 1] & 0xffffffffu)]] ==
                                                  -INFINITY);
         if (ok && top_p < 1.0) {
             double cum = 0.0;
             bool reached = false;
-            for (uint r = 0; r < kept && !reached; r++) {
+            for (uint r = 0; r < top_k && !reached; r++) {
                 const double before = cum;
                 cum += p[n_cand - 1 - (uint)(keys[r] & 0xffffffffu)] / z;
                 if (cum >= top_p) {
@@ -133,8 +124,8 @@ __kernel void sample_token(__global const float* logits, uint n, __global const 
                     ok = cum - top_p >= SAMPLE_TOLERANCE && top_p - before >= SAMPLE_TOLERANCE;
                 }
             }
-            if (!reached)  /* the nucleus goes on past the candidates, or top_p is within rounding of 1 */
-                ok = (top_k > 0 || n_cand == n) && top_p - cum >= SAMPLE_TOLERANCE;
+            if (!reached)  /* top_p is within rounding of the top-k's whole mass */
+                ok = top_p - cum >= SAMPLE_TOLERANCE;
         }
         if (ok) {
             for (uint r = cut + 1; r < n_cand; r++) p[n_cand - 1 - (uint)(keys[r] & 0xffffffffu)] = 0.0;
@@ -159,6 +150,129 @@ __kernel void sample_token(__global const float* logits, uint n, __global const 
                 }
                 before = at;
             }
+        }
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    sample_out(logits, n, out, token, held);
+}
+
+/* Top-p without top-k, a nucleus of any size: token[0] = the token drawn, token[1] = 1 where the host must choose
+ * (`held` then holds the logits). No sort: the nucleus is every token whose key (float_key of its logit) lies above
+ * the cut's, and the first tokens tied at the cut's key (lowest index first). The cut is found by a radix select on
+ * the key, NUCLEUS_DIGIT bits a pass from the highest: each pass sums exp(z - max z) (kept per token in `weight`,
+ * `[n]` float64) by the next digit of the keys that share the bits found so far, and goes down the digits from the
+ * largest until the weight above reaches top_p times the total. The draw then scans the kept tokens in index order,
+ * as sample_whole does. Each item owns a contiguous chunk of the tokens. One work-group. */
+#define NUCLEUS_DIGIT 4
+#define NUCLEUS_BINS (1 << NUCLEUS_DIGIT)
+__kernel void sample_nucleus(__global const float* logits, uint n, double temperature, double top_p, double u,
+                             __global double* weight, __global uint* token, __global float* held) {
+    __local float best[RED_LANES];
+    __local double red[RED_LANES];
+    __local double bins[NUCLEUS_BINS * RED_LANES];  /* digit d's weight in item j's chunk at d * RED_LANES + j */
+    __local uint ties[RED_LANES];                    /* tokens at the cut's key in item j's chunk */
+    __local uint cut[2];                             /* the cut's key (the bits found so far), the last tie kept */
+    __local double above_cut;                        /* the weight of the tokens whose keys lie above the cut's */
+    __local uint out[2];
+    const uint l = get_local_id(0);
+    float m = -INFINITY;
+    for (uint t = l; t < n; t += RED_LANES) m = fmax_(m, logits[t]);
+    const double zmax = (double)group_max(m, best) / temperature;
+    const uint chunk = (n + RED_LANES - 1) / RED_LANES;
+    const uint t0 = min(l * chunk, n), t1 = min(t0 + chunk, n);
+    double s = 0.0;
+    for (uint t = t0; t < t1; t++) {
+        const double w = exp((double)logits[t] / temperature - zmax);
+        weight[t] = w;
+        s += w;
+    }
+    barrier(CLK_GLOBAL_MEM_FENCE);  /* item 0 rescans other items' chunks below */
+    const double total = group_sum_f64(s, red), target = top_p * total;
+    if (l == 0) {
+        cut[0] = 0;
+        above_cut = 0.0;
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (int shift = 32 - NUCLEUS_DIGIT; shift >= 0; shift -= NUCLEUS_DIGIT) {
+        const uint high = shift + NUCLEUS_DIGIT == 32 ? 0u : ~0u << (shift + NUCLEUS_DIGIT), key = cut[0];
+        double h[NUCLEUS_BINS];
+        for (uint d = 0; d < NUCLEUS_BINS; d++) h[d] = 0.0;
+        for (uint t = t0; t < t1; t++) {
+            const uint k = float_key(logits[t]);
+            if ((k & high) == key) h[(k >> shift) & (NUCLEUS_BINS - 1)] += weight[t];
+        }
+        for (uint d = 0; d < NUCLEUS_BINS; d++) bins[d * RED_LANES + l] = h[d];
+        barrier(CLK_LOCAL_MEM_FENCE);
+        if (l == 0) {  /* the largest digit whose weight takes the running sum to the target (else the smallest) */
+            double above = above_cut;
+            uint d = NUCLEUS_BINS - 1;
+            for (;; d--) {
+                double bin = 0.0;
+                for (uint j = 0; j < RED_LANES; j++) bin += bins[d * RED_LANES + j];
+                if (above + bin >= target || d == 0) break;
+                above += bin;
+            }
+            cut[0] = key | (d << shift);
+            above_cut = above;
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }
+    const uint key = cut[0];
+    uint c = 0;
+    for (uint t = t0; t < t1; t++) c += float_key(logits[t]) == key;
+    ties[l] = c;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    if (l == 0) {
+        out[0] = 0;  /* a valid id for the next lookup where the host decides */
+        out[1] = 1;
+        cut[1] = 0;
+        uint tied = 0;
+        for (uint j = 0; j < RED_LANES; j++) tied += ties[j];
+        const float at = as_float((key & 0x80000000u) ? key & 0x7fffffffu : ~key);  /* float_key's inverse */
+        const double w = exp((double)at / temperature - zmax), above = above_cut, tol = SAMPLE_TOLERANCE * total;
+        /* the tied tokens the nucleus needs: the fewest whose weight takes the running sum to the target */
+        const double need = ceil((target - above) / w);
+        const uint kept = need < 1.0 ? 1u : (need > (double)tied ? tied : (uint)need);
+        if (isfinite(total) && total > 0.0 && tied > 0 && w > 0.0 && above + kept * w - target >= tol &&
+            target - (above + (kept - 1) * w) >= tol) {
+            uint j = 0, seen = 0;
+            while (seen + ties[j] < kept) seen += ties[j++];
+            for (uint t = j * chunk; t < n; t++) {
+                if (float_key(logits[t]) == key && ++seen == kept) {
+                    cut[1] = t;
+                    out[1] = 0;
+                    break;
+                }
+            }
+        }
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    const uint last_tie = cut[1];
+    s = 0.0;
+    for (uint t = t0; t < t1; t++) {
+        const uint k = float_key(logits[t]);
+        if (k > key || (k == key && t <= last_tie)) s += weight[t];
+    }
+    red[l] = s;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    if (l == 0 && !out[1]) {  /* the draw among the kept tokens, in index order */
+        out[1] = 1;
+        double mass = 0.0;
+        for (uint j = 0; j < RED_LANES; j++) mass += red[j];
+        const double aim = u * mass, tol = SAMPLE_TOLERANCE * mass;
+        double acc = 0.0;
+        uint j = 0;
+        while (j < RED_LANES && acc + red[j] <= aim) acc += red[j++];
+        for (uint t = j * chunk; j < RED_LANES && t < min(j * chunk + chunk, n); t++) {
+            const uint k = float_key(logits[t]);
+            if (!(k > key || (k == key && t <= last_tie))) continue;
+            const double next = acc + weight[t];
+            if (next > aim) {
+                out[0] = t;
+                out[1] = (next - aim < tol || aim - acc < tol) ? 1u : 0u;
+                break;
+            }
+            acc = next;
         }
     }
     barrier(CLK_LOCAL_MEM_FENCE);
