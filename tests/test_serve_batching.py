@@ -234,6 +234,45 @@ def test_opencl_batch_takes_requests_that_join_and_leave(any_cl_model):
         assert not mirrors  # freed with the rows
 
 
+def kv_rows(cache) -> list[np.ndarray]:
+    """Every layer's cache rows, as stored (each field up to the layer's length)."""
+    return [np.asarray(kv.storage(name)[:kv.length]) for kv in cache.layers for name in ("kv_lat", "k_rot")]
+
+
+def test_pipelined_batch_is_decode_batch_and_the_argmax(any_cl_model):
+    """The batch decoded greedily with its next forward queued ahead (`pipelined_batch`): the tokens of decode_batch
+    and the argmax, step after step, and once closed every cache holds bit for bit the rows decode_batch wrote, its
+    last token's row left out; a decode_batch on the same step closes a pipeline in flight the same way. Not on the
+    split step (its layers wait for the host)."""
+    batch = prompts(3, True)
+    tokens, _ = greedy_batched(any_cl_model, batch, 7)
+    caches = [any_cl_model.new_cache() for _ in batch]
+    first = [int(np.argmax(any_cl_model.forward(np.array(p), c, last_logits_only=True)[0][-1]))
+             for p, c in zip(batch, caches, strict=True)]
+    pipe = any_cl_model.pipelined_batch(first, caches)
+    if any_cl_model.backend.spill is not None:
+        assert pipe is None
+        return
+    got = [first] + [pipe.advance() for _ in range(5)]
+    assert pipe.running
+    pipe.close()
+    assert not pipe.running and [[row[i] for row in got] for i in range(3)] == [t[:6] for t in tokens]
+    want = [any_cl_model.new_cache() for _ in batch]
+    for p, c in zip(batch, want, strict=True):
+        any_cl_model.forward(np.array(p), c)
+    for step in range(5):
+        any_cl_model.decode_batch(np.array([t[step] for t in tokens]), want)
+    for cache, other in zip(caches, want, strict=True):
+        assert cache.length == other.length
+        for a, b in zip(kv_rows(cache), kv_rows(other), strict=True):
+            np.testing.assert_array_equal(a, b)
+    pipe = any_cl_model.pipelined_batch([t[5] for t in tokens], caches)
+    assert pipe.advance() == [t[6] for t in tokens]
+    lengths = [cache.length for cache in caches]
+    logits, _ = any_cl_model.decode_batch(np.array([5, 6, 7]), caches)  # the same step: the pipeline closes first
+    assert not pipe.running and [cache.length for cache in caches] == lengths
+
+
 def test_discrete_device_kv_copies_stay_within_the_room_its_weights_leave(cl_engine):
     """A discrete device's copies of the KV rows stay within the room (`OpenCLBackend.kv_room`): with room for one
     sequence's copies and a half, two sequences decoded in turn drop each other's (the least recently used) and send
@@ -386,17 +425,18 @@ def mixed_requests(shared: bool) -> list[GenRequest]:
 
 
 def serve(engine: Engine, requests: list[GenRequest], max_batch: int | None, cancel_after: dict[str, int] | None = None,
-          join_at: int = 0, then: list[GenRequest] = (), **kwargs: Any
+          join_at: int = 0, then: list[GenRequest] = (), first: int = 1, **kwargs: Any
           ) -> dict[str, tuple[list[int], list[Text], Done]]:
-    """Run `requests` through a Scheduler (all queued before it starts, or with `join_at` the first alone and the
-    others once it has that many tokens), then `then` once they all ended: each request's (tokens, Text events, Done).
+    """Run `requests` through a Scheduler (all queued before it starts, or with `join_at` the `first` ones and the
+    others once the first has that many tokens), then `then` once they all ended: each request's (tokens, Text events,
+    Done).
     cancel_after: request id -> cancel it once it has emitted that many Texts."""
     scheduler = Scheduler(engine, max_active=4, max_batch=max_batch, **kwargs)
     events: dict[str, list[Any]] = {r.request_id: [] for r in [*requests, *then]}
     jobs: dict[str, GenerationJob] = {}
     finished = threading.Semaphore(0)
 
-    later = requests[1:] if join_at else []
+    later = requests[first:] if join_at else []
 
     def emitter(request_id: str):
         def emit(event: Text | Done) -> None:
@@ -411,7 +451,7 @@ def serve(engine: Engine, requests: list[GenRequest], max_batch: int | None, can
                 later.clear()
         return emit
 
-    for r in requests[:1] if join_at else requests:
+    for r in requests[:first] if join_at else requests:
         jobs[r.request_id] = scheduler.submit(r, emitter(r.request_id))
     scheduler.start()
     try:
@@ -470,6 +510,36 @@ def test_scheduler_batches_on_opencl_by_default_and_each_request_gets_its_tokens
     batched = serve(cl_engine, mixed_requests(False), None)
     assert serve.stats["max_batch_seen"] == 4 and serve.stats["batched_forwards"] >= 6
     assert_same_requests(batched, alone)
+
+
+def greedy_requests() -> list[GenRequest]:
+    """Five greedy requests of different prompts and lengths, one ending at a stop sequence; with four at a time, the
+    fifth waits for the first to end and takes its Session."""
+    p = prompts(4, False)
+    return [GenRequest(p[0], 14, ignore_eos=True, request_id="long"),
+            GenRequest(p[1], 5, ignore_eos=True, request_id="short"),
+            GenRequest(p[2], 9, ignore_eos=True, request_id="middle"),
+            GenRequest(p[3], 12, ignore_eos=True, stop=(" of", "hi"), request_id="stopped"),
+            GenRequest(BASE[:7], 8, ignore_eos=True, request_id="fifth")]
+
+
+def test_greedy_batches_on_opencl_keep_their_next_forward_queued(cl_engine, monkeypatch):
+    """Where every request of the batch is greedy, its forwards are pipelined (the next one queued before the worker
+    takes the tokens): each request still gets its tokens decoded alone, as requests end (a short one, a stop
+    sequence, a cancelled one) and join (a fifth one, in the Session of the first to end; three while the first two
+    decode as a batch). A batch holding a sampled request runs decode_batch."""
+    monkeypatch.setattr(cl_engine, "batch_costs", lambda: {"token": 8.0, "batch": 6.5})
+    alone = serve(cl_engine, greedy_requests(), 1)
+    batched = serve(cl_engine, greedy_requests(), None)
+    assert serve.stats["pipelined_forwards"] >= 6 and serve.stats["batched_forwards"] >= 6
+    assert_same_requests(batched, alone)
+    assert alone["stopped"][2].finish_reason == "stop" and len(alone["short"][0]) == 5
+    joined = serve(cl_engine, greedy_requests(), None, join_at=3, first=2, cancel_after={"middle": 4})
+    assert serve.stats["pipelined_forwards"] > 0 and joined["middle"][2].finish_reason == "cancelled"
+    assert_same_requests(joined, alone, skip=("middle",))
+    assert joined["middle"][0] == alone["middle"][0][:len(joined["middle"][0])]
+    serve(cl_engine, mixed_requests(False), None)
+    assert serve.stats["pipelined_forwards"] == 0 and serve.stats["batched_forwards"] >= 6
 
 
 def test_batch_costs_are_measured_once_per_device_and_model(snapshot, monkeypatch, tmp_path):

@@ -196,6 +196,17 @@ class PipelinedDecode(Protocol):
     def close(self) -> None: ...
 
 
+class PipelinedRows(Protocol):
+    """A batch of sequences decoded greedily with the next forward queued ahead: `advance()` returns each row's next
+    token; `close()` drops the rows of the forward in flight."""
+
+    running: bool  # a forward is in flight (else `advance` may not be called: another user of the step closed it)
+
+    def advance(self) -> list[int]: ...
+
+    def close(self) -> None: ...
+
+
 class DecodeStep(Protocol):
     def __call__(self, token: int, cache: KVCache, embed: np.ndarray) -> tuple[np.ndarray, np.ndarray, Routes]:
         """Append `token` (embedding row `embed [H]`; a step of R rows: R tokens' embeddings `[R, H]`) at
@@ -234,6 +245,13 @@ class DecodeStep(Protocol):
     def decode_rows(self, caches: Sequence[KVCache], embed: np.ndarray) -> tuple[np.ndarray, np.ndarray, Routes]:
         """A step of R sequences: token row r (embedding `embed[r]`, `[R, H]`) appended to `caches[r]` at its own
         length: (logits `[R, V]`, hidden `[R, H]` after the final norm, the routes)."""
+        ...
+
+    def pipeline_rows(self, caches: Sequence[KVCache], tokens: Sequence[int],
+                      embed_of: Callable[[Sequence[int]], np.ndarray],
+                      on_routes: Callable[[Routes], None] | None = None) -> PipelinedRows | None:
+        """A step of R sequences decoding greedily from `tokens[r]` (the next forward appends their rows) with the
+        following forward queued ahead; None where it cannot. embed_of(tokens): their embedding rows `[R, H]`."""
         ...
 
     def verify(self, cache: KVCache, embed: np.ndarray, choose: bool

@@ -47,6 +47,7 @@ from glmkit.generate.engine import Engine
 from glmkit.generate.generator import KV_HOLD_AHEAD, Generator, prefill_part
 from glmkit.generate.sampling import LogitsConstraint, Sampler, SamplingParams, TokenLogprob
 from glmkit.generate.tokenizer import StreamDecoder
+from glmkit.model.compute import PipelinedRows
 
 log = logging.getLogger("glmkit.serve")
 
@@ -161,8 +162,11 @@ class Scheduler:
         self.counters = {"requests": 0, "completed": 0, "cancelled": 0, "failed": 0, "rejected": 0,
                          "prompt_tokens": 0, "cached_tokens": 0, "prefill_tokens": 0, "completion_tokens": 0,
                          "steps": 0, "max_active_seen": 0, "batched_forwards": 0, "batched_rows": 0,
-                         "max_batch_seen": 0, "batch_shrunk": 0}
+                         "max_batch_seen": 0, "batch_shrunk": 0, "pipelined_forwards": 0}
         self.recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=RECENT)
+        # a batch of greedy requests decoding with its next forward in flight, and those requests in its row order
+        self._pipe: PipelinedRows | None = None
+        self._pipe_jobs: list[GenerationJob] = []
         self._thread = threading.Thread(target=self._run, name="glm-serve-worker", daemon=True)
 
     # ---- any thread ------------------------------------------------------------------------------
@@ -238,8 +242,8 @@ class Scheduler:
             for job in jobs:  # one step each; the decoding ones together after the prefill steps
                 if job not in decoding:
                     self._step(job)
-            for at in range(0, len(decoding), self.max_batch):
-                self._batch_step(decoding[at:at + self.max_batch])
+            for at in range(0, len(decoding), self.max_batch):  # one batch a pass may keep its next forward queued
+                self._batch_step(decoding[at:at + self.max_batch], pipelined=len(decoding) <= self.max_batch)
         for job in list(self._active) + list(self._queue):
             job.cancelled = True
             self._finish(job, "cancelled")
@@ -395,8 +399,9 @@ class Scheduler:
             return
         self._take(job, token)
 
-    def _batch_step(self, jobs: list[GenerationJob]) -> None:
-        """One decode step of each of `jobs` (all past their first token) in one batched forward."""
+    def _batch_step(self, jobs: list[GenerationJob], pipelined: bool = False) -> None:
+        """One decode step of each of `jobs` (all past their first token) in one batched forward; `pipelined`: where
+        every one of them decodes greedily (`_pipelined_tokens`), with the batch's next forward queued ahead."""
         rows = []
         for job in jobs:
             if job.cancelled:
@@ -420,25 +425,56 @@ class Scheduler:
         self.counters["batched_rows"] += len(rows)
         self.counters["max_batch_seen"] = max(self.counters["max_batch_seen"], len(rows))
         try:
-            logits, _ = self.engine.model.decode_batch(np.array([job.tokens[-1] for job in rows]),
-                                                       [job.session.kv for job in rows])  # type: ignore[union-attr]
+            tokens = self._pipelined_tokens(rows) if pipelined else None
+            if tokens is None:
+                self._close_pipe()
+                logits, _ = self.engine.model.decode_batch(np.array([job.tokens[-1] for job in rows]),
+                                                           [job.session.kv for job in rows])  # type: ignore
         except DeviceMemoryError as e:  # the rows rolled back: the next passes decode them in smaller batches
+            self._close_pipe()
             self.max_batch = max(1, len(rows) // 2)
             self.counters["batch_shrunk"] += 1
             log.warning("a batch of %d requests does not fit the device (%s): batches of at most %d from now on",
                         len(rows), e, self.max_batch)
             return
         except Exception as e:  # every row's cache may be half-written
+            self._close_pipe()
             log.exception("a batched decode step of %d requests failed", len(rows))
             for job in rows:
                 self._finish(job, "error", error=f"{type(e).__name__}: {e}")
             return
-        for job, row in zip(rows, logits, strict=True):
+        for r, job in enumerate(rows):
             try:
                 assert job.sampler is not None
-                self._take(job, job.sampler(row))
+                self._take(job, tokens[r] if tokens is not None else job.sampler(logits[r]))
             except Exception as e:
                 self._fail(job, e)
+
+    def _pipelined_tokens(self, rows: list[GenerationJob]) -> list[int] | None:
+        """Each row's next token from the batch's pipeline (`GlmMoeDsaModel.pipelined_batch`): kept from the last pass
+        where it still holds exactly these requests, else started for them where every one decodes greedily (no
+        grammar, logprobs, penalties or biases: their sampler would choose the device's argmax). None where the
+        batch does not pipeline (the caller then runs `decode_batch`)."""
+        if self._pipe is not None and (self._pipe_jobs != rows or not self._pipe.running):
+            self._close_pipe()
+        if self._pipe is None:
+            if not all(job.sampler is not None and job.sampler.greedy and job.sampler.constraint is None
+                       and not job.sampler.host_only for job in rows):
+                return None
+            self._pipe = self.engine.model.pipelined_batch([job.tokens[-1] for job in rows],
+                                                           [job.session.kv for job in rows])  # type: ignore
+            if self._pipe is None:
+                return None
+            self._pipe_jobs = list(rows)
+        self.counters["pipelined_forwards"] += 1
+        return self._pipe.advance()
+
+    def _close_pipe(self) -> None:
+        """Stop the batch's pipeline (its forward in flight finishes, its rows dropped): each of its requests' caches
+        then lacks its last token's row again, as between batched forwards."""
+        if self._pipe is not None:
+            pipe, self._pipe, self._pipe_jobs = self._pipe, None, []
+            pipe.close()
 
     def _fail(self, job: GenerationJob, e: Exception) -> None:
         """Log `job`'s error `e` and end it with it."""
@@ -461,6 +497,8 @@ class Scheduler:
         """A batched request decoding alone again: a new generator over the prompt and its tokens so far, whose first
         step is the last token's forward (the device decode step and its pipelining where there is one)."""
         assert job.generator is not None and job.session is not None and job.sampler is not None
+        if job in self._pipe_jobs:
+            self._close_pipe()
         job.batched = False
         job.iterator = job.generator.generate(job.request.prompt_ids + job.tokens,
                                               job.request.max_tokens - len(job.tokens), job.sampler, job.session.kv)
@@ -510,6 +548,8 @@ class Scheduler:
             job.cancelled = True
 
     def _finish(self, job: GenerationJob, reason: str, flush: bool = True, error: str = "") -> None:
+        if job in self._pipe_jobs:  # its forward in flight writes its cache: finished and dropped first
+            self._close_pipe()
         if reason in ("stop", "length") and flush and job.decoder is not None:
             if self._push_text(job, job.decoder.flush()):
                 reason = "stop"

@@ -495,7 +495,8 @@ class DeviceDecodeStep:
         self.outputs = (self.x, self.chosen) if self.logits is None else (self.logits, self.hidden)
         if self.logits is not None:
             (self.lm_head,) = self._matvec(self._matrix(LM_HEAD), self.hidden, self.logits, quantized=self.hidden_x8)
-            self.argmax = kernels.bind("argmax_row", (self.red,), (self.red,), x=self.logits.buffer,
+            argmax_rows = rows if sequences else 1  # each sequence's greedy token (`pipeline_rows`)
+            self.argmax = kernels.bind("argmax_row", (self.red, argmax_rows), (self.red, 1), x=self.logits.buffer,
                                        n=self.logits.host.size // rows, token=self.token_ids[0].buffer)
             embed = self._cw(weight(EMBED)) if whole else None  # the device-side lookup of pipelined greedy decode
             self.embed = None if embed is None else bind_embed_row(kernels, embed, self.token_ids[0].buffer,
@@ -506,7 +507,7 @@ class DeviceDecodeStep:
             self._place_split(mtp)
         # the first split layer: where a decoded token ticks the usage scores' clock
         self.first_split = next((layer.split.layer for layer in self.layers if layer.split is not None), None)
-        self.owner: DecodePipeline | None = None  # the pipeline whose token is in flight
+        self.owner: DecodePipeline | RowsPipeline | None = None  # the pipeline whose token is in flight
         self.sample_scratch: SampleScratch | None = None  # the buffers of SampledChoice (made on first use)
         self.watcher: RouteWatcher | None = None  # see watch_routes
         self.tokens = 0  # tokens enqueued: token n's routed ids go to slot n % ID_SLOTS
@@ -1362,40 +1363,73 @@ class DeviceDecodeStep:
         """A sequences step's forward: token row r (embedding `embed[r]`, `[rows, H]`) appended to `caches[r]` at its
         own length (`rows` distinct caches). Returns (logits `[rows, V]`, hidden `[rows, H]` after the final norm,
         routes), each row's bit for bit the single-row step's for its sequence alone."""
+        self._check_sequences(caches)
+        self.settle()
+        self.complete(self._enqueue_rows(caches, 0, embed, choose=False), 0)
+        rows = self.rows
+        return (self.logits.host.reshape(rows, -1).copy(), self.hidden.host.reshape(rows, -1).copy(),
+                self.routes(0))
+
+    def pipeline_rows(self, caches: Sequence[KVCache], tokens: Sequence[int],
+                      embed_of: Callable[[Sequence[int]], np.ndarray],
+                      on_routes: Callable[[list], None] | None = None) -> RowsPipeline | None:
+        """glm-serve's batch decoded greedily with the next forward queued before the host sees its tokens
+        (`RowsPipeline`): token row r appends `tokens[r]` to `caches[r]`. None where this step cannot: no embedding
+        lookup on the device, or a layer that waits for the host (an expert cache's slots, the split step's CPU
+        side), whose placements a forward queued ahead would hold past another step's use of the same experts.
+        embed_of(tokens): their embedding rows `[rows, H]`."""
+        self._check_sequences(caches)
+        if len(tokens) != self.rows:
+            raise ValueError(f"{len(tokens)} tokens for a step of {self.rows} sequences")
+        if self.embed is None or self.argmax is None or self.experts is not None or self.spill is not None:
+            return None
+        return RowsPipeline(self, caches, tokens, embed_of, on_routes)
+
+    def _check_sequences(self, caches: Sequence[KVCache]) -> None:
         if not self.sequences or len(caches) != self.rows or len({id(c) for c in caches}) != self.rows:
-            raise ValueError(f"decode_rows: {len(caches)} caches for a step of {self.rows} sequences (distinct)")
+            raise ValueError(f"{len(caches)} caches for a step of {self.rows} sequences (distinct)")
         for cache in caches:
             self._check_dtype(cache)
-        self.settle()
+
+    def _enqueue_rows(self, caches: Sequence[KVCache], turn: int, embed: np.ndarray | None, choose: bool) -> Any:
+        """Queue a sequences step's forward at this turn; returns the event of its last launch. embed: the rows'
+        embeddings `[rows, H]` written by the host (nothing of this step may be in flight), or None: those of the
+        tokens the device chose at the other turn, looked up on the device. choose: each row's greedy token chosen on
+        the device (into `token_ids[turn]`)."""
         positions = [cache.length for cache in caches]
-        self._place_rows(positions, 0)
-        self.x.host[:] = embed.reshape(-1)
-        self.buffers.to_device(self.x)
-        slot = self._next_slot(0)
+        self._place_rows(positions, turn)
+        if embed is not None:
+            self.x.host[:] = embed.reshape(-1)
+            self.buffers.to_device(self.x)
+        else:
+            self.embed.set(token=self.token_ids[1 - turn].buffer)
+            self.embed.enqueue()
+        slot = self._next_slot(turn)
         for cache in caches:
             for i in self.span:
                 cache.layer(i).claim(1)
         try:
             for i, layer in zip(self.span, self.layers, strict=True):
-                self._queue_sequences_layer(i, layer, [cache.layer(i) for cache in caches], positions, slot, 0)
+                self._queue_sequences_layer(i, layer, [cache.layer(i) for cache in caches], positions, slot, turn)
             self.final_norm.enqueue()
             event = self.lm_head.enqueue()
+            if choose:
+                self.argmax.set(token=self.token_ids[turn].buffer)
+                event = self.argmax.enqueue()
             if not self.k.direct:  # what the host reads of this forward, behind its kernels
-                for a in (self.row_stage[0], self.route_ids[slot], *self.outputs):
+                reads = (self.token_ids[turn],) if choose else self.outputs
+                for a in (self.row_stage[turn], self.route_ids[slot], *reads):
                     event = self.buffers.to_host(a)
-                self.staged[0] = [_Staged(cache, pos, r, 1, [(i, layer.seqs[r]) for i, layer in
-                                                             zip(self.span, self.layers, strict=True)])
-                                  for r, (cache, pos) in enumerate(zip(caches, positions, strict=True))]
-            self.complete(event, 0)
+                self.staged[turn] = [_Staged(cache, pos, r, 1, [(i, layer.seqs[r]) for i, layer in
+                                                                zip(self.span, self.layers, strict=True)])
+                                     for r, (cache, pos) in enumerate(zip(caches, positions, strict=True))]
         except BaseException:
             self.k.finish()
-            self.staged[0] = []
+            self.staged[turn] = []
             for cache, pos in zip(caches, positions, strict=True):
                 cache.truncate(pos)
             raise
-        rows = self.rows
-        return (self.logits.host.reshape(rows, -1).copy(), self.hidden.host.reshape(rows, -1).copy(),
-                self.routes(0))
+        return event
 
     def run_span(self, cache: KVCache, x: np.ndarray, chosen: np.ndarray | None
                  ) -> tuple[np.ndarray, np.ndarray | None, list]:
@@ -2115,3 +2149,55 @@ class DecodePipeline:
             self.cache.truncate(self.cache.length - 1)
         self.known = None
         self.choice.release()
+
+
+class RowsPipeline:
+    """glm-serve's batch (a sequences step's rows, one sequence each) decoded greedily with the next forward queued
+    before the host sees the tokens, as `DecodePipeline` does for one sequence: each forward ends with every row's
+    argmax on the device (argmax_row over the rows), and the following forward (those tokens' embeddings looked up
+    on the device) is queued while the host still handles them. `advance()` returns each row's next token; every
+    cache then already holds the row of the token it returns. `close()` waits for the forward in flight and drops
+    those rows, leaving the caches as `decode_rows` would: each without its last token's row. Another user of the
+    step first (`settle`) closes it: `running` then says so."""
+
+    def __init__(self, step: DeviceDecodeStep, caches: Sequence[KVCache], tokens: Sequence[int],
+                 embed_of: Callable[[Sequence[int]], np.ndarray], on_routes: Callable[[list], None] | None) -> None:
+        self.step, self.caches, self.on_routes = step, list(caches), on_routes
+        step.settle()
+        self.pending: tuple[object, int] | None = (step._enqueue_rows(self.caches, 0, embed_of(tokens), True), 0)
+        step.owner = self
+
+    @property
+    def running(self) -> bool:
+        """A forward is in flight: `advance` may be called."""
+        return self.pending is not None
+
+    def advance(self) -> list[int]:
+        """Each row's token after the last ones returned (or the first ones); their forward is then in flight."""
+        if self.pending is None:
+            raise RuntimeError("the batch's pipeline is closed")
+        event, turn = self.pending
+        try:
+            following = self.step._enqueue_rows(self.caches, 1 - turn, None, True)
+        except BaseException:
+            self.close()
+            raise
+        self.step.complete(event, turn)
+        if self.on_routes is not None:
+            self.on_routes(self.step.routes(turn))
+        self.pending = (following, 1 - turn)
+        return self.step.token_ids[turn].host[:self.step.rows].astype(np.int64).tolist()
+
+    def suspend(self) -> None:
+        """Another user of the step comes first: stop here (`close`)."""
+        self.close()
+
+    def close(self) -> None:
+        """Finish the forward in flight and drop its rows (none of its tokens was returned)."""
+        if self.pending is not None:
+            self.step.complete(*self.pending)
+            self.pending = None
+            for cache in self.caches:
+                cache.truncate(cache.length - 1)
+        if self.step.owner is self:
+            self.step.owner = None
