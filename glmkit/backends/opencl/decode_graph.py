@@ -1828,7 +1828,8 @@ class DeviceDecodeStep:
 
 class SampleScratch:
     """The buffers of `SampleLaunches` over `vocab` logits: all-ones and the selection (topk_select's), the
-    candidates, each token's weight (sample_nucleus's, float64), and per token parity the logits kept for the host."""
+    candidates, each token's weight (sample_whole's and sample_nucleus's, float64), and per token parity the logits
+    kept for the host."""
 
     def __init__(self, buffers, vocab: int) -> None:
         self.vocab = vocab
@@ -1865,7 +1866,7 @@ class SampleLaunches:
             self.sample = k.bind("sample_nucleus", group, group, **shared, top_p=params.top_p,
                                  weight=scratch.weight.buffer)
         else:
-            self.sample = k.bind("sample_whole", group, group, **shared)
+            self.sample = k.bind("sample_whole", group, group, **shared, weight=scratch.weight.buffer)
 
     def enqueue(self, u: float, token: Any, held: Any) -> Any:
         """Queue the draw for uniform u: token[0] the token, token[1] 1 where the host must choose (`held`, `[V]`,

@@ -29,43 +29,67 @@ INLINE void sample_out(const __global float* logits, uint n, __local const uint*
     }
 }
 
+/* This item's part of the sum of exp(z - max z) (z = logits / T, n of them): over its contiguous chunk of `chunk`
+ * tokens, each token's term kept in `weight` (`[n]` float64); *zmax = max z. Every item of the work-group calls it. */
+INLINE double chunk_weights(const __global float* logits, uint n, double temperature, uint chunk,
+                            __global double* weight, __local float* best, double* zmax) {
+    float m = -INFINITY;
+    for (uint t = get_local_id(0); t < n; t += RED_LANES) m = fmax_(m, logits[t]);
+    *zmax = (double)group_max(m, best) / temperature;
+    const uint t0 = min((uint)get_local_id(0) * chunk, n), t1 = min(t0 + chunk, n);
+    double s = 0.0;
+    for (uint t = t0; t < t1; t++) {
+        const double w = exp((double)logits[t] / temperature - *zmax);
+        weight[t] = w;
+        s += w;
+    }
+    return s;
+}
+
+/* Item 0's draw in index order: out[0] = the first kept token t whose running weight (`weight[t]`) exceeds u times
+ * the kept tokens' total, red[j] being item j's chunk's kept weight (chunks of `chunk` tokens); kept: every token
+ * where `all`, else those whose float_key lies above `key` or at it up to token `last_tie`. out[1] = 1 where the
+ * host must choose: the total not finite, a decision within SAMPLE_TOLERANCE of a sum, or a rescan of the chunk
+ * that falls short of its sum (a rounding the host settles). */
+INLINE void draw_in_order(const __global float* logits, __global const double* weight, uint n, uint chunk,
+                          __local const double* red, double u, bool all, uint key, uint last_tie,
+                          __local uint* out) {
+    out[1] = 1;
+    double mass = 0.0;
+    for (uint j = 0; j < RED_LANES; j++) mass += red[j];
+    const double aim = u * mass, tol = SAMPLE_TOLERANCE * mass;
+    double acc = 0.0;
+    uint j = 0;
+    while (isfinite(mass) && j < RED_LANES && acc + red[j] <= aim) acc += red[j++];
+    for (uint t = j * chunk; isfinite(mass) && j < RED_LANES && t < min(j * chunk + chunk, n); t++) {
+        const uint k = all ? 0u : float_key(logits[t]);
+        if (!all && !(k > key || (k == key && t <= last_tie))) continue;
+        const double next = acc + weight[t];
+        if (next > aim) {
+            out[0] = t;
+            out[1] = (next - aim < tol || aim - acc < tol) ? 1u : 0u;
+            break;
+        }
+        acc = next;
+    }
+}
+
 /* The whole vocabulary (no top-k, no top-p): token[0] = the first token t whose running sum of exp(z - max z)
  * exceeds u times their total, token[1] = 1 where the host must choose (`held` then holds the logits). Each item
- * sums a contiguous chunk; item 0 finds the chunk the target falls in and scans it. One work-group. */
+ * sums a contiguous chunk (each token's term kept in `weight`, `[n]` float64); item 0 finds the chunk the target
+ * falls in and scans it. One work-group. */
 __kernel void sample_whole(__global const float* logits, uint n, double temperature, double u,
-                           __global uint* token, __global float* held) {
+                           __global double* weight, __global uint* token, __global float* held) {
     __local float best[RED_LANES];
     __local double red[RED_LANES];
     __local uint out[2];
-    const uint l = get_local_id(0);
-    float m = -INFINITY;
-    for (uint t = l; t < n; t += RED_LANES) m = fmax_(m, logits[t]);
-    const double zmax = (double)group_max(m, best) / temperature;
-    const uint chunk = (n + RED_LANES - 1) / RED_LANES;
-    const uint t0 = min(l * chunk, n), t1 = min(t0 + chunk, n);
-    double s = 0.0;
-    for (uint t = t0; t < t1; t++) s += exp((double)logits[t] / temperature - zmax);
-    red[l] = s;
-    barrier(CLK_LOCAL_MEM_FENCE);
+    const uint l = get_local_id(0), chunk = (n + RED_LANES - 1) / RED_LANES;
+    double zmax;
+    red[l] = chunk_weights(logits, n, temperature, chunk, weight, best, &zmax);
+    barrier(CLK_LOCAL_MEM_FENCE | CLK_GLOBAL_MEM_FENCE);  /* item 0 rescans another item's chunk */
     if (l == 0) {
         out[0] = 0;  /* a valid id for the next lookup where the host decides */
-        out[1] = 1;
-        double total = 0.0;
-        for (uint j = 0; j < RED_LANES; j++) total += red[j];
-        const double target = u * total, tol = SAMPLE_TOLERANCE * total;
-        double acc = 0.0;
-        uint j = 0;
-        while (isfinite(total) && j < RED_LANES && acc + red[j] <= target) acc += red[j++];
-        /* the chunk the target falls in; a rescan that falls short of its sum is a rounding the host settles */
-        for (uint t = j * chunk; isfinite(total) && j < RED_LANES && t < min(j * chunk + chunk, n); t++) {
-            const double next = acc + exp((double)logits[t] / temperature - zmax);
-            if (next > target) {
-                out[0] = t;
-                out[1] = (next - target < tol || target - acc < tol) ? 1u : 0u;
-                break;
-            }
-            acc = next;
-        }
+        draw_in_order(logits, weight, n, chunk, red, u, true, 0u, 0u, out);
     }
     barrier(CLK_LOCAL_MEM_FENCE);
     sample_out(logits, n, out, token, held);
@@ -161,8 +185,8 @@ __kernel void sample_token(__global const float* logits, uint n, __global const 
  * the cut's, and the first tokens tied at the cut's key (lowest index first). The cut is found by a radix select on
  * the key, NUCLEUS_DIGIT bits a pass from the highest: each pass sums exp(z - max z) (kept per token in `weight`,
  * `[n]` float64) by the next digit of the keys that share the bits found so far, and goes down the digits from the
- * largest until the weight above reaches top_p times the total. The draw then scans the kept tokens in index order,
- * as sample_whole does. Each item owns a contiguous chunk of the tokens. One work-group. */
+ * largest until the weight above reaches top_p times the total. The draw then scans the kept tokens in index order
+ * (draw_in_order). Each item owns a contiguous chunk of the tokens. One work-group. */
 #define NUCLEUS_DIGIT 4
 #define NUCLEUS_BINS (1 << NUCLEUS_DIGIT)
 __kernel void sample_nucleus(__global const float* logits, uint n, double temperature, double top_p, double u,
@@ -174,20 +198,12 @@ __kernel void sample_nucleus(__global const float* logits, uint n, double temper
     __local uint cut[2];                             /* the cut's key (the bits found so far), the last tie kept */
     __local double above_cut;                        /* the weight of the tokens whose keys lie above the cut's */
     __local uint out[2];
-    const uint l = get_local_id(0);
-    float m = -INFINITY;
-    for (uint t = l; t < n; t += RED_LANES) m = fmax_(m, logits[t]);
-    const double zmax = (double)group_max(m, best) / temperature;
-    const uint chunk = (n + RED_LANES - 1) / RED_LANES;
-    const uint t0 = min(l * chunk, n), t1 = min(t0 + chunk, n);
-    double s = 0.0;
-    for (uint t = t0; t < t1; t++) {
-        const double w = exp((double)logits[t] / temperature - zmax);
-        weight[t] = w;
-        s += w;
-    }
+    const uint l = get_local_id(0), chunk = (n + RED_LANES - 1) / RED_LANES;
+    const uint t0 = min(l * chunk, n), t1 = min(t0 + chunk, n);  /* this item's tokens */
+    double zmax;
+    const double part = chunk_weights(logits, n, temperature, chunk, weight, best, &zmax);
     barrier(CLK_GLOBAL_MEM_FENCE);  /* item 0 rescans other items' chunks below */
-    const double total = group_sum_f64(s, red), target = top_p * total;
+    const double total = group_sum_f64(part, red), target = top_p * total;
     if (l == 0) {
         cut[0] = 0;
         above_cut = 0.0;
@@ -248,33 +264,15 @@ __kernel void sample_nucleus(__global const float* logits, uint n, double temper
     }
     barrier(CLK_LOCAL_MEM_FENCE);
     const uint last_tie = cut[1];
-    s = 0.0;
+    double s = 0.0;
     for (uint t = t0; t < t1; t++) {
         const uint k = float_key(logits[t]);
         if (k > key || (k == key && t <= last_tie)) s += weight[t];
     }
     red[l] = s;
     barrier(CLK_LOCAL_MEM_FENCE);
-    if (l == 0 && !out[1]) {  /* the draw among the kept tokens, in index order */
-        out[1] = 1;
-        double mass = 0.0;
-        for (uint j = 0; j < RED_LANES; j++) mass += red[j];
-        const double aim = u * mass, tol = SAMPLE_TOLERANCE * mass;
-        double acc = 0.0;
-        uint j = 0;
-        while (j < RED_LANES && acc + red[j] <= aim) acc += red[j++];
-        for (uint t = j * chunk; j < RED_LANES && t < min(j * chunk + chunk, n); t++) {
-            const uint k = float_key(logits[t]);
-            if (!(k > key || (k == key && t <= last_tie))) continue;
-            const double next = acc + weight[t];
-            if (next > aim) {
-                out[0] = t;
-                out[1] = (next - aim < tol || aim - acc < tol) ? 1u : 0u;
-                break;
-            }
-            acc = next;
-        }
-    }
+    if (l == 0 && !out[1])  /* the draw among the kept tokens, in index order */
+        draw_in_order(logits, weight, n, chunk, red, u, false, key, last_tie, out);
     barrier(CLK_LOCAL_MEM_FENCE);
     sample_out(logits, n, out, token, held);
 }
