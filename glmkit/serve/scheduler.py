@@ -429,7 +429,7 @@ class Scheduler:
             if tokens is None:
                 self._close_pipe()
                 logits, _ = self.engine.model.decode_batch(np.array([job.tokens[-1] for job in rows]),
-                                                           [job.session.kv for job in rows])  # type: ignore
+                                                           [job.session.kv for job in rows])  # type: ignore[union-attr]
         except DeviceMemoryError as e:  # the rows rolled back: the next passes decode them in smaller batches
             self._close_pipe()
             self.max_batch = max(1, len(rows) // 2)
@@ -461,8 +461,8 @@ class Scheduler:
             if not all(job.sampler is not None and job.sampler.greedy and job.sampler.constraint is None
                        and not job.sampler.host_only for job in rows):
                 return None
-            self._pipe = self.engine.model.pipelined_batch([job.tokens[-1] for job in rows],
-                                                           [job.session.kv for job in rows])  # type: ignore
+            self._pipe = self.engine.model.pipelined_batch(
+                [job.tokens[-1] for job in rows], [job.session.kv for job in rows])  # type: ignore[union-attr]
             if self._pipe is None:
                 return None
             self._pipe_jobs = list(rows)
