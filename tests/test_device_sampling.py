@@ -202,7 +202,8 @@ def test_sampled_generation_is_the_host_paths(snapshots, kernels, monkeypatch):
 
 def defer_draws(monkeypatch, defer) -> None:
     """The device draws as before, but hands the draws whose uniform `defer(u)` names to the host, as it does at a
-    float64 rounding boundary or a tie at the top-k boundary: its flag set, the logits kept for the host."""
+    float64 rounding boundary or a tie at the top-k boundary: its flag set, the logits kept for the host, token 0 in
+    place of its token (what the forward queued after it looks up)."""
     enqueue = SampleLaunches.enqueue
 
     def deferring(self, u: float, token, held):
@@ -210,9 +211,12 @@ def defer_draws(monkeypatch, defer) -> None:
         if not defer(u):
             return event
         launch = self.sample
-        logits = launch.args[launch._index["logits"]]
-        cl.enqueue_copy(launch.queue, held, logits)
-        return cl.enqueue_copy(launch.queue, token, np.array([0, 1], np.uint32), is_blocking=False)
+        logits, n, row, rows = (launch.args[launch._index[name]] for name in ("logits", "n", "row", "rows"))
+        at, size = 4 * int(row) * int(n), 4 * int(n)  # the row's logits, kept for the host
+        cl.enqueue_copy(launch.queue, held, logits, src_offset=at, dst_offset=at, byte_count=size)
+        cl.enqueue_copy(launch.queue, token, np.array([0], np.uint32), dst_offset=4 * int(row))  # a placeholder
+        return cl.enqueue_copy(launch.queue, token, np.array([1], np.uint32), dst_offset=4 * (int(rows) + int(row)),
+                               is_blocking=False)
 
     monkeypatch.setattr(SampleLaunches, "enqueue", deferring)
 

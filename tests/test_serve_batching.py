@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import itertools
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -21,13 +22,14 @@ from glmkit.cli.serve import main as serve_main
 from glmkit.errors import GlmkitError
 from glmkit.generate.engine import Engine
 from glmkit.generate.generator import Generator
-from glmkit.generate.sampling import SamplingParams
+from glmkit.generate.sampling import Sampler, SamplingParams
 from glmkit.generate.tokenizer import StreamDecoder
 from glmkit.model.expert_cache import ExpertCache
 from glmkit.model.glm5 import GlmMoeDsaModel
 from glmkit.serve import scheduler as scheduler_module
 from glmkit.serve.scheduler import Done, GenerationJob, GenRequest, Scheduler, Text
 from tests.runtime_support import opencl_test_device
+from tests.test_device_sampling import defer_draws
 from tests.test_serve import ServerThread, concurrent_chats, serve_args, stats, user
 
 STEPS = 10
@@ -271,6 +273,66 @@ def test_pipelined_batch_is_decode_batch_and_the_argmax(any_cl_model):
     lengths = [cache.length for cache in caches]
     logits, _ = any_cl_model.decode_batch(np.array([5, 6, 7]), caches)  # the same step: the pipeline closes first
     assert not pipe.running and [cache.length for cache in caches] == lengths
+
+
+ROW_SETTINGS = [SamplingParams(seed=4), SamplingParams(0.9, top_p=0.9, seed=1), SamplingParams(1.1, top_k=20, seed=2),
+                SamplingParams(1.0, seed=3)]  # greedy, top-p alone, top-k, temperature alone
+
+
+def sampled_rows(model: GlmMoeDsaModel, batch: list[list[int]], n: int, pipelined: bool
+                 ) -> tuple[list[list[int]], list[float], Any]:
+    """n tokens of each prompt decoded together, row i drawn by a Sampler of ROW_SETTINGS[i]: through decode_batch
+    and the host samplers, or `pipelined` (the device drawing each row from its sampler's stream). Returns each
+    row's tokens, each sampler's next uniform once the pipeline is closed, and the pipeline."""
+    samplers = [Sampler(params) for params in ROW_SETTINGS[:len(batch)]]
+    caches = [model.new_cache() for _ in batch]
+    tokens = [[s(model.forward(np.array(p), c, last_logits_only=True)[0][-1])]
+              for p, c, s in zip(batch, caches, samplers, strict=True)]
+    pipe = None
+    if pipelined:
+        pipe = model.pipelined_batch([t[-1] for t in tokens], caches, [None if s.greedy else s for s in samplers])
+        for _ in range(n - 1):
+            for row, token in zip(tokens, pipe.advance(), strict=True):
+                row.append(token)
+        pipe.close()
+    else:
+        for _ in range(n - 1):
+            logits = model.decode_batch(np.array([t[-1] for t in tokens]), caches)[0]
+            for row, s, r in zip(tokens, samplers, logits, strict=True):
+                row.append(s(r))
+    return tokens, [s.rng.random() for s in samplers], pipe
+
+
+def test_pipelined_batch_draws_each_row_as_its_sampler(any_cl_model, monkeypatch):
+    """Sampled rows in the batch's pipeline: each row drawn on the device from its own sampler's seeded stream gives
+    the host's tokens (top-p alone, top-k, temperature alone, beside a greedy row) and leaves each stream where the
+    host leaves it; where the device leaves a draw to the host, the pipeline drops the forward queued on it, goes on
+    from the host's tokens and gives the same; where it leaves every draw, it stops after the second forward."""
+    batch = prompts(4, False)
+    want, want_next, _ = sampled_rows(any_cl_model, batch, 8, pipelined=False)
+    got, got_next, pipe = sampled_rows(any_cl_model, batch, 8, pipelined=True) if any_cl_model.backend.spill is None \
+        else (want, want_next, None)
+    assert (got, got_next) == (want, want_next) and len({tuple(t) for t in want}) == 4
+    if pipe is None:
+        assert any_cl_model.pipelined_batch([1, 2], [any_cl_model.new_cache() for _ in range(2)]) is None
+        return
+    assert pipe.decided == 7 and pipe.fallbacks == 0
+    draws = itertools.count()
+    with monkeypatch.context() as m:
+        defer_draws(m, lambda u: next(draws) == 7)  # a draw of the third forward
+        got, got_next, pipe = sampled_rows(any_cl_model, batch, 8, pipelined=True)
+    assert (got, got_next) == (want, want_next) and pipe.fallbacks == 1 and pipe.decided == 7
+    with monkeypatch.context() as m:
+        defer_draws(m, lambda u: True)
+        samplers = [Sampler(params) for params in ROW_SETTINGS]
+        caches = [any_cl_model.new_cache() for _ in batch]
+        for p, c in zip(batch, caches, strict=True):
+            any_cl_model.forward(np.array(p), c)
+        pipe = any_cl_model.pipelined_batch([5, 6, 7, 8], caches, [None if s.greedy else s for s in samplers])
+        pipe.advance()
+        assert pipe.running
+        pipe.advance()
+        assert not pipe.running and pipe.fallbacks == 2
 
 
 def test_discrete_device_kv_copies_stay_within_the_room_its_weights_leave(cl_engine):
@@ -540,6 +602,24 @@ def test_greedy_batches_on_opencl_keep_their_next_forward_queued(cl_engine, monk
     assert joined["middle"][0] == alone["middle"][0][:len(joined["middle"][0])]
     serve(cl_engine, mixed_requests(False), None)
     assert serve.stats["pipelined_forwards"] == 0 and serve.stats["batched_forwards"] >= 6
+
+
+def test_sampled_batches_on_opencl_keep_their_next_forward_queued(cl_engine, monkeypatch):
+    """Seeded sampled requests (top-p alone, top-k, temperature alone, beside a greedy one) batch with their next
+    forward queued too, the device drawing each from its own seeded stream: each gets the tokens it gets decoded on
+    its own, as requests end and one joins."""
+    monkeypatch.setattr(cl_engine, "batch_costs", lambda: {"token": 8.0, "batch": 6.5})
+
+    def requests() -> list[GenRequest]:
+        p = prompts(4, True)
+        return [GenRequest(p[i], n, params, ignore_eos=True, request_id=f"row {i}")
+                for i, (n, params) in enumerate(zip((12, 6, 9, 11), ROW_SETTINGS, strict=True))]
+
+    alone = serve(cl_engine, requests(), 1)
+    batched = serve(cl_engine, requests(), None, join_at=2, first=3)
+    assert serve.stats["pipelined_forwards"] >= 4 and serve.stats["max_batch_seen"] == 4
+    assert_same_requests(batched, alone)
+    assert len({tuple(tokens) for tokens, _, _ in alone.values()}) == 4
 
 
 def test_batch_costs_are_measured_once_per_device_and_model(snapshot, monkeypatch, tmp_path):

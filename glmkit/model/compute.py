@@ -197,10 +197,10 @@ class PipelinedDecode(Protocol):
 
 
 class PipelinedRows(Protocol):
-    """A batch of sequences decoded greedily with the next forward queued ahead: `advance()` returns each row's next
-    token; `close()` drops the rows of the forward in flight."""
+    """A batch of sequences decoded with the next forward queued ahead: `advance()` returns each row's next token;
+    `close()` drops the rows of the forward in flight."""
 
-    running: bool  # a forward is in flight (else `advance` may not be called: another user of the step closed it)
+    running: bool  # a forward is in flight (else `advance` may not be called: closed, or stopped)
 
     def advance(self) -> list[int]: ...
 
@@ -249,9 +249,11 @@ class DecodeStep(Protocol):
 
     def pipeline_rows(self, caches: Sequence[KVCache], tokens: Sequence[int],
                       embed_of: Callable[[Sequence[int]], np.ndarray],
-                      on_routes: Callable[[Routes], None] | None = None) -> PipelinedRows | None:
-        """A step of R sequences decoding greedily from `tokens[r]` (the next forward appends their rows) with the
-        following forward queued ahead; None where it cannot. embed_of(tokens): their embedding rows `[R, H]`."""
+                      on_routes: Callable[[Routes], None] | None = None,
+                      draws: Sequence[TokenDraws | None] | None = None) -> PipelinedRows | None:
+        """A step of R sequences decoding from `tokens[r]` (the next forward appends their rows) with the following
+        forward queued ahead, each row greedily or drawn as `draws[r]` draws; None where it cannot. embed_of(tokens):
+        their embedding rows `[R, H]`."""
         ...
 
     def verify(self, cache: KVCache, embed: np.ndarray, choose: bool

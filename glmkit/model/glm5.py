@@ -292,10 +292,12 @@ class GlmMoeDsaModel:
         hidden = self.final_norm(x)
         return self.backend.linear(hidden, self._w(LM_HEAD)), hidden
 
-    def pipelined_batch(self, token_ids: Sequence[int], caches: Sequence[KVCache]) -> PipelinedRows | None:
-        """Greedy decoding of B sequences (B >= 2), each appending `token_ids[i]` to `caches[i]` first, with the next
-        batch's forward queued before the host sees the tokens (`DecodeStep.pipeline_rows`): each row's tokens those
-        of `decode_batch` and the argmax. None where the model has no such step (then `decode_batch`)."""
+    def pipelined_batch(self, token_ids: Sequence[int], caches: Sequence[KVCache],
+                        draws: Sequence[TokenDraws | None] | None = None) -> PipelinedRows | None:
+        """Decoding of B sequences (B >= 2), each appending `token_ids[i]` to `caches[i]` first, with the next batch's
+        forward queued before the host sees the tokens (`DecodeStep.pipeline_rows`): each row's tokens those of
+        `decode_batch` and the argmax, or of the host sampler `draws[i]` (its seeded stream used as the host would).
+        None where the model has no such step (then `decode_batch`)."""
         if not self.batches_sequences or len(caches) < 2 or not all(cache.length > 0 for cache in caches):
             return None
         step = self.sequences_step(len(caches))
@@ -304,7 +306,8 @@ class GlmMoeDsaModel:
         single = self._decode_step()
         if single is not None:
             single.settle()  # a pipelined single-token forward in flight finishes before its cache is read
-        return step.pipeline_rows(caches, token_ids, lambda ids: self.embed(np.asarray(ids)), self._report_routes)
+        return step.pipeline_rows(caches, token_ids, lambda ids: self.embed(np.asarray(ids)), self._report_routes,
+                                  draws)
 
     def batch_pays(self) -> bool:
         """Whether decoding several sequences through `decode_batch` can beat one forward each: where single tokens run

@@ -164,7 +164,7 @@ class Scheduler:
                          "steps": 0, "max_active_seen": 0, "batched_forwards": 0, "batched_rows": 0,
                          "max_batch_seen": 0, "batch_shrunk": 0, "pipelined_forwards": 0}
         self.recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=RECENT)
-        # a batch of greedy requests decoding with its next forward in flight, and those requests in its row order
+        # the batch decoding with its next forward in flight, and its requests in its row order
         self._pipe: PipelinedRows | None = None
         self._pipe_jobs: list[GenerationJob] = []
         self._thread = threading.Thread(target=self._run, name="glm-serve-worker", daemon=True)
@@ -401,7 +401,7 @@ class Scheduler:
 
     def _batch_step(self, jobs: list[GenerationJob], pipelined: bool = False) -> None:
         """One decode step of each of `jobs` (all past their first token) in one batched forward; `pipelined`: where
-        every one of them decodes greedily (`_pipelined_tokens`), with the batch's next forward queued ahead."""
+        the device may choose their tokens (`_pipelined_tokens`), with the batch's next forward queued ahead."""
         rows = []
         for job in jobs:
             if job.cancelled:
@@ -451,18 +451,19 @@ class Scheduler:
                 self._fail(job, e)
 
     def _pipelined_tokens(self, rows: list[GenerationJob]) -> list[int] | None:
-        """Each row's next token from the batch's pipeline (`GlmMoeDsaModel.pipelined_batch`): kept from the last pass
-        where it still holds exactly these requests, else started for them where every one decodes greedily (no
-        grammar, logprobs, penalties or biases: their sampler would choose the device's argmax). None where the
-        batch does not pipeline (the caller then runs `decode_batch`)."""
+        """Each row's next token from the batch's pipeline (`GlmMoeDsaModel.pipelined_batch`: the device chooses each
+        row's token as its sampler would, from its seeded stream): kept from the last pass where it still holds exactly
+        these requests, else started for them where no sampler needs the logits on the host (a grammar, logprobs,
+        penalties or biases). None where the batch does not pipeline (the caller then runs `decode_batch`)."""
         if self._pipe is not None and (self._pipe_jobs != rows or not self._pipe.running):
             self._close_pipe()
         if self._pipe is None:
-            if not all(job.sampler is not None and job.sampler.greedy and job.sampler.constraint is None
-                       and not job.sampler.host_only for job in rows):
+            samplers = [job.sampler for job in rows]
+            if not all(s is not None and s.constraint is None and not s.host_only for s in samplers):
                 return None
             self._pipe = self.engine.model.pipelined_batch(
-                [job.tokens[-1] for job in rows], [job.session.kv for job in rows])  # type: ignore[union-attr]
+                [job.tokens[-1] for job in rows], [job.session.kv for job in rows],  # type: ignore[union-attr]
+                [None if s.greedy else s for s in samplers])  # type: ignore[union-attr]
             if self._pipe is None:
                 return None
             self._pipe_jobs = list(rows)

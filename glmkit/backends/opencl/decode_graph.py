@@ -433,7 +433,8 @@ class DeviceDecodeStep:
         # per turn (forwards queued while earlier ones run, `TURNS`): cos/sin, the token the device chose (or the
         # host wrote for it to look up) and whether the host must choose instead (1: sample_token could not decide)
         self.cs = [new(rope) for _ in range(TURNS)]
-        self.token_ids = [self.buffers.array(max(2, rows), np.uint32) for _ in range(TURNS)]
+        # (each token row's token, then each row's flag)
+        self.token_ids = [self.buffers.array(2 * rows, np.uint32) for _ in range(TURNS)]
         # discrete devices, per turn: every layer's new cache rows ([kv_lat | k_rot | index_k] per token row, the MTP
         # layer's last; token_rows writes them) for one read back, and where they belong until `_collect` stores them
         # there
@@ -1365,25 +1366,29 @@ class DeviceDecodeStep:
         routes), each row's bit for bit the single-row step's for its sequence alone."""
         self._check_sequences(caches)
         self.settle()
-        self.complete(self._enqueue_rows(caches, 0, embed, choose=False), 0)
+        self.complete(self._enqueue_rows(caches, 0, embed, None), 0)
         rows = self.rows
         return (self.logits.host.reshape(rows, -1).copy(), self.hidden.host.reshape(rows, -1).copy(),
                 self.routes(0))
 
     def pipeline_rows(self, caches: Sequence[KVCache], tokens: Sequence[int],
-                      embed_of: Callable[[Sequence[int]], np.ndarray],
-                      on_routes: Callable[[list], None] | None = None) -> RowsPipeline | None:
-        """glm-serve's batch decoded greedily with the next forward queued before the host sees its tokens
-        (`RowsPipeline`): token row r appends `tokens[r]` to `caches[r]`. None where this step cannot: no embedding
-        lookup on the device, or a layer that waits for the host (an expert cache's slots, the split step's CPU
-        side), whose placements a forward queued ahead would hold past another step's use of the same experts.
-        embed_of(tokens): their embedding rows `[rows, H]`."""
+                      embed_of: Callable[[Sequence[int]], np.ndarray], on_routes: Callable[[list], None] | None = None,
+                      draws: Sequence[TokenDraws | None] | None = None) -> RowsPipeline | None:
+        """glm-serve's batch decoded with the next forward queued before the host sees its tokens (`RowsPipeline`):
+        token row r appends `tokens[r]` to `caches[r]`, and each row's next token is its argmax, or drawn as
+        `draws[r]` (a host sampler) would draw it. None where this step cannot: no embedding lookup on the device, a
+        draw `SampledChoice.fits` refuses, or a layer that waits for the host (an expert cache's slots, the split
+        step's CPU side), whose placements a forward queued ahead would hold past another step's use of the same
+        experts. embed_of(tokens): their embedding rows `[rows, H]`."""
         self._check_sequences(caches)
-        if len(tokens) != self.rows:
-            raise ValueError(f"{len(tokens)} tokens for a step of {self.rows} sequences")
+        draws = list(draws) if draws is not None else [None] * self.rows
+        if len(tokens) != self.rows or len(draws) != self.rows:
+            raise ValueError(f"{len(tokens)} tokens and {len(draws)} samplers for a step of {self.rows} sequences")
         if self.embed is None or self.argmax is None or self.experts is not None or self.spill is not None:
             return None
-        return RowsPipeline(self, caches, tokens, embed_of, on_routes)
+        if any(d is not None and not SampledChoice.fits(self, d) for d in draws):
+            return None
+        return RowsPipeline(self, caches, tokens, embed_of, on_routes, draws)
 
     def _check_sequences(self, caches: Sequence[KVCache]) -> None:
         if not self.sequences or len(caches) != self.rows or len({id(c) for c in caches}) != self.rows:
@@ -1391,11 +1396,12 @@ class DeviceDecodeStep:
         for cache in caches:
             self._check_dtype(cache)
 
-    def _enqueue_rows(self, caches: Sequence[KVCache], turn: int, embed: np.ndarray | None, choose: bool) -> Any:
+    def _enqueue_rows(self, caches: Sequence[KVCache], turn: int, embed: np.ndarray | None,
+                      choose: Callable[[int], Any] | None) -> Any:
         """Queue a sequences step's forward at this turn; returns the event of its last launch. embed: the rows'
         embeddings `[rows, H]` written by the host (nothing of this step may be in flight), or None: those of the
-        tokens the device chose at the other turn, looked up on the device. choose: each row's greedy token chosen on
-        the device (into `token_ids[turn]`)."""
+        tokens the device chose at the other turn, looked up on the device. choose(turn): queues the launches that
+        choose each row's token on the device (into `token_ids[turn]`) after the logits; the last one's event."""
         positions = [cache.length for cache in caches]
         self._place_rows(positions, turn)
         if embed is not None:
@@ -1413,11 +1419,10 @@ class DeviceDecodeStep:
                 self._queue_sequences_layer(i, layer, [cache.layer(i) for cache in caches], positions, slot, turn)
             self.final_norm.enqueue()
             event = self.lm_head.enqueue()
-            if choose:
-                self.argmax.set(token=self.token_ids[turn].buffer)
-                event = self.argmax.enqueue()
+            if choose is not None:
+                event = choose(turn)
             if not self.k.direct:  # what the host reads of this forward, behind its kernels
-                reads = (self.token_ids[turn],) if choose else self.outputs
+                reads = (self.token_ids[turn],) if choose is not None else self.outputs
                 for a in (self.row_stage[turn], self.route_ids[slot], *reads):
                     event = self.buffers.to_host(a)
                 self.staged[turn] = [_Staged(cache, pos, r, 1, [(i, layer.seqs[r]) for i, layer in
@@ -1817,35 +1822,39 @@ class DeviceDecodeStep:
             choice = MaskedChoice(self, choice, constraint)
         return DecodePipeline(self, cache, token, embed_of, on_routes, choice)
 
-    def held_logits(self, parity: int) -> np.ndarray:
-        """The logits sample_token kept for the host (`[V]`) of the token of this parity (it has finished)."""
+    def held_logits(self, parity: int, row: int = 0) -> np.ndarray:
+        """The logits a draw kept for the host (`[V]`) of token row `row` of the forward of this parity (it has
+        finished)."""
         held = self.sample_scratch.held[parity]
         event = self.buffers.to_host(held)
         if event is not None:
             event.wait()
-        return held.host
+        return held.host.reshape(self.rows, -1)[row]
 
 
 class SampleScratch:
-    """The buffers of `SampleLaunches` over `vocab` logits: all-ones and the selection (topk_select's), the
-    candidates, each token's weight (sample_whole's and sample_nucleus's, float64), and per token parity the logits
-    kept for the host."""
+    """The buffers of `SampleLaunches` over `rows` token rows of `vocab` logits: all-ones and the selection
+    (topk_select's), the candidates, each token's weight (sample_whole's and sample_nucleus's, float64: one row's, as
+    the rows' draws run one after another), and per token parity the logits kept for the host."""
 
-    def __init__(self, buffers, vocab: int) -> None:
-        self.vocab = vocab
-        self.all, self.selected = buffers.filled(np.ones(vocab), np.uint8), buffers.array(vocab, np.uint8)
-        self.chosen = buffers.array(SAMPLE_CANDIDATES, np.uint32)
+    def __init__(self, buffers, vocab: int, rows: int = 1) -> None:
+        self.vocab, self.rows = vocab, rows
+        self.all = buffers.filled(np.ones(rows * vocab), np.uint8)
+        self.selected = buffers.array(rows * vocab, np.uint8)
+        self.chosen = buffers.array(rows * SAMPLE_CANDIDATES, np.uint32)
         self.weight = buffers.array(vocab, np.float64)
-        self.held = [buffers.array(vocab), buffers.array(vocab)]
+        self.held = [buffers.array(rows * vocab), buffers.array(rows * vocab)]
 
 
 class SampleLaunches:
     """The launches that draw a token from `vocab` logits on the device as a host `Sampler` with `params` would
     (sample.cl): with top-k, among its top_k + 1 largest logits (topk_select; the extra one tells a tie at the
     top-k boundary: sample_token); with top-p alone, over the whole vocabulary (sample_nucleus); with neither, the
-    whole vocabulary drawn in index order (sample_whole)."""
+    whole vocabulary drawn in index order (sample_whole). Token row `row` of the scratch's rows: its logits, its
+    candidates, its token and flag (`token[row]`, `token[rows + row]`)."""
 
-    def __init__(self, k: Kernels, logits: Any, params: SamplingSettings, scratch: SampleScratch) -> None:
+    def __init__(self, k: Kernels, logits: Any, params: SamplingSettings, scratch: SampleScratch,
+                 row: int = 0) -> None:
         vocab = scratch.vocab
         top_k = params.top_k if 0 < params.top_k < vocab else 0  # as the host: top_k >= the vocabulary is no top-k
         if top_k + 1 > SAMPLE_CANDIDATES:
@@ -1853,12 +1862,14 @@ class SampleLaunches:
         self.select = None
         group = (k.red_lanes,)
         shared = {"logits": logits, "n": vocab, "temperature": params.temperature, "u": 0.0,
-                  "token": scratch.chosen.buffer, "held": scratch.held[0].buffer}  # token, held, u: set per draw
+                  "token": scratch.chosen.buffer, "held": scratch.held[0].buffer,  # token, held, u: set per draw
+                  "row": row, "rows": scratch.rows}
         if top_k:
-            name, size, local = k.topk_kernel(1)
-            self.select = k.bind(name, size, local, scores=logits, allowed=scratch.all.buffer,
-                                 selected=scratch.selected.buffer, chosen=scratch.chosen.buffer, n_keys=vocab,
-                                 k=top_k + 1, n_rows=1)
+            name, size, local = k.topk_kernel(scratch.rows)
+            select = k.bind(name, size, local, scores=logits, allowed=scratch.all.buffer,
+                            selected=scratch.selected.buffer, chosen=scratch.chosen.buffer, n_keys=vocab,
+                            k=top_k + 1, n_rows=scratch.rows)
+            self.select = select.at_row(len(size) - 1, row) if scratch.rows > 1 else select
             sorted_count = 1 << top_k.bit_length()  # the power of two >= top_k + 1 the bitonic sort runs over
             self.sample = k.bind("sample_token", group, group, **shared, cand=scratch.chosen.buffer,
                                  n_sorted=sorted_count, top_k=top_k, top_p=params.top_p)
@@ -1933,11 +1944,12 @@ class SampledChoice:
     same uniform (`TokenDraws.pick`). A uniform drawn for a forward that is dropped
     goes to the next one queued, and one never used goes back to the stream (`release`)."""
 
-    def __init__(self, step: DeviceDecodeStep, draws: TokenDraws) -> None:
-        self.step, self.draws = step, draws
+    def __init__(self, step: DeviceDecodeStep, draws: TokenDraws, row: int = 0) -> None:
+        """`row`: the step's token row this choice draws (a sequences step's sequence), of its `rows`."""
+        self.step, self.draws, self.row = step, draws, row
         if step.sample_scratch is None:
-            step.sample_scratch = SampleScratch(step.buffers, step.logits.host.size)
-        self.launches = SampleLaunches(step.k, step.logits.buffer, draws.params, step.sample_scratch)
+            step.sample_scratch = SampleScratch(step.buffers, step.logits.host.size // step.rows, step.rows)
+        self.launches = SampleLaunches(step.k, step.logits.buffer, draws.params, step.sample_scratch, row)
         self.queued: deque[tuple[float, dict]] = deque()  # (uniform, the stream's state before it) per forward
         self.spare: list[tuple[float, dict]] = []  # uniforms of dropped forwards, for the next ones queued
         self.last: tuple[float, dict] | None = None  # the uniform of the token decided last
@@ -1963,10 +1975,11 @@ class SampledChoice:
     def decided(self, parity: int) -> tuple[int, bool]:
         self.last = self.queued.popleft()
         u = self.last[0]
-        token, host = self.step.token_ids[parity].host[:2]
+        ids = self.step.token_ids[parity].host
+        token, host = ids[self.row], ids[self.step.rows + self.row]
         if not host:
             return int(token), True
-        return self.draws.pick(self.step.held_logits(parity), u), False
+        return self.draws.pick(self.step.held_logits(parity, self.row), u), False
 
     def discard(self) -> None:
         self.spare.append(self.queued.pop())
@@ -2153,41 +2166,95 @@ class DecodePipeline:
 
 
 class RowsPipeline:
-    """glm-serve's batch (a sequences step's rows, one sequence each) decoded greedily with the next forward queued
-    before the host sees the tokens, as `DecodePipeline` does for one sequence: each forward ends with every row's
-    argmax on the device (argmax_row over the rows), and the following forward (those tokens' embeddings looked up
-    on the device) is queued while the host still handles them. `advance()` returns each row's next token; every
-    cache then already holds the row of the token it returns. `close()` waits for the forward in flight and drops
+    """glm-serve's batch (a sequences step's rows, one sequence each) decoded with the next forward queued before the
+    host sees the tokens, as `DecodePipeline` does for one sequence: each forward ends with every row's token chosen
+    on the device (the argmax over the rows, then each sampled row's draw: `SampledChoice` at that row), and the
+    following forward (those tokens' embeddings looked up on the device) is queued while the host still handles
+    them. `advance()` returns each row's next token; every cache then already holds the row of the token it
+    returns. Where the host chose a row's token (a draw the device could not decide), the forward queued after it
+    looked up the device's placeholder: it is dropped and the next one queued from the host's tokens; where that
+    happens in over 1 in FALLBACK_SHARE forwards (and more than once) the pipeline stops (`running` false, each
+    sampler's stream as if the host had drawn every token). `close()` waits for the forward in flight and drops
     those rows, leaving the caches as `decode_rows` would: each without its last token's row. Another user of the
-    step first (`settle`) closes it: `running` then says so."""
+    step first (`settle`) closes it."""
 
     def __init__(self, step: DeviceDecodeStep, caches: Sequence[KVCache], tokens: Sequence[int],
-                 embed_of: Callable[[Sequence[int]], np.ndarray], on_routes: Callable[[list], None] | None) -> None:
-        self.step, self.caches, self.on_routes = step, list(caches), on_routes
-        step.settle()
-        self.pending: tuple[object, int] | None = (step._enqueue_rows(self.caches, 0, embed_of(tokens), True), 0)
-        step.owner = self
+                 embed_of: Callable[[Sequence[int]], np.ndarray], on_routes: Callable[[list], None] | None,
+                 draws: Sequence[TokenDraws | None]) -> None:
+        self.step, self.caches, self.embed_of, self.on_routes = step, list(caches), embed_of, on_routes
+        self.draws = [None if d is None else SampledChoice(step, d, r) for r, d in enumerate(draws)]  # per row
+        self.decided = self.fallbacks = 0  # forwards decided, and those with a token the host chose
+        self.pending: tuple[object, int] | None = None
+        self._start(tokens)
 
     @property
     def running(self) -> bool:
         """A forward is in flight: `advance` may be called."""
         return self.pending is not None
 
+    def _start(self, tokens: Sequence[int]) -> None:
+        """Queue the forward of `tokens` from their host embeddings (nothing of this step may be in flight)."""
+        self.step.settle()
+        self.pending = (self.step._enqueue_rows(self.caches, 0, self.embed_of(tokens), self._choose), 0)
+        self.step.owner = self
+
+    def _choose(self, turn: int) -> Any:
+        """Queue each row's choice of its next token at this turn: the argmax of every row, then the draws."""
+        self.step.argmax.set(token=self.step.token_ids[turn].buffer)
+        event = self.step.argmax.enqueue()
+        for choice in self.draws:
+            if choice is not None:
+                event = choice.enqueue(turn)
+        return event
+
     def advance(self) -> list[int]:
-        """Each row's token after the last ones returned (or the first ones); their forward is then in flight."""
+        """Each row's token after the last ones returned (or the first ones); their forward is then in flight (none
+        once the pipeline stopped)."""
         if self.pending is None:
             raise RuntimeError("the batch's pipeline is closed")
         event, turn = self.pending
         try:
-            following = self.step._enqueue_rows(self.caches, 1 - turn, None, True)
+            following = self.step._enqueue_rows(self.caches, 1 - turn, None, self._choose)
         except BaseException:
             self.close()
             raise
         self.step.complete(event, turn)
         if self.on_routes is not None:
             self.on_routes(self.step.routes(turn))
+        ids = self.step.token_ids[turn].host
+        chosen = [(int(ids[r]), True) if choice is None else choice.decided(turn)
+                  for r, choice in enumerate(self.draws)]
         self.pending = (following, 1 - turn)
-        return self.step.token_ids[turn].host[:self.step.rows].astype(np.int64).tolist()
+        tokens = [token for token, _ in chosen]
+        self.decided += 1
+        if not all(on_device for _, on_device in chosen):  # `following` looked up a placeholder: dropped
+            self.fallbacks += 1
+            self._drop()
+            if self.fallbacks > 1 and self.fallbacks * FALLBACK_SHARE > self.decided:
+                self._release()
+            else:
+                self._start(tokens)
+        return tokens
+
+    def _drop(self) -> None:
+        """Finish the forward in flight and drop its rows and its draws' uniforms (none of its tokens was used)."""
+        self.step.complete(*self.pending)
+        self.pending = None
+        if self.step.owner is self:
+            self.step.owner = None
+        for choice in self.draws:
+            if choice is not None:
+                choice.discard()
+        for cache in self.caches:
+            cache.truncate(cache.length - 1)
+
+    def _release(self) -> None:
+        """Stop: every uniform drawn and not used goes back to its sampler's stream."""
+        for choice in self.draws:
+            if choice is not None:
+                choice.release()
+        if self.step.owner is self:
+            self.step.owner = None
 
     def suspend(self) -> None:
         """Another user of the step comes first: stop here (`close`)."""
@@ -2196,9 +2263,5 @@ class RowsPipeline:
     def close(self) -> None:
         """Finish the forward in flight and drop its rows (none of its tokens was returned)."""
         if self.pending is not None:
-            self.step.complete(*self.pending)
-            self.pending = None
-            for cache in self.caches:
-                cache.truncate(cache.length - 1)
-        if self.step.owner is self:
-            self.step.owner = None
+            self._drop()
+        self._release()

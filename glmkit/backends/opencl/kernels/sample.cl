@@ -5,9 +5,10 @@
  * running sum reaches top_p, then the first token in index order whose normalized running sum exceeds u. Sums
  * may associate differently from NumPy's (float64 rounding, ~1e-16 relative): wherever a decision lies within
  * SAMPLE_TOLERANCE of such a sum (u at a cdf boundary, top_p at a running sum), and where the device cannot decide
- * (a tie at the top-k boundary, sums that are not finite), it writes token[1] = 1, copies the logits into `held`
- * and leaves the choice to the host, which then draws the same token as a host-only run. Built only where the
- * device has float64 (cl_khr_fp64). */
+ * (a tie at the top-k boundary, sums that are not finite), it sets the row's flag, copies the logits into `held`
+ * and leaves the choice to the host, which then draws the same token as a host-only run. Each kernel draws token
+ * row `row` of `rows` (glm-serve's batch: logits and held `row * n` on, the token at token[row], the flag at
+ * token[rows + row]; one sequence: row 0 of 1). Built only where the device has float64 (cl_khr_fp64). */
 #ifdef cl_khr_fp64
 #pragma OPENCL EXTENSION cl_khr_fp64 : enable
 
@@ -16,16 +17,17 @@
 
 GROUP_SUM(group_sum_f64, double)
 
-/* Hands the draw to the host where out[1] is set (the logits into `held`), and writes token[0..1]. */
+/* Hands the draw to the host where out[1] is set (the logits into `held`), and writes token row `row` of `rows`:
+ * its token at token[row], whether the host must choose at token[rows + row]. */
 INLINE void sample_out(const __global float* logits, uint n, __local const uint* out, __global uint* token,
-                       __global float* held) {
+                       __global float* held, uint row, uint rows) {
     const uint l = get_local_id(0);
     if (out[1]) {
         for (uint t = l; t < n; t += RED_LANES) held[t] = logits[t];
     }
     if (l == 0) {
-        token[0] = out[0];
-        token[1] = out[1];
+        token[row] = out[0];
+        token[rows + row] = out[1];
     }
 }
 
@@ -74,16 +76,19 @@ INLINE void draw_in_order(const __global float* logits, __global const double* w
     }
 }
 
-/* The whole vocabulary (no top-k, no top-p): token[0] = the first token t whose running sum of exp(z - max z)
- * exceeds u times their total, token[1] = 1 where the host must choose (`held` then holds the logits). Each item
+/* The whole vocabulary (no top-k, no top-p): the token = the first token t whose running sum of exp(z - max z)
+ * exceeds u times their total, the flag = 1 where the host must choose (`held` then holds the logits). Each item
  * sums a contiguous chunk (each token's term kept in `weight`, `[n]` float64); item 0 finds the chunk the target
  * falls in and scans it. One work-group. */
 __kernel void sample_whole(__global const float* logits, uint n, double temperature, double u,
-                           __global double* weight, __global uint* token, __global float* held) {
+                           __global double* weight, __global uint* token, __global float* held, uint row,
+                           uint rows) {
     __local float best[RED_LANES];
     __local double red[RED_LANES];
     __local uint out[2];
     const uint l = get_local_id(0), chunk = (n + RED_LANES - 1) / RED_LANES;
+    logits += (ulong)row * n;
+    held += (ulong)row * n;
     double zmax;
     red[l] = chunk_weights(logits, n, temperature, chunk, weight, best, &zmax);
     barrier(CLK_LOCAL_MEM_FENCE | CLK_GLOBAL_MEM_FENCE);  /* item 0 rescans another item's chunk */
@@ -92,20 +97,23 @@ __kernel void sample_whole(__global const float* logits, uint n, double temperat
         draw_in_order(logits, weight, n, chunk, red, u, true, 0u, 0u, out);
     }
     barrier(CLK_LOCAL_MEM_FENCE);
-    sample_out(logits, n, out, token, held);
+    sample_out(logits, n, out, token, held, row, rows);
 }
 
-/* token[0] = the token drawn among the top_k (with top-p, its nucleus), token[1] = 1 where the host must choose
+/* The token drawn among the top_k (with top-p, its nucleus), the flag = 1 where the host must choose
  * (see above; `held` then holds the logits). cand: the top_k + 1 largest logits in ascending token order
  * (topk_select's `chosen`; the extra one tells a tie at the top-k boundary); n_sorted: the power of two >= top_k + 1
  * the bitonic sort runs over. u: the host's uniform in [0, 1). One work-group. */
 __kernel void sample_token(__global const float* logits, uint n, __global const uint* cand, uint n_sorted,
                            uint top_k, double temperature, double top_p, double u, __global uint* token,
-                           __global float* held) {
+                           __global float* held, uint row, uint rows) {
     __local ulong keys[SAMPLE_CANDIDATES];  /* logit's float_key << 32 | (n_cand - 1 - position in cand) */
     __local double p[SAMPLE_CANDIDATES];    /* per position in cand: exp(z - max z), then the running cdf */
     __local uint out[2];
     const uint l = get_local_id(0), n_cand = top_k + 1;
+    logits += (ulong)row * n;
+    held += (ulong)row * n;
+    cand += (ulong)row * n_cand;  /* topk_select's row `row` */
     for (uint c = l; c < n_sorted; c += RED_LANES)
         keys[c] = c < n_cand ? ((ulong)float_key(logits[cand[c]]) << 32) | (ulong)(n_cand - 1 - c) : 0ul;
     barrier(CLK_LOCAL_MEM_FENCE);
@@ -177,10 +185,10 @@ __kernel void sample_token(__global const float* logits, uint n, __global const 
         }
     }
     barrier(CLK_LOCAL_MEM_FENCE);
-    sample_out(logits, n, out, token, held);
+    sample_out(logits, n, out, token, held, row, rows);
 }
 
-/* Top-p without top-k, a nucleus of any size: token[0] = the token drawn, token[1] = 1 where the host must choose
+/* Top-p without top-k, a nucleus of any size: the token drawn, the flag = 1 where the host must choose
  * (`held` then holds the logits). No sort: the nucleus is every token whose key (float_key of its logit) lies above
  * the cut's, and the first tokens tied at the cut's key (lowest index first). The cut is found by a radix select on
  * the key, NUCLEUS_DIGIT bits a pass from the highest: each pass sums exp(z - max z) (kept per token in `weight`,
@@ -190,7 +198,8 @@ __kernel void sample_token(__global const float* logits, uint n, __global const 
 #define NUCLEUS_DIGIT 4
 #define NUCLEUS_BINS (1 << NUCLEUS_DIGIT)
 __kernel void sample_nucleus(__global const float* logits, uint n, double temperature, double top_p, double u,
-                             __global double* weight, __global uint* token, __global float* held) {
+                             __global double* weight, __global uint* token, __global float* held, uint row,
+                             uint rows) {
     __local float best[RED_LANES];
     __local double red[RED_LANES];
     __local double bins[NUCLEUS_BINS * RED_LANES];  /* digit d's weight in item j's chunk at d * RED_LANES + j */
@@ -200,6 +209,8 @@ __kernel void sample_nucleus(__global const float* logits, uint n, double temper
     __local uint out[2];
     const uint l = get_local_id(0), chunk = (n + RED_LANES - 1) / RED_LANES;
     const uint t0 = min(l * chunk, n), t1 = min(t0 + chunk, n);  /* this item's tokens */
+    logits += (ulong)row * n;
+    held += (ulong)row * n;
     double zmax;
     const double part = chunk_weights(logits, n, temperature, chunk, weight, best, &zmax);
     barrier(CLK_GLOBAL_MEM_FENCE);  /* item 0 rescans other items' chunks below */
@@ -274,6 +285,6 @@ __kernel void sample_nucleus(__global const float* logits, uint n, double temper
     if (l == 0 && !out[1])  /* the draw among the kept tokens, in index order */
         draw_in_order(logits, weight, n, chunk, red, u, false, key, last_tie, out);
     barrier(CLK_LOCAL_MEM_FENCE);
-    sample_out(logits, n, out, token, held);
+    sample_out(logits, n, out, token, held, row, rows);
 }
 #endif
