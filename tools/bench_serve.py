@@ -22,7 +22,8 @@ tokens, finish_reason "length" and (streaming) the final usage chunk.
 
 Streams (`--streams 1,2,4`): one server per `--stream-modes` entry (default: continuous batching forced on with
 `--max-batch 4`, and off with `--max-batch 1`), all up at once; each round sends N concurrent streaming requests
-(distinct short prompts, greedy, `ignore_eos`, `--stream-tokens` tokens) to each server in turn, for every N, so
+(distinct short prompts, greedy, or sampled at `--stream-temperature` with a seed per stream, `ignore_eos`,
+`--stream-tokens` tokens) to each server in turn, for every N, so
 the modes alternate under the same machine load. Aggregate decode tok/s = the tokens after each stream's first,
 summed, over the time from the earliest first token to the last stream's end (a stream's first token: its end less
 the server's `timings.decode_s`; the other streams' short prefills fall in that window); the table gives the median
@@ -261,8 +262,10 @@ def load_test(server: Server, model: str, clients: int, seconds: float, max_toke
 
 # ---- concurrent streams ---------------------------------------------------------------------------------
 
-def concurrent_streams(server: Server, model: str, n: int, max_tokens: int, salt: int) -> dict[str, Any]:
-    """n streaming requests at once; their aggregate decode rate (see the module docstring)."""
+def concurrent_streams(server: Server, model: str, n: int, max_tokens: int, salt: int, temperature: float = 0.0
+                       ) -> dict[str, Any]:
+    """n streaming requests at once (greedy, or sampled at `temperature`, seeded); their aggregate decode rate (see
+    the module docstring)."""
     ends: list[tuple[float, float, int]] = []  # (end, decode_s, completion tokens)
     errors: list[str] = []
 
@@ -271,8 +274,8 @@ def concurrent_streams(server: Server, model: str, n: int, max_tokens: int, salt
             final = None
             for chunk in client(server).completions.create(
                     model=model, prompt=f"Stream {index} of round {salt}: the plan, step by step.",
-                    max_tokens=max_tokens, temperature=0, stream=True, stream_options={"include_usage": True},
-                    extra_body={"ignore_eos": True}):
+                    max_tokens=max_tokens, temperature=temperature, seed=1000 * salt + index, stream=True,
+                    stream_options={"include_usage": True}, extra_body={"ignore_eos": True}):
                 if chunk.usage is not None:
                     final = chunk
             end = time.perf_counter()
@@ -293,14 +296,14 @@ def concurrent_streams(server: Server, model: str, n: int, max_tokens: int, salt
             "stream_tok_per_s": [round((count - 1) / decode_s, 3) for _, decode_s, count in ends]}
 
 
-def stream_scaling(servers: dict[str, Server], model: str, counts: list[int], max_tokens: int, rounds: int
-                   ) -> dict[str, dict[int, list[dict[str, Any]]]]:
+def stream_scaling(servers: dict[str, Server], model: str, counts: list[int], max_tokens: int, rounds: int,
+                   temperature: float = 0.0) -> dict[str, dict[int, list[dict[str, Any]]]]:
     """Every round: for each stream count, each mode's server in turn (alternated under the same load)."""
     runs: dict[str, dict[int, list[dict[str, Any]]]] = {label: {n: [] for n in counts} for label in servers}
     for r in range(rounds):
         for n in counts:
             for label, server in servers.items():
-                record = concurrent_streams(server, model, n, max_tokens, r)
+                record = concurrent_streams(server, model, n, max_tokens, r, temperature)
                 runs[label][n].append(record)
                 print(f"round {r + 1} {label} x{n}: {json.dumps(record)}", file=sys.stderr)
     return runs
@@ -358,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--load-max-tokens", type=int, default=16)
     p.add_argument("--streams", default="", help="concurrent stream counts to compare, e.g. 1,2,4 (default: none)")
     p.add_argument("--stream-tokens", type=int, default=48, help="tokens per stream (default %(default)s)")
+    p.add_argument("--stream-temperature", type=float, default=0.0,
+                   help="the streams' temperature (default %(default)s: greedy; above 0 each stream is seeded)")
     p.add_argument("--stream-rounds", type=int, default=3, help="rounds of every count and mode (default %(default)s)")
     p.add_argument("--stream-modes", default="batched=--max-batch 4;per-request=--max-batch 1",
                    help="LABEL=glm-serve flags, ';'-separated: one server each (default %(default)s)")
@@ -396,7 +401,8 @@ def main(argv: list[str] | None = None) -> int:
                     label, _, flags = mode.partition("=")
                     servers[label] = Server(snapshot, None, work / f"server-{label}.log", extra + flags.split())
                     commands[label] = servers[label].command
-                scaling = stream_scaling(servers, model, counts, args.stream_tokens, args.stream_rounds)
+                scaling = stream_scaling(servers, model, counts, args.stream_tokens, args.stream_rounds,
+                                         args.stream_temperature)
             finally:
                 for server in servers.values():
                     server.close()
