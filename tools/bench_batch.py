@@ -10,7 +10,9 @@ first B caches: the device step over B sequences where there is one, else throug
 machine load hits every size alike, and each cache is cut back to its prompt after every forward (the same keys each
 time). The table gives the median milliseconds per forward and per token over `--rounds` rounds, and tokens/s
 against B=1; where the device step over several sequences runs, each round also times the B>1 forwards through the
-operations (the alternative it replaces). With `--profile B` it adds where the time of B-row forwards goes
+operations (the alternative it replaces) and through the batch's pipeline (`pipelined_batch`, greedy: each forward
+queued before the host takes the tokens of the one before; the `--forwards` advances after the first forward,
+timed between its start and its close). With `--profile B` it adds where the time of B-row forwards goes
 (cProfile, the top functions by own time).
 """
 
@@ -63,6 +65,23 @@ def _timed(model: GlmMoeDsaModel, caches: list[KVCache], rows: int, count: int) 
     return spent / count
 
 
+def timed_pipeline(model: GlmMoeDsaModel, caches: list[KVCache], rows: int, count: int) -> float | None:
+    """Seconds per forward of `rows` sequences through the batch's pipeline (`count` advances; None where it does
+    not run), the caches cut back after."""
+    lengths = [cache.length for cache in caches[:rows]]
+    pipe = model.pipelined_batch([5] * rows, caches[:rows])
+    if pipe is None:
+        return None
+    start = time.perf_counter()
+    for _ in range(count):
+        pipe.advance()
+    spent = time.perf_counter() - start
+    pipe.close()
+    for cache, length in zip(caches, lengths, strict=False):
+        cache.truncate(length)
+    return spent / count
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--snapshot", type=Path, default=Path("/tmp/glmkit-bench-model/q4"))
@@ -81,30 +100,35 @@ def main(argv: list[str] | None = None) -> int:
     caches = [model.new_cache() for _ in PROMPTS]
     for cache, n in zip(caches, PROMPTS, strict=True):
         model.forward(rng.integers(0, model.config.vocab_size, n), cache)
-        cache.reserve(n + 8)
+        cache.reserve(n + 4 * args.forwards + 8)
     both = any(b > 1 and model.sequences_step(b) is not None for b in sizes)  # also time the operations' batch
     for b in sizes:  # warm-up: kernel builds, the steps over B sequences, first page faults
         timed_forwards(model, caches, b, 1)
     times: dict[int, list[float]] = {b: [] for b in sizes}
     ops: dict[int, list[float]] = {b: [] for b in sizes if b > 1 and both}
+    piped: dict[int, list[float]] = {b: [] for b in ops if timed_pipeline(model, caches, b, 1) is not None}
     for _ in range(args.rounds):
         for b in sizes:
             times[b].append(timed_forwards(model, caches, b, args.forwards))
             if b in ops:
                 ops[b].append(timed_forwards(model, caches, b, args.forwards, operations=True))
+            if b in piped:
+                piped[b].append(timed_pipeline(model, caches, b, args.forwards))
     print(f"{args.snapshot.name} on {engine.device} (device decode step: {model.decodes_on_device()}, "
           f"over several sequences: {both})")
-    print(f"| B | ms per forward | ms per token | tok/s vs B={sizes[0]} | operations: ms per forward | tok/s vs "
-          f"B={sizes[0]} |\n|---:|---:|---:|---:|---:|---:|")
+    vs = f"tok/s vs B={sizes[0]}"
+    print(f"| B | ms per forward | ms per token | {vs} | operations: ms per forward | {vs} | pipelined: ms per forward "
+          f"| {vs} |\n|---:|---:|---:|---:|---:|---:|---:|---:|")
     base = statistics.median(times[sizes[0]]) / sizes[0]
     for b in sizes:
         per_forward = statistics.median(times[b])
         row = f"| {b} | {per_forward * 1e3:.1f} | {per_forward / b * 1e3:.1f} | {base / (per_forward / b):.2f}x |"
-        if b in ops:
-            through = statistics.median(ops[b])
-            row += f" {through * 1e3:.1f} | {base / (through / b):.2f}x |"
-        else:
-            row += " | |"
+        for kind in (ops, piped):
+            if b in kind:
+                through = statistics.median(kind[b])
+                row += f" {through * 1e3:.1f} | {base / (through / b):.2f}x |"
+            else:
+                row += " | |"
         print(row)
     if args.profile:
         profile = cProfile.Profile()

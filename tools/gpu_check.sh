@@ -11,7 +11,8 @@
 #   7. constrained.txt tools/bench_constrained.py: JSON and tool grammars against free decoding (on a discrete GPU
 #                   through the host's choice: what pipelining them there would gain)
 #   8. mtp.txt      tools/bench.py on the trained fixture (a real MTP head): MTP on against off on the step
-#   9. batch.txt    tools/bench_batch.py: forwards of B sequences on the step against single-token forwards
+#   9. batch.txt    tools/bench_batch.py: forwards of B sequences on the step (and through the batch's pipeline)
+#                   against single-token forwards
 #  10. forms.txt    tools/bench_hybrid.py --gpu --forms: the split step's MTP verification and batch (a GPU budget of
 #                   40% of the trained fixture, PoCL beside it)
 #
@@ -58,7 +59,9 @@ step tests 200 env GLMKIT_TEST_DEVICE="$dev" python3 -m pytest -q -p no:cachepro
     tests/test_mtp_step.py \
     tests/test_serve_batching.py::test_batched_decode_on_opencl_is_each_sequence_on_the_device_step_alone \
     tests/test_serve_batching.py::test_opencl_batch_takes_requests_that_join_and_leave \
-    tests/test_serve_batching.py::test_opencl_batch_stores_lower_precision_rows_as_each_sequence_alone
+    tests/test_serve_batching.py::test_opencl_batch_stores_lower_precision_rows_as_each_sequence_alone \
+    tests/test_serve_batching.py::test_pipelined_batch_is_decode_batch_and_the_argmax \
+    tests/test_serve_batching.py::test_pipelined_batch_draws_each_row_as_its_sampler
 step profile 150 python3 tools/profile_decode.py --tokens 40 --work "$work"
 step bench 240 python3 tools/bench.py --devices "opencl:$dev,auto" --runs 1 --work "$work" \
     --json "$out/bench.json" --md "$out/bench.md"
