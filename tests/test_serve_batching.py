@@ -373,27 +373,31 @@ def test_discrete_device_kv_copies_stay_within_the_room_its_weights_leave(cl_eng
 
 
 def test_a_batch_the_device_cannot_hold_goes_on_in_smaller_batches(cl_engine):
-    """A discrete GPU whose room for the KV rows' copies holds two sequences' but not three: the batch of three
-    requests fails to bind its rows (DeviceMemoryError), is rolled back, and the scheduler goes on with batches of
-    one (each request decoding alone): every request gets the tokens it gets served one by one, none fails."""
+    """A discrete GPU whose room for the KV rows' copies holds three short sequences' but not three long ones: the
+    batch of three long requests fails to bind its rows (DeviceMemoryError), is rolled back, and the scheduler goes
+    on with batches of one (each request decoding alone) while the requests hold as much room: every request gets
+    the tokens it gets served one by one, none fails. Three short requests after them batch again, whole."""
     model = discrete_model(cl_engine)
     mirrors = model.backend.kv_mirrors
-    batch = prompts(3, False)
     cache = model.new_cache()
-    token = int(model.forward(np.array(batch[1]), cache, last_logits_only=True)[0][-1].argmax())
+    token = int(model.forward(np.array(BASE[:5]), cache, last_logits_only=True)[0][-1].argmax())
     model.forward(np.array([token]), cache)
-    one = mirrors.held_bytes()  # one sequence's copies
+    one = mirrors.held_bytes()  # one short sequence's copies
     del cache
     gc.collect()
     engine = copy.copy(cl_engine)
     engine.model = model
-    requests = [GenRequest(p, 8, ignore_eos=True, request_id=f"r{i}") for i, p in enumerate(batch)]
-    alone = serve(engine, requests, 1)
-    mirrors.room = lambda: one * 5 // 2
-    shrunk = serve(engine, requests, 3)
+    rng = np.random.default_rng(5)
+    long = [GenRequest([int(t) for t in rng.integers(0, 370, 400 + 9 * i)], 6, ignore_eos=True,
+                       request_id=f"long {i}") for i in range(3)]
+    short = [GenRequest(BASE[i:i + 3], 4, ignore_eos=True, request_id=f"short {i}") for i in range(3)]
+    alone = serve(engine, long + short, 1)
+    mirrors.room = lambda: one * 7 // 2
+    shrunk = serve(engine, long, 3, then=short, reuse=False)  # fresh caches: the long ones' arrays are not reused
     assert serve.stats["batch_shrunk"] == 1 and serve.stats["failed"] == 0
+    assert serve.stats["batched_forwards"] >= 4  # the failed one, then the short requests' (3 tokens after the first)
     assert_same_requests(shrunk, alone)
-    assert mirrors.held_bytes() <= one * 5 // 2
+    assert mirrors.held_bytes() <= one * 7 // 2
 
 
 @pytest.mark.parametrize("count", [2, 4])

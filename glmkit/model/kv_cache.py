@@ -303,6 +303,12 @@ class KVCache:
         return self.layers[0].length
 
     @property
+    def capacity(self) -> int:
+        """Rows the arrays hold room for (the first layer's; every layer reserves alike): what a device's copy of
+        them takes, where the rows are copied whole."""
+        return len(self.layers[0].storage("kv_lat"))
+
+    @property
     def lost(self) -> bool:
         """Rows held elsewhere that are gone (a restarted pipeline stage's): never computed with again."""
         return False

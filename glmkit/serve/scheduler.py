@@ -148,6 +148,8 @@ class Scheduler:
         self.prefill_chunk = max(1, prefill_chunk)
         self._max_batch = max_batch
         self.max_batch = 1  # decided on the worker thread (whether the model decodes on a device step)
+        # (the size a batch was halved to, the fewest KV rows' room a batch was found not to fit the device with)
+        self._unfit: tuple[int, int] | None = None
         self._open_cache = prefix_cache if reuse else None
         self.prefix_cache: PrefixCache | None = None
         self._cv = threading.Condition()
@@ -236,17 +238,29 @@ class Scheduler:
                 self.counters["max_active_seen"] = max(self.counters["max_active_seen"], len(self._active))
                 jobs = list(self._active)
             self._hold_pass_rows()  # before any step grows the rows
-            decoding = [job for job in jobs if job.decoding] if self.max_batch > 1 else []
-            if len(decoding) < 2:
+            decoding = [job for job in jobs if job.decoding]
+            size = self._batch_size(decoding)
+            if len(decoding) < 2 or size < 2:
                 decoding = []  # decoding alone: its generator's own steps
             for job in jobs:  # one step each; the decoding ones together after the prefill steps
                 if job not in decoding:
                     self._step(job)
-            for at in range(0, len(decoding), self.max_batch):  # one batch a pass may keep its next forward queued
-                self._batch_step(decoding[at:at + self.max_batch], pipelined=len(decoding) <= self.max_batch)
+            for at in range(0, len(decoding), size):  # one batch a pass may keep its next forward queued
+                self._batch_step(decoding[at:at + size], pipelined=len(decoding) <= size)
         for job in list(self._active) + list(self._queue):
             job.cancelled = True
             self._finish(job, "cancelled")
+
+    def _batch_size(self, decoding: list[GenerationJob]) -> int:
+        """Requests per batched forward this pass: `max_batch`, or where a batch whose caches held room for as many KV
+        rows as those of the first `max_batch` of `decoding` did not fit the device (a discrete GPU's room for the
+        rows' copies, which take a cache's whole arrays), the size it was halved to; once the requests hold less
+        (long ones ended), full batches again."""
+        if self._unfit is None:
+            return self.max_batch
+        size, rows = self._unfit
+        held = sum(job.session.kv.capacity for job in decoding[:self.max_batch])  # type: ignore[union-attr]
+        return self.max_batch if held < rows else size
 
     @staticmethod
     def _most_rows(job: GenerationJob, budget: int) -> int:
@@ -432,10 +446,12 @@ class Scheduler:
                                                            [job.session.kv for job in rows])  # type: ignore[union-attr]
         except DeviceMemoryError as e:  # the rows rolled back: the next passes decode them in smaller batches
             self._close_pipe()
-            self.max_batch = max(1, len(rows) // 2)
+            held = sum(job.session.kv.capacity for job in rows)  # type: ignore[union-attr]
+            size = max(1, len(rows) // 2)
+            self._unfit = (min(size, self._unfit[0]), min(held, self._unfit[1])) if self._unfit else (size, held)
             self.counters["batch_shrunk"] += 1
-            log.warning("a batch of %d requests does not fit the device (%s): batches of at most %d from now on",
-                        len(rows), e, self.max_batch)
+            log.warning("a batch of %d requests with room for %d KV rows does not fit the device (%s): batches of at "
+                        "most %d while the requests hold as much", len(rows), held, e, self._unfit[0])
             return
         except Exception as e:  # every row's cache may be half-written
             self._close_pipe()
