@@ -11,7 +11,14 @@ from glmkit.format.config import ModelConfig
 from glmkit.format.packing import pack, quantize
 from glmkit.format.tensors import QuantWeight, Weight
 from glmkit.model.glm5 import GlmMoeDsaModel, mla_attend_absorbed, mla_attend_full
-from glmkit.model.kv_cache import F16_ROW_MAX, KVCache, decode_kv_rows, encode_kv_rows, kv_bytes_per_token
+from glmkit.model.kv_cache import (
+    F16_ROW_MAX,
+    INITIAL_ROWS,
+    KVCache,
+    decode_kv_rows,
+    encode_kv_rows,
+    kv_bytes_per_token,
+)
 from glmkit.model.ops import (
     apply_rope,
     chosen_keys,
@@ -313,6 +320,37 @@ def test_kv_cache_grows_truncates_and_appends_again() -> None:
         layer.append(**{name: value[120:] for (j, name), value in full.items() if j == i})
     for (i, name), value in full.items():
         np.testing.assert_array_equal(cache.layer(i).rows(name), value)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "fp8"])
+def test_kv_cache_fits_its_arrays_to_a_shorter_sequence(dtype) -> None:
+    """`fit`: arrays that hold room for more than twice the rows asked (and than INITIAL_ROWS and the rows kept)
+    are remade that size, every kept row, scale and indexer-key shadow bit for bit; smaller ones stay."""
+    config = tiny_config()
+    rng = np.random.default_rng(11)
+    cache = KVCache(config, dtype=dtype)
+    layer = cache.layer(0)
+    layer.append(kv_lat=rand(rng, 1500, 16), k_rot=rand(rng, 1500, 4), index_k=rand(rng, 1500, 8))
+    cache.truncate(300)
+    before = {name: np.array(layer.storage(name)[:300]) for name in ("kv_lat", "k_rot", "index_k")}
+    scales = None if dtype == "f32" else np.array(layer.scales("kv_lat")[:300])
+    codes, shadow_scales = (np.array(a) for a in layer.shadow())
+    cache.fit(1000)
+    assert layer.storage("kv_lat").shape[0] >= 1500  # not twice 1,000
+    cache.fit(400)
+    assert cache.capacity == 400 and all(len(kv.storage("k_rot")) <= 400 for kv in cache.layers)
+    for name, value in before.items():
+        np.testing.assert_array_equal(layer.storage(name)[:300].view(np.uint8), value.view(np.uint8))
+    if scales is not None:
+        np.testing.assert_array_equal(layer.scales("kv_lat")[:300], scales)
+    np.testing.assert_array_equal(layer.shadow()[0][:300 // 8 + 1], codes[:300 // 8 + 1])
+    np.testing.assert_array_equal(layer.shadow()[1][:300], shadow_scales[:300])
+    cache.fit(10)
+    assert cache.capacity == 400  # 300 rows kept: not more than twice them
+    layer.append(kv_lat=rand(rng, 900, 16), k_rot=rand(rng, 900, 4), index_k=rand(rng, 900, 8))
+    cache.truncate(0)
+    cache.fit(10)
+    assert cache.capacity == INITIAL_ROWS
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "f16", "fp8"])

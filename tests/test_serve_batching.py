@@ -388,12 +388,12 @@ def test_a_batch_the_device_cannot_hold_goes_on_in_smaller_batches(cl_engine):
     engine = copy.copy(cl_engine)
     engine.model = model
     rng = np.random.default_rng(5)
-    long = [GenRequest([int(t) for t in rng.integers(0, 370, 400 + 9 * i)], 6, ignore_eos=True,
+    long = [GenRequest([int(t) for t in rng.integers(0, 370, 600 + 9 * i)], 6, ignore_eos=True,
                        request_id=f"long {i}") for i in range(3)]
     short = [GenRequest(BASE[i:i + 3], 4, ignore_eos=True, request_id=f"short {i}") for i in range(3)]
     alone = serve(engine, long + short, 1)
     mirrors.room = lambda: one * 7 // 2
-    shrunk = serve(engine, long, 3, then=short, reuse=False)  # fresh caches: the long ones' arrays are not reused
+    shrunk = serve(engine, long, 3, then=short)  # in the long ones' Sessions, fitted to them (`KVCache.fit`)
     assert serve.stats["batch_shrunk"] == 1 and serve.stats["failed"] == 0
     assert serve.stats["batched_forwards"] >= 4  # the failed one, then the short requests' (3 tokens after the first)
     assert_same_requests(shrunk, alone)

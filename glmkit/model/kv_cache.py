@@ -30,6 +30,7 @@ KV_DTYPES = ("f32", "bf16", "f16", "fp8")
 SCALED_KV_DTYPES = frozenset({"f16", "fp8"})  # rows stored with one f32 scale per row and field
 FP8_MAX = 448.0  # the largest finite e4m3 magnitude
 F16_ROW_MAX = 32768.0  # an f16 row whose largest magnitude exceeds this is scaled down by a power of two (exact)
+INITIAL_ROWS = 256  # rows a new cache's arrays hold room for
 SHADOW_BLOCK = 8  # indexer-key shadows are stored in blocks of this many keys, `[d, SHADOW_BLOCK]` codes each
 _STORED = {"f32": np.dtype(np.float32), "bf16": np.dtype(ml_dtypes.bfloat16), "f16": np.dtype(np.float16),
            "fp8": np.dtype(ml_dtypes.float8_e4m3fn)}
@@ -90,7 +91,7 @@ class LayerKV:
     """Growable row arrays of one layer: `kv_lat [T, kv_lora_rank]`, `k_rot [T, rope]`, `index_k [T, ihd]`,
     stored at `dtype` (`KV_DTYPES`)."""
 
-    def __init__(self, kv_lora_rank: int, rope_dim: int, index_dim: int | None, capacity: int = 256,
+    def __init__(self, kv_lora_rank: int, rope_dim: int, index_dim: int | None, capacity: int = INITIAL_ROWS,
                  dtype: str = "f32") -> None:
         if dtype not in KV_DTYPES:
             raise ValueError(f"kv dtype {dtype!r}: not one of {', '.join(KV_DTYPES)}")
@@ -208,7 +209,7 @@ class LayerKV:
         needed = self.length + n
         for name, data in self._data.items():
             if needed > len(data):
-                self._grow(name, max(needed, 2 * len(data)))  # amortized doubling: decode appends one row at a time
+                self._resize(name, max(needed, 2 * len(data)))  # amortized doubling: decode appends a row at a time
         self.length = needed
 
     def reserve(self, rows: int) -> None:
@@ -217,7 +218,16 @@ class LayerKV:
         no memory: the arrays' pages are touched only as rows land."""
         for name, data in self._data.items():
             if rows > len(data):
-                self._grow(name, rows)
+                self._resize(name, rows)
+
+    def fit(self, rows: int) -> None:
+        """Let the arrays hold room for `rows` rows (at least `length` and INITIAL_ROWS) where they hold more than
+        twice that: a sequence reused for a shorter one keeps no longer the pages its longest rows touched, nor (on a
+        discrete device, which copies whole arrays) their copies."""
+        rows = max(rows, self.length, INITIAL_ROWS)
+        for name, data in self._data.items():
+            if len(data) > 2 * rows:
+                self._resize(name, rows)
 
     def _shade(self, positions: np.ndarray) -> None:
         """The shadows of the indexer keys at `positions [n]` from the stored keys (none without an indexer)."""
@@ -239,7 +249,8 @@ class LayerKV:
         unused), None without an indexer. The device decode step writes the shadows of the rows it writes."""
         return self._shadow
 
-    def _grow(self, name: str, rows: int) -> None:
+    def _resize(self, name: str, rows: int) -> None:
+        """Field `name`'s arrays (its scales and shadows with it) remade for `rows` rows, the first `length` kept."""
         if name == "index_k" and self._shadow is not None:
             grown_shadow = self._new_shadow(rows, self._shadow[0].shape[1])
             used = -(-self.length // SHADOW_BLOCK)
@@ -320,6 +331,11 @@ class KVCache:
         """`LayerKV.reserve` on every layer."""
         for layer in self.layers:
             layer.reserve(rows)
+
+    def fit(self, rows: int) -> None:
+        """`LayerKV.fit` on every layer."""
+        for layer in self.layers:
+            layer.fit(rows)
 
     def truncate(self, n: int) -> None:
         """Keep the first `n` positions of every layer (rolls back rejected MTP drafts)."""

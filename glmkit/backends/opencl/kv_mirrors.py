@@ -64,14 +64,14 @@ class KVMirrors:
 
     def copy(self, kv, name: str, arr: np.ndarray, pos: int) -> CacheCopy:
         """The device copy of field `name` of `kv` (host array `arr`, one row per position) with its rows before `pos`
-        equal to the host's: made where there is none or the host array grew (every row sent), else sent the rows the
-        host edited since."""
+        equal to the host's: made where there is none or the host array was resized (every row sent), else sent the
+        rows the host edited since."""
         copies = self._copies.get(kv)
         if copies is None:
             copies = self._copies[kv] = _LayerCopies(self.forwards)
         copies.used = self.forwards
         m = copies.fields.get(name)
-        if m is None or m.capacity < len(arr):  # first use, or the host cache grew: every row again
+        if m is None or m.capacity != len(arr):  # first use, or the host array resized: every row again
             copies.fields.pop(name, None)
             self._make_room(arr.nbytes)
             m = copies.fields[name] = CacheCopy(self.buffers.device_buffer(arr.nbytes), len(arr), arr.nbytes)
