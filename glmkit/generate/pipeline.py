@@ -297,6 +297,11 @@ class PipelineStage:
         for layer in self.layer_range:
             cache.layer(layer).reserve(rows)
 
+    def fit(self, cache_id: int, rows: int) -> None:
+        cache = self._cache(cache_id)
+        for layer in self.layer_range:
+            cache.layer(layer).fit(rows)
+
     def drop(self, cache_id: int) -> None:
         self.caches.pop(cache_id, None)
 
@@ -751,6 +756,11 @@ class PipelineCache(KVCache):
         self.check_held()
         self.layers[self.num_main_layers].reserve(rows)
         self.pipeline.send_all("reserve", self.cache_id, rows)
+
+    def fit(self, rows: int) -> None:
+        self.check_held()
+        self.layers[self.num_main_layers].fit(rows)
+        self.pipeline.send_all("fit", self.cache_id, rows)
 
     def truncate(self, n: int) -> None:
         self.check_held()
