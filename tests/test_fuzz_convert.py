@@ -92,6 +92,14 @@ def wrong_output(src: Path, out: Path, preset: str, allow_nonfinite: bool) -> st
         c = Container(out)
     except GlmkitError as e:
         return f"the container does not read back: {e}"
+    try:
+        return _container_differs(src, c, allow_nonfinite)
+    finally:
+        c.close()
+
+
+def _container_differs(src: Path, c: Container, allow_nonfinite: bool) -> str | None:
+    """`wrong_output`'s checks of an opened container `c` against its source."""
     if bad := c.verify_data():
         return f"hashes do not verify: {bad[:2]}"
     for shard in src.glob("*.safetensors"):
