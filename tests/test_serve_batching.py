@@ -26,6 +26,7 @@ from glmkit.generate.sampling import Sampler, SamplingParams
 from glmkit.generate.tokenizer import StreamDecoder
 from glmkit.model.expert_cache import ExpertCache
 from glmkit.model.glm5 import GlmMoeDsaModel
+from glmkit.model.kv_cache import LayerKV
 from glmkit.serve import scheduler as scheduler_module
 from glmkit.serve.scheduler import Done, GenerationJob, GenRequest, Scheduler, Text
 from tests.runtime_support import opencl_test_device
@@ -273,6 +274,36 @@ def test_pipelined_batch_is_decode_batch_and_the_argmax(any_cl_model):
     lengths = [cache.length for cache in caches]
     logits, _ = any_cl_model.decode_batch(np.array([5, 6, 7]), caches)  # the same step: the pipeline closes first
     assert not pipe.running and [cache.length for cache in caches] == lengths
+
+
+def test_pipelined_batch_lets_the_forward_in_flight_finish_before_a_cache_grows(any_cl_model, monkeypatch):
+    """A batch whose next forward outgrows a cache's arrays (reallocated: the forward in flight writes the old ones)
+    queues it only once that forward has finished; its tokens and rows are decode_batch's across the growth."""
+    if any_cl_model.backend.spill is not None:
+        pytest.skip("the split step does not pipeline its batch")
+    rng = np.random.default_rng(1)
+    batch = [[int(t) for t in rng.integers(0, 370, 252)], prompts(1, False)[0]]
+    tokens, _ = greedy_batched(any_cl_model, batch, 9)
+    caches = [any_cl_model.new_cache() for _ in batch]
+    for p, c in zip(batch, caches, strict=True):
+        any_cl_model.forward(np.array(p), c)
+    assert caches[0].capacity == 256  # the first sequence's arrays grow at its 257th row
+    pipe = None
+    resize = LayerKV._resize
+
+    def checked(self, name: str, rows: int) -> None:
+        assert pipe is None or pipe.pending is None or pipe.pending[0].command_execution_status == 0, \
+            "a cache array reallocated under a forward in flight"
+        resize(self, name, rows)
+
+    monkeypatch.setattr(LayerKV, "_resize", checked)
+    pipe = any_cl_model.pipelined_batch([t[0] for t in tokens], caches)
+    got = [[t[0]] for t in tokens]
+    for _ in range(8):
+        for row, token in zip(got, pipe.advance(), strict=True):
+            row.append(token)
+    pipe.close()
+    assert got == tokens and caches[0].capacity > 256
 
 
 ROW_SETTINGS = [SamplingParams(seed=4), SamplingParams(0.9, top_p=0.9, seed=1), SamplingParams(1.1, top_k=20, seed=2),

@@ -87,7 +87,7 @@ from glmkit.format.config import ModelConfig
 from glmkit.format.tensors import Weight
 from glmkit.model.compute import ExpertArena, SamplingSettings, TokenDraws, TokenMask
 from glmkit.model.expert_cache import ExpertScores
-from glmkit.model.kv_cache import SCALED_KV_DTYPES, SHADOW_BLOCK, KVCache, shadow_bound
+from glmkit.model.kv_cache import SCALED_KV_DTYPES, SHADOW_BLOCK, KVCache, LayerKV, shadow_bound
 from glmkit.model.layer_spec import (
     EMBED,
     LM_HEAD,
@@ -1403,6 +1403,7 @@ class DeviceDecodeStep:
         tokens the device chose at the other turn, looked up on the device. choose(turn): queues the launches that
         choose each row's token on the device (into `token_ids[turn]`) after the logits; the last one's event."""
         positions = [cache.length for cache in caches]
+        self._settle_growth([cache.layer(i) for cache in caches for i in self.span], 1, max(positions) + 1)
         self._place_rows(positions, turn)
         if embed is not None:
             self.x.host[:] = embed.reshape(-1)
@@ -1758,12 +1759,7 @@ class DeviceDecodeStep:
         self._check_dtype(cache)
         pos = cache.layer(self.span.start).length if self.span else cache.length
         keys = pos + n_rows
-        grows = keys > self.capacity or any(
-            cache.layer(i).length + n_rows > len(cache.layer(i).storage("kv_lat")) for i in layers)
-        if grows:  # the cache or the scratch is reallocated: nothing may still use the old arrays
-            self.k.finish()
-            for staged in range(TURNS):  # a device mirror that grows takes every row from the host again
-                self._collect(staged)
+        self._settle_growth([cache.layer(i) for i in layers], n_rows, keys)
         self._place_rows(range(pos, keys), turn)
         if embed is not None:
             self.x.host[:] = embed.reshape(-1)
@@ -1804,6 +1800,15 @@ class DeviceDecodeStep:
             cache.truncate(pos)
             raise
         return event
+
+    def _settle_growth(self, kvs: Sequence[LayerKV], n_rows: int, keys: int) -> None:
+        """Before a forward over `keys` keys claims `n_rows` more rows of each of `kvs`: where that reallocates the
+        scratch or a cache array, every forward in flight (which uses the old arrays) finishes first and its staged
+        rows are stored (a device copy of a grown array takes every row from the host again)."""
+        if keys > self.capacity or any(kv.length + n_rows > len(kv.storage("kv_lat")) for kv in kvs):
+            self.k.finish()
+            for staged in range(TURNS):
+                self._collect(staged)
 
     def pipeline(self, token: int, cache: KVCache, embed_of: Callable[[int], np.ndarray],
                  draws: TokenDraws | None = None, on_routes: Callable[[list], None] | None = None,
