@@ -113,7 +113,7 @@ class Session:
         if self.approximate is None:
             keep = min(keep, self.exact_len)
         self.kv.truncate(keep)
-        self.kv.fit(len(prompt_ids))  # a shorter request than the longest this Session served
+        self.kv.fit(len(prompt_ids))  # arrays sized for a far longer sequence are remade for this one
         self.exact_len = min(self.exact_len, self.kv.length)
         stats = ReuseStats(process=self.exact_len, approx=self.kv.length - self.exact_len)
         if self.prefix_cache is not None and self.exact_len < len(prompt_ids) - 1:

@@ -2070,6 +2070,12 @@ class MaskedChoice:
         self.inner.release()
 
 
+def gives_way(fallbacks: int, decided: int) -> bool:
+    """Whether a sampled pipeline stops for the host path: the host chose more than once, in over 1 in
+    FALLBACK_SHARE of the `decided` tokens (or forwards)."""
+    return fallbacks > 1 and fallbacks * FALLBACK_SHARE > decided
+
+
 class DecodePipeline:
     """Decoding on the device step with the next forward queued before the host sees a token.
 
@@ -2125,7 +2131,7 @@ class DecodePipeline:
         self.pending = (following, 1 - parity)
         if not on_device:  # `following` took the device's placeholder: drop it
             self._drop()
-            if self.fallbacks > 1 and self.fallbacks * FALLBACK_SHARE > self.decided:
+            if gives_way(self.fallbacks, self.decided):
                 self.stopped = True
                 self.choice.release()
             else:
@@ -2188,6 +2194,7 @@ class RowsPipeline:
                  draws: Sequence[TokenDraws | None]) -> None:
         self.step, self.caches, self.embed_of, self.on_routes = step, list(caches), embed_of, on_routes
         self.draws = [None if d is None else SampledChoice(step, d, r) for r, d in enumerate(draws)]  # per row
+        self.greedy = any(choice is None for choice in self.draws)  # a row the argmax chooses
         self.decided = self.fallbacks = 0  # forwards decided, and those with a token the host chose
         self.pending: tuple[object, int] | None = None
         self._start(tokens)
@@ -2204,9 +2211,12 @@ class RowsPipeline:
         self.step.owner = self
 
     def _choose(self, turn: int) -> Any:
-        """Queue each row's choice of its next token at this turn: the argmax of every row, then the draws."""
-        self.step.argmax.set(token=self.step.token_ids[turn].buffer)
-        event = self.step.argmax.enqueue()
+        """Queue each row's choice of its next token at this turn: the argmax of every row (where a row is greedy),
+        then the draws."""
+        event = None
+        if self.greedy:
+            self.step.argmax.set(token=self.step.token_ids[turn].buffer)
+            event = self.step.argmax.enqueue()
         for choice in self.draws:
             if choice is not None:
                 event = choice.enqueue(turn)
@@ -2235,7 +2245,7 @@ class RowsPipeline:
         if not all(on_device for _, on_device in chosen):  # `following` looked up a placeholder: dropped
             self.fallbacks += 1
             self._drop()
-            if self.fallbacks > 1 and self.fallbacks * FALLBACK_SHARE > self.decided:
+            if gives_way(self.fallbacks, self.decided):
                 self._release()
             else:
                 self._start(tokens)
