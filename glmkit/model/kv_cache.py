@@ -222,8 +222,8 @@ class LayerKV:
 
     def fit(self, rows: int) -> None:
         """Let the arrays hold room for `rows` rows (at least `length` and INITIAL_ROWS) where they hold more than
-        twice that: a sequence reused for a shorter one keeps no longer the pages its longest rows touched, nor (on a
-        discrete device, which copies whole arrays) their copies."""
+        twice that: a sequence reused for a much shorter one lets go of the pages its longest rows touched and (on a
+        discrete device, which copies whole arrays) of their copies."""
         rows = max(rows, self.length, INITIAL_ROWS)
         for name, data in self._data.items():
             if len(data) > 2 * rows:
