@@ -255,13 +255,27 @@ def test_experts_across_files(tmp_path, direct_kernels):
     assert_same_rows(caches)
 
 
+def counted_misses(monkeypatch) -> list[bool]:
+    """Per MoE layer the step ran over an expert cache, in order: whether its routing left slots for the host to
+    place (experts not read when it ran)."""
+    seen: list[bool] = []
+    place_misses = DeviceDecodeStep._place_misses
+
+    def counted(step: DeviceDecodeStep, layer, slot: int) -> bool:
+        seen.append(place_misses(step, layer, slot))
+        return seen[-1]
+
+    monkeypatch.setattr(DeviceDecodeStep, "_place_misses", counted)
+    return seen
+
+
 @pytest.mark.parametrize("variant,preset,int8", [("tiny-trained", "q4", True), ("tiny-fp8", "q2", False)])
-def test_step_reads_experts_from_cache_slots(snapshots, direct_kernels, variant, preset, int8):
+def test_step_reads_experts_from_cache_slots(snapshots, direct_kernels, monkeypatch, variant, preset, int8):
     """After the same prefill rows, the step over an expert cache's slots (top_k of them: nearly every expert
     misses, each layer waits for its reads) gives the logits of the step on the mapping bit for bit, across the
-    indexer's switch to top-k selection, with int8 inputs and with q2's shared expert apart; where the shared
-    expert lies in the arena (q4) the resident experts' launches go first, the others' once read; the cache sees
-    every routed expert once. A short prompt queued on the step too."""
+    indexer's switch to top-k selection, with int8 inputs and with q2's shared expert apart: the experts read
+    already run first, the others once read; the cache sees every routed expert once. A short prompt queued on the
+    step too."""
     kernels = in_place(direct_kernels)
     engine = Engine(snapshots(variant, preset), "numpy", load_tokenizer=False)
     cfg = engine.config
@@ -273,16 +287,7 @@ def test_step_reads_experts_from_cache_slots(snapshots, direct_kernels, variant,
     slots = ExpertCache(engine.container, 1 << 30).slot_bytes * cfg.num_experts_per_tok
     cache = ExpertCache(engine.container, slots)
     cached = GlmMoeDsaModel(cfg, cache, backend(), route_hook=cache.on_route, step_experts=cache)
-    places = []  # what the step learned of each layer's experts before queueing their launches
-
-    def half_ready(layer: int, experts: list[int]) -> list[tuple[int, bool]]:
-        """Every other expert reported as still being read (all are read first: the step then launches both
-        halves apart whatever the timing)."""
-        cache.wait_places(layer, experts)
-        places.append([(at, i % 2 == 0) for i, (at, _) in enumerate(places_now(layer, experts))])
-        return places[-1]
-
-    places_now, cache.places_now = cache.places_now, half_ready
+    unplaced = counted_misses(monkeypatch)
     ids = np.array(oracle(variant)["full_ids"])
     topk = cfg.index_topk
     tokens = ids[topk - 3:topk + 5]
@@ -298,8 +303,8 @@ def test_step_reads_experts_from_cache_slots(snapshots, direct_kernels, variant,
     # per token and MoE layer: its top_k experts, each once (nothing reported twice through the route hook)
     assert cache.stats.misses + cache.stats.hits - before == len(tokens) * moe_layers * cfg.num_experts_per_tok
     assert cache.stats.misses > cache.stats.hits and cache.stats.evictions > 0
-    # q4: the resident experts' launches, then the others' (q2's shared expert apart: all at once)
-    assert len(places) == (len(tokens) * moe_layers if preset == "q4" else 0)
+    # per token and MoE layer: the routing placed the experts read already, the host the others, once read
+    assert len(unplaced) == len(tokens) * moe_layers and sum(unplaced) > len(unplaced) // 2
     # a short prompt queued on the step (`prefill_on_step`): its logits and hidden rows on the mapping bit for bit
     more = ids[topk + 5:topk + 11]
     queued = [model.prefill_on_step(more, c) for model, c in zip((mapped, cached), caches, strict=True)]
@@ -308,43 +313,54 @@ def test_step_reads_experts_from_cache_slots(snapshots, direct_kernels, variant,
 
 
 @pytest.mark.parametrize("chunk_slots", [None, 7])
-def test_step_over_resident_experts_fills_their_slots_itself(snapshots, direct_kernels, monkeypatch, chunk_slots):
-    """Where every routed expert of a layer is already read (a roomy cache after the prompt), the step fills the
-    slots from where they lie and queues their launches before the cache hears of the route: the logits stay those
-    of the step on the mapping bit for bit (within float rounding where the arena lies in buffers of 7 slots, each
-    buffer's experts summed apart), and the cache still counts every routed expert as a hit."""
+def test_step_over_resident_experts_places_them_itself(snapshots, direct_kernels, monkeypatch, chunk_slots):
+    """Where every routed expert of a layer is already read (a roomy cache after the prompt), the routing kernel
+    places them from the cache's place table and their launches run with no host placing: the logits stay those of
+    the step on the mapping bit for bit, also where the arena lies in buffers of 7 slots (a launch set per buffer
+    over the same slots, summed in slot order). An expert the table does not list yet (a read finishing as the
+    routing runs) is placed by the host once read, with the same logits; the cache counts every routed expert."""
     kernels = in_place(direct_kernels)
     engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
     cfg = engine.config
+
+    def backend() -> OpenCLBackend:
+        return OpenCLBackend(kernels, Placement(), model_bytes=engine.container.nbytes)
+
+    mapped = GlmMoeDsaModel(cfg, engine.experts, backend())  # the mapping in one buffer
     if chunk_slots is not None:  # the arena in buffers of `chunk_slots` slots (a device's largest allocation)
         monkeypatch.setattr(kernels.buffers, "max_alloc", chunk_slots * expert_slot_bytes(engine.container))
-
-    def backend() -> OpenCLBackend:  # float inputs where the sums differ: int8 codes would magnify their rounding
-        return OpenCLBackend(kernels, Placement(), int8_activations=chunk_slots is None,
-                             model_bytes=engine.container.nbytes)
-
-    mapped = GlmMoeDsaModel(cfg, engine.experts, backend())
     moe_layers = cfg.num_hidden_layers - cfg.first_k_dense_replace
     cache = ExpertCache(engine.container, moe_layers * cfg.n_routed_experts * expert_slot_bytes(engine.container))
     cached = GlmMoeDsaModel(cfg, cache, backend(), route_hook=cache.on_route, step_experts=cache)
-    found, resident_places = [], cache.resident_places
-
-    def counted(layer: int, experts: np.ndarray) -> np.ndarray | None:
-        places = resident_places(layer, experts)
-        found.append(places is not None)
-        return places
-
-    monkeypatch.setattr(cache, "resident_places", counted)
+    unplaced = counted_misses(monkeypatch)
     ids = np.array(oracle("tiny-trained")["full_ids"])
-    want, got, _ = decode_both(mapped, cached, ids[:40], ids[40:52])
+    want, got, caches = decode_both(mapped, cached, ids[:40], ids[40:52])
     assert isinstance(cached._step, DeviceDecodeStep) and cached._step.experts is cache
     assert (len(cached._step.chunks) > 1) == (chunk_slots is not None)
-    if chunk_slots is None:
-        assert np.array_equal(want, got)
-    else:
-        assert_same(want, got)
-    assert len(found) == 12 * moe_layers and sum(found) >= len(found) // 2  # most layers found every expert read
-    assert cache.stats.hits >= sum(found) * cfg.num_experts_per_tok
+    assert np.array_equal(want, got)
+    assert len(unplaced) == 12 * moe_layers and sum(unplaced) <= len(unplaced) // 2  # most layers: all read
+    hits = cache.stats.hits
+    assert hits >= (len(unplaced) - sum(unplaced)) * cfg.num_experts_per_tok
+    # every other expert hidden from the table while the routing runs: the host places those once "read"
+    for layer in range(cfg.first_k_dense_replace, cfg.num_hidden_layers):  # every expert read: the table stays
+        cache.wait_places(layer, list(range(cfg.n_routed_experts)))
+    table, hidden = cache.place_table.copy(), cache.place_table.copy()
+    hidden[1::2] = -1
+    place_misses = DeviceDecodeStep._place_misses
+
+    def hiding(step: DeviceDecodeStep, layer, slot: int) -> bool:
+        cache.place_table[:] = table  # the cache's own places back while the host places (nothing is evicted)
+        out = place_misses(step, layer, slot)
+        cache.place_table[:] = hidden  # for the next layer's routing
+        return out
+
+    monkeypatch.setattr(DeviceDecodeStep, "_place_misses", hiding)
+    cache.place_table[:] = hidden
+    more = ids[52:60]
+    want, got, _ = decode_both(mapped, cached, None, more, caches)
+    cache.place_table[:] = table
+    assert np.array_equal(want, got)
+    assert cache.stats.hits - hits == len(more) * moe_layers * cfg.num_experts_per_tok  # all read: none re-read
     cache.close()
 
 

@@ -17,7 +17,7 @@ import pytest
 
 from glmkit.backends.numpy_backend import NumpyBackend
 from glmkit.backends.opencl.buffers import DeviceArray, Int8Codes
-from glmkit.backends.opencl.decode_graph import NO_STAGE, SLOT_ARRAYS, DeviceDecodeStep, _ArenaLayer
+from glmkit.backends.opencl.decode_graph import NO_STAGE
 from glmkit.backends.opencl.decode_launches import (
     ExpertSlots,
     bind_experts,
@@ -655,30 +655,6 @@ def test_decode_routing(kernels, rng, norm):
             np.testing.assert_allclose(w.host[slots], weights[mine], rtol=1e-6)
             want_offs = (chosen[mine][:, None] * 6 + np.arange(6)) * 1000 + 7
             assert offs.host.reshape(-1, 6)[slots].tolist() == want_offs.tolist()
-        # the same with the selection alone on the device and the slots filled by the host from the places of the
-        # chosen experts (the expert cache's decode step)
-        ids2, routed_w = mirror(top_k, np.uint32), mirror(top_k)
-        mirror.launch("route_select", (1,), None, logits=mirror.of(logits).buffer,
-                      vec=mirror.of(np.concatenate([np.zeros(3), bias])).buffer, bias_off=3, n_experts=experts,
-                      n_group=n_group, topk_group=topk_group, top_k=top_k, norm=int(norm), scaling=scaling,
-                      ids=ids2.buffer, routed_w=routed_w.buffer, n_tok=1)
-        assert ids2.host.tolist() == ids.host.tolist()
-        np.testing.assert_allclose(routed_w.host, want_w[0][order], rtol=1e-6)
-        placed = [mirror(3 * stride * 6, np.uint64), mirror(3 * stride), mirror(3 * stride, np.uint32),
-                  mirror(3 * stride, np.uint32)]
-        rows = table.host.reshape(-1, 6)
-        arena = _ArenaLayer(0, 1, top_k, np.zeros(6, np.uint64), routed_w,
-                            dict(zip(SLOT_ARRAYS, placed, strict=True)), stride, 3,
-                            (rows[experts], int(buffer_of[experts])), None)
-        DeviceDecodeStep._fill_slots(arena, rows[chosen[:top_k]], buffer_of[chosen[:top_k]].astype(np.uint32))
-        for b in range(3):
-            head, used = slice(b * stride, b * stride + 2), slice(b * stride, (b + 1) * stride)
-            assert placed[3].host[head].tolist() == start.host[head].tolist()
-            assert placed[2].host[used].tolist() == tok.host[used].tolist()
-            n = int(start.host[b * stride + 1])
-            mine = slice(b * stride, b * stride + n)
-            assert placed[1].host[mine].tolist() == w.host[mine].tolist()
-            assert placed[0].host.reshape(-1, 6)[mine].tolist() == offs.host.reshape(-1, 6)[mine].tolist()
     # two tokens at once (MTP's verification over the expert cache): the same slots as route_noaux_tc's for both
     logits = (rng.standard_normal((2, experts)) * 2).astype(np.float32)
     vec = mirror.of(np.concatenate([np.zeros(3), bias])).buffer
@@ -688,24 +664,69 @@ def test_decode_routing(kernels, rng, norm):
                   table=table.buffer, buffer_of=where.buffer, n_buffers=3, n_experts=experts, n_group=n_group,
                   topk_group=topk_group, top_k=top_k, norm=int(norm), scaling=scaling, shared=1, offs=offs.buffer,
                   slot_w=w.buffer, slot_tok=tok.buffer, stride=stride, tok_start=start.buffer, ids=ids.buffer, n_tok=2)
-    ids2, routed_w = mirror(2 * top_k, np.uint32), mirror(2 * top_k)
-    mirror.launch("route_select", (1,), None, logits=mirror.of(logits).buffer, vec=vec, bias_off=3,
-                  n_experts=experts, n_group=n_group, topk_group=topk_group, top_k=top_k, norm=int(norm),
-                  scaling=scaling, ids=ids2.buffer, routed_w=routed_w.buffer, n_tok=2)
-    assert ids2.host.tolist() == ids.host.tolist()
-    placed = [mirror(3 * stride * 6, np.uint64), mirror(3 * stride), mirror(3 * stride, np.uint32),
-              mirror(3 * stride, np.uint32)]
-    arena = _ArenaLayer(0, 2, top_k, np.zeros(6, np.uint64), routed_w, dict(zip(SLOT_ARRAYS, placed, strict=True)),
-                        stride, 3, (rows[experts], int(buffer_of[experts])), None)
-    chosen = ids2.host.astype(np.int64)
-    DeviceDecodeStep._fill_slots(arena, rows[chosen], buffer_of[chosen].astype(np.uint32))
-    for b in range(3):
-        n = int(start.host[b * stride + 2])
-        assert placed[3].host[b * stride:b * stride + 3].tolist() == start.host[b * stride:b * stride + 3].tolist()
-        assert placed[2].host[b * stride:(b + 1) * stride].tolist() == tok.host[b * stride:(b + 1) * stride].tolist()
-        mine = slice(b * stride, b * stride + n)
-        np.testing.assert_allclose(placed[1].host[mine], w.host[mine], rtol=1e-6)
-        assert placed[0].host.reshape(-1, 6)[mine].tolist() == offs.host.reshape(-1, 6)[mine].tolist()
+    for t in range(2):
+        chosen = np.concatenate([np.sort(route_noaux_tc(logits[t:t + 1], bias, top_k, n_group, topk_group, norm,
+                                                        scaling)[0][0]), [experts]])
+        for b in range(3):
+            mine = buffer_of[chosen] == b
+            first, n = int(start.host[b * stride + t]), int(mine.sum())
+            assert tok.host[b * stride + first:b * stride + first + n].tolist() == [t] * n
+            want_offs = (chosen[mine][:, None] * 6 + np.arange(6)) * 1000 + 7
+            assert offs.host.reshape(-1, 6)[b * stride + first:b * stride + first + n].tolist() == want_offs.tolist()
+    assert ids.host.tolist() == [e for t in range(2) for e in np.sort(route_noaux_tc(
+        logits[t:t + 1], bias, top_k, n_group, topk_group, norm, scaling)[0][0])]
+
+
+@pytest.mark.parametrize("n_tok", [1, 2])
+def test_arena_routing(kernels, rng, n_tok):
+    """`route_arena` (the expert cache's decode step): the model's noaux_tc choice and weights, each token's routed
+    expert i in slot t * members + i with the offsets of where the cache's place table says it lies within its arena
+    chunk, run by that chunk's first launch set; an expert the table lists as not read (-1) in no launch set yet;
+    the after sets all unused; the shared experts' slots (placed by the host) untouched."""
+    from glmkit.model.ops import route_noaux_tc
+
+    mirror = Mirrors(kernels)
+    experts, n_group, topk_group, top_k, scaling, chunks, stride = 24, 4, 2, 5, 2.5, 3, 32
+    members, chunk_bytes = top_k + 1, 10_000
+    rel = np.arange(6, dtype=np.uint64) * 100 + 3
+    unused = 0xFFFFFFFF
+    for norm in (True, False):
+        for _ in range(10):
+            logits = (rng.standard_normal((n_tok, experts)) * 2).astype(np.float32)
+            bias = (rng.standard_normal(experts) * 0.1).astype(np.float32)
+            places = rng.integers(0, chunks * chunk_bytes // 8, 2 * experts) * 8  # 2 layers of places
+            places[rng.random(2 * experts) < 0.3] = -1
+            offs = mirror.of(np.full(n_tok * members * 6, 1, np.uint64), np.uint64)
+            w = mirror.of(np.full(n_tok * members, -1.0))
+            first = mirror.of(np.full(chunks * stride, 7), np.uint32)  # 7: untouched
+            after = mirror.of(np.full(chunks * stride, 7), np.uint32)
+            ids = mirror(n_tok * top_k, np.uint32)
+            mirror.launch("route_arena", (1,), None, logits=mirror.of(logits).buffer,
+                          vec=mirror.of(np.concatenate([np.zeros(3), bias])).buffer, bias_off=3, n_experts=experts,
+                          n_group=n_group, topk_group=topk_group, top_k=top_k, norm=int(norm), scaling=scaling,
+                          places=mirror.of(places, np.int64).buffer, places_off=experts,
+                          rel=mirror.of(rel, np.uint64).buffer, chunk_bytes=chunk_bytes, n_chunks=chunks,
+                          members=members, stride=stride, offs=offs.buffer, slot_w=w.buffer, first=first.buffer,
+                          after=after.buffer, ids=ids.buffer, n_tok=n_tok)
+            first_c, after_c = first.host.reshape(chunks, stride), after.host.reshape(chunks, stride)
+            for t in range(n_tok):
+                want_ids, want_w = route_noaux_tc(logits[t:t + 1], bias, top_k, n_group, topk_group, norm, scaling)
+                order = np.argsort(want_ids[0])
+                assert ids.host[t * top_k:(t + 1) * top_k].tolist() == want_ids[0][order].tolist()
+                for i, e in enumerate(want_ids[0][order]):
+                    slot, place = t * members + i, places[experts + e]
+                    np.testing.assert_allclose(w.host[slot], want_w[0][order][i], rtol=1e-6)
+                    assert (after_c[:, slot] == unused).all()
+                    if place < 0:
+                        assert (first_c[:, slot] == unused).all()
+                        continue
+                    assert first_c[:, slot].tolist() == [t if c == place // chunk_bytes else unused
+                                                         for c in range(chunks)]
+                    assert offs.host.reshape(-1, 6)[slot].tolist() == (place % chunk_bytes + rel).tolist()
+                shared = t * members + top_k
+                assert (first_c[:, shared] == 7).all() and w.host[shared] == -1.0 and (
+                    offs.host.reshape(-1, 6)[shared] == 1).all()
+
 
 
 # ---- int8 activations: the device decode step's int4 experts ----------------------------------------------

@@ -40,6 +40,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from glmkit.units import parse_size
 from tools.bench_model import BENCH_CONFIG, DEFAULT_WORK, ensure_bench_snapshot
 
 STREAM_CONFIG = {**BENCH_CONFIG, "n_routed_experts": 256, "n_group": 8, "topk_group": 4}
@@ -149,13 +150,13 @@ def peak_mb(group: Path) -> int | None:
 def run_child(snapshot: Path, mode: str, limit: int | None, timeout: float, cache: str = "auto",
               mtp: bool = False, prompt_file: Path | None = None, baseline_tree: Path | None = None,
               read_bps: int | None = None, prompt: int = PROMPT, prefill_chunk: int = 0,
-              context: str = "run") -> dict:
+              context: str = "run", max_alloc: int = 0) -> dict:
     groups = new_cgroups(limit, read_bps, whole_disk(snapshot) if read_bps else "")
     memory = next((g for g in groups if "blkio" not in g.parts), None)  # the group whose peak is the memory's
     drop_from_page_cache(snapshot)
     name, _, where = mode.partition("@")  # mode@base: that mode with the baseline tree's glmkit
     argv = [sys.executable, __file__, "--worker", str(snapshot), name, cache, str(int(mtp)), str(prompt_file or ""),
-            str(prompt), str(prefill_chunk), context]
+            str(prompt), str(prefill_chunk), context, str(max_alloc)]
 
     def enter() -> None:
         for group in groups:
@@ -183,11 +184,13 @@ def run_child(snapshot: Path, mode: str, limit: int | None, timeout: float, cach
 
 
 def worker(snapshot: str, mode: str, cache: str, mtp: bool, prompt_file: str, prompt_len: int, prefill_chunk: int,
-           context: str) -> dict:
+           context: str, max_alloc: int) -> dict:
     """One run in this process (the child `run_child` starts); prefill_chunk 0: the Generator's own (an older glmkit's
-    `base` run imports nothing newer)."""
+    `base` run imports nothing newer); max_alloc: the OpenCL device's largest buffer taken as at most this many bytes
+    (0: as it says)."""
     import numpy as np
 
+    from glmkit.backends.opencl import buffers
     from glmkit.generate.engine import Engine
     from glmkit.generate.generator import Generator
     from glmkit.generate.sampling import Sampler, SamplingParams
@@ -196,6 +199,14 @@ def worker(snapshot: str, mode: str, cache: str, mtp: bool, prompt_file: str, pr
         return int(next(line.split()[1] for line in Path("/proc/self/io").read_text().splitlines()
                         if line.startswith("read_bytes")))
 
+    if max_alloc:  # a device with a smaller largest buffer: an expert cache's arena spans several, as GLM-5's does
+        made = buffers.Buffers.__init__
+
+        def capped(self, *args, **kwargs) -> None:
+            made(self, *args, **kwargs)
+            self.max_alloc = min(self.max_alloc, max_alloc)
+
+        buffers.Buffers.__init__ = capped  # type: ignore[method-assign]
     start = time.perf_counter()
     if mode == "base":  # an older glmkit: only the arguments every version takes
         engine = Engine(snapshot, "auto", load_tokenizer=False)
@@ -305,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
         print(json.dumps(worker(argv[1], argv[2], argv[3], argv[4] == "1", argv[5], int(argv[6]), int(argv[7]),
-                                argv[8])))
+                                argv[8], int(argv[9]))))
         return 0
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--work", type=Path, default=DEFAULT_WORK.with_name("glmkit-stream-model"))
@@ -336,6 +347,9 @@ def main(argv: list[str] | None = None) -> int:
                         "(glm-run's default)")
     p.add_argument("--rounds", type=int, default=1,
                    help="run every fraction and mode this many times, in turn (a summary of medians follows)")
+    p.add_argument("--max-alloc", type=parse_size, default=0,
+                   help="take the OpenCL device's largest buffer as at most this size (e.g. 128M: the expert "
+                        "cache's arena then spans several buffers, as GLM-5's does on any device)")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     if args.rounds < 1:
@@ -364,7 +378,8 @@ def main(argv: list[str] | None = None) -> int:
                 row = {"round": turn, "fraction": fraction, "limit_mb": None if limit is None else limit >> 20,
                        "mtp": mtp, **run_child(snapshot, mode, limit, args.timeout, args.cache, mtp,
                                                args.prompt_tokens, args.baseline_tree, read_bps, args.prompt,
-                                               args.prefill_chunk, args.max_context), "mode": mode}
+                                               args.prefill_chunk, args.max_context, args.max_alloc),
+                       "mode": mode}
                 if "expert_mb_read_per_token" in row and row["expert_mb_read_per_token"] > 0:
                     row["io_bound_tok_s"] = round(bandwidth * 1e3 / row["expert_mb_read_per_token"], 1)
                 if "prefill_expert_mb" in row:  # the prompt's expert reads alone, at the measured bandwidth

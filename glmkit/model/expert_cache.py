@@ -405,9 +405,12 @@ class ExpertCache:
         self._lent: list[int] = []  # slots lent, their pages given back
         self._lend_wanted = 0  # slots `lend` asked for: the rest are taken as the experts holding them are let go
         self._slot: dict[Key, int] = {}  # resident experts
-        # where each read expert starts in the arena (-1: not resident or still being read), as an array the device
-        # decode step indexes with a layer's routed ids: `resident_places`
-        self._place_of = np.full((cfg.num_layers_with_mtp, cfg.n_routed_experts), -1, np.int64)
+        # where each read expert starts in the arena (-1: not resident or still being read), in page-aligned memory
+        # that the device decode step's routing reads in place (`route_arena`); written only once an expert's bytes
+        # are all in its slot, and set to -1 before its slot is taken
+        self.place_table = anonymous_bytes(cfg.num_layers_with_mtp * cfg.n_routed_experts * 8).view(np.int64)
+        self.place_table[:] = -1
+        self._place_of = self.place_table.reshape(cfg.num_layers_with_mtp, cfg.n_routed_experts)
         self._views: dict[Key, list[Weight]] = {}
         self._loading: dict[Key, Future] = {}
         self._in_use: set[Key] = set()  # routed to by the layer being computed and not yet run: not evicted
@@ -745,20 +748,6 @@ class ExpertCache:
     def shared_slot(self, layer: int) -> int | None:
         """The slot `layer`'s shared expert is pinned in, or None (no shared expert, or one larger than a slot)."""
         return self._shared_slot.get(layer)
-
-    def places_now(self, layer: int, experts: list[int]) -> list[tuple[int, bool] | None]:
-        """Per expert of `layer` (routed by the last `on_route`): (where it starts in the arena, whether its read
-        is done), or None where it has no slot yet (every slot was held when it missed)."""
-        with self._lock:
-            return [None if (layer, e) not in self._slot else
-                    (self.place(layer, e, self._slot[(layer, e)]), (layer, e) not in self._loading) for e in experts]
-
-    def resident_places(self, layer: int, experts: np.ndarray) -> np.ndarray | None:
-        """Where these experts of `layer` start in the arena (`place`, int64 `[n]`), or None unless every one is
-        resident and read. Without the lock: only the thread that routes evicts, so an expert found here stays
-        until that thread's next `on_route` and the claims after it."""
-        at = self._place_of[layer].take(experts)  # one row: a 1-D take, cheaper than a 2-D fancy index per layer
-        return None if at.min() < 0 else at
 
     def wait_places(self, layer: int, experts: list[int]) -> list[int]:
         """Where these experts of `layer` (routed by the last `on_route`) start in the arena once their reads are

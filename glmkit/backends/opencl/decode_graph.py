@@ -202,26 +202,23 @@ class _Staged(NamedTuple):
 
 
 class _ArenaLayer(NamedTuple):
-    """A MoE layer whose routed experts lie in an expert cache's slots: per forward the host fills the fused launches'
-    slots (`regions`, buffer b's from `stride * b`) with each token row's routed experts' 6 byte offsets (the layout
-    `rel` from its slot's start) and weights (`routed_w [rows * top_k]`, from the device's routing), the row's shared
-    expert (`shared`: its offsets and arena chunk) last."""
+    """A MoE layer whose routed experts lie in an expert cache's slots. Its routing (`route_arena`) fills the fused
+    launches' slots of the experts already read (`first`: per arena chunk, each slot's token row where that chunk's
+    first launch set computes it); the host fills those of the rest once they are read (`offs`: 6 byte offsets per
+    slot, `rel` from where the expert starts, within its chunk; `after`: as `first`, for the launch sets queued after
+    the reads). Row t's members (its routed experts, then its shared one where that lies in the arena) in slots
+    t * members.., the shared one's placed once."""
 
     layer: int
     rows: int
     top_k: int
+    members: int
     rel: np.ndarray  # uint64 [6]
-    routed_w: DeviceArray
-    regions: dict[str, DeviceArray]
+    chunk_bytes: int
+    offs: DeviceArray  # uint64 [rows * members * 6]
+    first: DeviceArray  # uint32 [chunks * stride]
+    after: DeviceArray
     stride: int
-    n_buffers: int
-    shared: tuple[np.ndarray, int] | None
-    masks: tuple[DeviceArray, DeviceArray] | None  # slot tokens of the launches before and after the misses' reads
-
-    @property
-    def members(self) -> int:
-        """Slots per token row: its routed experts, then the shared one where it lies in the arena."""
-        return self.top_k + (self.shared is not None)
 
 
 class SpillDevice(NamedTuple):
@@ -326,13 +323,13 @@ class DeviceDecodeStep:
     Built once per model and backend; raises `Unsupported` when some weight cannot be used in place.
 
     experts: the routed experts lie in an expert cache's slots (`ExpertArena`, read by a CPU device: this one, or
-    with `spill` the split step's CPU side, for the experts it runs). Each MoE layer's routing then ends the queue:
-    the host hands the routed ids to the cache (`on_route`: its misses are read),
-    writes where they lie, queues the launches of those already read, names the next layer's likely experts to the
-    cache (`read_ahead`), waits for the rest and queues theirs. Where every routed expert is read already
-    (`resident_places`), their launches are queued first and the cache hears of them after.
-    The slots' bytes are the container's: the logits are those of the step on the mapping (bit for bit where a
-    layer's experts lie in one buffer in both). routes are then [] (the cache saw them as they happened). Greedy
+    with `spill` the split step's CPU side, for the experts it runs). Each MoE layer's routing (`route_arena`) then
+    places the experts already read from the cache's place table, and their launches follow it in the queue; the
+    host waits for the routing, hands the routed ids to the cache (`on_route`: its misses are read), names the next
+    layer's likely experts to it (`read_ahead`), waits for the rest and queues their launches over the same slots.
+    The slots' bytes are the container's and are summed in slot order: the logits are those of the step on the
+    mapping (bit for bit where the mapping holds a layer's experts in one buffer, however many buffers the arena
+    spans). routes are then [] (the cache saw them as they happened). Greedy
     decoding is pipelined as on the mapping: the next token's forward is queued up to its first MoE layer's
     routing while this one finishes, so the device does not wait for the host between tokens.
 
@@ -420,6 +417,8 @@ class DeviceDecodeStep:
                            for s in range(0, n, per)]
             if len(self.chunks) > MAX_EXPERT_BUFFERS:
                 raise Unsupported(f"the expert cache's arena spans {len(self.chunks)} device buffers")
+            # where each read expert lies, as the cache keeps it: `route_arena` reads it (the split step's host does)
+            self.place_table = arena_buffers.read_only_in_place(experts.place_table)
         self.x8_bits = self._int8_input_bits(int8_activations)
         h, nh = cfg.hidden_size, cfg.num_attention_heads
         nope, rope, v_dim, kvl = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
@@ -921,9 +920,12 @@ class DeviceDecodeStep:
         return [*self._bind_single(shared, self.ffn_part)[0], self._add(self.ffn, self.ffn_part)]
 
     def _bind_arena_moe(self, ffn: MoESpec, out: _Layer) -> list[Launch]:
-        """`_bind_ffn` for routed experts in the expert cache's slots: the router and `route_select` (ids and
-        weights) close the layer's queue; the host places the experts and fills the slots per arena chunk
-        (`_place`), then queues the fused launches per chunk (`out.after_route`)."""
+        """`_bind_ffn` for routed experts in the expert cache's slots: the router, `route_arena` (the slots of the
+        experts read already, from where the cache's place table says they lie) and those experts' launches, per
+        arena chunk, close the layer's queue; the host then waits for the routing, hands the ids to the cache and fills
+        the other slots once their experts are read (`_place_misses`), queueing their launches (`out.after_misses`),
+        then the rest of the layer (`out.after_route`). Every slot runs once, in whichever launch set, and the slots
+        are summed in their order: the sums of the one-kernel routing over the mapping."""
         arena, r, k = self.experts, ffn.router, self.k
         if not arena.uniform_layout(ffn.layer):
             raise Unsupported(f"{r.weight}: the layer's experts are laid out unalike")
@@ -938,40 +940,51 @@ class DeviceDecodeStep:
             if shared_ref is None or shared_ref.key[1:] != routed.key[1:]:
                 separate, shared_slot = self._ref(ffn.shared), None
         members = r.top_k + (shared_slot is not None)
-        n_slots, rows = self.rows * members, self.rows  # row t's members in slots t * members..
-        shared_place = None
-        if shared_slot is not None:
-            offs, chunk = self._place_offsets(shared_rel, [shared_slot * arena.slot_bytes])
-            shared_place = offs[0], int(chunk[0])
-        # one chunk, the shared expert in it: the resident experts' launches run while the misses are read, the
-        # others' after, over the same slots (each slot's rows are its own: the logits do not change)
-        split = len(self.chunks) == 1 and separate is None
-        masks = None
-        if split:
-            regions, stride = self._slot_regions(1, n_slots)
-            masks = self.buffers.array(n_slots, np.uint32), self.buffers.array(n_slots, np.uint32)
-            if shared_slot is not None:  # each row's shared expert runs first
-                masks[0].host.reshape(rows, members)[:, -1] = np.arange(rows)
-                masks[1].host.reshape(rows, members)[:, -1] = UNUSED_SLOT
-            scratch = self._expert_scratch(n_slots, routed.shape)
-            (groups, self.ffn_out), (out.after_misses, _) = (self._bind_experts(
-                routed, ExpertSlots(regions["offs"].buffer, mask.buffer, regions["tok_start"].buffer,
-                                    regions["slot_w"].buffer, n_slots, rows), self.ffn, self.chunks[0], False,
-                scratch) for mask in masks)
-        else:
-            regions, stride, groups = self._slot_groups(routed, self.chunks, n_slots, separate is not None)
+        rows, n_slots, n_chunks = self.rows, self.rows * members, len(self.chunks)
+        chunk_bytes = self.chunk_slots * arena.slot_bytes
+        stride = self.buffers.aligned_items(n_slots)
+        offs = self.buffers.array(n_slots * 6, np.uint64)
+        slot_w = self.buffers.array(n_slots)
+        first, after = (self.buffers.array(n_chunks * stride, np.uint32) for _ in range(2))
+        first.host[:], after.host[:] = UNUSED_SLOT, UNUSED_SLOT
+        tok_start = self.buffers.filled(np.arange(rows + 1) * members, np.uint32)
+        if shared_slot is not None:  # each row's shared expert, in the slot after its routed ones, never moves
+            place = shared_slot * arena.slot_bytes
+            shared_slots = np.arange(rows) * members + r.top_k
+            offs.host.reshape(-1, 6)[shared_slots] = place % chunk_bytes + shared_rel
+            slot_w.host[shared_slots] = 1.0
+            first.host.reshape(n_chunks, stride)[place // chunk_bytes, shared_slots] = np.arange(rows)
+        scratch = self._expert_scratch(n_slots, routed.shape)
+        held: list[Launch] = []
+        for c, chunk in enumerate(self.chunks):  # a launch set per chunk and mask, over the same slots
+            for mask, launches in ((first, held), (after, out.after_misses)):
+                tokens = self.buffers.sub_buffer(mask.buffer, c * stride * 4, n_slots * 4)
+                bound, addend = self._bind_experts(routed, ExpertSlots(offs.buffer, tokens, tok_start.buffer,
+                                                                       slot_w.buffer, n_slots, rows),
+                                                   self.ffn, chunk, False, scratch)
+                launches += bound
+        if separate is None:
+            self.ffn_out = addend  # the next norm adds the slots' down rows
+        else:  # the routed slots summed, then the shared expert's rows added (the model's order)
+            shared, _ = self._bind_single(separate, self.ffn_part)
+            held += shared
+            out.after_route = [bind_expert_sum(k, addend.rows, ExpertSlots(offs.buffer, None, tok_start.buffer,
+                                                                             slot_w.buffer, n_slots, rows),
+                                               self.ffn.buffer, routed.shape.n_in),
+                               self._add(self.ffn, self.ffn_part)]
+            self.ffn_out = self._whole(self.ffn)
         out.ids = self._route_ids(r.top_k)
-        logits, routed_w = self.buffers.array(rows * r.n_experts), self.buffers.array(rows * r.top_k)
-        out.route = k.bind("route_select", (1,), None, logits=logits.buffer, vec=self._vectors.buffer,
+        logits = self.buffers.array(rows * r.n_experts)
+        out.route = k.bind("route_arena", (1,), None, logits=logits.buffer, vec=self._vectors.buffer,
                            bias_off=self.offsets[r.bias], n_experts=r.n_experts, n_group=r.n_group,
                            topk_group=r.topk_group, top_k=r.top_k, norm=int(r.norm_topk_prob), scaling=r.scaling,
-                           ids=out.ids[0].buffer, routed_w=routed_w.buffer, n_tok=rows)  # ids: set per token slot
-        out.arena = _ArenaLayer(ffn.layer, rows, r.top_k, rel, routed_w, regions, stride, len(self.chunks),
-                                shared_place, masks)
-        self._fill_slots(out.arena, np.zeros((rows * r.top_k, 6), np.uint64), np.zeros(rows * r.top_k, np.uint32),
-                         whole=True)
-        out.after_route = [*groups, *(self._bind_apart(separate) if separate is not None else ())]
-        return [bind_matvec(k, self._matrix(r.weight), self.u.buffer, logits.buffer, tokens=rows), out.route]
+                           places=self.place_table, places_off=ffn.layer * r.n_experts,
+                           rel=self.buffers.filled(rel, np.uint64).buffer, chunk_bytes=chunk_bytes,
+                           n_chunks=n_chunks, members=members, stride=stride, offs=offs.buffer,
+                           slot_w=slot_w.buffer, first=first.buffer, after=after.buffer,
+                           ids=out.ids[0].buffer, n_tok=rows)  # ids: set per token slot
+        out.arena = _ArenaLayer(ffn.layer, rows, r.top_k, members, rel, chunk_bytes, offs, first, after, stride)
+        return [bind_matvec(k, self._matrix(r.weight), self.u.buffer, logits.buffer, tokens=rows), out.route, *held]
 
     def _bind_split_moe(self, ffn: MoESpec, out: _Layer) -> list[Launch]:
         """`_bind_ffn` for a discrete device that cannot hold every routed expert (`SpillDevice` beside it): the
@@ -1125,72 +1138,29 @@ class DeviceDecodeStep:
         chunk = np.uint64(self.chunk_slots * self.experts.slot_bytes)
         return (at % chunk)[:, None] + rel[None, :], (at // chunk).astype(np.uint32)
 
-    def _place(self, layer: _Layer, slot: int) -> tuple[np.ndarray, bool, list[int]]:
-        """Fill the fused launches' slots with where the layer's routed ids (token slot `slot`) lie (the device has
-        finished the layer's routing: its ids and weights are final). Returns (the ids `[rows, k]`, whether the cache
-        heard of them, the experts still being read). Where every one was read already, the cache hears of them after
-        their launches are queued (`_queue_tail`); else first (`on_route`: its misses start reading), and with `masks`
-        the experts still being read are returned (the launches of the others go first), else every read is waited
-        for. An expert several rows route to is read once and runs in a slot of each."""
+    def _place_misses(self, layer: _Layer, slot: int) -> bool:
+        """Once the layer's routing has run (its ids, token slot `slot`, are final): hand the routed ids to the cache
+        (its misses start reading) and name the next layer's likely experts to it; then for the slots `route_arena`
+        left unplaced (their experts were not read when it ran) wait for the reads, write where the experts lie and
+        mark each slot in its chunk's after launch set. Returns whether there were such slots (their launches are
+        to be queued). An expert several rows route to is read once and runs in a slot of each."""
         a = layer.arena
-        routed = layer.ids[slot].host[:a.rows * a.top_k].copy()  # [rows * k], row by row
-        at = self.experts.resident_places(a.layer, routed)
-        heard, ready, missing = at is None, None, []
-        if heard:
-            ids = list(dict.fromkeys(routed.tolist()))  # each expert once, in routed order
-            self.experts.on_route(a.layer, routed.reshape(a.rows, a.top_k))
-            now = None if a.masks is None else self.experts.places_now(a.layer, ids)
-            if now is None or any(place is None for place in now):
-                place_of = dict(zip(ids, self.experts.wait_places(a.layer, ids), strict=True))
-                at = np.array([place_of[e] for e in routed.tolist()])
-            else:
-                place_of = dict(zip(ids, now, strict=True))
-                at = np.array([place_of[e][0] for e in routed.tolist()])
-                ready = np.array([place_of[e][1] for e in routed.tolist()])
-                missing = [e for e in ids if not place_of[e][1]]
-        self._fill_slots(a, *self._place_offsets(a.rel, at))
-        if a.masks is not None:  # each routed slot's token row where its launch set computes it
-            first, after = (m.host.reshape(a.rows, a.members)[:, :a.top_k] for m in a.masks)
-            token = np.arange(a.rows, dtype=np.uint32)[:, None]
-            if ready is None:
-                first[:], after[:] = token, UNUSED_SLOT
-            else:
-                done = ready.reshape(a.rows, a.top_k)
-                first[:], after[:] = np.where(done, token, UNUSED_SLOT), np.where(done, UNUSED_SLOT, token)
-        return routed.reshape(a.rows, a.top_k), heard, missing
-
-    @staticmethod
-    def _fill_slots(a: _ArenaLayer, offs: np.ndarray, chunk: np.ndarray, whole: bool = False) -> None:
-        """The fused launches' slots of one forward (as decode.cl's `route_fill` writes them): each token row's routed
-        experts at `offs [rows * k, 6]` in arena chunks `chunk [rows * k]` (row by row) with the routing's weights,
-        then the row's shared expert with weight 1; in each chunk's range the rows in order, a row's members in order
-        (the sum's order); the rest unused. In one chunk only the routed experts' offsets and weights change from
-        forward to forward (`whole`: write all)."""
-        r, k, rows, m = a.regions, a.top_k, a.rows, a.members
-        weights = a.routed_w.host[:rows * k].reshape(rows, k)
-        if a.n_buffers == 1 and not whole:  # row t's members in slots t * m.., as the whole fill left them
-            r["offs"].host.reshape(-1, 6)[:rows * m].reshape(rows, m, 6)[:, :k] = offs.reshape(rows, k, 6)
-            r["slot_w"].host[:rows * m].reshape(rows, m)[:, :k] = weights
-            return
-        offs, chunk = offs.reshape(rows, k, 6), chunk.reshape(rows, k)
-        if a.shared is not None:
-            offs = np.concatenate([offs, np.broadcast_to(a.shared[0], (rows, 1, 6))], axis=1)
-            chunk = np.concatenate([chunk, np.full((rows, 1), a.shared[1], chunk.dtype)], axis=1)
-            weights = np.concatenate([weights, np.ones((rows, 1), np.float32)], axis=1)
-        offs, chunk, weights = offs.reshape(-1, 6), chunk.reshape(-1).astype(np.int64), weights.reshape(-1)
-        token = np.repeat(np.arange(rows), m)
-        order = np.argsort(chunk, kind="stable")  # by chunk; within one the rows, and a row's members, in order
-        counts = np.bincount(chunk * rows + token, minlength=a.n_buffers * rows).reshape(a.n_buffers, rows)
-        per_chunk = counts.sum(axis=1)
-        firsts = np.cumsum(per_chunk) - per_chunk  # where each chunk's members begin in `order`
-        slots = chunk[order] * a.stride + np.arange(len(order)) - firsts[chunk[order]]
-        r["offs"].host.reshape(-1, 6)[slots] = offs[order]
-        r["slot_w"].host[slots] = weights[order]
-        slot_tok, tok_start = r["slot_tok"].host.reshape(a.n_buffers, a.stride), r["tok_start"].host
-        for b in range(a.n_buffers):
-            slot_tok[b, :per_chunk[b]] = token[order][firsts[b]:firsts[b] + per_chunk[b]]
-            slot_tok[b, per_chunk[b]:] = UNUSED_SLOT
-            tok_start[b * a.stride:b * a.stride + rows + 1] = np.concatenate([[0], np.cumsum(counts[b])])
+        routed = layer.ids[slot].host[:a.rows * a.top_k].reshape(a.rows, a.top_k).copy()
+        slots = np.arange(a.rows)[:, None] * a.members + np.arange(a.top_k)  # [rows, k]
+        unplaced = (a.first.host.reshape(-1, a.stride)[:, slots] == UNUSED_SLOT).all(axis=0)  # [rows, k]
+        self.experts.on_route(a.layer, routed)
+        self.experts.read_ahead(a.layer, self.u.host.reshape(self.rows, -1))
+        if not unplaced.any():
+            return False
+        ids = routed[unplaced].tolist()
+        place_of = dict(zip(unique := list(dict.fromkeys(ids)), self.experts.wait_places(a.layer, unique),
+                            strict=True))
+        at = np.array([place_of[e] for e in ids], np.uint64)
+        chunk_bytes = np.uint64(a.chunk_bytes)
+        a.offs.host.reshape(-1, 6)[slots[unplaced]] = (at % chunk_bytes)[:, None] + a.rel[None, :]
+        a.after.host.reshape(-1, a.stride)[(at // chunk_bytes).astype(np.int64), slots[unplaced]] = \
+            np.nonzero(unplaced)[0]
+        return True
 
     def _add(self, y: DeviceArray, a: DeviceArray) -> Launch:
         n = self.rows * self.cfg.hidden_size
@@ -1603,27 +1573,25 @@ class DeviceDecodeStep:
         `rows_tail`), with token slot `slot`'s routed ids; returns the event of its last launch."""
         if layer.route is not None:
             layer.route.set(ids=layer.ids[slot].buffer)
+        routed = None
         for launch in tail:
             event = launch.enqueue()
-            if launch is layer.route and self.watcher is not None:
-                self.watcher.watch(event, i, layer.ids[slot].host)
+            if launch is layer.route:
+                routed = event
+                if self.watcher is not None:
+                    self.watcher.watch(event, i, layer.ids[slot].host)
         if layer.split is not None:
             event = self._run_split(layer, slot)
             for launch in layer.split.after:
                 event = launch.enqueue()
         if layer.arena is not None:
-            event.wait()
-            routed, heard, missing = self._place(layer, slot)
-            for launch in layer.after_route:
-                event = launch.enqueue()
-            self.k.flush()  # the resident experts run while the next layer's are named and the rest read
-            if not heard:
-                self.experts.on_route(layer.arena.layer, routed)
-            self.experts.read_ahead(layer.arena.layer, self.u.host.reshape(self.rows, -1))
-            if missing:
-                self.experts.wait_places(layer.arena.layer, missing)
+            self.k.flush()  # the experts read already run while the host hears of the routing
+            routed.wait()
+            if self._place_misses(layer, slot):
                 for launch in layer.after_misses:
                     event = launch.enqueue()
+            for launch in layer.after_route:
+                event = launch.enqueue()
         return event
 
     def _run_split(self, layer: _Layer, slot: int) -> Any:

@@ -309,16 +309,35 @@ __kernel void route_noaux_tc(__global const float* logits, __global const float*
     route_close(n_tok, n_buffers, slot_tok, stride, tok_start, count);
 }
 
-/* The selection alone (one work-item) of n_tok tokens (token t's logits at logits + t * n_experts): ids and weights
- * of each token's top_k experts (ids + t * top_k, routed_w + t * top_k), for the host to place them. */
-__kernel void route_select(__global const float* logits, __global const float* vec, uint bias_off, uint n_experts,
-                           uint n_group, uint topk_group, uint top_k, uint norm, float scaling, __global uint* ids,
-                           __global float* routed_w, uint n_tok) {
+/* noaux_tc routing of n_tok tokens (one work-item; token t's logits at logits + t * n_experts, its ids, ascending, to
+ * ids + t * top_k) over an expert cache's arena, in chunks of chunk_bytes (one weight buffer each): token t's routed
+ * expert i takes slot t * members + i (its shared expert, which the host placed once, the slot after them), with its
+ * weight and the 6 byte offsets `place % chunk_bytes + rel[j]` within its chunk, where place (places[places_off + id])
+ * is where the expert starts in the arena, < 0 while it is not read. A read expert's slot runs in its chunk's first
+ * launch set (first[c * stride + slot] = t in chunk c, unused in the others); an unread one's in none yet: the host
+ * writes its offsets and its chunk's after[] once it is read. after[] starts unused. */
+__kernel void route_arena(__global const float* logits, __global const float* vec, uint bias_off, uint n_experts,
+                          uint n_group, uint topk_group, uint top_k, uint norm, float scaling,
+                          __global const long* places, uint places_off, __global const ulong* rel, ulong chunk_bytes,
+                          uint n_chunks, uint members, uint stride, __global ulong* offs, __global float* slot_w,
+                          __global uint* first, __global uint* after, __global uint* ids, uint n_tok) {
     if (get_global_id(0) != 0) return;
     for (uint t = 0; t < n_tok; t++) {
         float w[MAX_TOPK];
+        __global uint* chosen = ids + t * top_k;
         const uint k = route_choose(logits + (ulong)t * n_experts, vec, bias_off, n_experts, n_group, topk_group,
-                                    top_k, norm, scaling, ids + t * top_k, w);
-        for (uint i = 0; i < k; i++) routed_w[t * top_k + i] = w[i];
+                                    top_k, norm, scaling, chosen, w);
+        for (uint i = k; i < top_k; i++) chosen[i] = 0;  /* none left to choose: expert 0 at weight 0 */
+        for (uint i = 0; i < top_k; i++) {
+            const uint slot = t * members + i;
+            const long place = places[places_off + chosen[i]];
+            slot_w[slot] = i < k ? w[i] : 0.0f;
+            for (uint c = 0; c < n_chunks; c++) {
+                first[c * stride + slot] = place >= 0 && (ulong)place / chunk_bytes == c ? t : 0xffffffffu;
+                after[c * stride + slot] = 0xffffffffu;
+            }
+            if (place >= 0)
+                for (uint j = 0; j < 6; j++) offs[slot * 6 + j] = (ulong)place % chunk_bytes + rel[j];
+        }
     }
 }
