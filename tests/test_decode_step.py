@@ -18,7 +18,7 @@ from glmkit.backends.devices import read_profile
 from glmkit.backends.opencl import backend as backend_module
 from glmkit.backends.opencl import decode_graph, weights
 from glmkit.backends.opencl.backend import OpenCLBackend, Placement
-from glmkit.backends.opencl.decode_graph import DeviceDecodeStep
+from glmkit.backends.opencl.decode_graph import MAX_EXPERT_BUFFERS, DeviceDecodeStep
 from glmkit.backends.opencl.ops import Kernels
 from glmkit.backends.opencl.program import Launch
 from glmkit.cli import run as cli_run
@@ -312,13 +312,14 @@ def test_step_reads_experts_from_cache_slots(snapshots, direct_kernels, monkeypa
     cache.close()
 
 
-@pytest.mark.parametrize("chunk_slots", [None, 7])
+@pytest.mark.parametrize("chunk_slots", [None, 5])
 def test_step_over_resident_experts_places_them_itself(snapshots, direct_kernels, monkeypatch, chunk_slots):
     """Where every routed expert of a layer is already read (a roomy cache after the prompt), the routing kernel
     places them from the cache's place table and their launches run with no host placing: the logits stay those of
-    the step on the mapping bit for bit, also where the arena lies in buffers of 7 slots (a launch set per buffer
-    over the same slots, summed in slot order). An expert the table does not list yet (a read finishing as the
-    routing runs) is placed by the host once read, with the same logits; the cache counts every routed expert."""
+    the step on the mapping bit for bit, also where the arena lies in buffers of 5 slots (more buffers than the
+    mapping's routing kernel takes: a launch set per buffer over the same slots, summed in slot order). An expert
+    the table does not list yet (a read finishing as the routing runs) is placed by the host once read, with the
+    same logits; the cache counts every routed expert."""
     kernels = in_place(direct_kernels)
     engine = Engine(snapshots("tiny-trained", "q4"), "numpy", load_tokenizer=False)
     cfg = engine.config
@@ -336,7 +337,7 @@ def test_step_over_resident_experts_places_them_itself(snapshots, direct_kernels
     ids = np.array(oracle("tiny-trained")["full_ids"])
     want, got, caches = decode_both(mapped, cached, ids[:40], ids[40:52])
     assert isinstance(cached._step, DeviceDecodeStep) and cached._step.experts is cache
-    assert (len(cached._step.chunks) > 1) == (chunk_slots is not None)
+    assert (len(cached._step.chunks) > MAX_EXPERT_BUFFERS) == (chunk_slots is not None)
     assert np.array_equal(want, got)
     assert len(unplaced) == 12 * moe_layers and sum(unplaced) <= len(unplaced) // 2  # most layers: all read
     hits = cache.stats.hits

@@ -415,7 +415,7 @@ class DeviceDecodeStep:
             n, size, per = experts.slot_count, experts.slot_bytes, self.chunk_slots
             self.chunks = [arena_buffers.read_only_in_place(experts.arena[s * size:min(n, s + per) * size])
                            for s in range(0, n, per)]
-            if len(self.chunks) > MAX_EXPERT_BUFFERS:
+            if spill is not None and len(self.chunks) > MAX_EXPERT_BUFFERS:  # the step's own: a launch set per chunk
                 raise Unsupported(f"the expert cache's arena spans {len(self.chunks)} device buffers")
             # where each read expert lies, as the cache keeps it: `route_arena` reads it (the split step's host does)
             self.place_table = arena_buffers.read_only_in_place(experts.place_table)
