@@ -261,9 +261,10 @@ def counted_misses(monkeypatch) -> list[bool]:
     seen: list[bool] = []
     place_misses = DeviceDecodeStep._place_misses
 
-    def counted(step: DeviceDecodeStep, layer, slot: int) -> bool:
-        seen.append(place_misses(step, layer, slot))
-        return seen[-1]
+    def counted(step: DeviceDecodeStep, layer, slot: int) -> list[int]:
+        chunks = place_misses(step, layer, slot)
+        seen.append(bool(chunks))
+        return chunks
 
     monkeypatch.setattr(DeviceDecodeStep, "_place_misses", counted)
     return seen
@@ -349,7 +350,7 @@ def test_step_over_resident_experts_places_them_itself(snapshots, direct_kernels
     hidden[1::2] = -1
     place_misses = DeviceDecodeStep._place_misses
 
-    def hiding(step: DeviceDecodeStep, layer, slot: int) -> bool:
+    def hiding(step: DeviceDecodeStep, layer, slot: int) -> list[int]:
         cache.place_table[:] = table  # the cache's own places back while the host places (nothing is evicted)
         out = place_misses(step, layer, slot)
         cache.place_table[:] = hidden  # for the next layer's routing

@@ -291,7 +291,7 @@ class _Layer:
         self.arena: _ArenaLayer | None = None  # experts in an expert cache's slots: what the host places per token
         self.split: _SplitLayer | None = None  # routed experts partly on a CPU device beside a discrete one
         self.after_route: list[Launch] = []  # with `arena`: the launches queued once the host placed the experts
-        self.after_misses: list[Launch] = []  # with `arena.masks`: those queued once the misses are read
+        self.after_misses: list[list[Launch]] = []  # with `arena`, per arena chunk: those run once misses are read
         self.cache_buffers: dict[str, DeviceArray] = {}  # direct devices: field -> its storage array and buffer
         # a sequences step (`DeviceDecodeStep.decode_rows`): per token row, this layer with that row's own launches of
         # PER_ROW (`seqs`); `head` and `tail` with those launches row by row (`rows_head`, `rows_tail`); the indexer
@@ -957,7 +957,8 @@ class DeviceDecodeStep:
         scratch = self._expert_scratch(n_slots, routed.shape)
         held: list[Launch] = []
         for c, chunk in enumerate(self.chunks):  # a launch set per chunk and mask, over the same slots
-            for mask, launches in ((first, held), (after, out.after_misses)):
+            out.after_misses.append([])
+            for mask, launches in ((first, held), (after, out.after_misses[c])):
                 tokens = self.buffers.sub_buffer(mask.buffer, c * stride * 4, n_slots * 4)
                 bound, addend = self._bind_experts(routed, ExpertSlots(offs.buffer, tokens, tok_start.buffer,
                                                                        slot_w.buffer, n_slots, rows),
@@ -1138,12 +1139,12 @@ class DeviceDecodeStep:
         chunk = np.uint64(self.chunk_slots * self.experts.slot_bytes)
         return (at % chunk)[:, None] + rel[None, :], (at // chunk).astype(np.uint32)
 
-    def _place_misses(self, layer: _Layer, slot: int) -> bool:
+    def _place_misses(self, layer: _Layer, slot: int) -> list[int]:
         """Once the layer's routing has run (its ids, token slot `slot`, are final): hand the routed ids to the cache
         (its misses start reading) and name the next layer's likely experts to it; then for the slots `route_arena`
         left unplaced (their experts were not read when it ran) wait for the reads, write where the experts lie and
-        mark each slot in its chunk's after launch set. Returns whether there were such slots (their launches are
-        to be queued). An expert several rows route to is read once and runs in a slot of each."""
+        mark each slot in its chunk's after launch set. Returns the arena chunks those experts lie in (whose after
+        launch sets are to be queued). An expert several rows route to is read once and runs in a slot of each."""
         a = layer.arena
         routed = layer.ids[slot].host[:a.rows * a.top_k].reshape(a.rows, a.top_k).copy()
         slots = np.arange(a.rows)[:, None] * a.members + np.arange(a.top_k)  # [rows, k]
@@ -1151,16 +1152,16 @@ class DeviceDecodeStep:
         self.experts.on_route(a.layer, routed)
         self.experts.read_ahead(a.layer, self.u.host.reshape(self.rows, -1))
         if not unplaced.any():
-            return False
+            return []
         ids = routed[unplaced].tolist()
-        place_of = dict(zip(unique := list(dict.fromkeys(ids)), self.experts.wait_places(a.layer, unique),
-                            strict=True))
+        unique = list(dict.fromkeys(ids))  # each expert once, however many rows route to it
+        place_of = dict(zip(unique, self.experts.wait_places(a.layer, unique), strict=True))
         at = np.array([place_of[e] for e in ids], np.uint64)
         chunk_bytes = np.uint64(a.chunk_bytes)
         a.offs.host.reshape(-1, 6)[slots[unplaced]] = (at % chunk_bytes)[:, None] + a.rel[None, :]
-        a.after.host.reshape(-1, a.stride)[(at // chunk_bytes).astype(np.int64), slots[unplaced]] = \
-            np.nonzero(unplaced)[0]
-        return True
+        chunks = (at // chunk_bytes).astype(np.int64)
+        a.after.host.reshape(-1, a.stride)[chunks, slots[unplaced]] = np.nonzero(unplaced)[0]
+        return sorted(set(chunks.tolist()))
 
     def _add(self, y: DeviceArray, a: DeviceArray) -> Launch:
         n = self.rows * self.cfg.hidden_size
@@ -1587,8 +1588,8 @@ class DeviceDecodeStep:
         if layer.arena is not None:
             self.k.flush()  # the experts read already run while the host hears of the routing
             routed.wait()
-            if self._place_misses(layer, slot):
-                for launch in layer.after_misses:
+            for chunk in self._place_misses(layer, slot):
+                for launch in layer.after_misses[chunk]:
                     event = launch.enqueue()
             for launch in layer.after_route:
                 event = launch.enqueue()
