@@ -214,7 +214,6 @@ class _ArenaLayer(NamedTuple):
     top_k: int
     members: int
     rel: np.ndarray  # uint64 [6]
-    chunk_bytes: int
     offs: DeviceArray  # uint64 [rows * members * 6]
     first: DeviceArray  # uint32 [chunks * stride]
     after: DeviceArray
@@ -941,7 +940,6 @@ class DeviceDecodeStep:
                 separate, shared_slot = self._ref(ffn.shared), None
         members = r.top_k + (shared_slot is not None)
         rows, n_slots, n_chunks = self.rows, self.rows * members, len(self.chunks)
-        chunk_bytes = self.chunk_slots * arena.slot_bytes
         stride = self.buffers.aligned_items(n_slots)
         offs = self.buffers.array(n_slots * 6, np.uint64)
         slot_w = self.buffers.array(n_slots)
@@ -949,11 +947,11 @@ class DeviceDecodeStep:
         first.host[:], after.host[:] = UNUSED_SLOT, UNUSED_SLOT
         tok_start = self.buffers.filled(np.arange(rows + 1) * members, np.uint32)
         if shared_slot is not None:  # each row's shared expert, in the slot after its routed ones, never moves
-            place = shared_slot * arena.slot_bytes
+            shared_offs, shared_chunk = self._place_offsets(shared_rel, [shared_slot * arena.slot_bytes])
             shared_slots = np.arange(rows) * members + r.top_k
-            offs.host.reshape(-1, 6)[shared_slots] = place % chunk_bytes + shared_rel
+            offs.host.reshape(-1, 6)[shared_slots] = shared_offs[0]
             slot_w.host[shared_slots] = 1.0
-            first.host.reshape(n_chunks, stride)[place // chunk_bytes, shared_slots] = np.arange(rows)
+            first.host.reshape(n_chunks, stride)[shared_chunk[0], shared_slots] = np.arange(rows)
         scratch = self._expert_scratch(n_slots, routed.shape)
         held: list[Launch] = []
         for c, chunk in enumerate(self.chunks):  # a launch set per chunk and mask, over the same slots
@@ -980,11 +978,12 @@ class DeviceDecodeStep:
                            bias_off=self.offsets[r.bias], n_experts=r.n_experts, n_group=r.n_group,
                            topk_group=r.topk_group, top_k=r.top_k, norm=int(r.norm_topk_prob), scaling=r.scaling,
                            places=self.place_table, places_off=ffn.layer * r.n_experts,
-                           rel=self.buffers.filled(rel, np.uint64).buffer, chunk_bytes=chunk_bytes,
+                           rel=self.buffers.filled(rel, np.uint64).buffer,
+                           chunk_bytes=self.chunk_slots * arena.slot_bytes,
                            n_chunks=n_chunks, members=members, stride=stride, offs=offs.buffer,
                            slot_w=slot_w.buffer, first=first.buffer, after=after.buffer,
                            ids=out.ids[0].buffer, n_tok=rows)  # ids: set per token slot
-        out.arena = _ArenaLayer(ffn.layer, rows, r.top_k, members, rel, chunk_bytes, offs, first, after, stride)
+        out.arena = _ArenaLayer(ffn.layer, rows, r.top_k, members, rel, offs, first, after, stride)
         return [bind_matvec(k, self._matrix(r.weight), self.u.buffer, logits.buffer, tokens=rows), out.route, *held]
 
     def _bind_split_moe(self, ffn: MoESpec, out: _Layer) -> list[Launch]:
@@ -1156,10 +1155,8 @@ class DeviceDecodeStep:
         ids = routed[unplaced].tolist()
         unique = list(dict.fromkeys(ids))  # each expert once, however many rows route to it
         place_of = dict(zip(unique, self.experts.wait_places(a.layer, unique), strict=True))
-        at = np.array([place_of[e] for e in ids], np.uint64)
-        chunk_bytes = np.uint64(a.chunk_bytes)
-        a.offs.host.reshape(-1, 6)[slots[unplaced]] = (at % chunk_bytes)[:, None] + a.rel[None, :]
-        chunks = (at // chunk_bytes).astype(np.int64)
+        offs, chunks = self._place_offsets(a.rel, [place_of[e] for e in ids])
+        a.offs.host.reshape(-1, 6)[slots[unplaced]] = offs
         a.after.host.reshape(-1, a.stride)[chunks, slots[unplaced]] = np.nonzero(unplaced)[0]
         return sorted(set(chunks.tolist()))
 
